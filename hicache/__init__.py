@@ -1,0 +1,1 @@
+"""Hierarchical KV cache: device and host pools, allocators, streams, controller, radix tree."""

@@ -1,0 +1,1 @@
+"""Prefill side of PD disaggregation: model, simulated decode peer, optimistic prefill executor."""

@@ -1,0 +1,28 @@
+"""Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Before any test module imports triton.
+from kernels._env import cuda_available, ensure_triton_interpret  # noqa: E402
+
+ensure_triton_interpret()
+
+HAS_CUDA = cuda_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
