@@ -1,0 +1,206 @@
+"""Page-granular free list over the slots of one pool (SGLang ``(Paged)TokenToKVPoolAllocator``).
+
+The allocator owns which pages are free and nothing else. Free-list bookkeeping lives on the CPU
+(a page-state array plus SGLang's sorted ``free_pages`` / unsorted ``release_pages`` pair); the
+slot tensors it returns are int64 on ``device``. Freeing slots that live on a GPU copies them to
+the CPU to validate them (one sync), which this project accepts for checkable accounting.
+
+Page ``p`` covers slots ``[p * page_size, (p + 1) * page_size)``. The device allocator reserves
+page 0 (padding); the host allocator (``reserve_padding=False``) hands out every page.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Page states in ``_state``.
+_ALLOCATED = 0
+_FREE = 1
+_PENDING = 2  # freed inside a free group, returned at free_group_end()
+_PADDING = 3
+
+
+class TokenToKVPoolAllocator:
+    """Free list of ``size // page_size`` pages.
+
+    ``alloc(n)`` returns ``n`` slots (int64 ``[n]`` on ``device``, whole pages, each page's slots
+    contiguous and ascending) or ``None`` when fewer than ``n`` slots are free. Nothing blocks.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        device: torch.device | str,
+        reserve_padding: bool = True,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if size < page_size or size % page_size != 0:
+            raise ValueError(
+                f"size must be a positive multiple of page_size={page_size}, got {size}"
+            )
+        self.size = size
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.reserve_padding = reserve_padding
+        self.num_pages = size // page_size
+        self.first_page = 1 if reserve_padding else 0
+        self._end_page = self.first_page + self.num_pages  # exclusive
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self.clear()
+
+    # --- state ---------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Every page free again (padding page excluded); ends any free group."""
+        self._state = torch.full((self._end_page,), _FREE, dtype=torch.int8)
+        if self.reserve_padding:
+            self._state[0] = _PADDING
+        self.free_pages = torch.arange(self.first_page, self._end_page, dtype=torch.int64)
+        self.release_pages: list[torch.Tensor] = []
+        self._num_release = 0
+        self._group: list[torch.Tensor] | None = None
+
+    def available_size(self) -> int:
+        """Free slots now (excludes pages freed inside an open free group)."""
+        return (self.free_pages.numel() + self._num_release) * self.page_size
+
+    def can_alloc(self, need_size: int) -> bool:
+        return 0 <= need_size <= self.available_size()
+
+    def allocated_size(self) -> int:
+        """Slots handed out and not yet returned (pending group frees count as allocated)."""
+        return self.size - self.available_size()
+
+    # --- alloc / free --------------------------------------------------------------------------
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Take ``need_size`` slots (a multiple of ``page_size``); ``None`` when short."""
+        if need_size < 0 or need_size % self.page_size != 0:
+            raise ValueError(
+                f"need_size must be a non-negative multiple of page_size={self.page_size}, "
+                f"got {need_size}"
+            )
+        num = need_size // self.page_size
+        if num > self.free_pages.numel() + self._num_release:
+            return None
+        if num > self.free_pages.numel():
+            self._merge_release()
+        pages = self.free_pages[:num]
+        self.free_pages = self.free_pages[num:]
+        self._state[pages] = _ALLOCATED
+        return self._pages_to_slots(pages).to(self.device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Return slots (whole pages, as ``alloc`` produced them) to the free list.
+
+        Raises ``ValueError`` and changes nothing if any slot is out of range, pages are partial
+        or out of order, a page appears twice, or a page is not currently allocated.
+        Inside ``free_group_begin/end`` the pages are validated now and returned at the end.
+        """
+        pages = self._validate_free(free_index)
+        if pages.numel() == 0:
+            return
+        if self._group is not None:
+            self._state[pages] = _PENDING
+            self._group.append(pages)
+            return
+        self._state[pages] = _FREE
+        self.release_pages.append(pages)
+        self._num_release += pages.numel()
+
+    def free_group_begin(self) -> None:
+        """Start batching frees; pages freed until ``free_group_end`` stay unavailable."""
+        if self._group is not None:
+            raise ValueError("free_group_begin: a free group is already open")
+        self._group = []
+
+    def free_group_end(self) -> None:
+        """Return every page freed since ``free_group_begin`` in one step."""
+        if self._group is None:
+            raise ValueError("free_group_end: no free group is open")
+        group, self._group = self._group, None
+        if group:
+            pages = torch.cat(group)
+            self._state[pages] = _FREE
+            self.release_pages.append(pages)
+            self._num_release += pages.numel()
+
+    # --- integrity -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless free + pending + allocated == total, with no duplicate
+        or padding page in the free list and the free list agreeing with the page states."""
+        free = torch.cat([self.free_pages, *self.release_pages])
+        if free.numel() != torch.unique(free).numel():
+            raise AssertionError("allocator: duplicate page in the free list")
+        lo_hi = (int(free.min()), int(free.max())) if free.numel() else None
+        if lo_hi and (lo_hi[0] < self.first_page or lo_hi[1] >= self._end_page):
+            raise AssertionError("allocator: padding or out-of-range page in the free list")
+        state_free = torch.nonzero(self._state == _FREE).flatten()
+        if not torch.equal(torch.sort(free).values, state_free):
+            raise AssertionError("allocator: free list disagrees with page states")
+        n_alloc = int((self._state == _ALLOCATED).sum())
+        n_pending = int((self._state == _PENDING).sum())
+        if free.numel() + n_alloc + n_pending != self.num_pages:
+            raise AssertionError(
+                f"allocator: free {free.numel()} + allocated {n_alloc} + pending {n_pending} "
+                f"!= {self.num_pages} pages"
+            )
+        if self.reserve_padding and int(self._state[0]) != _PADDING:
+            raise AssertionError("allocator: padding page 0 changed state")
+
+    def is_allocated(self, indices: torch.Tensor) -> bool:
+        """True when every slot in ``indices`` lies in a currently allocated page (for checks)."""
+        if indices.numel() == 0:
+            return True
+        pages = indices.cpu() // self.page_size
+        if int(pages.min()) < 0 or int(pages.max()) >= self._end_page:
+            return False
+        return bool((self._state[pages] == _ALLOCATED).all())
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages.clone()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def _merge_release(self) -> None:
+        if self.release_pages:
+            merged = torch.cat([self.free_pages, *self.release_pages])
+            self.free_pages = torch.sort(merged).values
+            self.release_pages = []
+            self._num_release = 0
+
+    def _validate_free(self, free_index: torch.Tensor) -> torch.Tensor:
+        if not isinstance(free_index, torch.Tensor) or free_index.dim() != 1:
+            raise ValueError("free_index must be a 1-D tensor of slots")
+        if free_index.dtype != torch.int64:
+            raise ValueError(f"free_index must be torch.int64, got {free_index.dtype}")
+        idx = free_index.cpu()
+        if idx.numel() == 0:
+            return idx
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < self.first_page * self.page_size or hi >= self._end_page * self.page_size:
+            raise ValueError(
+                f"free_index out of range [{self.first_page * self.page_size}, "
+                f"{self._end_page * self.page_size}): min {lo}, max {hi}"
+            )
+        ps = self.page_size
+        if idx.numel() % ps != 0:
+            raise ValueError(f"free_index length {idx.numel()} is not a multiple of page_size={ps}")
+        rows = idx.view(-1, ps)
+        pages = rows[:, 0] // ps
+        if ps > 1 and not torch.equal(rows, pages[:, None] * ps + self._page_offsets):
+            raise ValueError("free_index is not made of whole, ascending pages")
+        if torch.unique(pages).numel() != pages.numel():
+            raise ValueError("free_index frees a page twice")
+        bad = self._state[pages] != _ALLOCATED
+        if bool(bad.any()):
+            raise ValueError(
+                f"free_index frees pages that are not allocated (double free?): "
+                f"{pages[bad][:8].tolist()}"
+            )
+        return pages
