@@ -1,0 +1,441 @@
+"""Server arguments: one dataclass, its CLI, validation, and the resolutions SGLang applies.
+
+``ServerArgs`` uses SGLang's field names and defaults for everything this project runs. Every CLI
+flag's default is the dataclass field's default (one source of truth); flags are spelled as in
+SGLang (``hicache_write_policy`` -> ``--hicache-write-policy``).
+
+Construction validates and resolves in one place (``__post_init__``), so ``ServerArgs(...)`` and
+``prepare_server_args(argv)`` give the same result:
+
+* Bad input raises ``ValueError`` naming each flag, its value and what is allowed; all problems
+  found are reported together.
+* Combinations SGLang resolves (layout vs io backend, the optimistic-prefill gate) are resolved the
+  same way, never silently: each logs one warning and is recorded in ``args.resolutions``.
+* Features this prototype accepts for validation but does not run (pipeline parallelism, an L3
+  storage backend, mamba models) are refused by ``args.check_runtime_supported()``, which every
+  runtime builder calls.
+
+``python server_args.py [flags]`` prints the resolved configuration as JSON.
+
+This module imports nothing of the project's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICY_CHOICES = ("write_through", "write_through_selective", "write_back")
+IO_BACKEND_CHOICES = ("kernel", "direct")
+MEM_LAYOUT_CHOICES = ("layer_first", "page_first", "page_first_direct")
+DISAGGREGATION_MODE_CHOICES = ("null", "prefill", "decode")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape")
+
+# Upstream warning texts of the optimistic-prefill gate (first match wins).
+GATE_PP = "Optimistic prefill does not support pp_size > 1"
+GATE_HICACHE = "Optimistic prefill only supports L2 hierarchical cache with write-back policy"
+GATE_MAMBA = "Optimistic prefill does not support models that use mamba radix cache."
+
+# Upstream warning texts of the layout / io backend resolutions.
+LAYOUT_DIRECT_NEEDS_DIRECT_IO = "Page first direct layout only support direct io backend"
+LAYOUT_PAGE_FIRST_WITH_DIRECT_IO = (
+    "Page first layout is not supported with direct IO backend, "
+    "switching to page first direct layout"
+)
+
+# Geometry of the model presets. Weights are random (nothing is downloaded); the 8B-shaped preset
+# has Llama-3-8B's KV geometry (what the cache and copies see) with a smaller hidden/vocab so the
+# random weights stay affordable.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        num_layers=4,
+        num_attention_heads=4,
+        head_num=2,
+        head_dim=16,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+    "llama3-8b-shape": dict(
+        num_layers=32,
+        num_attention_heads=32,
+        head_num=8,
+        head_dim=128,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=32000,
+    ),
+}
+GEOMETRY_FIELDS = tuple(MODEL_PRESETS["tiny"])
+
+
+class Resolution(NamedTuple):
+    """One flag value changed by validation: which, from what, to what, and why."""
+
+    field: str
+    old: Any
+    new: Any
+    reason: str
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field whose metadata drives its CLI flag."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ServerArgs:
+    """Resolved configuration of a prefill server with a hierarchical KV cache.
+
+    Fields read after construction hold the resolved values; ``resolutions`` and ``warnings``
+    record every change validation made.
+    """
+
+    # Model (random weights; geometry from ``model_preset`` unless given explicitly).
+    model_preset: str = _opt("tiny", "Model geometry preset.", choices=MODEL_PRESET_CHOICES)
+    num_layers: int | None = _opt(None, "Number of transformer layers.", type=int)
+    num_attention_heads: int | None = _opt(None, "Number of query heads.", type=int)
+    head_num: int | None = _opt(None, "Number of KV heads (the KV pool's H).", type=int)
+    head_dim: int | None = _opt(None, "Head dimension (the KV pool's D).", type=int)
+    hidden_size: int | None = _opt(None, "Model hidden size.", type=int)
+    intermediate_size: int | None = _opt(None, "MLP intermediate size.", type=int)
+    vocab_size: int | None = _opt(None, "Vocabulary size.", type=int)
+    dtype: str = _opt(
+        "auto",
+        "Model and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        choices=DTYPE_CHOICES,
+    )
+    use_mla: bool = _opt(False, "Use an MLA latent KV pool (one buffer per layer).")
+    kv_lora_rank: int | None = _opt(None, "MLA kv_lora_rank (required with --use-mla).", type=int)
+    qk_rope_head_dim: int | None = _opt(
+        None, "MLA qk_rope_head_dim (required with --use-mla).", type=int
+    )
+    uses_mamba_radix_cache: bool = _opt(
+        False, "The model uses a mamba radix cache (derived from the model in SGLang)."
+    )
+
+    # Memory and scheduling.
+    page_size: int = _opt(1, "Tokens per KV page.")
+    max_total_tokens: int = _opt(16384, "Device KV pool size in tokens.")
+    chunked_prefill_size: int = _opt(8192, "Max tokens of one prefill chunk; -1 disables chunking.")
+    disable_radix_cache: bool = _opt(False, "Disable prefix caching.")
+    device: str = _opt("auto", "Device to run on.", choices=DEVICE_CHOICES)
+    random_seed: int = _opt(0, "Seed for weights, workloads and failure injection.")
+
+    # Hierarchical cache (L2 host pool).
+    enable_hierarchical_cache: bool = _opt(False, "Enable the L2 host KV cache.")
+    hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the device pool.")
+    hicache_size: float = _opt(0.0, "Host pool size in GB; 0 uses --hicache-ratio.")
+    hicache_write_policy: str = _opt(
+        "write_through", "When KV is backed up to host.", choices=WRITE_POLICY_CHOICES
+    )
+    hicache_io_backend: str = _opt(
+        "kernel",
+        "kernel = Triton copy kernels, direct = plain copies of contiguous runs.",
+        choices=IO_BACKEND_CHOICES,
+    )
+    hicache_mem_layout: str = _opt(
+        "page_first", "Host pool memory layout.", choices=MEM_LAYOUT_CHOICES
+    )
+    hicache_storage_backend: str | None = _opt(
+        None, "L3 storage backend name (accepted for validation; not implemented).", type=str
+    )
+    load_back_threshold: int = _opt(
+        10, "Host hits shorter than this many tokens are recomputed instead of loaded back."
+    )
+    hicache_upstream_chunked_insert: bool = _opt(
+        False,
+        "Reproduce SGLang: inserts of unfinished (chunked) requests do not count as hits, so long "
+        "chunk-prefilled prompts are never backed up under write-through. Off = back them up.",
+    )
+
+    # PD disaggregation and optimistic prefill.
+    disaggregation_mode: str = _opt(
+        "null", "PD disaggregation role.", choices=DISAGGREGATION_MODE_CHOICES
+    )
+    optimistic_prefill_attempts: int = _opt(
+        0, "Optimistic forward passes a request may run before its decode peer is ready; 0 = off."
+    )
+    pp_size: int = _opt(1, "Pipeline parallel size (accepted for validation; not implemented).")
+
+    # Failure injection (test hooks, as upstream's tests use).
+    disaggregation_force_not_ready_prob: float = _opt(
+        0.0, "Per-rid deterministic probability that the peer is not ready at the first attempt."
+    )
+    disaggregation_bootstrap_failure_prob: float = _opt(
+        0.0, "Probability that a decode peer's bootstrap fails."
+    )
+    disaggregation_transfer_failure_prob: float = _opt(
+        0.0, "Probability that a KV transfer to the decode peer fails."
+    )
+
+    # Filled by validation; not flags.
+    resolutions: list[Resolution] = field(default_factory=list, init=False, repr=False)
+    warnings: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._fill_geometry()
+        errors = self._validation_errors()
+        if errors:
+            raise ValueError("invalid server arguments:\n  - " + "\n  - ".join(errors))
+        self._handle_hicache_layout()
+        self._handle_optimistic_prefill_gate()
+
+    # ------------------------------------------------------------------ resolution helpers
+    def _resolve(self, name: str, new: Any, reason: str) -> None:
+        """Change one field, log the reason once, and record it."""
+        old = getattr(self, name)
+        setattr(self, name, new)
+        self.resolutions.append(Resolution(name, old, new, reason))
+        self.warnings.append(reason)
+        logger.warning("%s (%s: %r -> %r)", reason, name, old, new)
+
+    def _fill_geometry(self) -> None:
+        preset = MODEL_PRESETS.get(self.model_preset)
+        if preset is None:
+            return  # reported by validation
+        for name in GEOMETRY_FIELDS:
+            if getattr(self, name) is None:
+                setattr(self, name, preset[name])
+
+    # ------------------------------------------------------------------ validation
+    def _validation_errors(self) -> list[str]:
+        errors: list[str] = []
+
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                errors.append(f"{_flag(name)}={value!r} is not one of {', '.join(allowed)}")
+
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                errors.append(f"{_flag(name)}={value!r} must be a positive integer")
+
+        def non_negative_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                errors.append(f"{_flag(name)}={value!r} must be an integer >= 0")
+
+        def probability(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                errors.append(f"{_flag(name)}={value!r} must be a probability in [0, 1]")
+
+        choice("model_preset", MODEL_PRESET_CHOICES)
+        choice("dtype", DTYPE_CHOICES)
+        choice("device", DEVICE_CHOICES)
+        choice("hicache_write_policy", WRITE_POLICY_CHOICES)
+        choice("hicache_io_backend", IO_BACKEND_CHOICES)
+        choice("hicache_mem_layout", MEM_LAYOUT_CHOICES)
+        choice("disaggregation_mode", DISAGGREGATION_MODE_CHOICES)
+
+        for name in GEOMETRY_FIELDS:
+            positive(name, allow_none=True)
+        if (
+            isinstance(self.num_attention_heads, int)
+            and isinstance(self.head_num, int)
+            and self.head_num > 0
+            and self.num_attention_heads % self.head_num != 0
+        ):
+            errors.append(
+                f"--num-attention-heads={self.num_attention_heads} must be a multiple of "
+                f"--head-num={self.head_num} (grouped-query attention)"
+            )
+        positive("page_size")
+        positive("max_total_tokens")
+        positive("pp_size")
+        non_negative_int("load_back_threshold")
+        non_negative_int("random_seed")
+        non_negative_int("optimistic_prefill_attempts")
+
+        cps = self.chunked_prefill_size
+        if isinstance(cps, bool) or not isinstance(cps, int) or (cps < 1 and cps != -1):
+            errors.append(f"--chunked-prefill-size={cps!r} must be a positive integer or -1")
+        elif cps != -1 and isinstance(self.page_size, int) and self.page_size > 0:
+            if cps % self.page_size != 0:
+                errors.append(
+                    f"--chunked-prefill-size={cps} must be a multiple of --page-size="
+                    f"{self.page_size}"
+                )
+        if (
+            isinstance(self.max_total_tokens, int)
+            and isinstance(self.page_size, int)
+            and self.page_size > 0
+            and self.max_total_tokens % self.page_size != 0
+        ):
+            errors.append(
+                f"--max-total-tokens={self.max_total_tokens} must be a multiple of --page-size="
+                f"{self.page_size}"
+            )
+
+        if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
+            errors.append(f"--hicache-ratio={self.hicache_ratio!r} must be > 0")
+        if not isinstance(self.hicache_size, (int, float)) or self.hicache_size < 0:
+            errors.append(f"--hicache-size={self.hicache_size!r} must be >= 0 (GB; 0 = use ratio)")
+        if self.hicache_storage_backend is not None and (
+            not isinstance(self.hicache_storage_backend, str) or not self.hicache_storage_backend
+        ):
+            errors.append(
+                f"--hicache-storage-backend={self.hicache_storage_backend!r} must be a backend "
+                "name or unset"
+            )
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            errors.append(
+                "--enable-hierarchical-cache and --disable-radix-cache are mutually exclusive"
+            )
+
+        if self.use_mla:
+            for name in ("kv_lora_rank", "qk_rope_head_dim"):
+                if getattr(self, name) is None:
+                    errors.append(f"--use-mla requires {_flag(name)}")
+                else:
+                    positive(name)
+
+        for name in (
+            "disaggregation_force_not_ready_prob",
+            "disaggregation_bootstrap_failure_prob",
+            "disaggregation_transfer_failure_prob",
+        ):
+            probability(name)
+        return errors
+
+    # ------------------------------------------------------------------ resolutions
+    def _handle_hicache_layout(self) -> None:
+        """Resolve layout / io backend pairs the way SGLang's ``_handle_hicache`` does."""
+        if self.hicache_mem_layout == "page_first" and self.hicache_io_backend == "direct":
+            self._resolve(
+                "hicache_mem_layout", "page_first_direct", LAYOUT_PAGE_FIRST_WITH_DIRECT_IO
+            )
+        if self.hicache_mem_layout == "page_first_direct" and self.hicache_io_backend != "direct":
+            self._resolve("hicache_io_backend", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
+
+    def _handle_optimistic_prefill_gate(self) -> None:
+        """The upstream gate: optimistic prefill only with L2 under write_back and no L3.
+
+        Applied when ``optimistic_prefill_attempts > 0`` and ``disaggregation_mode ==
+        "prefill"``; the first matching rule resolves the attempts to 0 with a warning.
+        """
+        if self.optimistic_prefill_attempts <= 0 or self.disaggregation_mode != "prefill":
+            return
+        reason = None
+        if self.pp_size > 1:
+            reason = GATE_PP
+        elif self.enable_hierarchical_cache and (
+            self.hicache_storage_backend is not None or self.hicache_write_policy != "write_back"
+        ):
+            reason = GATE_HICACHE
+        elif self.uses_mamba_radix_cache:
+            reason = GATE_MAMBA
+        if reason is not None:
+            self._resolve("optimistic_prefill_attempts", 0, reason)
+
+    # ------------------------------------------------------------------ runtime helpers
+    def unsupported_runtime_features(self) -> list[str]:
+        """Accepted-for-validation features this prototype cannot run, as messages."""
+        out = []
+        if self.pp_size > 1:
+            out.append(f"--pp-size={self.pp_size}: pipeline parallelism is not implemented")
+        if self.hicache_storage_backend is not None:
+            out.append(
+                f"--hicache-storage-backend={self.hicache_storage_backend}: no L3 storage "
+                "backend is implemented"
+            )
+        if self.uses_mamba_radix_cache:
+            out.append("--uses-mamba-radix-cache: mamba models are not implemented")
+        if self.disable_radix_cache:
+            out.append("--disable-radix-cache: the runtime always uses a radix cache")
+        return out
+
+    def check_runtime_supported(self) -> None:
+        """Raise ``ValueError`` listing every requested feature the runtime cannot run."""
+        problems = self.unsupported_runtime_features()
+        if problems:
+            raise ValueError("unsupported configuration:\n  - " + "\n  - ".join(problems))
+
+    def resolved_device(self) -> Any:
+        """The ``torch.device`` to run on (``auto`` = CUDA when available, else CPU)."""
+        import torch
+
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise ValueError("--device=cuda but torch sees no CUDA device")
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def torch_dtype(self) -> Any:
+        """The model / KV ``torch.dtype`` (``auto`` = bfloat16 on CUDA, float32 on CPU)."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flags and resolved values, plus the resolutions and warnings, JSON-serializable."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out["resolutions"] = [r._asdict() for r in self.resolutions]
+        out["warnings"] = list(self.warnings)
+        return out
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per init field; defaults come from the dataclass fields."""
+        for f in dataclasses.fields(ServerArgs):
+            if not f.init:
+                continue
+            meta = f.metadata
+            help_text = meta.get("help", "")
+            if "choices" in meta:
+                help_text += f" Choices: {', '.join(meta['choices'])}."
+            flag = _flag(f.name)
+            if isinstance(f.default, bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            arg_type = meta.get("type") or type(f.default)
+            parser.add_argument(
+                flag, type=arg_type, default=f.default, help=f"{help_text} Default: {f.default}."
+            )
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> ServerArgs:
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        return cls(**{name: getattr(namespace, name) for name in names})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    """Parse ``argv`` (without the program name) into a validated, resolved ``ServerArgs``."""
+    parser = argparse.ArgumentParser(prog="server_args.py", description=__doc__.split("\n")[0])
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(args.to_dict(), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""ServerArgs: validation, resolutions, the optimistic-prefill gate and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from server_args import (
+    GATE_HICACHE,
+    GATE_MAMBA,
+    GATE_PP,
+    LAYOUT_DIRECT_NEEDS_DIRECT_IO,
+    LAYOUT_PAGE_FIRST_WITH_DIRECT_IO,
+    Resolution,
+    ServerArgs,
+    prepare_server_args,
+)
+
+PD = dict(disaggregation_mode="prefill", optimistic_prefill_attempts=2)
+
+
+# ---------------------------------------------------------------- the upstream five-config matrix
+@pytest.mark.parametrize(
+    "kwargs, attempts, warning",
+    [
+        pytest.param({}, 2, None, id="no-hicache-kept"),
+        pytest.param(
+            dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
+            2,
+            None,
+            id="l2-write-back-kept",
+        ),
+        pytest.param(dict(enable_hierarchical_cache=True), 0, GATE_HICACHE, id="default-wt-off"),
+        pytest.param(
+            dict(
+                enable_hierarchical_cache=True,
+                hicache_write_policy="write_back",
+                hicache_storage_backend="file",
+            ),
+            0,
+            GATE_HICACHE,
+            id="write-back-with-l3-off",
+        ),
+        pytest.param(dict(pp_size=2), 0, GATE_PP, id="pp2-off"),
+    ],
+)
+def test_upstream_matrix(kwargs, attempts, warning, caplog):
+    with caplog.at_level(logging.WARNING, logger="server_args"):
+        args = ServerArgs(**PD, **kwargs)
+    assert args.optimistic_prefill_attempts == attempts
+    if warning is None:
+        assert args.resolutions == [] and args.warnings == []
+        assert not caplog.records
+    else:
+        assert args.resolutions == [Resolution("optimistic_prefill_attempts", 2, 0, warning)]
+        assert args.warnings == [warning]
+        assert [r.getMessage().split(" (")[0] for r in caplog.records] == [warning]
+
+
+# ---------------------------------------------------------------- the full cross product
+# The gate's expected behaviour as a table of (rule, warning), first match wins, written from
+# DESIGN.md section 7 rather than from the implementation.
+GATE_TABLE = [
+    (lambda c: c["pp_size"] > 1, GATE_PP),
+    (
+        lambda c: c["hicache"] and (c["storage"] is not None or c["policy"] != "write_back"),
+        GATE_HICACHE,
+    ),
+    (lambda c: c["mamba"], GATE_MAMBA),
+]
+
+AXES = dict(
+    mode=["null", "prefill", "decode"],
+    attempts=[0, 1, 3],
+    hicache=[False, True],
+    policy=["write_through", "write_through_selective", "write_back"],
+    storage=[None, "file"],
+    pp_size=[1, 2],
+    mamba=[False, True],
+)
+CASES = [dict(zip(AXES, values, strict=True)) for values in itertools.product(*AXES.values())]
+
+
+def _expected(case: dict) -> tuple[int, str | None]:
+    if case["attempts"] == 0 or case["mode"] != "prefill":
+        return case["attempts"], None
+    for rule, warning in GATE_TABLE:
+        if rule(case):
+            return 0, warning
+    return case["attempts"], None
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_gate_cross_product(case):
+    args = ServerArgs(
+        disaggregation_mode=case["mode"],
+        optimistic_prefill_attempts=case["attempts"],
+        enable_hierarchical_cache=case["hicache"],
+        hicache_write_policy=case["policy"],
+        hicache_storage_backend=case["storage"],
+        pp_size=case["pp_size"],
+        uses_mamba_radix_cache=case["mamba"],
+    )
+    attempts, warning = _expected(case)
+    assert args.optimistic_prefill_attempts == attempts
+    gate = [r for r in args.resolutions if r.field == "optimistic_prefill_attempts"]
+    if warning is None:
+        assert gate == []
+    else:
+        assert gate == [Resolution("optimistic_prefill_attempts", case["attempts"], 0, warning)]
+        assert warning in args.warnings
+
+
+def test_gate_never_raises_and_is_stable_under_replace():
+    args = ServerArgs(enable_hierarchical_cache=True, **PD)
+    again = dataclasses.replace(args)
+    # The resolved value is what every reader uses; a rebuilt copy records no second change.
+    assert again.optimistic_prefill_attempts == 0 and again.resolutions == []
+
+
+# ---------------------------------------------------------------- layout / io resolutions
+def test_page_first_direct_with_kernel_resolves_io_backend(caplog):
+    with caplog.at_level(logging.WARNING, logger="server_args"):
+        args = ServerArgs(hicache_mem_layout="page_first_direct", hicache_io_backend="kernel")
+    assert args.hicache_io_backend == "direct"
+    assert args.resolutions == [
+        Resolution("hicache_io_backend", "kernel", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
+    ]
+    assert len(caplog.records) == 1
+
+
+def test_page_first_with_direct_resolves_layout():
+    args = ServerArgs(hicache_mem_layout="page_first", hicache_io_backend="direct")
+    assert args.hicache_mem_layout == "page_first_direct"
+    assert args.hicache_io_backend == "direct"
+    assert args.resolutions == [
+        Resolution(
+            "hicache_mem_layout",
+            "page_first",
+            "page_first_direct",
+            LAYOUT_PAGE_FIRST_WITH_DIRECT_IO,
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "layout, io", [("layer_first", "kernel"), ("layer_first", "direct"), ("page_first", "kernel")]
+)
+def test_compatible_layouts_untouched(layout, io):
+    args = ServerArgs(hicache_mem_layout=layout, hicache_io_backend=io)
+    assert (args.hicache_mem_layout, args.hicache_io_backend) == (layout, io)
+    assert args.resolutions == []
+
+
+# ---------------------------------------------------------------- defaults and geometry
+def test_defaults_match_sglang():
+    args = ServerArgs()
+    assert args.page_size == 1
+    assert args.enable_hierarchical_cache is False
+    assert args.hicache_ratio == 2.0 and args.hicache_size == 0
+    assert args.hicache_write_policy == "write_through"
+    assert args.hicache_io_backend == "kernel"
+    assert args.hicache_mem_layout == "page_first"
+    assert args.hicache_storage_backend is None
+    assert args.disaggregation_mode == "null"
+    assert args.optimistic_prefill_attempts == 0
+    assert args.pp_size == 1 and args.load_back_threshold == 10
+
+
+def test_preset_fills_geometry_and_explicit_fields_win():
+    args = ServerArgs(model_preset="llama3-8b-shape", num_layers=2)
+    assert (args.num_layers, args.head_num, args.head_dim) == (2, 8, 128)
+    assert args.num_attention_heads == 32
+
+
+def test_runtime_refuses_unimplemented_features():
+    ServerArgs().check_runtime_supported()
+    args = ServerArgs(pp_size=2, hicache_storage_backend="file", uses_mamba_radix_cache=True)
+    with pytest.raises(ValueError) as err:
+        args.check_runtime_supported()
+    for flag in ("--pp-size=2", "--hicache-storage-backend=file", "--uses-mamba-radix-cache"):
+        assert flag in str(err.value)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hicache_write_policy="write_around"), "--hicache-write-policy='write_around' is not"),
+        (
+            dict(hicache_io_backend="cuda"),
+            "--hicache-io-backend='cuda' is not one of kernel, direct",
+        ),
+        (dict(hicache_mem_layout="x"), "--hicache-mem-layout='x' is not one of layer_first"),
+        (dict(disaggregation_mode="both"), "--disaggregation-mode='both' is not one of null"),
+        (dict(device="tpu"), "--device='tpu' is not one of auto, cuda, cpu"),
+        (dict(dtype="int8"), "--dtype='int8' is not one of"),
+        (dict(model_preset="gpt5"), "--model-preset='gpt5' is not one of"),
+        (dict(page_size=0), "--page-size=0 must be a positive integer"),
+        (dict(max_total_tokens=-5), "--max-total-tokens=-5 must be a positive integer"),
+        (dict(max_total_tokens=100, page_size=16), "--max-total-tokens=100 must be a multiple"),
+        (dict(chunked_prefill_size=0), "--chunked-prefill-size=0 must be a positive integer or -1"),
+        (
+            dict(chunked_prefill_size=24, page_size=16),
+            "--chunked-prefill-size=24 must be a multiple",
+        ),
+        (dict(hicache_ratio=0), "--hicache-ratio=0 must be > 0"),
+        (dict(hicache_ratio=-1.5), "--hicache-ratio=-1.5 must be > 0"),
+        (dict(hicache_size=-1), "--hicache-size=-1 must be >= 0"),
+        (
+            dict(optimistic_prefill_attempts=-1),
+            "--optimistic-prefill-attempts=-1 must be an integer",
+        ),
+        (dict(pp_size=0), "--pp-size=0 must be a positive integer"),
+        (dict(load_back_threshold=-2), "--load-back-threshold=-2 must be an integer >= 0"),
+        (dict(num_layers=0), "--num-layers=0 must be a positive integer"),
+        (dict(num_attention_heads=6, head_num=4), "--num-attention-heads=6 must be a multiple"),
+        (dict(use_mla=True), "--use-mla requires --kv-lora-rank"),
+        (dict(use_mla=True, kv_lora_rank=512), "--use-mla requires --qk-rope-head-dim"),
+        (
+            dict(enable_hierarchical_cache=True, disable_radix_cache=True),
+            "--enable-hierarchical-cache and --disable-radix-cache are mutually exclusive",
+        ),
+        (dict(hicache_storage_backend=""), "--hicache-storage-backend='' must be a backend name"),
+        (
+            dict(disaggregation_transfer_failure_prob=1.5),
+            "--disaggregation-transfer-failure-prob=1.5 must be a probability",
+        ),
+    ],
+)
+def test_bad_input_names_flag_and_value(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        ServerArgs(**kwargs)
+    assert message in str(err.value)
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ValueError) as err:
+        ServerArgs(page_size=0, hicache_ratio=0, hicache_write_policy="bad")
+    text = str(err.value)
+    assert "--page-size" in text and "--hicache-ratio" in text and "--hicache-write-policy" in text
+
+
+def test_mla_with_dims_is_valid():
+    args = ServerArgs(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert args.kv_lora_rank == 512
+
+
+# ---------------------------------------------------------------- CLI
+def test_cli_defaults_are_the_dataclass_defaults():
+    assert prepare_server_args([]).to_dict() == ServerArgs().to_dict()
+
+
+def test_cli_round_trip_equals_constructor():
+    argv = [
+        "--enable-hierarchical-cache",
+        "--hicache-write-policy",
+        "write_back",
+        "--hicache-mem-layout",
+        "layer_first",
+        "--hicache-ratio",
+        "3.5",
+        "--page-size",
+        "16",
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "-1",
+        "--disaggregation-mode",
+        "prefill",
+        "--optimistic-prefill-attempts",
+        "2",
+        "--hicache-storage-backend",
+        "file",
+    ]
+    from_cli = prepare_server_args(argv)
+    direct = ServerArgs(
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+        hicache_mem_layout="layer_first",
+        hicache_ratio=3.5,
+        page_size=16,
+        max_total_tokens=4096,
+        chunked_prefill_size=-1,
+        disaggregation_mode="prefill",
+        optimistic_prefill_attempts=2,
+        hicache_storage_backend="file",
+    )
+    assert from_cli.to_dict() == direct.to_dict()
+    assert from_cli.optimistic_prefill_attempts == 0  # L3 set: gated
+
+
+def test_cli_bad_value_raises_same_error_as_constructor():
+    with pytest.raises(ValueError, match="--page-size=0"):
+        prepare_server_args(["--page-size", "0"])
+
+
+def _run_cli(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "server_args.py", *flags],
+        capture_output=True,
+        text=True,
+        cwd=__import__("os").path.dirname(__import__("os").path.dirname(__file__)),
+        timeout=60,
+    )
+
+
+def test_cli_main_prints_resolved_json_and_gate():
+    flags = [
+        "--enable-hierarchical-cache",
+        "--disaggregation-mode",
+        "prefill",
+        "--optimistic-prefill-attempts",
+        "2",
+    ]
+    gated = _run_cli(*flags)
+    assert gated.returncode == 0, gated.stderr
+    out = json.loads(gated.stdout)
+    assert out["optimistic_prefill_attempts"] == 0
+    assert out["warnings"] == [GATE_HICACHE]
+    assert out["resolutions"][0]["old"] == 2
+
+    kept = _run_cli(*flags, "--hicache-write-policy", "write_back")
+    assert kept.returncode == 0, kept.stderr
+    out = json.loads(kept.stdout)
+    assert out["optimistic_prefill_attempts"] == 2 and out["warnings"] == []
+
+
+def test_cli_main_bad_flags_exit_nonzero_with_stderr():
+    bad = _run_cli("--hicache-ratio", "0")
+    assert bad.returncode != 0
+    assert "--hicache-ratio=0.0 must be > 0" in bad.stderr and bad.stdout == ""
+    unknown = _run_cli("--no-such-flag")
+    assert unknown.returncode != 0 and "--no-such-flag" in unknown.stderr
