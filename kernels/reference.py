@@ -1,0 +1,360 @@
+"""Plain torch reference of every ``sgl_kernel.kvcacheio`` op this package provides.
+
+Same names, argument order and meaning as SGLang (DESIGN.md section 4). Each op is
+``dst[dst_indices[i]] = src[src_indices[i]]`` in that op's byte addressing, for every layer it
+covers, K and V (or the single MLA buffer). Pairs where either index is negative are skipped, as
+the CUDA kernels upstream skip them.
+
+These functions exist to define the semantics (tests compare the Triton kernels with them bit for
+bit) and to serve as a slow fallback. They favour clarity over speed, may synchronize (pointer
+tables are resolved on the host), and raise ``IndexError`` from torch on out-of-range indices;
+they do not do the argument validation of the real ops.
+
+Addressing, in bytes, for token slot ``t`` and layer ``l`` (``item_size`` = one token, one layer):
+
+- layer_first tensor (one layer): ``base + t * item_size``
+- page_first tensor: ``base + t * layout_dim + l * item_size``
+- pointer table: ``table[l] + t * item_size``
+- page_first_direct tensor ``[P, L, page_size, ...]``: page ``t // page_size``, layer ``l``,
+  row ``t % page_size``
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_QUOTA = 2
+DEFAULT_NUM_WARPS = 16 if torch.version.hip is not None else 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte views
+# ---------------------------------------------------------------------------------------------
+
+
+def token_rows(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """A ``uint8`` view ``[nbytes // row_bytes, row_bytes]`` aliasing contiguous ``t``."""
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got strides {t.stride()}")
+    flat = t.reshape(-1).view(torch.uint8)
+    if row_bytes <= 0 or flat.numel() % row_bytes:
+        raise ValueError(f"{flat.numel()} bytes are not a whole number of {row_bytes}-byte rows")
+    return flat.view(-1, row_bytes)
+
+
+class _CudaBytes:
+    """Exposes raw device (or UVA host) memory through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A ``uint8`` tensor of ``nbytes`` aliasing the memory at address ``ptr`` (no copy).
+
+    On CUDA the address may also be a pinned host address (unified addressing).
+    """
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaBytes(ptr, nbytes), device=device)
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _valid_pairs(
+    src_indices: torch.Tensor, dst_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(
+            f"src_indices and dst_indices differ in length: "
+            f"{src_indices.numel()} != {dst_indices.numel()}"
+        )
+    s = src_indices.reshape(-1).long()
+    d = dst_indices.reshape(-1).long().to(s.device)
+    keep = (s >= 0) & (d >= 0)
+    return s[keep], d[keep]
+
+
+def _copy_rows(
+    src_rows: torch.Tensor, dst_rows: torch.Tensor, s: torch.Tensor, d: torch.Tensor
+) -> None:
+    """``dst_rows[d] = src_rows[s]``; each side indexed on its own device."""
+    if s.numel() == 0:
+        return
+    vals = src_rows[s.to(src_rows.device)]
+    dst_rows[d.to(dst_rows.device)] = vals.to(dst_rows.device)
+
+
+def _table_rows(table: torch.Tensor, layer: int, item_size: int, n_rows: int) -> torch.Tensor:
+    """Rows ``[n_rows, item_size]`` of layer ``layer`` of a ``data_ptr()`` table."""
+    ptr = int(table[layer].item()) & ((1 << 64) - 1)  # uint64 tables come back as signed ints
+    return bytes_at(ptr, n_rows * item_size, table.device).view(n_rows, item_size)
+
+
+def _extent(idx: torch.Tensor) -> int:
+    return int(idx.max().item()) + 1 if idx.numel() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel-backend ops (MHA)
+# ---------------------------------------------------------------------------------------------
+
+
+def transfer_kv_per_layer(
+    src_k: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """One layer, layer_first -> layer_first: ``dst[d] = src[s]`` for K and V."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        _copy_rows(token_rows(src, item_size), token_rows(dst, item_size), s, d)
+
+
+def transfer_kv_per_layer_pf_lf(
+    src_k: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """Layer ``layer_id`` of a page_first buffer ``[T, L, ...]`` -> one layer_first layer."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    lo, hi = layer_id * item_size, (layer_id + 1) * item_size
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        src_rows = token_rows(src, src_layout_dim)[:, lo:hi]
+        _copy_rows(src_rows, token_rows(dst, item_size), s, d)
+
+
+def transfer_kv_all_layer(
+    src_k_layers: torch.Tensor,
+    dst_k_layers: torch.Tensor,
+    src_v_layers: torch.Tensor,
+    dst_v_layers: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    num_layers: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """All layers, layer_first -> layer_first, both sides given as ``data_ptr()`` tables."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    ns, nd = _extent(s), _extent(d)
+    for layer in range(num_layers):
+        for src_tbl, dst_tbl in ((src_k_layers, dst_k_layers), (src_v_layers, dst_v_layers)):
+            src_rows = _table_rows(src_tbl, layer, item_size, ns)
+            dst_rows = _table_rows(dst_tbl, layer, item_size, nd)
+            _copy_rows(src_rows, dst_rows, s, d)
+
+
+def transfer_kv_all_layer_lf_pf(
+    src_k_layers: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v_layers: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """All layers from ``data_ptr()`` tables (layer_first) -> page_first buffer ``[T, L, ...]``."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    ns = _extent(s)
+    for layer in range(num_layers):
+        lo, hi = layer * item_size, (layer + 1) * item_size
+        for src_tbl, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+            src_rows = _table_rows(src_tbl, layer, item_size, ns)
+            _copy_rows(src_rows, token_rows(dst, dst_layout_dim)[:, lo:hi], s, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel-backend ops (MLA): one buffer instead of K and V
+# ---------------------------------------------------------------------------------------------
+
+
+def transfer_kv_per_layer_mla(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """MLA twin of :func:`transfer_kv_per_layer`."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    _copy_rows(token_rows(src, item_size), token_rows(dst, item_size), s, d)
+
+
+def transfer_kv_per_layer_mla_pf_lf(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """MLA twin of :func:`transfer_kv_per_layer_pf_lf`."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    lo, hi = layer_id * item_size, (layer_id + 1) * item_size
+    _copy_rows(token_rows(src, src_layout_dim)[:, lo:hi], token_rows(dst, item_size), s, d)
+
+
+def transfer_kv_all_layer_mla(
+    src_layers: torch.Tensor,
+    dst_layers: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    num_layers: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """MLA twin of :func:`transfer_kv_all_layer`."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    ns, nd = _extent(s), _extent(d)
+    for layer in range(num_layers):
+        src_rows = _table_rows(src_layers, layer, item_size, ns)
+        dst_rows = _table_rows(dst_layers, layer, item_size, nd)
+        _copy_rows(src_rows, dst_rows, s, d)
+
+
+def transfer_kv_all_layer_mla_lf_pf(
+    src_layers: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """MLA twin of :func:`transfer_kv_all_layer_lf_pf`."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    ns = _extent(s)
+    for layer in range(num_layers):
+        lo, hi = layer * item_size, (layer + 1) * item_size
+        src_rows = _table_rows(src_layers, layer, item_size, ns)
+        _copy_rows(src_rows, token_rows(dst, dst_layout_dim)[:, lo:hi], s, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct-backend ops: lists of tensors instead of pointer tables
+# ---------------------------------------------------------------------------------------------
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+
+
+def transfer_kv_direct(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """``dst_layers[j][d] = src_layers[j][s]`` for each layer tensor ``[T, ...]`` of the lists."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        _copy_rows(token_rows(src, _row_bytes(src)), token_rows(dst, _row_bytes(dst)), s, d)
+
+
+def _page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``uint8`` view ``[P, L, page_size, row_bytes]`` of a page_first_direct buffer."""
+    p, n_layers = buf.shape[0], buf.shape[1]
+    return token_rows(buf, buf.nbytes // (p * n_layers * page_size)).view(
+        p, n_layers, page_size, -1
+    )
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """page_first_direct host buffers ``[P, L, page_size, ...]`` -> device layer tensors.
+
+    ``src_ptrs`` is ``[k_buffer, v_buffer]`` (MHA) or ``[kv_buffer]`` (MLA); ``dst_ptrs`` holds
+    the K layer tensors then the V layer tensors, for layers ``layer_id, layer_id + 1, ...``.
+    """
+    s, d = _valid_pairs(src_indices, dst_indices)
+    is_mla = len(src_ptrs) == 1
+    n_layers = len(dst_ptrs) if is_mla else len(dst_ptrs) // 2
+    for kv, host in enumerate(src_ptrs):
+        pages = _page_rows(host, page_size)
+        s_dev = s.to(pages.device)
+        for j in range(n_layers):
+            dst = dst_ptrs[kv * n_layers + j]
+            vals = pages[s_dev // page_size, layer_id + j, s_dev % page_size]
+            token_rows(dst, _row_bytes(dst))[d.to(dst.device)] = vals.to(dst.device)
+
+
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Device layer tensors (all K layers, then all V layers) -> page_first_direct buffers."""
+    s, d = _valid_pairs(src_indices, dst_indices)
+    is_mla = len(dst_ptrs) == 1
+    n_layers = len(src_ptrs) if is_mla else len(src_ptrs) // 2
+    for kv, host in enumerate(dst_ptrs):
+        pages = _page_rows(host, page_size)
+        d_host = d.to(pages.device)
+        for j in range(n_layers):
+            src = src_ptrs[kv * n_layers + j]
+            vals = token_rows(src, _row_bytes(src))[s.to(src.device)]
+            pages[d_host // page_size, j, d_host % page_size] = vals.to(pages.device)
+
+
+__all__ = [
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_per_layer_pf_lf",
+]
