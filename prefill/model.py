@@ -164,16 +164,14 @@ class PagedTransformer(torch.nn.Module):
             self.layers.append(layer)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
         self.lm_head = w(c.vocab_size, c.hidden_size)
-        inv_freq = 1.0 / (
-            c.rope_theta
-            ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device) / c.head_dim)
-        )
+        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device)
+        inv_freq = 1.0 / (c.rope_theta ** (exponents / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of ``x`` ``[n, heads, D]`` at int64 ``positions`` ``[n]`` (fp32 math)."""
+        """Rotary embedding of ``x`` ``[n, heads, D]`` at int64 ``positions`` ``[n]``; fp32 math."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
@@ -240,7 +238,7 @@ class PagedTransformer(torch.nn.Module):
         positions = torch.cat(
             [
                 torch.arange(r.prefix_len, r.prefix_len + n, dtype=torch.int64, device=dev)
-                for r, n in zip(batch, lens)
+                for r, n in zip(batch, lens, strict=True)
             ]
         )
         slots = [r.slots.to(dev) for r in batch]
@@ -258,7 +256,7 @@ class PagedTransformer(torch.nn.Module):
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             attn_out = []
             start = 0
-            for r, n, s in zip(batch, lens, slots):
+            for r, n, s in zip(batch, lens, slots, strict=True):
                 new_k, new_v = k[start : start + n], v[start : start + n]
                 pool.set_kv_buffer(layer_id, s[r.prefix_len :], new_k, new_v)
                 k_all = pool.get_key_buffer(layer_id)[s]
