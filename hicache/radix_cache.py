@@ -76,7 +76,7 @@ class TreeNode:
         return self.host_value is not None
 
     def __repr__(self) -> str:
-        tiers = ("D" if self.value is not None else "") + ("H" if self.host_value is not None else "")
+        tiers = ("D" if self.value is not None else "") + ("H" if self.backuped else "")
         return f"TreeNode(id={self.id}, len={len(self.key)}, {tiers or '-'}, lock={self.lock_ref})"
 
 
@@ -161,9 +161,10 @@ class RadixCache:
         if node_key[:n] == key[start : start + n]:
             return n
         i = 0
-        while i + _MATCH_STEP <= n and node_key[i : i + _MATCH_STEP] == key[
-            start + i : start + i + _MATCH_STEP
-        ]:
+        while (
+            i + _MATCH_STEP <= n
+            and node_key[i : i + _MATCH_STEP] == key[start + i : start + i + _MATCH_STEP]
+        ):
             i += _MATCH_STEP
         while i < n and node_key[i] == key[start + i]:
             i += 1
@@ -242,9 +243,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def _validate_insert(
-        self, key: Sequence[int] | torch.Tensor, value: torch.Tensor
-    ) -> list[int]:
+    def _validate_insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> list[int]:
         key = _as_key(key)
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"value must be a torch.Tensor of slots, got {type(value).__name__}")
