@@ -1,0 +1,70 @@
+"""Time sources for the executor and the simulated decode peer.
+
+``VirtualClock`` makes tests deterministic: time moves only when someone calls ``advance`` (the
+executor charges modeled compute time) or ``wait_until`` (the executor is idle until the next
+peer event). ``WallClock`` is real monotonic time for benchmarks: ``advance`` is a no-op because
+the compute really took that long, and ``wait_until`` sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class Clock(Protocol):
+    """Seconds since the clock's start."""
+
+    def now(self) -> float: ...
+
+    def advance(self, dt: float) -> None:
+        """Account for ``dt`` seconds of modeled work (virtual time only)."""
+
+    def wait_until(self, t: float) -> None:
+        """Block (wall) or jump (virtual) until ``now() >= t``; never moves time backwards."""
+
+
+class VirtualClock:
+    """Deterministic time that moves only when told to. Starts at ``start`` seconds."""
+
+    is_virtual = True
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError(f"dt must be >= 0, got {dt}")
+        self._now += dt
+
+    def wait_until(self, t: float) -> None:
+        self._now = max(self._now, float(t))
+
+
+class WallClock:
+    """Monotonic wall time since construction. ``wait_until`` sleeps at most ``max_sleep_s``
+    per call so a caller's loop stays responsive."""
+
+    is_virtual = False
+
+    def __init__(self, max_sleep_s: float = 0.01) -> None:
+        self._t0 = time.monotonic()
+        self.max_sleep_s = max_sleep_s
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError(f"dt must be >= 0, got {dt}")
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(min(delay, self.max_sleep_s))
