@@ -1,0 +1,146 @@
+"""Deterministic KV content, so any device or host slot can be checked bit for bit.
+
+The value of element ``(head, dim)`` of K (part 0) or V (part 1; MLA has only part 0) of layer
+``layer`` for a token with id ``token`` at sequence position ``position`` is a hash of
+``(token, position, layer, head, dim, part)`` mapped to a multiple of 1/16 in ``[-8, 8)``, which is
+exact in float32, bfloat16 and float16. Different (token, position) pairs give different rows with
+overwhelming probability, so a slot mix-up, a layer mix-up or a K/V swap is caught.
+
+API (all tensors 1-D int64 of equal length ``n``; ``tokens`` / ``positions`` may be lists):
+
+- ``expected_kv(pool, layer, tokens, positions) -> tuple[Tensor, ...]``: ``(k, v)`` each
+  ``[n, H, D]`` (MHA) or ``(kv,)`` ``[n, 1, C]`` (MLA), in the pool's dtype, on the CPU.
+  ``pool`` is a device pool or a host pool (only its geometry is read).
+- ``write_device(pool, slots, tokens, positions)``: writes every layer of device ``slots``
+  (blocking; what the model's attention would have written).
+- ``check_device(pool, slots, tokens, positions)`` / ``check_host(host_pool, host_slots, tokens,
+  positions)``: raise ``AssertionError`` naming the first bad slot, layer and part.
+- ``write_host(host_pool, host_slots, tokens, positions)``: the same content into host slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+AnyPool = MHATokenToKVPool | MLATokenToKVPool | MHATokenToKVPoolHost | MLATokenToKVPoolHost
+
+_MUL = 6364136223846793005  # PCG multiplier (< 2**63)
+
+
+def _as_i64(x: torch.Tensor | list[int]) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.int64).cpu()
+    if t.dim() != 1:
+        raise ValueError("tokens, positions and slots must be 1-D")
+    return t
+
+
+def _geometry(pool: AnyPool) -> tuple[int, int, int, torch.dtype, bool]:
+    """(parts, heads, dim, dtype, is_mla)."""
+    if isinstance(pool, MHATokenToKVPool | MHATokenToKVPoolHost):
+        return 2, pool.head_num, pool.head_dim, pool.dtype, False
+    return 1, 1, pool.kv_cache_dim, pool.dtype, True
+
+
+def _hash(x: torch.Tensor) -> torch.Tensor:
+    x = x * _MUL
+    x = x ^ (x >> 29)
+    x = x * _MUL
+    return x ^ (x >> 32)
+
+
+def expected_kv(
+    pool: AnyPool, layer: int, tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+) -> tuple[torch.Tensor, ...]:
+    """The content every slot holding (token, position) must have in ``layer`` (CPU tensors)."""
+    tok, pos = _as_i64(tokens), _as_i64(positions)
+    if tok.numel() != pos.numel():
+        raise ValueError(f"tokens ({tok.numel()}) and positions ({pos.numel()}) differ in length")
+    parts, heads, dim, dtype, _ = _geometry(pool)
+    base = _hash(tok * 1_000_003 + pos * 7_919 + layer * 104_729)[:, None, None]
+    hd = (torch.arange(heads)[:, None] * 4099 + torch.arange(dim)[None, :] * 131)[None]
+    out = []
+    for part in range(parts):
+        h = _hash(base + hd + part * 15_485_863)
+        out.append((((h & 255) - 128).to(torch.float32) / 16).to(dtype))
+    return tuple(out)
+
+
+def _check_lengths(slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    if slots.numel() != tokens.numel():
+        raise ValueError(f"slots ({slots.numel()}) and tokens ({tokens.numel()}) differ in length")
+
+
+def write_device(
+    pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+) -> None:
+    """Write the expected content of every layer into device ``slots`` (blocking)."""
+    s = _as_i64(slots)
+    _check_lengths(s, _as_i64(tokens))
+    s_dev = s.to(pool.device)
+    for layer in range(pool.layer_num):
+        parts = expected_kv(pool, layer, tokens, positions)
+        if isinstance(pool, MHATokenToKVPool):
+            pool.set_kv_buffer(layer, s_dev, parts[0].to(pool.device), parts[1].to(pool.device))
+        else:
+            pool.set_mla_kv_buffer(layer, s_dev, parts[0].to(pool.device))
+
+
+def write_host(
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+) -> None:
+    """Write the expected content of every layer into ``host_slots`` (blocking)."""
+    s = _as_i64(host_slots)
+    _check_lengths(s, _as_i64(tokens))
+    for layer in range(host_pool.layer_num):
+        host_pool.set_kv_slots(layer, s, *expected_kv(host_pool, layer, tokens, positions))
+
+
+def _compare(
+    where: str, slots: torch.Tensor, layer: int, got: tuple[torch.Tensor, ...],
+    want: tuple[torch.Tensor, ...],
+) -> None:
+    for part, (g, w) in enumerate(zip(got, want, strict=True)):
+        g = g.cpu()
+        bad = (g.view(torch.uint8).reshape(g.shape[0], -1)
+               != w.view(torch.uint8).reshape(w.shape[0], -1)).any(dim=1)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            name = ("k", "v")[part] if len(got) == 2 else "kv"
+            raise AssertionError(
+                f"{where} slot {int(slots[i])} (item {i}) layer {layer} {name}: content differs "
+                f"({int(bad.sum())} of {bad.numel()} slots bad)"
+            )
+
+
+def check_device(
+    pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+) -> None:
+    """Assert device ``slots`` hold (tokens, positions) in every layer, bit for bit."""
+    s = _as_i64(slots)
+    _check_lengths(s, _as_i64(tokens))
+    s_dev = s.to(pool.device)
+    for layer in range(pool.layer_num):
+        if isinstance(pool, MHATokenToKVPool):
+            got = (pool.k_buffer[layer][s_dev], pool.v_buffer[layer][s_dev])
+        else:
+            got = (pool.kv_buffer[layer][s_dev],)
+        _compare("device", s, layer, got, expected_kv(pool, layer, tokens, positions))
+
+
+def check_host(
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+) -> None:
+    """Assert ``host_slots`` hold (tokens, positions) in every layer, bit for bit."""
+    s = _as_i64(host_slots)
+    _check_lengths(s, _as_i64(tokens))
+    for layer in range(host_pool.layer_num):
+        got = host_pool.get_kv_slots(layer, s)
+        _compare("host", s, layer, got, expected_kv(host_pool, layer, tokens, positions))
