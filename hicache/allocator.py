@@ -112,6 +112,10 @@ class TokenToKVPoolAllocator:
         self.release_pages.append(pages)
         self._num_release += pages.numel()
 
+    def check_free(self, free_index: torch.Tensor) -> None:
+        """Raise ``ValueError`` exactly when ``free(free_index)`` would; changes nothing."""
+        self._validate_free(free_index)
+
     def free_group_begin(self) -> None:
         """Start batching frees; pages freed until ``free_group_end`` stay unavailable."""
         if self._group is not None:

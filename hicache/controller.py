@@ -1,0 +1,453 @@
+"""Moves KV between the device and host pools asynchronously (SGLang ``HiCacheController``).
+
+Two side streams: ``write_stream`` (D2H backups) and ``load_stream`` (H2D loads). Everything runs
+on the scheduler thread and never blocks, except ``wait_write`` / ``wait_all`` (documented) and,
+on CPU streams, ``LayerDoneCounter.wait_until`` (a host wait is the only wait a CPU has).
+
+Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
+
+- ``write(d)``: device slots ``d`` are read, fresh host slots ``h`` written, from the call until
+  the write ack is popped (``writing_check`` / ``wait_write``).
+- ``load(h)``: fresh device slots ``d`` are written, host slots ``h`` read, from the call (queued)
+  until the load ack is popped (``loading_check``).
+- Neither tier's slots return to their allocator while a copy uses them: ``evict_device`` /
+  ``evict_host`` of such slots DEFER the free until the copy's ack is popped; the controller
+  holds them meanwhile (``device_in_flight()`` / ``host_in_flight()`` count them).
+- A load whose host slots are still being written by a backup waits (on its stream) for that
+  backup; a backup launched while loads are in flight waits for the latest load.
+
+Acks are ``HiCacheAck(start_event, finish_event, node_ids, ...)``, completed in launch order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from hicache.allocator import TokenToKVPoolAllocator
+from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory_pool_host import (
+    SUPPORTED_LAYOUT_IO,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+)
+from hicache.stats import CacheStats
+from hicache.streams import CpuStreams, CudaStreams, Delay, Event, make_streams
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+class HiCacheAck(NamedTuple):
+    """One launched copy. The first three fields are SGLang's."""
+
+    start_event: Event
+    finish_event: Event
+    node_ids: list[int]
+    host_indices: torch.Tensor  # CPU int64, as allocated
+    device_indices: torch.Tensor  # int64 on the device allocator's device, as allocated
+    nbytes: int
+    producer_id: int = -1  # LayerDoneCounter producer (loads only)
+
+
+class InflightSlots(NamedTuple):
+    """Slots that launched or queued copies use now (CPU int64, may repeat across copies)."""
+
+    device_read: torch.Tensor  # by backups
+    device_written: torch.Tensor  # by loads
+    host_read: torch.Tensor  # by loads
+    host_written: torch.Tensor  # by backups
+
+
+class _CacheOperation(NamedTuple):
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    node_id: int
+
+
+class LayerLoadingEvent:
+    """Per-layer load events of one ``start_loading`` call (plus its start event)."""
+
+    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+        self.start_event = streams.new_event(enable_timing=True)
+        self.load_events = [
+            streams.new_event(enable_timing=(i == num_layers - 1)) for i in range(num_layers)
+        ]
+
+    @property
+    def finish_event(self) -> Event:
+        return self.load_events[-1]
+
+
+class LayerDoneCounter:
+    """Lets layer ``i``'s attention wait for layer ``i``'s load only (SGLang's name).
+
+    ``update_producer()`` makes the events of a new load and returns its id; ``set_consumer(id)``
+    picks the load the forward pass consumes (``start_loading`` sets it to the newest);
+    ``wait_until(layer)``: on CUDA the compute stream waits for the event (the host never blocks);
+    on CPU the caller blocks until that layer's copy has run. No-op when nothing was loaded or
+    the consumed load's ack was already popped.
+    """
+
+    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+        self.num_layers = num_layers
+        self.streams = streams
+        self.events: dict[int, LayerLoadingEvent] = {}
+        self._next_id = 0
+        self.consumer_index = -1
+
+    def update_producer(self) -> int:
+        pid = self._next_id
+        self._next_id += 1
+        self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams)
+        return pid
+
+    def set_consumer(self, index: int) -> None:
+        self.consumer_index = index
+
+    def wait_until(self, threshold: int) -> None:
+        if not 0 <= threshold < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {threshold}")
+        ev = self.events.get(self.consumer_index)
+        if ev is None:
+            return
+        self.streams.compute.wait_event(ev.load_events[threshold])
+
+    def release(self, index: int) -> None:
+        """Forget a producer whose load ack was popped (its events have all fired)."""
+        self.events.pop(index, None)
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.consumer_index = -1
+
+
+def _check_indices(name: str, t: object, page_size: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+        raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
+    if t.numel() % page_size != 0:
+        raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
+    return t
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.cpu() for t in ts]) if ts else _EMPTY
+
+
+class HiCacheController:
+    """Backups (D2H) and loads (H2D) between one device pool and one host pool.
+
+    Args:
+        device_allocator: the device pool's allocator (load() allocates from it).
+        device_pool: ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
+        host_pool: the matching host pool; its ``allocator`` is ``host_allocator``.
+        io_backend: ``"kernel"`` (Triton ops) or ``"direct"`` (per-run copies); must suit the
+            host pool's layout (``SUPPORTED_LAYOUT_IO``).
+        streams: ``CudaStreams`` / ``CpuStreams``; default from the device pool's device.
+        copy_delay: CPU only, when ``streams`` is not given: seconds (or a callable) slept
+            before every copy on the side streams, to widen race windows in tests.
+        stats: receives bytes moved and copy time as acks complete.
+    """
+
+    def __init__(
+        self,
+        device_allocator: TokenToKVPoolAllocator,
+        device_pool: MHATokenToKVPool | MLATokenToKVPool,
+        host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
+        io_backend: str = "kernel",
+        streams: CudaStreams | CpuStreams | None = None,
+        copy_delay: Delay = 0.0,
+        stats: CacheStats | None = None,
+    ) -> None:
+        if (host_pool.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
+            raise ValueError(
+                f"io_backend={io_backend!r} cannot serve host layout {host_pool.layout!r}; "
+                f"supported pairs: {sorted(SUPPORTED_LAYOUT_IO)}"
+            )
+        if device_allocator.page_size != host_pool.page_size:
+            raise ValueError("device_allocator and host_pool page sizes differ")
+        if device_allocator.size != device_pool.size:
+            raise ValueError(
+                f"device_allocator size {device_allocator.size} != device_pool size "
+                f"{device_pool.size}"
+            )
+        self.device_allocator = device_allocator
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.host_allocator = host_pool.allocator
+        self.io_backend = io_backend
+        self.page_size = host_pool.page_size
+        self.layer_num = device_pool.layer_num
+        self.device = device_pool.device
+        self.stats = stats if stats is not None else CacheStats()
+        self.streams = streams if streams is not None else make_streams(self.device, copy_delay)
+        self.write_stream = self.streams.new_stream()
+        self.load_stream = self.streams.new_stream()
+        self.layer_done_counter = LayerDoneCounter(self.layer_num, self.streams)
+
+        self.load_queue: list[_CacheOperation] = []
+        self.ack_write_queue: deque[HiCacheAck] = deque()
+        self.ack_load_queue: deque[HiCacheAck] = deque()
+        self._deferred_device: list[torch.Tensor] = []  # freed by the tree, still used by a copy
+        self._deferred_host: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ D2H
+    def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
+        """Back up device slots to freshly allocated host slots; launches at once.
+
+        Returns the host slots (CPU int64, same order as ``device_indices``) or ``None`` when the
+        host pool is short (nothing changes). The copy starts on the write stream after an event
+        recorded now on the compute stream (so it reads what the forward wrote). Never blocks.
+        The host copy is readable only after this write's ack (``writing_check``).
+        """
+        _check_indices("device_indices", device_indices, self.page_size)
+        host_indices = self.host_allocator.alloc(device_indices.numel())
+        if host_indices is None:
+            return None
+        if host_indices.numel() == 0:
+            return host_indices
+        start = self.streams.new_event(enable_timing=True)
+        start.record(self.streams.compute)
+        self.write_stream.wait_event(start)
+        if self.ack_load_queue:  # a backup may read slots a load is still writing
+            self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
+        h, d = self._move_indices(host_indices, device_indices)
+        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        self.write_stream.submit(lambda: pool.backup_from_device_all_layer(dev, h, d, io))
+        finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
+        self.ack_write_queue.append(
+            HiCacheAck(start, finish, [node_id], host_indices, device_indices,
+                       self._nbytes(host_indices))
+        )
+        return host_indices
+
+    def writing_check(self) -> list[int]:
+        """Pop finished backups in launch order (stops at the first unfinished one); returns
+        their node ids. Never blocks. Releases deferred frees that no copy uses any more."""
+        done: list[int] = []
+        while self.ack_write_queue and self.ack_write_queue[0].finish_event.query():
+            done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
+        self._release_deferred()
+        return done
+
+    def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
+        """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
+        acks, and return their node ids (``writing_check`` will not return them again)."""
+        wanted = None if node_ids is None else set(node_ids)
+        targets = [a for a in self.ack_write_queue
+                   if wanted is None or wanted.intersection(a.node_ids)]
+        for a in targets:
+            a.finish_event.synchronize()
+        done: list[int] = []
+        for a in targets:
+            self.ack_write_queue.remove(a)
+            done.extend(self._complete(a, "d2h"))
+        self._release_deferred()
+        return done
+
+    # ------------------------------------------------------------------ H2D
+    def load(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
+        """Allocate device slots for ``host_indices`` and queue their H2D copy.
+
+        Returns the device slots (int64 on the device, same order) or ``None`` when the device
+        pool is short (nothing changes). Nothing moves until ``start_loading()``. Never blocks.
+        """
+        _check_indices("host_indices", host_indices, self.page_size)
+        if host_indices.numel() and (
+            int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
+        ):
+            raise ValueError(f"host_indices out of range [0, {self.host_pool.size})")
+        device_indices = self.device_allocator.alloc(host_indices.numel())
+        if device_indices is None:
+            return None
+        self.load_queue.append(_CacheOperation(host_indices.cpu(), device_indices, node_id))
+        return device_indices
+
+    def start_loading(self) -> int:
+        """Launch every queued load as one H2D per layer on the load stream, recording one event
+        per layer; returns the producer id (``-1`` when nothing was queued). Never blocks."""
+        if not self.load_queue:
+            return -1
+        ops, self.load_queue = self.load_queue, []
+        host_indices = torch.cat([op.host_indices for op in ops])
+        device_indices = torch.cat([op.device_indices for op in ops])
+        node_ids = [op.node_id for op in ops]
+        pid = self.layer_done_counter.update_producer()
+        lev = self.layer_done_counter.events[pid]
+        lev.start_event.record(self.streams.compute)
+        self.load_stream.wait_event(lev.start_event)
+        for a in self.ack_write_queue:  # host slots still being written by a backup
+            if bool(torch.isin(a.host_indices, host_indices).any()):
+                self.load_stream.wait_event(a.finish_event)
+        h, d = self._move_indices(host_indices, device_indices)
+        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        for layer in range(self.layer_num):
+            self.load_stream.submit(
+                lambda layer=layer: pool.load_to_device_per_layer(dev, h, d, layer, io)
+            )
+            lev.load_events[layer].record(self.load_stream)
+        self.ack_load_queue.append(
+            HiCacheAck(lev.start_event, lev.finish_event, node_ids, host_indices,
+                       device_indices, self._nbytes(host_indices), pid)
+        )
+        self.layer_done_counter.set_consumer(pid)
+        return pid
+
+    def loading_check(self) -> list[int]:
+        """Pop finished loads in launch order; returns their node ids. Never blocks."""
+        done: list[int] = []
+        while self.ack_load_queue and self.ack_load_queue[0].finish_event.query():
+            ack = self.ack_load_queue.popleft()
+            done.extend(self._complete(ack, "h2d"))
+            self.layer_done_counter.release(ack.producer_id)
+        self._release_deferred()
+        return done
+
+    # ------------------------------------------------------------------ both
+    def wait_all(self) -> tuple[list[int], list[int]]:
+        """Block until every launched copy finished; pop all acks. Returns (written node ids,
+        loaded node ids). Queued, unstarted loads stay queued."""
+        for a in list(self.ack_write_queue) + list(self.ack_load_queue):
+            a.finish_event.synchronize()
+        return self.writing_check(), self.loading_check()
+
+    # ------------------------------------------------------------------ eviction
+    def evict_device(self, device_indices: torch.Tensor) -> int:
+        """Return device slots to the allocator; slots a copy still uses are held until its ack
+        is popped. Raises ``ValueError`` (nothing changes) on a bad or double free."""
+        self._validate_evict(device_indices, self.device_allocator, self._deferred_device,
+                             "device_indices")
+        busy = self.inflight_slots()
+        self._free_or_defer(device_indices, torch.cat([busy.device_read, busy.device_written]),
+                            self.device_allocator, self._deferred_device)
+        return device_indices.numel()
+
+    def evict_host(self, host_indices: torch.Tensor) -> int:
+        """Return host slots to the host allocator (deferred while a copy uses them, as
+        ``evict_device``)."""
+        self._validate_evict(host_indices, self.host_allocator, self._deferred_host,
+                             "host_indices")
+        busy = self.inflight_slots()
+        self._free_or_defer(host_indices, torch.cat([busy.host_read, busy.host_written]),
+                            self.host_allocator, self._deferred_host)
+        return host_indices.numel()
+
+    # ------------------------------------------------------------------ accounting
+    def inflight_slots(self) -> InflightSlots:
+        """Slots used by launched or queued copies whose acks are not popped (CPU int64)."""
+        writes = list(self.ack_write_queue)
+        loads = list(self.ack_load_queue)
+        return InflightSlots(
+            device_read=_cat([a.device_indices for a in writes]),
+            device_written=_cat([a.device_indices for a in loads]
+                                + [op.device_indices for op in self.load_queue]),
+            host_read=_cat([a.host_indices for a in loads]
+                           + [op.host_indices for op in self.load_queue]),
+            host_written=_cat([a.host_indices for a in writes]),
+        )
+
+    def device_in_flight(self) -> int:
+        """Device slots the tree freed that the controller holds until a copy's ack."""
+        return sum(t.numel() for t in self._deferred_device)
+
+    def host_in_flight(self) -> int:
+        """Host slots the tree freed that the controller holds until a copy's ack."""
+        return sum(t.numel() for t in self._deferred_host)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless both allocators are consistent, every slot a copy
+        uses is allocated (none is free while a copy reads or writes it), and deferred frees
+        are allocated and distinct."""
+        self.device_allocator.check_integrity()
+        self.host_allocator.check_integrity()
+        busy = self.inflight_slots()
+        for name, idx, alloc in (
+            ("device", torch.cat([busy.device_read, busy.device_written]), self.device_allocator),
+            ("host", torch.cat([busy.host_read, busy.host_written]), self.host_allocator),
+            ("deferred device", _cat(self._deferred_device), self.device_allocator),
+            ("deferred host", _cat(self._deferred_host), self.host_allocator),
+        ):
+            if not alloc.is_allocated(idx):
+                raise AssertionError(f"controller: a {name} slot in use by a copy is free")
+        for name, lst in (("device", self._deferred_device), ("host", self._deferred_host)):
+            d = _cat(lst)
+            if d.unique().numel() != d.numel():
+                raise AssertionError(f"controller: a {name} slot is deferred twice")
+
+    def close(self) -> None:
+        """Stop CPU stream threads (after their queued work); no-op on CUDA."""
+        if isinstance(self.streams, CpuStreams):
+            self.streams.close()
+
+    # ------------------------------------------------------------------ internals
+    def _nbytes(self, indices: torch.Tensor) -> int:
+        return indices.numel() * self.host_pool.size_per_token
+
+    def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
+        ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
+        stream = self.write_stream if direction == "d2h" else self.load_stream
+        stream.check_error()
+        secs = ack.start_event.elapsed_time(ack.finish_event) / 1e3
+        self.stats.record_copy(direction, ack.nbytes, secs)
+        return ack.node_ids
+
+    def _move_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices where the io backend wants them (as SGLang's ``move_indices``)."""
+        if self.io_backend == "kernel":
+            return host_indices.to(self.device, non_blocking=True), device_indices
+        device_indices = device_indices.cpu()
+        if self.host_pool.layout == "layer_first":  # sorted host side: longer contiguous runs
+            host_indices, order = host_indices.sort()
+            device_indices = device_indices.index_select(0, order)
+        return host_indices, device_indices
+
+    @staticmethod
+    def _validate_evict(
+        indices: torch.Tensor, alloc: TokenToKVPoolAllocator, deferred: list[torch.Tensor],
+        name: str,
+    ) -> None:
+        _check_indices(name, indices, alloc.page_size)
+        alloc.check_free(indices)
+        if deferred and bool(torch.isin(indices.cpu(), _cat(deferred)).any()):
+            raise ValueError(f"{name}: slots already freed (held until a copy's ack)")
+
+    @staticmethod
+    def _free_or_defer(
+        indices: torch.Tensor, busy: torch.Tensor, alloc: TokenToKVPoolAllocator,
+        deferred: list[torch.Tensor],
+    ) -> None:
+        if indices.numel() == 0:
+            return
+        idx = indices.cpu()
+        if busy.numel() == 0:
+            alloc.free(indices)
+            return
+        page_busy = torch.isin(idx, busy).view(-1, alloc.page_size).any(dim=1)
+        slot_busy = page_busy.repeat_interleave(alloc.page_size)
+        if bool(slot_busy.any()):
+            deferred.append(idx[slot_busy])
+            logger.debug("deferring the free of %d slots in use by a copy", int(slot_busy.sum()))
+        if not bool(slot_busy.all()):
+            alloc.free(indices[~slot_busy.to(indices.device)])
+
+    def _release_deferred(self) -> None:
+        if not (self._deferred_device or self._deferred_host):
+            return
+        busy = self.inflight_slots()
+        for lst, b, alloc in (
+            (self._deferred_device, torch.cat([busy.device_read, busy.device_written]),
+             self.device_allocator),
+            (self._deferred_host, torch.cat([busy.host_read, busy.host_written]),
+             self.host_allocator),
+        ):
+            if not lst:
+                continue
+            pending, lst[:] = list(lst), []
+            for t in pending:
+                self._free_or_defer(t, b, alloc, lst)

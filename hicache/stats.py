@@ -1,0 +1,81 @@
+"""One stats object for the hierarchical cache, read by benches and logs.
+
+The tree records hits, backups, loads and evictions when it decides them; the controller records
+bytes moved and copy time when a copy's ack completes. Single-threaded: only the scheduler thread
+calls ``record_*`` (CPU stream workers never touch it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+DIRECTIONS = ("d2h", "h2d")
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction or the last ``reset()``. Tokens are token slots; bytes are
+    K and V of all layers; copy time is seconds from a copy's start event to its finish event
+    (on CPU streams this includes queueing and any injected delay)."""
+
+    match_calls: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    backed_up_tokens: int = 0
+    loaded_tokens: int = 0
+    evicted_device_tokens: int = 0
+    evicted_host_tokens: int = 0
+    d2h_copies: int = 0
+    h2d_copies: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_copy_time_s: float = 0.0
+    h2d_copy_time_s: float = 0.0
+
+    # --- recorders -----------------------------------------------------------------------------
+    def record_match(self, device_hit_tokens: int, host_hit_tokens: int) -> None:
+        self.match_calls += 1
+        self.device_hit_tokens += device_hit_tokens
+        self.host_hit_tokens += host_hit_tokens
+
+    def record_backup(self, tokens: int) -> None:
+        self.backed_up_tokens += tokens
+
+    def record_load(self, tokens: int) -> None:
+        self.loaded_tokens += tokens
+
+    def record_evict_device(self, tokens: int) -> None:
+        self.evicted_device_tokens += tokens
+
+    def record_evict_host(self, tokens: int) -> None:
+        self.evicted_host_tokens += tokens
+
+    def record_copy(self, direction: str, nbytes: int, seconds: float) -> None:
+        """One completed copy: ``direction`` is ``"d2h"`` or ``"h2d"``."""
+        if direction == "d2h":
+            self.d2h_copies += 1
+            self.d2h_bytes += nbytes
+            self.d2h_copy_time_s += seconds
+        elif direction == "h2d":
+            self.h2d_copies += 1
+            self.h2d_bytes += nbytes
+            self.h2d_copy_time_s += seconds
+        else:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+    # --- readers -------------------------------------------------------------------------------
+    def as_dict(self) -> dict[str, int | float]:
+        """Every counter plus derived bandwidths (GB/s, 0 when no time was recorded)."""
+        out: dict[str, int | float] = dataclasses.asdict(self)
+        for d in DIRECTIONS:
+            secs = getattr(self, f"{d}_copy_time_s")
+            out[f"{d}_gbps"] = getattr(self, f"{d}_bytes") / secs / 1e9 if secs else 0.0
+        return out
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)

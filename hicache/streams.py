@@ -1,0 +1,344 @@
+"""Streams and events, once for CUDA and once for a machine without it.
+
+Everything that moves bytes asynchronously (the controller) is written against this small API:
+
+- ``Streams.compute`` — the stream the forward pass runs on (the caller's stream).
+- ``Streams.new_stream()`` — a side stream (the controller makes a write and a load stream).
+- ``Streams.new_event()`` — an event, recorded on a stream, waited on by a stream or the host.
+
+``Stream``: ``submit(fn)`` runs ``fn()`` "on" the stream; ``record(event=None) -> Event``;
+``wait_event(event)`` makes later work on this stream wait for ``event`` (never blocks the host on
+CUDA); ``query()`` (non-blocking: all submitted work done?); ``synchronize()`` (blocks the host).
+``Event``: ``record(stream)``, ``query()`` (non-blocking), ``synchronize()`` (blocks the host).
+An event never recorded counts as complete, as in CUDA.
+
+CUDA (``CudaStreams``): ``submit`` calls ``fn`` at once inside ``torch.cuda.stream(s)``, so the
+kernels it launches are queued on ``s``; events are ``torch.cuda.Event``.
+
+CPU (``CpuStreams``): a side stream is one worker thread that runs submitted callables in order;
+events are ``threading.Event``s set by the worker when it reaches the record. The compute stream
+is the calling thread itself, so work "on" it is already done when submitted; a wait on it blocks
+the caller. An optional delay (seconds, or a callable returning seconds) is slept before every
+submitted callable to widen race windows in tests. Callables of all CPU side streams run under one
+process-wide lock: Triton's CPU interpreter patches module globals and is not thread-safe. Delays
+are slept outside the lock, so they overlap. A callable that raises is logged, the stream keeps
+going (so events still fire and nothing deadlocks), and the error is re-raised by ``synchronize()``
+or ``check_error()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Delay = float | Callable[[], float]
+
+# Serializes the callables of every CPU side stream (the Triton interpreter is not thread-safe).
+CPU_COPY_LOCK = threading.Lock()
+
+
+class Event(Protocol):
+    def record(self, stream: Stream | None = None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end: Event) -> float: ...
+
+
+class Stream(Protocol):
+    def submit(self, fn: Callable[[], object]) -> None: ...
+    def record(self, event: Event | None = None) -> Event: ...
+    def wait_event(self, event: Event) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def check_error(self) -> None: ...
+
+
+class Streams(Protocol):
+    """Factory for one device's streams and events; ``compute`` is the forward pass's stream."""
+
+    is_cuda: bool
+
+    @property
+    def compute(self) -> Stream: ...
+    def new_stream(self) -> Stream: ...
+    def new_event(self, enable_timing: bool = False) -> Event: ...
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA
+# ------------------------------------------------------------------------------------------------
+class CudaEvent:
+    """A ``torch.cuda.Event``; ``record`` defaults to the current stream."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.event = torch.cuda.Event(enable_timing=enable_timing)
+
+    def record(self, stream: Stream | None = None) -> None:
+        s = stream.stream if isinstance(stream, CudaStream) else None
+        self.event.record(s)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds between this event and ``end`` (both need ``enable_timing``; both must
+        have completed)."""
+        if not isinstance(end, CudaEvent):
+            raise ValueError(f"end must be a CudaEvent, got {type(end).__name__}")
+        return self.event.elapsed_time(end.event)
+
+
+class CudaStream:
+    """A ``torch.cuda.Stream``; ``submit`` launches ``fn``'s kernels on it, never blocking."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        with torch.cuda.stream(self.stream):
+            fn()
+
+    def record(self, event: Event | None = None) -> Event:
+        ev = event if event is not None else CudaEvent()
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise ValueError(f"event must be a CudaEvent, got {type(event).__name__}")
+        self.stream.wait_event(event.event)
+
+    def query(self) -> bool:
+        return self.stream.query()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def check_error(self) -> None:
+        return None
+
+
+class CudaStreams:
+    """Streams on one CUDA device; ``compute`` is the stream current at construction."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device if device is not None else "cuda")
+        self._compute = CudaStream(torch.cuda.current_stream(self.device))
+
+    @property
+    def compute(self) -> CudaStream:
+        return self._compute
+
+    def new_stream(self) -> CudaStream:
+        return CudaStream(torch.cuda.Stream(self.device))
+
+    def new_event(self, enable_timing: bool = False) -> CudaEvent:
+        return CudaEvent(enable_timing)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+class CpuEvent:
+    """A thread event; each ``record`` arms a fresh flag that the stream sets when reached."""
+
+    def __init__(self) -> None:
+        self._flag: threading.Event | None = None
+        self.recorded_at: float | None = None  # time.perf_counter() when the flag was set
+
+    def record(self, stream: Stream | None = None) -> None:
+        flag = threading.Event()
+        self._flag = flag
+        self.recorded_at = None
+
+        def fire() -> None:
+            self.recorded_at = time.perf_counter()
+            flag.set()
+
+        if stream is None or isinstance(stream, CpuComputeStream):
+            fire()
+        elif isinstance(stream, CpuStream):
+            stream._put(fire, delayed=False)
+        else:
+            raise ValueError(f"stream must be a CPU stream, got {type(stream).__name__}")
+
+    def query(self) -> bool:
+        flag = self._flag
+        return flag is None or flag.is_set()
+
+    def synchronize(self) -> None:
+        flag = self._flag
+        if flag is not None:
+            flag.wait()
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from when this event fired to when ``end`` fired (0 if either has not)."""
+        if not isinstance(end, CpuEvent) or self.recorded_at is None or end.recorded_at is None:
+            return 0.0
+        return (end.recorded_at - self.recorded_at) * 1e3
+
+    def _waiter(self) -> Callable[[], object]:
+        """A wait on the record current now (a later re-record does not move it), as CUDA."""
+        flag = self._flag
+        return (lambda: None) if flag is None else flag.wait
+
+
+class CpuComputeStream:
+    """The calling thread: submitted work runs inline; a wait blocks the caller."""
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        fn()
+
+    def record(self, event: Event | None = None) -> Event:
+        ev = event if event is not None else CpuEvent()
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def check_error(self) -> None:
+        return None
+
+
+class CpuStream:
+    """One daemon worker thread running submitted callables in order (see module docstring)."""
+
+    def __init__(self, delay: Delay = 0.0, name: str = "cpu-stream") -> None:
+        self.delay = delay
+        self.name = name
+        self._queue: queue.Queue[tuple[Callable[[], object], bool] | None] = queue.Queue()
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- Stream API ----------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn``; the stream's delay is slept before it runs. Never blocks."""
+        self._put(fn, delayed=True)
+
+    def record(self, event: Event | None = None) -> Event:
+        ev = event if event is not None else CpuEvent()
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after ``event`` completes; the caller goes on."""
+        if not isinstance(event, CpuEvent):
+            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
+        self._put(event._waiter(), delayed=False)
+
+    def query(self) -> bool:
+        with self._cv:
+            return self._pending == 0
+
+    def synchronize(self) -> None:
+        """Block until everything submitted so far has run; re-raise a callable's error."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+        self.check_error()
+
+    def check_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{self.name}: a submitted copy failed") from self._error
+
+    def close(self) -> None:
+        """Finish queued work, then stop the worker thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+    # --- internals -----------------------------------------------------------------------------
+    def _put(self, fn: Callable[[], object], delayed: bool) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        with self._cv:
+            self._pending += 1
+        self._queue.put((fn, delayed))
+
+    def _sleep(self) -> None:
+        d = self.delay() if callable(self.delay) else self.delay
+        if d > 0:
+            time.sleep(d)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, delayed = item
+            try:
+                if delayed:
+                    self._sleep()
+                    with CPU_COPY_LOCK:
+                        fn()
+                else:
+                    fn()
+            except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
+                logger.exception("%s: submitted callable failed", self.name)
+                if self._error is None:
+                    self._error = e
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+
+class CpuStreams:
+    """CPU streams; ``delay`` (seconds or a callable) is given to every new side stream."""
+
+    is_cuda = False
+
+    def __init__(self, delay: Delay = 0.0) -> None:
+        self.delay = delay
+        self._compute = CpuComputeStream()
+        self._streams: list[CpuStream] = []
+
+    @property
+    def compute(self) -> CpuComputeStream:
+        return self._compute
+
+    def new_stream(self) -> CpuStream:
+        s = CpuStream(self.delay, name=f"cpu-stream-{len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def new_event(self, enable_timing: bool = False) -> CpuEvent:
+        """A CPU event (always timed: ``recorded_at`` is set when it fires)."""
+        return CpuEvent()
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.close()
+
+
+def make_streams(device: torch.device | str, delay: Delay = 0.0) -> CudaStreams | CpuStreams:
+    """``CudaStreams`` for a CUDA device, else ``CpuStreams(delay)`` (``delay`` unused on CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaStreams(device)
+    return CpuStreams(delay)
