@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -38,14 +39,14 @@ DEFAULT_NUM_WARPS = 16 if torch.version.hip is not None else 32
 # ---------------------------------------------------------------------------------------------
 
 
-def token_rows(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """A ``uint8`` view ``[nbytes // row_bytes, row_bytes]`` aliasing contiguous ``t``."""
+def token_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A ``uint8`` view ``[nbytes // width, width]`` aliasing contiguous ``t``."""
     if not t.is_contiguous():
         raise ValueError(f"expected a contiguous tensor, got strides {t.stride()}")
     flat = t.reshape(-1).view(torch.uint8)
-    if row_bytes <= 0 or flat.numel() % row_bytes:
-        raise ValueError(f"{flat.numel()} bytes are not a whole number of {row_bytes}-byte rows")
-    return flat.view(-1, row_bytes)
+    if width <= 0 or flat.numel() % width:
+        raise ValueError(f"{flat.numel()} bytes are not a whole number of {width}-byte rows")
+    return flat.view(-1, width)
 
 
 class _CudaBytes:
@@ -275,8 +276,9 @@ def transfer_kv_all_layer_mla_lf_pf(
 # ---------------------------------------------------------------------------------------------
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    return t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one slot (one index of dim 0) of ``t``."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 def transfer_kv_direct(
@@ -289,10 +291,10 @@ def transfer_kv_direct(
     """``dst_layers[j][d] = src_layers[j][s]`` for each layer tensor ``[T, ...]`` of the lists."""
     s, d = _valid_pairs(src_indices, dst_indices)
     for src, dst in zip(src_layers, dst_layers, strict=True):
-        _copy_rows(token_rows(src, _row_bytes(src)), token_rows(dst, _row_bytes(dst)), s, d)
+        _copy_rows(token_rows(src, row_bytes(src)), token_rows(dst, row_bytes(dst)), s, d)
 
 
-def _page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """``uint8`` view ``[P, L, page_size, row_bytes]`` of a page_first_direct buffer."""
     p, n_layers = buf.shape[0], buf.shape[1]
     return token_rows(buf, buf.nbytes // (p * n_layers * page_size)).view(
@@ -317,12 +319,12 @@ def transfer_kv_per_layer_direct_pf_lf(
     is_mla = len(src_ptrs) == 1
     n_layers = len(dst_ptrs) if is_mla else len(dst_ptrs) // 2
     for kv, host in enumerate(src_ptrs):
-        pages = _page_rows(host, page_size)
+        pages = page_rows(host, page_size)
         s_dev = s.to(pages.device)
         for j in range(n_layers):
             dst = dst_ptrs[kv * n_layers + j]
             vals = pages[s_dev // page_size, layer_id + j, s_dev % page_size]
-            token_rows(dst, _row_bytes(dst))[d.to(dst.device)] = vals.to(dst.device)
+            token_rows(dst, row_bytes(dst))[d.to(dst.device)] = vals.to(dst.device)
 
 
 def transfer_kv_all_layer_direct_lf_pf(
@@ -337,11 +339,11 @@ def transfer_kv_all_layer_direct_lf_pf(
     is_mla = len(dst_ptrs) == 1
     n_layers = len(src_ptrs) if is_mla else len(src_ptrs) // 2
     for kv, host in enumerate(dst_ptrs):
-        pages = _page_rows(host, page_size)
+        pages = page_rows(host, page_size)
         d_host = d.to(pages.device)
         for j in range(n_layers):
             src = src_ptrs[kv * n_layers + j]
-            vals = token_rows(src, _row_bytes(src))[s.to(src.device)]
+            vals = token_rows(src, row_bytes(src))[s.to(src.device)]
             pages[d_host // page_size, j, d_host % page_size] = vals.to(pages.device)
 
 

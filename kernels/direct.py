@@ -1,0 +1,215 @@
+"""Direct-backend KV copies (SGLang ``io_backend="direct"``): plain ``copy_`` calls, no kernel.
+
+The baseline the gather kernels are measured against: one ``copy_`` per maximal run of
+consecutive slots (``transfer_kv_direct``) or per (page, layer) block (the page_first_direct ops).
+Bytes are copied raw (``uint8`` views), so any dtype works and the two sides may differ in dtype.
+
+Like upstream, these ops read the indices on the host: on CUDA that waits for the indices to be
+ready (a stream synchronization), and each copy is then queued with ``non_blocking=True`` on the
+current stream. Host tensors should be pinned for the copies to be asynchronous. Indices must be
+in range and non-negative (``ValueError`` otherwise, checked on the host copy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kernels import _checks
+from kernels.reference import page_rows, row_bytes, token_rows
+
+logger = logging.getLogger(__name__)
+
+
+def _host_indices(
+    src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _checks.index_pair(src_indices, dst_indices)
+    _checks.positive_int("page_size", page_size)
+    if src_indices.numel() % page_size:
+        raise ValueError(
+            f"len(src_indices)={src_indices.numel()} is not a multiple of page_size={page_size}"
+        )
+    s, d = src_indices.cpu(), dst_indices.cpu()
+    for name, idx in (("src_indices", s), ("dst_indices", d)):
+        if idx.numel() and int(idx.min()) < 0:
+            raise ValueError(f"{name} holds a negative slot; the direct ops copy every pair")
+    return s, d
+
+
+def _in_range(name: str, idx: torch.Tensor, n_slots: int) -> None:
+    if idx.numel() and int(idx.max()) >= n_slots:
+        raise ValueError(f"{name} holds slot {int(idx.max())}, out of range for {n_slots} slots")
+
+
+def _runs(s: torch.Tensor, d: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(s0, d0, n)`` where both index sequences step by exactly one."""
+    if s.numel() == 0:
+        return []
+    breaks = ((s[1:] - s[:-1]) != 1) | ((d[1:] - d[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([s.numel()])])
+    return [
+        (int(s[a]), int(d[a]), int(b - a))
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    ]
+
+
+def _pages(
+    name: str, host_side: torch.Tensor, other: torch.Tensor, page_size: int, other_name: str
+) -> torch.Tensor:
+    """Start slots of each page group; checks the groups are whole, aligned pages of
+    ``host_side`` and consecutive slots of ``other``."""
+    n_pages = host_side.numel() // page_size
+    hs = host_side.view(n_pages, page_size)
+    os_ = other.view(n_pages, page_size)
+    step = torch.arange(page_size, dtype=torch.int64)
+    if not torch.equal(hs - hs[:, :1], step.expand_as(hs)) or bool((hs[:, 0] % page_size).any()):
+        raise ValueError(f"{name} must name whole pages: page_size aligned, consecutive slots")
+    if not torch.equal(os_ - os_[:, :1], step.expand_as(os_)):
+        raise ValueError(f"{other_name} must be consecutive within each page of {page_size}")
+    return hs[:, 0]
+
+
+def _page_buffers(name: str, bufs: Sequence[object], page_size: int) -> list[torch.Tensor]:
+    out = []
+    for i, b in enumerate(bufs):
+        if not isinstance(b, torch.Tensor) or b.dim() < 3 or b.shape[2] != page_size:
+            shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(
+                f"{name}[{i}] must be page_first_direct [P, L, page_size={page_size}, ...], "
+                f"got {shape}"
+            )
+        if not b.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous")
+        out.append(b)
+    if len(out) == 2:
+        _checks.same_shape(f"{name}[0]", out[0], f"{name}[1]", out[1])
+    return out
+
+
+def _layer_tensors(name: str, layers: Sequence[object], width: int | None) -> list[torch.Tensor]:
+    out = []
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or not t.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be a contiguous tensor [T, ...]")
+        if width is not None and row_bytes(t) != width:
+            raise ValueError(
+                f"{name}[{i}] holds {row_bytes(t)} bytes per slot, the other side {width}"
+            )
+        out.append(t)
+    return out
+
+
+def transfer_kv_direct(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """``dst_layers[j][d] = src_layers[j][s]``, one ``copy_`` per maximal consecutive run.
+
+    ``src_layers[j]`` ``[T_src, ...]`` and ``dst_layers[j]`` ``[T_dst, ...]`` (device or host,
+    same bytes per slot) pair up layer by layer (upstream passes all K layers then all V layers).
+    ``len(src_indices)`` must be a multiple of ``page_size``. Mutates ``dst_layers``.
+    """
+    _checks.layer_lists("src_layers", src_layers, "dst_layers", dst_layers)
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(
+            f"src_layers and dst_layers must pair up, got {len(src_layers)} and {len(dst_layers)}"
+        )
+    srcs = _layer_tensors("src_layers", src_layers, None)
+    dsts = [
+        _layer_tensors("dst_layers", [t], row_bytes(srcs[j]))[0] for j, t in enumerate(dst_layers)
+    ]
+    s, d = _host_indices(src_indices, dst_indices, page_size)
+    _in_range("src_indices", s, min(t.shape[0] for t in srcs))
+    _in_range("dst_indices", d, min(t.shape[0] for t in dsts))
+    width = [row_bytes(t) for t in srcs]
+    rows = [(token_rows(a, w), token_rows(b, w)) for a, b, w in zip(srcs, dsts, width, strict=True)]
+    for s0, d0, n in _runs(s, d):
+        for src, dst in rows:
+            dst[d0 : d0 + n].copy_(src[s0 : s0 + n], non_blocking=True)
+
+
+def _split(n_bufs: int, n_layer_tensors: int, name: str) -> int:
+    if n_bufs not in (1, 2) or n_layer_tensors % n_bufs:
+        raise ValueError(
+            f"{name} must hold L layer tensors per page_first_direct buffer (1 for MLA, "
+            f"2 for K and V), got {n_layer_tensors} for {n_bufs} buffers"
+        )
+    return n_layer_tensors // n_bufs
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """page_first_direct host pool -> device layers, one ``copy_`` per (page, layer) (H2D load).
+
+    ``src_ptrs``: ``[k_buffer, v_buffer]`` (MHA) or ``[kv_buffer]`` (MLA), each
+    ``[P, L, page_size, ...]``. ``dst_ptrs``: the K layer tensors then the V layer tensors
+    ``[T_dev, ...]`` for layers ``layer_id, layer_id + 1, ...`` (upstream passes one layer).
+    ``src_indices`` must name whole host pages; ``dst_indices`` consecutive slots within each
+    page. Mutates ``dst_ptrs``.
+    """
+    _checks.layer_lists("src_ptrs", src_ptrs, "dst_ptrs", dst_ptrs)
+    hosts = _page_buffers("src_ptrs", src_ptrs, page_size)
+    n_layers = _split(len(hosts), len(dst_ptrs), "dst_ptrs")
+    width = row_bytes(hosts[0]) // (hosts[0].shape[1] * page_size)
+    dsts = _layer_tensors("dst_ptrs", dst_ptrs, width)
+    _checks.layer_id_in_range(layer_id, hosts[0].shape[1] - n_layers + 1)
+    s, d = _host_indices(src_indices, dst_indices, page_size)
+    _in_range("src_indices", s, hosts[0].shape[0] * page_size)
+    _in_range("dst_indices", d, min(t.shape[0] for t in dsts))
+    host_pages = _pages("src_indices", s, d, page_size, "dst_indices") // page_size
+    dev_starts = d.view(-1, page_size)[:, 0] if d.numel() else d
+    for kv, host in enumerate(hosts):
+        pages = page_rows(host, page_size)
+        for j in range(n_layers):
+            dst = token_rows(dsts[kv * n_layers + j], width)
+            for p, d0 in zip(host_pages.tolist(), dev_starts.tolist(), strict=True):
+                dst[d0 : d0 + page_size].copy_(pages[p, layer_id + j], non_blocking=True)
+
+
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Device layers -> page_first_direct host pool, one ``copy_`` per (page, layer) (D2H).
+
+    ``src_ptrs``: all K layer tensors then all V layer tensors ``[T_dev, ...]`` (MHA), or the
+    latent layers (MLA). ``dst_ptrs``: ``[k_buffer, v_buffer]`` or ``[kv_buffer]``, each
+    ``[P, L, page_size, ...]``. ``dst_indices`` must name whole host pages; ``src_indices``
+    consecutive slots within each page. Mutates ``dst_ptrs``.
+    """
+    _checks.layer_lists("src_ptrs", src_ptrs, "dst_ptrs", dst_ptrs)
+    hosts = _page_buffers("dst_ptrs", dst_ptrs, page_size)
+    n_layers = _split(len(hosts), len(src_ptrs), "src_ptrs")
+    if n_layers != hosts[0].shape[1]:
+        raise ValueError(
+            f"src_ptrs holds {n_layers} layers per buffer, dst_ptrs {hosts[0].shape[1]}"
+        )
+    width = row_bytes(hosts[0]) // (hosts[0].shape[1] * page_size)
+    srcs = _layer_tensors("src_ptrs", src_ptrs, width)
+    s, d = _host_indices(src_indices, dst_indices, page_size)
+    _in_range("src_indices", s, min(t.shape[0] for t in srcs))
+    _in_range("dst_indices", d, hosts[0].shape[0] * page_size)
+    host_pages = _pages("dst_indices", d, s, page_size, "src_indices") // page_size
+    dev_starts = s.view(-1, page_size)[:, 0] if s.numel() else s
+    for kv, host in enumerate(hosts):
+        pages = page_rows(host, page_size)
+        for j in range(n_layers):
+            src = token_rows(srcs[kv * n_layers + j], width)
+            for p, s0 in zip(host_pages.tolist(), dev_starts.tolist(), strict=True):
+                pages[p, j].copy_(src[s0 : s0 + page_size], non_blocking=True)
