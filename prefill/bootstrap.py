@@ -37,6 +37,7 @@ import torch
 import kernels
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.memory_pool import MHATokenToKVPool
+from hicache.streams import CPU_COPY_LOCK
 from prefill.clock import Clock
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,8 @@ class DecodePeer:
         now = self.side.clock.now()
         nbytes = (end - start) * self.side.src_pool.get_size_per_token()
         done_at = now + cfg.transfer_latency_s + nbytes / cfg.transfer_bandwidth
+        if self.transfers:  # one queue per peer: acks arrive in send order
+            done_at = max(done_at, self.transfers[-1].done_at)
         fails = self._rng.random() < cfg.transfer_failure_prob
         transfer = Transfer(attempt, start, end, src_slots.clone(), done_at, fails, last)
         self.transfers.append(transfer)
@@ -273,9 +276,11 @@ class DecodePeer:
         self.state = KVPoll.WaitingForInput
 
     def _complete_transfers(self, now: float) -> None:
-        for t in self.transfers:
-            if t.acked or t.done_at > now:
+        for t in self.transfers:  # in send order; done_at is non-decreasing
+            if t.acked:
                 continue
+            if t.done_at > now:
+                break
             t.acked = True
             if t.fails:
                 self._set_failed(f"KV transfer of [{t.start}, {t.end}) failed (injected)")
@@ -290,11 +295,17 @@ class DecodePeer:
         assert self.decode_slots is not None
         src_pool, dst_pool = self.side.src_pool, self.side.pool
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
-        kernels.transfer_kv_all_layer(
+        args = (
             src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,
             dst_pool.v_data_ptrs, t.src.to(src_pool.device), dst.to(dst_pool.device),
             src_pool.item_size, src_pool.layer_num,
         )
+        if src_pool.device.type == "cpu":
+            # Triton's CPU interpreter is not thread-safe: share the side streams' lock.
+            with CPU_COPY_LOCK:
+                kernels.transfer_kv_all_layer(*args)
+        else:
+            kernels.transfer_kv_all_layer(*args)
 
     def _set_failed(self, reason: str) -> None:
         if self.state == KVPoll.Failed:
