@@ -156,3 +156,54 @@ def test_pool_geometry_mismatch_raises():
     bad = MHATokenToKVPool(16, 1, torch.float32, 3, 16, 4, "cpu")
     with pytest.raises(ValueError, match="pool"):
         model.forward_extend(bad, [ExtendInput(tokens(2), torch.tensor([1, 2]), 0)])
+
+
+@pytest.mark.parametrize("layout,io", [("page_first", "kernel"), ("layer_first", "kernel"),
+                                       ("page_first_direct", "direct")])
+def test_prefix_copied_device_host_device_matches_recompute(layout, io):
+    """A's KV goes D2H into the host pool, A's device slots are scrubbed and freed, then the
+    prefix comes back H2D into different slots layer by layer (one load per layer_wait) and B
+    reads it from there."""
+    from hicache.memory_pool_host import MHATokenToKVPoolHost
+
+    model, pool, alloc = make(4, size=128)
+    host = MHATokenToKVPoolHost(pool, 2.0, 0.0, 4, layout, pin_memory=False)
+    a = tokens(16, seed=8)
+    b = torch.cat([a, tokens(6, seed=9)])
+    a_slots = alloc_slots(alloc, 16)
+    model.forward_extend(pool, [ExtendInput(a, a_slots, 0)])
+    host_slots = host.alloc(16)
+    host.backup_from_device_all_layer(pool, host_slots, a_slots, io)
+    pool.kv_buffer[:, :, a_slots] = float("nan")
+    alloc.free(a_slots)
+    back = alloc_slots(alloc, 16)
+    new_slots = alloc_slots(alloc, 6)
+
+    def load(layer_id: int) -> None:
+        host.load_to_device_per_layer(pool, host_slots, back, layer_id, io)
+
+    out = model.forward_extend(
+        pool, [ExtendInput(b[16:], torch.cat([back, new_slots]), 16)], layer_wait=load,
+        return_all_logits=True,
+    )[0]
+    ref_logits, ref_k, ref_v = model.forward_reference(b)
+    torch.testing.assert_close(out, ref_logits[16:], **LOGIT_TOL)
+    k, v = pool_kv(pool, new_slots)
+    torch.testing.assert_close(k, ref_k[:, 16:], **KV_TOL)
+    torch.testing.assert_close(v, ref_v[:, 16:], **KV_TOL)
+
+
+def test_bf16_prefix_matches_recompute_loosely():
+    """bf16 (the GPU dtype): same paths, tolerance of bf16 rounding (logits atol 5e-2)."""
+    cfg = ModelConfig.tiny(seed=3, dtype=torch.bfloat16)
+    model = PagedTransformer(cfg)
+    pool = MHATokenToKVPool(64, 1, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
+                            "cpu")
+    alloc = TokenToKVPoolAllocator(64, 1, "cpu")
+    ids = tokens(20, seed=10)
+    s1 = alloc_slots(alloc, 12)
+    model.forward_extend(pool, [ExtendInput(ids[:12], s1, 0)])
+    s2 = alloc_slots(alloc, 8)
+    out = model.forward_extend(pool, [ExtendInput(ids[12:], torch.cat([s1, s2]), 12)])[0]
+    ref = model.forward_reference(ids)[0][-1]
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
