@@ -200,11 +200,21 @@ class HiCacheController:
         """Back up device slots to freshly allocated host slots; launches at once.
 
         Returns the host slots (CPU int64, same order as ``device_indices``) or ``None`` when the
-        host pool is short (nothing changes). The copy starts on the write stream after an event
-        recorded now on the compute stream (so it reads what the forward wrote). Never blocks.
+        host pool is short (nothing changes). Raises ``ValueError`` for malformed indices or
+        slots that a queued, unstarted load will write (their content does not exist yet).
+        The copy starts on the write stream after an event recorded now on the compute stream
+        (so it reads what the forward wrote). Never blocks.
         The host copy is readable only after this write's ack (``writing_check``).
         """
         _check_indices("device_indices", device_indices, self.page_size)
+        if self.load_queue and bool(
+            torch.isin(device_indices.cpu(), _cat([op.device_indices for op in self.load_queue]))
+            .any()
+        ):
+            raise ValueError(
+                "device_indices include slots of a queued load that has not started; "
+                "call start_loading() first"
+            )
         host_indices = self.host_allocator.alloc(device_indices.numel())
         if host_indices is None:
             return None

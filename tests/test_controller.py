@@ -258,3 +258,18 @@ def test_cuda_round_trip_with_pinned_host_pool(layout: str, io: str) -> None:
     check_device(c.device_pool, d2, tokens, positions)
     assert c.wait_all()[1] == [2]
     c.host_pool.destroy()
+
+
+def test_backup_of_slots_a_queued_load_will_write_is_refused() -> None:
+    c = make(size=8)
+    d = c.device_allocator.alloc(4)
+    h = c.write(d)
+    c.wait_write()
+    d2 = c.load(h)
+    with pytest.raises(ValueError, match="start_loading"):
+        c.write(d2)
+    assert c.host_allocator.available_size() == 12
+    c.start_loading()
+    assert c.write(d2) is not None  # launched loads are waited for instead
+    c.wait_all()
+    c.close()
