@@ -85,6 +85,7 @@ class HiRadixCache(RadixCache):
         super().reset()
         self.ongoing_write_through: dict[int, TreeNode] = {}  # node id -> node being backed up
         self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
+        self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
         self._pending_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
 
     # ------------------------------------------------------------------ match
@@ -161,6 +162,7 @@ class HiRadixCache(RadixCache):
         """Complete finished loads (non-blocking): release the locks they held."""
         for node_id in self.controller.loading_check():
             node = self.ongoing_load_back.pop(node_id, None)
+            self._load_ancestors.pop(node_id, None)
             if node is not None:
                 self.dec_lock_ref(node)
 
@@ -359,6 +361,7 @@ class HiRadixCache(RadixCache):
             offset += len(x.host_value)
             self._add_device_tokens(x, len(x.value))
         self.ongoing_load_back[last_host_node.id] = last_host_node
+        self._load_ancestors[last_host_node.id] = ancestor
         self.inc_lock_ref(last_host_node)
         if self.stats is not None:
             self.stats.record_load(total)
@@ -380,6 +383,18 @@ class HiRadixCache(RadixCache):
         if not self._pending_write_slots:
             return torch.empty((0,), dtype=torch.int64)
         return torch.cat([s.cpu() for s in self._pending_write_slots.values()])
+
+    def loading_nodes(self) -> list[TreeNode]:
+        """Nodes whose device slots an H2D load is still writing (not readable before
+        ``layer_wait``; not final before the load ack)."""
+        out = []
+        for node_id, last in self.ongoing_load_back.items():
+            ancestor = self._load_ancestors[node_id]
+            x = last
+            while x is not ancestor and x is not self.root_node:
+                out.append(x)
+                x = x.parent
+        return out
 
     def device_in_flight(self) -> int:
         """Device slots held by the controller outside the tree (e.g. deferred frees)."""

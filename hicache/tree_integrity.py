@@ -91,8 +91,8 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
             f"evictable/protected {tree.evictable_size_}/{tree.protected_size_} != "
             f"recount {evictable}/{protected}"
         )
-    if tree.root_node.lock_ref < sum(c.lock_ref for c in tree.root_node.children.values()):
-        _fail("root lock count below its children's")
+    if tree.root_node.lock_ref != 1 or tree.root_node.value is None:
+        _fail("the root lost its sentinel lock or its (empty) device value")
 
     n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
     in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
