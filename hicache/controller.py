@@ -225,9 +225,13 @@ class HiCacheController:
         self.write_stream.wait_event(start)
         if self.ack_load_queue:  # a backup may read slots a load is still writing
             self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
-        h, d = self._move_indices(host_indices, device_indices)
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
-        self.write_stream.submit(lambda: pool.backup_from_device_all_layer(dev, h, d, io))
+
+        def backup() -> None:  # index moves run on the write stream too, ordered before the copy
+            h, d = self._move_indices(host_indices, device_indices)
+            pool.backup_from_device_all_layer(dev, h, d, io)
+
+        self.write_stream.submit(backup)
         finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
         self.ack_write_queue.append(
             HiCacheAck(start, finish, [node_id], host_indices, device_indices,
@@ -293,12 +297,16 @@ class HiCacheController:
         for a in self.ack_write_queue:  # host slots still being written by a backup
             if bool(torch.isin(a.host_indices, host_indices).any()):
                 self.load_stream.wait_event(a.finish_event)
-        h, d = self._move_indices(host_indices, device_indices)
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def load_layer(layer: int) -> None:  # the first layer moves the indices, on this stream
+            if not moved:
+                moved.append(self._move_indices(host_indices, device_indices))
+            pool.load_to_device_per_layer(dev, *moved[0], layer, io)
+
         for layer in range(self.layer_num):
-            self.load_stream.submit(
-                lambda layer=layer: pool.load_to_device_per_layer(dev, h, d, layer, io)
-            )
+            self.load_stream.submit(lambda layer=layer: load_layer(layer))
             lev.load_events[layer].record(self.load_stream)
         self.ack_load_queue.append(
             HiCacheAck(lev.start_event, lev.finish_event, node_ids, host_indices,

@@ -130,17 +130,17 @@ class CudaStream:
 
 
 class CudaStreams:
-    """Streams on one CUDA device; ``compute`` is the stream current at construction."""
+    """Streams on one CUDA device; ``compute`` is whatever stream is current when asked."""
 
     is_cuda = True
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else "cuda")
-        self._compute = CudaStream(torch.cuda.current_stream(self.device))
 
     @property
     def compute(self) -> CudaStream:
-        return self._compute
+        """The stream current now on this device (where the forward pass runs)."""
+        return CudaStream(torch.cuda.current_stream(self.device))
 
     def new_stream(self) -> CudaStream:
         return CudaStream(torch.cuda.Stream(self.device))

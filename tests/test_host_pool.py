@@ -125,3 +125,26 @@ def test_get_set_slot_helpers() -> None:
     assert kv.eq(7).all() and host.get_kv_slots(1, idx)[0].eq(0).all()
     with pytest.raises(ValueError):
         host.get_kv_slots(0, torch.tensor([32]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", mph.LAYOUTS)
+def test_cuda_host_pool_is_registered_at_exact_size(layout: str) -> None:
+    dev = MHATokenToKVPool(48, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
+                           device="cuda")
+    host = MHATokenToKVPoolHost(dev, 3.0, 0, 16, layout)
+    assert host.pinned and host._registered  # cudaHostRegister, not pin_memory()
+    assert host.kv_buffer.is_pinned()
+    assert host.mem_bytes() == host.size * host.size_per_token  # exact, no power-of-two rounding
+    if layout == "layer_first":
+        assert host.k_data_ptrs.device.type == "cuda"
+        assert int(host.k_data_ptrs[1]) == host.k_buffer[1].data_ptr()
+    host.destroy()
+    assert not host._registered
+    host.destroy()  # idempotent
+
+
+def test_cpu_host_pool_is_not_pinned() -> None:
+    host = MHATokenToKVPoolHost(device_pool(False, 1), 2.0, 0, 1, "layer_first")
+    assert not host.pinned and not host._registered
+    assert host.k_data_ptrs.device.type == "cpu"
