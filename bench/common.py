@@ -1,0 +1,133 @@
+"""Small helpers shared by the benchmarks: timing, result files, fixed-width tables.
+
+- :func:`time_ms`: median and 20/80 % quantiles of one call, in milliseconds. On CUDA it is
+  ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions); on CPU a
+  ``perf_counter`` loop. Say which in the output (:func:`timer_name`).
+- :func:`write_json`: ``out_dir/<name>.json`` with the machine description added.
+- :func:`print_table`: fixed-width table from a list of dicts and column specs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.summary import machine_info
+
+__all__ = [
+    "Column",
+    "Timing",
+    "machine_info",
+    "print_table",
+    "time_ms",
+    "timer_name",
+    "write_json",
+]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call: median and the 20th / 80th percentiles."""
+
+    median: float
+    p20: float
+    p80: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_ms": self.median, "p20_ms": self.p20, "p80_ms": self.p80}
+
+
+def timer_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "CUDA events (triton.testing.do_bench, L2 flushed), median"
+    return "CPU wall clock (time.perf_counter), median"
+
+
+def time_ms(
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup_ms: float = 10.0,
+    rep_ms: float = 50.0,
+    min_reps: int = 3,
+) -> Timing:
+    """Time ``fn`` (which launches work on the current stream, or runs on the CPU)."""
+    if device.type == "cuda":
+        return _time_cuda(fn, warmup_ms, rep_ms, min_reps)
+    fn()  # warm-up (first-call allocations, lazy initialization)
+    samples: list[float] = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(samples) < min_reps or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _summarize(samples)
+
+
+def _summarize(samples: list[float]) -> Timing:
+    samples = sorted(samples)
+
+    def q(f: float) -> float:
+        return samples[min(len(samples) - 1, int(f * len(samples)))]
+
+    return Timing(statistics.median(samples), q(0.2), q(0.8))
+
+
+def _time_cuda(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, min_reps: int) -> Timing:
+    """``do_bench``, except for calls so slow that ``min_reps`` of them exceed ``rep_ms``: those
+    get ``min_reps`` event-timed calls (do_bench would first spend 5 calls estimating)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def once() -> float:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    fn()
+    torch.cuda.synchronize()
+    if once() * min_reps > rep_ms:
+        return _summarize([once() for _ in range(min_reps)])
+    from triton.testing import do_bench
+
+    q = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return Timing(*(float(x) for x in q))
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``payload`` (plus ``machine``) to ``out_dir/<name>.json``; returns the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    body = {"machine": machine_info(), **payload}
+    path.write_text(json.dumps(body, indent=2, default=str))
+    return path
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: dict key, header, width and format spec (e.g. ``.2f``)."""
+
+    key: str
+    header: str
+    width: int = 10
+    fmt: str = ""
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
+    """Print ``rows`` as a fixed-width table; missing or None cells print as ``-``."""
+    print("".join(f"{c.header:>{c.width}}" for c in columns))
+    print("-" * sum(c.width for c in columns))
+    for row in rows:
+        cells = []
+        for c in columns:
+            value = row.get(c.key)
+            text = "-" if value is None else format(value, c.fmt)
+            cells.append(f"{text:>{c.width}}")
+        print("".join(cells))
