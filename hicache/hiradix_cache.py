@@ -190,7 +190,7 @@ class HiRadixCache(RadixCache):
         waiting: set[int] = set()
         while freed < num_tokens and heap:
             _, _, x = heapq.heappop(heap)
-            if x.lock_ref > 0 or x.evicted:
+            if x.lock_ref > 0 or x.evicted or x.id in waiting:
                 continue
             parent = x.parent
             if x.backuped:

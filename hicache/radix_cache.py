@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from hicache.tree_integrity import check_tree
+
 if TYPE_CHECKING:
     from hicache.allocator import TokenToKVPoolAllocator
 
@@ -446,13 +448,12 @@ class RadixCache:
     # ------------------------------------------------------------------ integrity
 
     def check_integrity(self, request_owned: int = 0) -> None:
-        """Raise ``AssertionError`` when the tree or its accounting is inconsistent.
+        """Raise ``AssertionError`` when the tree, its allocators or (HiRadixCache) the controller
+        is inconsistent; see ``hicache.tree_integrity`` for the list of invariants.
 
         ``request_owned``: device slots currently allocated by requests (not in the tree);
         the device ledger must balance: free + in tree + request-owned + in flight == total.
         """
-        from hicache.tree_integrity import check_tree
-
         check_tree(self, request_owned=request_owned)
 
     def all_nodes(self) -> list[TreeNode]:

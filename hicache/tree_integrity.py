@@ -15,6 +15,9 @@
 - a host copy whose D2H write has not been acked belongs to a device-resident node (it is not
   matchable as a host hit), and every node waiting for a write or a load ack is still in the tree.
 
+plus the allocators' own checks and, with a host tier, the controller's (no slot a launched or
+queued copy reads or writes is free).
+
 Cost: O(tree size) tensor work; meant for tests and idle-time checks, not the hot path.
 """
 
@@ -72,6 +75,11 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
     """Check ``tree`` (a ``RadixCache`` or ``HiRadixCache``); see the module docstring."""
     if request_owned < 0:
         raise ValueError(f"request_owned must be >= 0, got {request_owned}")
+    controller = getattr(tree, "controller", None)
+    if controller is not None:
+        controller.check_integrity()  # both allocators; no slot free while a copy uses it
+    else:
+        tree.allocator.check_integrity()
     nodes = tree.all_nodes()
     evictable = protected = 0
     device_slots: list[torch.Tensor] = []
