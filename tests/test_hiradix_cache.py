@@ -47,12 +47,16 @@ def make_cache(
     threshold: int = 1,
     upstream_chunked: bool = False,
     use_mla: bool = False,
+    device: str = "cpu",
+    layout: str = "layer_first",
+    io: str = "direct",
 ) -> KVCache:
     geometry = (
         dict(use_mla=True, kv_lora_rank=4, qk_rope_head_dim=2) if use_mla else dict(head_num=1)
     )
     args = ServerArgs(
-        device="cpu",
+        device=device,
+        dtype="float32",
         num_layers=2,
         head_dim=4,
         max_total_tokens=device_tokens,
@@ -60,13 +64,15 @@ def make_cache(
         enable_hierarchical_cache=True,
         hicache_ratio=ratio,
         hicache_write_policy=policy,
-        hicache_mem_layout="layer_first",
-        hicache_io_backend="direct",
+        hicache_mem_layout=layout,
+        hicache_io_backend=io,
         load_back_threshold=threshold,
         hicache_upstream_chunked_insert=upstream_chunked,
         **geometry,
     )
-    return build_kv_cache(args, copy_delay=gate if gate is not None else 0.0)
+    if gate is None:
+        return build_kv_cache(args)
+    return build_kv_cache(args, copy_delay=gate)
 
 
 @pytest.fixture
@@ -255,6 +261,33 @@ def test_write_back_story(caches) -> None:
     assert tree.evict(16) == 16 and kv.stats.backed_up_tokens == backed
     assert tree.evict_host(16) == 16
     assert not tree.root_node.children
+    kv.check_integrity()
+
+
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_round_trip_with_kernels(caches, policy, device) -> None:
+    """Cache, evict to host, load back and re-hit through the Triton copy kernels (page_first
+    host layout); on CUDA this runs on real streams and pinned host memory."""
+    kv = make_cache(policy, device=device, layout="page_first", io="kernel")
+    caches.append(kv)
+    tree = kv.tree
+    for _ in range(2):  # twice, so write_through_selective backs up too
+        compute(kv, B)
+    drain(kv)
+    verify(kv)
+    assert tree.evict(100) == 16
+    assert tree.match_prefix(B).host_hit_length == 16
+    dev = load_back(kv, B)
+    drain(kv)
+    assert tree.match_prefix(B).device_indices.tolist() == dev.tolist()
+    verify(kv)
+    assert tree.evict(100) == 16 and tree.evict_host(100) == 16
+    assert kv.allocator.available_size() == kv.allocator.size
     kv.check_integrity()
 
 
