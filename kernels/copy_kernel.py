@@ -20,6 +20,7 @@ the kernel touch memory past the end of a tensor it was given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 BYTES_PER_THREAD = 32
 """Bytes each thread holds per tile: two 16-byte vectors. A program of 32 warps thus keeps a
 32 KiB tile in flight (DESIGN.md section 8: bandwidth is bytes in flight / round trip)."""
+MAX_WORDS_PER_THREAD = 8
+"""Cap for narrow words (odd item sizes): each word costs two 64-bit pointers in registers, and
+a 1024-thread program has only 64 registers per thread."""
 MAX_COLS_BYTES = 4096
 """Widest row chunk of one item per block; larger items loop over column chunks."""
 NO_BOUND = 1 << 62
@@ -49,9 +53,10 @@ _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 def _side_base(ref, layer, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr):
     """Pointer to layer ``layer`` of one side (word-typed)."""
     if IS_TABLE:
-        return tl.load(ref + layer).to(tl.pointer_type(WORD))
+        base = tl.load(ref + layer).to(tl.pointer_type(WORD))
     else:
-        return ref + layer * layer_stride
+        base = ref + layer * layer_stride
+    return base
 
 
 @triton.jit
@@ -89,7 +94,9 @@ def _copy_tile(
             tl.store(dst_ptrs, x, mask=mask)
 
 
-@triton.jit
+# Per-call sizes are not specialized on (value 1, multiple of 16): that would compile a new
+# variant per call shape; strides stay specialized, their alignment feeds vectorization.
+@triton.jit(do_not_specialize=["n_items", "layer_begin", "src_slots", "dst_slots"])
 def kv_copy_kernel(
     src_k,
     dst_k,
@@ -228,36 +235,35 @@ def launch_kv_copy(
     word = word_bytes(item_size, src, dst)
     item_words = item_size // word
     cols = min(triton.next_power_of_2(item_words), MAX_COLS_BYTES // word)
-    tile_bytes = num_warps * 32 * BYTES_PER_THREAD
-    rows = max(1, min(tile_bytes // (cols * word), triton.next_power_of_2(n_items)))
+    words_per_thread = max(1, min(MAX_WORDS_PER_THREAD, BYTES_PER_THREAD // word))
+    tile_words = num_warps * 32 * words_per_thread
+    rows = max(1, tile_words // cols)  # independent of n_items: one compile per shape
     row_aligned = _alignment(item_size, src.token_stride, dst.token_stride) == 16
     vec = 16 // word if row_aligned else 1
     n_tiles = triton.cdiv(n_items, rows)
     grid = (min(block_quota, n_tiles),)
 
     def arg(side: Side, i: int) -> torch.Tensor:
-        refs = side.refs
-        t = refs[min(i, len(refs) - 1)]
+        t = side.refs[min(i, len(side.refs) - 1)]  # MLA: the V slot repeats K, unused
         return t if side.is_table else _word_view(t, word)
 
-    has_v = len(src.refs) == 2
-    kv_copy_kernel[grid](
+    args = (
         arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1),
         src_indices, dst_indices,
         n_items, layer_begin, num_layers,
         src.token_stride // word, dst.token_stride // word,
         src.layer_stride // word, dst.layer_stride // word,
         src.n_slots, dst.n_slots,
-        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table, HAS_V=has_v,
-        WORD=_TL_WORDS[word], ITEM_WORDS=item_words, ROWS=rows, COLS=cols, VEC=vec,
-        CACHE_HINTS=cache_hints_supported(src_indices.device),
-        num_warps=num_warps,
     )  # fmt: skip
-
-
-def as_side_refs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The non-None tensors, in order."""
-    return tuple(t for t in tensors if t is not None)
+    device = src_indices.device
+    constexprs = dict(
+        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table, HAS_V=len(src.refs) == 2,
+        WORD=_TL_WORDS[word], ITEM_WORDS=item_words, ROWS=rows, COLS=cols, VEC=vec,
+        CACHE_HINTS=cache_hints_supported(device),
+    )  # fmt: skip
+    # Launch on the indices' device (and its current stream), whatever the current device is.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kv_copy_kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
 def resolve_num_warps(num_warps_per_block: int) -> int:
@@ -269,4 +275,11 @@ def resolve_num_warps(num_warps_per_block: int) -> int:
     return warps
 
 
-__all__: Sequence[str] = ["Side", "kv_copy_kernel", "launch_kv_copy", "resolve_num_warps"]
+__all__: Sequence[str] = [
+    "Side",
+    "cache_hints_supported",
+    "kv_copy_kernel",
+    "launch_kv_copy",
+    "resolve_num_warps",
+    "word_bytes",
+]

@@ -27,6 +27,7 @@ from kernels import reference
 from kernels.reference import page_rows, token_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PIN = DEVICE.type == "cuda"  # kernels read host memory directly on CUDA: it must be pinned
 FP8 = torch.float8_e4m3fn
 L = 3  # layers
 
@@ -99,8 +100,7 @@ class World:
 
     def clone(self) -> World:
         def copy(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(t, pin_memory=t.is_pinned())
-            return out.copy_(t)
+            return t.clone().pin_memory() if t.is_pinned() else t.clone()
 
         return World(
             *(copy(getattr(self, b)) for b in self.BUFFERS), self.item_size, self.page_size
@@ -117,7 +117,7 @@ class World:
         return pages[:, layer].reshape(-1, it)
 
 
-def make_world(case: Case, mla: bool, seed: int, pin_host: bool = False) -> World:
+def make_world(case: Case, mla: bool, seed: int, pin_host: bool = PIN) -> World:
     gen = torch.Generator().manual_seed(seed)
     ps = case.page_size
     pages = -(-case.n // ps)
@@ -314,7 +314,7 @@ def run_and_check(
     case: Case,
     mla: bool,
     seed: int,
-    pin_host: bool = False,
+    pin_host: bool = PIN,
     impl: Callable[[str], Callable[..., None]] | None = None,
 ) -> None:
     spec = OPS[op]
@@ -576,8 +576,12 @@ def test_bad_argument_raises_and_writes_nothing(op, key, bad, needle) -> None:
     getattr(kernels, op)(**valid)  # the unmodified call is accepted
     snapshot = w.clone()
     args = dict(valid, **{key: bad(valid)})
-    with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        getattr(kernels, op)(**args)
+    kernels.set_debug_checks(True)  # index ranges and table entries; always checked on CPU
+    try:
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            getattr(kernels, op)(**args)
+    finally:
+        kernels.set_debug_checks(False)
     for buf in World.BUFFERS:
         assert same_bytes(getattr(w, buf), getattr(snapshot, buf)), f"{buf} written"
 
@@ -585,7 +589,7 @@ def test_bad_argument_raises_and_writes_nothing(op, key, bad, needle) -> None:
 def test_pinned_host_memory_is_required_on_cuda_only() -> None:
     """Pageable host memory cannot be read by a CUDA kernel: refused on CUDA, fine on CPU."""
     case = Case(torch.bfloat16, 32, 8, "sorted", 1)
-    w = make_world(case, True, 2)
+    w = make_world(case, True, 2, pin_host=False)
     s, d = indices(case, w, "host_lf", "dev", 2)
     src = w.host_lf[0, 0]
     if DEVICE.type == "cuda":
