@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kernels
 from kernels import reference
@@ -30,6 +32,12 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PIN = DEVICE.type == "cuda"  # kernels read host memory directly on CUDA: it must be pinned
 FP8 = torch.float8_e4m3fn
 L = 3  # layers
+
+
+def sync() -> None:
+    """Wait for queued copies: host tensors are read by the CPU, outside stream order."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,8 +337,7 @@ def run_and_check(
 
     spec.call(fn, world, s, d, layer, signed)
     spec.call(getattr(reference, name), ref_world, s, d, layer, signed)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
 
     for buf in World.BUFFERS:
         assert same_bytes(getattr(world, buf), getattr(ref_world, buf)), f"{buf} != reference"
@@ -387,6 +394,7 @@ def test_negative_indices_are_skipped(op: str) -> None:
     snapshot, ref_world = world.clone(), world.clone()
     spec.call(getattr(kernels, spec.mha), world, s, d, 1, False)
     spec.call(getattr(reference, spec.mha), ref_world, s, d, 1, False)
+    sync()
     for buf in World.BUFFERS:
         assert same_bytes(getattr(world, buf), getattr(ref_world, buf))
     assert_spec(snapshot, world, spec, s, d, 1)
@@ -424,6 +432,7 @@ def test_backup_then_load_back_round_trip(layout: str) -> None:
         else:
             kernels.transfer_kv_per_layer_direct_pf_lf([w.host_pfd[0], w.host_pfd[1]], [k, v],
                                                        host_idx, dev_idx, layer, 16)  # fmt: skip
+    sync()
     assert same_bytes(w.dev, original)
 
 
@@ -437,6 +446,7 @@ def test_block_quota_and_warps_do_not_change_the_result() -> None:
                                             s, d, 2, 48, 48 * L, bq, warps)  # fmt: skip
         reference.transfer_kv_per_layer_pf_lf(ref.host_pf[0], ref.dev[0, 2], ref.host_pf[1],
                                               ref.dev[1, 2], s, d, 2, 48, 48 * L)  # fmt: skip
+        sync()
         assert same_bytes(w.dev, ref.dev), (bq, warps)
 
 
@@ -454,6 +464,7 @@ def test_kernel_skips_out_of_range_slots_when_unchecked() -> None:
         Side((src,), False, 8, 0, 16), Side((dst,), False, 8, 0, 16), s, d,
         item_size=8, layer_begin=0, num_layers=1, block_quota=2, num_warps=4,
     )  # fmt: skip
+    sync()
     expected = torch.full((64, 8), 7, dtype=torch.uint8)
     expected[3], expected[5] = src[0].cpu(), src[2].cpu()
     assert torch.equal(guard.cpu(), expected)
@@ -574,6 +585,7 @@ def test_bad_argument_raises_and_writes_nothing(op, key, bad, needle) -> None:
     s, d = indices(case, w, "host_lf", "dev", 1)
     valid = _mha_args(w, s, d)[op]
     getattr(kernels, op)(**valid)  # the unmodified call is accepted
+    sync()
     snapshot = w.clone()
     args = dict(valid, **{key: bad(valid)})
     kernels.set_debug_checks(True)  # index ranges and table entries; always checked on CPU
@@ -582,6 +594,7 @@ def test_bad_argument_raises_and_writes_nothing(op, key, bad, needle) -> None:
             getattr(kernels, op)(**args)
     finally:
         kernels.set_debug_checks(False)
+    sync()
     for buf in World.BUFFERS:
         assert same_bytes(getattr(w, buf), getattr(snapshot, buf)), f"{buf} written"
 
@@ -597,4 +610,65 @@ def test_pinned_host_memory_is_required_on_cuda_only() -> None:
             kernels.transfer_kv_per_layer_mla(src, w.dev[0, 0], s, d, 32)
     else:
         kernels.transfer_kv_per_layer_mla(src, w.dev[0, 0], s, d, 32)
+        sync()
         assert same_bytes(token_rows(w.dev[0, 0], 32)[d], token_rows(src, 32)[s])
+
+
+def test_cpu_tensors_without_the_interpreter_use_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CUDA machine Triton compiles for the GPU, so CPU tensors take the torch reference."""
+    import kernels.copy_kernel
+
+    monkeypatch.setattr(kernels, "TRITON_INTERPRETED", False)
+    launched: list[object] = []
+    monkeypatch.setattr(kernels.copy_kernel, "launch_kv_copy", lambda *a, **k: launched.append(a))
+    src = torch.arange(8 * 4, dtype=torch.float32).view(8, 1, 4)
+    dst = torch.zeros(8, 1, 4)
+    kernels.transfer_kv_per_layer_mla(src, dst, torch.tensor([6, 2]), torch.tensor([1, 7]), 16)
+    assert not launched
+    assert torch.equal(dst[1], src[6]) and torch.equal(dst[7], src[2])
+    assert not dst[[0, 2, 3, 4, 5, 6]].any()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    item_size=st.integers(1, 300),
+    n_layers=st.integers(1, 4),
+    n=st.integers(0, 40),
+    layer=st.integers(0, 3),
+    block_quota=st.sampled_from([1, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_backup_and_load_back_any_item_size(
+    item_size: int, n_layers: int, n: int, layer: int, block_quota: int, seed: int
+) -> None:
+    """Any item size (any word width, tile and column-chunk shape): D2H all layers into
+    page_first, then H2D one layer back into a clean pool, equals the reference and the source."""
+    layer %= n_layers
+    gen = torch.Generator().manual_seed(seed)
+    t_dev, t_host = n + 5, n + 3
+    dev = torch.randint(0, 256, (n_layers, t_dev, item_size), dtype=torch.uint8, generator=gen)
+    dev = dev.to(DEVICE)
+    host = torch.zeros(t_host, n_layers, item_size, dtype=torch.uint8)
+    host = host.pin_memory() if PIN else host
+    s = torch.randperm(t_dev, generator=gen)[:n].to(DEVICE)
+    d = torch.randperm(t_host, generator=gen)[:n].to(DEVICE)
+    table = kernels.data_ptr_table(list(dev), DEVICE)
+    kernels.transfer_kv_all_layer_mla_lf_pf(
+        table, host, s, d, item_size, item_size * n_layers, n_layers, block_quota
+    )
+    ref_host = torch.zeros_like(host)
+    reference.transfer_kv_all_layer_mla_lf_pf(
+        table, ref_host, s, d, item_size, item_size * n_layers, n_layers
+    )
+    back = torch.zeros(t_dev, item_size, dtype=torch.uint8, device=DEVICE)
+    kernels.transfer_kv_per_layer_mla_pf_lf(
+        host, back, d, s, layer, item_size, item_size * n_layers, block_quota, 4
+    )
+    sync()
+    assert torch.equal(host, ref_host)
+    assert torch.equal(back[s].cpu(), dev[layer][s].cpu())
+    untouched = torch.ones(t_dev, dtype=torch.bool)
+    untouched[s.cpu()] = False
+    assert not back.cpu()[untouched].any()
