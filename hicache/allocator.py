@@ -12,8 +12,12 @@ page 0 (padding); the host allocator (``reserve_padding=False``) hands out every
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,11 @@ class TokenToKVPoolAllocator:
         self._end_page = self.first_page + self.num_pages  # exclusive
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
         self.clear()
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> TokenToKVPoolAllocator:
+        """The device allocator: ``max_total_tokens`` slots of ``page_size`` on the device."""
+        return cls(args.max_total_tokens, args.page_size, args.resolved_device())
 
     # --- state ---------------------------------------------------------------------------------
     def clear(self) -> None:

@@ -103,3 +103,11 @@ def test_random_alloc_free_keeps_accounting(page: int, ops: list[tuple[bool, int
         assert allocated.unique().numel() == allocated.numel()
         assert (allocated >= page).all()
         assert a.available_size() + allocated.numel() == a.size
+
+
+def test_from_server_args() -> None:
+    from server_args import ServerArgs
+
+    args = ServerArgs(max_total_tokens=64, page_size=16, device="cpu")
+    a = TokenToKVPoolAllocator.from_server_args(args)
+    assert (a.size, a.page_size, a.device.type) == (64, 16, "cpu")
