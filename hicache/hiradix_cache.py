@@ -183,6 +183,19 @@ class HiRadixCache(RadixCache):
         Returns the device tokens freed. Blocks only under write_back, on its own backups."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        freed = 0
+        while freed < num_tokens:
+            round_freed, waited = self._evict_round(num_tokens - freed)
+            freed += round_freed
+            # Another round only helps after write-back copies: a parent skipped because its
+            # children were still being copied (or the host was full) may be evictable now.
+            if round_freed == 0 or not waited:
+                break
+        return freed
+
+    def _evict_round(self, num_tokens: int) -> tuple[int, bool]:
+        """One LRU pass over the current device leaves; returns (tokens freed, whether it waited
+        for write-back copies)."""
         heap = [(x.last_access_time, x.id, x) for x in self._device_leaves()]
         heapq.heapify(heap)
         freed = 0
@@ -214,7 +227,7 @@ class HiRadixCache(RadixCache):
             for x in write_back_nodes:
                 self._ack_write(x.id)
                 self._evict_backuped(x)
-        return freed
+        return freed, bool(write_back_nodes)
 
     def _droppable(self, node: TreeNode) -> bool:
         """A device leaf may be deleted with its host-only subtree unless a host copy below it is

@@ -8,13 +8,15 @@ have (``tests/kv_content.py``). Requests also read their whole prefix after ``la
 check it, so a load back or a device hit that serves wrong KV is caught where it is used.
 
 Configurations cover every pair of (layout + io backend, page size, MHA/MLA, write policy), plus
-SGLang's chunked-insert behaviour once; Triton kernels run interpreted, so geometry is tiny and
-examples are few (about a minute on two cores).
+SGLang's chunked-insert behaviour once and a host pool smaller than the device pool (failed
+backups, host eviction to make room, write-back drops) per policy; Triton kernels run
+interpreted, so geometry is tiny and examples are few (about a minute on two cores).
 """
 
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -33,17 +35,32 @@ from hicache.cache import KVCache, build_kv_cache
 from server_args import ServerArgs
 from tests.kv_content import check_device, check_host, write_device
 
-# (layout, io backend, page size, MLA, policy, upstream chunked insert)
+
+class Config(NamedTuple):
+    layout: str
+    io: str
+    page_size: int
+    use_mla: bool
+    policy: str
+    upstream: bool = False  # SGLang's chunked-insert behaviour
+    host_ratio: float = 2.0  # < 1: host pressure (failed backups, host eviction on backup)
+    threshold_pages: int = 0  # load_back_threshold in pages (0: load any host hit)
+
+
 CONFIGS = [
-    ("layer_first", "kernel", 1, False, "write_through", False),
-    ("layer_first", "kernel", 16, True, "write_back", False),
-    ("page_first", "kernel", 16, False, "write_back", False),
-    ("page_first", "kernel", 1, True, "write_through_selective", False),
-    ("layer_first", "direct", 16, False, "write_through_selective", False),
-    ("layer_first", "direct", 1, True, "write_back", False),
-    ("page_first_direct", "direct", 16, True, "write_through", False),
-    ("page_first_direct", "direct", 1, False, "write_through_selective", False),
-    ("layer_first", "direct", 16, False, "write_through", True),
+    Config("layer_first", "kernel", 1, False, "write_through"),
+    Config("layer_first", "kernel", 16, True, "write_back"),
+    Config("page_first", "kernel", 16, False, "write_back"),
+    Config("page_first", "kernel", 1, True, "write_through_selective"),
+    Config("layer_first", "direct", 16, False, "write_through_selective"),
+    Config("layer_first", "direct", 1, True, "write_back"),
+    Config("page_first_direct", "direct", 16, True, "write_through"),
+    Config("page_first_direct", "direct", 1, False, "write_through_selective"),
+    Config("layer_first", "direct", 16, False, "write_through", upstream=True),
+    # a host pool smaller than the device pool, and short host hits recomputed
+    Config("layer_first", "direct", 1, False, "write_through", host_ratio=0.5, threshold_pages=2),
+    Config("page_first", "kernel", 16, True, "write_back", host_ratio=0.5, threshold_pages=2),
+    Config("page_first_direct", "direct", 16, False, "write_through_selective", host_ratio=0.75),
 ]
 DEVICE_PAGES = 8  # device pool; the host pool is twice as large
 MAX_KEY_PAGES = 4
@@ -69,8 +86,8 @@ def _verify_tree(kv: KVCache) -> None:
         stack.extend((c, depth + len(x.key)) for c in x.children.values())
 
 
-def _machine(config: tuple) -> type[RuleBasedStateMachine]:
-    layout, io, page_size, use_mla, policy, upstream = config
+def _machine(config: Config) -> type[RuleBasedStateMachine]:
+    layout, io, page_size, use_mla, policy, upstream, host_ratio, threshold_pages = config
     pages_st = st.lists(st.integers(0, PAGE_PATTERNS - 1), min_size=1, max_size=MAX_KEY_PAGES)
 
     class CacheMachine(RuleBasedStateMachine):
@@ -88,11 +105,11 @@ def _machine(config: tuple) -> type[RuleBasedStateMachine]:
                 max_total_tokens=DEVICE_PAGES * page_size,
                 page_size=page_size,
                 enable_hierarchical_cache=True,
-                hicache_ratio=2.0,
+                hicache_ratio=host_ratio,
                 hicache_write_policy=policy,
                 hicache_mem_layout=layout,
                 hicache_io_backend=io,
-                load_back_threshold=1,
+                load_back_threshold=max(1, threshold_pages * page_size),
                 hicache_upstream_chunked_insert=upstream,
                 **geometry,
             )
@@ -184,6 +201,8 @@ def _machine(config: tuple) -> type[RuleBasedStateMachine]:
             if hasattr(self, "kv"):
                 self.kv.check_integrity()
                 _verify_tree(self.kv)
+                # the tree never frees a slot a copy still uses (no deferred free was needed)
+                assert self.tree.device_in_flight() == 0 and self.tree.host_in_flight() == 0
 
         def teardown(self) -> None:
             if not hasattr(self, "kv"):
@@ -206,18 +225,21 @@ def _machine(config: tuple) -> type[RuleBasedStateMachine]:
     return CacheMachine
 
 
-def _id(config: tuple) -> str:
-    layout, io, page_size, use_mla, policy, upstream = config
-    mla = "mla" if use_mla else "mha"
-    return f"{layout}-{io}-p{page_size}-{mla}-{policy}" + ("-upstream" if upstream else "")
+def _id(c: Config) -> str:
+    name = f"{c.layout}-{c.io}-p{c.page_size}-{'mla' if c.use_mla else 'mha'}-{c.policy}"
+    if c.upstream:
+        name += "-upstream"
+    if c.host_ratio < 1:
+        name += f"-host{c.host_ratio}"
+    return name
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_id)
-def test_random_operation_sequences(config: tuple) -> None:
+def test_random_operation_sequences(config: Config) -> None:
     run_state_machine_as_test(
         _machine(config),
         settings=settings(
-            max_examples=12,
+            max_examples=20,
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=list(HealthCheck),

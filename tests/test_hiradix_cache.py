@@ -399,6 +399,29 @@ def test_evict_host_never_frees_a_device_mirror(caches) -> None:
     kv.check_integrity()
 
 
+def test_dropping_an_unbacked_parent_frees_its_host_only_children(caches) -> None:
+    """A parent whose backup failed (host full) under a child that was backed up: evicting the
+    parent loses its KV, and the child's host copy (unreachable without it) goes too."""
+    kv = make_cache("write_through", ratio=0.25)  # host: 8 tokens
+    caches.append(kv)
+    tree = kv.tree
+    x = list(range(900, 904))
+    p = list(range(600, 608))
+    compute(kv, x)  # backed up: 4 of 8 host slots used, a mirror (not host-evictable)
+    compute(kv, p)  # needs 8 host slots, 4 free: backup fails
+    compute(kv, p + list(range(700, 704)))  # P retried (fails), the new child fits
+    drain(kv)
+    parent = tree.match_prefix(p).last_device_node
+    child = tree.match_prefix(p + list(range(700, 704))).last_device_node
+    assert not parent.backuped and child.backuped
+    assert kv.host_pool.available_size() == 0
+    assert tree.evict(100) == 16
+    assert tree.match_prefix(p).host_hit_length == 0 and parent.parent is None
+    assert tree.match_prefix(x).host_hit_length == 4
+    assert kv.host_pool.available_size() == 4 and kv.stats.evicted_host_tokens == 4
+    kv.check_integrity()
+
+
 def test_bad_calls_raise_and_change_nothing(caches) -> None:
     kv = make_cache("write_through")
     caches.append(kv)
