@@ -253,6 +253,8 @@ class RadixCache:
             raise ValueError(
                 f"value must be a 1-D int64 tensor, got shape {tuple(value.shape)} {value.dtype}"
             )
+        if value.device.type != self.device.type:
+            raise ValueError(f"value is on {value.device}, the tree's slots are on {self.device}")
         if len(key) != value.numel():
             raise ValueError(f"key has {len(key)} tokens but value has {value.numel()} slots")
         if len(key) % self.page_size:
