@@ -19,6 +19,7 @@ from prefill.harness import (
     assert_decode_kv_matches,
     ignore_root_lock_false_positive,
     make_executor,
+    single_torch_thread,
 )
 from prefill.request import Outcome, Stage
 from server_args import ServerArgs
@@ -31,6 +32,8 @@ CHUNK = 16  # chunked_prefill_size
 @pytest.fixture(autouse=True)
 def _tree_check_workaround(monkeypatch):
     ignore_root_lock_false_positive(monkeypatch)
+    with single_torch_thread():
+        yield
 
 
 def make_args(**kw) -> ServerArgs:
