@@ -22,18 +22,11 @@ KV_ATOL = 1e-5
 
 
 def build_cache(args: Any, copy_delay: float | Callable[[], float] = 0.0) -> Any:
-    """``hicache.cache.build_kv_cache(args)``; ``copy_delay`` (CPU only) widens race windows of
-    the controller's side streams when the builder accepts it."""
-    try:
-        from hicache.cache import build_kv_cache
-    except ImportError:  # TODO(prefill): drop once hicache/cache.py has landed
-        return _build_cache_locally(args, copy_delay)
-    if copy_delay:
-        try:
-            return build_kv_cache(args, copy_delay=copy_delay)
-        except TypeError:
-            logger.warning("build_kv_cache takes no copy_delay; building without it")
-    return build_kv_cache(args)
+    """``hicache.cache.build_kv_cache(args)``; ``copy_delay`` (CPU only, seconds or a callable)
+    is slept before every copy on the controller's side streams, to widen race windows."""
+    from hicache.cache import build_kv_cache
+
+    return build_kv_cache(args, copy_delay=copy_delay)
 
 
 def make_executor(
@@ -72,77 +65,6 @@ def assert_decode_kv_matches(
     _, ref_k, ref_v = executor.model.forward_reference(ids)
     torch.testing.assert_close(k, ref_k[:, dpl:].to(k.dtype), atol=atol, rtol=atol)
     torch.testing.assert_close(v, ref_v[:, dpl:].to(v.dtype), atol=atol, rtol=atol)
-
-
-def _build_cache_locally(args: Any, copy_delay: float | Callable[[], float] = 0.0) -> Any:
-    """Stand-in for ``build_kv_cache`` while it is not in the tree (same attributes)."""
-    from types import SimpleNamespace
-
-    from hicache.allocator import TokenToKVPoolAllocator
-    from hicache.controller import HiCacheController
-    from hicache.hiradix_cache import HiRadixCache
-    from hicache.memory_pool import MHATokenToKVPool
-    from hicache.memory_pool_host import MHATokenToKVPoolHost
-    from hicache.radix_cache import RadixCache
-
-    pool = MHATokenToKVPool.from_server_args(args)
-    alloc = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, pool.device)
-    if not args.enable_hierarchical_cache:
-        tree = RadixCache(alloc, args.page_size)
-        return SimpleNamespace(
-            device_pool=pool, allocator=alloc, tree=tree, host_pool=None, controller=None
-        )
-    host = MHATokenToKVPoolHost(
-        pool, args.hicache_ratio, args.hicache_size, args.page_size, args.hicache_mem_layout,
-        pin_memory=False,
-    )
-    ctrl = HiCacheController(alloc, pool, host, args.hicache_io_backend, copy_delay=copy_delay)
-    tree = HiRadixCache(
-        ctrl, args.page_size, args.hicache_write_policy, args.load_back_threshold,
-        args.hicache_upstream_chunked_insert,
-    )
-    return SimpleNamespace(
-        device_pool=pool, allocator=alloc, tree=tree, host_pool=host, controller=ctrl
-    )
-
-
-_ROOT_LOCK_MSG = "root lock count below its children's"
-
-
-def root_lock_check_is_buggy() -> bool:
-    """True while ``hicache.tree_integrity`` flags two requests locking different subtrees
-    (the root's ``lock_ref`` is pinned to 1 and never counts path locks, as in SGLang)."""
-    from hicache.allocator import TokenToKVPoolAllocator
-    from hicache.radix_cache import RadixCache
-
-    alloc = TokenToKVPoolAllocator(8, 1, "cpu")
-    tree = RadixCache(alloc, 1)
-    for key in ([1], [2]):
-        tree.insert(key, alloc.alloc(1))
-        tree.inc_lock_ref(tree.match_prefix(key).last_device_node)
-    try:
-        tree.check_integrity(request_owned=0)
-    except AssertionError as exc:
-        return _ROOT_LOCK_MSG in str(exc)
-    return False
-
-
-def ignore_root_lock_false_positive(monkeypatch: Any) -> None:
-    """TEMPORARY test workaround (reported to the hicache owner): while the check above is
-    buggy, make ``tree_integrity`` skip only that one message; every other check still runs.
-    A no-op once the check is fixed."""
-    if not root_lock_check_is_buggy():
-        return
-    import hicache.tree_integrity as ti
-
-    original = ti._fail
-
-    def _fail(msg: str) -> None:
-        if msg == _ROOT_LOCK_MSG:
-            return
-        original(msg)
-
-    monkeypatch.setattr(ti, "_fail", _fail)
 
 
 def single_torch_thread() -> Any:

@@ -10,9 +10,10 @@ K/V (cached prefix + new tokens) back from the pool by slot. A ``layer_wait(laye
 before each layer touches the pool, so an H2D load-back of layer ``i + 1`` overlaps the compute
 of layer ``i`` (the hook is the radix tree's ``layer_wait``).
 
-Numerics: projections and MLP in the model dtype; attention scores, softmax and RMSNorm in fp32.
-A prefix read back from the pool equals what a full recompute would produce up to matmul
-reduction order, so logits match a full recompute to ~1e-5 relative in fp32 (see tests).
+Numerics: projections and MLP in the model dtype; RMSNorm and rotary in fp32; attention in
+fp32 on CPU and in the model dtype on CUDA (flash / memory-efficient SDPA). A prefix read back
+from the pool equals what a full recompute would produce up to matmul reduction order, so
+logits match a full recompute to ~1e-5 in fp32 (see tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 if TYPE_CHECKING:
     from hicache.memory_pool import MHATokenToKVPool
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LayerWait = Callable[[int], None]
+
+_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass(frozen=True)
@@ -281,17 +285,26 @@ class PagedTransformer(torch.nn.Module):
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix_len: int
     ) -> torch.Tensor:
         """Causal GQA attention of ``q`` ``[n, Hq, D]`` over ``k_all``/``v_all`` ``[T, H, D]``
-        with ``T = prefix_len + n``; query ``i`` sees keys ``0 .. prefix_len + i``. fp32 math."""
+        with ``T = prefix_len + n``; query ``i`` sees keys ``0 .. prefix_len + i`` (causal mask
+        aligned to the bottom right, never materialized). fp32 math on CPU; the model dtype on
+        CUDA, so SDPA can pick a flash / memory-efficient kernel for long prompts."""
         c = self.config
         n, total = q.shape[0], k_all.shape[0]
-        group = c.num_attention_heads // c.num_kv_heads
-        qf = q.float().transpose(0, 1)  # [Hq, n, D]
-        kf = k_all.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, T, D]
-        vf = v_all.float().transpose(0, 1).repeat_interleave(group, dim=0)
-        qpos = torch.arange(n, device=q.device)[:, None] + prefix_len
-        kpos = torch.arange(total, device=q.device)[None, :]
-        mask = kpos <= qpos  # [n, T]
-        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask)
+        dt = torch.float32 if q.device.type == "cpu" else q.dtype
+        qf = q.to(dt).transpose(0, 1)  # [Hq, n, D]
+        kf = k_all.to(dt).transpose(0, 1)  # [H, T, D]
+        vf = v_all.to(dt).transpose(0, 1)
+        if _HAS_GQA:
+            kw = {"enable_gqa": True}
+        else:  # torch < 2.5: expand KV heads to query heads
+            group = c.num_attention_heads // c.num_kv_heads
+            kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
+            kw = {}
+        if prefix_len == 0:
+            out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, **kw)
+        else:
+            mask = causal_lower_right(n, total)
+            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, **kw)
         return out.transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
 
     @torch.no_grad()

@@ -17,7 +17,6 @@ from prefill.bootstrap import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.harness import (
     assert_decode_kv_matches,
-    ignore_root_lock_false_positive,
     make_executor,
     single_torch_thread,
 )
@@ -30,8 +29,7 @@ CHUNK = 16  # chunked_prefill_size
 
 
 @pytest.fixture(autouse=True)
-def _tree_check_workaround(monkeypatch):
-    ignore_root_lock_false_positive(monkeypatch)
+def _one_torch_thread():
     with single_torch_thread():
         yield
 
