@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,6 +42,10 @@ from hicache.streams import CPU_COPY_LOCK
 from prefill.clock import Clock
 
 logger = logging.getLogger(__name__)
+
+
+FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
+"""Upstream's environment variable for the force-not-ready test hook (read by ``PeerConfig``)."""
 
 
 class KVPoll(IntEnum):
@@ -125,17 +130,24 @@ class PeerConfig:
 
     @classmethod
     def from_server_args(cls, args: Any) -> PeerConfig:
-        """Failure probabilities from ``ServerArgs``; the delay / transfer model from optional
-        fields (``disaggregation_bootstrap_delay``, ``disaggregation_transfer_latency_s``,
+        """Failure probabilities from ``ServerArgs`` (``FORCE_RETRY_ENV`` overrides the force
+        probability, as upstream's test hook); the delay / transfer model from optional fields
+        (``disaggregation_bootstrap_delay``, ``disaggregation_transfer_latency_s``,
         ``disaggregation_transfer_bandwidth_gbps``, ``disaggregation_decode_prefix_len``)."""
         bw_gbps = float(getattr(args, "disaggregation_transfer_bandwidth_gbps", 0.0) or 0.0)
+        force = float(getattr(args, "disaggregation_force_not_ready_prob", 0))
+        env_force = os.environ.get(FORCE_RETRY_ENV)
+        if env_force is not None:  # upstream's test hook spelling wins, with a trace
+            logger.warning("%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV,
+                           env_force, force)
+            force = float(env_force)
         return cls(
             bootstrap_delay=DelayDistribution.parse(
                 getattr(args, "disaggregation_bootstrap_delay", "fixed:0")
             ),
             bootstrap_failure_prob=float(getattr(args, "disaggregation_bootstrap_failure_prob", 0)),
             transfer_failure_prob=float(getattr(args, "disaggregation_transfer_failure_prob", 0)),
-            force_not_ready_prob=float(getattr(args, "disaggregation_force_not_ready_prob", 0)),
+            force_not_ready_prob=force,
             transfer_latency_s=float(getattr(args, "disaggregation_transfer_latency_s", 0.0)),
             transfer_bandwidth=bw_gbps * 1e9 if bw_gbps > 0 else math.inf,
             decode_prefix_len=int(getattr(args, "disaggregation_decode_prefix_len", 0)),

@@ -206,3 +206,13 @@ def test_peer_config_validation_and_server_args():
     assert cfg.seed == 7 and cfg.bootstrap_failure_prob == 0.1
     assert cfg.bootstrap_delay == DelayDistribution("uniform", 0.1, 0.2)
     assert cfg.transfer_bandwidth == 50e9 and cfg.transfer_failure_prob == 0.0
+
+
+def test_upstream_env_var_overrides_force_probability(monkeypatch):
+    from prefill.bootstrap import FORCE_RETRY_ENV
+
+    class Args:
+        disaggregation_force_not_ready_prob = 0.0
+
+    monkeypatch.setenv(FORCE_RETRY_ENV, "0.25")
+    assert PeerConfig.from_server_args(Args()).force_not_ready_prob == 0.25
