@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.radix_cache import RadixCache, TreeNode
+from hicache.radix_cache import MatchResult, RadixCache, TreeNode
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
@@ -90,7 +91,9 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key):  # noqa: D102 - same contract as RadixCache.match_prefix
+    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:
+        """As ``RadixCache.match_prefix``; host-only nodes on the path count as host hits
+        (``host_hit_length``, ending at ``last_host_node``). Records the hit in ``stats``."""
         result = super().match_prefix(key)
         if self.stats is not None:
             self.stats.record_match(len(result.device_indices), result.host_hit_length)
