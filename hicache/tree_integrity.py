@@ -135,6 +135,8 @@ def _check_pending(tree, nodes: list[TreeNode]) -> None:
         evicted = [x.host_value for x in nodes if x.evicted]
         if evicted and bool(torch.isin(torch.cat(evicted).cpu(), pending.cpu()).any()):
             _fail("an evicted (host-only, matchable) node's host copy has not been acked yet")
+    if not tree.write_locks and tree.ongoing_write_through:
+        _fail("write_back backups outlived the eviction that waits for them")
     live = {x.id for x in nodes}
     for what, waiting in (("write", tree.ongoing_write_through), ("load", tree.ongoing_load_back)):
         for node_id, x in waiting.items():
