@@ -37,6 +37,7 @@ import torch
 
 from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
 from prefill.clock import Clock, WallClock
+from prefill.integrity import check_executor
 from prefill.model import ExtendInput, PagedTransformer
 from prefill.req_kv import RequestKV
 from prefill.request import Outcome, PrefillRequest, RequestResult, Stage
@@ -484,24 +485,10 @@ class OptimisticPrefillExecutor:
         self._report(req, Outcome.SUCCESS, None)
 
     def _report(self, req: PrefillRequest, outcome: Outcome, error: str | None) -> None:
-        now = self.clock.now()
-        ok = outcome == Outcome.SUCCESS
-        ttft = now - req.submit_time if ok else None
-        if ttft is not None:
-            self.stats.ttft_samples.append(ttft)
-        done = req.prefill_done_time
-        self.results[req.rid] = RequestResult(
-            rid=req.rid, outcome=outcome, submit_time=req.submit_time, finish_time=now,
-            ttft=ttft,
-            prefill_latency=(done - req.submit_time) if ok and done is not None else None,
-            num_tokens=req.num_tokens, cached_device_tokens=req.cached_device,
-            cached_host_tokens=req.cached_host,
-            computed_tokens=req.num_tokens - req.cached_device - req.cached_host if ok else 0,
-            total_computed_tokens=req.total_computed, attempts=req.optimistic_attempts,
-            passes=req.attempt, yields=req.yields, parked=req.was_parked,
-            decode_prefix_len=req.peer.decode_prefix_len, first_token=req.first_token,
-            error=error,
-        )
+        result = req.to_result(outcome, self.clock.now(), error)
+        if result.ttft is not None:
+            self.stats.ttft_samples.append(result.ttft)
+        self.results[req.rid] = result
 
     # ================================================================== integrity
     def _progress_marker(self) -> tuple:
@@ -516,39 +503,6 @@ class OptimisticPrefillExecutor:
         return sum(r.owned_slots() for r in self.requests.values() if r.stage != Stage.DONE)
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` on leaked slots or locks or inconsistent queues: the tree's
-        ledger with the request-owned count (free + tree + request-owned + in flight == total),
-        each live request in exactly one queue, holding KV only where it should, and every
-        node's lock count at least the locks this executor's requests hold through it."""
-        queues = {
-            Stage.BOOTSTRAP: self.bootstrap_queue, Stage.WAITING: self.waiting_queue,
-            Stage.INFLIGHT: self.inflight_queue, Stage.RELEASING: self.releasing,
-            Stage.RUNNING: [self.chunked_req] if self.chunked_req else [],
-        }
-        seen: dict[str, Stage] = {}
-        for stage, q in queues.items():
-            for r in q:
-                assert r.rid not in seen, f"{r.rid} is in {seen[r.rid]} and {stage}"
-                assert r.stage == stage, f"{r.rid} has stage {r.stage}, is queued in {stage}"
-                seen[r.rid] = stage
-        locks: dict[int, int] = {}
-        for r in self.requests.values():
-            if r.rid not in seen:
-                assert r.stage == Stage.DONE, f"{r.rid} ({r.stage}) is in no queue"
-            holds = r.slots is not None or r.last_node is not None
-            if r.stage in (Stage.BOOTSTRAP, Stage.WAITING, Stage.DONE):
-                assert not holds, f"{r.rid} holds KV in stage {r.stage}"
-            if r.stage in (Stage.RUNNING, Stage.INFLIGHT):
-                assert holds and r.last_node is not None, f"{r.rid} runs without KV"
-            if r.last_node is not None:
-                x = r.last_node
-                while x is not None and x is not self.tree.root_node:
-                    locks[id(x)] = locks.get(id(x), 0) + 1
-                    x = x.parent
-            if r.stage == Stage.DONE:
-                assert r.rid in self.results, f"{r.rid} is done without a result"
-        for node in self.tree.all_nodes():
-            assert node.lock_ref >= locks.get(id(node), 0), (
-                f"{node!r} has lock_ref {node.lock_ref} < {locks.get(id(node), 0)} request locks"
-            )
-        self.tree.check_integrity(request_owned=self.request_owned_slots())
+        """Raise ``AssertionError`` on leaked slots or locks or inconsistent queues (see
+        ``prefill.integrity.check_executor``). Cheap enough for tests to call every step."""
+        check_executor(self)

@@ -83,6 +83,30 @@ class PrefillRequest:
         """Device slots this request owns (not yet in the tree)."""
         return 0 if self.slots is None else self.slots.numel() - self.tree_len
 
+    def to_result(self, outcome: Outcome, now: float, error: str | None) -> RequestResult:
+        ok = outcome == Outcome.SUCCESS
+        done = self.prefill_done_time
+        return RequestResult(
+            rid=self.rid,
+            outcome=outcome,
+            submit_time=self.submit_time,
+            finish_time=now,
+            ttft=now - self.submit_time if ok else None,
+            prefill_latency=(done - self.submit_time) if ok and done is not None else None,
+            num_tokens=self.num_tokens,
+            cached_device_tokens=self.cached_device,
+            cached_host_tokens=self.cached_host,
+            computed_tokens=self.num_tokens - self.cached_device - self.cached_host if ok else 0,
+            total_computed_tokens=self.total_computed,
+            attempts=self.optimistic_attempts,
+            passes=self.attempt,
+            yields=self.yields,
+            parked=self.was_parked,
+            decode_prefix_len=self.peer.decode_prefix_len,
+            first_token=self.first_token,
+            error=error,
+        )
+
     def reset_attempt(self) -> None:
         self.slots = None
         self.computed_len = 0
