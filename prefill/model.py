@@ -36,7 +36,17 @@ logger = logging.getLogger(__name__)
 
 LayerWait = Callable[[int], None]
 
-_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+# SDPA's enable_gqa exists from torch 2.5; cleared at the first kernel path that rejects it.
+_GQA_OK = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, **kw: bool
+) -> torch.Tensor:
+    """SDPA with a causal mask: top-left (``mask is None``, square) or a ``CausalBias``."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
 
 @dataclass(frozen=True)
@@ -294,17 +304,20 @@ class PagedTransformer(torch.nn.Module):
         qf = q.to(dt).transpose(0, 1)  # [Hq, n, D]
         kf = k_all.to(dt).transpose(0, 1)  # [H, T, D]
         vf = v_all.to(dt).transpose(0, 1)
-        if _HAS_GQA:
-            kw = {"enable_gqa": True}
-        else:  # torch < 2.5: expand KV heads to query heads
-            group = c.num_attention_heads // c.num_kv_heads
-            kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
-            kw = {}
-        if prefix_len == 0:
-            out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, **kw)
-        else:
-            mask = causal_lower_right(n, total)
-            out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, **kw)
+        global _GQA_OK
+        group = c.num_attention_heads // c.num_kv_heads
+        mask = causal_lower_right(n, total) if prefix_len > 0 else None
+        out = None
+        if _GQA_OK and group > 1:
+            try:
+                out = _sdpa(qf, kf, vf, mask, enable_gqa=True)
+            except RuntimeError as exc:  # a kernel path without native GQA: expand instead
+                _GQA_OK = False
+                logger.warning("SDPA with enable_gqa failed (%s); expanding KV heads", exc)
+        if out is None:
+            if group > 1:
+                kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
+            out = _sdpa(qf, kf, vf, mask)
         return out.transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
 
     @torch.no_grad()

@@ -215,3 +215,17 @@ def test_bf16_prefix_matches_recompute_loosely():
     out = model.forward_extend(pool, [ExtendInput(ids[12:], torch.cat([s1, s2]), 12)])[0]
     ref = model.forward_reference(ids)[0][-1]
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_expanded_kv_heads_path_equals_native_gqa(monkeypatch):
+    """The fallback for SDPA kernels without native GQA gives the same logits."""
+    import prefill.model as pm
+
+    model, pool, alloc = make(1)
+    ids = tokens(18, seed=11)
+    s1, s2 = alloc_slots(alloc, 10), alloc_slots(alloc, 8)
+    model.forward_extend(pool, [ExtendInput(ids[:10], s1, 0)])
+    native = model.forward_extend(pool, [ExtendInput(ids[10:], torch.cat([s1, s2]), 10)])[0]
+    monkeypatch.setattr(pm, "_GQA_OK", False)
+    expanded = model.forward_extend(pool, [ExtendInput(ids[10:], torch.cat([s1, s2]), 10)])[0]
+    torch.testing.assert_close(expanded, native, **LOGIT_TOL)
