@@ -206,6 +206,28 @@ def test_decode_prefix_len_skips_what_decode_already_has():
     assert_decode_kv_matches(ex, "a")
 
 
+def test_l2_write_back_evicted_prefix_is_loaded_back():
+    """A's KV is evicted to the host (write_back backs it up on eviction); C shares A's prompt
+    and gets it back as a host hit, loaded layer by layer under the forward."""
+    ex = make(
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
+    )
+    a = prompt(40, seed=1)
+    ex.submit("a", a)
+    finish(ex)
+    ex.submit("b", prompt(44, seed=2))  # needs the room: A's pages go to the host
+    finish(ex)
+    ex.submit("c", a + prompt(6, seed=3))
+    finish(ex)
+    r = ex.result("c")
+    assert r.outcome == Outcome.SUCCESS and r.cached_host_tokens > 0
+    assert r.cached_device_tokens + r.cached_host_tokens == 40
+    assert ex.cache.stats.loaded_tokens > 0
+    for rid in "abc":
+        assert_decode_kv_matches(ex, rid)
+
+
 # ---------------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("attempts", [0, 2])
 def test_fail_while_in_the_bootstrap_queue(attempts):
@@ -282,6 +304,23 @@ def test_fail_while_transferring_waits_for_the_in_flight_read_before_freeing():
     ex.clock.advance(1.0)
     step(ex)
     assert a.stage == Stage.DONE and a.slots is None and ex.tree.protected_size() == 0
+    finish(ex)
+
+
+def test_fail_mid_prefill_after_finalize_with_a_chunk_in_flight():
+    ex = make(delay=DelayDistribution("fixed", 0.0))
+    ex.submit("a", prompt(40))
+    step(ex, 2)  # chunk 1 sent at the boundary, chunk 2 computed
+    a = ex.requests["a"]
+    assert sends_of(ex, "a") == [(1, 0, 16, False)] and a.peer.inflight_reads() == 1
+    a.peer.fail()
+    step(ex)
+    assert ex.result("a").outcome == Outcome.ABORTED and ex.chunked_req is None
+    assert a.stage == Stage.RELEASING and a.last_node is not None  # lock kept for the read
+    assert sends_of(ex, "a") == [(1, 0, 16, False)]  # nothing more after the failure
+    ex.clock.advance(1.0)
+    step(ex)
+    assert a.stage == Stage.DONE and a.last_node is None
     finish(ex)
 
 
