@@ -178,6 +178,20 @@ class ServerArgs:
         0.0, "Probability that a KV transfer to the decode peer fails."
     )
 
+    # Simulated decode peer (this project's PD simulation; not SGLang flags).
+    disaggregation_bootstrap_delay: str = _opt(
+        "fixed:0", "Bootstrap delay of a decode peer: fixed:S, uniform:LO,HI or exponential:MEAN."
+    )
+    disaggregation_transfer_latency_s: float = _opt(
+        0.0, "Latency of one KV send to the decode peer, seconds."
+    )
+    disaggregation_transfer_bandwidth_gbps: float = _opt(
+        0.0, "Bandwidth of KV sends to the decode peer, GB/s; 0 = unlimited."
+    )
+    disaggregation_decode_prefix_len: int = _opt(
+        0, "Tokens the decode peer already holds (sends start there, page-aligned)."
+    )
+
     # Filled by validation; not flags.
     resolutions: list[Resolution] = field(default_factory=list, init=False, repr=False)
     warnings: list[str] = field(default_factory=list, init=False, repr=False)
@@ -303,6 +317,28 @@ class ServerArgs:
                 else:
                     positive(name)
 
+        delay = self.disaggregation_bootstrap_delay
+        kind, _, params = str(delay).partition(":")
+        try:
+            values = [float(x) for x in params.split(",")] if params else []
+        except ValueError:
+            values = []
+        arity = {"fixed": 1, "exponential": 1, "uniform": 2}.get(kind)
+        if (
+            arity is None
+            or len(values) != arity
+            or any(v < 0 for v in values)
+            or (kind == "uniform" and values[1] < values[0])
+        ):
+            errors.append(
+                f"--disaggregation-bootstrap-delay={delay!r} must be fixed:S, uniform:LO,HI "
+                "(LO <= HI) or exponential:MEAN with non-negative seconds"
+            )
+        for name in ("disaggregation_transfer_latency_s", "disaggregation_transfer_bandwidth_gbps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                errors.append(f"{_flag(name)}={value!r} must be >= 0")
+        non_negative_int("disaggregation_decode_prefix_len")
         for name in (
             "disaggregation_force_not_ready_prob",
             "disaggregation_bootstrap_failure_prob",

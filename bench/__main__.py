@@ -83,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _gather_integrity(summary: dict) -> dict:
     """Sum the integrity counters each benchmark reported."""
-    total = {"leaked_slots": 0, "kv_mismatches": 0, "aborted_sends": 0}
+    total = {
+        "leaked_slots": 0,
+        "kv_mismatches": 0,
+        "aborted_sends": 0,
+        "leaked_locks": 0,
+        "integrity_errors": 0,
+    }
     for value in summary.values():
         if isinstance(value, dict) and isinstance(value.get("integrity"), dict):
             for name in total:

@@ -229,6 +229,22 @@ def test_runtime_refuses_unimplemented_features():
         ),
         (dict(hicache_storage_backend=""), "--hicache-storage-backend='' must be a backend name"),
         (
+            dict(disaggregation_bootstrap_delay="uniform:0.5,0.1"),
+            "--disaggregation-bootstrap-delay='uniform:0.5,0.1' must be fixed:S",
+        ),
+        (
+            dict(disaggregation_bootstrap_delay="gaussian:1"),
+            "--disaggregation-bootstrap-delay='gaussian:1' must be",
+        ),
+        (
+            dict(disaggregation_transfer_latency_s=-1.0),
+            "--disaggregation-transfer-latency-s=-1.0 must be >= 0",
+        ),
+        (
+            dict(disaggregation_decode_prefix_len=-4),
+            "--disaggregation-decode-prefix-len=-4 must be an integer >= 0",
+        ),
+        (
             dict(disaggregation_transfer_failure_prob=1.5),
             "--disaggregation-transfer-failure-prob=1.5 must be a probability",
         ),

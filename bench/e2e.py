@@ -1,0 +1,208 @@
+"""Shared machinery of the end-to-end benchmarks: one executor on wall time, a request driver,
+latency statistics and the integrity audit every run ends with."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prefill.bootstrap import PeerConfig
+from prefill.clock import WallClock
+from prefill.executor import OptimisticPrefillExecutor
+from prefill.harness import assert_decode_kv_matches, make_executor
+from prefill.request import Outcome, RequestResult
+from server_args import ServerArgs
+
+KV_SAMPLE_EVERY = 4
+"""Every this many successful requests, one keeps its decode-side KV for the recompute check."""
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def cpu_note() -> str | None:
+    """What a reader must know about CPU numbers, or None on CUDA."""
+    if on_cuda():
+        return None
+    return (
+        "CPU run: the model and all copies run on the CPU; the kernel io backend uses the torch "
+        "reference of the kvcacheio ops (Triton kernels are timed on CUDA only). Times are CPU "
+        "times, not GPU times."
+    )
+
+
+@dataclass
+class TraceRun:
+    """What one configuration's run produced."""
+
+    label: str
+    results: list[RequestResult] = field(default_factory=list)
+    wall_s: float = 0.0
+    executor: OptimisticPrefillExecutor | None = None
+    sampled: list[str] = field(default_factory=list)
+
+
+def new_executor(args: ServerArgs, peer: PeerConfig, decode_pool_tokens: int) -> Any:
+    """An executor on wall time whose decode side keeps received KV (sampled, see
+    ``Driver``) in a pool of ``decode_pool_tokens``."""
+    return make_executor(
+        args,
+        peer_config=peer,
+        clock=WallClock(),
+        keep_received=True,
+        decode_pool_size=decode_pool_tokens,
+    )
+
+
+class Driver:
+    """Feeds requests to an executor at their times and collects results.
+
+    ``next_request(now)`` returns ``(rid, tokens)`` or None; ``on_result(result)`` is told of
+    each finished request (multi-turn clients queue their next round there).
+    """
+
+    def __init__(self, executor: OptimisticPrefillExecutor, max_parallel: int) -> None:
+        self.ex = executor
+        self.max_parallel = max_parallel
+        self.inflight: set[str] = set()
+        self.run = TraceRun(label="", executor=executor)
+        self._successes = 0
+
+    def _collect(self, on_result: Callable[[RequestResult], None]) -> None:
+        for rid in list(self.inflight):
+            res = self.ex.result(rid)
+            if res is None:
+                continue
+            self.inflight.discard(rid)
+            self.run.results.append(res)
+            if res.outcome == Outcome.SUCCESS:
+                self._successes += 1
+                if self._successes % KV_SAMPLE_EVERY == 1:
+                    self.run.sampled.append(rid)
+                else:
+                    self.ex.decode.release(rid)
+            on_result(res)
+
+    def drive(
+        self,
+        next_due: Callable[[], float | None],
+        pop_request: Callable[[], tuple[str, list[int]]],
+        on_result: Callable[[RequestResult], None],
+        done: Callable[[], bool],
+        progress: Callable[[int], None] | None = None,
+    ) -> TraceRun:
+        """Run until ``done()`` and the executor is idle. ``next_due()`` is when the next
+        request may be submitted (None: nothing queued); ``pop_request()`` takes it."""
+        start = time.perf_counter()
+        while True:
+            now = self.ex.clock.now()
+            due = next_due()
+            while due is not None and due <= now and len(self.inflight) < self.max_parallel:
+                rid, tokens = pop_request()
+                self.ex.submit(rid, tokens)
+                self.inflight.add(rid)
+                due = next_due()
+            progressed = self.ex.step()
+            self._collect(on_result)
+            if progress is not None:
+                progress(len(self.run.results))
+            if done() and not self.inflight and self.ex.is_idle():
+                break
+            if not progressed:
+                waits = [t for t in (due, self.ex.decode.next_event_time()) if t is not None]
+                target = min(waits) if waits else now + 0.0005
+                self.ex.clock.wait_until(max(now + 1e-4, min(target, now + 0.01)))
+        self.run.wall_s = time.perf_counter() - start
+        return self.run
+
+
+def latency_stats(values: list[float]) -> dict[str, float | None]:
+    """Mean / p50 / p90 / p99 in seconds (None when empty)."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
+
+
+def audit(run: TraceRun) -> dict[str, int]:
+    """The integrity every run ends with: slots that are neither free nor in the tree (the
+    executor is idle, so requests own none), decode-side KV of sampled successes that differs
+    from a full recompute, and sends for attempts that were never finalized (aborted or rolled
+    back); nodes still locked; ``integrity_errors`` counts failed ``check_integrity`` calls."""
+    ex = run.executor
+    assert ex is not None
+    ex.drain_cache_events()
+    errors = 0
+    try:
+        ex.check_integrity()
+    except (AssertionError, ValueError):
+        errors += 1
+    tree_tokens = ex.tree.evictable_size() + ex.tree.protected_size()
+    leaked = ex.allocator.size - ex.allocator.available_size() - tree_tokens
+    leaked_locks = sum(1 for n in ex.tree.all_nodes() if n.lock_ref != 0)
+    mismatches = 0
+    for rid in run.sampled:
+        try:
+            assert_decode_kv_matches(ex, rid, atol=kv_tolerance(ex))
+        except AssertionError:
+            mismatches += 1
+        ex.decode.release(rid)
+    aborted_sends = sum(
+        1 for s in ex.decode.send_log if ex.requests[s.rid].peer.finalized_attempt != s.attempt
+    )
+    return {
+        "leaked_slots": int(leaked),
+        "leaked_locks": leaked_locks,
+        "kv_mismatches": mismatches,
+        "aborted_sends": aborted_sends,
+        "integrity_errors": errors,
+        "kv_checked_requests": len(run.sampled),
+    }
+
+
+def kv_tolerance(ex: OptimisticPrefillExecutor) -> float:
+    """fp32: reduction-order noise only; bf16/fp16: one rounding step of the KV dtype."""
+    dtype = ex.pool.dtype if hasattr(ex.pool, "dtype") else torch.float32
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def config_summary(run: TraceRun) -> dict[str, Any]:
+    """Per-configuration numbers every end-to-end benchmark reports."""
+    ok = [r for r in run.results if r.outcome == Outcome.SUCCESS]
+    ttft = latency_stats([r.ttft for r in ok if r.ttft is not None])
+    ex = run.executor
+    assert ex is not None
+    prompt_tokens = sum(r.num_tokens for r in ok)
+    cache_stats = ex.cache.stats.as_dict()
+    return {
+        "requests": len(run.results),
+        "successes": len(ok),
+        "aborted": len(run.results) - len(ok),
+        "ttft_mean_s": ttft["mean"],
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p90_s": ttft["p90"],
+        "ttft_p99_s": ttft["p99"],
+        "device_hit_tokens": sum(r.cached_device_tokens for r in ok),
+        "host_hit_tokens": sum(r.cached_host_tokens for r in ok),
+        "prefill_tokens_computed": sum(r.total_computed_tokens for r in run.results),
+        "prompt_tokens": prompt_tokens,
+        "throughput_tok_s": prompt_tokens / run.wall_s if run.wall_s else None,
+        "wall_s": run.wall_s,
+        "d2h_bytes": cache_stats["d2h_bytes"],
+        "h2d_bytes": cache_stats["h2d_bytes"],
+        "backed_up_tokens": cache_stats["backed_up_tokens"],
+        "loaded_tokens": cache_stats["loaded_tokens"],
+        "evicted_device_tokens": cache_stats["evicted_device_tokens"],
+        "executor": {k: v for k, v in ex.stats.to_dict().items() if k != "ttft_samples"},
+        "ttft_samples_s": [r.ttft for r in ok],
+    }
