@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import logging
 import random
 import sys
 from pathlib import Path
@@ -23,12 +21,16 @@ from typing import Any
 from bench.e2e import (
     Driver,
     audit,
+    bench_main,
     config_summary,
     cpu_note,
     new_executor,
     on_cuda,
+    plot_ttft,
+    print_config_table,
+    sum_integrity,
+    write_result,
 )
-from bench.summary import machine_info
 from bench.workload import make_conversations, working_set_tokens
 from prefill.bootstrap import PeerConfig
 from server_args import ServerArgs
@@ -71,6 +73,20 @@ SIZES = {
              request_rate=4.0, max_parallel=16),
     ),
 }  # fmt: skip
+
+
+TABLE = [
+    ("TTFT mean ms", "ttft_mean_s", 1e3, ".1f"),
+    ("p50 ms", "ttft_p50_s", 1e3, ".1f"),
+    ("p90 ms", "ttft_p90_s", 1e3, ".1f"),
+    ("dev hit tok", "device_hit_tokens", 1, ".0f"),
+    ("host hit tok", "host_hit_tokens", 1, ".0f"),
+    ("computed tok", "prefill_tokens_computed", 1, ".0f"),
+    ("D2H MB", "d2h_bytes", 1e-6, ".1f"),
+    ("H2D MB", "h2d_bytes", 1e-6, ".1f"),
+    ("tok/s", "throughput_tok_s", 1, ".0f"),
+    ("vs dev-only", "ttft_mean_speedup_vs_device_only", 1, ".2f"),
+]
 
 
 def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> ServerArgs:
@@ -150,11 +166,12 @@ def run_config(name: str, device_tokens: int, opts: argparse.Namespace) -> dict[
 def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
     """Run every configuration on one trace; returns the summary keyed by configuration."""
     opts = parse_args(argv or [], quick)
-    conversations = make_conversations(
-        opts.num_clients, opts.num_rounds, opts.request_length, opts.sub_question_input_length,
-        1024, opts.seed,
+    working_set = working_set_tokens(
+        make_conversations(
+            opts.num_clients, opts.num_rounds, opts.request_length,
+            opts.sub_question_input_length, vocab_size=2, seed=opts.seed,
+        )
     )  # fmt: skip
-    working_set = working_set_tokens(conversations)
     page = opts.page_size
     device_tokens = max(page, (int(working_set / opts.working_set_ratio) // page) * page)
     longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
@@ -177,27 +194,22 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         res["ttft_mean_speedup_vs_device_only"] = (
             base / res["ttft_mean_s"] if base and res.get("ttft_mean_s") else None
         )
-    print_table(results)
+    print_config_table(results, TABLE)
     summary = {
         **{k: _headline(v) for k, v in results.items()},
         "working_set_tokens": working_set,
         "device_pool_tokens": device_tokens,
         "working_set_over_device_pool": ratio,
-        "integrity": _sum_integrity(results),
+        "integrity": sum_integrity(results),
         "note": note,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "benchmark": "multiturn",
-        "machine": machine_info(),
-        "workload": {k: v for k, v in vars(opts).items() if k != "configs"},
-        "note": note,
-        "summary": summary,
-        "configs": results,
-    }
-    (out_dir / "multiturn.json").write_text(json.dumps(doc, indent=2, default=str))
-    plot(results, out_dir / "multiturn_ttft.png")
-    print(f"[multiturn] wrote {out_dir / 'multiturn.json'}")
+    doc = {"workload": vars(opts), "note": note, "summary": summary, "configs": results}
+    path = write_result(out_dir, "multiturn", doc)
+    plot_ttft(
+        results, out_dir / "multiturn_ttft.png", "Multi-turn prefill TTFT per cache configuration",
+        list(results),
+    )  # fmt: skip
+    print(f"[multiturn] wrote {path}")
     return summary
 
 
@@ -208,61 +220,6 @@ def _headline(res: dict[str, Any]) -> dict[str, Any]:
         "ttft_mean_speedup_vs_device_only",
     )  # fmt: skip
     return {k: res.get(k) for k in keys}
-
-
-def _sum_integrity(results: dict[str, Any]) -> dict[str, int]:
-    total: dict[str, int] = collections.Counter()
-    for res in results.values():
-        for k, v in res["integrity"].items():
-            if k != "kv_checked_requests":
-                total[k] += v
-    return dict(total)
-
-
-def print_table(results: dict[str, Any]) -> None:
-    cols = [
-        ("TTFT mean ms", "ttft_mean_s", 1e3, ".1f"),
-        ("p50 ms", "ttft_p50_s", 1e3, ".1f"),
-        ("p90 ms", "ttft_p90_s", 1e3, ".1f"),
-        ("dev hit tok", "device_hit_tokens", 1, ".0f"),
-        ("host hit tok", "host_hit_tokens", 1, ".0f"),
-        ("computed tok", "prefill_tokens_computed", 1, ".0f"),
-        ("D2H MB", "d2h_bytes", 1e-6, ".1f"),
-        ("H2D MB", "h2d_bytes", 1e-6, ".1f"),
-        ("tok/s", "throughput_tok_s", 1, ".0f"),
-        ("vs dev-only", "ttft_mean_speedup_vs_device_only", 1, ".2f"),
-    ]
-    print(f"{'config':<24}" + "".join(f"{c[0]:>14}" for c in cols))
-    for name, res in results.items():
-        cells = []
-        for _, key, scale, fmt in cols:
-            v = res.get(key)
-            cells.append(f"{'-':>14}" if v is None else f"{v * scale:>14{fmt}}")
-        print(f"{name:<24}" + "".join(cells))
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """TTFT distribution per configuration (box plot), when matplotlib is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[multiturn] matplotlib not installed: no plot")
-        return
-    names = list(results)
-    data = [[t * 1e3 for t in results[n]["ttft_samples_s"]] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.boxplot(data, showmeans=True)
-    ax.set_xticks(range(1, len(names) + 1), names)
-    ax.set_ylabel("TTFT (ms)")
-    suffix = " (CPU)" if cpu_note() else ""
-    ax.set_title("Multi-turn prefill TTFT per cache configuration" + suffix)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
@@ -293,27 +250,5 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     return p.parse_args(argv)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING)
-    argv = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in argv
-    out = Path("results")
-    rest = []
-    it = iter(argv)
-    for a in it:
-        if a == "--quick":
-            continue
-        if a == "--out":
-            out = Path(next(it))
-            continue
-        rest.append(a)
-    summary = run(quick=quick, out_dir=out, argv=rest)
-    bad = {k: v for k, v in summary["integrity"].items() if v}
-    if bad:
-        print(f"[multiturn] INTEGRITY VIOLATIONS: {bad}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main("multiturn", run))

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,12 +22,16 @@ from bench.bench_multiturn import CPU_MODEL, GPU_MODEL
 from bench.e2e import (
     Driver,
     audit,
+    bench_main,
     config_summary,
     cpu_note,
     new_executor,
     on_cuda,
+    plot_ttft,
+    print_config_table,
+    sum_integrity,
+    write_result,
 )
-from bench.summary import machine_info
 from bench.workload import cached_prompts, poisson_arrivals
 from prefill.bootstrap import DelayDistribution, PeerConfig
 from prefill.request import Outcome
@@ -47,6 +49,18 @@ SIZES = {
         dict(num_requests=64, input_len=32768, num_prefixes=4, utilization=0.25),
     ),
 }
+
+
+TABLE = [
+    ("TTFT mean ms", "ttft_mean_s", 1e3, ".1f"),
+    ("p50 ms", "ttft_p50_s", 1e3, ".1f"),
+    ("p90 ms", "ttft_p90_s", 1e3, ".1f"),
+    ("ok", "successes", 1, ".0f"),
+    ("yields", "yields", 1, ".0f"),
+    ("parks", "parks", 1, ".0f"),
+    ("aborts", "aborts", 1, ".0f"),
+    ("vs 0", "ttft_mean_speedup_vs_0", 1, ".2f"),
+]
 
 
 def server_args_for(attempts: int, opts: argparse.Namespace, failure_prob: float) -> ServerArgs:
@@ -183,27 +197,25 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
             res = results[f"attempts_{a}{suffix}"]
             mean = res["ttft_mean_s"]
             res["ttft_mean_speedup_vs_0"] = base / mean if base and mean else None
-    print_table(results)
+    print_config_table(results, TABLE, width=13)
     summary: dict[str, Any] = {k: _headline(v) for k, v in results.items()}
     summary.update(
         calibrated_prefill_s=prefill_s,
         bootstrap_delay={"kind": delay.kind, "low_s": delay.a, "high_s": delay.b},
         arrival_rate_per_s=rate,
         utilization=opts.utilization,
-        integrity=_sum_integrity(results),
+        integrity=sum_integrity(results),
         note=note,
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "benchmark": "optimistic",
-        "machine": machine_info(),
-        "workload": vars(opts),
-        "summary": summary,
-        "configs": results,
-    }
-    (out_dir / "optimistic.json").write_text(json.dumps(doc, indent=2, default=str))
-    plot(results, out_dir / "optimistic_ttft.png")
-    print(f"[optimistic] wrote {out_dir / 'optimistic.json'}")
+    doc = {"workload": vars(opts), "note": note, "summary": summary, "configs": results}
+    path = write_result(out_dir, "optimistic", doc)
+    labels = [
+        n.replace("_with_failures", "\n+failures").replace("_util", "\nutil") for n in results
+    ]
+    plot_ttft(
+        results, out_dir / "optimistic_ttft.png", "Optimistic prefill TTFT by attempts", labels
+    )
+    print(f"[optimistic] wrote {path}")
     return summary
 
 
@@ -213,57 +225,6 @@ def _headline(res: dict[str, Any]) -> dict[str, Any]:
         "optimistic_admissions", "bootstrap_failures", "successes", "ttft_mean_speedup_vs_0",
     )  # fmt: skip
     return {k: res.get(k) for k in keys}
-
-
-def _sum_integrity(results: dict[str, Any]) -> dict[str, int]:
-    total: dict[str, int] = collections.Counter()
-    for res in results.values():
-        for k, v in res["integrity"].items():
-            if k != "kv_checked_requests":
-                total[k] += v
-    return dict(total)
-
-
-def print_table(results: dict[str, Any]) -> None:
-    cols = [
-        ("TTFT mean ms", "ttft_mean_s", 1e3, ".1f"),
-        ("p50 ms", "ttft_p50_s", 1e3, ".1f"),
-        ("p90 ms", "ttft_p90_s", 1e3, ".1f"),
-        ("ok", "successes", 1, ".0f"),
-        ("yields", "yields", 1, ".0f"),
-        ("parks", "parks", 1, ".0f"),
-        ("aborts", "aborts", 1, ".0f"),
-        ("vs 0", "ttft_mean_speedup_vs_0", 1, ".2f"),
-    ]
-    print(f"{'config':<28}" + "".join(f"{c[0]:>13}" for c in cols))
-    for name, res in results.items():
-        cells = []
-        for _, key, scale, fmt in cols:
-            v = res.get(key)
-            cells.append(f"{'-':>13}" if v is None else f"{v * scale:>13{fmt}}")
-        print(f"{name:<28}" + "".join(cells))
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[optimistic] matplotlib not installed: no plot")
-        return
-    names = list(results)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    ax.boxplot([[t * 1e3 for t in results[n]["ttft_samples_s"]] for n in names], showmeans=True)
-    labels = [n.replace("_with_failures", "\n+failures").replace("_util", "\nutil") for n in names]
-    ax.set_xticks(range(1, len(names) + 1), labels)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("Optimistic prefill TTFT by attempts" + (" (CPU)" if cpu_note() else ""))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
@@ -315,26 +276,5 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     return p.parse_args(argv)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING)
-    argv = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in argv
-    out = Path("results")
-    rest, it = [], iter(argv)
-    for a in it:
-        if a == "--quick":
-            continue
-        if a == "--out":
-            out = Path(next(it))
-            continue
-        rest.append(a)
-    summary = run(quick=quick, out_dir=out, argv=rest)
-    bad = {k: v for k, v in summary["integrity"].items() if v}
-    if bad:
-        print(f"[optimistic] INTEGRITY VIOLATIONS: {bad}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main("optimistic", run))

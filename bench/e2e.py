@@ -3,10 +3,15 @@ latency statistics and the integrity audit every run ends with."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -206,3 +211,79 @@ def config_summary(run: TraceRun) -> dict[str, Any]:
         "executor": {k: v for k, v in ex.stats.to_dict().items() if k != "ttft_samples"},
         "ttft_samples_s": [r.ttft for r in ok],
     }
+
+
+# ---------------------------------------------------------------------------- reporting
+Column = tuple[str, str, float, str]
+"""(header, result key, scale, format spec) of one table column."""
+
+
+def sum_integrity(results: dict[str, Any]) -> dict[str, int]:
+    """Integrity counters of every configuration, added up."""
+    total: dict[str, int] = {}
+    for res in results.values():
+        for k, v in res["integrity"].items():
+            if k != "kv_checked_requests":
+                total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+def print_config_table(results: dict[str, Any], cols: list[Column], width: int = 14) -> None:
+    """One row per configuration, fixed-width columns with units in the headers."""
+    name_w = max(24, max((len(n) for n in results), default=0) + 2)
+    print(f"{'config':<{name_w}}" + "".join(f"{c[0]:>{width}}" for c in cols))
+    for name, res in results.items():
+        cells = []
+        for _, key, scale, fmt in cols:
+            v = res.get(key)
+            cells.append(f"{'-':>{width}}" if v is None else f"{v * scale:>{width}{fmt}}")
+        print(f"{name:<{name_w}}" + "".join(cells))
+
+
+def plot_ttft(results: dict[str, Any], path: Path, title: str, labels: list[str]) -> None:
+    """Box plot of the TTFT samples of each configuration, when matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no plot {path.name}")
+        return
+    data = [[t * 1e3 for t in res["ttft_samples_s"]] for res in results.values()]
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(data)), 4.5))
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(data) + 1), labels)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(title + (" (CPU)" if cpu_note() else ""))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_result(out_dir: Path, name: str, doc: dict[str, Any]) -> Path:
+    """``out_dir/NAME.json`` with the machine description added."""
+    from bench.summary import machine_info
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **doc}, indent=2,
+                               default=str))  # fmt: skip
+    return path
+
+
+def bench_main(name: str, run: Callable[..., dict[str, Any]], argv: list[str] | None = None) -> int:
+    """Command line of one end-to-end benchmark: ``--quick``, ``--out DIR``, and the
+    benchmark's own flags; exits non-zero on any integrity violation."""
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    summary = run(quick=known.quick, out_dir=known.out, argv=rest)
+    bad = {k: v for k, v in summary["integrity"].items() if v}
+    if bad:
+        print(f"[{name}] INTEGRITY VIOLATIONS: {bad}", file=sys.stderr)
+        return 1
+    return 0

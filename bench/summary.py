@@ -59,7 +59,12 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         configs = summary.get(section)
         if not isinstance(configs, dict):
             continue
-        names = [k for k, v in configs.items() if isinstance(v, dict) and "ttft_mean_s" in v]
+        # Headline configurations only; each benchmark prints its variants in its own table.
+        names = [
+            k
+            for k, v in configs.items()
+            if isinstance(v, dict) and "ttft_mean_s" in v and "_with" not in k and "_util" not in k
+        ]
         if not names:
             continue
         print(f"\n{section}")
@@ -70,7 +75,12 @@ def print_summary_table(summary: dict[str, Any]) -> None:
             cells = []
             for n in names:
                 value = configs[n].get(metric)
-                cells.append(f"{'-':>24}" if value is None else f"{value * scale:>24.2f}")
+                if value is None:
+                    cells.append(f"{'-':>24}")
+                elif isinstance(value, int):
+                    cells.append(f"{value:>24d}")
+                else:
+                    cells.append(f"{value * scale:>24.2f}")
             print(f"{label:<18}" + "".join(cells))
     transfer = summary.get("transfer")
     if isinstance(transfer, dict) and transfer.get("headline"):
