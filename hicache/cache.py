@@ -31,8 +31,8 @@ class KVCache:
 
     ``tree`` is a ``RadixCache`` when the hierarchical cache is off (``host_pool`` and
     ``controller`` are then ``None``) and a ``HiRadixCache`` when it is on; both take the same
-    calls. ``stats`` is shared by the tree (hits, backups, loads, evictions) and the controller
-    (bytes and copy time).
+    calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
+    when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
     """
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool

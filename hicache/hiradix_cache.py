@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.radix_cache import MatchResult, RadixCache, TreeNode
+from hicache.radix_cache import RadixCache, TreeNode
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
@@ -55,7 +54,8 @@ class HiRadixCache(RadixCache):
         write_policy: one of ``WRITE_POLICIES``.
         load_back_threshold: host hits shorter than this many tokens are recomputed.
         upstream_chunked_insert: reproduce SGLang's chunked-insert behaviour (see module doc).
-        stats: optional stats object fed with hits, backups, loads and evictions.
+        stats: optional stats object fed with backups, loads and evictions (prefix hits are
+            recorded by the admitting executor, not by ``match_prefix``).
     """
 
     def __init__(
@@ -88,16 +88,6 @@ class HiRadixCache(RadixCache):
         self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
         self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
         self._pending_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
-
-    # ------------------------------------------------------------------ match
-
-    def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:
-        """As ``RadixCache.match_prefix``; host-only nodes on the path count as host hits
-        (``host_hit_length``, ending at ``last_host_node``). Records the hit in ``stats``."""
-        result = super().match_prefix(key)
-        if self.stats is not None:
-            self.stats.record_match(len(result.device_indices), result.host_hit_length)
-        return result
 
     # ------------------------------------------------------------------ insert hooks
 

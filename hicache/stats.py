@@ -1,8 +1,11 @@
-"""One stats object for the hierarchical cache, read by benches and logs.
+"""One stats object for the KV cache (device-only or hierarchical), read by benches and logs.
 
-The tree records hits, backups, loads and evictions when it decides them; the controller records
-bytes moved and copy time when a copy's ack completes. Single-threaded: only the scheduler thread
-calls ``record_*`` (CPU stream workers never touch it).
+Prefix hits are recorded by whoever admits a request (the executor, once per admitted attempt, as
+SGLang's scheduler counts a request's cached tokens), never by ``match_prefix``: the tree also
+matches to re-lock after every chunk insert, which is not a hit. The tree records backups, loads
+and evictions when it decides them; the controller records bytes moved and copy time when a
+copy's ack completes. Single-threaded: only the scheduler thread calls ``record_*`` (CPU stream
+workers never touch it).
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ DIRECTIONS = ("d2h", "h2d")
 class CacheStats:
     """Counters since construction or the last ``reset()``. Tokens are token slots; bytes are
     K and V of all layers; copy time is seconds from a copy's start event to its finish event
-    (on CPU streams this includes queueing and any injected delay)."""
+    (on CPU streams this includes queueing and any injected delay).
 
-    match_calls: int = 0
+    ``matched_attempts``: admitted attempts that recorded their prefix hit (one per attempt, so a
+    request that yields and retries counts again, its retry hitting what it inserted).
+    ``device_hit_tokens`` / ``host_hit_tokens``: tokens those attempts reused from the device and
+    loaded back from the host (a host hit recomputed, e.g. below ``load_back_threshold``, is not
+    a hit)."""
+
+    matched_attempts: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     backed_up_tokens: int = 0
@@ -38,7 +47,8 @@ class CacheStats:
 
     # --- recorders -----------------------------------------------------------------------------
     def record_match(self, device_hit_tokens: int, host_hit_tokens: int) -> None:
-        self.match_calls += 1
+        """One admitted attempt's prefix: device-resident tokens reused, host tokens loaded back."""
+        self.matched_attempts += 1
         self.device_hit_tokens += device_hit_tokens
         self.host_hit_tokens += host_hit_tokens
 

@@ -55,8 +55,8 @@ class OptimisticPrefillExecutor:
     Args:
         args: resolved ``ServerArgs``; reads ``optimistic_prefill_attempts`` (after the gate),
             ``chunked_prefill_size``, ``page_size``, ``max_total_tokens`` and the failure hooks.
-        cache: ``hicache.cache.KVCache`` (``device_pool``, ``allocator``, ``tree``); built from
-            ``args`` when omitted.
+        cache: ``hicache.cache.KVCache`` (``device_pool``, ``allocator``, ``tree``, ``stats``);
+            built from ``args`` when omitted. Admission records prefix hits in ``cache.stats``.
         model: the paged model; built from ``args`` when omitted.
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
         decode: the simulated decode instance; built from ``args`` when omitted.
@@ -353,6 +353,9 @@ class OptimisticPrefillExecutor:
             req.stage = Stage.RUNNING
             self.stats.cached_device_tokens += req.cached_device
             self.stats.cached_host_tokens += req.cached_host
+            # Prefix-hit accounting belongs to admission (SGLang's scheduler), once per attempt:
+            # the tree's re-matches after chunk inserts are not hits.
+            self.cache.stats.record_match(req.cached_device, req.cached_host)
             batch.append((req, n))
             budget = None if budget is None else budget - n
             if req.computed_len + n < req.num_tokens:

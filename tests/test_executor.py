@@ -228,6 +228,74 @@ def test_l2_write_back_evicted_prefix_is_loaded_back():
         assert_decode_kv_matches(ex, rid)
 
 
+# ---------------------------------------------------------------------------------- hit stats
+def _assert_cache_hits_match_results(ex: OptimisticPrefillExecutor) -> None:
+    """One ``record_match`` per admitted attempt; with no yields, the results' cached tokens."""
+    s = ex.cache.stats
+    results = list(ex.results.values())
+    assert s.matched_attempts == sum(r.passes for r in results) == ex.stats.admissions
+    assert s.device_hit_tokens == sum(r.cached_device_tokens for r in results)
+    assert s.host_hit_tokens == sum(r.cached_host_tokens for r in results)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["device_only", "hicache"])
+def test_chunk_re_matches_do_not_count_as_prefix_hits(hierarchical):
+    """A 40-token prompt prefilled in 16-token chunks re-matches its prefix after every chunk
+    insert (16, 32, 40 tokens); none of that is a hit. Only B's admission hits A's prompt
+    (its first 39 tokens, page-aligned: 36). Device-only caches count hits too."""
+    kw = dict(enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    ex = make(delay=DelayDistribution("fixed", 0.0), **(kw if hierarchical else {}))
+    assert ex.cache.hierarchical == hierarchical
+    a = prompt(40)
+    ex.submit("a", a)
+    finish(ex)
+    assert ex.stats.chunks == 3
+    s = ex.cache.stats
+    assert (s.matched_attempts, s.device_hit_tokens, s.host_hit_tokens) == (1, 0, 0)
+    ex.submit("b", a)
+    finish(ex)
+    assert (s.matched_attempts, s.device_hit_tokens, s.host_hit_tokens) == (2, 36, 0)
+    _assert_cache_hits_match_results(ex)
+
+
+def test_host_hits_count_what_admission_loads_back():
+    """As the L2 load-back story: C's host hit is recorded once, as the tokens loaded."""
+    ex = make(
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
+    )
+    a = prompt(40, seed=1)
+    ex.submit("a", a)
+    finish(ex)
+    ex.submit("b", prompt(44, seed=2))
+    finish(ex)
+    ex.submit("c", a + prompt(6, seed=3))
+    finish(ex)
+    assert ex.result("c").cached_host_tokens > 0
+    assert ex.cache.stats.host_hit_tokens == ex.result("c").cached_host_tokens
+    _assert_cache_hits_match_results(ex)
+
+
+def test_host_hit_below_load_back_threshold_is_recomputed_not_counted():
+    ex = make(
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        enable_hierarchical_cache=True, hicache_write_policy="write_back",
+        load_back_threshold=1000,
+    )
+    a = prompt(40, seed=1)
+    ex.submit("a", a)
+    finish(ex)
+    ex.submit("b", prompt(44, seed=2))
+    finish(ex)
+    assert ex.tree.match_prefix(a).host_hit_length > 0  # on the host, but below the threshold
+    ex.submit("c", a + prompt(6, seed=3))
+    finish(ex)
+    assert ex.result("c").cached_host_tokens == 0
+    assert ex.cache.stats.host_hit_tokens == 0 and ex.cache.stats.loaded_tokens == 0
+    _assert_cache_hits_match_results(ex)
+    assert_decode_kv_matches(ex, "c")
+
+
 # ---------------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("attempts", [0, 2])
 def test_fail_while_in_the_bootstrap_queue(attempts):

@@ -194,6 +194,9 @@ def test_write_through_story(caches, use_mla) -> None:
     assert kv.allocator.available_size() == kv.allocator.size
     kv.check_integrity()
     assert kv.stats.backed_up_tokens == 16 and kv.stats.loaded_tokens == 8
+    # prefix hits are the admitting executor's to record, not match_prefix's
+    s = kv.stats
+    assert (s.matched_attempts, s.device_hit_tokens, s.host_hit_tokens) == (0, 0, 0)
 
 
 def test_write_through_selective_story(caches) -> None:
