@@ -16,6 +16,8 @@ API (all tensors 1-D int64 of equal length ``n``; ``tokens`` / ``positions`` may
 - ``check_device(pool, slots, tokens, positions)`` / ``check_host(host_pool, host_slots, tokens,
   positions)``: raise ``AssertionError`` naming the first bad slot, layer and part.
 - ``write_host(host_pool, host_slots, tokens, positions)``: the same content into host slots.
+
+Empty slot lists are fine everywhere: writes do nothing and checks pass.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def _compare(
 ) -> None:
     for part, (g, w) in enumerate(zip(got, want, strict=True)):
         g = g.cpu()
-        bad = (g.view(torch.uint8).reshape(g.shape[0], -1)
-               != w.view(torch.uint8).reshape(w.shape[0], -1)).any(dim=1)
+        # flatten(1), not reshape(n, -1): with no slots (n == 0) the -1 would be ambiguous
+        bad = (g.view(torch.uint8).flatten(1) != w.view(torch.uint8).flatten(1)).any(dim=1)
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             name = ("k", "v")[part] if len(got) == 2 else "kv"
