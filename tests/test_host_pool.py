@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hicache.host_memory as host_memory
 import hicache.memory_pool_host as mph
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory_pool_host import (
@@ -61,12 +62,12 @@ def test_ram_refusal_happens_before_allocating(monkeypatch: pytest.MonkeyPatch) 
     def boom(*args, **kwargs):
         raise AssertionError("allocated before the RAM check")
 
-    monkeypatch.setattr(mph, "_alloc_host_buffer", boom)
+    monkeypatch.setattr(host_memory, "alloc_host_buffer", boom)
     dev = device_pool(False, 1)
     with pytest.raises(ValueError, match="hicache_size"):
         MHATokenToKVPoolHost(dev, 2.0, 1e6, 1, "layer_first")  # a petabyte
-    monkeypatch.setattr(mph, "host_memory_available_bytes", lambda: 10 * 1024**3)
-    monkeypatch.setattr(mph, "host_memory_reserve_bytes", lambda: 10 * 1024**3 - 1000)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 10 * 1024**3)
+    monkeypatch.setattr(host_memory, "host_memory_reserve_bytes", lambda: 10 * 1024**3 - 1000)
     with pytest.raises(ValueError, match="host RAM"):
         MHATokenToKVPoolHost(dev, 2.0, 0, 1, "layer_first")  # 128 tokens x 384 B > 1000 B
 

@@ -1,0 +1,98 @@
+"""Host RAM for the host KV pools: how much may be used, how many tokens a pool gets, and the
+allocation itself.
+
+Owns no state. On CUDA a host buffer is plain host memory of the exact size registered with
+``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to
+``pin_memory()`` if registration fails; without CUDA it is plain memory. The host pools
+(``memory_pool_host_base``) call these through the module, so a test patches them here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Host RAM left free when sizing the host pool: SGLang's 10 GiB, capped at a quarter of the
+# machine's RAM so small machines (CI, laptops) can still build small pools.
+HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_memory_available_bytes() -> int:
+    """``MemAvailable`` (psutil if installed, else /proc/meminfo)."""
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    avail = _meminfo_bytes("MemAvailable")
+    if avail is None:
+        pages = os.sysconf("SC_AVPHYS_PAGES")
+        avail = pages * os.sysconf("SC_PAGE_SIZE")
+    return avail
+
+
+def host_memory_reserve_bytes() -> int:
+    """Bytes of available RAM the host pool must leave free."""
+    total = _meminfo_bytes("MemTotal")
+    if total is None:
+        return HOST_MEMORY_RESERVE_BYTES
+    return min(HOST_MEMORY_RESERVE_BYTES, total // 4)
+
+
+def host_pool_tokens(
+    device_size: int,
+    size_per_token: int,
+    page_size: int,
+    host_to_device_ratio: float,
+    host_size_gb: float,
+) -> int:
+    """Host tokens: ``host_size_gb`` GB if > 0, else ``ratio * device_size``; rounded UP to pages
+    (at least one page)."""
+    if host_size_gb < 0:
+        raise ValueError(f"host_size must be >= 0 GB, got {host_size_gb}")
+    if host_size_gb > 0:
+        tokens = int(host_size_gb * 1e9 // size_per_token)
+    else:
+        if host_to_device_ratio <= 0:
+            raise ValueError(f"host_to_device_ratio must be > 0, got {host_to_device_ratio}")
+        tokens = int(device_size * host_to_device_ratio)
+    return max(1, math.ceil(tokens / page_size)) * page_size
+
+
+def alloc_host_buffer(
+    dims: tuple[int, ...], dtype: torch.dtype, pin: bool
+) -> tuple[torch.Tensor, bool]:
+    """Allocate ``dims`` on the host; returns (buffer, registered_with_cudaHostRegister)."""
+    buf = torch.zeros(dims, dtype=dtype)
+    if not pin:
+        return buf, False
+    nbytes = buf.numel() * buf.element_size()
+    cudart = torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    if rc == 0:
+        return buf, True
+    logger.warning(
+        "cudaHostRegister of %.2f GB failed (rc=%d); falling back to pin_memory(), which rounds "
+        "the allocation up to a power of two",
+        nbytes / 1e9,
+        rc,
+    )
+    del buf
+    return torch.zeros(dims, dtype=dtype).pin_memory(), False
