@@ -17,6 +17,10 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
   backup; a backup launched while loads are in flight waits for the latest load.
 
 Acks are ``HiCacheAck(start_event, finish_event, node_ids, ...)``, completed in launch order.
+
+This file owns the copy launches, the load queue and the ack queues. The slot accounting above
+(``InflightSlots``, the deferred frees) is in ``inflight_slots``; the per-layer load events
+(``LayerDoneCounter``) are in ``layer_done_counter``. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import NamedTuple
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
+from hicache.inflight_slots import DeferredFrees, InflightSlots, cat_cpu, check_indices
+from hicache.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory_pool_host import (
     SUPPORTED_LAYOUT_IO,
@@ -37,9 +43,15 @@ from hicache.memory_pool_host import (
 from hicache.stats import CacheStats
 from hicache.streams import CpuStreams, CudaStreams, Delay, Event, make_streams
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "HiCacheAck",
+    "HiCacheController",
+    "InflightSlots",
+    "LayerDoneCounter",
+    "LayerLoadingEvent",
+]
 
-_EMPTY = torch.empty((0,), dtype=torch.int64)
+logger = logging.getLogger(__name__)
 
 
 class HiCacheAck(NamedTuple):
@@ -54,88 +66,10 @@ class HiCacheAck(NamedTuple):
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
 
 
-class InflightSlots(NamedTuple):
-    """Slots that launched or queued copies use now (CPU int64, may repeat across copies)."""
-
-    device_read: torch.Tensor  # by backups
-    device_written: torch.Tensor  # by loads
-    host_read: torch.Tensor  # by loads
-    host_written: torch.Tensor  # by backups
-
-
 class _CacheOperation(NamedTuple):
     host_indices: torch.Tensor
     device_indices: torch.Tensor
     node_id: int
-
-
-class LayerLoadingEvent:
-    """Per-layer load events of one ``start_loading`` call (plus its start event)."""
-
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
-        self.start_event = streams.new_event(enable_timing=True)
-        self.load_events = [
-            streams.new_event(enable_timing=(i == num_layers - 1)) for i in range(num_layers)
-        ]
-
-    @property
-    def finish_event(self) -> Event:
-        return self.load_events[-1]
-
-
-class LayerDoneCounter:
-    """Lets layer ``i``'s attention wait for layer ``i``'s load only (SGLang's name).
-
-    ``update_producer()`` makes the events of a new load and returns its id; ``set_consumer(id)``
-    picks the load the forward pass consumes (``start_loading`` sets it to the newest);
-    ``wait_until(layer)``: on CUDA the compute stream waits for the event (the host never blocks);
-    on CPU the caller blocks until that layer's copy has run. No-op when nothing was loaded or
-    the consumed load's ack was already popped.
-    """
-
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
-        self.num_layers = num_layers
-        self.streams = streams
-        self.events: dict[int, LayerLoadingEvent] = {}
-        self._next_id = 0
-        self.consumer_index = -1
-
-    def update_producer(self) -> int:
-        pid = self._next_id
-        self._next_id += 1
-        self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams)
-        return pid
-
-    def set_consumer(self, index: int) -> None:
-        self.consumer_index = index
-
-    def wait_until(self, threshold: int) -> None:
-        if not 0 <= threshold < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {threshold}")
-        ev = self.events.get(self.consumer_index)
-        if ev is None:
-            return
-        self.streams.compute.wait_event(ev.load_events[threshold])
-
-    def release(self, index: int) -> None:
-        """Forget a producer whose load ack was popped (its events have all fired)."""
-        self.events.pop(index, None)
-
-    def reset(self) -> None:
-        self.events.clear()
-        self.consumer_index = -1
-
-
-def _check_indices(name: str, t: object, page_size: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-        raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
-    if t.numel() % page_size != 0:
-        raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
-    return t
-
-
-def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.cpu() for t in ts]) if ts else _EMPTY
 
 
 class HiCacheController:
@@ -192,8 +126,9 @@ class HiCacheController:
         self.load_queue: list[_CacheOperation] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
-        self._deferred_device: list[torch.Tensor] = []  # freed by the tree, still used by a copy
-        self._deferred_host: list[torch.Tensor] = []
+        # Slots the tree freed while a copy still uses them, held until the copy's ack.
+        self._deferred_device = DeferredFrees(device_allocator)
+        self._deferred_host = DeferredFrees(self.host_allocator)
 
     # ------------------------------------------------------------------ D2H
     def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
@@ -206,10 +141,11 @@ class HiCacheController:
         (so it reads what the forward wrote). Never blocks.
         The host copy is readable only after this write's ack (``writing_check``).
         """
-        _check_indices("device_indices", device_indices, self.page_size)
+        check_indices("device_indices", device_indices, self.page_size)
         if self.load_queue and bool(
-            torch.isin(device_indices.cpu(), _cat([op.device_indices for op in self.load_queue]))
-            .any()
+            torch.isin(
+                device_indices.cpu(), cat_cpu([op.device_indices for op in self.load_queue])
+            ).any()
         ):
             raise ValueError(
                 "device_indices include slots of a queued load that has not started; "
@@ -234,8 +170,9 @@ class HiCacheController:
         self.write_stream.submit(backup)
         finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
         self.ack_write_queue.append(
-            HiCacheAck(start, finish, [node_id], host_indices, device_indices,
-                       self._nbytes(host_indices))
+            HiCacheAck(
+                start, finish, [node_id], host_indices, device_indices, self._nbytes(host_indices)
+            )
         )
         return host_indices
 
@@ -252,8 +189,9 @@ class HiCacheController:
         """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
         acks, and return their node ids (``writing_check`` will not return them again)."""
         wanted = None if node_ids is None else set(node_ids)
-        targets = [a for a in self.ack_write_queue
-                   if wanted is None or wanted.intersection(a.node_ids)]
+        targets = [
+            a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
+        ]
         for a in targets:
             a.finish_event.synchronize()
         done: list[int] = []
@@ -270,7 +208,7 @@ class HiCacheController:
         Returns the device slots (int64 on the device, same order) or ``None`` when the device
         pool is short (nothing changes). Nothing moves until ``start_loading()``. Never blocks.
         """
-        _check_indices("host_indices", host_indices, self.page_size)
+        check_indices("host_indices", host_indices, self.page_size)
         if host_indices.numel() and (
             int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
         ):
@@ -309,8 +247,15 @@ class HiCacheController:
             self.load_stream.submit(lambda layer=layer: load_layer(layer))
             lev.load_events[layer].record(self.load_stream)
         self.ack_load_queue.append(
-            HiCacheAck(lev.start_event, lev.finish_event, node_ids, host_indices,
-                       device_indices, self._nbytes(host_indices), pid)
+            HiCacheAck(
+                lev.start_event,
+                lev.finish_event,
+                node_ids,
+                host_indices,
+                device_indices,
+                self._nbytes(host_indices),
+                pid,
+            )
         )
         self.layer_done_counter.set_consumer(pid)
         return pid
@@ -337,21 +282,15 @@ class HiCacheController:
     def evict_device(self, device_indices: torch.Tensor) -> int:
         """Return device slots to the allocator; slots a copy still uses are held until its ack
         is popped. Raises ``ValueError`` (nothing changes) on a bad or double free."""
-        self._validate_evict(device_indices, self.device_allocator, self._deferred_device,
-                             "device_indices")
-        busy = self.inflight_slots()
-        self._free_or_defer(device_indices, torch.cat([busy.device_read, busy.device_written]),
-                            self.device_allocator, self._deferred_device)
+        self._deferred_device.validate(device_indices, "device_indices")
+        self._deferred_device.free_or_defer(device_indices, self.inflight_slots().device_slots())
         return device_indices.numel()
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
         """Return host slots to the host allocator (deferred while a copy uses them, as
         ``evict_device``)."""
-        self._validate_evict(host_indices, self.host_allocator, self._deferred_host,
-                             "host_indices")
-        busy = self.inflight_slots()
-        self._free_or_defer(host_indices, torch.cat([busy.host_read, busy.host_written]),
-                            self.host_allocator, self._deferred_host)
+        self._deferred_host.validate(host_indices, "host_indices")
+        self._deferred_host.free_or_defer(host_indices, self.inflight_slots().host_slots())
         return host_indices.numel()
 
     # ------------------------------------------------------------------ accounting
@@ -360,21 +299,23 @@ class HiCacheController:
         writes = list(self.ack_write_queue)
         loads = list(self.ack_load_queue)
         return InflightSlots(
-            device_read=_cat([a.device_indices for a in writes]),
-            device_written=_cat([a.device_indices for a in loads]
-                                + [op.device_indices for op in self.load_queue]),
-            host_read=_cat([a.host_indices for a in loads]
-                           + [op.host_indices for op in self.load_queue]),
-            host_written=_cat([a.host_indices for a in writes]),
+            device_read=cat_cpu([a.device_indices for a in writes]),
+            device_written=cat_cpu(
+                [a.device_indices for a in loads] + [op.device_indices for op in self.load_queue]
+            ),
+            host_read=cat_cpu(
+                [a.host_indices for a in loads] + [op.host_indices for op in self.load_queue]
+            ),
+            host_written=cat_cpu([a.host_indices for a in writes]),
         )
 
     def device_in_flight(self) -> int:
         """Device slots the tree freed that the controller holds until a copy's ack."""
-        return sum(t.numel() for t in self._deferred_device)
+        return self._deferred_device.num_slots()
 
     def host_in_flight(self) -> int:
         """Host slots the tree freed that the controller holds until a copy's ack."""
-        return sum(t.numel() for t in self._deferred_host)
+        return self._deferred_host.num_slots()
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless both allocators are consistent, every slot a copy
@@ -384,15 +325,15 @@ class HiCacheController:
         self.host_allocator.check_integrity()
         busy = self.inflight_slots()
         for name, idx, alloc in (
-            ("device", torch.cat([busy.device_read, busy.device_written]), self.device_allocator),
-            ("host", torch.cat([busy.host_read, busy.host_written]), self.host_allocator),
-            ("deferred device", _cat(self._deferred_device), self.device_allocator),
-            ("deferred host", _cat(self._deferred_host), self.host_allocator),
+            ("device", busy.device_slots(), self.device_allocator),
+            ("host", busy.host_slots(), self.host_allocator),
+            ("deferred device", self._deferred_device.slots(), self.device_allocator),
+            ("deferred host", self._deferred_host.slots(), self.host_allocator),
         ):
             if not alloc.is_allocated(idx):
                 raise AssertionError(f"controller: a {name} slot in use by a copy is free")
-        for name, lst in (("device", self._deferred_device), ("host", self._deferred_host)):
-            d = _cat(lst)
+        for name, deferred in (("device", self._deferred_device), ("host", self._deferred_host)):
+            d = deferred.slots()
             if d.unique().numel() != d.numel():
                 raise AssertionError(f"controller: a {name} slot is deferred twice")
 
@@ -425,47 +366,9 @@ class HiCacheController:
             device_indices = device_indices.index_select(0, order)
         return host_indices, device_indices
 
-    @staticmethod
-    def _validate_evict(
-        indices: torch.Tensor, alloc: TokenToKVPoolAllocator, deferred: list[torch.Tensor],
-        name: str,
-    ) -> None:
-        _check_indices(name, indices, alloc.page_size)
-        alloc.check_free(indices)
-        if deferred and bool(torch.isin(indices.cpu(), _cat(deferred)).any()):
-            raise ValueError(f"{name}: slots already freed (held until a copy's ack)")
-
-    @staticmethod
-    def _free_or_defer(
-        indices: torch.Tensor, busy: torch.Tensor, alloc: TokenToKVPoolAllocator,
-        deferred: list[torch.Tensor],
-    ) -> None:
-        if indices.numel() == 0:
-            return
-        idx = indices.cpu()
-        if busy.numel() == 0:
-            alloc.free(indices)
-            return
-        page_busy = torch.isin(idx, busy).view(-1, alloc.page_size).any(dim=1)
-        slot_busy = page_busy.repeat_interleave(alloc.page_size)
-        if bool(slot_busy.any()):
-            deferred.append(idx[slot_busy])
-            logger.debug("deferring the free of %d slots in use by a copy", int(slot_busy.sum()))
-        if not bool(slot_busy.all()):
-            alloc.free(indices[~slot_busy.to(indices.device)])
-
     def _release_deferred(self) -> None:
-        if not (self._deferred_device or self._deferred_host):
+        if not (self._deferred_device.held or self._deferred_host.held):
             return
         busy = self.inflight_slots()
-        for lst, b, alloc in (
-            (self._deferred_device, torch.cat([busy.device_read, busy.device_written]),
-             self.device_allocator),
-            (self._deferred_host, torch.cat([busy.host_read, busy.host_written]),
-             self.host_allocator),
-        ):
-            if not lst:
-                continue
-            pending, lst[:] = list(lst), []
-            for t in pending:
-                self._free_or_defer(t, b, alloc, lst)
+        self._deferred_device.release(busy.device_slots())
+        self._deferred_host.release(busy.host_slots())
