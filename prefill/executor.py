@@ -24,29 +24,37 @@ Nothing is sent, and ``peer.init`` (the metadata) is not called, before finalize
 insert computed pages, release slots and lock, reset, requeue at the head of waiting (another
 optimistic attempt) or at the tail of bootstrap once attempts are used up. Abort releases
 everything (deferred until in-flight reads of its slots ack) and sends nothing more.
+
+This file owns the public API, the step order, the running (chunked) request and the decisions
+at its chunk boundaries and at the end of its prefill, including yield. The rest is delegated:
+``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, finalize, requeue after
+a yield), ``prefill.batch`` (step 5), ``prefill.inflight`` (sends, step 7, abort, results) and
+``prefill.req_kv`` (a request's slots and lock).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from prefill.admission import AdmissionQueue
+from prefill.batch import Batch, BatchRunner, CostModel
 from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
 from prefill.clock import Clock, WallClock
+from prefill.inflight import InflightQueue
 from prefill.integrity import check_executor
-from prefill.model import ExtendInput, PagedTransformer
+from prefill.model import PagedTransformer
 from prefill.req_kv import RequestKV
-from prefill.request import Outcome, PrefillRequest, RequestResult, Stage
+from prefill.request import PrefillRequest, RequestResult, Stage
 from prefill.stats import ExecutorStats
 
-logger = logging.getLogger(__name__)
+__all__ = ["CostModel", "OptimisticPrefillExecutor"]
 
-CostModel = Callable[[int, int], float]
-"""``(new_tokens, prefix_tokens) -> seconds`` of one forward pass (charged to a virtual clock)."""
+logger = logging.getLogger(__name__)
 
 
 class OptimisticPrefillExecutor:
@@ -89,7 +97,6 @@ class OptimisticPrefillExecutor:
         self.allocator = cache.allocator
         self.kv = RequestKV(cache)
         self.clock: Clock = clock if clock is not None else WallClock()
-        self.cost_model = cost_model
         self.page_size = self.allocator.page_size
         if decode is not None:
             self.peer_config = decode.config
@@ -105,12 +112,12 @@ class OptimisticPrefillExecutor:
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
         self.requests: dict[str, PrefillRequest] = {}
-        self.results: dict[str, RequestResult] = {}
-        self.bootstrap_queue: list[PrefillRequest] = []
-        self.waiting_queue: list[PrefillRequest] = []
         self.chunked_req: PrefillRequest | None = None
-        self.inflight_queue: list[PrefillRequest] = []
-        self.releasing: list[PrefillRequest] = []
+        self.admission = AdmissionQueue(self.max_attempts, self.stats)
+        self.batch_runner = BatchRunner(
+            cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
+        )
+        self.inflight = InflightQueue(self.kv, self.admission, self.clock, self.stats)
         self._log_gate_once()
 
     def _log_gate_once(self) -> None:
@@ -154,7 +161,7 @@ class OptimisticPrefillExecutor:
             force_not_ready=force_not_ready(rid, self.peer_config.force_not_ready_prob),
         )
         self.requests[rid] = req
-        self.bootstrap_queue.append(req)
+        self.admission.add(req)
         self.stats.submitted += 1
 
     def step(self) -> bool:
@@ -162,15 +169,17 @@ class OptimisticPrefillExecutor:
         changed. Blocks only for the forward pass (and for write_back eviction copies)."""
         before = self._progress_marker()
         self.tree.check_hicache_events()
-        self._process_releasing()
-        self._pop_bootstrapped()
-        self._resolve_waiting_bootstrap()
+        self.inflight.process_releasing()
+        for req in self.admission.pop_bootstrapped():
+            self._abort(req)
+        for req in self.admission.resolve_waiting_bootstrap():
+            self._abort(req)
         self._process_chunked_req()
         batch = self._get_new_batch()
         self.tree.ready_to_load_host_cache()  # loads queued by this step's admissions
         if batch:
             self._run_batch(batch)
-        self._process_inflight_queue()
+        self.inflight.process_inflight_queue()
         return bool(batch) or self._progress_marker() != before
 
     def run_until_idle(self, max_steps: int = 1_000_000, check: bool = False) -> None:
@@ -224,71 +233,26 @@ class OptimisticPrefillExecutor:
             f"releasing={[r.rid for r in self.releasing]}"
         )
 
-    # ================================================================== polling
-    def _forced(self, req: PrefillRequest) -> bool:
-        """Test hook: the peer looks not ready until the request's first attempt yielded."""
-        return req.force_not_ready and self.max_attempts > 0 and not req.forced_yield_done
+    # ================================================================== queues (read-only views)
+    @property
+    def bootstrap_queue(self) -> list[PrefillRequest]:
+        return self.admission.bootstrap_queue
 
-    def _poll(self, req: PrefillRequest) -> KVPoll:
-        state = req.peer.poll()
-        if state == KVPoll.WaitingForInput and req.pending_bootstrap and self._forced(req):
-            return KVPoll.Bootstrapping
-        return state
+    @property
+    def waiting_queue(self) -> list[PrefillRequest]:
+        return self.admission.waiting_queue
 
-    def _finalize(self, req: PrefillRequest) -> None:
-        """Bootstrap done: commit this attempt (``peer.init``); sends may follow."""
-        assert req.pending_bootstrap
-        req.peer.init(req.attempt)
-        req.pending_bootstrap = False
-        req.start_send_idx = req.peer.decode_prefix_len
-        self.stats.finalized += 1
+    @property
+    def inflight_queue(self) -> list[PrefillRequest]:
+        return self.inflight.inflight_queue
 
-    # ================================================================== queues
-    def _admit(self, req: PrefillRequest, optimistic: bool) -> None:
-        req.attempt += 1
-        req.stage = Stage.WAITING
-        req.attempt_log.append((req.attempt, optimistic))
-        self.stats.admissions += 1
-        if optimistic:
-            req.optimistic_attempts += 1
-            self.stats.optimistic_admissions += 1
-            if self._forced(req):
-                self.stats.forced_not_ready += 1
+    @property
+    def releasing(self) -> list[PrefillRequest]:
+        return self.inflight.releasing
 
-    def _pop_bootstrapped(self) -> None:
-        keep = []
-        for req in self.bootstrap_queue:
-            state = self._poll(req)
-            if state == KVPoll.Failed:
-                self._abort(req)
-            elif state == KVPoll.Bootstrapping:
-                if req.optimistic_attempts < self.max_attempts:
-                    self._admit(req, optimistic=True)
-                    self.waiting_queue.append(req)
-                else:
-                    keep.append(req)
-            elif state == KVPoll.WaitingForInput:
-                self._admit(req, optimistic=False)
-                self._finalize(req)
-                self.waiting_queue.append(req)
-            else:
-                raise RuntimeError(f"{req.rid}: unexpected {state.name} in the bootstrap queue")
-        self.bootstrap_queue = keep
-
-    def _resolve_waiting_bootstrap(self) -> None:
-        keep = []
-        for req in self.waiting_queue:
-            state = self._poll(req)
-            if state == KVPoll.Failed:
-                self._abort(req)
-                continue
-            if state == KVPoll.WaitingForInput and req.pending_bootstrap:
-                self._finalize(req)
-            keep.append(req)
-        self.waiting_queue = keep
-
-    def _has_bootstrapped_waiting_req(self) -> bool:
-        return any(not r.pending_bootstrap for r in self.waiting_queue)
+    @property
+    def results(self) -> dict[str, RequestResult]:
+        return self.inflight.results
 
     # ================================================================== chunk boundary
     def _process_chunked_req(self) -> None:
@@ -296,92 +260,31 @@ class OptimisticPrefillExecutor:
         if req is None:
             return
         self.kv.cache_unfinished(req, chunked=True)
-        state = self._poll(req)
+        state = self.admission.poll(req)
         if state == KVPoll.Failed:
             self.chunked_req = None
             self._abort(req)
         elif req.pending_bootstrap:
             if state == KVPoll.WaitingForInput:
-                self._finalize(req)
-                self._send_kv_chunk(req, last=False)
-            elif self._has_bootstrapped_waiting_req():
+                self.admission.finalize(req)
+                self.inflight.send_kv_chunk(req, last=False)
+            elif self.admission.has_bootstrapped_waiting_req():
                 self.chunked_req = None
                 self._yield(req)
             # else: still bootstrapping, nobody ready is waiting: keep computing, send nothing
         else:
-            self._send_kv_chunk(req, last=False)
-
-    def _send_kv_chunk(self, req: PrefillRequest, last: bool) -> None:
-        """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
-        ``last``. Only after finalize. The source slots stay owned (tree-locked or request-owned)
-        until the request's release, which waits for every ack."""
-        assert not req.pending_bootstrap and req.slots is not None
-        end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
-        if end <= req.start_send_idx and not last:
-            return
-        start = req.start_send_idx
-        req.peer.send(req.attempt, start, end, req.slots[start:end], last=last)
-        req.start_send_idx = end
-        self.stats.sends += 1
-        self.stats.sent_tokens += end - start
+            self.inflight.send_kv_chunk(req, last=False)
 
     # ================================================================== batch
-    def _get_new_batch(self) -> list[tuple[PrefillRequest, int]]:
-        """Pick ``(request, new_tokens)`` pairs within the token budget and allocate their
-        slots; the continuing chunked request first, then waiting requests in order."""
-        budget = self.chunk_budget
-        batch: list[tuple[PrefillRequest, int]] = []
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            n = self._chunk_len(req, budget)
-            if n == 0 or not self.kv.alloc_extend(req, n):
-                return []  # wait for memory (transfers / loads free it)
-            batch.append((req, n))
-            budget = None if budget is None else budget - n
-        # Bootstrapped (finalized) requests first, so a yield really yields; queue order within
-        # each class (a yielded request is at the head of the optimistic ones).
-        candidates = sorted(self.waiting_queue, key=lambda r: r.pending_bootstrap)
-        for req in candidates:
-            if budget is not None and budget < self.page_size:
-                break
-            self.kv.match_and_lock(req)
-            n = self._chunk_len(req, budget)
-            if n == 0 or not self.kv.alloc_extend(req, n):
-                self.kv.release(req)
-                break
-            self.waiting_queue.remove(req)
-            req.stage = Stage.RUNNING
-            self.stats.cached_device_tokens += req.cached_device
-            self.stats.cached_host_tokens += req.cached_host
-            # Prefix-hit accounting belongs to admission (SGLang's scheduler), once per attempt:
-            # the tree's re-matches after chunk inserts are not hits.
-            self.cache.stats.record_match(req.cached_device, req.cached_host)
-            batch.append((req, n))
-            budget = None if budget is None else budget - n
-            if req.computed_len + n < req.num_tokens:
-                break  # it becomes the chunked request; one at a time
+    def _get_new_batch(self) -> Batch:
+        batch = self.batch_runner.get_new_batch(self.chunked_req, self.admission.candidates())
+        for req, _ in batch:
+            if req is not self.chunked_req:
+                self.admission.remove_started(req)
         return batch
 
-    def _chunk_len(self, req: PrefillRequest, budget: int | None) -> int:
-        rest = req.num_tokens - req.computed_len
-        if budget is None or rest <= budget:
-            return rest
-        return budget // self.page_size * self.page_size
-
-    def _run_batch(self, batch: list[tuple[PrefillRequest, int]]) -> None:
-        inputs = []
-        for req, n in batch:
-            assert req.slots is not None
-            lo = req.computed_len
-            ids = torch.tensor(req.token_ids[lo : lo + n], dtype=torch.int64)
-            inputs.append(ExtendInput(ids, req.slots[: lo + n], lo))
-        logits = self.model.forward_extend(self.pool, inputs, layer_wait=self.tree.layer_wait)
-        n_new = sum(n for _, n in batch)
-        if self.cost_model is not None:
-            self.clock.advance(self.cost_model(n_new, sum(r.computed_len for r, _ in batch)))
-        self.stats.forward_passes += 1
-        self.stats.chunks += len(batch)
-        self.stats.computed_tokens += n_new
+    def _run_batch(self, batch: Batch) -> None:
+        logits = self.batch_runner.forward(batch)
         self.chunked_req = None
         for (req, n), out in zip(batch, logits, strict=True):
             req.computed_len += n
@@ -395,45 +298,19 @@ class OptimisticPrefillExecutor:
     def _finish_prefill(self, req: PrefillRequest) -> None:
         self.kv.cache_unfinished(req, chunked=False)
         req.prefill_done_time = self.clock.now()
-        if req.pending_bootstrap and self._forced(req):
+        if req.pending_bootstrap and self.admission.forced(req):
             self._yield(req)
             return
-        req.stage = Stage.INFLIGHT
-        self.inflight_queue.append(req)
-        if req.pending_bootstrap:
-            req.parked = req.was_parked = True
-            self.stats.parks += 1
-        else:
-            self._send_kv_chunk(req, last=True)
+        self.inflight.add(req)
 
-    # ================================================================== inflight
-    def _process_inflight_queue(self) -> None:
-        keep = []
-        for req in self.inflight_queue:
-            state = self._poll(req)
-            if state == KVPoll.Failed:
-                self._abort(req)
-                continue
-            if req.pending_bootstrap:  # parked
-                if state == KVPoll.WaitingForInput:
-                    self._finalize(req)
-                    req.parked = False
-                    self._send_kv_chunk(req, last=True)
-                keep.append(req)
-            elif state == KVPoll.Success:
-                self._complete(req)
-            else:
-                keep.append(req)
-        self.inflight_queue = keep
-
-    # ================================================================== yield / abort / done
-    # Slot ownership at yield / abort / completion (see prefill/req_kv.py for the ranges):
+    # ================================================================== yield / abort
+    # Slot ownership at yield (see prefill/req_kv.py for the ranges; abort and completion are in
+    # prefill/inflight.py):
     #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
     #   [tree_len, len(slots)) request-owned: freed. Whole pages computed before the yield were
     #                          inserted first (cache_unfinished), so a retry hits them.
-    #   sends in flight        read slots of either range: release waits until peer acks them
-    #                          (only after finalize; a yield happens only before finalize, so
-    #                          it never has reads in flight).
+    #   sends in flight        none: a yield happens only before finalize, and nothing is sent
+    #                          before finalize.
     def _yield(self, req: PrefillRequest) -> None:
         """Optimistic rollback: keep computed pages in the tree, release, reset, requeue."""
         assert req.pending_bootstrap and req.peer.inflight_reads() == 0
@@ -442,56 +319,14 @@ class OptimisticPrefillExecutor:
         req.reset_attempt()
         req.yields += 1
         self.stats.yields += 1
-        if self._forced(req):
-            req.forced_yield_done = True
-        if req.optimistic_attempts >= self.max_attempts:
-            logger.info("%s used %d optimistic attempts: back to bootstrap", req.rid,
-                        req.optimistic_attempts)
-            req.stage = Stage.BOOTSTRAP
-            self.bootstrap_queue.append(req)
-            self.stats.fallbacks += 1
-        else:
-            self._admit(req, optimistic=True)
-            self.waiting_queue.insert(0, req)
-            self.stats.retries += 1
+        self.admission.requeue_yielded(req)
 
     def _abort(self, req: PrefillRequest) -> None:
-        """The peer failed: drop the request from every queue (caller removes it from the one
-        being iterated), release its KV once no send reads it, report the error."""
-        before_finalize = req.pending_bootstrap
-        self.stats.aborts += 1
-        if before_finalize:
-            self.stats.bootstrap_failures += 1
-        else:
-            self.stats.transfer_failures += 1
+        """The peer failed: drop the request from the running slot (callers remove it from the
+        queue they iterate) and hand it to ``inflight.abort`` (deferred release, error result)."""
         if self.chunked_req is req:
             self.chunked_req = None
-        req.stage = Stage.RELEASING
-        self.releasing.append(req)
-        self._process_releasing()
-        self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
-
-    def _process_releasing(self) -> None:
-        keep = []
-        for req in self.releasing:
-            if req.peer.inflight_reads() > 0:
-                keep.append(req)
-                continue
-            self.kv.release(req)
-            req.stage = Stage.DONE
-        self.releasing = keep
-
-    def _complete(self, req: PrefillRequest) -> None:
-        self.kv.release(req)
-        req.stage = Stage.DONE
-        self.stats.successes += 1
-        self._report(req, Outcome.SUCCESS, None)
-
-    def _report(self, req: PrefillRequest, outcome: Outcome, error: str | None) -> None:
-        result = req.to_result(outcome, self.clock.now(), error)
-        if result.ttft is not None:
-            self.stats.ttft_samples.append(result.ttft)
-        self.results[req.rid] = result
+        self.inflight.abort(req)
 
     # ================================================================== integrity
     def _progress_marker(self) -> tuple:

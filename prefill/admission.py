@@ -1,0 +1,146 @@
+"""Admission of the optimistic prefill executor (SGLang ``PrefillBootstrapQueue``), DESIGN.md
+section 7: the bootstrap and waiting queues, the decode peer's bootstrap state as the scheduler
+sees it, and the optimistic-attempt policy.
+
+- A request still ``Bootstrapping`` is admitted optimistically while its
+  ``optimistic_attempts < N`` (the attempt is counted at admission); a ready one is admitted and
+  finalized at once; a failed one is handed back to the executor to abort.
+- ``finalize`` commits an attempt (``peer.init``): nothing is sent before it.
+- A yielded request goes back to the head of the waiting queue for another optimistic attempt,
+  or to the tail of the bootstrap queue once its attempts are used up.
+- The test hook "force not ready": the peer looks ``Bootstrapping`` until the request's first
+  attempt yielded.
+
+This file never touches KV: requests in both queues hold no slots and no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefill.bootstrap import KVPoll
+from prefill.request import PrefillRequest, Stage
+from prefill.stats import ExecutorStats
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionQueue:
+    """The bootstrap and waiting queues and who leaves them when.
+
+    Args:
+        max_attempts: ``optimistic_prefill_attempts`` after the gate (0 disables optimism).
+        stats: the executor's counters (admissions, finalized, retries, fallbacks).
+    """
+
+    def __init__(self, max_attempts: int, stats: ExecutorStats) -> None:
+        self.max_attempts = max_attempts
+        self.stats = stats
+        self.bootstrap_queue: list[PrefillRequest] = []
+        self.waiting_queue: list[PrefillRequest] = []
+
+    # ------------------------------------------------------------------ bootstrap state
+    def forced(self, req: PrefillRequest) -> bool:
+        """Test hook: the peer looks not ready until the request's first attempt yielded."""
+        return req.force_not_ready and self.max_attempts > 0 and not req.forced_yield_done
+
+    def poll(self, req: PrefillRequest) -> KVPoll:
+        """The peer's state, except that a forced request still looks ``Bootstrapping``."""
+        state = req.peer.poll()
+        if state == KVPoll.WaitingForInput and req.pending_bootstrap and self.forced(req):
+            return KVPoll.Bootstrapping
+        return state
+
+    def finalize(self, req: PrefillRequest) -> None:
+        """Bootstrap done: commit this attempt (``peer.init``); sends may follow."""
+        assert req.pending_bootstrap
+        req.peer.init(req.attempt)
+        req.pending_bootstrap = False
+        req.start_send_idx = req.peer.decode_prefix_len
+        self.stats.finalized += 1
+
+    # ------------------------------------------------------------------ queues
+    def add(self, req: PrefillRequest) -> None:
+        """A new request waits for its peer (or an optimistic attempt)."""
+        self.bootstrap_queue.append(req)
+
+    def _admit(self, req: PrefillRequest, optimistic: bool) -> None:
+        req.attempt += 1
+        req.stage = Stage.WAITING
+        req.attempt_log.append((req.attempt, optimistic))
+        self.stats.admissions += 1
+        if optimistic:
+            req.optimistic_attempts += 1
+            self.stats.optimistic_admissions += 1
+            if self.forced(req):
+                self.stats.forced_not_ready += 1
+
+    def pop_bootstrapped(self) -> list[PrefillRequest]:
+        """Move ready requests (finalized) and optimistic ones (while attempts are left) to the
+        tail of the waiting queue. Returns the requests whose peer failed, removed from the
+        queue, for the caller to abort."""
+        keep, failed = [], []
+        for req in self.bootstrap_queue:
+            state = self.poll(req)
+            if state == KVPoll.Failed:
+                failed.append(req)
+            elif state == KVPoll.Bootstrapping:
+                if req.optimistic_attempts < self.max_attempts:
+                    self._admit(req, optimistic=True)
+                    self.waiting_queue.append(req)
+                else:
+                    keep.append(req)
+            elif state == KVPoll.WaitingForInput:
+                self._admit(req, optimistic=False)
+                self.finalize(req)
+                self.waiting_queue.append(req)
+            else:
+                raise RuntimeError(f"{req.rid}: unexpected {state.name} in the bootstrap queue")
+        self.bootstrap_queue = keep
+        return failed
+
+    def resolve_waiting_bootstrap(self) -> list[PrefillRequest]:
+        """Finalize waiting requests whose peer became ready. Returns the ones whose peer
+        failed, removed from the queue, for the caller to abort."""
+        keep, failed = [], []
+        for req in self.waiting_queue:
+            state = self.poll(req)
+            if state == KVPoll.Failed:
+                failed.append(req)
+                continue
+            if state == KVPoll.WaitingForInput and req.pending_bootstrap:
+                self.finalize(req)
+            keep.append(req)
+        self.waiting_queue = keep
+        return failed
+
+    def has_bootstrapped_waiting_req(self) -> bool:
+        return any(not r.pending_bootstrap for r in self.waiting_queue)
+
+    def candidates(self) -> list[PrefillRequest]:
+        """Waiting requests in batch order: bootstrapped (finalized) ones first, so a yield really
+        yields; queue order within each class (a yielded request heads the optimistic ones)."""
+        return sorted(self.waiting_queue, key=lambda r: r.pending_bootstrap)
+
+    def remove_started(self, req: PrefillRequest) -> None:
+        """``req`` left the waiting queue for a batch."""
+        self.waiting_queue.remove(req)
+
+    def requeue_yielded(self, req: PrefillRequest) -> None:
+        """After a yield (``req`` holds no KV and was reset): another optimistic attempt at the
+        head of the waiting queue, or the tail of the bootstrap queue once attempts are used."""
+        if self.forced(req):
+            req.forced_yield_done = True
+        if req.optimistic_attempts >= self.max_attempts:
+            logger.info(
+                "%s used %d optimistic attempts: back to bootstrap",
+                req.rid,
+                req.optimistic_attempts,
+            )
+            req.stage = Stage.BOOTSTRAP
+            self.bootstrap_queue.append(req)
+            self.stats.fallbacks += 1
+        else:
+            self._admit(req, optimistic=True)
+            self.waiting_queue.insert(0, req)
+            self.stats.retries += 1
