@@ -235,11 +235,17 @@ class DecodePeer:
             raise RuntimeError(f"{self.rid}: init called twice")
         self.finalized_attempt = attempt
 
-    def send(self, attempt: int, start: int, end: int, src_slots: torch.Tensor, last: bool) -> None:
+    def send(self, attempt: int, start: int, end: int, src_slots: torch.Tensor, last: bool) -> bool:
         """Queue the KV of tokens ``[start, end)`` held in prefill-pool slots ``src_slots``
         (int64, ``end - start`` entries). Ranges must be contiguous from ``decode_prefix_len``.
-        The source is read when the transfer completes, not now."""
+        The source is read when the transfer completes, not now.
+
+        Returns False, queueing nothing, when the peer has failed (it may fail between the
+        caller's last poll and this call, like a real transport); the caller aborts the request
+        at its next poll. Raises ``RuntimeError`` for a send the protocol never allows."""
         state = self.poll()
+        if state == KVPoll.Failed:
+            return False
         if self.finalized_attempt != attempt:
             raise RuntimeError(
                 f"{self.rid}: send for attempt {attempt}, finalized {self.finalized_attempt}"
@@ -264,6 +270,7 @@ class DecodePeer:
         self.transfers.append(transfer)
         self.side.send_log.append(SendRecord(self.rid, attempt, start, end, now, last))
         self.state = KVPoll.Transferring
+        return True
 
     def inflight_reads(self) -> int:
         """Sends whose source slots are still being read (not yet acked)."""

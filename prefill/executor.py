@@ -107,7 +107,7 @@ class OptimisticPrefillExecutor:
                 size=decode_pool_size or self.allocator.size, keep_received=False,
             )
         self.decode = decode
-        self.max_attempts = int(args.optimistic_prefill_attempts)
+        self.max_attempts = self._resolved_attempts(args)
         cps = int(args.chunked_prefill_size)
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
@@ -119,6 +119,20 @@ class OptimisticPrefillExecutor:
         )
         self.inflight = InflightQueue(self.kv, self.admission, self.clock, self.stats)
         self._log_gate_once()
+
+    @staticmethod
+    def _resolved_attempts(args: Any) -> int:
+        """Optimistic attempts this executor may use: the gate's resolved value, and only in
+        ``--disaggregation-mode prefill`` (upstream reads the flag nowhere else, and the gate
+        only checks that mode, so any other mode runs without optimism)."""
+        attempts = int(args.optimistic_prefill_attempts)
+        if attempts > 0 and args.disaggregation_mode != "prefill":
+            logger.warning(
+                "optimistic prefill ignored: --optimistic-prefill-attempts=%d applies only with "
+                "--disaggregation-mode prefill (got %s)", attempts, args.disaggregation_mode,
+            )  # fmt: skip
+            return 0
+        return attempts
 
     def _log_gate_once(self) -> None:
         for r in getattr(self.args, "resolutions", []):

@@ -57,7 +57,8 @@ class InflightQueue:
         if end <= req.start_send_idx and not last:
             return
         start = req.start_send_idx
-        req.peer.send(req.attempt, start, end, req.slots[start:end], last=last)
+        if not req.peer.send(req.attempt, start, end, req.slots[start:end], last=last):
+            return  # the peer failed: the request aborts at its queue's next poll
         req.start_send_idx = end
         self.stats.sends += 1
         self.stats.sent_tokens += end - start

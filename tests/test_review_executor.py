@@ -1,8 +1,11 @@
-"""Review findings in the optimistic prefill executor (prefill/), each an xfail(strict) story.
+"""Regression stories for bugs an independent review of the executor found (both fixed):
 
-Each test states the expected behaviour of DESIGN.md section 7 / issue 5; it fails while the
-bug exists and turns into an XPASS (a failure under ``strict=True``) once fixed, so whoever fixes
-it removes the marker. CPU only, tiny model, virtual clock.
+1. a transfer failure of an earlier chunk made the last send raise out of ``step()`` instead of
+   aborting the request (a send to a failed peer is now dropped and the request aborts);
+2. the executor used ``optimistic_prefill_attempts`` outside ``--disaggregation-mode prefill``,
+   where the gate does not run, so it speculated under ``write_through``.
+
+CPU only, tiny model, virtual clock.
 """
 
 from __future__ import annotations
@@ -39,11 +42,6 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_finish_prefill sends the last chunk without polling: a transfer failure of an "
-    "earlier chunk makes peer.send raise RuntimeError instead of aborting the request",
-)
 @pytest.mark.parametrize("attempts", [0, 2], ids=["plain-PD", "optimistic"])
 def test_failed_earlier_chunk_transfer_aborts_instead_of_crashing_at_the_last_send(attempts):
     # Peer ready at once (finalized at admission); every send fails, acked at once (latency 0).
@@ -62,11 +60,6 @@ def test_failed_earlier_chunk_transfer_aborts_instead_of_crashing_at_the_last_se
     assert all(node.lock_ref == 0 for node in ex.tree.all_nodes())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the gate only runs for disaggregation_mode='prefill', yet the executor reads "
-    "optimistic_prefill_attempts in any mode: optimistic prefill runs under write_through",
-)
 def test_executor_never_runs_optimistically_under_write_through():
     # DESIGN.md sections 1 and 7: optimistic prefill is only allowed with L2 under write_back.
     # Forgetting --disaggregation-mode=prefill skips the gate (as upstream, where the flag is
