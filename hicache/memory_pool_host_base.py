@@ -282,6 +282,7 @@ class _HostKVPoolBase:
         self, layer_id: int, indices: torch.Tensor, values: tuple[torch.Tensor, ...], names: str
     ) -> None:
         """Write one ``[n, *token]`` tensor per part into host slots ``indices`` of a layer."""
+        self._check_layer(layer_id)
         idx = self._check_slots(indices)
         want = (idx.numel(), *self._token_shape())
         if any(tuple(v.shape) != want for v in values):

@@ -126,6 +126,11 @@ def test_get_set_slot_helpers() -> None:
     assert kv.eq(7).all() and host.get_kv_slots(1, idx)[0].eq(0).all()
     with pytest.raises(ValueError):
         host.get_kv_slots(0, torch.tensor([32]))
+    last_layer = host.get_kv_slots(host.layer_num - 1, idx)[0].clone()
+    for bad in (-1, host.layer_num):
+        with pytest.raises(ValueError, match="layer_id"):
+            host.set_kv_slots(bad, idx, torch.full((2, 1, C), 9.0))
+    assert torch.equal(host.get_kv_slots(host.layer_num - 1, idx)[0], last_layer)
 
 
 @pytest.mark.gpu
