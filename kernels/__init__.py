@@ -2,7 +2,8 @@
 
 ``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.kvcacheio`.
 ``transfer_kv_direct`` and the ``*_direct_*`` ops (direct backend): plain copies, see
-:mod:`kernels.direct`. :mod:`kernels.reference` holds the torch reference of every op.
+:mod:`kernels.direct`. :mod:`kernels.reference` holds the torch reference of every op, and
+:mod:`kernels.addressing` the one description of how the kernel-backend ops address memory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One Triton gather/scatter kernel for every kernel-backend KV copy, and its launcher.
 
-Each side of a copy (source, destination) is addressed in one of two ways, in bytes:
+Each side of a copy (source, destination), a :class:`kernels.addressing.Side`, is addressed in
+one of two ways, in bytes:
 
 - tensor: ``base + slot * token_stride + layer * layer_stride``. A layer_first layer has
   ``token_stride = item_size`` and ``layer_stride = 0``; a page_first buffer ``[T, L, ...]`` has
@@ -24,13 +25,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels._env import cuda_available
+from kernels.addressing import Side
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ MAX_WORDS_PER_THREAD = 8
 a 1024-thread program has only 64 registers per thread."""
 MAX_COLS_BYTES = 4096
 """Widest row chunk of one item per block; larger items loop over column chunks."""
-NO_BOUND = 1 << 62
-"""``n_slots`` of a table side: its extent is unknown to the kernel."""
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
@@ -152,21 +151,6 @@ def kv_copy_kernel(
                     src_v, dst_v, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
                     SRC_TABLE, DST_TABLE, WORD, ITEM_WORDS, COLS, CACHE_HINTS,
                 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Side:
-    """How one side of a copy is addressed (all sizes in bytes).
-
-    ``refs`` holds the K (and V) data tensors, or their per-layer ``data_ptr()`` tables when
-    ``is_table``. ``n_slots`` bounds the slot index (``NO_BOUND`` for tables).
-    """
-
-    refs: tuple[torch.Tensor, ...]
-    is_table: bool
-    token_stride: int
-    layer_stride: int
-    n_slots: int
 
 
 def _pow2_floor(x: int) -> int:

@@ -144,6 +144,49 @@ def _split(n_bufs: int, n_layer_tensors: int, name: str) -> int:
     return n_layer_tensors // n_bufs
 
 
+def _page_copies(
+    src_ptrs: Sequence[torch.Tensor],
+    dst_ptrs: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+    layer_id: int,
+    to_host: bool,
+) -> None:
+    """Both page_first_direct ops, one ``copy_`` per (page, layer): host buffers ``src_ptrs`` ->
+    device layers ``layer_id, ...`` (H2D), or (``to_host``) all device layers -> ``dst_ptrs``."""
+    host, dev = ("dst", "src") if to_host else ("src", "dst")  # which argument is which
+    ptrs = {"src": src_ptrs, "dst": dst_ptrs}
+    _checks.layer_lists("src_ptrs", src_ptrs, "dst_ptrs", dst_ptrs)
+    hosts = _page_buffers(f"{host}_ptrs", ptrs[host], page_size)
+    n_layers = _split(len(hosts), len(ptrs[dev]), f"{dev}_ptrs")
+    host_layers = hosts[0].shape[1]
+    if to_host and n_layers != host_layers:
+        raise ValueError(f"src_ptrs holds {n_layers} layers per buffer, dst_ptrs {host_layers}")
+    width = row_bytes(hosts[0]) // (host_layers * page_size)
+    devs = _layer_tensors(f"{dev}_ptrs", ptrs[dev], width)
+    if not to_host:
+        _checks.layer_id_in_range(layer_id, host_layers - n_layers + 1)
+    s, d = _host_indices(src_indices, dst_indices, page_size)
+    idx = {"src": s, "dst": d}
+    n_slots = {host: hosts[0].shape[0] * page_size, dev: min(t.shape[0] for t in devs)}
+    for side in ("src", "dst"):
+        _in_range(f"{side}_indices", idx[side], n_slots[side])
+    starts = _pages(f"{host}_indices", idx[host], idx[dev], page_size, f"{dev}_indices")
+    host_pages = (starts // page_size).tolist()
+    dev_starts = (idx[dev].view(-1, page_size)[:, 0] if idx[dev].numel() else idx[dev]).tolist()
+    for kv, buf in enumerate(hosts):
+        pages = page_rows(buf, page_size)
+        for j in range(n_layers):
+            rows = token_rows(devs[kv * n_layers + j], width)
+            for p, t0 in zip(host_pages, dev_starts, strict=True):
+                page, run = pages[p, layer_id + j], rows[t0 : t0 + page_size]
+                if to_host:
+                    page.copy_(run, non_blocking=True)
+                else:
+                    run.copy_(page, non_blocking=True)
+
+
 def transfer_kv_per_layer_direct_pf_lf(
     src_ptrs: Sequence[torch.Tensor],
     dst_ptrs: Sequence[torch.Tensor],
@@ -160,23 +203,7 @@ def transfer_kv_per_layer_direct_pf_lf(
     ``src_indices`` must name whole host pages; ``dst_indices`` consecutive slots within each
     page. Mutates ``dst_ptrs``.
     """
-    _checks.layer_lists("src_ptrs", src_ptrs, "dst_ptrs", dst_ptrs)
-    hosts = _page_buffers("src_ptrs", src_ptrs, page_size)
-    n_layers = _split(len(hosts), len(dst_ptrs), "dst_ptrs")
-    width = row_bytes(hosts[0]) // (hosts[0].shape[1] * page_size)
-    dsts = _layer_tensors("dst_ptrs", dst_ptrs, width)
-    _checks.layer_id_in_range(layer_id, hosts[0].shape[1] - n_layers + 1)
-    s, d = _host_indices(src_indices, dst_indices, page_size)
-    _in_range("src_indices", s, hosts[0].shape[0] * page_size)
-    _in_range("dst_indices", d, min(t.shape[0] for t in dsts))
-    host_pages = _pages("src_indices", s, d, page_size, "dst_indices") // page_size
-    dev_starts = d.view(-1, page_size)[:, 0] if d.numel() else d
-    for kv, host in enumerate(hosts):
-        pages = page_rows(host, page_size)
-        for j in range(n_layers):
-            dst = token_rows(dsts[kv * n_layers + j], width)
-            for p, d0 in zip(host_pages.tolist(), dev_starts.tolist(), strict=True):
-                dst[d0 : d0 + page_size].copy_(pages[p, layer_id + j], non_blocking=True)
+    _page_copies(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, layer_id, to_host=False)
 
 
 def transfer_kv_all_layer_direct_lf_pf(
@@ -193,23 +220,4 @@ def transfer_kv_all_layer_direct_lf_pf(
     ``[P, L, page_size, ...]``. ``dst_indices`` must name whole host pages; ``src_indices``
     consecutive slots within each page. Mutates ``dst_ptrs``.
     """
-    _checks.layer_lists("src_ptrs", src_ptrs, "dst_ptrs", dst_ptrs)
-    hosts = _page_buffers("dst_ptrs", dst_ptrs, page_size)
-    n_layers = _split(len(hosts), len(src_ptrs), "src_ptrs")
-    if n_layers != hosts[0].shape[1]:
-        raise ValueError(
-            f"src_ptrs holds {n_layers} layers per buffer, dst_ptrs {hosts[0].shape[1]}"
-        )
-    width = row_bytes(hosts[0]) // (hosts[0].shape[1] * page_size)
-    srcs = _layer_tensors("src_ptrs", src_ptrs, width)
-    s, d = _host_indices(src_indices, dst_indices, page_size)
-    _in_range("src_indices", s, min(t.shape[0] for t in srcs))
-    _in_range("dst_indices", d, hosts[0].shape[0] * page_size)
-    host_pages = _pages("dst_indices", d, s, page_size, "src_indices") // page_size
-    dev_starts = s.view(-1, page_size)[:, 0] if s.numel() else s
-    for kv, host in enumerate(hosts):
-        pages = page_rows(host, page_size)
-        for j in range(n_layers):
-            src = token_rows(srcs[kv * n_layers + j], width)
-            for p, s0 in zip(host_pages.tolist(), dev_starts.tolist(), strict=True):
-                pages[p, j].copy_(src[s0 : s0 + page_size], non_blocking=True)
+    _page_copies(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, 0, to_host=True)

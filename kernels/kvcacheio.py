@@ -21,17 +21,31 @@ Common contract:
   checked on CPU always, on CUDA with :func:`kernels.set_debug_checks`).
 
 CPU tensors on a machine that compiles Triton for CUDA (no interpreter) run the torch reference.
+
+Each op is a thin wrapper: it names its arguments' roles in a :class:`kernels.addressing.KVCopy`,
+which one validator checks and one launcher (:mod:`kernels.copy_kernel`) or the reference runs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from kernels import _checks, reference
-from kernels.copy_kernel import NO_BOUND, Side, launch_kv_copy, resolve_num_warps, word_bytes
+from kernels.addressing import (
+    LAYER_FIRST,
+    LF_TO_LF,
+    PAGE_FIRST,
+    PF_TO_LF,
+    TABLE,
+    TABLE_TO_PF,
+    TABLE_TO_TABLE,
+    KVCopy,
+    Layout,
+    Side,
+)
+from kernels.copy_kernel import launch_kv_copy, resolve_num_warps, word_bytes
 from kernels.reference import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
 
 logger = logging.getLogger(__name__)
@@ -60,125 +74,77 @@ def data_ptr_table(tensors: list[torch.Tensor], device: torch.device | str) -> t
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
 
 
-def _common(
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    block_quota: int,
-    num_warps_per_block: int,
-) -> torch.device:
-    device = _checks.index_pair(src_indices, dst_indices)
-    _checks.positive_int("item_size", item_size)
+def _arg_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
+    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
+    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
+    suffix = "_layers" if layout == TABLE else ""
+    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
+
+
+def _page_first_layers(call: KVCopy, side: str, name: str, t: torch.Tensor) -> None:
+    """A page_first side ``[T, L, ...]`` holds the layers the op copies."""
+    layout_dim_name = f"{side}_layout_dim"
+    _, n_layers = _checks.page_first(name, t, call.item_size, call.layout_dim, layout_dim_name)
+    if not call.how.all_layers:
+        _checks.layer_id_in_range(call.layer_id, n_layers)
+    elif call.num_layers != n_layers:
+        raise ValueError(
+            f"num_layers={call.num_layers} does not match {name}: it holds {n_layers} layers"
+        )
+
+
+def _validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[Side, Side]:
+    """Raise ``ValueError`` naming the first bad argument; else return the sides to launch."""
+    device = _checks.index_pair(call.src_indices, call.dst_indices)
+    _checks.positive_int("item_size", call.item_size)
     _checks.positive_int("block_quota", block_quota)
     _checks.positive_int("num_warps_per_block", num_warps_per_block)
-    return device
+    ends = [  # (side, layout, argument names, buffers or tables, indices)
+        (side, layout, _arg_names(side, layout, len(refs)), refs, idx)
+        for side, layout, refs, idx in (
+            ("src", call.how.src, call.src, call.src_indices),
+            ("dst", call.how.dst, call.dst, call.dst_indices),
+        )
+    ]
+    for side, layout, *_ in ends:
+        if layout == PAGE_FIRST:
+            _checks.positive_int(f"{side}_layout_dim", call.layout_dim)
+    if call.how.all_layers:
+        _checks.positive_int("num_layers", call.num_layers)
+    for _, layout, names, refs, _ in ends:
+        if layout != TABLE:
+            for name, t in zip(names, refs, strict=True):
+                _checks.data_tensor(name, t, device)
+            if len(refs) == 2:
+                _checks.same_shape(names[0], refs[0], names[1], refs[1])
+    for side, layout, names, refs, _ in ends:
+        if layout == LAYER_FIRST:
+            _checks.layer_first(names[0], refs[0], call.item_size)
+        elif layout == PAGE_FIRST:
+            _page_first_layers(call, side, names[0], refs[0])
+    src, dst = call.sides()
+    for (side, *_, idx), addressed in zip(ends, (src, dst), strict=True):
+        if not addressed.is_table:
+            _checks.indices_in_range(f"{side}_indices", idx, addressed.n_slots)
+    word = word_bytes(call.item_size, src, dst)
+    for (_, _, names, refs, _), addressed in zip(ends, (src, dst), strict=True):
+        if addressed.is_table:
+            for name, table in zip(names, refs, strict=True):
+                _checks.ptr_table(name, table, call.num_layers, device, word)
+    return src, dst
 
 
-def _tensors(
-    device: torch.device, named: list[tuple[str, torch.Tensor]]
-) -> tuple[torch.Tensor, ...]:
-    """Check each data tensor, and K against V (pairs ``(k, v)`` come in order)."""
-    out = tuple(_checks.data_tensor(name, t, device) for name, t in named)
-    if len(named) == 2:
-        _checks.same_shape(named[0][0], out[0], named[1][0], out[1])
-    return out
-
-
-def _launch(
-    src: Side,
-    dst: Side,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    layer_begin: int,
-    num_layers: int,
-    block_quota: int,
-    num_warps_per_block: int,
-    table_names: tuple[tuple[str, ...], tuple[str, ...]],
-    fallback: Callable[[], None],
-) -> None:
-    device = src_indices.device
-    for side, n in ((src, "src_indices"), (dst, "dst_indices")):
-        if not side.is_table:
-            _checks.indices_in_range(n, src_indices if side is src else dst_indices, side.n_slots)
-    word = word_bytes(item_size, src, dst)
-    for side, names in zip((src, dst), table_names, strict=True):
-        if side.is_table:
-            for name, table in zip(names, side.refs, strict=True):
-                _checks.ptr_table(name, table, num_layers, device, word)
-    if not _runs_triton(device):
-        fallback()
+def _transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
+    """Validate ``call``, then queue the kernel (or, off the Triton path, run the reference)."""
+    src, dst = _validate(call, block_quota, num_warps_per_block)
+    if not _runs_triton(call.src_indices.device):
+        reference.copy_kv(call)
         return
     launch_kv_copy(
-        src, dst, src_indices, dst_indices,
-        item_size=item_size, layer_begin=layer_begin, num_layers=num_layers,
+        src, dst, call.src_indices, call.dst_indices,
+        item_size=call.item_size, layer_begin=call.layer_id, num_layers=call.num_layers,
         block_quota=block_quota, num_warps=resolve_num_warps(num_warps_per_block),
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared bodies: one per addressing pair, MHA passes (K, V), MLA passes one buffer.
-# ---------------------------------------------------------------------------------------------
-
-
-def _lf_to_lf(srcs, dsts, src_indices, dst_indices, item_size, bq, nw, fallback) -> None:
-    device = _common(src_indices, dst_indices, item_size, bq, nw)
-    src_t = _tensors(device, srcs)
-    dst_t = _tensors(device, dsts)
-    n_src = _checks.layer_first(srcs[0][0], src_t[0], item_size)
-    n_dst = _checks.layer_first(dsts[0][0], dst_t[0], item_size)
-    src = Side(src_t, False, item_size, 0, n_src)
-    dst = Side(dst_t, False, item_size, 0, n_dst)
-    _launch(src, dst, src_indices, dst_indices, item_size, 0, 1, bq, nw, ((), ()), fallback)
-
-
-def _pf_to_lf(
-    srcs, dsts, src_indices, dst_indices, layer_id, item_size, src_layout_dim, bq, nw, fallback
-) -> None:
-    device = _common(src_indices, dst_indices, item_size, bq, nw)
-    _checks.positive_int("src_layout_dim", src_layout_dim)
-    src_t = _tensors(device, srcs)
-    dst_t = _tensors(device, dsts)
-    n_src, n_layers = _checks.page_first(
-        srcs[0][0], src_t[0], item_size, src_layout_dim, "src_layout_dim"
-    )
-    _checks.layer_id_in_range(layer_id, n_layers)
-    n_dst = _checks.layer_first(dsts[0][0], dst_t[0], item_size)
-    src = Side(src_t, False, src_layout_dim, item_size, n_src)
-    dst = Side(dst_t, False, item_size, 0, n_dst)
-    # The destination is one layer tensor: its layer stride is 0, whatever layer_id is.
-    _launch(src, dst, src_indices, dst_indices, item_size, layer_id, 1, bq, nw, ((), ()), fallback)
-
-
-def _tbl_to_tbl(
-    srcs, dsts, src_indices, dst_indices, item_size, num_layers, bq, nw, fallback
-) -> None:
-    _common(src_indices, dst_indices, item_size, bq, nw)
-    _checks.positive_int("num_layers", num_layers)
-    src = Side(tuple(t for _, t in srcs), True, item_size, 0, NO_BOUND)
-    dst = Side(tuple(t for _, t in dsts), True, item_size, 0, NO_BOUND)
-    names = (tuple(n for n, _ in srcs), tuple(n for n, _ in dsts))
-    _launch(src, dst, src_indices, dst_indices, item_size, 0, num_layers, bq, nw, names, fallback)
-
-
-def _tbl_to_pf(
-    srcs, dsts, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, bq, nw, fallback
-) -> None:
-    device = _common(src_indices, dst_indices, item_size, bq, nw)
-    _checks.positive_int("dst_layout_dim", dst_layout_dim)
-    _checks.positive_int("num_layers", num_layers)
-    dst_t = _tensors(device, dsts)
-    n_dst, n_layers = _checks.page_first(
-        dsts[0][0], dst_t[0], item_size, dst_layout_dim, "dst_layout_dim"
-    )
-    if num_layers != n_layers:
-        raise ValueError(
-            f"num_layers={num_layers} does not match {dsts[0][0]}: it holds {n_layers} layers"
-        )
-    src = Side(tuple(t for _, t in srcs), True, item_size, 0, NO_BOUND)
-    dst = Side(dst_t, False, dst_layout_dim, item_size, n_dst)
-    names = (tuple(n for n, _ in srcs), ())
-    _launch(src, dst, src_indices, dst_indices, item_size, 0, num_layers, bq, nw, names, fallback)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,12 +169,9 @@ def transfer_kv_per_layer(
     ``item_size`` (``H * D * itemsize``) per slot. Either side may be pinned host memory.
     Mutates ``dst_k`` and ``dst_v`` at ``dst_indices``.
     """
-    _lf_to_lf(
-        [("src_k", src_k), ("src_v", src_v)], [("dst_k", dst_k), ("dst_v", dst_v)],
-        src_indices, dst_indices, item_size, block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_per_layer(
-            src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size
-        ),
+    _transfer(
+        KVCopy(LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -231,14 +194,12 @@ def transfer_kv_per_layer_pf_lf(
     ``src_layout_dim = item_size * L``. ``dst_k``, ``dst_v``: ``[T_dev, H, D]``.
     Mutates ``dst_k`` and ``dst_v`` at ``dst_indices``.
     """
-    _pf_to_lf(
-        [("src_k", src_k), ("src_v", src_v)], [("dst_k", dst_k), ("dst_v", dst_v)],
-        src_indices, dst_indices, layer_id, item_size, src_layout_dim,
-        block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_per_layer_pf_lf(
-            src_k, dst_k, src_v, dst_v, src_indices, dst_indices,
-            layer_id, item_size, src_layout_dim,
+    _transfer(
+        KVCopy(
+            PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+            layout_dim=src_layout_dim, layer_id=layer_id,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -260,14 +221,12 @@ def transfer_kv_all_layer(
     cannot bound slots through a table: indices must be valid for every layer they address.
     Mutates the destination layers at ``dst_indices``.
     """
-    _tbl_to_tbl(
-        [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)],
-        [("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)],
-        src_indices, dst_indices, item_size, num_layers, block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_all_layer(
-            src_k_layers, dst_k_layers, src_v_layers, dst_v_layers,
-            src_indices, dst_indices, item_size, num_layers,
+    _transfer(
+        KVCopy(
+            TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
+            src_indices, dst_indices, item_size, num_layers=num_layers,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -289,15 +248,12 @@ def transfer_kv_all_layer_lf_pf(
     ``dst_k``, ``dst_v``: page_first ``[T_host, L, H, D]`` (usually pinned host memory);
     ``dst_layout_dim = item_size * L``. Mutates ``dst_k`` and ``dst_v`` at ``dst_indices``.
     """
-    _tbl_to_pf(
-        [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)],
-        [("dst_k", dst_k), ("dst_v", dst_v)],
-        src_indices, dst_indices, item_size, dst_layout_dim, num_layers,
-        block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_all_layer_lf_pf(
-            src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices,
-            item_size, dst_layout_dim, num_layers,
+    _transfer(
+        KVCopy(
+            TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
+            item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -319,12 +275,9 @@ def transfer_kv_per_layer_mla(
 
     Either side may be pinned host memory. Mutates ``dst`` at ``dst_indices``.
     """
-    _lf_to_lf(
-        [("src", src)], [("dst", dst)],
-        src_indices, dst_indices, item_size, block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_per_layer_mla(
-            src, dst, src_indices, dst_indices, item_size
-        ),
+    _transfer(
+        KVCopy(LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -341,13 +294,12 @@ def transfer_kv_per_layer_mla_pf_lf(
 ) -> None:
     """MLA :func:`transfer_kv_per_layer_pf_lf`: ``src`` page_first ``[T_host, L, 1, C]`` -> ``dst``
     ``[T_dev, 1, C]``. Mutates ``dst`` at ``dst_indices``."""
-    _pf_to_lf(
-        [("src", src)], [("dst", dst)],
-        src_indices, dst_indices, layer_id, item_size, src_layout_dim,
-        block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_per_layer_mla_pf_lf(
-            src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim
+    _transfer(
+        KVCopy(
+            PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
+            layout_dim=src_layout_dim, layer_id=layer_id,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -365,12 +317,12 @@ def transfer_kv_all_layer_mla(
 
     Mutates the destination layers at ``dst_indices``; indices must be valid for every layer.
     """
-    _tbl_to_tbl(
-        [("src_layers", src_layers)], [("dst_layers", dst_layers)],
-        src_indices, dst_indices, item_size, num_layers, block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_all_layer_mla(
-            src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers
+    _transfer(
+        KVCopy(
+            TABLE_TO_TABLE, (src_layers,), (dst_layers,), src_indices, dst_indices, item_size,
+            num_layers=num_layers,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip
 
 
@@ -389,11 +341,10 @@ def transfer_kv_all_layer_mla_lf_pf(
 
     Mutates ``dst`` at ``dst_indices``.
     """
-    _tbl_to_pf(
-        [("src_layers", src_layers)], [("dst", dst)],
-        src_indices, dst_indices, item_size, dst_layout_dim, num_layers,
-        block_quota, num_warps_per_block,
-        lambda: reference.transfer_kv_all_layer_mla_lf_pf(
-            src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers
+    _transfer(
+        KVCopy(
+            TABLE_TO_PF, (src_layers,), (dst,), src_indices, dst_indices, item_size,
+            layout_dim=dst_layout_dim, num_layers=num_layers,
         ),
+        block_quota, num_warps_per_block,
     )  # fmt: skip

@@ -10,13 +10,10 @@ bit) and to serve as a slow fallback. They favour clarity over speed, may synchr
 tables are resolved on the host), and raise ``IndexError`` from torch on out-of-range indices;
 they do not do the argument validation of the real ops.
 
-Addressing, in bytes, for token slot ``t`` and layer ``l`` (``item_size`` = one token, one layer):
-
-- layer_first tensor (one layer): ``base + t * item_size``
-- page_first tensor: ``base + t * layout_dim + l * item_size``
-- pointer table: ``table[l] + t * item_size``
-- page_first_direct tensor ``[P, L, page_size, ...]``: page ``t // page_size``, layer ``l``,
-  row ``t % page_size``
+The kernel-backend ops are one function, :func:`copy_kv`, over the addressing that
+:mod:`kernels.addressing` describes (layer_first, page_first, pointer table). The direct-backend
+ops take lists of tensors; a page_first_direct tensor ``[P, L, page_size, ...]`` holds token slot
+``t`` of layer ``l`` at page ``t // page_size``, layer ``l``, row ``t % page_size``.
 """
 
 from __future__ import annotations
@@ -27,6 +24,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+from kernels.addressing import LF_TO_LF, PF_TO_LF, TABLE_TO_PF, TABLE_TO_TABLE, KVCopy, Side
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +107,30 @@ def _extent(idx: torch.Tensor) -> int:
     return int(idx.max().item()) + 1 if idx.numel() else 0
 
 
+def _layer_rows(
+    side: Side, ref: torch.Tensor, layer: int, item_size: int, n_rows: int
+) -> torch.Tensor:
+    """Rows ``[slots, item_size]`` of layer ``layer`` of one buffer (or table) of ``side``."""
+    if side.is_table:
+        return _table_rows(ref, layer, item_size, n_rows)
+    lo = layer * side.layer_stride
+    return token_rows(ref, side.token_stride)[:, lo : lo + item_size]
+
+
+def copy_kv(call: KVCopy) -> None:
+    """Every kernel-backend op: ``dst[d] = src[s]`` in ``call``'s addressing, for each layer it
+    covers, K then V (or the MLA buffer). A table side spans the largest index it is given."""
+    s, d = _valid_pairs(call.src_indices, call.dst_indices)
+    src, dst = call.sides()
+    n_src = _extent(s) if src.is_table else 0
+    n_dst = _extent(d) if dst.is_table else 0
+    for layer in range(call.layer_id, call.layer_id + call.num_layers):
+        for src_ref, dst_ref in zip(src.refs, dst.refs, strict=True):
+            src_rows = _layer_rows(src, src_ref, layer, call.item_size, n_src)
+            dst_rows = _layer_rows(dst, dst_ref, layer, call.item_size, n_dst)
+            _copy_rows(src_rows, dst_rows, s, d)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel-backend ops (MHA)
 # ---------------------------------------------------------------------------------------------
@@ -125,9 +148,7 @@ def transfer_kv_per_layer(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """One layer, layer_first -> layer_first: ``dst[d] = src[s]`` for K and V."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        _copy_rows(token_rows(src, item_size), token_rows(dst, item_size), s, d)
+    copy_kv(KVCopy(LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size))
 
 
 def transfer_kv_per_layer_pf_lf(
@@ -144,11 +165,10 @@ def transfer_kv_per_layer_pf_lf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """Layer ``layer_id`` of a page_first buffer ``[T, L, ...]`` -> one layer_first layer."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    lo, hi = layer_id * item_size, (layer_id + 1) * item_size
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        src_rows = token_rows(src, src_layout_dim)[:, lo:hi]
-        _copy_rows(src_rows, token_rows(dst, item_size), s, d)
+    copy_kv(KVCopy(
+        PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+        layout_dim=src_layout_dim, layer_id=layer_id,
+    ))  # fmt: skip
 
 
 def transfer_kv_all_layer(
@@ -164,13 +184,10 @@ def transfer_kv_all_layer(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """All layers, layer_first -> layer_first, both sides given as ``data_ptr()`` tables."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    ns, nd = _extent(s), _extent(d)
-    for layer in range(num_layers):
-        for src_tbl, dst_tbl in ((src_k_layers, dst_k_layers), (src_v_layers, dst_v_layers)):
-            src_rows = _table_rows(src_tbl, layer, item_size, ns)
-            dst_rows = _table_rows(dst_tbl, layer, item_size, nd)
-            _copy_rows(src_rows, dst_rows, s, d)
+    copy_kv(KVCopy(
+        TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
+        src_indices, dst_indices, item_size, num_layers=num_layers,
+    ))  # fmt: skip
 
 
 def transfer_kv_all_layer_lf_pf(
@@ -187,13 +204,10 @@ def transfer_kv_all_layer_lf_pf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """All layers from ``data_ptr()`` tables (layer_first) -> page_first buffer ``[T, L, ...]``."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    ns = _extent(s)
-    for layer in range(num_layers):
-        lo, hi = layer * item_size, (layer + 1) * item_size
-        for src_tbl, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
-            src_rows = _table_rows(src_tbl, layer, item_size, ns)
-            _copy_rows(src_rows, token_rows(dst, dst_layout_dim)[:, lo:hi], s, d)
+    copy_kv(KVCopy(
+        TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
+        item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
+    ))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +225,7 @@ def transfer_kv_per_layer_mla(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """MLA twin of :func:`transfer_kv_per_layer`."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    _copy_rows(token_rows(src, item_size), token_rows(dst, item_size), s, d)
+    copy_kv(KVCopy(LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size))
 
 
 def transfer_kv_per_layer_mla_pf_lf(
@@ -227,9 +240,10 @@ def transfer_kv_per_layer_mla_pf_lf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """MLA twin of :func:`transfer_kv_per_layer_pf_lf`."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    lo, hi = layer_id * item_size, (layer_id + 1) * item_size
-    _copy_rows(token_rows(src, src_layout_dim)[:, lo:hi], token_rows(dst, item_size), s, d)
+    copy_kv(KVCopy(
+        PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
+        layout_dim=src_layout_dim, layer_id=layer_id,
+    ))  # fmt: skip
 
 
 def transfer_kv_all_layer_mla(
@@ -243,12 +257,10 @@ def transfer_kv_all_layer_mla(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """MLA twin of :func:`transfer_kv_all_layer`."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    ns, nd = _extent(s), _extent(d)
-    for layer in range(num_layers):
-        src_rows = _table_rows(src_layers, layer, item_size, ns)
-        dst_rows = _table_rows(dst_layers, layer, item_size, nd)
-        _copy_rows(src_rows, dst_rows, s, d)
+    copy_kv(KVCopy(
+        TABLE_TO_TABLE, (src_layers,), (dst_layers,), src_indices, dst_indices, item_size,
+        num_layers=num_layers,
+    ))  # fmt: skip
 
 
 def transfer_kv_all_layer_mla_lf_pf(
@@ -263,12 +275,10 @@ def transfer_kv_all_layer_mla_lf_pf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """MLA twin of :func:`transfer_kv_all_layer_lf_pf`."""
-    s, d = _valid_pairs(src_indices, dst_indices)
-    ns = _extent(s)
-    for layer in range(num_layers):
-        lo, hi = layer * item_size, (layer + 1) * item_size
-        src_rows = _table_rows(src_layers, layer, item_size, ns)
-        _copy_rows(src_rows, token_rows(dst, dst_layout_dim)[:, lo:hi], s, d)
+    copy_kv(KVCopy(
+        TABLE_TO_PF, (src_layers,), (dst,), src_indices, dst_indices, item_size,
+        layout_dim=dst_layout_dim, num_layers=num_layers,
+    ))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +312,31 @@ def page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
     )
 
 
+def _direct_pages(
+    hosts: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor],
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    first_layer: int,
+    page_size: int,
+    to_host: bool,
+) -> None:
+    """Slots ``host_idx`` of page_first_direct ``hosts`` (layers ``first_layer, ...``) from
+    (``to_host``) or to slots ``dev_idx`` of ``layers`` (all K layer tensors, then all V)."""
+    n_layers = len(layers) if len(hosts) == 1 else len(layers) // 2
+    for kv, host in enumerate(hosts):
+        pages = page_rows(host, page_size)
+        h = host_idx.to(pages.device)
+        for j in range(n_layers):
+            layer = layers[kv * n_layers + j]
+            rows = token_rows(layer, row_bytes(layer))
+            at = (h // page_size, first_layer + j, h % page_size)
+            if to_host:
+                pages[at] = rows[dev_idx.to(layer.device)].to(pages.device)
+            else:
+                rows[dev_idx.to(layer.device)] = pages[at].to(layer.device)
+
+
 def transfer_kv_per_layer_direct_pf_lf(
     src_ptrs: Sequence[torch.Tensor],
     dst_ptrs: Sequence[torch.Tensor],
@@ -316,15 +351,7 @@ def transfer_kv_per_layer_direct_pf_lf(
     the K layer tensors then the V layer tensors, for layers ``layer_id, layer_id + 1, ...``.
     """
     s, d = _valid_pairs(src_indices, dst_indices)
-    is_mla = len(src_ptrs) == 1
-    n_layers = len(dst_ptrs) if is_mla else len(dst_ptrs) // 2
-    for kv, host in enumerate(src_ptrs):
-        pages = page_rows(host, page_size)
-        s_dev = s.to(pages.device)
-        for j in range(n_layers):
-            dst = dst_ptrs[kv * n_layers + j]
-            vals = pages[s_dev // page_size, layer_id + j, s_dev % page_size]
-            token_rows(dst, row_bytes(dst))[d.to(dst.device)] = vals.to(dst.device)
+    _direct_pages(src_ptrs, dst_ptrs, s, d, layer_id, page_size, to_host=False)
 
 
 def transfer_kv_all_layer_direct_lf_pf(
@@ -336,15 +363,7 @@ def transfer_kv_all_layer_direct_lf_pf(
 ) -> None:
     """Device layer tensors (all K layers, then all V layers) -> page_first_direct buffers."""
     s, d = _valid_pairs(src_indices, dst_indices)
-    is_mla = len(dst_ptrs) == 1
-    n_layers = len(src_ptrs) if is_mla else len(src_ptrs) // 2
-    for kv, host in enumerate(dst_ptrs):
-        pages = page_rows(host, page_size)
-        d_host = d.to(pages.device)
-        for j in range(n_layers):
-            src = src_ptrs[kv * n_layers + j]
-            vals = token_rows(src, row_bytes(src))[s.to(src.device)]
-            pages[d_host // page_size, j, d_host % page_size] = vals.to(pages.device)
+    _direct_pages(dst_ptrs, src_ptrs, d, s, 0, page_size, to_host=True)
 
 
 __all__ = [
