@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
     parser.add_argument("--only", nargs="*", default=None, help="Summary keys to run.")
+    parser.add_argument(
+        "--summary", default="summary.json", help="Summary file name in --out (one per step)."
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     quick = not args.full
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "integrity" not in summary:
         summary["integrity"] = _gather_integrity(summary)
-    path = args.out / "summary.json"
+    path = args.out / args.summary
     path.write_text(json.dumps(summary, indent=2, default=str))
     print_summary_table(summary)
     print(f"[bench] wrote {path}")

@@ -15,6 +15,7 @@ import argparse
 import collections
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,15 @@ from bench.e2e import (
     bench_main,
     config_summary,
     cpu_note,
+    free_memory,
     new_executor,
     on_cuda,
     plot_ttft,
     print_config_table,
+    release_executor,
+    shared_model,
     sum_integrity,
+    time_left,
     write_result,
 )
 from bench.workload import make_conversations, working_set_tokens
@@ -105,7 +110,9 @@ def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> 
     )
 
 
-def run_config(name: str, device_tokens: int, opts: argparse.Namespace) -> dict[str, Any]:
+def run_config(
+    name: str, device_tokens: int, opts: argparse.Namespace, model: Any = None
+) -> dict[str, Any]:
     args = server_args_for(name, device_tokens, opts)
     conversations = make_conversations(
         opts.num_clients, opts.num_rounds, opts.request_length, opts.sub_question_input_length,
@@ -119,7 +126,9 @@ def run_config(name: str, device_tokens: int, opts: argparse.Namespace) -> dict[
         )
         * opts.num_rounds
     )
-    ex = new_executor(args, PeerConfig(seed=opts.seed), decode_pool_tokens=decode_tokens)
+    ex = new_executor(
+        args, PeerConfig(seed=opts.seed), decode_pool_tokens=decode_tokens, model=model
+    )
     driver = Driver(ex, opts.max_parallel)
     ready: collections.deque[int] = collections.deque(range(len(conversations)))
     prompts: dict[str, tuple[int, list[int]]] = {}
@@ -158,8 +167,9 @@ def run_config(name: str, device_tokens: int, opts: argparse.Namespace) -> dict[
     )  # fmt: skip
     out = config_summary(run)
     out["integrity"] = audit(run)
+    out["kv_max_rel_err"] = run.kv_max_rel_err
     out["server_args"] = args.to_dict()
-    ex.cache.close()
+    release_executor(ex)
     return out
 
 
@@ -186,9 +196,25 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     if note:
         print(f"[multiturn] {note}")
     results: dict[str, Any] = {}
+    skipped: list[str] = []
+    first = opts.configs[0] if opts.configs else "device_only"
+    model = shared_model(server_args_for(first, device_tokens, opts))
+    slowest = 0.0
     for name in opts.configs:
+        if time_left() < 1.5 * slowest + 5:
+            print(f"[multiturn] {name}: skipped, {time_left():.0f} s left", flush=True)
+            skipped.append(name)
+            continue
         print(f"[multiturn] {name} ...", flush=True)
-        results[name] = run_config(name, device_tokens, opts)
+        t0 = time.perf_counter()
+        results[name] = run_config(name, device_tokens, opts, model)
+        slowest = max(slowest, time.perf_counter() - t0)
+        free_memory()
+        # Written after every configuration, so a run cut short still leaves its results.
+        write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
+                                            "partial": True, "configs": results})  # fmt: skip
+    del model
+    free_memory()
     base = results.get("device_only", {}).get("ttft_mean_s")
     for res in results.values():
         res["ttft_mean_speedup_vs_device_only"] = (
@@ -202,6 +228,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         "working_set_over_device_pool": ratio,
         "integrity": sum_integrity(results),
         "note": note,
+        "skipped_for_time": skipped,
     }
     doc = {"workload": vars(opts), "note": note, "summary": summary, "configs": results}
     path = write_result(out_dir, "multiturn", doc)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,15 @@ from bench.e2e import (
     bench_main,
     config_summary,
     cpu_note,
+    free_memory,
     new_executor,
     on_cuda,
     plot_ttft,
     print_config_table,
+    release_executor,
+    shared_model,
     sum_integrity,
+    time_left,
     write_result,
 )
 from bench.workload import cached_prompts, poisson_arrivals
@@ -93,11 +98,13 @@ def _warm(ex: Any, prefixes: list[list[int]]) -> None:
         ex.decode.release(f"warm-{i}")
 
 
-def calibrate_prefill_s(opts: argparse.Namespace, prompts: list[list[int]]) -> float:
+def calibrate_prefill_s(opts: argparse.Namespace, prompts: list[list[int]], model: Any) -> float:
     """Median prefill latency of a request whose prefix is cached, peers ready at once, one at a
     time: the bootstrap delay is set around it."""
     args = server_args_for(0, opts, 0.0)
-    ex = new_executor(args, PeerConfig(seed=opts.seed), decode_pool_tokens=opts.input_len * 8)
+    ex = new_executor(
+        args, PeerConfig(seed=opts.seed), decode_pool_tokens=opts.input_len * 8, model=model
+    )
     _warm(ex, _prefixes_of(prompts, opts))
     times = []
     for i, p in enumerate(prompts[: opts.num_prefixes + 3]):
@@ -105,7 +112,7 @@ def calibrate_prefill_s(opts: argparse.Namespace, prompts: list[list[int]]) -> f
         ex.run_until_idle()
         times.append(ex.result(f"cal-{i}").prefill_latency)
         ex.decode.release(f"cal-{i}")
-    ex.cache.close()
+    release_executor(ex)
     times.sort()
     return times[len(times) // 2]
 
@@ -122,6 +129,7 @@ def run_config(
     prompts: list[list[int]],
     arrivals: list[float],
     delay: DelayDistribution,
+    model: Any = None,
 ) -> dict[str, Any]:
     args = server_args_for(attempts, opts, failure_prob)
     peer = PeerConfig(
@@ -130,7 +138,7 @@ def run_config(
         seed=opts.seed,
     )
     decode_tokens = opts.input_len * (len(prompts) + opts.num_prefixes + 2)
-    ex = new_executor(args, peer, decode_pool_tokens=decode_tokens)
+    ex = new_executor(args, peer, decode_pool_tokens=decode_tokens, model=model)
     _warm(ex, _prefixes_of(prompts, opts))
     driver = Driver(ex, max_parallel=len(prompts))
     queue = collections.deque(range(len(prompts)))
@@ -154,10 +162,11 @@ def run_config(
         failed_requests=sum(1 for r in run.results if r.outcome == Outcome.ABORTED),
     )  # fmt: skip
     out["integrity"] = audit(run)
+    out["kv_max_rel_err"] = run.kv_max_rel_err
     if out["attempts_used_max"] > attempts:
         out["integrity"]["attempt_budget_exceeded"] = 1
     out["server_args"] = args.to_dict()
-    ex.cache.close()
+    release_executor(ex)
     return out
 
 
@@ -171,7 +180,9 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     note = cpu_note()
     if note:
         print(f"[optimistic] {note}")
-    prefill_s = calibrate_prefill_s(opts, prompts)
+    model = shared_model(server_args_for(0, opts, 0.0))
+    prefill_s = calibrate_prefill_s(opts, prompts, model)
+    free_memory()
     mean_delay = opts.delay_scale * prefill_s
     delay = DelayDistribution("uniform", 0.5 * mean_delay, 1.5 * mean_delay)
     rate = opts.utilization / prefill_s
@@ -186,15 +197,31 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     for u in opts.utilization_sweep:
         runs.append((f"_util_{u:g}", 0.0, poisson_arrivals(len(prompts), u / prefill_s, opts.seed)))
     results: dict[str, Any] = {}
+    skipped: list[str] = []
+    slowest = 0.0
     for suffix, failure_prob, times in runs:
         for attempts in ATTEMPTS:
             key = f"attempts_{attempts}{suffix}"
+            if time_left() < 1.5 * slowest + 5:
+                print(f"[optimistic] {key}: skipped, {time_left():.0f} s left", flush=True)
+                skipped.append(key)
+                continue
             print(f"[optimistic] {key} ...", flush=True)
-            results[key] = run_config(attempts, failure_prob, opts, prompts, times, delay)
+            t0 = time.perf_counter()
+            results[key] = run_config(attempts, failure_prob, opts, prompts, times, delay, model)
+            slowest = max(slowest, time.perf_counter() - t0)
+            free_memory()
+            # Written after every configuration, so a run cut short still leaves its results.
+            write_result(out_dir, "optimistic", {"workload": vars(opts), "note": note,
+                                                 "partial": True, "configs": results})  # fmt: skip
+    del model
+    free_memory()
     for suffix, _, _ in runs:
-        base = results[f"attempts_0{suffix}"]["ttft_mean_s"]
+        base = results.get(f"attempts_0{suffix}", {}).get("ttft_mean_s")
         for a in ATTEMPTS:
-            res = results[f"attempts_{a}{suffix}"]
+            res = results.get(f"attempts_{a}{suffix}")
+            if res is None:
+                continue
             mean = res["ttft_mean_s"]
             res["ttft_mean_speedup_vs_0"] = base / mean if base and mean else None
     print_config_table(results, TABLE, width=13)
@@ -206,6 +233,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         utilization=opts.utilization,
         integrity=sum_integrity(results),
         note=note,
+        skipped_for_time=skipped,
     )
     doc = {"workload": vars(opts), "note": note, "summary": summary, "configs": results}
     path = write_result(out_dir, "optimistic", doc)

@@ -338,9 +338,13 @@ class HiCacheController:
                 raise AssertionError(f"controller: a {name} slot is deferred twice")
 
     def close(self) -> None:
-        """Stop CPU stream threads (after their queued work); no-op on CUDA."""
+        """Finish every launched copy: stop the CPU stream threads after their queued work, or
+        wait for the CUDA side streams. Acks are not popped (``wait_all`` does that)."""
         if isinstance(self.streams, CpuStreams):
             self.streams.close()
+        else:
+            self.write_stream.synchronize()
+            self.load_stream.synchronize()
 
     # ------------------------------------------------------------------ internals
     def _nbytes(self, indices: torch.Tensor) -> int:

@@ -2,13 +2,14 @@
 allocation itself.
 
 Owns no state. On CUDA a host buffer is plain host memory of the exact size registered with
-``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to
-``pin_memory()`` if registration fails; without CUDA it is plain memory. The host pools
+``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to a
+pinned allocation if registration fails; without CUDA it is plain, zeroed memory. The host pools
 (``memory_pool_host_base``) call these through the module, so a test patches them here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -79,20 +80,38 @@ def host_pool_tokens(
 def alloc_host_buffer(
     dims: tuple[int, ...], dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, bool]:
-    """Allocate ``dims`` on the host; returns (buffer, registered_with_cudaHostRegister)."""
-    buf = torch.zeros(dims, dtype=dtype)
+    """Allocate ``dims`` on the host; returns (buffer, registered_with_cudaHostRegister).
+
+    Unpinned buffers are zeroed. Pinned ones are not written first (as SGLang's host pools):
+    ``cudaHostRegister`` faults every page in itself, so a zero fill would only add a pass over
+    tens of GB; their contents are unspecified until written (fresh pages read as zero)."""
     if not pin:
-        return buf, False
+        return torch.zeros(dims, dtype=dtype), False
+    buf = torch.empty(dims, dtype=dtype)
     nbytes = buf.numel() * buf.element_size()
     cudart = torch.cuda.cudart()
     rc = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if rc == 0:
         return buf, True
+    _clear_cuda_error()
     logger.warning(
-        "cudaHostRegister of %.2f GB failed (rc=%d); falling back to pin_memory(), which rounds "
-        "the allocation up to a power of two",
+        "cudaHostRegister of %.2f GB failed (rc=%d); falling back to a pinned allocation, which "
+        "rounds the size up to a power of two",
         nbytes / 1e9,
         rc,
     )
     del buf
-    return torch.zeros(dims, dtype=dtype).pin_memory(), False
+    return torch.empty(dims, dtype=dtype, pin_memory=True), False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister``: torch checks
+    ``cudaGetLastError()`` after its own kernel launches and would otherwise report this error
+    at an unrelated launch. Best effort: only a runtime library torch already loaded is used."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return

@@ -79,13 +79,16 @@ class DeferredFrees:
             raise ValueError(f"{name}: slots already freed (held until a copy's ack)")
 
     def free_or_defer(self, indices: torch.Tensor, busy: torch.Tensor) -> None:
-        """Free the pages of ``indices`` that no slot of ``busy`` touches; hold the others."""
+        """Free the pages of ``indices`` that no slot of ``busy`` touches; hold the others.
+
+        Works on one CPU copy of ``indices`` (the allocator's free list is on the CPU): no
+        boolean indexing of device tensors, one device-to-host copy in all."""
         if indices.numel() == 0:
             return
         alloc = self.allocator
         idx = indices.cpu()
         if busy.numel() == 0:
-            alloc.free(indices)
+            alloc.free(idx)
             return
         page_busy = torch.isin(idx, busy).view(-1, alloc.page_size).any(dim=1)
         slot_busy = page_busy.repeat_interleave(alloc.page_size)
@@ -93,7 +96,7 @@ class DeferredFrees:
             self.held.append(idx[slot_busy])
             logger.debug("deferring the free of %d slots in use by a copy", int(slot_busy.sum()))
         if not bool(slot_busy.all()):
-            alloc.free(indices[~slot_busy.to(indices.device)])
+            alloc.free(idx[~slot_busy])
 
     def release(self, busy: torch.Tensor) -> None:
         """Free the held pages that no slot of ``busy`` touches any more."""

@@ -176,8 +176,11 @@ class _HostKVPoolBase:
         return self.kv_buffer.numel() * self.kv_buffer.element_size()
 
     def destroy(self) -> None:
-        """Unregister a ``cudaHostRegister``ed buffer (idempotent); the pool is unusable after."""
+        """Unregister a ``cudaHostRegister``ed buffer (idempotent); the pool is unusable after.
+        Waits for the device first: a copy still queued on any stream would otherwise touch
+        host memory the GPU can no longer address."""
         if self._registered:
+            torch.cuda.synchronize(self.device_pool.device)
             torch.cuda.cudart().cudaHostUnregister(self.kv_buffer.data_ptr())
             self._registered = False
 

@@ -311,6 +311,10 @@ class DecodePeer:
                     self.side.on_success(self)
 
     def _copy_in(self, t: Transfer) -> None:
+        """Read the source slots now (the simulated RDMA read). On CUDA the copy is queued on the
+        current (compute) stream, so it reads the KV after the forward that wrote it and before
+        any later forward can reuse the slots; the last range's copy is waited for, so
+        ``Success`` (the end of TTFT) comes after the bytes landed."""
         assert self.decode_slots is not None
         src_pool, dst_pool = self.side.src_pool, self.side.pool
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
@@ -323,8 +327,13 @@ class DecodePeer:
             # Triton's CPU interpreter is not thread-safe: share the side streams' lock.
             with CPU_COPY_LOCK:
                 kernels.transfer_kv_all_layer(*args)
-        else:
-            kernels.transfer_kv_all_layer(*args)
+            return
+        # A device-to-device copy standing in for a network transfer, on the compute stream: give
+        # it the whole GPU, not HiCache's 2 blocks (a GB through 2 blocks would hold the stream
+        # for an estimated tens of ms, charged to every later forward).
+        kernels.transfer_kv_all_layer(*args, block_quota=self.side.copy_block_quota)
+        if t.last:
+            torch.cuda.current_stream(src_pool.device).synchronize()
 
     def _set_failed(self, reason: str) -> None:
         if self.state == KVPoll.Failed:
@@ -360,6 +369,13 @@ class DecodeSide:
             src_pool.layer_num, src_pool.device,
         )
         self.allocator = TokenToKVPoolAllocator(size, src_pool.page_size, src_pool.device)
+        dev = src_pool.device
+        # Programs of the simulated transfer's copy kernel: two 32-warp blocks per SM on CUDA.
+        self.copy_block_quota = (
+            2 * torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda"
+            else 2
+        )
         self.keep_received = keep_received
         self.peers: dict[str, DecodePeer] = {}
         self.send_log: list[SendRecord] = []

@@ -248,14 +248,16 @@ class PagedTransformer(torch.nn.Module):
         c = self.config
         dev = self.device
         lens = [r.input_ids.numel() for r in batch]
-        ids = torch.cat([r.input_ids for r in batch]).to(dev)
+        # Pageable host ids: the copy is staged at once, so non_blocking never races the source,
+        # and the host does not wait here for the previous forward to finish.
+        ids = torch.cat([r.input_ids for r in batch]).to(dev, non_blocking=True)
         positions = torch.cat(
             [
                 torch.arange(r.prefix_len, r.prefix_len + n, dtype=torch.int64, device=dev)
                 for r, n in zip(batch, lens, strict=True)
             ]
         )
-        slots = [r.slots.to(dev) for r in batch]
+        slots = [r.slots.to(dev, non_blocking=True) for r in batch]
         q_dim = c.num_attention_heads * c.head_dim
         kv_dim = c.num_kv_heads * c.head_dim
         h = self.embed[ids]
@@ -301,9 +303,12 @@ class PagedTransformer(torch.nn.Module):
         c = self.config
         n, total = q.shape[0], k_all.shape[0]
         dt = torch.float32 if q.device.type == "cpu" else q.dtype
-        qf = q.to(dt).transpose(0, 1)  # [Hq, n, D]
-        kf = k_all.to(dt).transpose(0, 1)  # [H, T, D]
-        vf = v_all.to(dt).transpose(0, 1)
+        # A batch dimension of 1: SDPA's fused kernels (flash, memory-efficient, cuDNN) take 4-D
+        # inputs only; 3-D ones fall back to the math kernel, which materializes the
+        # [Hq, n, T] fp32 score matrix (GBs per layer at long prompts).
+        qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        kf = k_all.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        vf = v_all.to(dt).transpose(0, 1).unsqueeze(0)
         global _GQA_OK
         group = c.num_attention_heads // c.num_kv_heads
         mask = causal_lower_right(n, total) if prefix_len > 0 else None
@@ -316,9 +321,9 @@ class PagedTransformer(torch.nn.Module):
                 logger.warning("SDPA with enable_gqa failed (%s); expanding KV heads", exc)
         if out is None:
             if group > 1:
-                kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
+                kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
             out = _sdpa(qf, kf, vf, mask)
-        return out.transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
+        return out[0].transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
 
     @torch.no_grad()
     def forward_reference(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
