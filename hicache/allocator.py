@@ -101,7 +101,8 @@ class TokenToKVPoolAllocator:
         pages = self.free_pages[:num]
         self.free_pages = self.free_pages[num:]
         self._state[pages] = _ALLOCATED
-        return self._pages_to_slots(pages).to(self.device)
+        # Pageable source: the copy is staged at once, so non_blocking only skips the stream sync.
+        return self._pages_to_slots(pages).to(self.device, non_blocking=True)
 
     def free(self, free_index: torch.Tensor) -> None:
         """Return slots (whole pages, as ``alloc`` produced them) to the free list.

@@ -85,8 +85,9 @@ def _copy_tile(
         src_ptrs = src_rows[:, None] + c[None, :]
         dst_ptrs = dst_rows[:, None] + c[None, :]
         if CACHE_HINTS:
-            # Streamed once: keep it out of L1 and first in line for L2 eviction.
-            x = tl.load(src_ptrs, mask=mask, cache_modifier=".cg", eviction_policy="evict_first")
+            # Streamed once: cache in L2 only (.cg). ptxas rejects .cg combined with an
+            # .evict_first eviction policy, so none is given.
+            x = tl.load(src_ptrs, mask=mask, cache_modifier=".cg")
             tl.store(dst_ptrs, x, mask=mask, cache_modifier=".cg")
         else:
             x = tl.load(src_ptrs, mask=mask)
