@@ -5,107 +5,40 @@ tokens on its edge (``key``). The tree never knows requests: a request owns slot
 ``insert``s them, after which the tree owns every slot of the newly created nodes and the caller
 frees its duplicates of the prefix that was already present.
 
-``HiRadixCache`` (``hiradix_cache.py``) extends this with a host tier; the node fields it needs
-(``host_value``, ``host_ref``) live here so both trees share one node type and one walk.
+This file owns the tree's walk (match, split, insert), its locks and its device accounting.
+``TreeNode``, ``MatchResult`` and the key helpers live in ``tree_node.py`` (re-exported here),
+the LRU leaf eviction in ``eviction.py``. ``HiRadixCache`` (``hiradix_cache.py``) extends this
+with a host tier; the node fields it needs (``host_value``, ``host_ref``) are on the shared
+``TreeNode`` so both trees share one node type and one walk.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.eviction import device_leaves, evict_lru
 from hicache.tree_integrity import check_tree
+from hicache.tree_node import (
+    MatchResult,
+    TreeNode,
+    as_key,
+    check_insert_args,
+    child_key,
+    match_len,
+    split_node,
+)
 
 if TYPE_CHECKING:
     from hicache.allocator import TokenToKVPoolAllocator
 
+__all__ = ["MatchResult", "RadixCache", "TreeNode"]
+
 logger = logging.getLogger(__name__)
-
-_MATCH_STEP = 64  # tokens compared per C-level slice before a per-token scan
-
-
-class TreeNode:
-    """One edge of the radix tree.
-
-    ``key``: token ids of the edge (a multiple of ``page_size`` long, never empty except root).
-    ``value``: device slots, int64 ``[len(key)]``, or ``None`` when evicted to the host.
-    ``host_value``: host slots, int64 ``[len(key)]`` on CPU, or ``None`` when not backed up.
-    ``lock_ref``: number of locks held on this node or any descendant (path count, as SGLang).
-    ``host_ref``: same path count for host protection (a host copy that must not be freed).
-    ``hit_count``: inserts that created or touched the node; grows only in ``insert``.
-    ``last_access_time``: logical clock of the last match or insert through the node (LRU key).
-    """
-
-    __slots__ = (
-        "id",
-        "key",
-        "value",
-        "host_value",
-        "parent",
-        "children",
-        "lock_ref",
-        "host_ref",
-        "hit_count",
-        "last_access_time",
-    )
-    _ids = itertools.count()
-
-    def __init__(self) -> None:
-        self.id: int = next(TreeNode._ids)
-        self.key: list[int] = []
-        self.value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.parent: TreeNode | None = None
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
-        self.lock_ref = 0
-        self.host_ref = 0
-        self.hit_count = 0
-        self.last_access_time = 0
-
-    @property
-    def evicted(self) -> bool:
-        """True when the node has no device copy (its KV lives on the host only)."""
-        return self.value is None
-
-    @property
-    def backuped(self) -> bool:
-        """True when the node has a host copy (SGLang's spelling)."""
-        return self.host_value is not None
-
-    def __repr__(self) -> str:
-        tiers = ("D" if self.value is not None else "") + ("H" if self.backuped else "")
-        return f"TreeNode(id={self.id}, len={len(self.key)}, {tiers or '-'}, lock={self.lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    """Result of ``match_prefix``.
-
-    ``device_indices``: int64 ``[n]`` device slots of the device-resident matched prefix.
-    ``last_device_node``: deepest matched node whose KV is on the device (root when none).
-    ``last_host_node``: deepest matched node (device or host); equals ``last_device_node`` when
-    nothing past the device prefix was matched.
-    ``host_hit_length``: tokens matched past the device prefix, held on the host only.
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_hit_length: int
-
-
-def _as_key(key: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(key, torch.Tensor):
-        if key.dim() != 1:
-            raise ValueError(f"key must be 1-D, got shape {tuple(key.shape)}")
-        return key.tolist()
-    if isinstance(key, (str, bytes)):
-        raise ValueError("key must be a sequence of token ids, not a string")
-    return list(key)
 
 
 class RadixCache:
@@ -153,24 +86,7 @@ class RadixCache:
         return next(self._clock)
 
     def _child_key(self, key: list[int], start: int = 0) -> int | tuple[int, ...]:
-        if self.page_size == 1:
-            return key[start]
-        return tuple(key[start : start + self.page_size])
-
-    def _match_len(self, node_key: list[int], key: list[int], start: int) -> int:
-        """Length of the common prefix of ``node_key`` and ``key[start:]``, in whole pages."""
-        n = min(len(node_key), len(key) - start)
-        if node_key[:n] == key[start : start + n]:
-            return n
-        i = 0
-        while (
-            i + _MATCH_STEP <= n
-            and node_key[i : i + _MATCH_STEP] == key[start + i : start + i + _MATCH_STEP]
-        ):
-            i += _MATCH_STEP
-        while i < n and node_key[i] == key[start + i]:
-            i += 1
-        return i - i % self.page_size
+        return child_key(key, self.page_size, start)
 
     def evictable_size(self) -> int:
         """Device tokens held by the tree in unlocked nodes (free to evict)."""
@@ -192,76 +108,43 @@ class RadixCache:
         Splits a node when the match ends inside it, so ``last_*_node`` covers exactly the match.
         Refreshes ``last_access_time`` along the path; never changes ``hit_count``.
         """
-        key = _as_key(key)
+        key = as_key(key)
         key = key[: len(key) - len(key) % self.page_size]
-        now = self._tick()
+        values: list[torch.Tensor] = []
+        last = last_device = self.root_node
+        host_hit_length = 0
+        for last, _, n in self._walk(key, self._tick()):
+            if last.evicted:
+                host_hit_length += n
+            else:
+                values.append(last.value)
+                last_device = last
+        device_indices = torch.cat(values) if values else self._empty()
+        return MatchResult(device_indices, last_device, last, host_hit_length)
+
+    def _walk(self, key: list[int], now: int) -> Iterator[tuple[TreeNode, int, int]]:
+        """Yield ``(node, start, n)`` for each node on the longest page-aligned match of ``key``
+        from the root, ``node.key == key[start : start + n]``: splits a node where the match ends
+        inside it and stamps ``now`` on the root and every matched node. The caller acts on each
+        node before the walk looks up that node's children."""
         node = self.root_node
         node.last_access_time = now
-        values: list[torch.Tensor] = []
-        last_device = node
-        host_hit_length = 0
         i = 0
         while i < len(key):
             child = node.children.get(self._child_key(key, i))
             if child is None:
                 break
-            n = self._match_len(child.key, key, i)
+            n = match_len(child.key, key, i, self.page_size)
             if n == 0:
                 break
             if n < len(child.key):
-                child = self._split_node(child, n)
+                child = split_node(child, n, self.page_size)
             child.last_access_time = now
-            if child.evicted:
-                host_hit_length += n
-            else:
-                values.append(child.value)
-                last_device = child
+            yield child, i, n
             node = child
             i += n
-        device_indices = torch.cat(values) if values else self._empty()
-        return MatchResult(device_indices, last_device, node, host_hit_length)
-
-    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
-        """Split ``child`` into ``new -> child`` with ``new`` holding the first ``split_len``
-        tokens of both tiers. Lock and host refs are path counts, so ``new`` inherits them."""
-        new = TreeNode()
-        new.parent = child.parent
-        new.key = child.key[:split_len]
-        new.lock_ref = child.lock_ref
-        new.host_ref = child.host_ref
-        new.hit_count = child.hit_count
-        new.last_access_time = child.last_access_time
-        if child.value is not None:
-            new.value = child.value[:split_len]
-            child.value = child.value[split_len:]
-        if child.host_value is not None:
-            new.host_value = child.host_value[:split_len]
-            child.host_value = child.host_value[split_len:]
-        child.key = child.key[split_len:]
-        child.parent = new
-        new.children = {self._child_key(child.key): child}
-        new.parent.children[self._child_key(new.key)] = new
-        return new
 
     # ------------------------------------------------------------------ insert
-
-    def _validate_insert(self, key: Sequence[int] | torch.Tensor, value: torch.Tensor) -> list[int]:
-        key = _as_key(key)
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"value must be a torch.Tensor of slots, got {type(value).__name__}")
-        if value.dim() != 1 or value.dtype != torch.int64:
-            raise ValueError(
-                f"value must be a 1-D int64 tensor, got shape {tuple(value.shape)} {value.dtype}"
-            )
-        if value.device.type != self.device.type:
-            raise ValueError(f"value is on {value.device}, the tree's slots are on {self.device}")
-        if len(key) != value.numel():
-            raise ValueError(f"key has {len(key)} tokens but value has {value.numel()} slots")
-        if len(key) % self.page_size:
-            raise ValueError(
-                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
-            )
-        return key
 
     # Slot ownership during insert(key, value):
     #   value[:returned]            already device-resident in the tree; the caller still owns
@@ -282,38 +165,25 @@ class RadixCache:
         its own slots for that prefix. Raises ``ValueError`` (state unchanged) on mismatched
         lengths, an unaligned key or a non-int64 value.
         """
-        key = self._validate_insert(key, value)
+        key = check_insert_args(key, value, self.device, self.page_size)
         now = self._tick()
-        node = self.root_node
-        node.last_access_time = now
-        present = 0
-        i = 0
-        while i < len(key):
-            child = node.children.get(self._child_key(key, i))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, i)
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            child.last_access_time = now
-            if child.evicted:
-                self._revive(child, value[i : i + n].clone())
+        node, end, present = self.root_node, 0, 0
+        for node, start, n in self._walk(key, now):
+            end = start + n
+            if node.evicted:
+                self._revive(node, value[start:end].clone())
             else:
                 present += n
-                self._on_insert_touch(child, chunked)
-            node = child
-            i += n
-        if i < len(key):
+                self._inc_hit_count(node, chunked)
+        if end < len(key):
             new = TreeNode()
             new.parent = node
-            new.key = key[i:]
-            new.value = value[i:].clone()
+            new.key = key[end:]
+            new.value = value[end:].clone()
             new.last_access_time = now
             node.children[self._child_key(new.key)] = new
             self._add_device_tokens(new, len(new.key))
-            self._on_insert_create(new, chunked)
+            self._inc_hit_count(new, chunked)
         return present
 
     def _add_device_tokens(self, node: TreeNode, n: int) -> None:
@@ -325,12 +195,9 @@ class RadixCache:
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         raise AssertionError("device-only tree has no evicted nodes")  # pragma: no cover
 
-    def _on_insert_touch(self, node: TreeNode, chunked: bool) -> None:
-        """An insert passed through an existing device-resident node (SGLang skips chunked)."""
-        if not chunked:
-            node.hit_count += 1
-
-    def _on_insert_create(self, node: TreeNode, chunked: bool) -> None:
+    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
+        """An insert created ``node`` or passed through it while it was device-resident
+        (SGLang skips chunked inserts)."""
         if not chunked:
             node.hit_count += 1
 
@@ -385,19 +252,6 @@ class RadixCache:
 
     # ------------------------------------------------------------------ evict
 
-    def _device_leaves(self) -> list[TreeNode]:
-        """Device-resident non-root nodes none of whose children is device-resident."""
-        out = []
-        stack = [self.root_node]
-        while stack:
-            x = stack.pop()
-            device_children = [c for c in x.children.values() if not c.evicted]
-            if device_children:
-                stack.extend(device_children)
-            elif x is not self.root_node:
-                out.append(x)
-        return out
-
     def _delete_leaf(self, node: TreeNode) -> None:
         del node.parent.children[self._child_key(node.key)]
         node.parent = None
@@ -409,21 +263,23 @@ class RadixCache:
         many as are evictable. Returns the tokens freed."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        heap = [(x.last_access_time, x.id, x) for x in self._device_leaves()]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, x = heapq.heappop(heap)
-            if x.lock_ref > 0:
-                continue
-            self.allocator.free(x.value)
-            freed += len(x.value)
-            self.evictable_size_ -= len(x.value)
-            parent = x.parent
-            self._delete_leaf(x)
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        return freed
+        return evict_lru(
+            self.root_node,
+            device_leaves(self.root_node),
+            num_tokens,
+            self._evict_leaf,
+            lambda parent: not parent.children and parent.lock_ref == 0,
+        )
+
+    def _evict_leaf(self, node: TreeNode) -> int | None:
+        """Free the slots of an unlocked device leaf and delete it; ``None`` when locked."""
+        if node.lock_ref > 0:
+            return None
+        n = len(node.value)
+        self.allocator.free(node.value)
+        self.evictable_size_ -= n
+        self._delete_leaf(node)
+        return n
 
     def evict_host(self, num_tokens: int) -> int:
         """No host tier: frees nothing."""

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hicache.radix_cache import RadixCache, TreeNode
+    from hicache.radix_cache import RadixCache
+    from hicache.tree_node import TreeNode
 
 
 def _fail(msg: str) -> None:
