@@ -22,6 +22,8 @@ Empty slot lists are fine everywhere: writes do nothing and checks pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -146,3 +148,22 @@ def check_host(
     for layer in range(host_pool.layer_num):
         got = host_pool.get_kv_slots(layer, s)
         _compare("host", s, layer, got, expected_kv(host_pool, layer, tokens, positions))
+
+
+def check_tree_content(kv: Any) -> None:
+    """Every readable slot of a ``HiRadixCache`` holds its tokens' KV: the device slots of every
+    resident node not being loaded, and the host copy of every backed-up node whose write has
+    been acked. ``kv`` is a ``hicache.cache.KVCache`` whose KV was written with ``write_device``
+    at positions counted from the root."""
+    tree = kv.tree
+    loading = {id(x) for x in tree.loading_nodes()}
+    pending = tree.pending_write_host_slots()
+    stack = [(c, 0) for c in tree.root_node.children.values()]
+    while stack:
+        x, depth = stack.pop()
+        pos = list(range(depth, depth + len(x.key)))
+        if not x.evicted and id(x) not in loading:
+            check_device(kv.device_pool, x.value, x.key, pos)
+        if x.backuped and not bool(torch.isin(x.host_value, pending).any()):
+            check_host(kv.host_pool, x.host_value, x.key, pos)
+        stack.extend((c, depth + len(x.key)) for c in x.children.values())

@@ -31,9 +31,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hicache.cache import KVCache, build_kv_cache
+from hicache.cache import build_kv_cache
 from server_args import ServerArgs
-from tests.kv_content import check_device, check_host, write_device
+from tests.kv_content import check_device, check_tree_content, write_device
 
 
 class Config(NamedTuple):
@@ -69,21 +69,6 @@ PAGE_PATTERNS = 3  # a small alphabet of pages, so keys share prefixes and nodes
 
 def _key(pages: list[int], page_size: int) -> list[int]:
     return [1000 * p + i for p in pages for i in range(page_size)]
-
-
-def _verify_tree(kv: KVCache) -> None:
-    tree = kv.tree
-    loading = {id(x) for x in tree.loading_nodes()}
-    pending = tree.pending_write_host_slots()
-    stack = [(c, 0) for c in tree.root_node.children.values()]
-    while stack:
-        x, depth = stack.pop()
-        pos = list(range(depth, depth + len(x.key)))
-        if not x.evicted and id(x) not in loading:
-            check_device(kv.device_pool, x.value, x.key, pos)
-        if x.backuped and not bool(torch.isin(x.host_value, pending).any()):
-            check_host(kv.host_pool, x.host_value, x.key, pos)
-        stack.extend((c, depth + len(x.key)) for c in x.children.values())
 
 
 def _machine(config: Config) -> type[RuleBasedStateMachine]:
@@ -200,7 +185,7 @@ def _machine(config: Config) -> type[RuleBasedStateMachine]:
         def consistent(self) -> None:
             if hasattr(self, "kv"):
                 self.kv.check_integrity()
-                _verify_tree(self.kv)
+                check_tree_content(self.kv)
                 # the tree never frees a slot a copy still uses (no deferred free was needed)
                 assert self.tree.device_in_flight() == 0 and self.tree.host_in_flight() == 0
 

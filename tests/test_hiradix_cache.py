@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from hicache.cache import KVCache, build_kv_cache
-from hicache.hiradix_cache import HiRadixCache
 from server_args import ServerArgs
-from tests.kv_content import check_device, check_host, write_device
+from tests.kv_content import check_device, check_tree_content, write_device
 
 PAGE = 4
 
@@ -110,22 +109,6 @@ def compute(kv: KVCache, key: list[int], chunked: bool = False) -> int:
     return hit
 
 
-def verify(kv: KVCache) -> None:
-    """Every acked device slot and host copy in the tree holds its tokens' KV."""
-    tree: HiRadixCache = kv.tree
-    loading = {id(x) for x in tree.loading_nodes()}
-    pending = tree.pending_write_host_slots()
-    stack = [(c, 0) for c in tree.root_node.children.values()]
-    while stack:
-        x, depth = stack.pop()
-        pos = list(range(depth, depth + len(x.key)))
-        if not x.evicted and id(x) not in loading:
-            check_device(kv.device_pool, x.value, x.key, pos)
-        if x.backuped and not bool(torch.isin(x.host_value, pending).any()):
-            check_host(kv.host_pool, x.host_value, x.key, pos)
-        stack.extend((c, depth + len(x.key)) for c in x.children.values())
-
-
 A = list(range(100, 108))  # two pages
 B = A + list(range(200, 208))  # A plus two pages
 
@@ -160,14 +143,14 @@ def test_write_through_story(caches, use_mla) -> None:
     gate.open()
     drain(kv)
     assert node.lock_ref == 0 and tree.evictable_size() == 8
-    verify(kv)
+    check_tree_content(kv)
 
     # device eviction keeps the node host-only
     assert tree.evict(8) == 8
     m = tree.match_prefix(A)
     assert len(m.device_indices) == 0 and m.host_hit_length == 8
     assert m.last_host_node is node and m.last_device_node is tree.root_node
-    verify(kv)
+    check_tree_content(kv)
     kv.check_integrity()
 
     # load back, then a re-hit on the device
@@ -177,7 +160,7 @@ def test_write_through_story(caches, use_mla) -> None:
     drain(kv)
     assert node.lock_ref == 0
     kv.check_integrity()
-    verify(kv)
+    check_tree_content(kv)
 
     # a branching request reuses the loaded prefix and backs up its new pages
     assert compute(kv, B) == 8
@@ -216,7 +199,7 @@ def test_write_through_selective_story(caches) -> None:
     node = tree.match_prefix(A).last_device_node
     assert node.hit_count == 2 and node.backuped
     drain(kv)
-    verify(kv)
+    check_tree_content(kv)
     assert tree.evict(8) == 8
     assert tree.match_prefix(A).host_hit_length == 8
     load_back(kv, A)
@@ -252,13 +235,13 @@ def test_write_back_story(caches) -> None:
     assert node.evicted and node.backuped
     m = tree.match_prefix(B)
     assert m.host_hit_length == 16 and not tree.ongoing_write_through
-    verify(kv)
+    check_tree_content(kv)
     kv.check_integrity()
 
     load_back(kv, B)
     drain(kv)
     assert len(tree.match_prefix(B).device_indices) == 16
-    verify(kv)
+    check_tree_content(kv)
     # a revived/loaded node keeps its host copy: evicting again needs no new backup
     backed = kv.stats.backed_up_tokens
     assert tree.evict(16) == 16 and kv.stats.backed_up_tokens == backed
@@ -282,13 +265,13 @@ def test_policy_round_trip_with_kernels(caches, policy, device) -> None:
     for _ in range(2):  # twice, so write_through_selective backs up too
         compute(kv, B)
     drain(kv)
-    verify(kv)
+    check_tree_content(kv)
     assert tree.evict(100) == 16
     assert tree.match_prefix(B).host_hit_length == 16
     dev = load_back(kv, B)
     drain(kv)
     assert tree.match_prefix(B).device_indices.tolist() == dev.tolist()
-    verify(kv)
+    check_tree_content(kv)
     assert tree.evict(100) == 16 and tree.evict_host(100) == 16
     assert kv.allocator.available_size() == kv.allocator.size
     kv.check_integrity()
@@ -309,7 +292,7 @@ def test_recompute_revives_host_only_nodes(caches) -> None:
     assert tree.match_prefix(B).device_indices.tolist() == slots.tolist()
     assert m.last_host_node.backuped
     kv.check_integrity()
-    verify(kv)
+    check_tree_content(kv)
 
 
 def test_load_back_below_threshold_recomputes(caches) -> None:
@@ -368,7 +351,7 @@ def test_chunked_insert_backup(caches, upstream) -> None:
         # fixed: every complete page was backed up as it was inserted, without counting hits
         assert all(x.hit_count == 0 for x in nodes)
         assert m.host_hit_length == 24 and kv.stats.backed_up_tokens == 24
-        verify(kv)
+        check_tree_content(kv)
     kv.check_integrity()
 
 
