@@ -274,25 +274,18 @@ class ServerArgs:
         non_negative_int("random_seed")
         non_negative_int("optimistic_prefill_attempts")
 
+        def page_multiple(name: str) -> None:
+            value, page = getattr(self, name), self.page_size
+            valid_page = isinstance(page, int) and not isinstance(page, bool) and page > 0
+            if isinstance(value, int) and valid_page and value % page != 0:
+                errors.append(f"{_flag(name)}={value} must be a multiple of --page-size={page}")
+
         cps = self.chunked_prefill_size
         if isinstance(cps, bool) or not isinstance(cps, int) or (cps < 1 and cps != -1):
             errors.append(f"--chunked-prefill-size={cps!r} must be a positive integer or -1")
-        elif cps != -1 and isinstance(self.page_size, int) and self.page_size > 0:
-            if cps % self.page_size != 0:
-                errors.append(
-                    f"--chunked-prefill-size={cps} must be a multiple of --page-size="
-                    f"{self.page_size}"
-                )
-        if (
-            isinstance(self.max_total_tokens, int)
-            and isinstance(self.page_size, int)
-            and self.page_size > 0
-            and self.max_total_tokens % self.page_size != 0
-        ):
-            errors.append(
-                f"--max-total-tokens={self.max_total_tokens} must be a multiple of --page-size="
-                f"{self.page_size}"
-            )
+        elif cps != -1:
+            page_multiple("chunked_prefill_size")
+        page_multiple("max_total_tokens")
 
         if not isinstance(self.hicache_ratio, (int, float)) or self.hicache_ratio <= 0:
             errors.append(f"--hicache-ratio={self.hicache_ratio!r} must be > 0")
