@@ -77,8 +77,7 @@ class RankDivergenceError(RuntimeError):
         self.differing = [r for r, d in enumerate(digests) if d != ref]
         table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
         super().__init__(
-            f"ranks diverged at {tag!r}: ranks {self.differing} differ from the others "
-            f"({table})"
+            f"ranks diverged at {tag!r}: ranks {self.differing} differ from the others ({table})"
         )
 
 

@@ -71,9 +71,7 @@ class TPShard:
         c = config
         hq, hkv, inter = c.num_attention_heads, c.num_kv_heads, c.intermediate_size
         if hq % tp_size:
-            raise ValueError(
-                f"tp_size={tp_size} must divide num_attention_heads={hq}"
-            )
+            raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={hq}")
         if inter % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide intermediate_size={inter}")
         if hkv % tp_size and tp_size % hkv:
@@ -143,7 +141,11 @@ class TPPagedTransformer(PagedTransformer):
         self.config = shard.local_config(config)
         logger.info(
             "tp rank %d/%d: query heads %s, KV heads %s (x%d replicas), intermediate %s",
-            tp_rank, tp_size, shard.q_heads, shard.kv_heads, shard.kv_replicas,
+            tp_rank,
+            tp_size,
+            shard.q_heads,
+            shard.kv_heads,
+            shard.kv_replicas,
             shard.intermediate,
         )
 

@@ -60,50 +60,72 @@ def run_story(model: PagedTransformer, kv_heads: int) -> dict[str, torch.Tensor]
     return out
 
 
-def _tp_rank_story(rank: int, world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One rank: the TP model over the default (gloo) group, its own pool of its KV heads."""
-    model = TPPagedTransformer(ModelConfig.tiny(seed=5, dtype=dtype), rank, world_size)
-    assert model.local_kv_heads == model.config.num_kv_heads
-    out = run_story(model, model.local_kv_heads)
-    out["kv_heads"] = torch.tensor(model.shard.kv_heads)
-    return out
+def _tp_rank_story(
+    rank: int, world_size: int, dtypes: list[torch.dtype]
+) -> dict[torch.dtype, dict[str, torch.Tensor]]:
+    """One rank, per dtype: the TP model over the default (gloo) group, its own pool of its KV
+    heads."""
+    runs = {}
+    for dtype in dtypes:
+        model = TPPagedTransformer(ModelConfig.tiny(seed=5, dtype=dtype), rank, world_size)
+        assert model.local_kv_heads == model.config.num_kv_heads
+        out = run_story(model, model.local_kv_heads)
+        out["kv_heads"] = torch.tensor(model.shard.kv_heads)
+        runs[dtype] = out
+    return runs
+
+
+DTYPES = {2: [torch.float32, torch.bfloat16], 4: [torch.float32]}
 
 
 @pytest.fixture(scope="module")
-def single_rank() -> dict[str, torch.Tensor]:
+def tp_runs() -> dict[int, list[dict[torch.dtype, dict[str, torch.Tensor]]]]:
+    """One multi-process run per world size, shared by the tests below (spawns are costly)."""
+    return {}
+
+
+def tp_run(tp_runs: dict, world_size: int) -> list[dict[torch.dtype, dict[str, torch.Tensor]]]:
+    if world_size not in tp_runs:
+        tp_runs[world_size] = run_ranks(_tp_rank_story, world_size, DTYPES[world_size])
+    return tp_runs[world_size]
+
+
+def single_rank_story(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     with single_torch_thread():
-        model = PagedTransformer(ModelConfig.tiny(seed=5))
+        model = PagedTransformer(ModelConfig.tiny(seed=5, dtype=dtype))
         return run_story(model, model.config.num_kv_heads)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_tp_model_equals_single_rank_model(world_size, single_rank):
+def test_tp_model_equals_single_rank_model(world_size, tp_runs):
     """Every rank's logits equal the single-rank model's (and each other's, bit for bit); each
     rank's pool holds exactly its KV heads of the single-rank pool's content."""
-    ranks = run_ranks(_tp_rank_story, world_size, torch.float32)
+    single = single_rank_story(torch.float32)
+    ranks = [run[torch.float32] for run in tp_run(tp_runs, world_size)]
     logit_keys = ("a", "b1", "b2", "c1", "c2", "ref_logits")
     for r, out in enumerate(ranks):
         for key in logit_keys:
-            torch.testing.assert_close(out[key], single_rank[key], **LOGIT_TOL, msg=f"{r} {key}")
+            torch.testing.assert_close(out[key], single[key], **LOGIT_TOL, msg=f"{r} {key}")
             assert torch.equal(out[key], ranks[0][key]), f"rank {r} {key} differs from rank 0"
         h0, h1 = out["kv_heads"].tolist()
         assert out["k"].shape[2] == h1 - h0
         for key in ("k", "v", "ref_k", "ref_v"):
             torch.testing.assert_close(
-                out[key], single_rank[key][:, :, h0:h1], **KV_TOL, msg=f"rank {r} {key}"
+                out[key], single[key][:, :, h0:h1], **KV_TOL, msg=f"rank {r} {key}"
             )
     covered = sorted({tuple(o["kv_heads"].tolist()) for o in ranks})
     assert covered == [(0, 1), (1, 2)]  # both KV heads held (split at 2, replicated at 4)
 
 
-def test_tp_model_bf16_close_to_single_rank():
-    """bf16 (the GPU dtype) over gloo: same paths, bf16 rounding tolerance."""
-    ranks = run_ranks(_tp_rank_story, 2, torch.bfloat16)
-    with single_torch_thread():
-        ref = run_story(PagedTransformer(ModelConfig.tiny(seed=5, dtype=torch.bfloat16)), 2)
-    for out in ranks:
-        torch.testing.assert_close(out["b2"], ref["b2"], atol=5e-2, rtol=5e-2)
-        torch.testing.assert_close(out["c2"], ref["c2"], atol=5e-2, rtol=5e-2)
+def test_tp_model_bf16_close_to_single_rank(tp_runs):
+    """bf16 (the GPU dtype) over gloo at 2 ranks: bf16 rounding tolerance (atol 5e-2)."""
+    single = single_rank_story(torch.bfloat16)
+    for run in tp_run(tp_runs, 2):
+        out = run[torch.bfloat16]
+        h0, h1 = out["kv_heads"].tolist()
+        for key in ("a", "b2", "c1", "c2"):
+            torch.testing.assert_close(out[key], single[key], atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(out["k"], single["k"][:, :, h0:h1], atol=5e-2, rtol=5e-2)
 
 
 # ---------------------------------------------------------------- shard plans (one process)

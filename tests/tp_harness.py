@@ -8,11 +8,11 @@ be importable (a module-level function) and its result picklable.
 
 - A rank that raises: the others get ``RuntimeError`` from their next collective with it (gloo
   sees the closed connection) or finish; ``RanksFailed`` lists every rank's outcome.
-- A rank that has not finished within ``timeout_s`` (a hang: ranks in different collectives, or
-  one waiting for a collective another skipped): every live rank dumps all its threads' Python
-  stacks (``faulthandler`` on ``SIGUSR1``, to a per-rank file), the ranks are killed, and
-  ``RanksHung`` carries the stacks in its message. The limit catches hangs only; nothing here
-  measures or asserts time.
+- A rank that has not finished ``timeout_s`` after every rank joined the group (a hang: ranks
+  in different collectives, or one waiting for a collective another skipped): every live rank
+  dumps all its threads' Python stacks (``faulthandler`` on ``SIGUSR1``, to a per-rank file),
+  the ranks are killed, and ``RanksHung`` carries the stacks in its message. The limit catches
+  hangs only; nothing here measures or asserts time.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 """Generous: a 4-rank run of the tiny model takes seconds; only a hang gets near it."""
 
+_STARTUP_LIMIT_S = 120.0  # spawning and importing torch, before the watchdog's limit starts
 _ERROR_GRACE_S = 20.0  # after one rank failed, how long the others get to finish or fail
 _STACK_WAIT_S = 5.0  # how long the parent waits for the dumped stacks after the signal
 
@@ -46,8 +47,9 @@ class RanksFailed(AssertionError):
     def __init__(self, outcomes: dict[int, str]) -> None:
         self.outcomes = outcomes
         body = "\n".join(f"--- rank {r}:\n{o}" for r, o in sorted(outcomes.items()))
-        super().__init__(f"ranks failed: {sorted(r for r, o in outcomes.items() if o != 'ok')}"
-                         f"\n{body}")
+        super().__init__(
+            f"ranks failed: {sorted(r for r, o in outcomes.items() if o != 'ok')}\n{body}"
+        )
 
 
 class RanksHung(AssertionError):
@@ -93,9 +95,13 @@ def _rank_entry(
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world_size,
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(hours=1),  # the parent's watchdog acts long before
         )
+        results.put((rank, "started", None))
         out = ("ok", pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:
         out = ("error", traceback.format_exc())
@@ -112,8 +118,8 @@ def run_ranks(
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each run in
     its own spawned process on one gloo group. Raises ``RanksFailed`` when a rank raised,
-    ``RanksHung`` (with every live rank's stacks) when one has not finished after
-    ``timeout_s``. Every process started here is gone when this returns or raises."""
+    ``RanksHung`` (with every live rank's stacks) when one has not finished ``timeout_s`` after
+    all joined the group. Every process started here is gone when this returns or raises."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
@@ -135,13 +141,11 @@ def run_ranks(
         try:
             for p in procs:
                 p.start()
-            outcomes = _collect(procs, results, time.monotonic() + timeout_s)
+            outcomes = _collect(procs, results, timeout_s)
             hung = [r for r in range(world_size) if r not in outcomes]
             if hung:
                 stacks = _dump_stacks(procs, paths)
-                raise RanksHung(
-                    timeout_s, hung, stacks, {r: _text(o) for r, o in outcomes.items()}
-                )
+                raise RanksHung(timeout_s, hung, stacks, {r: _text(o) for r, o in outcomes.items()})
         finally:  # ranks that reported exit by themselves; hung or stray ones are killed
             deadline = time.monotonic() + (0 if hung else 10)
             for p in procs:
@@ -160,17 +164,25 @@ def _text(outcome: tuple[str, Any]) -> str:
     return "ok" if outcome[0] == "ok" else str(outcome[1])
 
 
-def _collect(procs: list[Any], results: Any, deadline: float) -> dict[int, tuple[str, Any]]:
-    """Outcomes reported before ``deadline`` (moved closer once a rank failed); a process that
-    died without reporting counts as an error (its exit code)."""
+def _collect(procs: list[Any], results: Any, timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Outcomes reported in time: ``timeout_s`` from the moment every rank has joined the group
+    (startup, slow on a loaded machine, gets ``_STARTUP_LIMIT_S`` on top), moved closer once a
+    rank failed. A process that died without reporting counts as an error (its exit code)."""
     outcomes: dict[int, tuple[str, Any]] = {}
+    started: set[int] = set()
+    deadline = time.monotonic() + _STARTUP_LIMIT_S + timeout_s
     while len(outcomes) < len(procs):
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
             rank, status, payload = results.get(timeout=min(left, 0.5))
-            outcomes[rank] = (status, payload)
+            if status == "started":
+                started.add(rank)
+                if len(started) == len(procs):
+                    deadline = time.monotonic() + timeout_s
+            else:
+                outcomes[rank] = (status, payload)
         except queue.Empty:
             for r, p in enumerate(procs):
                 if r not in outcomes and not p.is_alive() and p.exitcode not in (None, 0):
