@@ -168,7 +168,9 @@ class TPGroup:
         raise NotImplementedError
 
     def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
-        """Element-wise minimum over ranks; every rank must pass the same number of values."""
+        """Element-wise minimum over ranks; every rank must pass the same number of values
+        (the count is checked with the call site). Up to two values cost one collective (the
+        tick's write and load ack counts)."""
         raise NotImplementedError
 
     def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
@@ -240,8 +242,9 @@ class DistTPGroup(TPGroup):
             Every member rank must construct a ``DistTPGroup`` over it and call its methods in
             the same order.
 
-    Cost per call: one all_reduce of 4 int64 (``agree_*``, ``assert_same`` when equal,
-    ``barrier``); two for ``agree_min_many`` and ``broadcast_object`` (plus the payload bytes).
+    Cost per call: one all_reduce of 4 int64 (``agree_*``, ``agree_min_many`` of up to two
+    values, ``assert_same`` when equal, ``barrier``); two for ``agree_min_many`` of more values
+    and for ``broadcast_object`` (the second carries the pickled bytes).
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -273,18 +276,16 @@ class DistTPGroup(TPGroup):
 
     def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
         vals = [_check_int(f"values[{i}]", v) for i, v in enumerate(values)]
-        lo, neg_hi = self._header("agree_min_many", tag, len(vals), -len(vals))
-        if lo != -neg_hi:  # same call site, different lengths: name them, then raise everywhere
-            lengths = self._gather_ints(len(vals))
-            raise ValueError(
-                f"values: ranks passed different lengths at {tag!r}: "
-                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
-            )
-        if not vals:
-            return []
-        t = torch.tensor(vals, dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
-        return [int(x) for x in t.tolist()]
+        # The count is part of the call site: ranks passing different counts get
+        # CollectiveMismatchError. The first two values ride in the header.
+        head = (vals + [0, 0])[:2]
+        a, b = self._header(f"agree_min_many[{len(vals)}]", tag, head[0], head[1])
+        out = [a, b][: len(vals)]
+        if len(vals) > 2:
+            t = torch.tensor(vals[2:], dtype=torch.int64)
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+            out += [int(x) for x in t.tolist()]
+        return out
 
     def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
         if not 0 <= src < self.size:
@@ -326,7 +327,13 @@ class DistTPGroup(TPGroup):
         self.seq += 1
         h = _site_hash(kind, tag, extra)
         t = torch.tensor([h, -h, a, b], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        try:
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as exc:  # gloo timeout, or a peer that exited
+            raise RuntimeError(
+                f"cache group rank {self.rank}: collective #{self.seq} {kind}({tag!r}) failed: "
+                f"{exc}"
+            ) from exc
         lo, neg_hi, ra, rb = (int(x) for x in t.tolist())
         if lo != -neg_hi:
             sites: list[Any] = [None] * self.size

@@ -6,6 +6,7 @@ that turns a hang (a rank that skipped a collective) into a failure carrying eve
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -56,11 +57,12 @@ def _primitives(rank: int, world_size: int) -> dict:
         out["mismatch"] = None
     except CollectiveMismatchError as exc:
         out["mismatch"] = exc.sites
+    out["many_long"] = g.agree_min_many([rank, -rank, 3 + rank, 9 - rank])
     # Same call site, different number of values.
     try:
         g.agree_min_many([1] * (2 + (rank == 1)), tag="acks")
         out["lengths"] = None
-    except ValueError as exc:
+    except CollectiveMismatchError as exc:
         out["lengths"] = str(exc)
     # Rank src cannot pickle its object: every rank raises.
     try:
@@ -140,7 +142,9 @@ def test_primitives_agree_on_every_rank(world_size):
         assert sites[0][1:] == ("agree_min", "acks")
         assert all(s[1:] == ("agree_all", "evict") for s in sites[1:])
         assert len({s[0] for s in sites}) == 1  # the same (sequence) point on every rank
-        assert "rank 1: 3" in o["lengths"] and "rank 0: 2" in o["lengths"]
+        assert o["many_long"] == [0, -last, 3, 9 - last]
+        assert "rank 0: #" in o["lengths"] and "agree_min_many[2]('acks')" in o["lengths"]
+        assert "agree_min_many[3]('acks')" in o["lengths"]
         assert "rank 0 could not pickle" in o["unpicklable"]
         assert "RuntimeError" in o["other_thread"] and "one thread" in o["other_thread"]
         assert o["after"] == 100
@@ -169,7 +173,7 @@ def test_a_rank_that_raises_fails_the_run_without_hanging():
     with pytest.raises(RanksFailed) as info:
         run_ranks(_raises_on_one_rank, 2)
     assert "rank-local failure" in info.value.outcomes[1]
-    assert info.value.outcomes[0] != "ok"  # its all_reduce with the dead rank failed
+    assert "collective #1 agree_min('acks') failed" in info.value.outcomes[0]  # peer is gone
 
 
 # ---------------------------------------------------------------- one process
@@ -216,3 +220,18 @@ def test_digest_is_stable_and_sensitive():
 def test_digest_rejects_objects_without_a_stable_encoding():
     with pytest.raises(ValueError, match="value"):
         digest([object()])
+
+
+def _skips_with_a_group_timeout(rank: int, world_size: int) -> None:
+    g = new_cache_group(timeout_s=1)
+    if rank == 0:
+        g.agree_min(1, tag="acks")
+    else:
+        time.sleep(3)  # skipped the collective; exits after rank 0's timeout
+
+
+def test_group_timeout_turns_a_skipped_collective_into_an_error():
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_skips_with_a_group_timeout, 2)
+    assert "cache group rank 0: collective #1 agree_min('acks') failed" in info.value.outcomes[0]
+    assert info.value.outcomes[1] == "ok"
