@@ -34,16 +34,16 @@ harness's watchdog dumps every rank's stack instead). The check costs no extra c
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import operator
 import pickle
-import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from hicache.tp_digest import digest
 
 __all__ = [
     "CollectiveMismatchError",
@@ -51,13 +51,12 @@ __all__ = [
     "RankDivergenceError",
     "SingleRankGroup",
     "TPGroup",
-    "digest",
     "new_cache_group",
 ]
 
 logger = logging.getLogger(__name__)
 
-_MASK = (1 << 62) - 1  # digests stay positive and far from int64's edges, so -d never overflows
+_LIMIT = (1 << 62) - 1  # payload ints stay far from int64's edges, so -v never overflows
 
 
 class RankDivergenceError(RuntimeError):
@@ -93,47 +92,6 @@ class CollectiveMismatchError(RuntimeError):
             f"rank {r}: #{seq} {kind}({tag!r})" for r, (seq, kind, tag) in enumerate(sites)
         )
         super().__init__(f"ranks entered different collectives: {lines}")
-
-
-def digest(value: Any) -> int:
-    """A stable 62-bit digest of ``value``, identical across processes and runs.
-
-    Accepts ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, tensors (dtype, shape and
-    bytes; any device, copied to the host), and lists, tuples, dicts and sets of these. Raises
-    ``ValueError`` naming ``value`` for anything else (an object's ``repr`` may hold an address).
-    """
-    h = hashlib.blake2b(digest_size=8)
-    _feed(h, value)
-    return int.from_bytes(h.digest(), "little") & _MASK
-
-
-def _feed(h: Any, v: Any) -> None:
-    if v is None or isinstance(v, (bool, int, float)):
-        h.update(f"{type(v).__name__}:{v!r};".encode())
-    elif isinstance(v, str):
-        h.update(b"s" + struct.pack("<q", len(v)) + v.encode())
-    elif isinstance(v, (bytes, bytearray)):
-        h.update(b"b" + struct.pack("<q", len(v)) + bytes(v))
-    elif isinstance(v, torch.Tensor):
-        t = v.detach().to("cpu").contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(v, (list, tuple)):
-        h.update(b"l" + struct.pack("<q", len(v)))
-        for x in v:
-            _feed(h, x)
-    elif isinstance(v, dict):
-        h.update(b"d" + struct.pack("<q", len(v)))
-        for d, x in sorted((digest(k), x) for k, x in v.items()):
-            h.update(struct.pack("<q", d))
-            _feed(h, x)
-    elif isinstance(v, (set, frozenset)):
-        h.update(b"S" + struct.pack("<q", len(v)))
-        for d in sorted(digest(x) for x in v):
-            h.update(struct.pack("<q", d))
-    else:
-        raise ValueError(f"value of type {type(v).__name__} has no stable digest")
 
 
 def _site_hash(kind: str, tag: str, extra: str = "") -> int:
@@ -199,7 +157,7 @@ def _check_int(name: str, value: Any) -> int:
         v = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not -_MASK <= v <= _MASK:
+    if not -_LIMIT <= v <= _LIMIT:
         raise ValueError(f"{name}={v} is outside +-2**62")
     return v
 

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
+from hicache.tp_digest import digest
 from hicache.tp_group import (
     CollectiveMismatchError,
     DistTPGroup,
     RankDivergenceError,
     SingleRankGroup,
-    digest,
     new_cache_group,
 )
 from tests.tp_harness import RanksFailed, RanksHung, run_ranks
