@@ -192,6 +192,12 @@ class PagedTransformer(torch.nn.Module):
         xf = x.float()
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel projection (``o``, ``down``) summed over tensor-parallel
+        ranks; the identity here (one rank holds every column). ``prefill.tp_model`` all-reduces.
+        """
+        return partial
+
     def _check_pool(self, pool: MHATokenToKVPool) -> None:
         c = self.config
         if pool.layer_num != c.num_layers or pool.head_num != c.num_kv_heads:
@@ -280,10 +286,10 @@ class PagedTransformer(torch.nn.Module):
                 attn_out.append(self._attention(q[start : start + n], k_all, v_all, r.prefix_len))
                 start += n
             o = torch.cat(attn_out).to(c.dtype) @ layer.o.t()
-            h = h + o
+            h = h + self._reduce(o)
             x = layer.post_norm(h)
             gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.down.t()
+            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
         h = self.norm(h)
         out = []
         start = 0
@@ -349,10 +355,10 @@ class PagedTransformer(torch.nn.Module):
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             ks.append(k)
             vs.append(v)
-            h = h + self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t()
+            h = h + self._reduce(self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t())
             x = layer.post_norm(h)
             gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.down.t()
+            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
         logits = (self.norm(h) @ self.lm_head.t()).float()
         return logits, torch.stack(ks), torch.stack(vs)
 

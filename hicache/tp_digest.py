@@ -1,0 +1,58 @@
+"""A stable digest of plain values and tensors, equal across processes, runs and ranks.
+
+``TPGroup.assert_same`` compares these across ranks (a tree's shape, an ack count, a batch); the
+value must be built from the same plain data on every rank (nothing holding an address).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import torch
+
+__all__ = ["digest"]
+
+_MASK = (1 << 62) - 1  # digests stay positive and far from int64's edges, so -d never overflows
+
+
+def digest(value: Any) -> int:
+    """A stable 62-bit digest of ``value``, identical across processes and runs.
+
+    Accepts ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, tensors (dtype, shape and
+    bytes; any device, copied to the host), and lists, tuples, dicts and sets of these. Raises
+    ``ValueError`` naming ``value`` for anything else (an object's ``repr`` may hold an address).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    _feed(h, value)
+    return int.from_bytes(h.digest(), "little") & _MASK
+
+
+def _feed(h: Any, v: Any) -> None:
+    if v is None or isinstance(v, (bool, int, float)):
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, str):
+        h.update(b"s" + struct.pack("<q", len(v)) + v.encode())
+    elif isinstance(v, (bytes, bytearray)):
+        h.update(b"b" + struct.pack("<q", len(v)) + bytes(v))
+    elif isinstance(v, torch.Tensor):
+        t = v.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(v, (list, tuple)):
+        h.update(b"l" + struct.pack("<q", len(v)))
+        for x in v:
+            _feed(h, x)
+    elif isinstance(v, dict):
+        h.update(b"d" + struct.pack("<q", len(v)))
+        for d, x in sorted((digest(k), x) for k, x in v.items()):
+            h.update(struct.pack("<q", d))
+            _feed(h, x)
+    elif isinstance(v, (set, frozenset)):
+        h.update(b"S" + struct.pack("<q", len(v)))
+        for d in sorted(digest(x) for x in v):
+            h.update(struct.pack("<q", d))
+    else:
+        raise ValueError(f"value of type {type(v).__name__} has no stable digest")
