@@ -26,6 +26,7 @@ cases, in both upstream's per-buffer form and the MHA ops, are in ``tests/test_k
 """
 
 # ruff: noqa: B905  (upstream's zip calls, kept as they are)
+# fmt: off  (upstream's formatting, line length 88, kept so the file diffs cleanly against it)
 
 import contextlib
 import itertools
