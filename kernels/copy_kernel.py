@@ -52,7 +52,9 @@ VECTOR_BYTES = 16
 VECTORS_PER_THREAD = 8
 """Loads (16-byte vectors, or single narrow words) each thread keeps in flight per tile."""
 MAX_ROWS_PER_THREAD = 2
-"""Rows a thread spans per tile: each costs a 64-bit offset per side in registers."""
+"""Rows a thread spans per tile: each costs a 64-bit offset per side in registers. At 4, the
+576-byte tiles (two 512-byte chunks, the second mostly masked) spill at 1024 threads (measured
+with ``tests/ptx_variants.py``); at 2 no variant spills."""
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}

@@ -177,8 +177,17 @@ def indices(case: Case, w: World, src: str, dst: str, seed: int) -> tuple[torch.
 # ---------------------------------------------------------------------------------------------
 
 
+_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
 def table(layers: list[torch.Tensor], signed: bool) -> torch.Tensor:
-    t = kernels.data_ptr_table(layers, DEVICE)
+    """The ``data_ptr()`` table of ``layers``, built once per address list (a table holds
+    nothing but those addresses): a repeated call makes no host-to-device copy, so an op called
+    twice synchronizes nothing the second time."""
+    key = tuple(t.data_ptr() for t in layers)
+    if key not in _TABLES:
+        _TABLES[key] = kernels.data_ptr_table(layers, DEVICE)
+    t = _TABLES[key]
     return t.view(torch.int64) if signed else t
 
 
