@@ -31,8 +31,8 @@ Every op is ``dst[dst_indices[i]] = src[src_indices[i]]`` in its addressing (see
 CPU tensors on a machine that compiles Triton for CUDA (no interpreter) run the torch reference.
 
 Each op is a thin wrapper: it names its arguments' roles in a :class:`kernels.addressing.KVCopy`,
-which :mod:`kernels.transfer` validates and launches (:mod:`kernels.copy_kernel`) or runs on the
-reference.
+which :mod:`kernels.transfer` validates and launches (:mod:`kernels.launch`, the one kernel in
+:mod:`kernels.copy_kernel`) or runs on the reference.
 """
 
 from __future__ import annotations

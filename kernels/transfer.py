@@ -23,7 +23,7 @@ from kernels.addressing import (
     Part,
     token_bytes,
 )
-from kernels.copy_kernel import launch_kv_copy, resolve_num_warps
+from kernels.launch import launch_kv_copy, resolve_num_warps
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ No GPU is needed: Triton's compiler and its bundled ptxas run on the CPU. Each o
 way a CUDA pool calls it (pointer tables from ``kernels.data_ptr_table``, so their alignment is
 verified; one extra variant with an unverified table records the fallback), validated and
 planned by the real code path (:func:`kernels.transfer.validate`,
-:func:`kernels.copy_kernel.plan_launch` with the CUDA cache hints), then compiled with Triton's
+:func:`kernels.launch.plan_launch` with the CUDA cache hints), then compiled with Triton's
 own argument specialization (what a launch on the GPU would compile). For each variant:
 
 - the data loads and stores (the ``.cg`` accesses: index and table loads carry no cache hint),
@@ -95,7 +95,8 @@ def compile_variant(call, unverified: bool, ptxas: str) -> dict:  # noqa: ANN001
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from kernels.copy_kernel import kv_copy_kernel, plan_launch
+    from kernels.copy_kernel import kv_copy_kernel
+    from kernels.launch import plan_launch
     from kernels.reference import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.transfer import validate
 

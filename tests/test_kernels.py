@@ -463,7 +463,7 @@ def test_kernel_skips_out_of_range_slots_when_unchecked() -> None:
     """Even past validation (e.g. CUDA without debug checks), a tensor side is never written or
     read past its end: the launcher is called directly with out-of-range indices."""
     from kernels.addressing import Part, Side
-    from kernels.copy_kernel import launch_kv_copy
+    from kernels.launch import launch_kv_copy
 
     guard = torch.full((64, 8), 7, dtype=torch.uint8, device=DEVICE)
     dst = guard[:16]  # slots 16.. of `guard` lie past the end of `dst`
@@ -624,11 +624,11 @@ def test_cpu_tensors_without_the_interpreter_use_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a CUDA machine Triton compiles for the GPU, so CPU tensors take the torch reference."""
-    import kernels.copy_kernel
+    import kernels.transfer
 
     monkeypatch.setattr(kernels, "TRITON_INTERPRETED", False)
     launched: list[object] = []
-    monkeypatch.setattr(kernels.copy_kernel, "launch_kv_copy", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(kernels.transfer, "launch_kv_copy", lambda *a, **k: launched.append(a))
     src = torch.arange(8 * 4, dtype=torch.float32).view(8, 1, 4)
     dst = torch.zeros(8, 1, 4)
     kernels.transfer_kv_per_layer_mla(src, dst, torch.tensor([6, 2]), torch.tensor([1, 7]), 16)

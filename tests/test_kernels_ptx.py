@@ -77,7 +77,7 @@ def test_no_spills_within_the_register_budget(report: dict, name: str) -> None:
 def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) -> None:
     """2 programs (SGLang's block_quota) of 32 warps, each with one 128 KiB block of loads
     outstanding; fewer items than two blocks simply use fewer programs."""
-    from kernels.copy_kernel import plan_launch
+    from kernels.launch import plan_launch
     from kernels.reference import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.transfer import validate
 
@@ -95,7 +95,7 @@ def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) 
 
 @pytest.mark.parametrize("block_quota", [1, 2, 3, 7, 64])
 def test_block_quota_bounds_the_programs(block_quota: int) -> None:
-    from kernels.copy_kernel import plan_launch
+    from kernels.launch import plan_launch
     from kernels.transfer import validate
 
     (call,) = [c for n, c, _ in calls() if n == "per_layer_pf_lf[mha,576B]"]

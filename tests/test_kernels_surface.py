@@ -356,7 +356,7 @@ def test_table_entries_of_any_alignment_copy_exactly() -> None:
     """An entry 1 byte into a buffer is a valid (if odd) layer base: the copy uses byte words
     and still equals the reference; the 16-byte hint is only given for verified alignment."""
     from kernels.addressing import TABLE_TO_TABLE, KVCopy
-    from kernels.copy_kernel import plan_geometry
+    from kernels.launch import plan_geometry
 
     backing = torch.randint(0, 256, (2, 33 * 32), dtype=torch.uint8)
     src_tbl = torch.tensor([backing[0].data_ptr() + 1, backing[1].data_ptr()], dtype=torch.int64)
