@@ -18,7 +18,8 @@ from hicache.stats import CacheStats
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
-    from hicache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+    from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
+    from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
     from hicache.streams import CpuStreams, CudaStreams, Delay
     from server_args import ServerArgs
 

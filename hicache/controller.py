@@ -35,11 +35,9 @@ from hicache.allocator import TokenToKVPoolAllocator
 from hicache.inflight_slots import DeferredFrees, InflightSlots, cat_cpu, check_indices
 from hicache.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory_pool_host import (
-    SUPPORTED_LAYOUT_IO,
-    MHATokenToKVPoolHost,
-    MLATokenToKVPoolHost,
-)
+from hicache.memory_pool_host_base import SUPPORTED_LAYOUT_IO
+from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
+from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.streams import CpuStreams, CudaStreams, Delay, Event, make_streams
 

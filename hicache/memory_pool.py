@@ -2,19 +2,29 @@
 
 A pool is memory only: it does not know which slots are free (see ``allocator.py``) nor which
 tokens they hold (see the radix tree). Both pools make ONE contiguous allocation and expose
-per-layer views of it, plus per-layer ``data_ptr()`` tables (int64, on the pool's device) that the
-all-layer copy kernels take.
+per-layer views of it, plus per-layer ``data_ptr()`` tables (uint64, on the pool's device, built
+by ``kernels.data_ptr_table`` so their alignment is recorded) that the all-layer copy kernels take.
 
 Slot layout: ``size + page_size`` slots per layer; slots ``0 .. page_size-1`` (page 0) are padding
 that the allocator never hands out, so writes to slot 0 by padded batches are harmless.
+
+SGLang interop: a pool carries every attribute SGLang's host pools (0.5.17 ``pool_host/*``,
+0.5.23 ``pool_host/*`` through ``get_device_pool_infos``) and ``HiCacheController`` read of a
+device pool (``store_dtype``, ``start_layer``, ``end_layer``, ``row_dim``, ``kv_cache_layout``,
+``model_layer_ids``, ``layer_shard_enabled``, ``register_layer_transfer_counter``, ...), so
+SGLang's own host-pool classes run on it. As in SGLang, once a layer transfer counter is
+registered, ``get_key_buffer`` / ``get_value_buffer`` / ``get_kv_buffer`` wait for that layer's
+load first; ``k_buffer`` / ``v_buffer`` / ``kv_buffer`` never wait.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+import kernels
 
 if TYPE_CHECKING:
     from server_args import ServerArgs
@@ -46,14 +56,58 @@ def _check_loc(loc: torch.Tensor, n_slots: int, device: torch.device) -> None:
             raise ValueError(f"loc out of range [0, {n_slots}): min {lo}, max {hi}")
 
 
-class MHATokenToKVPool:
+class _DevicePool:
+    """Geometry and the SGLang ``KVCache`` fields both pools share.
+
+    ``dtype`` is also ``store_dtype`` (values are stored as they are computed). Layers are local:
+    ``start_layer = 0``, ``end_layer = layer_num - 1`` (inclusive, as SGLang), no layer sharding.
+    """
+
+    layer_shard_enabled = False
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int,
+                 device: torch.device | str) -> None:  # fmt: skip
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.store_dtype = dtype
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        self.start_layer = 0
+        self.end_layer = layer_num - 1
+        self.layer_shard_size = layer_num
+        self.model_layer_ids = tuple(range(layer_num))
+        self.layer_transfer_counter: Any = None
+
+    def register_layer_transfer_counter(self, layer_transfer_counter: Any) -> None:
+        """Make the ``get_*_buffer`` accessors wait for each layer's load (SGLang's hook):
+        ``layer_transfer_counter.wait_until(layer_id)`` is called first."""
+        self.layer_transfer_counter = layer_transfer_counter
+
+    def _owned_local_layer_range(self) -> tuple[int, int]:
+        """Layers this pool holds, ``[0, layer_num)`` (SGLang's sharded pools hold fewer)."""
+        return 0, self.layer_num
+
+    def _check_layer(self, layer_id: int) -> None:
+        if not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer_id must be in [0, {self.layer_num}), got {layer_id}")
+
+    def _wait_for_layer(self, layer_id: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
+
+
+class MHATokenToKVPool(_DevicePool):
     """Per-layer K and V buffers of a multi-head-attention model, in one allocation.
 
-    Memory: ``kv_buffer`` of shape ``(2, L, size + page_size, H, D)``, dtype ``dtype``, on
-    ``device`` (not pinned; device memory). ``k_buffer[l] = kv_buffer[0, l]`` and
-    ``v_buffer[l] = kv_buffer[1, l]`` are contiguous ``[size + page_size, H, D]`` views.
-    ``k_data_ptrs`` / ``v_data_ptrs``: int64 ``[L]`` on ``device``, the ``data_ptr()`` of each
-    layer's view; ``data_ptrs`` is their concatenation ``[2L]`` (K first), as in SGLang.
+    K heads are ``head_dim`` wide, V heads ``v_head_dim`` (default ``head_dim``; K 192 / V 128
+    models differ). Memory, on ``device`` (not pinned): when the widths agree, ``kv_buffer`` of
+    shape ``(2, L, size + page_size, H, D)`` with ``k_buffer_all = kv_buffer[0]`` and
+    ``v_buffer_all = kv_buffer[1]``; otherwise one allocation split into ``k_buffer_all``
+    ``(L, size + page_size, H, D)`` and ``v_buffer_all`` ``(L, size + page_size, H, D_v)`` (there
+    is no single ``kv_buffer`` then). ``k_buffer[l]`` / ``v_buffer[l]`` are contiguous per-layer
+    views (lists, as SGLang). ``k_data_ptrs`` / ``v_data_ptrs``: uint64 ``[L]`` on ``device``,
+    each layer view's ``data_ptr()``; ``data_ptrs`` is their concatenation ``[2L]`` (K first).
     """
 
     def __init__(
@@ -65,31 +119,43 @@ class MHATokenToKVPool:
         head_dim: int,
         layer_num: int,
         device: torch.device | str,
+        v_head_dim: int | None = None,
     ) -> None:
-        _check_geometry(size, page_size, layer_num, head_num=head_num, head_dim=head_dim)
-        self.size = size
-        self.page_size = page_size
-        self.dtype = dtype
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        _check_geometry(size, page_size, layer_num, head_num=head_num, head_dim=head_dim,
+                        v_head_dim=v_head_dim)  # fmt: skip
+        super().__init__(size, page_size, dtype, layer_num, device)
         self.head_num = head_num
         self.head_dim = head_dim
-        self.layer_num = layer_num
-        self.device = torch.device(device)
-        self.kv_buffer = torch.zeros(
-            (2, layer_num, size + page_size, head_num, head_dim), dtype=dtype, device=self.device
-        )
-        self.k_buffer: list[torch.Tensor] = [self.kv_buffer[0, i] for i in range(layer_num)]
-        self.v_buffer: list[torch.Tensor] = [self.kv_buffer[1, i] for i in range(layer_num)]
-        self.k_data_ptrs = torch.tensor(
-            [b.data_ptr() for b in self.k_buffer], dtype=torch.int64, device=self.device
-        )
-        self.v_data_ptrs = torch.tensor(
-            [b.data_ptr() for b in self.v_buffer], dtype=torch.int64, device=self.device
-        )
-        self.data_ptrs = torch.cat([self.k_data_ptrs, self.v_data_ptrs])
+        self.v_head_dim = v_head_dim
+        self.row_dim = head_num * head_dim  # SGLang's per-token K width (elements)
+        self.v_row_dim = head_num * v_head_dim
+        self.kv_cache_layout = "nhd"
+        self.k_scale_buffer = self.v_scale_buffer = None  # no quantization scales
+        slots = size + page_size
+        if v_head_dim == head_dim:
+            self._kv_buffer: torch.Tensor | None = torch.zeros(
+                (2, layer_num, slots, head_num, head_dim), dtype=dtype, device=self.device
+            )
+            self.k_buffer_all, self.v_buffer_all = self._kv_buffer[0], self._kv_buffer[1]
+            self._storage = self._kv_buffer
+        else:
+            k_numel = layer_num * slots * head_num * head_dim
+            self._storage = torch.zeros(
+                k_numel + layer_num * slots * head_num * v_head_dim, dtype=dtype, device=self.device
+            )
+            self._kv_buffer = None
+            self.k_buffer_all = self._storage[:k_numel].view(layer_num, slots, head_num, head_dim)
+            self.v_buffer_all = self._storage[k_numel:].view(layer_num, slots, head_num, v_head_dim)
+        self.k_buffer: list[torch.Tensor] = list(self.k_buffer_all)
+        self.v_buffer: list[torch.Tensor] = list(self.v_buffer_all)
+        self.k_data_ptrs = kernels.data_ptr_table(self.k_buffer, self.device)
+        self.v_data_ptrs = kernels.data_ptr_table(self.v_buffer, self.device)
+        self.data_ptrs = kernels.data_ptr_table(self.k_buffer + self.v_buffer, self.device)
         logger.info(
-            "MHATokenToKVPool: %d slots x %d layers, %.3f GB on %s",
-            size, layer_num, self.mem_bytes() / 1e9, self.device,
-        )
+            "MHATokenToKVPool: %d slots x %d layers (K head %d, V head %d), %.3f GB on %s",
+            size, layer_num, head_dim, v_head_dim, self.mem_bytes() / 1e9, self.device,
+        )  # fmt: skip
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MHATokenToKVPool:
@@ -102,29 +168,48 @@ class MHATokenToKVPool:
             head_dim=args.head_dim,
             layer_num=args.num_layers,
             device=args.resolved_device(),
+            v_head_dim=getattr(args, "v_head_dim", None),
         )
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """``(2, L, size + page_size, H, D)``: K and V in one tensor (same head widths only)."""
+        if self._kv_buffer is None:
+            raise AttributeError(
+                f"kv_buffer: K and V heads differ ({self.head_dim} vs {self.v_head_dim}); "
+                f"use k_buffer_all and v_buffer_all"
+            )
+        return self._kv_buffer
 
     # --- geometry ------------------------------------------------------------------------------
     @property
     def item_size(self) -> int:
-        """Bytes of one token, one layer, K or V (the kernels' ``item_size``)."""
-        return self.head_num * self.head_dim * self.kv_buffer.element_size()
+        """Bytes of one token, one layer of K (the kernels' ``item_size``)."""
+        return self.head_num * self.head_dim * self._storage.element_size()
+
+    @property
+    def v_item_size(self) -> int:
+        """Bytes of one token, one layer of V."""
+        return self.head_num * self.v_head_dim * self._storage.element_size()
 
     def get_size_per_token(self) -> int:
         """Bytes of one token across all layers, K and V (SGLang's name)."""
-        return 2 * self.layer_num * self.item_size
+        return self.layer_num * (self.item_size + self.v_item_size)
 
     def mem_bytes(self) -> int:
-        return self.kv_buffer.numel() * self.kv_buffer.element_size()
+        return self._storage.numel() * self._storage.element_size()
 
     # --- access --------------------------------------------------------------------------------
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self.k_buffer[layer_id]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self.v_buffer[layer_id]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._wait_for_layer(layer_id)
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(
@@ -134,28 +219,31 @@ class MHATokenToKVPool:
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> None:
-        """Write ``cache_k`` / ``cache_v`` (``[n, H, D]``) into slots ``loc`` (int64 ``[n]``).
-
-        Runs on the current stream, does not synchronize. Values are cast to the pool dtype.
-        """
-        if not 0 <= layer_id < self.layer_num:
-            raise ValueError(f"layer_id must be in [0, {self.layer_num}), got {layer_id}")
+        """Write ``cache_k`` (``[n, H, D]``) / ``cache_v`` (``[n, H, D_v]``) into slots ``loc``
+        (int64 ``[n]``). Runs on the current stream, does not synchronize. Values are cast to
+        the pool dtype."""
+        self._check_layer(layer_id)
         _check_loc(loc, self.size + self.page_size, self.device)
-        want = (loc.numel(), self.head_num, self.head_dim)
-        for name, t in (("cache_k", cache_k), ("cache_v", cache_v)):
+        for name, t, width in (("cache_k", cache_k, self.head_dim),
+                               ("cache_v", cache_v, self.v_head_dim)):  # fmt: skip
+            want = (loc.numel(), self.head_num, width)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
         self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
         self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
 
 
-class MLATokenToKVPool:
+class MLATokenToKVPool(_DevicePool):
     """One latent buffer per layer of a multi-head-latent-attention model, in one allocation.
 
     Memory: ``kv_buffer_all`` of shape ``(L, size + page_size, 1, C)`` with
     ``C = kv_lora_rank + qk_rope_head_dim``; ``kv_buffer[l]`` is a contiguous
-    ``[size + page_size, 1, C]`` view. ``kv_data_ptrs`` (alias ``data_ptrs``): int64 ``[L]``.
+    ``[size + page_size, 1, C]`` view. ``kv_data_ptrs`` (alias ``data_ptrs``): uint64 ``[L]``.
     """
+
+    index_head_dim = None  # no DSA indexer cache
+    dsa_kv_cache_store_fp8 = False
+    kv_scale_buffer = None
 
     def __init__(
         self,
@@ -170,27 +258,21 @@ class MLATokenToKVPool:
         _check_geometry(
             size, page_size, layer_num, kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
-        )
-        self.size = size
-        self.page_size = page_size
-        self.dtype = dtype
+        )  # fmt: skip
+        super().__init__(size, page_size, dtype, layer_num, device)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
-        self.layer_num = layer_num
-        self.device = torch.device(device)
         self.kv_buffer_all = torch.zeros(
             (layer_num, size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=self.device
         )
-        self.kv_buffer: list[torch.Tensor] = [self.kv_buffer_all[i] for i in range(layer_num)]
-        self.kv_data_ptrs = torch.tensor(
-            [b.data_ptr() for b in self.kv_buffer], dtype=torch.int64, device=self.device
-        )
+        self.kv_buffer: list[torch.Tensor] = list(self.kv_buffer_all)
+        self.kv_data_ptrs = kernels.data_ptr_table(self.kv_buffer, self.device)
         self.data_ptrs = self.kv_data_ptrs
         logger.info(
             "MLATokenToKVPool: %d slots x %d layers, %.3f GB on %s",
             size, layer_num, self.mem_bytes() / 1e9, self.device,
-        )
+        )  # fmt: skip
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MLATokenToKVPool:
@@ -217,10 +299,12 @@ class MLATokenToKVPool:
         return self.kv_buffer_all.numel() * self.kv_buffer_all.element_size()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_layer(layer_id)
         return self.kv_buffer[layer_id]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """The value part of the latent: the first ``kv_lora_rank`` columns (a view)."""
+        self._wait_for_layer(layer_id)
         return self.kv_buffer[layer_id][..., : self.kv_lora_rank]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,8 +312,7 @@ class MLATokenToKVPool:
 
     def set_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_kv: torch.Tensor) -> None:
         """Write ``cache_kv`` (``[n, 1, C]``) into slots ``loc`` (int64 ``[n]``); no sync."""
-        if not 0 <= layer_id < self.layer_num:
-            raise ValueError(f"layer_id must be in [0, {self.layer_num}), got {layer_id}")
+        self._check_layer(layer_id)
         _check_loc(loc, self.size + self.page_size, self.device)
         want = (loc.numel(), 1, self.kv_cache_dim)
         if tuple(cache_kv.shape) != want:

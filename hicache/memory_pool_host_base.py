@@ -4,6 +4,12 @@ A host pool is one buffer of ``T`` token slots (``P = T / page_size`` pages) in 
 layouts (DESIGN.md section 3), plus its own page allocator (no padding page: every host slot is
 usable). Sizing, the RAM check and pinning come from ``host_memory``.
 
+The device pool is duck-typed on SGLang's attribute names (``page_size``, ``size``,
+``layer_num``, ``device``, ``store_dtype`` or ``dtype``, and per model kind the head geometry and
+per-layer buffers and pointer tables), so a host pool backs this project's device pools and
+SGLang's alike. K and V of different head widths get one allocation split into ``k_buffer``
+and ``v_buffer`` (``kv_buffer`` is then that flat allocation).
+
 | layout              | MHA ``kv_buffer``              | MLA ``kv_buffer``          |
 |---------------------|--------------------------------|----------------------------|
 | ``layer_first``     | ``(2, L, T, H, D)``            | ``(L, T, 1, C)``           |
@@ -21,7 +27,9 @@ inside its side streams); they never synchronize.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, TypeVar
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -48,16 +56,30 @@ SUPPORTED_LAYOUT_IO = frozenset(
 
 _PoolT = TypeVar("_PoolT", bound="_HostKVPoolBase")
 
+DEVICE_POOL_FIELDS = ("page_size", "size", "layer_num", "device")
+"""What every host pool reads of any device pool (besides ``store_dtype`` or ``dtype``)."""
+
+
+def require_fields(device_pool: Any, names: Sequence[str], kind: str) -> None:
+    """``ValueError`` naming every attribute (SGLang's name) ``device_pool`` lacks."""
+    missing = [n for n in (*DEVICE_POOL_FIELDS, *names) if not hasattr(device_pool, n)]
+    if not hasattr(device_pool, "store_dtype") and not hasattr(device_pool, "dtype"):
+        missing.append("store_dtype")
+    if missing:
+        raise ValueError(
+            f"device_pool ({type(device_pool).__name__}) is not an {kind} device pool: it lacks "
+            f"{missing}"
+        )
+
 
 class _HostKVPoolBase:
     """Sizing, RAM check, allocation, pinning and the allocator shared by MHA and MLA.
 
-    A subclass sets what ``_token_shape()`` reads before calling ``__init__``, sets
-    ``_lead_dims`` (the parts axis: ``(2,)`` for K and V, ``()`` for the MLA latent) and, after
-    ``__init__``, ``_host_parts`` (the part buffers, each with the layout's axes).
+    A subclass sets what ``_token_shapes()`` reads before calling ``__init__`` (one token shape
+    per part: K and V, or the MLA latent); ``__init__`` allocates ``kv_buffer`` and the part
+    buffers ``_host_parts`` (each with the layout's axes).
     """
 
-    _lead_dims: tuple[int, ...] = ()
     _host_parts: list[torch.Tensor]
 
     def __init__(
@@ -76,12 +98,15 @@ class _HostKVPoolBase:
                 f"page_size={page_size} differs from the device pool's {device_pool.page_size}"
             )
         self.device_pool = device_pool
+        self.device = torch.device(device_pool.device)
         self.page_size = page_size
         self.layout = layout
-        self.dtype = device_pool.dtype
+        self.dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
         self.layer_num = device_pool.layer_num
-        self.item_size = device_pool.item_size
-        self.size_per_token = device_pool.get_size_per_token()
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        self.part_item_sizes = [math.prod(shape) * elem for shape in self._token_shapes()]
+        self.item_size = self.part_item_sizes[0]
+        self.size_per_token = sum(self.part_item_sizes) * self.layer_num
         self.size = host_memory.host_pool_tokens(
             device_pool.size, self.size_per_token, page_size, host_to_device_ratio, host_size
         )
@@ -105,10 +130,8 @@ class _HostKVPoolBase:
                 self.size,
                 device_pool.size,
             )
-        want_pin = pin_memory and device_pool.device.type == "cuda"
-        self.kv_buffer, self._registered = host_memory.alloc_host_buffer(
-            self._buffer_dims(), self.dtype, want_pin
-        )
+        want_pin = pin_memory and self.device.type == "cuda"
+        self._allocate(want_pin)
         self.pinned = want_pin
         self.allocator = TokenToKVPoolAllocator(self.size, page_size, "cpu", reserve_padding=False)
         logger.info(
@@ -134,28 +157,41 @@ class _HostKVPoolBase:
             args.hicache_mem_layout,
         )
 
-    def _token_shape(self) -> tuple[int, ...]:
-        """One token of one layer of one part: ``(H, D)`` or ``(1, C)``."""
+    def _token_shapes(self) -> list[tuple[int, ...]]:
+        """One token of one layer of each part: ``[(H, D), (H, D_v)]`` or ``[(1, C)]``."""
         raise NotImplementedError
 
-    def _buffer_dims(self) -> tuple[int, ...]:
+    def _slot_dims(self) -> tuple[int, ...]:
         n_l = self.layer_num
         if self.layout == "layer_first":
-            slots: tuple[int, ...] = (n_l, self.size)
-        elif self.layout == "page_first":
-            slots = (self.size, n_l)
-        else:
-            slots = (self.page_num, n_l, self.page_size)
-        return self._lead_dims + slots + self._token_shape()
+            return (n_l, self.size)
+        if self.layout == "page_first":
+            return (self.size, n_l)
+        return (self.page_num, n_l, self.page_size)
+
+    def _allocate(self, pin: bool) -> None:
+        """``kv_buffer`` (one host allocation, registered once when pinned) and its parts."""
+        shapes = [self._slot_dims() + tok for tok in self._token_shapes()]
+        if len(shapes) == 1 or shapes[0] == shapes[1]:
+            lead = (len(shapes),) if len(shapes) > 1 else ()
+            self.kv_buffer, self._registered = host_memory.alloc_host_buffer(
+                lead + shapes[0], self.dtype, pin
+            )
+            self._host_parts = list(self.kv_buffer) if lead else [self.kv_buffer]
+            return
+        sizes = [math.prod(shape) for shape in shapes]
+        self.kv_buffer, self._registered = host_memory.alloc_host_buffer(
+            (sum(sizes),), self.dtype, pin
+        )
+        self._host_parts = [
+            part.view(shape)
+            for part, shape in zip(self.kv_buffer.split(sizes), shapes, strict=True)
+        ]
 
     def _layer_data_ptrs(self, part: torch.Tensor) -> torch.Tensor:
-        """``data_ptr()`` of each layer's view of a ``layer_first`` part: int64 ``[L]`` on the
-        device pool's device (the all-layer kernels' pointer table)."""
-        return torch.tensor(
-            [part[i].data_ptr() for i in range(self.layer_num)],
-            dtype=torch.int64,
-            device=self.device_pool.device,
-        )
+        """``data_ptr()`` of each layer's view of a ``layer_first`` part: uint64 ``[L]`` on the
+        device pool's device (the all-layer kernels' pointer table, alignment recorded)."""
+        return kernels.data_ptr_table([part[i] for i in range(self.layer_num)], self.device)
 
     # --- allocator (SGLang calls these on the host pool) ---------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -180,7 +216,7 @@ class _HostKVPoolBase:
         Waits for the device first: a copy still queued on any stream would otherwise touch
         host memory the GPU can no longer address."""
         if self._registered:
-            torch.cuda.synchronize(self.device_pool.device)
+            torch.cuda.synchronize(self.device)
             torch.cuda.cudart().cudaHostUnregister(self.kv_buffer.data_ptr())
             self._registered = False
 
@@ -287,9 +323,11 @@ class _HostKVPoolBase:
         """Write one ``[n, *token]`` tensor per part into host slots ``indices`` of a layer."""
         self._check_layer(layer_id)
         idx = self._check_slots(indices)
-        want = (idx.numel(), *self._token_shape())
-        if any(tuple(v.shape) != want for v in values):
-            raise ValueError(f"{names} must have shape {want}")
+        want = [(idx.numel(), *tok) for tok in self._token_shapes()]
+        if len(values) != len(want) or any(
+            tuple(v.shape) != w for v, w in zip(values, want, strict=True)
+        ):
+            raise ValueError(f"{names} must have shapes {want}")
         for part, value in zip(self._host_parts, values, strict=True):
             self._slot_assign(part, layer_id, idx, value.to(self.dtype).cpu())
 

@@ -5,57 +5,59 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 import kernels
-from hicache.memory_pool import MHATokenToKVPool
-from hicache.memory_pool_host_base import _HostKVPoolBase
+from hicache.memory_pool_host_base import _HostKVPoolBase, require_fields
 
 logger = logging.getLogger(__name__)
 
+MHA_FIELDS = ("head_num", "head_dim", "k_buffer", "v_buffer", "k_data_ptrs", "v_data_ptrs")
+"""What an MHA host pool reads of its device pool (SGLang's names; ``v_head_dim`` optional)."""
+
 
 class MHATokenToKVPoolHost(_HostKVPoolBase):
-    """Host copy of an ``MHATokenToKVPool`` (see ``memory_pool_host_base`` for layouts and
-    ``host_memory`` for pinning).
+    """Host copy of an MHA device pool: this project's ``MHATokenToKVPool`` or any pool with
+    SGLang's attributes (:data:`MHA_FIELDS`), K heads ``head_dim`` and V heads ``v_head_dim``
+    wide (see ``memory_pool_host_base`` for layouts and ``host_memory`` for pinning).
 
-    ``k_buffer = kv_buffer[0]``, ``v_buffer = kv_buffer[1]``. For ``layer_first`` the per-layer
-    views' ``data_ptr()`` tables ``k_data_ptrs`` / ``v_data_ptrs`` (int64 ``[L]``, on the device
-    pool's device) feed the all-layer kernel.
+    ``k_buffer`` / ``v_buffer``: the K and V parts (``kv_buffer[0]`` / ``kv_buffer[1]`` when the
+    heads agree). For ``layer_first`` the per-layer views' ``data_ptr()`` tables
+    ``k_data_ptrs`` / ``v_data_ptrs`` (uint64 ``[L]``, on the device pool's device) feed the
+    all-layer kernel.
     """
-
-    _lead_dims = (2,)
 
     def __init__(
         self,
-        device_pool: MHATokenToKVPool,
+        device_pool: Any,
         host_to_device_ratio: float,
         host_size: float,
         page_size: int,
         layout: str,
         pin_memory: bool = True,
     ) -> None:
-        if not isinstance(device_pool, MHATokenToKVPool):
-            raise ValueError("device_pool must be an MHATokenToKVPool")
+        require_fields(device_pool, MHA_FIELDS, "MHA")
         self.head_num = device_pool.head_num
         self.head_dim = device_pool.head_dim
+        self.v_head_dim = getattr(device_pool, "v_head_dim", None) or self.head_dim
         super().__init__(
             device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory
         )
-        self.k_buffer = self.kv_buffer[0]
-        self.v_buffer = self.kv_buffer[1]
-        self._host_parts = [self.k_buffer, self.v_buffer]
+        self.k_buffer, self.v_buffer = self._host_parts
+        self.v_item_size = self.part_item_sizes[1]
         if layout == "layer_first":
             self.k_data_ptrs = self._layer_data_ptrs(self.k_buffer)
             self.v_data_ptrs = self._layer_data_ptrs(self.v_buffer)
 
-    def _token_shape(self) -> tuple[int, ...]:
-        return (self.head_num, self.head_dim)
+    def _token_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.head_num, self.head_dim), (self.head_num, self.v_head_dim)]
 
     # --- copies --------------------------------------------------------------------------------
     def backup_from_device_all_layer(
         self,
-        device_pool: MHATokenToKVPool,
+        device_pool: Any,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         io_backend: str,
@@ -71,6 +73,16 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
         dp = device_pool
         if io_backend == "direct":
             self._backup_direct([dp.k_buffer, dp.v_buffer], host_indices, device_indices)
+        elif self.layout == "layer_first" and self.v_item_size != self.item_size:
+            # Tables alone carry no V size: each part with its own item size, as upstream does.
+            parts = (
+                (dp.k_data_ptrs, self.k_data_ptrs, self.item_size),
+                (dp.v_data_ptrs, self.v_data_ptrs, self.v_item_size),
+            )
+            for src, dst, item in parts:
+                kernels.transfer_kv_all_layer_mla(
+                    src, dst, device_indices, host_indices, item, self.layer_num
+                )
         elif self.layout == "layer_first":
             kernels.transfer_kv_all_layer(
                 dp.k_data_ptrs,
@@ -82,7 +94,7 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
                 self.item_size,
                 self.layer_num,
             )
-        else:  # page_first
+        else:  # page_first: V's size comes from the host V buffer
             kernels.transfer_kv_all_layer_lf_pf(
                 dp.k_data_ptrs,
                 self.k_buffer,
@@ -97,7 +109,7 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
 
     def load_to_device_per_layer(
         self,
-        device_pool: MHATokenToKVPool,
+        device_pool: Any,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer_id: int,
@@ -138,11 +150,13 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
 
     # --- test helpers --------------------------------------------------------------------------
     def get_kv_slots(self, layer_id: int, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies ``(k, v)``, each ``[n, H, D]`` (CPU), of host slots ``indices`` in a layer."""
+        """Copies ``(k, v)``, ``[n, H, D]`` and ``[n, H, D_v]`` (CPU), of host slots ``indices``
+        in a layer."""
         return self._get_slots(layer_id, indices)
 
     def set_kv_slots(
         self, layer_id: int, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write ``k``, ``v`` (``[n, H, D]``) into host slots ``indices`` of a layer (blocking)."""
+        """Write ``k`` (``[n, H, D]``), ``v`` (``[n, H, D_v]``) into host slots ``indices`` of a
+        layer (blocking)."""
         self._set_slots(layer_id, indices, (k, v), "k and v")

@@ -5,44 +5,49 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 import kernels
-from hicache.memory_pool import MLATokenToKVPool
-from hicache.memory_pool_host_base import _HostKVPoolBase
+from hicache.memory_pool_host_base import _HostKVPoolBase, require_fields
 
 logger = logging.getLogger(__name__)
 
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "kv_buffer", "data_ptrs")
+"""What an MLA host pool reads of its device pool (SGLang's names; ``kv_cache_dim`` optional)."""
+
 
 class MLATokenToKVPoolHost(_HostKVPoolBase):
-    """Host copy of an ``MLATokenToKVPool``; ``data_ptrs`` (int64 ``[L]``) for ``layer_first``."""
+    """Host copy of an MLA device pool (this project's ``MLATokenToKVPool`` or any pool with
+    SGLang's attributes, :data:`MLA_FIELDS`); ``data_ptrs`` (uint64 ``[L]``) for
+    ``layer_first``."""
 
     def __init__(
         self,
-        device_pool: MLATokenToKVPool,
+        device_pool: Any,
         host_to_device_ratio: float,
         host_size: float,
         page_size: int,
         layout: str,
         pin_memory: bool = True,
     ) -> None:
-        if not isinstance(device_pool, MLATokenToKVPool):
-            raise ValueError("device_pool must be an MLATokenToKVPool")
-        self.kv_cache_dim = device_pool.kv_cache_dim
+        require_fields(device_pool, MLA_FIELDS, "MLA")
+        self.kv_cache_dim = getattr(device_pool, "kv_cache_dim", None) or (
+            device_pool.kv_lora_rank + device_pool.qk_rope_head_dim
+        )
         super().__init__(
             device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory
         )
-        self._host_parts = [self.kv_buffer]
         if layout == "layer_first":
             self.data_ptrs = self._layer_data_ptrs(self.kv_buffer)
 
-    def _token_shape(self) -> tuple[int, ...]:
-        return (1, self.kv_cache_dim)
+    def _token_shapes(self) -> list[tuple[int, ...]]:
+        return [(1, self.kv_cache_dim)]
 
     def backup_from_device_all_layer(
         self,
-        device_pool: MLATokenToKVPool,
+        device_pool: Any,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         io_backend: str,
@@ -56,7 +61,7 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
             self._backup_direct([dp.kv_buffer], host_indices, device_indices)
         elif self.layout == "layer_first":
             kernels.transfer_kv_all_layer_mla(
-                dp.kv_data_ptrs,
+                dp.data_ptrs,
                 self.data_ptrs,
                 device_indices,
                 host_indices,
@@ -65,7 +70,7 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
             )
         else:  # page_first
             kernels.transfer_kv_all_layer_mla_lf_pf(
-                dp.kv_data_ptrs,
+                dp.data_ptrs,
                 self.kv_buffer,
                 device_indices,
                 host_indices,
@@ -76,7 +81,7 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
 
     def load_to_device_per_layer(
         self,
-        device_pool: MLATokenToKVPool,
+        device_pool: Any,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer_id: int,

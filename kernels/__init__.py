@@ -1,9 +1,12 @@
 """KV transfer kernels between the device pool and the host pool (SGLang ``kvcacheio`` ops).
 
+The whole ``sgl_kernel.kvcacheio`` surface, same names, argument order and meaning:
 ``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.kvcacheio`.
-``transfer_kv_direct`` and the ``*_direct_*`` ops (direct backend): plain copies, see
-:mod:`kernels.direct`. :mod:`kernels.reference` holds the torch reference of every op, and
-:mod:`kernels.addressing` the one description of how the kernel-backend ops address memory.
+``transfer_kv_direct``, the ``*_direct_*`` ops and ``transfer_embedding_ranges_direct`` (direct
+backend): plain copies, see :mod:`kernels.direct`. ``get_device_accessible_ptr`` and the pointer
+tables: :mod:`kernels.ptr_tables`. :mod:`kernels.reference` holds the torch reference of every
+op, and :mod:`kernels.addressing` the one description of how the kernel-backend ops address
+memory.
 """
 
 from __future__ import annotations
@@ -15,36 +18,74 @@ TRITON_INTERPRETED = ensure_triton_interpret()
 
 from kernels._checks import debug_checks_enabled, set_debug_checks  # noqa: E402
 from kernels.direct import (  # noqa: E402
+    transfer_embedding_ranges_direct,
     transfer_kv_all_layer_direct_lf_pf,
     transfer_kv_direct,
     transfer_kv_per_layer_direct_pf_lf,
 )
 from kernels.kvcacheio import (  # noqa: E402
-    data_ptr_table,
     transfer_kv_all_layer,
     transfer_kv_all_layer_lf_pf,
+    transfer_kv_all_layer_lf_ph,
     transfer_kv_all_layer_mla,
     transfer_kv_all_layer_mla_lf_pf,
     transfer_kv_per_layer,
     transfer_kv_per_layer_mla,
+    transfer_kv_per_layer_mla_lf_pf,
     transfer_kv_per_layer_mla_pf_lf,
     transfer_kv_per_layer_pf_lf,
+    transfer_kv_per_layer_ph_lf,
+)
+from kernels.ptr_tables import (  # noqa: E402
+    data_ptr_table,
+    get_device_accessible_ptr,
+    verified_alignment,
+    verify_ptr_table,
 )
 
-__all__ = [
-    "TRITON_INTERPRETED",
-    "data_ptr_table",
-    "debug_checks_enabled",
-    "set_debug_checks",
+KVCACHEIO_OPS = (
+    "get_device_accessible_ptr",
+    "transfer_embedding_ranges_direct",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
     "transfer_kv_all_layer_mla",
     "transfer_kv_all_layer_mla_lf_pf",
     "transfer_kv_direct",
     "transfer_kv_per_layer",
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_lf_pf",
     "transfer_kv_per_layer_mla_pf_lf",
     "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+)
+"""Every name of upstream's ``sgl_kernel.kvcacheio`` this package provides (for an adapter that
+installs them as that module)."""
+
+__all__ = [
+    "KVCACHEIO_OPS",
+    "TRITON_INTERPRETED",
+    "data_ptr_table",
+    "debug_checks_enabled",
+    "get_device_accessible_ptr",
+    "set_debug_checks",
+    "transfer_embedding_ranges_direct",
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_lf_pf",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+    "verified_alignment",
+    "verify_ptr_table",
 ]

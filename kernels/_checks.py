@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.ptr_tables import pointer_alignment, verified_alignment
 from kernels.reference import row_bytes
 
 logger = logging.getLogger(__name__)
@@ -89,11 +90,14 @@ def data_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
     raise ValueError(f"{name} is on {t.device}, but the indices are on {device}")
 
 
-def same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
-    if a.shape != b.shape or a.element_size() != b.element_size():
+def same_slots(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, dims: int) -> None:
+    """K and V tensors of one side agree on their first ``dims`` (slot, layer) dimensions; their
+    bytes per token may differ (K head 192, V head 128)."""
+    if a.dim() < dims or b.dim() < dims or a.shape[:dims] != b.shape[:dims]:
+        what = "number of slots" if dims == 1 else f"first {dims} dimensions (slots, layers)"
         raise ValueError(
-            f"{name_a} and {name_b} must have the same shape and element size, got "
-            f"{tuple(a.shape)}/{a.element_size()}B and {tuple(b.shape)}/{b.element_size()}B"
+            f"{name_a} and {name_b} must have the same {what}, got shapes "
+            f"{tuple(a.shape)} and {tuple(b.shape)}"
         )
 
 
@@ -126,6 +130,42 @@ def page_first(
     return t.shape[0], t.shape[1]
 
 
+def page_head(
+    name: str,
+    t: torch.Tensor,
+    item_size: int,
+    layout_dim: int,
+    layout_dim_name: str,
+    page_size: int,
+    head_num: int,
+) -> tuple[int, int]:
+    """``t`` is a page_head buffer ``[T / P, H, P, L, D]``. Returns ``(T, L)``."""
+    if t.dim() != 5:
+        raise ValueError(
+            f"{name} must be page_head [pages, head_num, page_size, layers, head_dim], "
+            f"got shape {tuple(t.shape)}"
+        )
+    pages, heads, p, n_layers, _ = t.shape
+    if heads != head_num:
+        raise ValueError(f"head_num={head_num} does not match {name}: it holds {heads} heads")
+    if p != page_size:
+        raise ValueError(f"page_size={page_size} does not match {name}: pages of {p} slots")
+    if item_size % head_num:
+        raise ValueError(f"item_size={item_size} is not a whole number of bytes per head")
+    per_slot = row_bytes(t) // page_size
+    if per_slot != layout_dim:
+        raise ValueError(
+            f"{layout_dim_name}={layout_dim} does not match {name}: one token across all layers "
+            f"is {per_slot} bytes"
+        )
+    if item_size * n_layers != layout_dim:
+        raise ValueError(
+            f"item_size={item_size} does not match {name}: {layout_dim_name}={layout_dim} over "
+            f"{n_layers} layers is {layout_dim / n_layers:g} bytes per layer"
+        )
+    return pages * page_size, n_layers
+
+
 def layer_id_in_range(layer_id: object, num_layers: int) -> int:
     if isinstance(layer_id, bool) or not isinstance(layer_id, int):
         raise ValueError(f"layer_id must be an int, got {layer_id!r}")
@@ -134,11 +174,12 @@ def layer_id_in_range(layer_id: object, num_layers: int) -> int:
     return layer_id
 
 
-def ptr_table(name: str, table: object, num_layers: int, device: torch.device, word: int) -> None:
+def ptr_table(name: str, table: object, num_layers: int, device: torch.device) -> int:
     """A 1-D int64/uint64 table of ``num_layers`` ``data_ptr()``s on ``device``.
 
-    Entries (nonzero, aligned to ``word`` bytes) are checked where that is free (CPU) or when
-    debug checks are on.
+    Returns the entries' alignment in bytes (a power of two up to 16): read from the entries
+    where that is free (CPU) or when debug checks are on, else the alignment verified when the
+    table was built (:mod:`kernels.ptr_tables`), else 0 (unknown). A null entry raises.
     """
     if not isinstance(table, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of data_ptr()s, got {type(table)}")
@@ -153,11 +194,12 @@ def ptr_table(name: str, table: object, num_layers: int, device: torch.device, w
         raise ValueError(f"{name} is on {table.device}, but the indices are on {device}")
     if not table.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if _content_checks(table):
-        ptrs = [int(p) & ((1 << 64) - 1) for p in table.view(torch.int64).tolist()]
-        bad = [hex(p) for p in ptrs if p == 0 or p % word]
-        if bad:
-            raise ValueError(f"{name} holds null or not {word}-byte aligned pointers: {bad[:4]}")
+    if not _content_checks(table):
+        return verified_alignment(table)
+    align = pointer_alignment(table.view(torch.int64).tolist())
+    if align == 0:
+        raise ValueError(f"{name} holds a null pointer")
+    return align
 
 
 def indices_in_range(name: str, idx: torch.Tensor, n_slots: int) -> None:

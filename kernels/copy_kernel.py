@@ -1,89 +1,100 @@
-"""One Triton gather/scatter kernel for every kernel-backend KV copy, and its launcher.
+"""One Triton gather/scatter kernel for every kernel-backend KV copy.
 
-Each side of a copy (source, destination), a :class:`kernels.addressing.Side`, is addressed in
-one of two ways, in bytes:
+Each side of a copy (a :class:`kernels.addressing.Side`) is a tensor or a table of per-layer
+``data_ptr()``s; slot ``t``, layer ``l``, head ``h`` lies at ``(t // P) * page_stride +
+(t % P) * row_stride + l * layer_stride + h * head_stride`` bytes from the base (``table[l]`` for
+a table, whose layer stride is 0). A row is one (slot, head) pair; it moves ``chunk`` bytes per
+layer (the whole item, or one head of it for the page_head ops).
 
-- tensor: ``base + slot * token_stride + layer * layer_stride``. A layer_first layer has
-  ``token_stride = item_size`` and ``layer_stride = 0``; a page_first buffer ``[T, L, ...]`` has
-  ``token_stride = layout_dim`` and ``layer_stride = item_size``.
-- table: ``table[layer] + slot * token_stride``, ``table`` an int64/uint64 tensor of
-  per-layer ``data_ptr()``s (SGLang's ``k_data_ptrs``).
+Words: the kernel moves raw words, the widest of 8/4/2/1 bytes dividing every size, stride, tensor
+base and (verified) table entry, so every dtype works. When all of those are multiples of 16
+bytes, offsets carry a 16-byte divisibility hint (and so do table entries whose alignment was
+verified when the table was built, see :mod:`kernels.ptr_tables`), and the compiled loads and
+stores are 16 bytes wide on both sides (checked ahead of time for sm_90 by
+``tests/test_kernels_ptx.py``).
 
-The kernel copies raw words (the widest of 8/4/2/1 bytes that divides every size, stride and base
-address), so every dtype works. Work split: the items (index pairs) are cut into tiles of ``ROWS``
-items, about ``BYTES_PER_THREAD`` bytes per thread; at most ``block_quota`` programs walk the
-tiles in a grid-stride loop and, for each tile, copy every layer (K, then V) as one
-``[ROWS, COLS]`` block of words, so each program keeps a whole tile of bytes in flight. Address
-math is in 64 bits (indices are int64, layer offsets are cast). Pairs with a negative index are
-skipped (as upstream), and so are indices past the end of a tensor side: bad input never makes
-the kernel touch memory past the end of a tensor it was given.
+Work split: a block is ``[NCHUNK, ROWS, COLS]`` words, ``ROWS`` rows of ``NCHUNK * COLS`` words
+(``COLS`` at most one warp of 16-byte vectors, 512 bytes; a longer row takes ``GROUPS`` blocks).
+Triton spreads a warp's lanes along ``COLS`` and the warps along ``ROWS``, so each thread holds
+``NCHUNK`` vectors of ONE row (one address register per row per side, the chunks at immediate
+offsets) times a couple of rows. At most ``block_quota`` programs walk the tiles of ``ROWS`` rows
+in a grid-stride loop and copy, per tile, every layer (K, then V): each program keeps one whole
+block of loads in flight. Address math is 64-bit. Pairs with
+a negative index are skipped (as upstream), and so are indices past the end of a tensor side.
+
+Bytes in flight (DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5 moves
+about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
+64-128 KiB, of loads outstanding, with margin for the slower host-memory reads of a load-back. At
+the defaults (2 programs of 32 warps, SGLang's) a thread holds 8 vectors of 16 bytes (32 data
+registers of the 64 a 1024-thread program may use), so a 2 KiB-item tile is 64 rows x 2 KiB =
+128 KiB per program and 256 KiB in flight for the grid, while only 2 SMs are taken from the
+forward pass. ``block_quota`` stays an upper bound on programs, as upstream.
+
+This file holds the kernel; :mod:`kernels.launch` chooses its word, hints and tile shape and
+launches it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-from collections.abc import Sequence
 
-import torch
 import triton
 import triton.language as tl
 
-from kernels._env import cuda_available
-from kernels.addressing import Side
-
 logger = logging.getLogger(__name__)
 
-BYTES_PER_THREAD = 32
-"""Bytes each thread holds per tile: two 16-byte vectors. A program of 32 warps thus keeps a
-32 KiB tile in flight (DESIGN.md section 8: bandwidth is bytes in flight / round trip)."""
-MAX_WORDS_PER_THREAD = 8
-"""Cap for narrow words (odd item sizes): each word costs two 64-bit pointers in registers, and
-a 1024-thread program has only 64 registers per thread."""
-MAX_COLS_BYTES = 4096
-"""Widest row chunk of one item per block; larger items loop over column chunks."""
-
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
-
 
 @triton.jit
-def _side_base(ref, layer, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr):
-    """Pointer to layer ``layer`` of one side (word-typed)."""
-    if IS_TABLE:
-        base = tl.load(ref + layer).to(tl.pointer_type(WORD))
+def _slot_offsets(idx, head, PAGE: tl.constexpr, page_stride, row_stride, head_stride,
+                  HEADS: tl.constexpr):  # fmt: skip
+    """Word offset of slot ``idx`` (int64), head ``head``, layer 0, from the side's base."""
+    if PAGE == 1:
+        off = idx * page_stride
     else:
-        base = ref + layer * layer_stride
-    return base
+        off = (idx // PAGE) * page_stride + (idx % PAGE) * row_stride
+    if HEADS > 1:
+        off += head * head_stride
+    return off
 
 
 @triton.jit
-def _copy_tile(
-    src,
-    dst,
-    layer,
-    s_off,
-    d_off,
-    ok,
-    src_layer_stride,
-    dst_layer_stride,
-    SRC_TABLE: tl.constexpr,
-    DST_TABLE: tl.constexpr,
-    WORD: tl.constexpr,
-    ITEM_WORDS: tl.constexpr,
-    COLS: tl.constexpr,
-    CACHE_HINTS: tl.constexpr,
-):
-    """Copy ``ITEM_WORDS`` words for every row of a tile where ``ok``, for one layer."""
-    src_rows = _side_base(src, layer, src_layer_stride, SRC_TABLE, WORD) + s_off
-    dst_rows = _side_base(dst, layer, dst_layer_stride, DST_TABLE, WORD) + d_off
-    cols = tl.arange(0, COLS)
-    for c0 in tl.static_range(0, ITEM_WORDS, COLS):
-        c = c0 + cols
-        mask = ok[:, None] & (c < ITEM_WORDS)[None, :]
-        src_ptrs = src_rows[:, None] + c[None, :]
-        dst_ptrs = dst_rows[:, None] + c[None, :]
+def _row_pointers(ref, layer, off, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr,
+                  ALIGN: tl.constexpr):  # fmt: skip
+    """Word pointers to the rows at word offsets ``off`` of layer ``layer`` of one side.
+
+    ``ALIGN``: 16 when every row starts on 16 bytes (offsets and the base, which for a table
+    means its entries were verified): the hint that lets the accesses be 16 bytes wide. It goes
+    on the row pointers themselves (a hint on an integer does not survive the int-to-pointer
+    cast of a table entry, nor every rewrite of the offset arithmetic).
+    """
+    if IS_TABLE:
+        rows = tl.load(ref + layer).to(tl.pointer_type(WORD)) + off
+    else:
+        rows = ref + (off + layer * layer_stride)
+    if ALIGN > 1:
+        rows = tl.multiple_of(rows, ALIGN)
+    return rows
+
+
+@triton.jit
+def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
+                SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, SRC_ALIGN: tl.constexpr,
+                DST_ALIGN: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+                NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
+                CACHE_HINTS: tl.constexpr):  # fmt: skip
+    """Copy ``CHUNK_WORDS`` words of every row where ``ok``, for one layer of one buffer, as
+    ``GROUPS`` blocks of ``[NCHUNK, ROWS, COLS]`` words."""
+    src_rows = _row_pointers(src, layer, s_off, src_layer_stride, SRC_TABLE, WORD, SRC_ALIGN)
+    dst_rows = _row_pointers(dst, layer, d_off, dst_layer_stride, DST_TABLE, WORD, DST_ALIGN)
+    block = tl.arange(0, NCHUNK)[:, None, None] * COLS + tl.arange(0, COLS)[None, None, :]
+    for g in tl.static_range(GROUPS):
+        col = block + g * NCHUNK * COLS
+        if GROUPS * NCHUNK * COLS == CHUNK_WORDS:
+            mask = ok[None, :, None] & (col >= 0)
+        else:
+            mask = ok[None, :, None] & (col < CHUNK_WORDS)
+        src_ptrs = src_rows[None, :, None] + col
+        dst_ptrs = dst_rows[None, :, None] + col
         if CACHE_HINTS:
             # Streamed once: cache in L2 only (.cg). ptxas rejects .cg combined with an
             # .evict_first eviction policy, so none is given.
@@ -98,173 +109,58 @@ def _copy_tile(
 # variant per call shape; strides stay specialized, their alignment feeds vectorization.
 @triton.jit(do_not_specialize=["n_items", "layer_begin", "src_slots", "dst_slots"])
 def kv_copy_kernel(
-    src_k,
-    dst_k,
-    src_v,
-    dst_v,
-    src_idx_ptr,
-    dst_idx_ptr,
-    n_items,
-    layer_begin,
-    n_layers,
-    src_token_stride,
-    dst_token_stride,
-    src_layer_stride,
-    dst_layer_stride,
-    src_slots,
-    dst_slots,
-    SRC_TABLE: tl.constexpr,
-    DST_TABLE: tl.constexpr,
-    HAS_V: tl.constexpr,
-    WORD: tl.constexpr,
-    ITEM_WORDS: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    VEC: tl.constexpr,
+    src_k, dst_k, src_v, dst_v, src_idx_ptr, dst_idx_ptr,
+    n_items, layer_begin, n_layers,
+    src_page_stride, src_row_stride, src_layer_stride, src_head_stride,
+    dst_page_stride, dst_row_stride, dst_layer_stride, dst_head_stride,
+    src_slots, dst_slots,
+    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr,
+    SRC_PAGE: tl.constexpr, DST_PAGE: tl.constexpr,
+    SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
+    HEADS: tl.constexpr, HAS_V: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr, NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
     CACHE_HINTS: tl.constexpr,
-):
-    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``n_layers`` layers from ``layer_begin``.
+):  # fmt: skip
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``n_layers`` layers from ``layer_begin``,
+    ``HEADS`` chunks of ``CHUNK_WORDS`` words per slot.
 
     Strides are in words of type ``WORD``; ``src_*``/``dst_*`` are word-typed data pointers, or
-    int64/uint64 ``data_ptr()`` tables when ``*_TABLE``. ``VEC`` is a divisibility hint (in
-    words) for row offsets, set only when every row start is 16-byte aligned.
+    int64/uint64 ``data_ptr()`` tables when ``*_TABLE``. ``*_ALIGN`` (16 or 0) says every row of
+    that side starts on 16 bytes (see :func:`_row_pointers`).
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    n_tiles = tl.cdiv(n_items, ROWS)
-    rows = tl.arange(0, ROWS)
+    n_tiles = tl.cdiv(n_items * HEADS, ROWS)
+    rows = tl.arange(0, ROWS).to(tl.int64)  # 64-bit row numbers: ``n_items * HEADS`` may be big
     for tile in range(pid, n_tiles, n_programs):
-        item = tile * ROWS + rows
+        row = tile * ROWS + rows
+        if HEADS == 1:
+            item = row
+            head = row  # unused
+        else:
+            item = row // HEADS
+            head = row % HEADS
         in_range = item < n_items
         s = tl.load(src_idx_ptr + item, mask=in_range, other=-1)
         d = tl.load(dst_idx_ptr + item, mask=in_range, other=-1)
         ok = in_range & (s >= 0) & (d >= 0) & (s < src_slots) & (d < dst_slots)
-        s_off = tl.multiple_of(s.to(tl.int64) * src_token_stride, VEC)
-        d_off = tl.multiple_of(d.to(tl.int64) * dst_token_stride, VEC)
+        s_off = _slot_offsets(s.to(tl.int64), head, SRC_PAGE, src_page_stride, src_row_stride,
+                              src_head_stride, HEADS)  # fmt: skip
+        d_off = _slot_offsets(d.to(tl.int64), head, DST_PAGE, dst_page_stride, dst_row_stride,
+                              dst_head_stride, HEADS)  # fmt: skip
         for j in range(n_layers):
             layer = (layer_begin + j).to(tl.int64)
-            _copy_tile(
+            _copy_layer(
                 src_k, dst_k, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
-                SRC_TABLE, DST_TABLE, WORD, ITEM_WORDS, COLS, CACHE_HINTS,
+                SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
+                COLS, CACHE_HINTS,
             )  # fmt: skip
             if HAS_V:
-                _copy_tile(
+                _copy_layer(
                     src_v, dst_v, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
-                    SRC_TABLE, DST_TABLE, WORD, ITEM_WORDS, COLS, CACHE_HINTS,
+                    SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
+                    COLS, CACHE_HINTS,
                 )  # fmt: skip
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1)
-
-
-def _alignment(*values: int) -> int:
-    """Largest power of two (up to 16) dividing every value."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    return 16 if g == 0 else min(16, g & -g)
-
-
-def word_bytes(item_size: int, src: Side, dst: Side) -> int:
-    """Widest copy word (8/4/2/1 bytes) that the sizes, strides and tensor bases allow.
-
-    Table entries are not read here (that would synchronize on CUDA); they must be aligned to
-    the same word, which :mod:`kernels._checks` verifies where that is free or when debugging.
-    """
-    values = [item_size]
-    for side in (src, dst):
-        values += [side.token_stride, side.layer_stride]
-        if not side.is_table:
-            values += [t.data_ptr() for t in side.refs]
-    return min(8, _alignment(*values))
-
-
-def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
-    """1-D view of contiguous ``t``'s bytes as words of ``word`` bytes (no copy)."""
-    return t.reshape(-1).view(torch.uint8).view(_WORD_DTYPES[word])
-
-
-def cache_hints_supported(device: torch.device) -> bool:
-    """PTX cache modifiers apply to compiled NVIDIA kernels only (not the interpreter, not HIP)."""
-    from kernels import TRITON_INTERPRETED
-
-    return (
-        device.type == "cuda"
-        and not TRITON_INTERPRETED
-        and torch.version.hip is None
-        and cuda_available()
-    )
-
-
-def launch_kv_copy(
-    src: Side,
-    dst: Side,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    *,
-    item_size: int,
-    layer_begin: int,
-    num_layers: int,
-    block_quota: int,
-    num_warps: int,
-) -> None:
-    """Launch :func:`kv_copy_kernel` on the current stream; never synchronizes.
-
-    Arguments are assumed validated (see :mod:`kernels.kvcacheio`). ``src.refs`` and
-    ``dst.refs`` have the same length (1 for MLA, 2 for K and V).
-    """
-    n_items = src_indices.numel()
-    if n_items == 0 or num_layers == 0:
-        return
-    word = word_bytes(item_size, src, dst)
-    item_words = item_size // word
-    cols = min(triton.next_power_of_2(item_words), MAX_COLS_BYTES // word)
-    words_per_thread = max(1, min(MAX_WORDS_PER_THREAD, BYTES_PER_THREAD // word))
-    tile_words = num_warps * 32 * words_per_thread
-    rows = max(1, tile_words // cols)  # independent of n_items: one compile per shape
-    row_aligned = _alignment(item_size, src.token_stride, dst.token_stride) == 16
-    vec = 16 // word if row_aligned else 1
-    n_tiles = triton.cdiv(n_items, rows)
-    grid = (min(block_quota, n_tiles),)
-
-    def arg(side: Side, i: int) -> torch.Tensor:
-        t = side.refs[min(i, len(side.refs) - 1)]  # MLA: the V slot repeats K, unused
-        return t if side.is_table else _word_view(t, word)
-
-    args = (
-        arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1),
-        src_indices, dst_indices,
-        n_items, layer_begin, num_layers,
-        src.token_stride // word, dst.token_stride // word,
-        src.layer_stride // word, dst.layer_stride // word,
-        src.n_slots, dst.n_slots,
-    )  # fmt: skip
-    device = src_indices.device
-    constexprs = dict(
-        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table, HAS_V=len(src.refs) == 2,
-        WORD=_TL_WORDS[word], ITEM_WORDS=item_words, ROWS=rows, COLS=cols, VEC=vec,
-        CACHE_HINTS=cache_hints_supported(device),
-    )  # fmt: skip
-    # Launch on the indices' device (and its current stream), whatever the current device is.
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kv_copy_kernel[grid](*args, **constexprs, num_warps=num_warps)
-
-
-def resolve_num_warps(num_warps_per_block: int) -> int:
-    """``num_warps_per_block`` as Triton accepts it: a power of two, at most 32 (16 on HIP)."""
-    cap = 16 if torch.version.hip is not None else 32
-    warps = min(cap, _pow2_floor(num_warps_per_block))
-    if warps != num_warps_per_block:
-        logger.debug("num_warps_per_block=%d runs as %d warps", num_warps_per_block, warps)
-    return warps
-
-
-__all__: Sequence[str] = [
-    "Side",
-    "cache_hints_supported",
-    "kv_copy_kernel",
-    "launch_kv_copy",
-    "resolve_num_warps",
-    "word_bytes",
-]
+__all__ = ["kv_copy_kernel"]

@@ -85,8 +85,8 @@ def _page_buffers(name: str, bufs: Sequence[object], page_size: int) -> list[tor
         if not b.is_contiguous():
             raise ValueError(f"{name}[{i}] must be contiguous")
         out.append(b)
-    if len(out) == 2:
-        _checks.same_shape(f"{name}[0]", out[0], f"{name}[1]", out[1])
+    if len(out) == 2:  # K and V: same pages and layers, each its own bytes per token
+        _checks.same_slots(f"{name}[0]", out[0], f"{name}[1]", out[1], 3)
     return out
 
 
@@ -113,7 +113,8 @@ def transfer_kv_direct(
     """``dst_layers[j][d] = src_layers[j][s]``, one ``copy_`` per maximal consecutive run.
 
     ``src_layers[j]`` ``[T_src, ...]`` and ``dst_layers[j]`` ``[T_dst, ...]`` (device or host,
-    same bytes per slot) pair up layer by layer (upstream passes all K layers then all V layers).
+    same bytes per slot within a pair; pairs may differ, e.g. K and V of other head sizes) pair up
+    layer by layer (upstream passes all K layers then all V layers).
     ``len(src_indices)`` must be a multiple of ``page_size``. Mutates ``dst_layers``.
     """
     _checks.layer_lists("src_layers", src_layers, "dst_layers", dst_layers)
@@ -163,8 +164,11 @@ def _page_copies(
     host_layers = hosts[0].shape[1]
     if to_host and n_layers != host_layers:
         raise ValueError(f"src_ptrs holds {n_layers} layers per buffer, dst_ptrs {host_layers}")
-    width = row_bytes(hosts[0]) // (host_layers * page_size)
-    devs = _layer_tensors(f"{dev}_ptrs", ptrs[dev], width)
+    widths = [row_bytes(h) // (host_layers * page_size) for h in hosts]
+    devs = [
+        _layer_tensors(f"{dev}_ptrs", [t], widths[i // n_layers])[0]
+        for i, t in enumerate(ptrs[dev])
+    ]
     if not to_host:
         _checks.layer_id_in_range(layer_id, host_layers - n_layers + 1)
     s, d = _host_indices(src_indices, dst_indices, page_size)
@@ -178,7 +182,7 @@ def _page_copies(
     for kv, buf in enumerate(hosts):
         pages = page_rows(buf, page_size)
         for j in range(n_layers):
-            rows = token_rows(devs[kv * n_layers + j], width)
+            rows = token_rows(devs[kv * n_layers + j], widths[kv])
             for p, t0 in zip(host_pages, dev_starts, strict=True):
                 page, run = pages[p, layer_id + j], rows[t0 : t0 + page_size]
                 if to_host:
@@ -197,7 +201,8 @@ def transfer_kv_per_layer_direct_pf_lf(
 ) -> None:
     """page_first_direct host pool -> device layers, one ``copy_`` per (page, layer) (H2D load).
 
-    ``src_ptrs``: ``[k_buffer, v_buffer]`` (MHA) or ``[kv_buffer]`` (MLA), each
+    ``src_ptrs``: ``[k_buffer, v_buffer]`` (MHA; V may hold fewer bytes per token than K) or
+    ``[kv_buffer]`` (MLA), each
     ``[P, L, page_size, ...]``. ``dst_ptrs``: the K layer tensors then the V layer tensors
     ``[T_dev, ...]`` for layers ``layer_id, layer_id + 1, ...`` (upstream passes one layer).
     ``src_indices`` must name whole host pages; ``dst_indices`` consecutive slots within each
@@ -221,3 +226,46 @@ def transfer_kv_all_layer_direct_lf_pf(
     consecutive slots within each page. Mutates ``dst_ptrs``.
     """
     _page_copies(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, 0, to_host=True)
+
+
+def transfer_embedding_ranges_direct(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_starts: Sequence[int],
+    dst_starts: Sequence[int],
+    lengths: Sequence[int],
+) -> None:
+    """``dst[dst_starts[i] : + lengths[i]] = src[src_starts[i] : + lengths[i]]`` for each range
+    (upstream's copy of embedding rows between host and device).
+
+    ``src``, ``dst``: contiguous 2-D ``[rows, dim]`` of one dtype and ``dim``; on CUDA exactly one
+    of them is a CUDA tensor (the other host memory, pinned for the copies to be asynchronous);
+    without CUDA both are CPU tensors. The whole plan is checked before the first copy (a bad
+    range raises ``ValueError`` and writes nothing); copies are queued with
+    ``non_blocking=True`` on the current stream. Empty ranges are skipped.
+    """
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 2-D tensor [rows, dim]")
+    if src.dtype != dst.dtype or src.shape[1] != dst.shape[1]:
+        raise ValueError(
+            f"src and dst must share dtype and dim, got {src.dtype}/{src.shape[1]} and "
+            f"{dst.dtype}/{dst.shape[1]}"
+        )
+    if torch.cuda.is_available() and src.is_cuda == dst.is_cuda:
+        raise ValueError("exactly one of src and dst must be a CUDA tensor")
+    if not len(src_starts) == len(dst_starts) == len(lengths):
+        raise ValueError("src_starts, dst_starts and lengths must have the same length")
+    plan = []
+    for i, (s0, d0, n) in enumerate(zip(src_starts, dst_starts, lengths, strict=True)):
+        if n < 0:
+            raise ValueError(f"lengths[{i}]={n} is negative")
+        if n == 0:
+            continue
+        if s0 < 0 or s0 + n > src.shape[0]:
+            raise ValueError(f"src_starts[{i}]={s0} + {n} rows is out of range [0, {src.shape[0]}]")
+        if d0 < 0 or d0 + n > dst.shape[0]:
+            raise ValueError(f"dst_starts[{i}]={d0} + {n} rows is out of range [0, {dst.shape[0]}]")
+        plan.append((s0, d0, n))
+    for s0, d0, n in plan:
+        dst[d0 : d0 + n].copy_(src[s0 : s0 + n], non_blocking=True)

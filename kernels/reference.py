@@ -11,7 +11,8 @@ tables are resolved on the host), and raise ``IndexError`` from torch on out-of-
 they do not do the argument validation of the real ops.
 
 The kernel-backend ops are one function, :func:`copy_kv`, over the addressing that
-:mod:`kernels.addressing` describes (layer_first, page_first, pointer table). The direct-backend
+:mod:`kernels.addressing` describes (layer_first, page_first, page_head, pointer table), K and V
+each with its own bytes per token. The direct-backend
 ops take lists of tensors; a page_first_direct tensor ``[P, L, page_size, ...]`` holds token slot
 ``t`` of layer ``l`` at page ``t // page_size``, layer ``l``, row ``t % page_size``.
 """
@@ -25,7 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.addressing import LF_TO_LF, PF_TO_LF, TABLE_TO_PF, TABLE_TO_TABLE, KVCopy, Side
+from kernels.addressing import (
+    LF_TO_LF,
+    LF_TO_PF,
+    PF_TO_LF,
+    PH_TO_LF,
+    TABLE_TO_PF,
+    TABLE_TO_PH,
+    TABLE_TO_TABLE,
+    KVCopy,
+    Side,
+    with_v_item_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,38 +109,44 @@ def _copy_rows(
     dst_rows[d.to(dst_rows.device)] = vals.to(dst_rows.device)
 
 
-def _table_rows(table: torch.Tensor, layer: int, item_size: int, n_rows: int) -> torch.Tensor:
-    """Rows ``[n_rows, item_size]`` of layer ``layer`` of a ``data_ptr()`` table."""
-    ptr = int(table[layer].item()) & ((1 << 64) - 1)  # uint64 tables come back as signed ints
-    return bytes_at(ptr, n_rows * item_size, table.device).view(n_rows, item_size)
+def _table_base(table: torch.Tensor, layer: int) -> int:
+    return int(table[layer].item()) & ((1 << 64) - 1)  # uint64 tables come back as signed ints
 
 
-def _extent(idx: torch.Tensor) -> int:
-    return int(idx.max().item()) + 1 if idx.numel() else 0
+def byte_offsets(side: Side, slots: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """Byte offset of ``slots`` (int64, CPU), ``head``, ``layer`` from the layer's base (a table
+    entry) or the buffer's base (a tensor), as :class:`kernels.addressing.Side` defines it."""
+    p = side.page_size
+    off = (slots // p) * side.page_stride + (slots % p) * side.row_stride + head * side.head_stride
+    return off if side.is_table else off + layer * side.layer_stride
 
 
-def _layer_rows(
-    side: Side, ref: torch.Tensor, layer: int, item_size: int, n_rows: int
-) -> torch.Tensor:
-    """Rows ``[slots, item_size]`` of layer ``layer`` of one buffer (or table) of ``side``."""
+def _flat_bytes(side: Side, ref: torch.Tensor, layer: int, extent: int) -> torch.Tensor:
+    """The bytes a side addresses from: a tensor's own, or ``extent`` bytes at ``table[layer]``."""
     if side.is_table:
-        return _table_rows(ref, layer, item_size, n_rows)
-    lo = layer * side.layer_stride
-    return token_rows(ref, side.token_stride)[:, lo : lo + item_size]
+        return bytes_at(_table_base(ref, layer), extent, ref.device)
+    if not ref.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got strides {ref.stride()}")
+    return ref.reshape(-1).view(torch.uint8)
 
 
 def copy_kv(call: KVCopy) -> None:
     """Every kernel-backend op: ``dst[d] = src[s]`` in ``call``'s addressing, for each layer it
-    covers, K then V (or the MLA buffer). A table side spans the largest index it is given."""
-    s, d = _valid_pairs(call.src_indices, call.dst_indices)
-    src, dst = call.sides()
-    n_src = _extent(s) if src.is_table else 0
-    n_dst = _extent(d) if dst.is_table else 0
-    for layer in range(call.layer_id, call.layer_id + call.num_layers):
-        for src_ref, dst_ref in zip(src.refs, dst.refs, strict=True):
-            src_rows = _layer_rows(src, src_ref, layer, call.item_size, n_src)
-            dst_rows = _layer_rows(dst, dst_ref, layer, call.item_size, n_dst)
-            _copy_rows(src_rows, dst_rows, s, d)
+    covers, K then V (or the MLA buffer), head by head for the page_head ops. A table side spans
+    the largest offset it is given."""
+    s, d = (t.cpu() for t in _valid_pairs(call.src_indices, call.dst_indices))
+    if s.numel() == 0:
+        return
+    for part in call.parts():
+        cols = torch.arange(part.chunk_bytes)
+        for layer in range(call.layer_id, call.layer_id + call.num_layers):
+            for head in range(part.heads):
+                so = byte_offsets(part.src, s, layer, head)[:, None] + cols
+                do = byte_offsets(part.dst, d, layer, head)[:, None] + cols
+                for src_ref, dst_ref in zip(part.src.refs, part.dst.refs, strict=True):
+                    src = _flat_bytes(part.src, src_ref, layer, int(so.max()) + 1)
+                    dst = _flat_bytes(part.dst, dst_ref, layer, int(do.max()) + 1)
+                    dst[do.to(dst.device)] = src[so.to(src.device)].to(dst.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +166,9 @@ def transfer_kv_per_layer(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """One layer, layer_first -> layer_first: ``dst[d] = src[s]`` for K and V."""
-    copy_kv(KVCopy(LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size))
+    copy_kv(with_v_item_size(KVCopy(
+        LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+    )))  # fmt: skip
 
 
 def transfer_kv_per_layer_pf_lf(
@@ -165,10 +185,33 @@ def transfer_kv_per_layer_pf_lf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """Layer ``layer_id`` of a page_first buffer ``[T, L, ...]`` -> one layer_first layer."""
-    copy_kv(KVCopy(
+    copy_kv(with_v_item_size(KVCopy(
         PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
         layout_dim=src_layout_dim, layer_id=layer_id,
-    ))  # fmt: skip
+    )))  # fmt: skip
+
+
+def transfer_kv_per_layer_ph_lf(
+    src_k: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    page_size: int,
+    head_num: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """Layer ``layer_id`` of a page_head buffer ``[T / P, H, P, L, D]`` -> one layer_first
+    layer ``[T, H, D]``, head by head."""
+    copy_kv(with_v_item_size(KVCopy(
+        PH_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+        layout_dim=src_layout_dim, layer_id=layer_id, page_size=page_size, head_num=head_num,
+    )))  # fmt: skip
 
 
 def transfer_kv_all_layer(
@@ -183,7 +226,8 @@ def transfer_kv_all_layer(
     block_quota: int = DEFAULT_BLOCK_QUOTA,
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
-    """All layers, layer_first -> layer_first, both sides given as ``data_ptr()`` tables."""
+    """All layers, layer_first -> layer_first, both sides given as ``data_ptr()`` tables (K and V
+    of one size: tables carry no shape)."""
     copy_kv(KVCopy(
         TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
         src_indices, dst_indices, item_size, num_layers=num_layers,
@@ -204,10 +248,33 @@ def transfer_kv_all_layer_lf_pf(
     num_warps_per_block: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """All layers from ``data_ptr()`` tables (layer_first) -> page_first buffer ``[T, L, ...]``."""
-    copy_kv(KVCopy(
+    copy_kv(with_v_item_size(KVCopy(
         TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
         item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
-    ))  # fmt: skip
+    )))  # fmt: skip
+
+
+def transfer_kv_all_layer_lf_ph(
+    src_k_layers: torch.Tensor,
+    dst_k: torch.Tensor,
+    src_v_layers: torch.Tensor,
+    dst_v: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    page_size: int,
+    head_num: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """All layers from ``data_ptr()`` tables -> page_head buffer ``[T / P, H, P, L, D]``."""
+    copy_kv(with_v_item_size(KVCopy(
+        TABLE_TO_PH, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
+        item_size, layout_dim=dst_layout_dim, num_layers=num_layers, page_size=page_size,
+        head_num=head_num,
+    )))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +310,24 @@ def transfer_kv_per_layer_mla_pf_lf(
     copy_kv(KVCopy(
         PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
         layout_dim=src_layout_dim, layer_id=layer_id,
+    ))  # fmt: skip
+
+
+def transfer_kv_per_layer_mla_lf_pf(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    item_size: int,
+    dst_layout_dim: int,
+    block_quota: int = DEFAULT_BLOCK_QUOTA,
+    num_warps_per_block: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """One layer_first layer -> layer ``layer_id`` of a page_first buffer ``[T, L, ...]``."""
+    copy_kv(KVCopy(
+        LF_TO_PF, (src,), (dst,), src_indices, dst_indices, item_size,
+        layout_dim=dst_layout_dim, layer_id=layer_id,
     ))  # fmt: skip
 
 
@@ -370,12 +455,15 @@ __all__ = [
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
     "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
     "transfer_kv_all_layer_mla",
     "transfer_kv_all_layer_mla_lf_pf",
     "transfer_kv_direct",
     "transfer_kv_per_layer",
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_lf_pf",
     "transfer_kv_per_layer_mla_pf_lf",
     "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
 ]

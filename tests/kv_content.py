@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
+from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
 
 AnyPool = MHATokenToKVPool | MLATokenToKVPool | MHATokenToKVPoolHost | MLATokenToKVPoolHost
 

@@ -11,7 +11,8 @@ import torch
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.controller import HiCacheController
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory_pool_host import SUPPORTED_LAYOUT_IO, make_host_pool
+from hicache.memory_pool_host import make_host_pool
+from hicache.memory_pool_host_base import SUPPORTED_LAYOUT_IO
 from hicache.streams import CpuStreams
 from tests.kv_content import check_device, check_host, write_device
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.memory_pool_host import SUPPORTED_LAYOUT_IO
+from hicache.memory_pool_host_base import SUPPORTED_LAYOUT_IO
 from tests.kv_content import check_device, check_host, write_device
 from tests.test_controller import make
 

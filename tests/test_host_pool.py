@@ -6,14 +6,11 @@ import pytest
 import torch
 
 import hicache.host_memory as host_memory
-import hicache.memory_pool_host as mph
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory_pool_host import (
-    SUPPORTED_LAYOUT_IO,
-    MHATokenToKVPoolHost,
-    MLATokenToKVPoolHost,
-    make_host_pool,
-)
+from hicache.memory_pool_host import make_host_pool
+from hicache.memory_pool_host_base import LAYOUTS, SUPPORTED_LAYOUT_IO
+from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
+from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
 from tests.kv_content import check_device, check_host, write_device
 
 PAIRS = sorted(SUPPORTED_LAYOUT_IO)
@@ -28,7 +25,7 @@ def device_pool(mla: bool, page: int, size: int = 64, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("mla", [False, True])
-@pytest.mark.parametrize("layout", mph.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_buffer_shapes(mla: bool, layout: str) -> None:
     dev = device_pool(mla, 4, size=16)
     host = make_host_pool(dev, 2.0, 0, layout)
@@ -134,7 +131,7 @@ def test_get_set_slot_helpers() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", mph.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_host_pool_is_registered_at_exact_size(layout: str) -> None:
     dev = MHATokenToKVPool(48, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
                            device="cuda")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory_pool_host import LAYOUTS, make_host_pool
+from hicache.memory_pool_host import make_host_pool
+from hicache.memory_pool_host_base import LAYOUTS
 from tests.kv_content import check_device, check_host, write_device, write_host
 
 PAGE = 4

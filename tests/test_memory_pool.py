@@ -18,7 +18,7 @@ def test_mha_pool_views_share_one_allocation() -> None:
         assert k.untyped_storage().data_ptr() == pool.kv_buffer.untyped_storage().data_ptr()
         assert int(pool.k_data_ptrs[layer]) == k.data_ptr()
         assert int(pool.v_data_ptrs[layer]) == v.data_ptr()
-    assert pool.k_data_ptrs.dtype == torch.int64 and pool.k_data_ptrs.shape == (3,)
+    assert pool.k_data_ptrs.dtype == torch.uint64 and pool.k_data_ptrs.shape == (3,)
     assert pool.data_ptrs.shape == (6,)
     assert pool.item_size == 2 * 8 * 4
     assert pool.get_size_per_token() == 2 * 3 * 64
@@ -73,3 +73,24 @@ def test_mla_pool() -> None:
 def test_pool_rejects_bad_geometry(size: int, page: int) -> None:
     with pytest.raises(ValueError):
         MHATokenToKVPool(size, page, torch.float32, 1, 1, 1, "cpu")
+
+
+def test_mha_pool_with_narrower_v_heads() -> None:
+    """K heads 12 wide, V heads 8 (a 192/128 model scaled down): one allocation, two parts."""
+    pool = MHATokenToKVPool(8, 4, torch.float32, head_num=2, head_dim=12, layer_num=2,
+                            device="cpu", v_head_dim=8)  # fmt: skip
+    assert pool.k_buffer_all.shape == (2, 12, 2, 12) and pool.v_buffer_all.shape == (2, 12, 2, 8)
+    assert pool.k_buffer[1].untyped_storage().data_ptr() == (
+        pool.v_buffer[0].untyped_storage().data_ptr()
+    )
+    assert (pool.item_size, pool.v_item_size) == (96, 64)
+    assert pool.get_size_per_token() == 2 * (96 + 64)
+    assert pool.mem_bytes() == 12 * 2 * (96 + 64)
+    with pytest.raises(AttributeError, match="v_buffer_all"):
+        pool.kv_buffer  # noqa: B018
+    loc = torch.tensor([5, 6])
+    pool.set_kv_buffer(1, loc, torch.ones(2, 2, 12), torch.full((2, 2, 8), 2.0))
+    assert pool.k_buffer[1][loc].eq(1).all() and pool.v_buffer[1][loc].eq(2).all()
+    assert pool.k_buffer_all.sum() == 2 * 2 * 12 and pool.v_buffer_all.sum() == 2 * 2 * 8 * 2
+    with pytest.raises(ValueError, match="cache_v"):
+        pool.set_kv_buffer(0, loc, torch.ones(2, 2, 12), torch.ones(2, 2, 12))

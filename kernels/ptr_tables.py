@@ -1,0 +1,105 @@
+"""Per-layer ``data_ptr()`` tables (SGLang's ``k_data_ptrs``) and the alignment verified when a
+table is built, plus ``get_device_accessible_ptr`` (the address a kernel uses for a tensor).
+
+The all-layer ops read each layer's base address from a table on the device. Reading the entries
+back on the host would synchronize with the stream, so the kernel can only rely on an entry's
+alignment when it was checked before the copy: :func:`data_ptr_table` computes it from the
+addresses it writes, :func:`verify_ptr_table` reads an existing table once (at pool build time).
+The verified alignment (bytes, a power of two up to 16) is attached to the table together with
+its version counter: an in-place write to the table after that voids it. A table without one is
+copied with the narrower word its item size allows (as upstream: 8 bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_ALIGN = 16
+_ATTR = "_kvcacheio_verified_align"
+
+
+def pointer_alignment(ptrs: Sequence[int]) -> int:
+    """Largest power of two up to 16 dividing every (nonzero) address; 0 if any is null."""
+    align = MAX_ALIGN
+    for p in ptrs:
+        p &= (1 << 64) - 1
+        if p == 0:
+            return 0
+        while p % align:
+            align //= 2
+    return align
+
+
+def _version(table: torch.Tensor) -> int | None:
+    try:
+        return table._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _record(table: torch.Tensor, align: int) -> None:
+    setattr(table, _ATTR, (align, _version(table)))
+
+
+def verified_alignment(table: torch.Tensor) -> int:
+    """Alignment recorded for ``table`` when it was built or verified, if it has not been
+    written in place since; else 0 (unknown). Reads no tensor contents."""
+    rec = getattr(table, _ATTR, None)
+    if rec is None:
+        return 0
+    align, version = rec
+    return align if version == _version(table) else 0
+
+
+def data_ptr_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """A uint64 table ``[len(tensors)]`` of ``t.data_ptr()`` on ``device`` (as SGLang builds
+    them), with the entries' alignment recorded. Copies the table to ``device`` (blocking when it
+    is CUDA; done once, when a pool is built)."""
+    ptrs = [t.data_ptr() for t in tensors]
+    table = torch.tensor(ptrs, dtype=torch.uint64, device=device)
+    _record(table, pointer_alignment(ptrs))
+    return table
+
+
+def verify_ptr_table(table: torch.Tensor) -> int:
+    """Read every entry of an existing ``data_ptr()`` table (int64 or uint64) once, record and
+    return its alignment. Synchronizes when ``table`` is on CUDA: call it when the pool is built,
+    not per copy."""
+    if not isinstance(table, torch.Tensor) or table.dtype not in (torch.int64, torch.uint64):
+        raise ValueError(f"table must be an int64 or uint64 tensor, got {table!r}")
+    ptrs = [int(p) for p in table.view(torch.int64).cpu().tolist()]
+    align = pointer_alignment(ptrs)
+    _record(table, align)
+    logger.debug("pointer table of %d entries verified: %d-byte aligned", len(ptrs), align)
+    return align
+
+
+def get_device_accessible_ptr(tensor: torch.Tensor, device_index: int) -> int:
+    """The address a kernel on device ``device_index`` uses for ``tensor`` (upstream's op).
+
+    A CUDA tensor must be on that device: its ``data_ptr()``. A CPU tensor: on CUDA it must be
+    pinned or ``cudaHostRegister``-ed, and with unified addressing (every 64-bit CUDA platform)
+    its device address equals its host address; without a GPU the interpreted kernels read host
+    memory directly, so its ``data_ptr()`` too. ROCm maps host memory to other addresses: not
+    supported here (``ValueError``).
+    """
+    if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+        raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        if tensor.device.index != device_index:
+            raise ValueError(f"tensor is on {tensor.device}, not on cuda:{device_index}")
+        return tensor.data_ptr()
+    if tensor.device.type != "cpu":
+        raise ValueError(f"only CPU and CUDA tensors have a device address, got {tensor.device}")
+    if torch.version.hip is not None:
+        raise ValueError("host tensors have separate device addresses on ROCm: not supported")
+    if torch.cuda.is_available() and not tensor.is_pinned():
+        raise ValueError("tensor is in pageable host memory: pin it or cudaHostRegister it")
+    return tensor.data_ptr()
