@@ -116,15 +116,26 @@ def provided_ops() -> dict[str, Any]:
     return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
 
 
-def imported_names(source: str, sources: Sequence[str]) -> set[str]:
+def imported_names(source: str, sources: Sequence[str], only_ops: bool = True) -> set[str]:
     """Names a module's ``source`` text imports from any of ``sources`` (``from X import a, b``), at
     any nesting (SGLang's imports sit under platform ``if`` branches, so on a machine without CUDA
-    they never ran: the names are read from the text, not from the module's globals)."""
+    they never ran: the names are read from the text, not from the module's globals).
+
+    From a module other than ``sgl_kernel.kvcacheio`` itself (0.5.23's ``_kvcacheio`` also exports
+    helpers such as ``require_kvcacheio_ops``), only op names count: ``transfer_*`` and
+    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name).
+    """
     names: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module in sources and node.level == 0:
-            names.update(alias.name for alias in node.names)
+            for alias in node.names:
+                if not only_ops or node.module == "sgl_kernel.kvcacheio" or _is_op(alias.name):
+                    names.add(alias.name)
     return names
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith("transfer_") or name == "get_device_accessible_ptr"
 
 
 def module_source(name: str) -> str:
@@ -419,7 +430,7 @@ def _plan_rebinding(
         bindings += [_Binding(module, n, ops[n]) for n in sorted(names)]
         patched[name] = tuple(sorted(names))
         if route_around_jit:
-            jit = imported_names(source, JIT_SOURCES) & set(JIT_PREDICATES)
+            jit = imported_names(source, JIT_SOURCES, only_ops=False) & set(JIT_PREDICATES)
             bindings += [_Binding(module, n, _false_predicate) for n in sorted(jit)]
     return patched, skipped, bindings
 

@@ -123,28 +123,39 @@ def project_has_write_through_flag() -> bool:
 def classify(row: dict[str, Any], sglang: int, project: int, version: str, flag: bool) -> str:
     """Why SGLang's and the project's resolutions differ, or ``"UNEXPLAINED"`` (a bug here).
 
-    Documented divergences (docs/SGLANG_FORK.md, "Deliberate differences"):
-    - ``mamba``: 0.5.23 dropped the mamba clause; the project keeps it (mamba is refused at
-      runtime anyway).
-    - ``l3_buffer_only``: 0.5.23 keeps attempts with an L3 backend in ``buffer_only`` host mode
-      under write_through; the project has no L3 (refused at runtime), so resolves 0.
-    - ``write_through_flag_off``: 0.5.23 keeps attempts under L2 write_through; the project does
-      so only with ``--optimistic-prefill-write-through`` (default off: the 0.5.17 gate).
+    The project's flag ``--optimistic-prefill-write-through`` selects which SGLang gate it follows:
+    off, the 0.5.17 gate; on, the 0.5.23 gate. Documented divergences (docs/SGLANG_FORK.md,
+    "Deliberate differences"):
+
+    - ``write_through_flag_on`` (0.5.17 rows, flag on): the project keeps attempts under L2
+      write_through with no storage backend, as 0.5.23 does; 0.5.17 resolves 0.
+    - ``write_through_flag_off`` (0.5.23 rows, flag off): the reverse.
+    - ``mamba`` (0.5.23): 0.5.23 dropped the mamba clause; the project keeps it (mamba models are
+      refused at runtime anyway).
+    - ``l3_buffer_only`` (0.5.23): 0.5.23 keeps attempts with an L3 backend in ``buffer_only``
+      host mode under write_through; the project has no L3 tier (refused at runtime) and
+      resolves 0.
     """
     live = (
         row["disaggregation_mode"] == "prefill"
         and row["optimistic_prefill_attempts"] > 0
         and row["pp_size"] == 1
     )
-    if not live or not version.startswith("0.5.23"):
+    if not live:
         return "UNEXPLAINED"
     hier = row["enable_hierarchical_cache"]
     storage = row["hicache_storage_backend"]
     policy = row["hicache_write_policy"]
+    wt_l2 = hier and storage is None and policy == "write_through"
+    newer = version.startswith("0.5.23")
+    if not newer:
+        if flag and wt_l2 and sglang == 0 and project > 0 and not row["uses_mamba_radix_cache"]:
+            return "write_through_flag_on"
+        return "UNEXPLAINED"
     if sglang > 0 and project == 0:
         if hier and storage is not None and row.get("hicache_host_memory_mode") == "buffer_only":
             return "l3_buffer_only"
-        if hier and storage is None and policy == "write_through" and not flag:
+        if wt_l2 and not flag and not row["uses_mamba_radix_cache"]:
             return "write_through_flag_off"
         if row["uses_mamba_radix_cache"]:
             return "mamba"
@@ -153,6 +164,8 @@ def classify(row: dict[str, Any], sglang: int, project: int, version: str, flag:
 
 def run(version: str) -> dict[str, Any]:
     """The whole cross product for the installed SGLang ``version``."""
+    for name in ("sglang", "server_args"):  # one warning per resolved row otherwise
+        logging.getLogger(name).setLevel(logging.ERROR)
     where, gate = load_gate(version)
     modes = HOST_MEMORY_MODES if version.startswith("0.5.23") else (None,)
     flags: tuple[bool | None, ...] = (

@@ -41,13 +41,15 @@ def _platform(cuda_shaped: bool) -> dict[str, Any]:
     }
 
 
-def _jit_hicache() -> dict[str, Any]:
-    """SGLang's JIT HiCache kernels cannot build here; the predicates answer 'not usable'."""
+def _jit_hicache(cuda_shaped: bool) -> dict[str, Any]:
+    """SGLang's JIT HiCache kernels cannot build here. The predicates answer 'usable' in the
+    cuda-shaped run (as on CUDA when the per-token size is a multiple of 128 bytes: only the
+    compat module's route-around keeps SGLang off the placeholder kernels), else 'not usable'."""
 
-    def no_jit(*args: Any, **kwargs: Any) -> bool:
-        return False
+    def predicate(*args: Any, **kwargs: Any) -> bool:
+        return cuda_shaped
 
-    return {"can_use_hicache_jit_kernel": no_jit, "can_use_write_back_jit_kernel": no_jit}
+    return {"can_use_hicache_jit_kernel": predicate, "can_use_write_back_jit_kernel": predicate}
 
 
 def stubs(cuda_shaped: bool) -> dict[str, Stub]:
@@ -66,8 +68,9 @@ def stubs(cuda_shaped: bool) -> dict[str, Stub]:
         ),
         "sglang.kernels.ops.kvcache.hicache": Stub(
             "SGLang's JIT CUDA HiCache kernels (need nvcc and tvm_ffi); the two predicates "
-            "return False, the kernels are placeholders that fail the check if called",
-            _jit_hicache,
+            "answer " + ("True (as on CUDA with 128-byte multiples)" if cuda_shaped else "False")
+            + ", the kernels are placeholders that fail the check if called",
+            lambda: _jit_hicache(cuda_shaped),
         ),
         "sglang.kernels.ops.kvcache.hisparse": Stub(
             "HiSparse / DeepSeek-V4 JIT kernels, imported by memory_pool_host for its DSV4 pools"

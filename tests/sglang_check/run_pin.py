@@ -152,7 +152,7 @@ def _import_time_bindings(compat: Any, handle: Any) -> dict[str, dict[str, int |
     out = {}
     for m, names in handle.patched_modules.items():
         src = compat.module_source(m)
-        preds = compat.imported_names(src, compat.JIT_SOURCES)
+        preds = compat.imported_names(src, compat.JIT_SOURCES, only_ops=False)
         out[m] = {
             n: id(ops[n]) if n in names else (id(getattr(jit, n)) if n in preds else None)
             for n in WATCHED
