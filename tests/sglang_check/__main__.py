@@ -49,8 +49,9 @@ def run_one(venv: str, pin: str, mode: str) -> dict[str, Any]:
 def verdict(r: dict[str, Any]) -> list[str]:
     """Every reason this run fails (empty: passed)."""
     bad = []
-    if "fatal" in r:
-        bad.append(r["fatal"])
+    for key in ("fatal", "gate_fatal"):
+        if key in r:
+            bad.append(r[key])
     rt = r.get("roundtrip", {})
     for key in ("idempotent", "uninstall_restores_exactly", "reinstall_same_bindings"):
         if rt and not rt.get(key):

@@ -95,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out: dict[str, Any] = {"mode": args.mode, "sglang_version": compat.sglang_version()}
     t0 = time.monotonic()
+    if not cuda_shaped:  # the gate does not depend on the ops: reported even if install fails
+        try:
+            out["gate"] = gate.run(out["sglang_version"])
+        except Exception as e:
+            out["gate_fatal"] = f"{type(e).__name__}: {e}"
+            out["gate_traceback"] = traceback.format_exc()
     try:
         global WATCHED
         WATCHED = (*compat.KVCACHEIO_NAMES, *compat.JIT_PREDICATES)
@@ -130,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
             for i, case in enumerate(transfers.cases(transfers.supports_asymmetric()))
         ]
         out["transfers"] = [r.to_dict() for r in results]
-        if not cuda_shaped:
-            out["gate"] = gate.run(out["sglang_version"])
         handle.uninstall()
     except Exception as e:
         out["fatal"] = f"{type(e).__name__}: {e}"
