@@ -35,7 +35,6 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import logging
 import sys
 import types
@@ -63,7 +62,8 @@ KVCACHEIO_NAMES: tuple[str, ...] = (
     "transfer_kv_all_layer_direct_lf_pf",
     "get_device_accessible_ptr",
 )
-"""The ``sgl_kernel.kvcacheio`` surface this module can supply (each where :mod:`kernels` has it)."""
+"""The ``sgl_kernel.kvcacheio`` surface this module can supply (each where :mod:`kernels` has
+it)."""
 
 KVCACHEIO_SOURCES: tuple[str, ...] = (
     "sgl_kernel.kvcacheio",

@@ -43,7 +43,7 @@ def _write(root: Path, rel: str, text: str) -> None:
 
 
 def _fake_sglang(root: Path, *, cuda: bool = False, mla: str | None = None, version="9.9.9"):
-    _write(root, "sglang-%s.dist-info/METADATA" % version,
+    _write(root, f"sglang-{version}.dist-info/METADATA",
            f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")  # fmt: skip
     for pkg in ("sglang", "sglang/srt", "sglang/srt/mem_cache", "sglang/srt/mem_cache/pool_host",
                 "sglang/kernels", "sglang/kernels/ops", "sglang/kernels/ops/kvcache"):  # fmt: skip

@@ -65,6 +65,12 @@ def verdict(r: dict[str, Any]) -> list[str]:
     return bad
 
 
+def _roundtrip_word(rt: dict[str, Any]) -> str:
+    if not rt:
+        return "-"
+    return "exact" if all(v is True for v in rt.values() if isinstance(v, bool)) else "FAILED"
+
+
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "| pin | mode | install | transfer cases ok | unwarmed launches | round trip | gate rows "
@@ -87,7 +93,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             lines.append(
                 f"| {pin} | {mode} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
-                f"| {'exact' if rt and all(v is True for k, v in rt.items() if isinstance(v, bool)) else 'FAILED' if rt else '-'} "
+                f"| {_roundtrip_word(rt)} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {'PASS' if not verdict(r) else 'FAIL'} |"
             )  # fmt: skip

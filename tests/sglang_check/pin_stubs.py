@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 BARE_PACKAGES: dict[str, str] = {
     "sglang": "package __init__ imports the whole runtime (frontend language, HF patches); "
     "submodules load from the installed files",
-    "sglang.srt.layers": "package __init__ imports the model layers; only layers.dcp.layout is used",
+    "sglang.srt.layers": "package __init__ imports the model layers; only layers.dcp.layout is "
+    "used",
     "sglang.srt.layers.dcp": "package __init__ imports the distributed communicators; only "
     "dcp.layout (maybe_dcp_kernel_indices, used by the 0.5.23 MLA host pool) is loaded",
 }

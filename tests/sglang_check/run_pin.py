@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         sglang = {
             "mha": mha,
             "mla": mla,
-            "takes_buffer_info": "buffer_info" in mha.MHATokenToKVPoolHost.__init__.__code__.co_varnames,
+            "takes_buffer_info": "buffer_info"
+            in mha.MHATokenToKVPoolHost.__init__.__code__.co_varnames,
         }
         results = [
             transfers.run_case(sglang, case, handle, seed=i)
