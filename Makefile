@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The pinned CPU wheel; on a machine with CUDA the user's CUDA torch is used instead.
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: test bench lint clean
+.PHONY: test bench lint clean sglang-check
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
@@ -34,5 +34,28 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff && $(BIN)/ruff check .
 
+# SGLang compatibility check (not part of `make test`: it downloads the pinned releases).
+# Its own venv: torch as `make test` installs it, the pins with --no-deps in separate target dirs,
+# and only what SGLang's host-pool and argument modules import (numpy, psutil, msgspec).
+SGLANG_PINS ?= 0.5.17 0.5.23
+SGLANG_VENV := .venv-sglang-check
+
+$(SGLANG_VENV)/.installed: Makefile
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q $(CPU_TORCH) triton numpy psutil msgspec
+	@touch $@
+
+sglang-check: $(SGLANG_VENV)/.installed
+	@for pin in $(SGLANG_PINS); do \
+		if [ ! -f $(SGLANG_VENV)/sglang-$$pin/.done ]; then \
+			echo "[sglang-check] pip install --no-deps sglang==$$pin"; \
+			rm -rf $(SGLANG_VENV)/sglang-$$pin; \
+			$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(SGLANG_VENV)/sglang-$$pin \
+				sglang==$$pin && touch $(SGLANG_VENV)/sglang-$$pin/.done || exit 1; \
+		fi; \
+	done
+	PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m tests.sglang_check \
+		--venv $(SGLANG_VENV) --pins $(SGLANG_PINS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache

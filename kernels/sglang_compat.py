@@ -1,0 +1,501 @@
+"""Plug this project's kvcacheio kernels into a running SGLang: one :func:`install` call.
+
+What :func:`install` does, in this order, after checking everything it will touch (an SGLang whose
+modules it does not recognise gets one ``ValueError`` naming the SGLang version, and nothing is
+patched):
+
+1. **sgl-kernel absent**: registers a minimal ``sgl_kernel`` package and ``sgl_kernel.kvcacheio``
+   module holding this project's ops, so SGLang's host-pool modules that are imported afterwards
+   bind them (``from sgl_kernel.kvcacheio import ...``). **sgl-kernel present**: the same names on
+   its ``sgl_kernel.kvcacheio`` module are rebound to this project's ops.
+2. Imports SGLang's host-pool modules (``import_modules=True``), then **rebinds every kvcacheio
+   name those modules imported** (or would have imported on CUDA: the names are read from each
+   module's source) to this project's op, in each module's globals. Modules under
+   ``sglang.srt.mem_cache`` that import names this project does not provide are left alone and
+   listed in :attr:`SGLangKernels.skipped`.
+3. ``route_around_jit=True``: rebinds SGLang's JIT predicates (``can_use_hicache_jit_kernel``,
+   ``can_use_write_back_jit_kernel``) in those modules to ``False``, so the ``kernel`` io backend
+   takes the kvcacheio ops (this project's) instead of SGLang's JIT kernels (0.5.17+ use them
+   whenever the per-token size is a multiple of 128 bytes). Host pools decide at construction:
+   install before building them, or pass built ones as ``host_pools`` (their ``can_use_jit`` and
+   ``can_use_write_back_jit`` are set to ``False`` and restored on uninstall).
+4. ``warm=[(host_pool, device_pool), ...]``: :func:`warm_up` each pair (see there).
+
+The handle's :meth:`SGLangKernels.uninstall` restores every binding exactly (names that did not
+exist are deleted again, registered modules removed). Installing again while installed returns
+the same handle; different options then raise ``ValueError`` (uninstall first).
+
+This module imports nothing of SGLang at import time, and nothing of this project outside
+:mod:`kernels`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+import types
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KVCACHEIO_NAMES: tuple[str, ...] = (
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "get_device_accessible_ptr",
+)
+"""The ``sgl_kernel.kvcacheio`` surface this module can supply (each where :mod:`kernels` has
+it)."""
+
+KVCACHEIO_SOURCES: tuple[str, ...] = (
+    "sgl_kernel.kvcacheio",
+    "sglang.srt.mem_cache.pool_host._kvcacheio",  # 0.5.23's per-op binding module (XPU)
+)
+JIT_SOURCES: tuple[str, ...] = (
+    "sglang.kernels.ops.kvcache.hicache",  # 0.5.17+
+    "sglang.jit_kernel.hicache",  # 0.5.14
+)
+JIT_PREDICATES: tuple[str, ...] = ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel")
+
+MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
+    # MHA / MLA host pools split into a package (0.5.17 ... 0.5.23 at least).
+    "pool_host": (
+        "sglang.srt.mem_cache.pool_host.mha",
+        "sglang.srt.mem_cache.pool_host.mla",
+    ),
+    # Every host pool in one module (0.5.14 and earlier).
+    "memory_pool_host": ("sglang.srt.mem_cache.memory_pool_host",),
+}
+"""The host-pool module layouts this module recognises: layout name -> modules that must import
+kvcacheio ops. The first layout whose modules all exist is used."""
+
+SCANNED_PACKAGE = "sglang.srt.mem_cache."
+"""Other already-imported modules under this package that import kvcacheio ops are rebound too."""
+
+HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
+
+_ABSENT = object()
+
+
+def _false_predicate(*args: Any, **kwargs: Any) -> bool:
+    """Stands for SGLang's JIT predicates when routing around the JIT kernels."""
+    return False
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version (``"unknown"`` when it has no distribution metadata)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        mod = sys.modules.get("sglang.version")
+        return str(getattr(mod, "__version__", "unknown"))
+
+
+def provided_ops() -> dict[str, Any]:
+    """This project's ops by SGLang name (only the names :mod:`kernels` defines)."""
+    import kernels
+
+    return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
+
+
+def imported_names(source: str, sources: Sequence[str], only_ops: bool = True) -> set[str]:
+    """Names a module's ``source`` text imports from any of ``sources`` (``from X import a, b``), at
+    any nesting (SGLang's imports sit under platform ``if`` branches, so on a machine without CUDA
+    they never ran: the names are read from the text, not from the module's globals).
+
+    From a module other than ``sgl_kernel.kvcacheio`` itself (0.5.23's ``_kvcacheio`` also exports
+    helpers such as ``require_kvcacheio_ops``), only op names count: ``transfer_*`` and
+    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name).
+    """
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module in sources and node.level == 0:
+            for alias in node.names:
+                if not only_ops or node.module == "sgl_kernel.kvcacheio" or _is_op(alias.name):
+                    names.add(alias.name)
+    return names
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith("transfer_") or name == "get_device_accessible_ptr"
+
+
+def module_source(name: str) -> str:
+    """The source text of module ``name`` (imported or not; importing its parent packages).
+
+    Raises ``ValueError`` when it cannot be found or read.
+    """
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None) if module is not None else None
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"cannot locate {name}: {e}") from e
+        path = spec.origin if spec is not None else None
+    if not path or not str(path).endswith(".py"):
+        raise ValueError(f"cannot read the source of {name} (origin {path!r})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the source of {name}: {e}") from e
+
+
+@dataclass
+class _Binding:
+    """One name to set on one namespace (module or object), with what it held before."""
+
+    target: Any
+    name: str
+    value: Any
+    old: Any = _ABSENT
+
+    def apply(self) -> None:
+        self.old = getattr(self.target, self.name, _ABSENT)
+        setattr(self.target, self.name, self.value)
+
+    def restore(self) -> None:
+        if self.old is _ABSENT:
+            if hasattr(self.target, self.name):
+                delattr(self.target, self.name)
+        else:
+            setattr(self.target, self.name, self.old)
+
+
+@dataclass
+class WarmUpReport:
+    """What :func:`warm_up` ran: ``(host pool class, layout, call)`` rows, and what it skipped."""
+
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class SGLangKernels:
+    """The handle :func:`install` returns. Read-only record of what was patched."""
+
+    sglang_version: str
+    layout: str
+    route_around_jit: bool
+    registered_sgl_kernel: bool
+    patched_modules: dict[str, tuple[str, ...]]
+    skipped: dict[str, tuple[str, ...]]
+    warm: WarmUpReport = field(default_factory=WarmUpReport)
+    _bindings: list[_Binding] = field(default_factory=list, repr=False)
+    _registered: list[str] = field(default_factory=list, repr=False)
+    _options: tuple = field(default=(), repr=False)
+    installed: bool = True
+
+    def uninstall(self) -> None:
+        """Restore every binding and remove registered modules. A second call does nothing."""
+        global _ACTIVE
+        if not self.installed:
+            return
+        for binding in reversed(self._bindings):
+            binding.restore()
+        for name in reversed(self._registered):
+            module = sys.modules.pop(name, None)
+            parent, _, child = name.rpartition(".")
+            if parent and module is not None and getattr(sys.modules.get(parent), child, None):
+                delattr(sys.modules[parent], child)
+        self._bindings.clear()
+        self._registered.clear()
+        self.installed = False
+        if _ACTIVE is self:
+            _ACTIVE = None
+        logger.info("sglang_compat: uninstalled (SGLang %s)", self.sglang_version)
+
+    def warm_up(self, host_pool: Any, device_pool: Any) -> WarmUpReport:
+        """:func:`warm_up` one pair, recorded in :attr:`warm`."""
+        report = warm_up(host_pool, device_pool)
+        self.warm.calls += report.calls
+        self.warm.skipped += report.skipped
+        return report
+
+
+_ACTIVE: SGLangKernels | None = None
+
+
+def active() -> SGLangKernels | None:
+    """The installed handle, if any."""
+    return _ACTIVE
+
+
+def _sgl_kernel_present() -> bool:
+    if "sgl_kernel" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("sgl_kernel") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _find_layout(version: str) -> str:
+    for layout, modules in MODULE_LAYOUTS.items():
+        try:
+            if all(importlib.util.find_spec(m) is not None for m in modules):
+                return layout
+        except (ImportError, ValueError):
+            continue
+    known = "; ".join(f"{k}: {', '.join(v)}" for k, v in MODULE_LAYOUTS.items())
+    raise ValueError(
+        f"SGLang {version}: no known host-pool module layout found (known layouts: {known}); "
+        f"sglang_compat does not support this SGLang version"
+    )
+
+
+def _fake_sgl_kernel(ops: dict[str, Any]) -> dict[str, types.ModuleType]:
+    """A minimal ``sgl_kernel`` package whose ``kvcacheio`` holds ``ops`` (not yet registered)."""
+    pkg = types.ModuleType("sgl_kernel")
+    pkg.__path__ = []
+    pkg.__doc__ = "Stand-in registered by kernels.sglang_compat: only kvcacheio is provided."
+    io = types.ModuleType("sgl_kernel.kvcacheio")
+    io.__doc__ = "This project's kvcacheio ops (kernels.sglang_compat)."
+    for name, fn in ops.items():
+        setattr(io, name, fn)
+    io.__all__ = sorted(ops)
+    pkg.kvcacheio = io
+    return {"sgl_kernel": pkg, "sgl_kernel.kvcacheio": io}
+
+
+def install(
+    *,
+    route_around_jit: bool = False,
+    import_modules: bool = True,
+    host_pools: Iterable[Any] = (),
+    warm: Iterable[tuple[Any, Any]] = (),
+) -> SGLangKernels:
+    """Plug this project's kernels into SGLang (see the module docstring). Returns the handle.
+
+    ``host_pools``: already built SGLang host pools whose JIT flags to clear (with
+    ``route_around_jit``). ``warm``: ``(host_pool, device_pool)`` pairs to :func:`warm_up`.
+    Raises ``ValueError`` naming the SGLang version when its modules are not recognised; nothing
+    is patched then.
+    """
+    global _ACTIVE
+    host_pools, warm = list(host_pools), list(warm)
+    options = (bool(route_around_jit), bool(import_modules))
+    if _ACTIVE is not None and _ACTIVE.installed:
+        if _ACTIVE._options != options:
+            raise ValueError(
+                f"sglang_compat is already installed with route_around_jit="
+                f"{_ACTIVE._options[0]}, import_modules={_ACTIVE._options[1]}: uninstall first"
+            )
+        if host_pools or warm:
+            raise ValueError("host_pools / warm need a fresh install: call handle.warm_up()")
+        return _ACTIVE
+
+    version = sglang_version()
+    ops = provided_ops()
+    layout = _find_layout(version)
+    required = MODULE_LAYOUTS[layout]
+    # Check the required modules' imports from their source before touching anything.
+    required_names = {name: _required_names(version, layout, name, ops) for name in required}
+    has_sgl_kernel = _sgl_kernel_present()
+
+    # 1. The ops module: registered before SGLang's host-pool modules import (they bind it), or
+    # sgl-kernel's own, rebound below. Undone if anything after this fails.
+    registered = {} if has_sgl_kernel else _fake_sgl_kernel(ops)
+    bindings: list[_Binding] = []
+    sys.modules.update(registered)
+    try:
+        if has_sgl_kernel:
+            io_module = importlib.import_module("sgl_kernel.kvcacheio")
+            bindings += [_Binding(io_module, n, fn) for n, fn in ops.items()]
+        for name in required:
+            if import_modules:
+                importlib.import_module(name)
+            elif name not in sys.modules:
+                raise ValueError(
+                    f"SGLang {version}: {name} is not imported (pass import_modules=True)"
+                )
+        patched, skipped, module_bindings = _plan_rebinding(
+            required_names, ops, route_around_jit
+        )
+    except BaseException:
+        for name in registered:
+            sys.modules.pop(name, None)
+        raise
+    bindings += module_bindings
+    if route_around_jit:
+        for pool in host_pools:
+            bindings += [
+                _Binding(pool, flag, False) for flag in HOST_POOL_JIT_FLAGS if hasattr(pool, flag)
+            ]
+
+    # 2. Everything checked: apply.
+    for binding in bindings:
+        binding.apply()
+    handle = SGLangKernels(
+        sglang_version=version,
+        layout=layout,
+        route_around_jit=bool(route_around_jit),
+        registered_sgl_kernel=bool(registered),
+        patched_modules=patched,
+        skipped=skipped,
+        _bindings=bindings,
+        _registered=list(registered),
+        _options=options,
+    )
+    _ACTIVE = handle
+    logger.info(
+        "sglang_compat: SGLang %s (%s layout), %s sgl_kernel.kvcacheio, rebound %d names in %s%s",
+        version, layout, "registered" if registered else "patched",
+        sum(len(v) for v in patched.values()), ", ".join(patched) or "no module",
+        ", JIT routed around" if route_around_jit else "",
+    )  # fmt: skip
+    try:
+        for host_pool, device_pool in warm:
+            handle.warm_up(host_pool, device_pool)
+    except BaseException:
+        handle.uninstall()
+        raise
+    return handle
+
+
+def _required_names(version: str, layout: str, name: str, ops: dict[str, Any]) -> set[str]:
+    """The kvcacheio names required module ``name`` imports; ``ValueError`` when it imports none
+    or one this project lacks."""
+    try:
+        names = imported_names(module_source(name), KVCACHEIO_SOURCES)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"SGLang {version} ({layout} layout): {e}") from e
+    if not names:
+        raise ValueError(
+            f"SGLang {version} ({layout} layout): {name} imports no kvcacheio op from "
+            f"{' or '.join(KVCACHEIO_SOURCES)}; sglang_compat does not recognise its layout"
+        )
+    missing = sorted(names - set(ops))
+    if missing:
+        raise ValueError(
+            f"SGLang {version} ({layout} layout): {name} imports {missing} from "
+            f"sgl_kernel.kvcacheio, which this project's kernels do not provide"
+        )
+    return names
+
+
+def _plan_rebinding(
+    required_names: dict[str, set[str]],
+    ops: dict[str, Any],
+    route_around_jit: bool,
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], list[_Binding]]:
+    """Every module binding to apply: the required modules, then other imported modules under
+    :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped)."""
+    others = sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith(SCANNED_PACKAGE) and name not in required_names and mod is not None
+    )
+    patched: dict[str, tuple[str, ...]] = {}
+    skipped: dict[str, tuple[str, ...]] = {}
+    bindings: list[_Binding] = []
+    for name in [*required_names, *others]:
+        module = sys.modules[name]
+        if name in required_names:
+            names = required_names[name]
+            source = module_source(name)
+        else:
+            if not _mentions_kvcacheio(module):
+                continue
+            try:
+                source = module_source(name)
+                names = imported_names(source, KVCACHEIO_SOURCES)
+            except (ValueError, SyntaxError):
+                continue
+            missing = tuple(sorted(names - set(ops)))
+            if missing:
+                skipped[name] = missing
+                continue
+            if not names:
+                continue
+        bindings += [_Binding(module, n, ops[n]) for n in sorted(names)]
+        patched[name] = tuple(sorted(names))
+        if route_around_jit:
+            jit = imported_names(source, JIT_SOURCES, only_ops=False) & set(JIT_PREDICATES)
+            bindings += [_Binding(module, n, _false_predicate) for n in sorted(jit)]
+    return patched, skipped, bindings
+
+
+def _mentions_kvcacheio(module: types.ModuleType) -> bool:
+    """Cheap filter before parsing a module: does its source file mention kvcacheio at all?"""
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "kvcacheio" in f.read()
+    except OSError:
+        return False
+
+
+def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
+    """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes.
+
+    Drives SGLang's own dispatch (``load_to_device_per_layer`` for every layer,
+    ``backup_from_device_all_layer``) with the ``kernel`` io backend and index tensors of ``-1``:
+    the kernels skip pairs with a negative index, so each launch compiles (on CUDA) exactly the
+    variant the real call with these buffers, strides, dtype and item size will use, and writes
+    nothing. Blocks until those launches are queued (compilation happens in the calling thread).
+    Skipped: layouts the ``kernel`` backend does not serve (``page_first_direct``: the direct
+    backend launches no kernel), and host pools that will take SGLang's JIT kernels
+    (``can_use_jit`` true: install with ``route_around_jit=True`` first).
+    """
+    report = WarmUpReport()
+    pool_name = type(host_pool).__name__
+    layout = str(getattr(host_pool, "layout", "?"))
+    if getattr(host_pool, "can_use_jit", False) or getattr(
+        host_pool, "can_use_write_back_jit", False
+    ):
+        report.skipped.append((pool_name, layout, "SGLang JIT kernels in use (can_use_jit)"))
+        return report
+    if layout not in ("layer_first", "page_first", "page_head"):
+        report.skipped.append((pool_name, layout, "no kernel-backend ops for this layout"))
+        return report
+    device = _device_of(device_pool)
+    page = int(getattr(host_pool, "page_size", 1))
+    layers = int(getattr(device_pool, "layer_num", getattr(host_pool, "layer_num", 0)))
+    for src, dst in _negative_index_pairs(page, device):
+        for layer_id in range(layers):
+            host_pool.load_to_device_per_layer(device_pool, src, dst, layer_id, "kernel")
+        host_pool.backup_from_device_all_layer(device_pool, dst, src, "kernel")
+    report.calls.append((pool_name, layout, f"load_to_device_per_layer x {layers} layers x 4"))
+    report.calls.append((pool_name, layout, "backup_from_device_all_layer x 4"))
+    return report
+
+
+def _negative_index_pairs(page: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Index tensors of ``-1`` in both 16-byte alignments, in the four (src, dst) combinations.
+
+    Triton specializes pointer arguments on 16-byte alignment; index tensors that are slices of an
+    allocator's free list start at any multiple of 8 bytes, so both variants are launched.
+    """
+    base = torch.full((page + 2,), -1, dtype=torch.int64, device=device)
+    start = 0 if base.data_ptr() % 16 == 0 else 1
+    aligned, shifted = base[start : start + page], base[start + 1 : start + 1 + page]
+    return [(a, b) for a in (aligned, shifted) for b in (aligned, shifted)]
+
+
+def _device_of(device_pool: Any) -> torch.device:
+    device = getattr(device_pool, "device", None)
+    if device is None:
+        raise ValueError("device_pool has no .device")
+    return torch.device(device)

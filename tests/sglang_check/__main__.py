@@ -1,0 +1,156 @@
+"""``make sglang-check``: run the SGLang compatibility check for each pinned release.
+
+``python -m tests.sglang_check [--venv .venv-sglang-check] [--pins 0.5.17 0.5.23] [--out DIR]``
+
+Each pin is installed (``pip install --no-deps --target VENV/sglang-PIN``) by the Makefile; each
+(pin, mode) runs in its own process (:mod:`tests.sglang_check.run_pin`). Prints one summary table
+and the stub list, writes ``results/sglang_check.json``, and exits non-zero when any transfer
+case fails, the round trip of the compat module is not exact, or the gate shows a difference
+that is not a documented divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MODES = ("cpu", "cuda-shaped")
+
+
+def run_one(venv: str, pin: str, mode: str) -> dict[str, Any]:
+    site = os.path.join(venv, f"sglang-{pin}")
+    if not os.path.isdir(site):
+        return {"mode": mode, "fatal": f"{site} missing: run make sglang-check"}
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, "-m", "tests.sglang_check.run_pin", "--site", site,
+           "--mode", mode, "--out", out]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    try:
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        result = {"mode": mode, "fatal": f"no result (exit {proc.returncode})"}
+    finally:
+        os.unlink(out)
+    if proc.returncode:
+        result.setdefault("fatal", f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return result
+
+
+def verdict(r: dict[str, Any]) -> list[str]:
+    """Every reason this run fails (empty: passed)."""
+    bad = []
+    for key in ("fatal", "gate_fatal"):
+        if key in r:
+            bad.append(r[key])
+    rt = r.get("roundtrip", {})
+    for key in ("idempotent", "uninstall_restores_exactly", "reinstall_same_bindings"):
+        if rt and not rt.get(key):
+            bad.append(f"roundtrip: {key} is false")
+    for t in r.get("transfers", []):
+        if not t["ok"]:
+            bad.append(f"{t['case']}: {t['error']}")
+    gate = r.get("gate")
+    if gate and not gate["ok"]:
+        bad.append(f"gate: {len(gate['unexplained'])} unexplained differences")
+    return bad
+
+
+def _roundtrip_word(rt: dict[str, Any]) -> str:
+    if not rt:
+        return "-"
+    return "exact" if all(v is True for v in rt.values() if isinstance(v, bool)) else "FAILED"
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [
+        "| pin | mode | install | transfer cases ok | unwarmed launches | round trip | gate rows "
+        "| gate differences (class: count) | result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pin, modes in results.items():
+        for mode, r in modes.items():
+            inst = r.get("install", {})
+            how = (
+                ("registered" if inst.get("registered_sgl_kernel") else "rebound")
+                + (" + JIT route-around" if inst.get("route_around_jit") else "")
+                if inst
+                else "-"
+            )
+            ts = r.get("transfers", [])
+            rt = r.get("roundtrip", {})
+            gate = r.get("gate")
+            diffs = ", ".join(f"{k}: {v}" for k, v in (gate or {}).get("differences", {}).items())
+            lines.append(
+                f"| {pin} | {mode} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
+                f"| {sum(t['unwarmed_launches'] for t in ts)} "
+                f"| {_roundtrip_word(rt)} "
+                f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
+                f"| {'PASS' if not verdict(r) else 'FAIL'} |"
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def stub_lines(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    seen: dict[str, dict[str, Any]] = {}
+    for modes in results.values():
+        for r in modes.values():
+            for s in r.get("stubs", []):
+                entry = seen.setdefault(s["module"], {**s, "placeholders": set()})
+                entry["placeholders"] |= set(s.get("placeholders", []))
+    out = []
+    for name, s in sorted(seen.items()):
+        names = ", ".join(sorted(s["placeholders"])) or "none"
+        out.append(f"- {name} ({s['kind']}): {s['reason']}" + (
+            f" [placeholder names imported: {names}]" if s["kind"] == "stub" else ""))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", default=".venv-sglang-check")
+    parser.add_argument("--pins", nargs="+", default=["0.5.17", "0.5.23"])
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args(argv)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for pin in args.pins:
+        results[pin] = {}
+        for mode in MODES:
+            print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
+            results[pin][mode] = run_one(args.venv, pin, mode)
+    print()
+    print(table(results))
+    print("\nStubbed imports (everything else is SGLang's installed code):")
+    print("\n".join(stub_lines(results)))
+    failures = {
+        f"{pin}/{mode}": verdict(r) for pin, modes in results.items() for mode, r in modes.items()
+    }
+    for pin, modes in results.items():
+        gate = modes.get("cpu", {}).get("gate")
+        if gate:
+            print(f"\nGate {pin} ({gate['gate']}), {gate['rows']} rows; examples per class:")
+            for cls, ex in gate["examples"].items():
+                print(f"  {cls}: {ex}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sglang_check.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"results": results, "failures": failures}, f, indent=1, default=str)
+    print(f"\nwrote {path}")
+    bad = {k: v for k, v in failures.items() if v}
+    for k, v in bad.items():
+        print(f"FAIL {k}:\n  " + "\n  ".join(v[:20]))
+    print("sglang-check:", "FAILED" if bad else "passed for " + ", ".join(args.pins))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
