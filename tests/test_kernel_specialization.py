@@ -16,7 +16,9 @@ import kernels
 from kernels import addressing as a
 from kernels.launch import plan_launch
 from kernels.transfer import validate
-from tests.triton_keys import launch_key
+from tests.triton_keys import available, launch_key
+
+pytestmark = pytest.mark.skipif(not available(), reason="Triton has no NVIDIA backend here")
 
 L, T, ITEM = 3, 32, 64
 

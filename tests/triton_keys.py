@@ -38,6 +38,15 @@ def _binder() -> Any:
     return create_function_from_signature(kernel.signature, kernel.params, backend)
 
 
+def available() -> bool:
+    """Whether this Triton installation has the NVIDIA backend the keys are computed with."""
+    try:
+        _binder()
+    except Exception:  # noqa: BLE001 - no NVIDIA backend in this Triton build
+        return False
+    return True
+
+
 def launch_key(*args: Any, **kwargs: Any) -> str:
     """The cache key a CUDA launch ``kv_copy_kernel[grid](*args, **kwargs)`` would look up
     (specialization and options, as ``triton.runtime.jit.compute_cache_key`` forms it)."""
