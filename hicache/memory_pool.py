@@ -75,7 +75,7 @@ class _DevicePool:
         self.device = torch.device(device)
         self.start_layer = 0
         self.end_layer = layer_num - 1
-        self.layer_shard_size = layer_num
+        self.layer_shard_size = 1  # SGLang's meaning: shards the layers are split over
         self.model_layer_ids = tuple(range(layer_num))
         self.layer_transfer_counter: Any = None
 

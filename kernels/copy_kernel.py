@@ -107,7 +107,15 @@ def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_s
 
 # Per-call sizes are not specialized on (value 1, multiple of 16): that would compile a new
 # variant per call shape; strides stay specialized, their alignment feeds vectorization.
-@triton.jit(do_not_specialize=["n_items", "layer_begin", "src_slots", "dst_slots"])
+# The index tensors are not specialized on 16-byte alignment either: an allocator's index slices
+# start at any multiple of 8 bytes, and each alignment would compile (on CUDA, on the thread that
+# launches) a variant of its own. Only the small index loads could use that hint; the data
+# accesses take theirs from the row pointers (``_row_pointers``).
+@triton.jit(
+    do_not_specialize=[
+        "src_idx_ptr", "dst_idx_ptr", "n_items", "layer_begin", "src_slots", "dst_slots",
+    ]
+)  # fmt: skip
 def kv_copy_kernel(
     src_k, dst_k, src_v, dst_v, src_idx_ptr, dst_idx_ptr,
     n_items, layer_begin, n_layers,

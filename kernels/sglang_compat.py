@@ -9,17 +9,21 @@ patched):
    bind them (``from sgl_kernel.kvcacheio import ...``). **sgl-kernel present**: the same names on
    its ``sgl_kernel.kvcacheio`` module are rebound to this project's ops.
 2. Imports SGLang's host-pool modules (``import_modules=True``), then **rebinds every kvcacheio
-   name those modules imported** (or would have imported on CUDA: the names are read from each
-   module's source) to this project's op, in each module's globals. Modules under
-   ``sglang.srt.mem_cache`` that import names this project does not provide are left alone and
-   listed in :attr:`SGLangKernels.skipped`.
+   name those modules imported at module level** (or would have imported on CUDA: the names are
+   read from each module's source) to this project's op, in each module's globals. A name a
+   module imports inside a function is looked up in ``sgl_kernel.kvcacheio`` when the function
+   runs, so step 1 already covers it: nothing is bound for it, and the module is listed in
+   :attr:`SGLangKernels.resolved_at_call`. Modules under ``sglang.srt.mem_cache`` that import
+   names this project does not provide are left alone and listed in
+   :attr:`SGLangKernels.skipped`.
 3. ``route_around_jit=True``: rebinds SGLang's JIT predicates (``can_use_hicache_jit_kernel``,
    ``can_use_write_back_jit_kernel``) in those modules to ``False``, so the ``kernel`` io backend
    takes the kvcacheio ops (this project's) instead of SGLang's JIT kernels (0.5.17+ use them
    whenever the per-token size is a multiple of 128 bytes). Host pools decide at construction:
    install before building them, or pass built ones as ``host_pools`` (their ``can_use_jit`` and
    ``can_use_write_back_jit`` are set to ``False`` and restored on uninstall).
-4. ``warm=[(host_pool, device_pool), ...]``: :func:`warm_up` each pair (see there).
+4. ``warm=[(host_pool, device_pool), ...]``: :func:`warm_up` each pair (see there: it also
+   verifies the pointer tables SGLang built, so the kernels copy them with 16-byte words).
 
 The handle's :meth:`SGLangKernels.uninstall` restores every binding exactly (names that did not
 exist are deleted again, registered modules removed). Installing again while installed returns
@@ -42,9 +46,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from kernels.sglang_warm_up import WarmUpReport, verify_pool_tables, warm_up
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "JIT_PREDICATES", "KVCACHEIO_NAMES", "MODULE_LAYOUTS", "SGLangKernels", "WarmUpReport",
+    "active", "imported_names", "install", "module_source", "provided_ops", "sglang_version",
+    "verify_pool_tables", "warm_up",
+]  # fmt: skip
 
 KVCACHEIO_NAMES: tuple[str, ...] = (
     "transfer_kv_per_layer",
@@ -116,22 +126,44 @@ def provided_ops() -> dict[str, Any]:
     return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
 
 
-def imported_names(source: str, sources: Sequence[str], only_ops: bool = True) -> set[str]:
+def imported_names(
+    source: str, sources: Sequence[str], only_ops: bool = True, module_level: bool = False
+) -> set[str]:
     """Names a module's ``source`` text imports from any of ``sources`` (``from X import a, b``), at
     any nesting (SGLang's imports sit under platform ``if`` branches, so on a machine without CUDA
     they never ran: the names are read from the text, not from the module's globals).
 
     From a module other than ``sgl_kernel.kvcacheio`` itself (0.5.23's ``_kvcacheio`` also exports
     helpers such as ``require_kvcacheio_ops``), only op names count: ``transfer_*`` and
-    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name).
+    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name). ``module_level=True``:
+    only imports that bind module globals (not those inside a function or class body).
     """
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module in sources and node.level == 0:
+    for node in _import_nodes(ast.parse(source), module_level):
+        if node.module in sources and node.level == 0:
             for alias in node.names:
                 if not only_ops or node.module == "sgl_kernel.kvcacheio" or _is_op(alias.name):
                     names.add(alias.name)
     return names
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _import_nodes(tree: ast.AST, module_level: bool) -> list[ast.ImportFrom]:
+    """Every ``from ... import`` of ``tree``; with ``module_level``, not those in a new scope."""
+    if not module_level:
+        return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    out: list[ast.ImportFrom] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom):
+                out.append(child)
+            elif not isinstance(child, _SCOPES):
+                todo.append(child)
+    return out
 
 
 def _is_op(name: str) -> bool:
@@ -182,14 +214,6 @@ class _Binding:
 
 
 @dataclass
-class WarmUpReport:
-    """What :func:`warm_up` ran: ``(host pool class, layout, call)`` rows, and what it skipped."""
-
-    calls: list[tuple[str, str, str]] = field(default_factory=list)
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)
-
-
-@dataclass
 class SGLangKernels:
     """The handle :func:`install` returns. Read-only record of what was patched."""
 
@@ -199,6 +223,7 @@ class SGLangKernels:
     registered_sgl_kernel: bool
     patched_modules: dict[str, tuple[str, ...]]
     skipped: dict[str, tuple[str, ...]]
+    resolved_at_call: dict[str, tuple[str, ...]] = field(default_factory=dict)
     warm: WarmUpReport = field(default_factory=WarmUpReport)
     _bindings: list[_Binding] = field(default_factory=list, repr=False)
     _registered: list[str] = field(default_factory=list, repr=False)
@@ -229,6 +254,7 @@ class SGLangKernels:
         report = warm_up(host_pool, device_pool)
         self.warm.calls += report.calls
         self.warm.skipped += report.skipped
+        self.warm.verified_tables += report.verified_tables
         return report
 
 
@@ -328,7 +354,7 @@ def install(
                 raise ValueError(
                     f"SGLang {version}: {name} is not imported (pass import_modules=True)"
                 )
-        patched, skipped, module_bindings = _plan_rebinding(
+        patched, skipped, at_call, module_bindings = _plan_rebinding(
             required_names, ops, route_around_jit
         )
     except BaseException:
@@ -352,6 +378,7 @@ def install(
         registered_sgl_kernel=bool(registered),
         patched_modules=patched,
         skipped=skipped,
+        resolved_at_call=at_call,
         _bindings=bindings,
         _registered=list(registered),
         _options=options,
@@ -397,9 +424,14 @@ def _plan_rebinding(
     required_names: dict[str, set[str]],
     ops: dict[str, Any],
     route_around_jit: bool,
-) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], list[_Binding]]:
+) -> tuple[
+    dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
+    list[_Binding],
+]:  # fmt: skip
     """Every module binding to apply: the required modules, then other imported modules under
-    :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped)."""
+    :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped).
+    Only names imported at module level are bound; names imported inside functions resolve
+    through ``sgl_kernel.kvcacheio`` when called (returned per module, third)."""
     others = sorted(
         name
         for name, mod in list(sys.modules.items())
@@ -407,6 +439,7 @@ def _plan_rebinding(
     )
     patched: dict[str, tuple[str, ...]] = {}
     skipped: dict[str, tuple[str, ...]] = {}
+    at_call: dict[str, tuple[str, ...]] = {}
     bindings: list[_Binding] = []
     for name in [*required_names, *others]:
         module = sys.modules[name]
@@ -427,12 +460,18 @@ def _plan_rebinding(
                 continue
             if not names:
                 continue
-        bindings += [_Binding(module, n, ops[n]) for n in sorted(names)]
-        patched[name] = tuple(sorted(names))
+        bound = names & imported_names(source, KVCACHEIO_SOURCES, module_level=True)
+        if names - bound:
+            at_call[name] = tuple(sorted(names - bound))
+        if bound:
+            bindings += [_Binding(module, n, ops[n]) for n in sorted(bound)]
+            patched[name] = tuple(sorted(bound))
         if route_around_jit:
-            jit = imported_names(source, JIT_SOURCES, only_ops=False) & set(JIT_PREDICATES)
-            bindings += [_Binding(module, n, _false_predicate) for n in sorted(jit)]
-    return patched, skipped, bindings
+            jit = imported_names(source, JIT_SOURCES, only_ops=False, module_level=True)
+            bindings += [
+                _Binding(module, n, _false_predicate) for n in sorted(jit & set(JIT_PREDICATES))
+            ]
+    return patched, skipped, at_call, bindings
 
 
 def _mentions_kvcacheio(module: types.ModuleType) -> bool:
@@ -445,57 +484,3 @@ def _mentions_kvcacheio(module: types.ModuleType) -> bool:
             return "kvcacheio" in f.read()
     except OSError:
         return False
-
-
-def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
-    """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes.
-
-    Drives SGLang's own dispatch (``load_to_device_per_layer`` for every layer,
-    ``backup_from_device_all_layer``) with the ``kernel`` io backend and index tensors of ``-1``:
-    the kernels skip pairs with a negative index, so each launch compiles (on CUDA) exactly the
-    variant the real call with these buffers, strides, dtype and item size will use, and writes
-    nothing. Blocks until those launches are queued (compilation happens in the calling thread).
-    Skipped: layouts the ``kernel`` backend does not serve (``page_first_direct``: the direct
-    backend launches no kernel), and host pools that will take SGLang's JIT kernels
-    (``can_use_jit`` true: install with ``route_around_jit=True`` first).
-    """
-    report = WarmUpReport()
-    pool_name = type(host_pool).__name__
-    layout = str(getattr(host_pool, "layout", "?"))
-    if getattr(host_pool, "can_use_jit", False) or getattr(
-        host_pool, "can_use_write_back_jit", False
-    ):
-        report.skipped.append((pool_name, layout, "SGLang JIT kernels in use (can_use_jit)"))
-        return report
-    if layout not in ("layer_first", "page_first", "page_head"):
-        report.skipped.append((pool_name, layout, "no kernel-backend ops for this layout"))
-        return report
-    device = _device_of(device_pool)
-    page = int(getattr(host_pool, "page_size", 1))
-    layers = int(getattr(device_pool, "layer_num", getattr(host_pool, "layer_num", 0)))
-    for src, dst in _negative_index_pairs(page, device):
-        for layer_id in range(layers):
-            host_pool.load_to_device_per_layer(device_pool, src, dst, layer_id, "kernel")
-        host_pool.backup_from_device_all_layer(device_pool, dst, src, "kernel")
-    report.calls.append((pool_name, layout, f"load_to_device_per_layer x {layers} layers x 4"))
-    report.calls.append((pool_name, layout, "backup_from_device_all_layer x 4"))
-    return report
-
-
-def _negative_index_pairs(page: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """Index tensors of ``-1`` in both 16-byte alignments, in the four (src, dst) combinations.
-
-    Triton specializes pointer arguments on 16-byte alignment; index tensors that are slices of an
-    allocator's free list start at any multiple of 8 bytes, so both variants are launched.
-    """
-    base = torch.full((page + 2,), -1, dtype=torch.int64, device=device)
-    start = 0 if base.data_ptr() % 16 == 0 else 1
-    aligned, shifted = base[start : start + page], base[start + 1 : start + 1 + page]
-    return [(a, b) for a in (aligned, shifted) for b in (aligned, shifted)]
-
-
-def _device_of(device_pool: Any) -> torch.device:
-    device = getattr(device_pool, "device", None)
-    if device is None:
-        raise ValueError("device_pool has no .device")
-    return torch.device(device)

@@ -88,6 +88,20 @@ def test_mla_device_pool_reads_like_sglang() -> None:
 
 
 @pytest.mark.parametrize("mla", [False, True])
+def test_layer_shard_fields_mean_one_shard_holding_every_layer(mla: bool) -> None:
+    """SGLang's ``layer_shard_size`` counts the shards the layers are split over (its sharded
+    DSA pool requires more than 1; the disaggregation code defaults it to 1). An SGLang host pool
+    on the sharded path sizes itself ``ceil(layer_num / layer_shard_size)`` layers and walks
+    ``_owned_local_layer_range()``: both must describe all ``layer_num`` layers."""
+    pool = (MLATokenToKVPool(16, 4, torch.float16, 6, 2, L, "cpu") if mla
+            else MHATokenToKVPool(16, 4, torch.float16, H, 8, L, "cpu"))  # fmt: skip
+    assert pool.layer_shard_size == 1
+    start, end = pool._owned_local_layer_range()
+    host_layers = -(-pool.layer_num // pool.layer_shard_size)  # SGLang 0.5.17's formula
+    assert (start, end) == (0, L) and host_layers == end - start == L
+
+
+@pytest.mark.parametrize("mla", [False, True])
 def test_registered_layer_counter_is_waited_on_by_the_accessors(mla: bool) -> None:
     """As SGLang's pools: ``get_*_buffer`` wait for the layer once a counter is registered; the
     raw ``k_buffer`` / ``kv_buffer`` lists (what the host pools copy through) never wait."""

@@ -213,6 +213,32 @@ def test_imported_names_reads_nested_imports_and_filters_helpers():
     assert compat.imported_names(src, compat.KVCACHEIO_SOURCES) == {
         "transfer_kv_per_layer", "other", "transfer_kv_direct", "get_device_accessible_ptr",
     }  # fmt: skip
+    assert compat.imported_names(src, compat.KVCACHEIO_SOURCES, module_level=True) == {
+        "transfer_kv_per_layer", "other", "transfer_kv_direct",
+    }  # fmt: skip
+
+
+def test_function_level_imports_resolve_at_call_and_are_not_bound(sandbox):
+    """A name imported inside a function binds a local when the function runs: it is served by
+    the registered ``sgl_kernel.kvcacheio``, and a module global for it would be dead (and
+    would not exist before install, so the round trip could not restore it exactly)."""
+    _fake_sglang(sandbox)
+    _write(sandbox, "sglang/srt/mem_cache/pool_host/common.py",
+           "def resolve():\n"
+           "    from sgl_kernel.kvcacheio import get_device_accessible_ptr\n"
+           "    return get_device_accessible_ptr\n")  # fmt: skip
+    common = importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+    handle = compat.install()
+    assert "sglang.srt.mem_cache.pool_host.common" not in handle.patched_modules
+    assert handle.resolved_at_call == {
+        "sglang.srt.mem_cache.pool_host.common": ("get_device_accessible_ptr",)
+    }
+    assert "get_device_accessible_ptr" not in vars(common)
+    assert common.resolve() is kernels.get_device_accessible_ptr
+    handle.uninstall()
+    assert "get_device_accessible_ptr" not in vars(common)
+    with pytest.raises(ImportError):
+        common.resolve()
 
 
 class _RecordingHostPool:
@@ -224,25 +250,50 @@ class _RecordingHostPool:
         self.calls: list[tuple] = []
 
     def load_to_device_per_layer(self, dev, host_idx, dev_idx, layer, io):
-        self.calls.append(("load", layer, io, host_idx.clone(), host_idx.data_ptr() % 16,
-                           dev_idx.data_ptr() % 16))  # fmt: skip
+        self.calls.append(("load", layer, io, host_idx.clone(), dev_idx.clone()))
 
     def backup_from_device_all_layer(self, dev, host_idx, dev_idx, io):
-        self.calls.append(("backup", None, io, host_idx.clone(), host_idx.data_ptr() % 16,
-                           dev_idx.data_ptr() % 16))  # fmt: skip
+        self.calls.append(("backup", None, io, host_idx.clone(), dev_idx.clone()))
 
 
-def test_warm_up_drives_every_layer_with_negative_indices_in_both_alignments():
+def test_warm_up_drives_every_layer_once_with_negative_indices():
     dev = types.SimpleNamespace(layer_num=3, device=torch.device("cpu"))
     host = _RecordingHostPool("page_first", page_size=4)
     report = compat.warm_up(host, dev)
-    loads = [c for c in host.calls if c[0] == "load"]
-    backups = [c for c in host.calls if c[0] == "backup"]
-    assert len(loads) == 3 * 4 and len(backups) == 4
-    assert sorted({c[1] for c in loads}) == [0, 1, 2]
-    assert all(c[2] == "kernel" and (c[3] == -1).all() and c[3].numel() == 4 for c in host.calls)
-    assert {(c[4], c[5]) for c in loads} == {(0, 0), (0, 8), (8, 0), (8, 8)}
+    assert [c[:3] for c in host.calls] == [
+        ("load", 0, "kernel"), ("load", 1, "kernel"), ("load", 2, "kernel"),
+        ("backup", None, "kernel"),
+    ]  # fmt: skip
+    assert all((c[i] == -1).all() and c[i].numel() == 4 for c in host.calls for i in (3, 4))
     assert len(report.calls) == 2 and not report.skipped
+
+
+def test_warm_up_verifies_the_pointer_tables_sglang_built_before_any_launch():
+    """SGLang builds its tables with ``torch.tensor([... data_ptr() ...])``: unverified, the
+    kernels would copy them with 8-byte words on CUDA. The warm-up verifies each once, before
+    the launches (so they compile the 16-byte variant the real copies use); tables verified
+    already (this project's) and other attributes are left alone."""
+    layers = [torch.zeros(4, 8) for _ in range(2)]
+    sglang_table = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)
+    ours = kernels.data_ptr_table(layers, "cpu")
+    dev = types.SimpleNamespace(layer_num=2, device=torch.device("cpu"), k_data_ptrs=ours,
+                                data_ptrs=sglang_table)  # fmt: skip
+    host = _RecordingHostPool("layer_first", page_size=1)
+    host.v_data_ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    host.indices = torch.zeros(3, dtype=torch.int64)  # not a table: name does not say so
+    host.data_ptrs = sglang_table  # the same table twice: verified once
+    seen_at_launch = []
+    load = host.load_to_device_per_layer
+    host.load_to_device_per_layer = lambda *a: (
+        seen_at_launch.append(kernels.verified_alignment(sglang_table)), load(*a))  # fmt: skip
+    assert kernels.verified_alignment(sglang_table) == 0
+    report = compat.warm_up(host, dev)
+    assert sorted(report.verified_tables) == [
+        ("_RecordingHostPool", "data_ptrs", 16), ("_RecordingHostPool", "v_data_ptrs", 16),
+    ]  # fmt: skip
+    assert seen_at_launch == [16, 16]
+    assert kernels.verified_alignment(host.v_data_ptrs) == 16
+    assert not hasattr(host.indices, "_kvcacheio_verified_align")
 
 
 @pytest.mark.parametrize(("layout", "jit"), [("page_first_direct", False), ("layer_first", True)])

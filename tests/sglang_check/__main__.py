@@ -73,9 +73,10 @@ def _roundtrip_word(rt: dict[str, Any]) -> str:
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
-        "| pin | mode | install | transfer cases ok | unwarmed launches | round trip | gate rows "
+        "| pin | mode | install | transfer cases ok | kernel launches (variants) "
+        "| unwarmed launches | tables verified by warm-up | round trip | gate rows "
         "| gate differences (class: count) | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -90,9 +91,12 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             rt = r.get("roundtrip", {})
             gate = r.get("gate")
             diffs = ", ".join(f"{k}: {v}" for k, v in (gate or {}).get("differences", {}).items())
+            variants = sum(t.get("variants", 0) for t in ts)
             lines.append(
                 f"| {pin} | {mode} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
+                f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
+                f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
                 f"| {_roundtrip_word(rt)} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {'PASS' if not verdict(r) else 'FAIL'} |"
@@ -129,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             results[pin][mode] = run_one(args.venv, pin, mode)
     print()
     print(table(results))
+    for pin, modes in results.items():
+        names = [t["case"] for t in next(iter(modes.values())).get("transfers", [])]
+        if names:
+            print(f"\nTransfer cases, sglang=={pin} (each mode): " + ", ".join(names))
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {

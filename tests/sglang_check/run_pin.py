@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "registered_sgl_kernel": handle.registered_sgl_kernel,
             "patched_modules": handle.patched_modules,
             "skipped_modules": handle.skipped,
+            "resolved_at_call": handle.resolved_at_call,
             "route_around_jit": handle.route_around_jit,
         }
         out["roundtrip"], handle = _roundtrip(compat, handle, before)

@@ -1,17 +1,20 @@
 """Drive SGLang's own host pools through this project's ops and device pools, byte for byte.
 
-For each case (MHA / asymmetric MHA / MLA x page size x layout x io backend) one of this project's
-device pools (``hicache.memory_pool``) and SGLang's host pool class over it are built; device and
-host are filled with random bytes; then SGLang's ``backup_from_device_all_layer`` and, layer by
-layer, ``load_to_device_per_layer`` (and the ``*_physical`` variants where the version has them)
-run with shuffled page-granular indices. After every call the whole destination is compared byte
+For each case (MHA / asymmetric MHA (K head 192, V head 128) / MLA / MLA on SGLang's
+layer-sharded backup path x page size x layout x io backend) one of this project's device pools
+(``hicache.memory_pool``) and SGLang's host pool class over it are built; device and host are
+filled with random bytes; then SGLang's ``backup_from_device_all_layer`` and, layer by layer,
+``load_to_device_per_layer`` (and the ``*_physical`` variants where the version has them) run
+with shuffled page-granular indices. After every call the whole destination is compared byte
 for byte with a plain torch copy of the same slots, and the source must be unchanged.
 
-Before the transfers, :func:`kernels.sglang_compat.warm_up` runs on the pair; every kernel launch
-is recorded by its Triton specialization key (constexprs, warps, dtype and 16-byte alignment of
-each pointer, 1 / multiple-of-16 of each specialized integer). A launch during the transfers whose
-key the warm-up did not launch would be a compile on the scheduler thread on CUDA: counted as
-``unwarmed_launches`` (must be 0).
+Before the transfers, :func:`kernels.sglang_compat.warm_up` runs on the pair (kernel io backend).
+Every kernel launch is recorded by the key Triton's own binder computes for an sm_90 target
+(``tests/triton_keys.py``): the key a CUDA launch looks its compiled kernel up by. A transfer
+launch whose key the warm-up did not launch would be a compile on the scheduler thread on CUDA:
+counted as ``unwarmed_launches`` (must be 0). After the warm-up every pointer table of both
+pools must have a verified alignment (on CUDA the kernels read it instead of the table; here the
+tables are on the CPU and read directly, so both give the same launch).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ DTYPE = torch.bfloat16
 LAYERS = 3
 HEADS = 2
 HEAD_DIM = 8
-V_HEAD_DIM = 4  # asymmetric MHA only
+ASYM_HEAD_DIM, ASYM_V_HEAD_DIM = 192, 128  # asymmetric MHA (K 192 / V 128, as MiMo-V2)
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 16, 8
 DEVICE_TOKENS = 64
 HOST_RATIO = 2.0
@@ -41,11 +44,13 @@ LAYOUTS = {
     ("MHA-asym", "direct"): ("page_first_direct",),
     ("MLA", "kernel"): ("layer_first", "page_first"),
     ("MLA", "direct"): ("layer_first", "page_first_direct"),
+    ("MLA-sharded", "kernel"): ("layer_first",),
+    ("MLA-sharded", "direct"): ("layer_first",),
 }
-"""Every layout SGLang's host pools dispatch per io backend (kernel_ascend is NPU only)."""
-
-# kv_copy_kernel's integer arguments that Triton does not specialize (do_not_specialize).
-_NOT_SPECIALIZED = {6, 7, 13, 14}
+"""Every layout SGLang's host pools dispatch to a kvcacheio op, per io backend (kernel_ascend is
+NPU only; page_unified has no kvcacheio path). ``MLA-sharded``: the MLA host pool on its
+layer-sharded path (one shard holding every layer), whose backup copies layer by layer with the
+per-layer ops; SGLang serves only layer_first there without its JIT kernels."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,12 @@ class CaseResult:
     ok: bool
     calls: list[str] = field(default_factory=list)
     error: str | None = None
+    launches: int = 0
+    variants: int = 0
     unwarmed_launches: int = 0
     warm_calls: int = 0
     warm_skipped: list[str] = field(default_factory=list)
+    verified_tables: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,14 +84,18 @@ class CaseResult:
             "ok": self.ok,
             "calls": self.calls,
             "error": self.error,
+            "launches": self.launches,
+            "variants": self.variants,
             "unwarmed_launches": self.unwarmed_launches,
             "warm_calls": self.warm_calls,
             "warm_skipped": self.warm_skipped,
+            "verified_tables": self.verified_tables,
         }
 
 
 def cases(asymmetric: bool) -> list[Case]:
-    kinds = ("MHA", "MHA-asym", "MLA") if asymmetric else ("MHA", "MLA")
+    kinds = ("MHA", "MHA-asym", "MLA", "MLA-sharded") if asymmetric else (
+        "MHA", "MLA", "MLA-sharded")  # fmt: skip
     return [
         Case(kind, page, layout, io)
         for kind in kinds
@@ -94,14 +106,16 @@ def cases(asymmetric: bool) -> list[Case]:
 
 
 class LaunchRecorder:
-    """Wraps ``kernels.copy_kernel.kv_copy_kernel`` to record each launch's specialization key."""
+    """Wraps the kernel where ``kernels.launch`` launches it, recording each launch's Triton
+    specialization key (sm_90)."""
 
     def __init__(self) -> None:
-        import kernels.copy_kernel as ck
+        import kernels.launch as launch_module
+        from tests.triton_keys import launch_key
 
-        self._module = ck
-        self._kernel = ck.kv_copy_kernel
-        self.keys: list[tuple] = []
+        self._module = launch_module
+        self._kernel = launch_module.kv_copy_kernel
+        self.keys: list[str] = []
         recorder = self
 
         class _Wrapped:
@@ -109,27 +123,15 @@ class LaunchRecorder:
                 launch = recorder._kernel[grid]
 
                 def run(*args: Any, **kwargs: Any) -> Any:
-                    recorder.keys.append(_key(args, kwargs))
+                    recorder.keys.append(launch_key(*args, **kwargs))
                     return launch(*args, **kwargs)
 
                 return run
 
-        ck.kv_copy_kernel = _Wrapped()
+        launch_module.kv_copy_kernel = _Wrapped()
 
     def close(self) -> None:
         self._module.kv_copy_kernel = self._kernel
-
-
-def _key(args: tuple, kwargs: dict) -> tuple:
-    parts: list[Any] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            parts.append((str(a.dtype), a.data_ptr() % 16 == 0))
-        elif isinstance(a, int) and i not in _NOT_SPECIALIZED:
-            parts.append((a == 1, a % 16 == 0))
-        else:
-            parts.append(None)
-    return (tuple(parts), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,14 +143,21 @@ def device_pool(kind: str, page_size: int) -> Any:
     """One of this project's device pools (CPU)."""
     from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
-    if kind == "MLA":
-        return MLATokenToKVPool(
+    if kind.startswith("MLA"):
+        pool = MLATokenToKVPool(
             DEVICE_TOKENS, page_size, DTYPE, KV_LORA_RANK, QK_ROPE_HEAD_DIM, LAYERS, "cpu"
         )
-    extra = {"v_head_dim": V_HEAD_DIM} if kind == "MHA-asym" else {}
-    return MHATokenToKVPool(
-        DEVICE_TOKENS, page_size, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", **extra
-    )
+        if kind == "MLA-sharded":
+            # One shard holding every layer (layer_shard_size 1, owned range [0, L)): what
+            # SGLang's sharded path reads of the device pool, with nothing else changed.
+            pool.layer_shard_enabled = True
+        return pool
+    if kind == "MHA-asym":
+        return MHATokenToKVPool(
+            DEVICE_TOKENS, page_size, DTYPE, HEADS, ASYM_HEAD_DIM, LAYERS, "cpu",
+            v_head_dim=ASYM_V_HEAD_DIM,
+        )  # fmt: skip
+    return MHATokenToKVPool(DEVICE_TOKENS, page_size, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu")
 
 
 def supports_asymmetric() -> bool:
@@ -160,9 +169,12 @@ def supports_asymmetric() -> bool:
 def host_pool(sglang: dict[str, Any], case: Case, dev: Any) -> Any:
     """SGLang's host pool class for ``case`` over ``dev``, built as SGLang's own builder does."""
     mha, mla = sglang["mha"], sglang["mla"]
-    cls = {"MHA": mha.MHATokenToKVPoolHost, "MLA": mla.MLATokenToKVPoolHost}.get(case.kind)
-    if case.kind == "MHA-asym":
-        cls = mha.AsymmetricMHATokenToKVPoolHost
+    cls = {
+        "MHA": mha.MHATokenToKVPoolHost,
+        "MHA-asym": mha.AsymmetricMHATokenToKVPoolHost,
+        "MLA": mla.MLATokenToKVPoolHost,
+        "MLA-sharded": mla.MLATokenToKVPoolHost,
+    }[case.kind]
     common = dict(
         host_to_device_ratio=HOST_RATIO, host_size=0, page_size=case.page_size,
         layout=case.layout, pin_memory=False, device="cpu",
@@ -174,8 +186,10 @@ def host_pool(sglang: dict[str, Any], case: Case, dev: Any) -> Any:
     kwargs = dict(
         device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer
     )
-    if case.kind == "MLA":
+    if case.kind.startswith("MLA"):
         kwargs["target_layer_num"] = dev.layer_num
+    if case.kind == "MLA-sharded":
+        kwargs["layer_shard_enabled"] = True
     return cls(sglang_buffer_info(dev), **common, **kwargs)
 
 
@@ -186,7 +200,7 @@ def host_pool(sglang: dict[str, Any], case: Case, dev: Any) -> Any:
 
 def device_rows(kind: str, dev: Any) -> list[torch.Tensor]:
     """Copies of the device pool's K and V (or latent) as ``[L, T, ...]`` each."""
-    if kind == "MLA":
+    if kind.startswith("MLA"):
         return [torch.stack(list(dev.kv_buffer)).clone()]
     return [torch.stack(list(dev.k_buffer)).clone(), torch.stack(list(dev.v_buffer)).clone()]
 
@@ -209,7 +223,7 @@ def _component_rows(buf: torch.Tensor, layout: str, page_size: int) -> torch.Ten
 def host_rows(kind: str, host: Any) -> list[torch.Tensor]:
     """Copies of SGLang's host buffer as ``[L, T, ...]`` per component (K, V or latent)."""
     kv = host.kv_buffer
-    if kind == "MLA":
+    if kind.startswith("MLA"):
         comps = [kv]
     elif isinstance(kv, (tuple, list)):
         comps = list(kv)
@@ -238,6 +252,16 @@ def _page_indices(slots: torch.Tensor, page_size: int, gen: torch.Generator) -> 
     return pages[torch.randperm(pages.shape[0], generator=gen)].reshape(-1).contiguous()
 
 
+def _misaligned(idx: torch.Tensor) -> torch.Tensor:
+    """``idx``'s values in a slice that starts 8 bytes past a 16-byte boundary."""
+    buf = torch.empty(idx.numel() + 2, dtype=idx.dtype)
+    start = 1 if buf.data_ptr() % 16 == 0 else 0
+    out = buf[start : start + idx.numel()]
+    out.copy_(idx)
+    assert out.data_ptr() % 16 == 8
+    return out
+
+
 def _device_indices(dev: Any, n_pages: int, page: int, gen: torch.Generator) -> torch.Tensor:
     usable = torch.arange(1, DEVICE_TOKENS // page + 1)  # page 0 is padding
     pick = usable[torch.randperm(usable.numel(), generator=gen)[:n_pages]]
@@ -260,6 +284,8 @@ def run_case(sglang: dict[str, Any], case: Case, handle: Any, seed: int) -> Case
             report = handle.warm_up(host, dev)
             result.warm_calls = len(report.calls)
             result.warm_skipped = [s[2] for s in report.skipped]
+            result.verified_tables = [f"{o}.{n}: {a} B" for o, n, a in report.verified_tables]
+            _check_tables_verified(host, dev)
         warmed = set(recorder.keys)
         recorder.keys.clear()
         n_pages = 2 if case.page_size > 1 else 24
@@ -270,15 +296,22 @@ def run_case(sglang: dict[str, Any], case: Case, handle: Any, seed: int) -> Case
             )
         for backup_name, load_name in methods:
             host_idx = _page_indices(host.alloc(n_pages * case.page_size), case.page_size, gen)
-            dev_idx = _device_indices(dev, n_pages, case.page_size, gen)
+            # As slices of an allocator's lists: 8 bytes off the 16-byte alignment of the
+            # warm-up's fresh index tensors (a kernel specialized on it would compile anew).
+            host_idx = _misaligned(host_idx)
+            dev_idx = _misaligned(_device_indices(dev, n_pages, case.page_size, gen))
             _backup(case, dev, host, getattr(host, backup_name), host_idx, dev_idx, gen)
             result.calls.append(backup_name)
             _load(case, dev, host, getattr(host, load_name), host_idx, dev_idx, gen)
             result.calls.append(f"{load_name} x{LAYERS}")
             host.free(host_idx)
-        result.unwarmed_launches = (
-            sum(1 for k in recorder.keys if k not in warmed) if case.io_backend == "kernel" else 0
-        )
+        result.launches = len(recorder.keys)
+        result.variants = len(set(recorder.keys))
+        if case.io_backend == "kernel" and not recorder.keys:
+            raise AssertionError("no kernel launch recorded on the kernel io backend")
+        if case.io_backend == "direct" and recorder.keys:
+            raise AssertionError("the direct io backend launched the copy kernel")
+        result.unwarmed_launches = sum(1 for k in recorder.keys if k not in warmed)
         if result.unwarmed_launches:
             raise AssertionError(
                 f"{result.unwarmed_launches} kernel launches with a specialization the warm-up "
@@ -293,8 +326,24 @@ def run_case(sglang: dict[str, Any], case: Case, handle: Any, seed: int) -> Case
     return result
 
 
+def _check_tables_verified(host: Any, dev: Any) -> None:
+    """After the warm-up every pointer table of both pools has a verified alignment (so on CUDA
+    the kernels copy it with the widest word its addresses allow, in the variant warmed)."""
+    from kernels import verified_alignment
+
+    unknown = [
+        f"{type(pool).__name__}.{name}"
+        for pool in (host, dev)
+        for name, value in vars(pool).items()
+        if name.endswith("ptrs") and isinstance(value, torch.Tensor) and value.dim() == 1
+        and value.dtype in (torch.int64, torch.uint64) and verified_alignment(value) == 0
+    ]  # fmt: skip
+    if unknown:
+        raise AssertionError(f"pointer tables of unknown alignment after warm-up: {unknown}")
+
+
 def _backup(case, dev, host, method, host_idx, dev_idx, gen) -> None:
-    _randomize(list(dev.kv_buffer if case.kind == "MLA" else [*dev.k_buffer, *dev.v_buffer]), gen)
+    _randomize(_device_buffers(case.kind, dev), gen)
     _randomize(_host_buffers(host), gen)
     dev_before, host_before = device_rows(case.kind, dev), host_rows(case.kind, host)
     expected = [h.clone() for h in host_before]
@@ -308,7 +357,7 @@ def _backup(case, dev, host, method, host_idx, dev_idx, gen) -> None:
 
 
 def _load(case, dev, host, method, host_idx, dev_idx, gen) -> None:
-    _randomize(list(dev.kv_buffer if case.kind == "MLA" else [*dev.k_buffer, *dev.v_buffer]), gen)
+    _randomize(_device_buffers(case.kind, dev), gen)
     host_before = host_rows(case.kind, host)
     expected = device_rows(case.kind, dev)
     for layer in range(LAYERS):
@@ -319,6 +368,10 @@ def _load(case, dev, host, method, host_idx, dev_idx, gen) -> None:
             raise AssertionError(f"load layer {layer}: device bytes differ from a torch copy")
     if not _bytes_equal(host_rows(case.kind, host), host_before):
         raise AssertionError("load: the host pool changed")
+
+
+def _device_buffers(kind: str, dev: Any) -> list[torch.Tensor]:
+    return list(dev.kv_buffer) if kind.startswith("MLA") else [*dev.k_buffer, *dev.v_buffer]
 
 
 def _host_buffers(host: Any) -> list[torch.Tensor]:
