@@ -224,11 +224,19 @@ def test_write_back_story(caches) -> None:
     assert kv.stats.backed_up_tokens == 0
 
     # eviction backs up, waits for the copy, then frees: it blocks until the gate opens
+    waiting = threading.Event()
+    wait_write = kv.controller.wait_write
+
+    def traced_wait_write(node_ids=None):
+        waiting.set()
+        return wait_write(node_ids)
+
+    kv.controller.wait_write = traced_wait_write
     result: list[int] = []
     worker = threading.Thread(target=lambda: result.append(tree.evict(16)))
     worker.start()
-    worker.join(timeout=0.2)
-    assert worker.is_alive()  # waiting for its backups
+    waiting.wait()  # evict is inside wait_write; its copies cannot run before the gate opens
+    assert result == [] and kv.controller.ack_write_queue
     gate.open()
     worker.join()
     assert result == [16]
@@ -247,6 +255,24 @@ def test_write_back_story(caches) -> None:
     assert tree.evict(16) == 16 and kv.stats.backed_up_tokens == backed
     assert tree.evict_host(16) == 16
     assert not tree.root_node.children
+    kv.check_integrity()
+
+
+def test_write_back_keeps_lru_order_when_the_host_is_full(caches) -> None:
+    """Host pool 16 tokens, four 8-token keys on the device, evict all: the backups of the
+    oldest keys fill the host first, so they are finished and host-evicted to make room for
+    the newer ones. The two most recently used keys keep their host copy."""
+    kv = make_cache("write_back", device_tokens=32, ratio=0.5)
+    caches.append(kv)
+    tree = kv.tree
+    keys = [list(range(100 * i, 100 * i + 8)) for i in range(4)]
+    for k in keys:  # oldest first
+        compute(kv, k)
+    assert kv.host_pool.size == 16
+    assert tree.evict(32) == 32
+    hits = [tree.match_prefix(k).host_hit_length for k in keys]
+    assert hits == [0, 0, 8, 8]
+    check_tree_content(kv)
     kv.check_integrity()
 
 
