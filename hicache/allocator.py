@@ -210,9 +210,10 @@ class TokenToKVPoolAllocator:
     def _validate_free(self, free_index: torch.Tensor) -> np.ndarray:
         """The pages ``free_index`` covers (a fresh int64 numpy array), or ``ValueError``.
 
-        O(freed pages): range by min/max, whole pages by comparing each row with its first slot,
-        duplicates by stamping each page with its position in the free and reading the stamps
-        back (a page freed twice reads another position), state by one gather."""
+        O(freed pages), in a handful of numpy calls: whole pages by comparing each row with its
+        first slot, range by the min and max page, duplicates by order (pages in ascending
+        order cannot repeat) or else by stamping each page with its position and reading the
+        stamps back (a page freed twice reads another position), state by one gather."""
         if not isinstance(free_index, torch.Tensor) or free_index.dim() != 1:
             raise ValueError("free_index must be a 1-D tensor of slots")
         if free_index.dtype != torch.int64:
@@ -220,14 +221,8 @@ class TokenToKVPoolAllocator:
         n = free_index.numel()
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        idx = free_index.cpu().numpy()
+        idx = (free_index if free_index.device.type == "cpu" else free_index.cpu()).numpy()
         ps = self.page_size
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < self.first_page * ps or hi >= self._end_page * ps:
-            raise ValueError(
-                f"free_index out of range [{self.first_page * ps}, "
-                f"{self._end_page * ps}): min {lo}, max {hi}"
-            )
         if n % ps != 0:
             raise ValueError(f"free_index length {n} is not a multiple of page_size={ps}")
         if ps == 1:
@@ -235,16 +230,24 @@ class TokenToKVPoolAllocator:
         else:
             rows = idx.reshape(-1, ps)
             first = rows[:, 0]
-            if (first % ps).any() or not ((rows - first[:, None]) == self._np_offsets).all():
-                raise ValueError("free_index is not made of whole, ascending pages")
+            whole = not (first % ps).any() and ((rows - first[:, None]) == self._np_offsets).all()
             pages = first // ps
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < self.first_page or hi >= self._end_page:
+            raise ValueError(
+                f"free_index out of range [{self.first_page * ps}, {self._end_page * ps}): "
+                f"min {int(idx.min())}, max {int(idx.max())}"
+            )
+        if ps > 1 and not whole:
+            raise ValueError("free_index is not made of whole, ascending pages")
         k = pages.size
-        if k > self._positions.size:
-            self._positions = np.arange(max(k, 2 * self._positions.size), dtype=np.int64)
-        pos = self._positions[:k]
-        self._stamp[pages] = pos
-        if (self._stamp[pages] != pos).any():
-            raise ValueError("free_index frees a page twice")
+        if k > 1 and not (pages[1:] > pages[:-1]).all():
+            if k > self._positions.size:
+                self._positions = np.arange(max(k, 2 * self._positions.size), dtype=np.int64)
+            pos = self._positions[:k]
+            self._stamp[pages] = pos
+            if (self._stamp[pages] != pos).any():
+                raise ValueError("free_index frees a page twice")
         bad = self._np_state[pages] != _ALLOCATED
         if bad.any():
             raise ValueError(

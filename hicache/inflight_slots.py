@@ -10,10 +10,10 @@ until no copy uses them, then return to the allocator. Holding is page-granular:
 busy slot is held whole, so the allocator only ever sees whole pages. ``InflightSlots`` lists the
 slots of every copy; only ``check_integrity`` builds it (a walk over the copies).
 
-Device-side counts are raised lazily: a copy's device slots may live on a GPU, and reading them
-on the host is a sync, so ``BusyPages.settle`` reads them only when a decision needs the counts
-(a free of device slots, which syncs for its own validation anyway), once per copy, never once
-per copy per free.
+Device-side counts of slots on a GPU are raised lazily: reading them on the host is a sync, so
+``BusyPages.settle`` reads them only when a decision needs the counts (a free of device slots,
+which syncs for its own validation anyway), once per copy, never once per copy per free. Slots
+on the CPU are counted at once.
 """
 
 from __future__ import annotations
@@ -84,13 +84,21 @@ class BusyPages:
         self._uncounted: list[CopyUsage] = []
 
     def add(self, usage: CopyUsage) -> None:
-        """A copy was launched or queued. O(its host slots); its device slots wait for
+        """A copy was launched or queued. O(its slots); device slots on a GPU wait for
         ``settle``."""
         pages = usage.host.numpy() // self.host_page_size
         np.add.at(self.host, pages, 1)
         if usage.host_written:
             np.add.at(self.host_written, pages, 1)
-        self._uncounted.append(usage)
+        if usage.device.device.type == "cpu":
+            self._count_device(usage)
+        else:
+            self._uncounted.append(usage)
+
+    def _count_device(self, usage: CopyUsage) -> None:
+        usage._device_pages = usage.device.cpu().numpy() // self.device_page_size
+        np.add.at(self.device, usage._device_pages, 1)
+        usage.state = _COUNTED
 
     def remove(self, usage: CopyUsage) -> None:
         """A copy's ack was popped. O(its slots)."""
@@ -109,9 +117,7 @@ class BusyPages:
         last call (a sync on CUDA, paid once per copy)."""
         for usage in self._uncounted:
             if usage.state == _UNCOUNTED:
-                usage._device_pages = usage.device.cpu().numpy() // self.device_page_size
-                np.add.at(self.device, usage._device_pages, 1)
-                usage.state = _COUNTED
+                self._count_device(usage)
         self._uncounted.clear()
 
     def device_busy(self, slots: np.ndarray) -> np.ndarray:

@@ -216,8 +216,9 @@ class RadixCache:
             node.children[self._child_key(new.key)] = new
             node.device_children += 1
             self._add_device_tokens(new, len(new.key))
-            self._device_queue.push(new)
-            self._inc_hit_count(new, chunked)
+            self._inc_hit_count(new, chunked)  # may lock it (a write-through backup)
+            if new.lock_ref == 0:
+                self._device_queue.push(new)
         return present
 
     def _add_device_tokens(self, node: TreeNode, n: int) -> None:
