@@ -110,11 +110,6 @@ class LRUQueue:
         heapq.heapify(keep)
         self.heap = keep
 
-    def clear(self) -> None:
-        for _, _, x in self.heap:
-            x.queued &= ~self.mask
-        self.heap = []
-
     def nodes(self) -> Iterator[TreeNode]:
         """Every node holding an entry (for integrity checks)."""
         return (x for _, _, x in self.heap)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.eviction import is_device_candidate, is_host_candidate
+from hicache.eviction import DEVICE, is_device_candidate, is_host_candidate
 
 if TYPE_CHECKING:
     from hicache.radix_cache import RadixCache
@@ -159,7 +159,7 @@ def _check_queues(tree: RadixCache, nodes: list[TreeNode]) -> None:
         flagged += sum(1 for x in queue.nodes() if x.parent is None and x.queued & queue.mask)
         if flagged != len(seen):
             _fail(f"queue {queue.mask}: {flagged} nodes carry its bit, {len(seen)} entries")
-        test = is_device_candidate if queue.mask == 1 else is_host_candidate
+        test = is_device_candidate if queue.mask == DEVICE else is_host_candidate
         for x in nodes:
             if test(x) and not x.queued & queue.mask:
                 _fail(f"{x!r} is an eviction candidate missing from queue {queue.mask}")
