@@ -114,7 +114,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         extra = ""
         if "match_len_mismatch_steps_vs_sglang_python" in r:
-            extra = f", match-length mismatches vs SGLang Python: "
+            extra = ", match-length mismatches vs SGLang Python: "
             extra += f"{r['match_len_mismatch_steps_vs_sglang_python']}/{r['steps']} steps"
         print(f"-- {r['tokens']} tokens, page {r['page_size']}, {r['nodes']} nodes{extra}")
         head = f"{'op':>16}" + "".join(f"{n:>24}" for n in names)

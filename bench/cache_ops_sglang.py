@@ -94,8 +94,10 @@ class _SGLangDriver:
 
     def match(self, params: Any) -> tuple[int, torch.Tensor, Any]:
         r = self.tree.match_prefix(params)
-        return r.device_prefix_len, self.tree.path_device_indices(r.last_device_node), (
-            r.last_device_node
+        return (
+            r.device_prefix_len,
+            self.tree.path_device_indices(r.last_device_node),
+            (r.last_device_node),
         )
 
     def miss(self, params: Any) -> int:

@@ -28,8 +28,9 @@ are finished first (their older nodes become host-only and host-evictable), so t
 used leaves keep a host copy and the oldest lose theirs.
 
 This file owns the policies: when an insert starts a backup and what device and host eviction
-do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree). Starting a backup or a load back,
-the in-flight state until its ack and the acks live in ``hiradix_transfers.py``, the base class.
+do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree).
+Starting a backup or a load back, the in-flight state until its ack and the acks live in
+``hiradix_transfers.py``, the base class.
 
 Everything here runs on the scheduler thread and never blocks, except device eviction under
 ``write_back`` (it waits for its own backups before freeing the slots they read).
@@ -332,4 +333,3 @@ class _EvictRun:
         if self.frees:
             frees, self.frees = self.frees, []
             self.tree.controller.evict_device(frees[0] if len(frees) == 1 else torch.cat(frees))
-

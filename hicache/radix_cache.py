@@ -8,9 +8,9 @@ frees its duplicates of the prefix that was already present.
 This file owns the tree's walk (match, split, insert), its locks, its device accounting and the
 queue of device-eviction candidates it keeps up to date on every change (``eviction.LRUQueue``:
 evicting k leaves pops k entries, no tree walk). ``TreeNode``, ``MatchResult`` and the key
-helpers live in ``tree_node.py`` (re-exported here). ``HiRadixCache`` (``hiradix_cache.py``) extends this
-with a host tier; the node fields it needs (``host_value``, ``host_ref``) are on the shared
-``TreeNode`` so both trees share one node type and one walk.
+helpers live in ``tree_node.py`` (re-exported here). ``HiRadixCache`` (``hiradix_cache.py``)
+extends this with a host tier; the node fields it needs (``host_value``, ``host_ref``) are on
+the shared ``TreeNode`` so both trees share one node type and one walk.
 """
 
 from __future__ import annotations

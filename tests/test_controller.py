@@ -22,8 +22,14 @@ L = 3
 
 
 def make(
-    page: int = 1, size: int = 32, layout: str = "layer_first", io: str = "kernel",
-    mla: bool = False, delay=0.0, ratio: float = 2.0, device: str = "cpu",
+    page: int = 1,
+    size: int = 32,
+    layout: str = "layer_first",
+    io: str = "kernel",
+    mla: bool = False,
+    delay=0.0,
+    ratio: float = 2.0,
+    device: str = "cpu",
 ) -> HiCacheController:
     if mla:
         pool = MLATokenToKVPool(size, page, torch.float32, 6, 2, L, device)
