@@ -498,3 +498,53 @@ def test_unsupported_configurations_are_refused(extra, match) -> None:
     )
     with pytest.raises(ValueError, match=match):
         build_kv_cache(args)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_both_queues_evict_what_a_full_scan_would(caches, policy) -> None:
+    """Random requests, device and host evictions: each single-leaf eviction of either tier
+    takes the leaf a scan of the whole tree by (access time, id) would pick."""
+    import random
+
+    rng = random.Random(1)
+    kv = make_cache(policy, device_tokens=64, ratio=2.0)
+    caches.append(kv)
+    tree = kv.tree
+    for _ in range(150):
+        op = rng.random()
+        key = [
+            p * 10 + i
+            for p in [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+            for i in range(PAGE)
+        ]
+        if op < 0.5:
+            m = tree.match_prefix(key)
+            if kv.allocator.available_size() + tree.evictable_size() >= len(key):
+                compute(kv, key)
+            elif m.host_hit_length:
+                tree.init_load_back(m.last_host_node, m.host_hit_length)
+                tree.ready_to_load_host_cache()
+        elif op < 0.6:
+            tree.match_prefix(key)
+        elif op < 0.8:
+            drain(kv)
+            leaves = [
+                x
+                for x in tree.all_nodes()
+                if not x.evicted and x.lock_ref == 0 and x.device_children == 0
+            ]
+            if leaves:
+                oldest = min(leaves, key=lambda x: (x.last_access_time, x.id))
+                tree.evict(1)
+                assert oldest.evicted or oldest.parent is None
+        else:
+            drain(kv)
+            leaves = [
+                x for x in tree.all_nodes() if x.evicted and not x.children and x.host_ref == 0
+            ]
+            if leaves:
+                oldest = min(leaves, key=lambda x: (x.last_access_time, x.id))
+                assert tree.evict_host(1) == len(oldest.key)
+                assert oldest.parent is None
+        drain(kv)
+        kv.check_integrity()
