@@ -71,7 +71,7 @@ def run_trace(
             play_step(d, step, None)
     chunk = max(page_size, capacity // 100 // page_size * page_size)
     samples = {d.name: {op: [] for op in ALL_OPS} for d in drivers}
-    inserted = 0
+    balance = 0  # tokens the project's tree gained since the last eviction of 1%
     mismatches = 0
     for s in range(steps):
         step = next(trace)
@@ -80,17 +80,23 @@ def run_trace(
         for d in drivers[k:] + drivers[:k]:
             lens[d.name], need = play_step(d, step, samples[d.name])
             if d is project:
-                inserted += need
+                balance += need
         if "sglang_python" in lens and lens["sglang_python"] != lens["project"]:
             mismatches += 1
-        if inserted >= chunk:
-            inserted -= chunk
+        if balance >= chunk:
             for d in drivers:
-                samples[d.name]["evict_1pct"].append(timed_evict(d, chunk)[0])
-        if s % 10 == 5:
+                us, freed = timed_evict(d, chunk)
+                samples[d.name]["evict_1pct"].append(us)
+                if d is project:
+                    balance -= freed
+        if s % 10 == 5:  # counted against the next 1%, so the tree stays at N tokens
             for d in drivers:
-                samples[d.name]["evict_leaf"].append(timed_evict(d, page_size)[0])
+                us, freed = timed_evict(d, page_size)
+                samples[d.name]["evict_leaf"].append(us)
+                if d is project:
+                    balance -= freed
     nodes = len(project.tree.all_nodes())
+    tokens_at_end = project.size()
     for d in drivers:  # one leaf at a time, back to back: the queue alone, without the trace
         gc.collect()
         for _ in range(min(100, nodes // 4)):
@@ -101,6 +107,7 @@ def run_trace(
         "page_size": page_size,
         "steps": steps,
         "nodes": nodes,
+        "tree_tokens_after_steps": tokens_at_end,
         "trees": {d.name: {op: _stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
     }
     if len(drivers) > 1:
@@ -116,7 +123,10 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
         if "match_len_mismatch_steps_vs_sglang_python" in r:
             extra = ", match-length mismatches vs SGLang Python: "
             extra += f"{r['match_len_mismatch_steps_vs_sglang_python']}/{r['steps']} steps"
-        print(f"-- {r['tokens']} tokens, page {r['page_size']}, {r['nodes']} nodes{extra}")
+        print(
+            f"-- {r['tokens']} tokens (holding {r['tree_tokens_after_steps']} after the steps), "
+            f"page {r['page_size']}, {r['nodes']} nodes{extra}"
+        )
         head = f"{'op':>16}" + "".join(f"{n:>24}" for n in names)
         if len(names) > 1:
             head += "".join(f"{'vs ' + n.split('_')[-1]:>12}" for n in names[1:])
