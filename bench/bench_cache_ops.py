@@ -51,6 +51,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
     return {
         "mean_us": round(statistics.fmean(s), 2),
+        "median_us": round(statistics.median(s), 2),
         "p99_us": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
         "n": len(s),
     }
@@ -157,6 +158,62 @@ def _curve(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tree's targets, checked on this run: at the largest size, every op's mean no slower
+    than SGLang's Python tree and evicting 1% no slower than its Rust core (when compared); a
+    single-leaf eviction within 2x across sizes (in the trace and alone). Each line also gives
+    the median-based ratio, which a few scheduler preemptions on a shared CPU do not move."""
+    out: list[dict[str, Any]] = []
+    largest = max(r["tokens"] for r in rows)
+    for ps in sorted({r["page_size"] for r in rows}):
+        page_rows = sorted((r for r in rows if r["page_size"] == ps), key=lambda r: r["tokens"])
+        big = next(r for r in page_rows if r["tokens"] == largest)
+        mine = big["trees"]["project"]
+
+        def line(what: str, a: dict, b: dict, limit: float = 1.0, ps: int = ps) -> None:
+            mean = a["mean_us"] / b["mean_us"] if b["mean_us"] else float("inf")
+            med = a["median_us"] / b["median_us"] if b["median_us"] else float("inf")
+            out.append(
+                {
+                    "page": ps,
+                    "target": what,
+                    "mean_ratio": round(mean, 2),
+                    "median_ratio": round(med, 2),
+                    "limit": limit,
+                    "met_on_mean": mean <= limit,
+                }
+            )
+
+        if "sglang_python" in big["trees"]:
+            for op in OPS + ("evict_1pct", "evict_leaf"):
+                line(
+                    f"{op} vs SGLang Python @ {largest}",
+                    mine[op],
+                    big["trees"]["sglang_python"][op],
+                )
+            line(
+                f"evict_1pct vs SGLang Rust @ {largest}",
+                mine["evict_1pct"],
+                big["trees"]["sglang_rust"]["evict_1pct"],
+            )
+        for op in ("evict_leaf", "evict_leaf_alone"):
+            costs = [r["trees"]["project"][op] for r in page_rows]
+            hi = max(costs, key=lambda c: c["mean_us"])
+            lo = min(costs, key=lambda c: c["mean_us"])
+            line(f"{op} largest / smallest across sizes", hi, lo, limit=2.0)
+    return out
+
+
+def _print_targets(targets: list[dict[str, Any]]) -> None:
+    print("targets (ratio of means; median ratio in brackets)")
+    for t in targets:
+        verdict = "met" if t["met_on_mean"] else "MISSED"
+        print(
+            f"  page {t['page']:>2}: {t['target']:<52} {t['mean_ratio']:>6.2f}x "
+            f"[{t['median_ratio']:>5.2f}x] limit {t['limit']:.1f}x  {verdict}"
+        )
+
+
 def run(
     quick: bool = True,
     out_dir: Path | str = "results",
@@ -187,6 +244,8 @@ def run(
     n_steps = steps if steps is not None else (300 if quick else 3000)
     rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
     _print_rows(rows)
+    targets = _targets(rows)
+    _print_targets(targets)
     curve = _curve(rows)
     pressure = run_pressure(quick)
     largest = [r for r in rows if r["tokens"] == max(sizes)]
@@ -194,6 +253,7 @@ def run(
         "unit": "microseconds per call",
         "sglang": sglang_note,
         "rows": rows,
+        "targets": targets,
         "eviction_curve": curve,
         "pressure": pressure,
         "headline": {

@@ -59,8 +59,8 @@ class TokenToKVPoolAllocator:
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
         self._np_offsets = np.arange(page_size, dtype=np.int64)
         # Scratch for the duplicate check of a free: stamp[p] = position of page p in the free.
-        self._stamp = np.zeros(self._end_page, dtype=np.int64)
-        self._positions = np.arange(1024, dtype=np.int64)
+        self._stamp = np.zeros(self._end_page, dtype=np.int32)
+        self._positions = np.arange(1024, dtype=np.int32)
         self.clear()
 
     @classmethod
@@ -225,12 +225,13 @@ class TokenToKVPoolAllocator:
         ps = self.page_size
         if n % ps != 0:
             raise ValueError(f"free_index length {n} is not a multiple of page_size={ps}")
+        nz = np.count_nonzero  # C-level; ndarray.any()/all() go through Python wrappers
         if ps == 1:
             pages = idx.copy()  # never alias the caller's tensor
         else:
             rows = idx.reshape(-1, ps)
             first = rows[:, 0]
-            whole = not (first % ps).any() and ((rows - first[:, None]) == self._np_offsets).all()
+            whole = not nz(first % ps) and not nz((rows - first[:, None]) != self._np_offsets)
             pages = first // ps
         lo, hi = int(pages.min()), int(pages.max())
         if lo < self.first_page or hi >= self._end_page:
@@ -241,17 +242,17 @@ class TokenToKVPoolAllocator:
         if ps > 1 and not whole:
             raise ValueError("free_index is not made of whole, ascending pages")
         k = pages.size
-        if k > 1 and not (pages[1:] > pages[:-1]).all():
+        if k > 1 and nz(pages[1:] <= pages[:-1]):
             if k > self._positions.size:
-                self._positions = np.arange(max(k, 2 * self._positions.size), dtype=np.int64)
+                self._positions = np.arange(max(k, 2 * self._positions.size), dtype=np.int32)
             pos = self._positions[:k]
             self._stamp[pages] = pos
-            if (self._stamp[pages] != pos).any():
+            if nz(self._stamp[pages] != pos):
                 raise ValueError("free_index frees a page twice")
-        bad = self._np_state[pages] != _ALLOCATED
-        if bad.any():
+        allocated = self._np_state[pages] == _ALLOCATED
+        if nz(allocated) != k:
             raise ValueError(
                 f"free_index frees pages that are not allocated (double free?): "
-                f"{pages[bad][:8].tolist()}"
+                f"{pages[~allocated][:8].tolist()}"
             )
         return pages
