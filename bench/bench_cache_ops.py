@@ -197,7 +197,11 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 big["trees"]["sglang_rust"]["evict_1pct"],
             )
         for op in ("evict_leaf", "evict_leaf_alone"):
+            # (a small tree has too few leaves for a mean of single evictions in a row)
             costs = [r["trees"]["project"][op] for r in page_rows]
+            costs = [c for c in costs if c["n"] >= 20]
+            if len(costs) < 2:
+                continue
             hi = max(costs, key=lambda c: c["mean_us"])
             lo = min(costs, key=lambda c: c["mean_us"])
             line(f"{op} largest / smallest across sizes", hi, lo, limit=2.0)
