@@ -1,279 +1,273 @@
-"""Host-side cost per radix-tree operation for trees of 10K to 1M cached tokens.
+"""Host-side cost of the radix tree's bookkeeping, per op, on a multi-turn trace (CPU).
 
-What is timed: the scheduler-thread bookkeeping of ``HiRadixCache`` (write_through) -- tree
-walks, splits, slot-tensor slicing and concatenation, allocator calls, LRU heaps. No KV bytes are
-moved: the controller here is a bookkeeping stub (real page allocators for both tiers, copies
-acked at once), so the numbers are the Python overhead a scheduler pays per call on any machine,
-GPU or not. The ceiling they are compared with is a decode step (~10-30 ms on a GPU): an op that
-costs a noticeable fraction of that is a scheduling bottleneck.
+What is timed: the scheduler-thread work of ``RadixCache`` -- tree walks, splits, slot-tensor
+slicing and concatenation, the eviction queue, allocator frees. No KV bytes move. The ceiling
+these numbers are compared with is a decode step (~10-30 ms on a GPU) and, with
+``--against-sglang``, SGLang 0.5.23's own trees driven by the same trace in the same process.
 
-Workload: conversations of ``seq_len`` tokens (1024, and 128 in the full run for a tree with 8x
-more nodes per token); every ``GROUP`` of them shares a ``seq_len / 4``-token system prompt, so
-the tree holds ~``N / seq_len`` leaves under ``N / (seq_len * GROUP)`` branches. Cost grows with
-the number of nodes, not tokens.
+Trace (``bench/cache_ops_trace.py``): 4 shared system prompts, conversations continued 80% of the
+time, per step match (+ device indices), lock, insert, unlock and one pure-miss match; after the
+tree has filled to N tokens (N = 10K, 100K, 1M), 1% of N is evicted after each 1% of N inserted,
+and every 10th step one leaf is evicted on its own (``evict_leaf``: the eviction curve against
+tree size, in the middle of the trace, where the least recently used leaf's memory is cold at
+1M tokens). At the end, up to 100 leaves are evicted one at a time back to back
+(``evict_leaf_alone``: the queue's own cost). Page 1 and 16. Mean and p99 per op, microseconds
+per call. Run with ``OMP_NUM_THREADS=1``: torch's intra-op threads on a small shared CPU make
+every tree's numbers noisy (SGLang's Rust core most).
 
-Ops (each timed alone, median and p90 over repetitions, microseconds per call):
+With ``--against-sglang`` each step runs on every tree in turn (rotating which goes first):
+SGLang's Python ``RadixCache`` and its ``UnifiedRadixCache`` with the Rust TreeCore
+(``bench/cache_ops_sglang.py``), each with SGLang's own allocator. The table adds each tree's
+mean and the ratio project / SGLang; the steps where the project's match length differs from
+SGLang's Python tree are counted (LRU parity: both evict the same leaves).
 
-- ``match_hit``: ``match_prefix`` of a cached conversation (full device hit).
-- ``match_miss``: ``match_prefix`` of a key sharing only the system prompt.
-- ``insert``: ``insert`` of a new conversation under a cached system prompt (plus its backup
-  bookkeeping under write_through).
-- ``evict``: ``evict(seq_len)`` -- collects device leaves (O(nodes)), pops the LRU one.
-- ``evict_host``: ``evict_host(seq_len)`` -- collects host-only leaves (O(nodes)).
-- ``load_back``: ``init_load_back`` of a host-only conversation + ``ready_to_load_host_cache`` +
-  ``check_hicache_events`` (the ack).
+Also (``bench/cache_ops_hicache.py``): eviction with 0 / 1000 / 3000 copies in flight, and
+write_back eviction under host pressure against tree size.
 
-``python -m bench.bench_cache_ops [--quick] [--out results]`` prints a table and writes
-``bench_cache_ops.json``.
+``python -m bench.bench_cache_ops [--quick] [--against-sglang] [--out results]`` prints the tables
+and writes ``bench_cache_ops.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import random
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from bench.cache_ops_hicache import run_pressure
+from bench.cache_ops_trace import OPS, MultiTurnTrace, ProjectDriver, play_step, timed_evict
 
-from hicache.allocator import TokenToKVPoolAllocator
-from hicache.hiradix_cache import HiRadixCache
-
-GROUP = 8
-
-
-class _LayerCounter:
-    def wait_until(self, layer: int) -> None:
-        return None
+ALL_OPS = OPS + ("evict_1pct", "evict_leaf", "evict_leaf_alone")
+SIZES = (10_000, 100_000, 1_000_000)
 
 
-class BookkeepingController:
-    """The controller's tree-facing API with no copies: writes and loads are acked at the next
-    poll. Lets the benchmark time the tree alone."""
-
-    def __init__(self, device_tokens: int, host_tokens: int, page_size: int) -> None:
-        self.device_allocator = TokenToKVPoolAllocator(device_tokens, page_size, "cpu")
-        self.host_allocator = TokenToKVPoolAllocator(
-            host_tokens, page_size, "cpu", reserve_padding=False
-        )
-        self.layer_done_counter = _LayerCounter()
-        self._writes: list[int] = []
-        self._loads: list[int] = []
-
-    def write(self, device_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
-        host = self.host_allocator.alloc(len(device_indices))
-        if host is not None:
-            self._writes.append(node_id)
-        return host
-
-    def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
-        dev = self.device_allocator.alloc(len(host_indices))
-        if dev is not None:
-            self._loads.append(node_id)
-        return dev
-
-    def start_loading(self) -> int:
-        return 0
-
-    def writing_check(self) -> list[int]:
-        out, self._writes = self._writes, []
-        return out
-
-    def loading_check(self) -> list[int]:
-        out, self._loads = self._loads, []
-        return out
-
-    def wait_write(self, node_ids: list[int]) -> None:
-        return None
-
-    def evict_device(self, indices: torch.Tensor) -> int:
-        self.device_allocator.free(indices)
-        return len(indices)
-
-    def evict_host(self, indices: torch.Tensor) -> int:
-        self.host_allocator.free(indices)
-        return len(indices)
-
-    def check_integrity(self) -> None:
-        self.device_allocator.check_integrity()
-        self.host_allocator.check_integrity()
+def _stats(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"mean_us": 0.0, "p99_us": 0.0, "n": 0}
+    s = sorted(samples)
+    return {
+        "mean_us": round(statistics.fmean(s), 2),
+        "median_us": round(statistics.median(s), 2),
+        "p99_us": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
+        "n": len(s),
+    }
 
 
-def _conversation(rng: random.Random, group: int, seq_len: int, vocab: int = 50_000) -> list[int]:
-    shared = [(group * 7919 + i) % vocab for i in range(seq_len // 4)]
-    return shared + [rng.randrange(vocab) for _ in range(seq_len - len(shared))]
-
-
-def _insert_new(tree: HiRadixCache, key: list[int]) -> None:
-    alloc = tree.allocator
-    slots = alloc.alloc(len(key))
-    if slots is None:
-        tree.check_hicache_events()
-        tree.evict(len(key))
-        slots = alloc.alloc(len(key))
-    present = tree.insert(key, slots)
-    alloc.free(slots[:present])
-
-
-def _time_us(fn: Callable[[], Any], setup: Callable[[], Any] | None, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        if setup is None:
-            t0 = time.perf_counter_ns()
-            fn()
-        else:
-            arg = setup()
-            t0 = time.perf_counter_ns()
-            fn(arg)
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return out
-
-
-def bench_size(
-    num_tokens: int, page_size: int, reps: int, seq_len: int = 1024, seed: int = 0
+def run_trace(
+    capacity: int, page_size: int, steps: int, factories: list[Any], seed: int = 0
 ) -> dict[str, Any]:
-    """Build a tree of ``num_tokens`` cached tokens and time each op ``reps`` times."""
-    rng = random.Random(seed)
-    n_seq = max(GROUP, num_tokens // seq_len)
-    device_tokens = (n_seq + 4 * GROUP) * seq_len
-    ctrl = BookkeepingController(device_tokens, 2 * device_tokens, page_size)
-    tree = HiRadixCache(ctrl, page_size, "write_through", load_back_threshold=page_size)
-    seqs = [_conversation(rng, i // GROUP, seq_len) for i in range(n_seq)]
-    t0 = time.perf_counter()
-    for s in seqs:
-        _insert_new(tree, s)
-    tree.check_hicache_events()
-    build_s = time.perf_counter() - t0
-    nodes = len(tree.all_nodes())
-
-    res: dict[str, Any] = {}
-    res["match_hit"] = _time_us(lambda: tree.match_prefix(rng.choice(seqs)), None, reps)
-    res["match_miss"] = _time_us(
-        lambda k: tree.match_prefix(k),
-        lambda: _conversation(rng, rng.randrange(n_seq // GROUP), seq_len),
-        reps,
-    )
-
-    fresh: list[list[int]] = []
-
-    def new_key() -> tuple[list[int], torch.Tensor]:
-        key = _conversation(rng, rng.randrange(n_seq // GROUP), seq_len)
-        tree.check_hicache_events()  # the scheduler polls acks every step
-        slots = tree.allocator.alloc(seq_len)
-        if slots is None:
-            tree.evict(seq_len)
-            slots = tree.allocator.alloc(seq_len)
-        fresh.append(key)
-        return key, slots
-
-    def do_insert(arg: tuple[list[int], torch.Tensor]) -> None:
-        present = tree.insert(arg[0], arg[1])
-        tree.allocator.free(arg[1][:present])
-
-    res["insert"] = _time_us(do_insert, new_key, reps)
-    tree.check_hicache_events()
-    everything = seqs + fresh
-
-    def refill() -> None:
-        """Re-cache one conversation (reviving it if host-only) so a device leaf is evictable."""
-        key = rng.choice(everything)
-        slots = tree.allocator.alloc(seq_len)
-        if slots is None:
-            tree.evict(seq_len)
-            slots = tree.allocator.alloc(seq_len)
-        do_insert((key, slots))
-        tree.check_hicache_events()
-
-    res["evict"] = _time_us(lambda _: tree.evict(seq_len), refill, reps)
-
-    def host_hit() -> Any:
-        """A host-only conversation: cache one, evict it to the host, match it."""
-        refill()
-        for _ in range(8):
-            m = tree.match_prefix(rng.choice(everything))
-            if m.host_hit_length > 0:
-                return m
-            tree.evict(seq_len)
-        return m
-
-    def do_load(m: Any) -> None:
-        if m.host_hit_length:
-            tree.init_load_back(m.last_host_node, m.host_hit_length)
-            tree.ready_to_load_host_cache()
-        tree.check_hicache_events()
-
-    res["load_back"] = _time_us(do_load, host_hit, reps)
-
-    def host_leaf() -> None:
-        refill()
-        tree.evict(seq_len)
-
-    res["evict_host"] = _time_us(lambda _: tree.evict_host(seq_len), host_leaf, reps)
-    tree.check_integrity()
-
-    out: dict[str, Any] = {
-        "tokens": num_tokens,
+    """Fill every tree to ``capacity`` tokens with the trace, then time ``steps`` steps."""
+    trace = iter(MultiTurnTrace(capacity, seed=seed))
+    headroom = 16_384 + capacity // 50
+    pool = (capacity + headroom + page_size - 1) // page_size * page_size
+    drivers = [f(pool, page_size) for f in factories]
+    project = drivers[0]
+    while project.size() < capacity:
+        step = next(trace)
+        for d in drivers:
+            play_step(d, step, None)
+    chunk = max(page_size, capacity // 100 // page_size * page_size)
+    samples = {d.name: {op: [] for op in ALL_OPS} for d in drivers}
+    balance = 0  # tokens the project's tree gained since the last eviction of 1%
+    mismatches = 0
+    for s in range(steps):
+        step = next(trace)
+        lens = {}
+        k = s % len(drivers)
+        for d in drivers[k:] + drivers[:k]:
+            lens[d.name], need = play_step(d, step, samples[d.name])
+            if d is project:
+                balance += need
+        if "sglang_python" in lens and lens["sglang_python"] != lens["project"]:
+            mismatches += 1
+        if balance >= chunk:
+            for d in drivers:
+                us, freed = timed_evict(d, chunk)
+                samples[d.name]["evict_1pct"].append(us)
+                if d is project:
+                    balance -= freed
+        if s % 10 == 5:  # counted against the next 1%, so the tree stays at N tokens
+            for d in drivers:
+                us, freed = timed_evict(d, page_size)
+                samples[d.name]["evict_leaf"].append(us)
+                if d is project:
+                    balance -= freed
+    nodes = len(project.tree.all_nodes())
+    tokens_at_end = project.size()
+    for d in drivers:  # one leaf at a time, back to back: the queue alone, without the trace
+        gc.collect()
+        for _ in range(min(100, nodes // 4)):
+            samples[d.name]["evict_leaf_alone"].append(timed_evict(d, page_size)[0])
+    project.check()  # raises on a broken invariant or a leak
+    row: dict[str, Any] = {
+        "tokens": capacity,
         "page_size": page_size,
-        "seq_len": seq_len,
+        "steps": steps,
         "nodes": nodes,
-        "build_s": round(build_s, 3),
-        "reps": reps,
+        "tree_tokens_after_steps": tokens_at_end,
+        "trees": {d.name: {op: _stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
     }
-    for op, samples in res.items():
-        samples = sorted(samples)
-        out[op] = {
-            "median_us": round(statistics.median(samples), 2),
-            "p90_us": round(samples[int(0.9 * (len(samples) - 1))], 2),
-        }
+    if len(drivers) > 1:
+        row["match_len_mismatch_steps_vs_sglang_python"] = mismatches
+    return row
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    names = list(rows[0]["trees"])
+    print("per-op cost on the multi-turn trace (mean / p99, microseconds per call)")
+    for r in rows:
+        extra = ""
+        if "match_len_mismatch_steps_vs_sglang_python" in r:
+            extra = ", match-length mismatches vs SGLang Python: "
+            extra += f"{r['match_len_mismatch_steps_vs_sglang_python']}/{r['steps']} steps"
+        print(
+            f"-- {r['tokens']} tokens (holding {r['tree_tokens_after_steps']} after the steps), "
+            f"page {r['page_size']}, {r['nodes']} nodes{extra}"
+        )
+        head = f"{'op':>16}" + "".join(f"{n:>24}" for n in names)
+        if len(names) > 1:
+            head += "".join(f"{'vs ' + n.split('_')[-1]:>12}" for n in names[1:])
+        print(head)
+        for op in ALL_OPS:
+            cells = ""
+            for n in names:
+                st = r["trees"][n][op]
+                cells += f"{st['mean_us']:>14.1f} /{st['p99_us']:>8.1f}"
+            mine = r["trees"]["project"][op]["mean_us"]
+            for n in names[1:]:
+                other = r["trees"][n][op]["mean_us"]
+                cells += f"{mine / other:>11.2f}x" if other else f"{'-':>12}"
+            print(f"{op:>16}" + cells)
+
+
+def _curve(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean cost of evicting one leaf / 1% of the tree against tree size, per page size."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        key = f"page{r['page_size']}"
+        for name, tree in r["trees"].items():
+            c = out.setdefault(key, {}).setdefault(name, {})
+            c[str(r["tokens"])] = {
+                "evict_leaf_mean_us": tree["evict_leaf"]["mean_us"],
+                "evict_1pct_mean_us": tree["evict_1pct"]["mean_us"],
+            }
     return out
 
 
-OPS = ("match_hit", "match_miss", "insert", "evict", "evict_host", "load_back")
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tree's targets, checked on this run: at the largest size, every op's mean no slower
+    than SGLang's Python tree and evicting 1% no slower than its Rust core (when compared); a
+    single-leaf eviction within 2x across sizes (in the trace and alone). Each line also gives
+    the median-based ratio, which a few scheduler preemptions on a shared CPU do not move."""
+    out: list[dict[str, Any]] = []
+    largest = max(r["tokens"] for r in rows)
+    for ps in sorted({r["page_size"] for r in rows}):
+        page_rows = sorted((r for r in rows if r["page_size"] == ps), key=lambda r: r["tokens"])
+        big = next(r for r in page_rows if r["tokens"] == largest)
+        mine = big["trees"]["project"]
+
+        def line(what: str, a: dict, b: dict, limit: float = 1.0, ps: int = ps) -> None:
+            mean = a["mean_us"] / b["mean_us"] if b["mean_us"] else float("inf")
+            med = a["median_us"] / b["median_us"] if b["median_us"] else float("inf")
+            out.append(
+                {
+                    "page": ps,
+                    "target": what,
+                    "mean_ratio": round(mean, 2),
+                    "median_ratio": round(med, 2),
+                    "limit": limit,
+                    "met_on_mean": mean <= limit,
+                }
+            )
+
+        if "sglang_python" in big["trees"]:
+            for op in OPS + ("evict_1pct", "evict_leaf"):
+                line(
+                    f"{op} vs SGLang Python @ {largest}",
+                    mine[op],
+                    big["trees"]["sglang_python"][op],
+                )
+            line(
+                f"evict_1pct vs SGLang Rust @ {largest}",
+                mine["evict_1pct"],
+                big["trees"]["sglang_rust"]["evict_1pct"],
+            )
+        for op in ("evict_leaf", "evict_leaf_alone"):
+            # (a small tree has too few leaves for a mean of single evictions in a row)
+            costs = [r["trees"]["project"][op] for r in page_rows]
+            costs = [c for c in costs if c["n"] >= 20]
+            if len(costs) < 2:
+                continue
+            hi = max(costs, key=lambda c: c["mean_us"])
+            lo = min(costs, key=lambda c: c["mean_us"])
+            line(f"{op} largest / smallest across sizes", hi, lo, limit=2.0)
+    return out
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    print("host-side cost per op (median / p90, microseconds per call)")
-    head = f"{'tokens':>9} {'conv':>5} {'page':>4} {'nodes':>7}"
-    print(head + "".join(f"{op:>20}" for op in OPS))
-    for r in rows:
-        cells = "".join(f"{r[op]['median_us']:>10.1f} /{r[op]['p90_us']:>8.1f}" for op in OPS)
-        print(f"{r['tokens']:>9} {r['seq_len']:>5} {r['page_size']:>4} {r['nodes']:>7}" + cells)
+def _print_targets(targets: list[dict[str, Any]]) -> None:
+    print("targets (ratio of means; median ratio in brackets)")
+    for t in targets:
+        verdict = "met" if t["met_on_mean"] else "MISSED"
+        print(
+            f"  page {t['page']:>2}: {t['target']:<52} {t['mean_ratio']:>6.2f}x "
+            f"[{t['median_ratio']:>5.2f}x] limit {t['limit']:.1f}x  {verdict}"
+        )
 
 
-def run(quick: bool = True, out_dir: Path | str = "results") -> dict[str, Any]:
-    """Run the sweep over 10K, 100K and 1M cached tokens (quick: page 16, 1024-token
-    conversations, 30 repetitions, a few seconds; full: also page 1 and 128-token conversations,
-    100 repetitions), print the table and write ``bench_cache_ops.json`` under ``out_dir``.
-    Returns the summary dict."""
-    sizes = (10_000, 100_000, 1_000_000)
-    reps = 30 if quick else 100
-    rows = [bench_size(n, 16, reps) for n in sizes]
-    if not quick:
-        rows += [bench_size(n, 1, reps) for n in sizes]
-        rows += [bench_size(n, 16, reps, seq_len=128) for n in sizes]
-    _print_table(rows)
-    small, large = rows[0], rows[len(sizes) - 1]
-    growth = {
-        op: round(large[op]["median_us"] / max(small[op]["median_us"], 1e-9), 1) for op in OPS
-    }
-    print(
-        f"summary: {large['tokens']} vs {small['tokens']} tokens (page {large['page_size']}): "
-        + ", ".join(f"{op} x{g}" for op, g in growth.items())
-        + "; compare with a ~10-30 ms GPU decode step"
-    )
+def run(
+    quick: bool = True,
+    out_dir: Path | str = "results",
+    against_sglang: bool = False,
+    sizes: tuple[int, ...] = SIZES,
+    pages: tuple[int, ...] = (1, 16),
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """Run the trace at every size and page size (quick: 300 steady steps, the pressure
+    measurements at smaller sizes; full: 3000 steps), print the tables and write
+    ``bench_cache_ops.json`` under ``out_dir``. Returns the summary dict."""
+    factories: list[Any] = [ProjectDriver]
+    sglang_note = "not requested (--against-sglang)"
+    if against_sglang:
+        from bench.cache_ops_sglang import SGLangPythonDriver, SGLangRustDriver, load_sglang
+
+        sgl, version = load_sglang()
+        if sgl is None:
+            sglang_note = version
+            print(f"[cache_ops] {version}; running without SGLang")
+        else:
+            sglang_note = f"sglang {version}"
+            print(f"[cache_ops] comparing with sglang {version} (Python tree, Rust core)")
+            factories += [
+                lambda pool, ps: SGLangPythonDriver(sgl, pool, ps),
+                lambda pool, ps: SGLangRustDriver(sgl, pool, ps),
+            ]
+    n_steps = steps if steps is not None else (300 if quick else 3000)
+    rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
+    _print_rows(rows)
+    targets = _targets(rows)
+    _print_targets(targets)
+    curve = _curve(rows)
+    pressure = run_pressure(quick)
+    largest = [r for r in rows if r["tokens"] == max(sizes)]
     result = {
         "unit": "microseconds per call",
+        "sglang": sglang_note,
         "rows": rows,
-        "growth_largest_vs_smallest": growth,
+        "targets": targets,
+        "eviction_curve": curve,
+        "pressure": pressure,
         "headline": {
-            f"{op} @ {large['tokens']} tokens (median us)": large[op]["median_us"] for op in OPS
+            f"{op} @ {r['tokens']} tokens page {r['page_size']} (mean us)": r["trees"]["project"][
+                op
+            ]["mean_us"]
+            for r in largest
+            for op in ("match", "insert", "evict_1pct", "evict_leaf")
         },
-        # every row ended with tree.check_integrity() (raises on a leak or a broken invariant)
+        # every row ended with check_integrity() (raises on a leak or a broken invariant)
         "integrity": {"leaked_slots": 0},
     }
     out = Path(out_dir)
@@ -284,10 +278,23 @@ def run(quick: bool = True, out_dir: Path | str = "results") -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="Page 16, 1024-token conversations.")
+    parser.add_argument("--quick", action="store_true", help="300 steps, smaller pressure runs.")
+    parser.add_argument(
+        "--against-sglang", action="store_true", help="Also drive SGLang's trees (if importable)."
+    )
+    parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="Tree tokens.")
+    parser.add_argument("--pages", type=int, nargs="*", default=[1, 16], help="Page sizes.")
+    parser.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
-    run(quick=args.quick, out_dir=args.out)
+    run(
+        quick=args.quick,
+        out_dir=args.out,
+        against_sglang=args.against_sglang,
+        sizes=tuple(args.sizes),
+        pages=tuple(args.pages),
+        steps=args.steps,
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ class TokenToKVPoolAllocator:
         self.first_page = 1 if reserve_padding else 0
         self._end_page = self.first_page + self.num_pages  # exclusive
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._np_offsets = np.arange(page_size, dtype=np.int64)
+        # Scratch for the duplicate check of a free: stamp[p] = position of page p in the free.
+        self._stamp = np.zeros(self._end_page, dtype=np.int32)
+        self._positions = np.arange(1024, dtype=np.int32)
         self.clear()
 
     @classmethod
@@ -67,12 +72,14 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         """Every page free again (padding page excluded); ends any free group."""
         self._state = torch.full((self._end_page,), _FREE, dtype=torch.int8)
+        self._np_state = self._state.numpy()  # a view: the same memory
         if self.reserve_padding:
             self._state[0] = _PADDING
         self.free_pages = torch.arange(self.first_page, self._end_page, dtype=torch.int64)
         self.release_pages: list[torch.Tensor] = []
         self._num_release = 0
         self._group: list[torch.Tensor] | None = None
+        self._num_group = 0
 
     def available_size(self) -> int:
         """Free slots now (excludes pages freed inside an open free group)."""
@@ -84,6 +91,16 @@ class TokenToKVPoolAllocator:
     def allocated_size(self) -> int:
         """Slots handed out and not yet returned (pending group frees count as allocated)."""
         return self.size - self.available_size()
+
+    @property
+    def page_table_size(self) -> int:
+        """Length of a per-page table indexed by page id (padding page included)."""
+        return self._end_page
+
+    def pending_size(self) -> int:
+        """Slots freed inside the open free group (0 when none is open): no longer anyone's,
+        not yet available."""
+        return self._num_group * self.page_size
 
     # --- alloc / free --------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -112,15 +129,16 @@ class TokenToKVPoolAllocator:
         Inside ``free_group_begin/end`` the pages are validated now and returned at the end.
         """
         pages = self._validate_free(free_index)
-        if pages.numel() == 0:
+        if pages.size == 0:
             return
         if self._group is not None:
-            self._state[pages] = _PENDING
-            self._group.append(pages)
+            self._np_state[pages] = _PENDING
+            self._group.append(torch.from_numpy(pages))
+            self._num_group += pages.size
             return
-        self._state[pages] = _FREE
-        self.release_pages.append(pages)
-        self._num_release += pages.numel()
+        self._np_state[pages] = _FREE
+        self.release_pages.append(torch.from_numpy(pages))
+        self._num_release += pages.size
 
     def check_free(self, free_index: torch.Tensor) -> None:
         """Raise ``ValueError`` exactly when ``free(free_index)`` would; changes nothing."""
@@ -137,6 +155,7 @@ class TokenToKVPoolAllocator:
         if self._group is None:
             raise ValueError("free_group_end: no free group is open")
         group, self._group = self._group, None
+        self._num_group = 0
         if group:
             pages = torch.cat(group)
             self._state[pages] = _FREE
@@ -188,33 +207,52 @@ class TokenToKVPoolAllocator:
             self.release_pages = []
             self._num_release = 0
 
-    def _validate_free(self, free_index: torch.Tensor) -> torch.Tensor:
+    def _validate_free(self, free_index: torch.Tensor) -> np.ndarray:
+        """The pages ``free_index`` covers (a fresh int64 numpy array), or ``ValueError``.
+
+        O(freed pages), in a handful of numpy calls: whole pages by comparing each row with its
+        first slot, range by the min and max page, duplicates by order (pages in ascending
+        order cannot repeat) or else by stamping each page with its position and reading the
+        stamps back (a page freed twice reads another position), state by one gather."""
         if not isinstance(free_index, torch.Tensor) or free_index.dim() != 1:
             raise ValueError("free_index must be a 1-D tensor of slots")
         if free_index.dtype != torch.int64:
             raise ValueError(f"free_index must be torch.int64, got {free_index.dtype}")
-        idx = free_index.cpu()
-        if idx.numel() == 0:
-            return idx
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < self.first_page * self.page_size or hi >= self._end_page * self.page_size:
-            raise ValueError(
-                f"free_index out of range [{self.first_page * self.page_size}, "
-                f"{self._end_page * self.page_size}): min {lo}, max {hi}"
-            )
+        n = free_index.numel()
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        idx = (free_index if free_index.device.type == "cpu" else free_index.cpu()).numpy()
         ps = self.page_size
-        if idx.numel() % ps != 0:
-            raise ValueError(f"free_index length {idx.numel()} is not a multiple of page_size={ps}")
-        rows = idx.view(-1, ps)
-        pages = rows[:, 0] // ps
-        if ps > 1 and not torch.equal(rows, pages[:, None] * ps + self._page_offsets):
+        if n % ps != 0:
+            raise ValueError(f"free_index length {n} is not a multiple of page_size={ps}")
+        nz = np.count_nonzero  # C-level; ndarray.any()/all() go through Python wrappers
+        if ps == 1:
+            pages = idx.copy()  # never alias the caller's tensor
+        else:
+            rows = idx.reshape(-1, ps)
+            first = rows[:, 0]
+            whole = not nz(first % ps) and not nz((rows - first[:, None]) != self._np_offsets)
+            pages = first // ps
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < self.first_page or hi >= self._end_page:
+            raise ValueError(
+                f"free_index out of range [{self.first_page * ps}, {self._end_page * ps}): "
+                f"min {int(idx.min())}, max {int(idx.max())}"
+            )
+        if ps > 1 and not whole:
             raise ValueError("free_index is not made of whole, ascending pages")
-        if torch.unique(pages).numel() != pages.numel():
-            raise ValueError("free_index frees a page twice")
-        bad = self._state[pages] != _ALLOCATED
-        if bool(bad.any()):
+        k = pages.size
+        if k > 1 and nz(pages[1:] <= pages[:-1]):
+            if k > self._positions.size:
+                self._positions = np.arange(max(k, 2 * self._positions.size), dtype=np.int32)
+            pos = self._positions[:k]
+            self._stamp[pages] = pos
+            if nz(self._stamp[pages] != pos):
+                raise ValueError("free_index frees a page twice")
+        allocated = self._np_state[pages] == _ALLOCATED
+        if nz(allocated) != k:
             raise ValueError(
                 f"free_index frees pages that are not allocated (double free?): "
-                f"{pages[bad][:8].tolist()}"
+                f"{pages[~allocated][:8].tolist()}"
             )
         return pages

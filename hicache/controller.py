@@ -18,9 +18,13 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
 
 Acks are ``HiCacheAck(start_event, finish_event, node_ids, ...)``, completed in launch order.
 
+Whether a freed slot is still in use is answered by per-page busy counts (``BusyPages``: raised
+at launch or queueing, lowered when the ack is popped), so a free costs O(freed pages) whatever
+the number of copies in flight.
+
 This file owns the copy launches, the load queue and the ack queues. The slot accounting above
-(``InflightSlots``, the deferred frees) is in ``inflight_slots``; the per-layer load events
-(``LayerDoneCounter``) are in ``layer_done_counter``. Both are re-exported here.
+(``BusyPages``, ``InflightSlots``, the deferred frees) is in ``inflight_slots``; the per-layer
+load events (``LayerDoneCounter``) are in ``layer_done_counter``. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -29,10 +33,18 @@ import logging
 from collections import deque
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
-from hicache.inflight_slots import DeferredFrees, InflightSlots, cat_cpu, check_indices
+from hicache.inflight_slots import (
+    BusyPages,
+    CopyUsage,
+    DeferredFrees,
+    InflightSlots,
+    cat_cpu,
+    check_indices,
+)
 from hicache.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory_pool_host_base import SUPPORTED_LAYOUT_IO
@@ -62,12 +74,14 @@ class HiCacheAck(NamedTuple):
     device_indices: torch.Tensor  # int64 on the device allocator's device, as allocated
     nbytes: int
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
+    usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
 
 
 class _CacheOperation(NamedTuple):
     host_indices: torch.Tensor
     device_indices: torch.Tensor
     node_id: int
+    usage: CopyUsage
 
 
 class HiCacheController:
@@ -124,7 +138,9 @@ class HiCacheController:
         self.load_queue: list[_CacheOperation] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
-        # Slots the tree freed while a copy still uses them, held until the copy's ack.
+        # Copies per page, and slots the tree freed while a copy still uses them (held until
+        # the copy's ack).
+        self._busy = BusyPages(device_allocator, self.host_allocator)
         self._deferred_device = DeferredFrees(device_allocator)
         self._deferred_host = DeferredFrees(self.host_allocator)
 
@@ -167,9 +183,17 @@ class HiCacheController:
 
         self.write_stream.submit(backup)
         finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
+        usage = CopyUsage(device_indices, host_indices, host_written=True)
+        self._busy.add(usage)
         self.ack_write_queue.append(
             HiCacheAck(
-                start, finish, [node_id], host_indices, device_indices, self._nbytes(host_indices)
+                start,
+                finish,
+                [node_id],
+                host_indices,
+                device_indices,
+                self._nbytes(host_indices),
+                usages=(usage,),
             )
         )
         return host_indices
@@ -214,7 +238,10 @@ class HiCacheController:
         device_indices = self.device_allocator.alloc(host_indices.numel())
         if device_indices is None:
             return None
-        self.load_queue.append(_CacheOperation(host_indices.cpu(), device_indices, node_id))
+        host_indices = host_indices.cpu()
+        usage = CopyUsage(device_indices, host_indices, host_written=False)
+        self._busy.add(usage)
+        self.load_queue.append(_CacheOperation(host_indices, device_indices, node_id, usage))
         return device_indices
 
     def start_loading(self) -> int:
@@ -230,9 +257,10 @@ class HiCacheController:
         lev = self.layer_done_counter.events[pid]
         lev.start_event.record(self.streams.compute)
         self.load_stream.wait_event(lev.start_event)
-        for a in self.ack_write_queue:  # host slots still being written by a backup
-            if bool(torch.isin(a.host_indices, host_indices).any()):
-                self.load_stream.wait_event(a.finish_event)
+        if self.ack_write_queue and self._busy.host_being_written(host_indices):
+            # Host slots still being written by a backup: backups finish in launch order, so
+            # waiting for the newest covers it.
+            self.load_stream.wait_event(self.ack_write_queue[-1].finish_event)
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
         moved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -253,6 +281,7 @@ class HiCacheController:
                 device_indices,
                 self._nbytes(host_indices),
                 pid,
+                tuple(op.usage for op in ops),
             )
         )
         self.layer_done_counter.set_consumer(pid)
@@ -279,16 +308,18 @@ class HiCacheController:
     # ------------------------------------------------------------------ eviction
     def evict_device(self, device_indices: torch.Tensor) -> int:
         """Return device slots to the allocator; slots a copy still uses are held until its ack
-        is popped. Raises ``ValueError`` (nothing changes) on a bad or double free."""
-        self._deferred_device.validate(device_indices, "device_indices")
-        self._deferred_device.free_or_defer(device_indices, self.inflight_slots().device_slots())
+        is popped. Raises ``ValueError`` (nothing changes) on a bad or double free.
+        O(freed slots), whatever the number of copies in flight."""
+        idx = self._deferred_device.validate(device_indices, "device_indices")
+        self._busy.settle()
+        self._deferred_device.free_or_defer(idx, self._busy.device_busy(idx.numpy()))
         return device_indices.numel()
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
         """Return host slots to the host allocator (deferred while a copy uses them, as
         ``evict_device``)."""
-        self._deferred_host.validate(host_indices, "host_indices")
-        self._deferred_host.free_or_defer(host_indices, self.inflight_slots().host_slots())
+        idx = self._deferred_host.validate(host_indices, "host_indices")
+        self._deferred_host.free_or_defer(idx, self._busy.host_busy(idx.numpy()))
         return host_indices.numel()
 
     # ------------------------------------------------------------------ accounting
@@ -317,11 +348,20 @@ class HiCacheController:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless both allocators are consistent, every slot a copy
-        uses is allocated (none is free while a copy reads or writes it), and deferred frees
-        are allocated and distinct."""
+        uses is allocated (none is free while a copy reads or writes it), the busy counts equal
+        a recount from the copies, and deferred frees are allocated and distinct."""
         self.device_allocator.check_integrity()
         self.host_allocator.check_integrity()
         busy = self.inflight_slots()
+        self._busy.settle()
+        for name, idx, counts, ps in (
+            ("device", busy.device_slots(), self._busy.device, self.device_allocator.page_size),
+            ("host", busy.host_slots(), self._busy.host, self.host_allocator.page_size),
+            ("host written", busy.host_written, self._busy.host_written, self.page_size),
+        ):
+            recount = np.bincount(idx.numpy() // ps, minlength=counts.size)
+            if not np.array_equal(recount, counts):
+                raise AssertionError(f"controller: {name} busy counts disagree with the copies")
         for name, idx, alloc in (
             ("device", busy.device_slots(), self.device_allocator),
             ("host", busy.host_slots(), self.host_allocator),
@@ -350,6 +390,8 @@ class HiCacheController:
 
     def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
         ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
+        for usage in ack.usages:
+            self._busy.remove(usage)
         stream = self.write_stream if direction == "d2h" else self.load_stream
         stream.check_error()
         secs = ack.start_event.elapsed_time(ack.finish_event) / 1e3
@@ -369,8 +411,9 @@ class HiCacheController:
         return host_indices, device_indices
 
     def _release_deferred(self) -> None:
-        if not (self._deferred_device.held or self._deferred_host.held):
-            return
-        busy = self.inflight_slots()
-        self._deferred_device.release(busy.device_slots())
-        self._deferred_host.release(busy.host_slots())
+        """Free the held slots no copy uses any more. O(held slots)."""
+        if self._deferred_device.held:
+            self._busy.settle()
+            self._deferred_device.release(self._busy.device_busy)
+        if self._deferred_host.held:
+            self._deferred_host.release(self._busy.host_busy)

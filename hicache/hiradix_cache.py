@@ -22,9 +22,16 @@ therefore never backs up a long chunk-prefilled prompt under write-through. By d
 cache keeps them out of the hit count (no self-inflation) but still backs up the pages they cover
 under ``write_through``; ``upstream_chunked_insert=True`` reproduces SGLang.
 
+Under write_back with a full host pool, eviction keeps LRU order across both tiers: when a
+backup finds no host room even after host eviction, the backups this eviction already launched
+are finished first (their older nodes become host-only and host-evictable), so the most recently
+used leaves keep a host copy and the oldest lose theirs.
+
 This file owns the policies: when an insert starts a backup and what device and host eviction
-do with each leaf (the LRU order itself is ``eviction.py``'s). Starting a backup or a load back,
-the in-flight state until its ack and the acks live in ``hiradix_transfers.py``, the base class.
+do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree; one
+device eviction's state, its pending write-backs, is ``hiradix_evict.py``'s).
+Starting a backup or a load back, the in-flight state until its ack and the acks live in
+``hiradix_transfers.py``, the base class.
 
 Everything here runs on the scheduler thread and never blocks, except device eviction under
 ``write_back`` (it waits for its own backups before freeing the slots they read).
@@ -37,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.eviction import device_leaves, evict_lru, host_leaves
+from hicache.hiradix_evict import DeviceEviction
 from hicache.hiradix_transfers import HiRadixTransfers
 from hicache.tree_node import TreeNode
 
@@ -100,7 +107,9 @@ class HiRadixCache(HiRadixTransfers):
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""
         node.value = value
+        node.parent.device_children += 1
         self._add_device_tokens(node, len(value))
+        self._device_queue.push_if_candidate(node)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
         """Count the hit, then back ``node`` up when the write policy says so. Chunked inserts
@@ -125,84 +134,71 @@ class HiRadixCache(HiRadixTransfers):
     # it (deleted: device slots, and host slots of any host-only descendants, go back). Under
     # write_back a leaf that is not backed up first gets host slots and a D2H copy; its device
     # slots are freed only after that copy's ack, so no slot is free while a copy reads it.
+    # Device slots are given back in one call at the end.
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens (LRU unlocked leaves), or all evictable.
-        Returns the device tokens freed. Blocks only under write_back, on its own backups."""
+        Returns the device tokens freed. O(k log n) for k leaves; blocks only under write_back,
+        on the backups it launched."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        freed = 0
-        while freed < num_tokens:
-            round_freed, waited = self._evict_round(num_tokens - freed)
-            freed += round_freed
-            # Another round only helps after write-back copies: a parent skipped because its
-            # children were still being copied (or the host was full) may be evictable now.
-            if round_freed == 0 or not waited:
-                break
-        return freed
-
-    def _evict_round(self, num_tokens: int) -> tuple[int, bool]:
-        """One LRU pass over the current device leaves; returns (tokens freed, whether it waited
-        for write-back copies)."""
-        write_back_nodes: list[TreeNode] = []
-        waiting: set[int] = set()
-
-        def evict_one(x: TreeNode) -> int | None:
-            if x.lock_ref > 0 or x.evicted or x.id in waiting:
-                return None
-            if x.backuped:
-                return self._evict_backuped(x)
-            if self.write_policy == "write_back" and self.write_backup(x, write_back=True):
-                write_back_nodes.append(x)
-                waiting.add(x.id)
-                return len(x.value)
-            if self._droppable(x):
-                return self._evict_regular(x)
-            return None
-
-        def requeue(parent: TreeNode) -> bool:
-            return parent.lock_ref == 0 and all(
-                c.evicted or c.id in waiting for c in parent.children.values()
-            )
-
-        leaves = device_leaves(self.root_node)
-        freed = evict_lru(self.root_node, leaves, num_tokens, evict_one, requeue)
-        if write_back_nodes:
-            self.controller.wait_write([x.id for x in write_back_nodes])
-            for x in write_back_nodes:
-                self._ack_write(x.id)
-                self._evict_backuped(x)
-        return freed, bool(write_back_nodes)
+        run = DeviceEviction(self)
+        try:
+            while run.freed < num_tokens:
+                x = run.next_leaf()
+                if x is None:
+                    if not run.pending:
+                        break
+                    run.finish_pending()  # parents of the backed-up leaves may be leaves now
+                    continue
+                run.evict_one(x)
+            run.finish_pending()
+        finally:
+            run.give_back()
+        return run.freed
 
     def _droppable(self, node: TreeNode) -> bool:
         """A device leaf may be deleted with its host-only subtree unless a host copy below it is
         protected or a child is still device-resident (a write-back copy in this evict)."""
-        return node.host_ref == 0 and all(c.evicted for c in node.children.values())
+        return node.host_ref == 0 and node.device_children == 0
 
-    def _free_device(self, node: TreeNode) -> int:
-        """Give ``node``'s device slots back to the controller; returns how many."""
+    def _evict_backuped(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
+        """Drop the device copy of a backed-up node (its slots go to ``frees``)."""
         n = len(node.value)
-        self.controller.evict_device(node.value)
+        frees.append(node.value)
         self.evictable_size_ -= n
-        return n
-
-    def _evict_backuped(self, node: TreeNode) -> int:
-        n = self._free_device(node)
         node.value = None
+        parent = node.parent
+        parent.device_children -= 1
+        if parent is not self.root_node:
+            self._device_queue.push_if_candidate(parent)
+        self._host_queue.push_if_candidate(node)
         if self.stats is not None:
             self.stats.record_evict_device(n)
         return n
 
-    def _evict_regular(self, node: TreeNode) -> int:
-        """Delete a device leaf that has no host copy (KV lost), with its host-only subtree."""
-        n = self._free_device(node)
+    def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
+        """Delete a device leaf that has no host copy (KV lost), with its host-only subtree
+        (whose host slots go back at once)."""
+        n = len(node.value)
+        frees.append(node.value)
+        self.evictable_size_ -= n
+        host_frees: list[torch.Tensor] = []
         stack = list(node.children.values())
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())
-            self._free_host(x)
+            host_frees.append(x.host_value)
+            x.parent = None  # deleted with the subtree
+            if x.queued:
+                self._note_stale()
         if node.host_value is not None:  # not reached: backed-up leaves are never deleted
-            self.controller.evict_host(node.host_value)
+            host_frees.append(node.host_value)
+        self._free_host(host_frees)
+        parent = node.parent
         self._delete_leaf(node)
+        parent.device_children -= 1
+        if parent is not self.root_node:
+            self._device_queue.push_if_candidate(parent)
         if self.stats is not None:
             self.stats.record_evict_device(n)
         return n
@@ -213,28 +209,32 @@ class HiRadixCache(HiRadixTransfers):
     # node); the host copy of a device-resident node is a mirror and is never freed alone.
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens from host-only, unprotected leaves in LRU
-        order, or as many as there are. Returns the host tokens freed. Never blocks."""
+        order, or as many as there are. Returns the host tokens freed. O(k log n) for k leaves;
+        never blocks."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return evict_lru(
-            self.root_node,
-            host_leaves(self.root_node),
-            num_tokens,
-            self._evict_host_leaf,
-            lambda parent: parent.evicted and not parent.children and parent.host_ref == 0,
-        )
+        queue = self._host_queue
+        root = self.root_node
+        freed = 0
+        frees: list[torch.Tensor] = []
+        while freed < num_tokens:
+            x = queue.pop()
+            if x is None:
+                break
+            parent = x.parent
+            frees.append(x.host_value)
+            freed += len(x.host_value)
+            self._delete_leaf(x)
+            if parent is not root:
+                queue.push_if_candidate(parent)
+        self._free_host(frees)
+        return freed
 
-    def _evict_host_leaf(self, node: TreeNode) -> int | None:
-        """Delete a host-only, childless, unprotected node; ``None`` for any other node."""
-        if not node.evicted or node.children or node.host_ref > 0 or node.parent is None:
-            return None
-        n = len(node.host_value)
-        self._free_host(node)
-        self._delete_leaf(node)
-        return n
-
-    def _free_host(self, node: TreeNode) -> None:
-        """Give ``node``'s host slots back to the controller (the node is being deleted)."""
-        self.controller.evict_host(node.host_value)
+    def _free_host(self, slots: list[torch.Tensor]) -> None:
+        """Give host slots of deleted nodes back to the controller, in one call."""
+        if not slots:
+            return
+        host = slots[0] if len(slots) == 1 else torch.cat(slots)
+        self.controller.evict_host(host)
         if self.stats is not None:
-            self.stats.record_evict_host(len(node.host_value))
+            self.stats.record_evict_host(host.numel())

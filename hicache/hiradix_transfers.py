@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.eviction import HOST, LRUQueue, is_host_candidate
 from hicache.radix_cache import RadixCache
 from hicache.tree_node import TreeNode
 
@@ -42,10 +43,14 @@ class HiRadixTransfers(RadixCache):
 
     def reset(self) -> None:
         super().reset()
+        self._host_queue = LRUQueue(HOST, is_host_candidate)  # host-only leaves, LRU first
         self.ongoing_write_through: dict[int, TreeNode] = {}  # node id -> node being backed up
         self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
         self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
         self._pending_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
+
+    def _queues(self) -> tuple[LRUQueue, ...]:
+        return (self._device_queue, self._host_queue)
 
     # ------------------------------------------------------------------ backup (D2H)
 
@@ -111,6 +116,8 @@ class HiRadixTransfers(RadixCache):
         x = node
         while x is not self.root_node:
             x.host_ref -= 1
+            if x.host_ref == 0:
+                self._host_queue.push_if_candidate(x)
             x = x.parent
 
     # ------------------------------------------------------------------ load back (H2D)
@@ -167,9 +174,10 @@ class HiRadixTransfers(RadixCache):
             return self._empty(), ancestor
 
         offset = 0
-        for x in chain:
+        for x in chain:  # top down; the host queue drops them lazily (no longer host-only)
             x.value = device_indices[offset : offset + len(x.host_value)]
             offset += len(x.host_value)
+            x.parent.device_children += 1
             self._add_device_tokens(x, len(x.value))
         self.ongoing_load_back[last_host_node.id] = last_host_node
         self._load_ancestors[last_host_node.id] = ancestor

@@ -7,11 +7,14 @@
 - lock and host refs never negative; a node's count is at least the sum of its children's
   (path counts); a locked node is device-resident;
 - every evicted node is backed up, and its children are evicted too (device-resident nodes form
-  a prefix of every root-to-leaf path);
+  a prefix of every root-to-leaf path); ``device_children`` equals the device-resident children;
+- every eviction candidate of a tier (``eviction.is_device_candidate`` / ``is_host_candidate``)
+  holds exactly one entry in that tier's queue, no entry is later than its node's access time,
+  and no node is in a queue twice (eviction may pop without walking the tree);
 - ``evictable_size + protected_size`` equals the device tokens in the tree, split by lock state;
 - no device slot and no host slot appears twice in the tree; every one is allocated;
-- device ledger: free + in tree + request-owned + in flight == total; host ledger: free + in tree
-  + in flight == total (HiRadixCache);
+- device ledger: free + freed in an open free group + in tree + request-owned + in flight ==
+  total; host ledger: free + in tree + in flight == total (HiRadixCache);
 - a host copy whose D2H write has not been acked belongs to a device-resident node (it is not
   matchable as a host hit), and every node waiting for a write or a load ack is still in the tree.
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from hicache.eviction import DEVICE, is_device_candidate, is_host_candidate
 
 if TYPE_CHECKING:
     from hicache.radix_cache import RadixCache
@@ -52,6 +57,8 @@ def _check_node(tree: RadixCache, x: TreeNode) -> None:
     child_host = sum(c.host_ref for c in x.children.values())
     if x.lock_ref < child_locks or x.host_ref < child_host:
         _fail(f"{x!r} path counts below its children's ({child_locks} locks, {child_host} host)")
+    if x.device_children != sum(1 for c in x.children.values() if c.value is not None):
+        _fail(f"{x!r} counts {x.device_children} device-resident children")
     if x.lock_ref > 0 and x.evicted:
         _fail(f"{x!r} is locked but evicted")
     if x.evicted:
@@ -79,9 +86,13 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
     controller = getattr(tree, "controller", None)
     if controller is not None:
         controller.check_integrity()  # both allocators; no slot free while a copy uses it
-    else:
+    elif tree.allocator is not None:
         tree.allocator.check_integrity()
     nodes = tree.all_nodes()
+    root = tree.root_node
+    if root.device_children != sum(1 for c in root.children.values() if c.value is not None):
+        _fail(f"the root counts {root.device_children} device-resident children")
+    _check_queues(tree, nodes)
     evictable = protected = 0
     device_slots: list[torch.Tensor] = []
     host_slots: list[torch.Tensor] = []
@@ -103,14 +114,17 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
     if tree.root_node.lock_ref != 1 or tree.root_node.value is None:
         _fail("the root lost its sentinel lock or its (empty) device value")
 
+    if tree.allocator is None:  # a simulated tree: no pool to balance
+        return
     n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
     in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
-    allocated = tree.allocator.size - tree.allocator.available_size()
+    pending = tree.allocator.pending_size()
+    allocated = tree.allocator.size - tree.allocator.available_size() - pending
     if allocated != n_dev + request_owned + in_flight:
         _fail(
             f"device ledger: allocated {allocated} != in tree {n_dev} + request-owned "
             f"{request_owned} + in flight {in_flight} (free {tree.allocator.available_size()}, "
-            f"total {tree.allocator.size})"
+            f"freed in the open group {pending}, total {tree.allocator.size})"
         )
     host_alloc = getattr(tree, "host_allocator", None)
     if host_alloc is None:
@@ -127,6 +141,30 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
             f"{host_in_flight} (free {host_alloc.available_size()}, total {host_alloc.size})"
         )
     _check_pending(tree, nodes)
+
+
+def _check_queues(tree: RadixCache, nodes: list[TreeNode]) -> None:
+    """Each tier's candidates are all queued once, with entries no later than their nodes."""
+    for queue in tree._queues():
+        seen: set[int] = set()
+        for t, node_id, x in queue.heap:
+            if node_id in seen:
+                _fail(f"{x!r} has two entries in queue {queue.mask}")
+            seen.add(node_id)
+            if not x.queued & queue.mask:
+                _fail(f"{x!r} is in queue {queue.mask} without its bit")
+            if node_id != x.id or t > x.last_access_time:
+                _fail(f"{x!r} has an entry ({t}, {node_id}) later than its node")
+        flagged = sum(1 for x in nodes if x.queued & queue.mask)
+        flagged += sum(1 for x in queue.nodes() if x.parent is None and x.queued & queue.mask)
+        if flagged != len(seen):
+            _fail(f"queue {queue.mask}: {flagged} nodes carry its bit, {len(seen)} entries")
+        test = is_device_candidate if queue.mask == DEVICE else is_host_candidate
+        for x in nodes:
+            if test(x) and not x.queued & queue.mask:
+                _fail(f"{x!r} is an eviction candidate missing from queue {queue.mask}")
+    if tree.root_node.queued:
+        _fail("the root is in an eviction queue")
 
 
 def _check_pending(tree, nodes: list[TreeNode]) -> None:

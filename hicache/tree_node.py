@@ -4,9 +4,9 @@
 that protect them; the node fields a host tier needs (``host_value``, ``host_ref``) live here too,
 so ``RadixCache`` and ``HiRadixCache`` share one node type and one walk. ``split_node`` cuts an
 edge in two (both tiers' slots follow their tokens; no accounting changes). ``MatchResult`` is
-what ``match_prefix`` returns. The key helpers turn a caller's key into token ids, check an
-insert's arguments, name a child by its first page and measure a match in whole pages. Nothing
-here owns slots or knows the pools.
+what ``match_prefix`` returns. The key helpers turn a caller's key into token ids (without a copy
+when it already is a list), check an insert's arguments, name a child by its first page and
+measure a match in whole pages. Nothing here owns slots or knows the pools.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class TreeNode:
     ``host_ref``: same path count for host protection (a host copy that must not be freed).
     ``hit_count``: inserts that created or touched the node; grows only in ``insert``.
     ``last_access_time``: logical clock of the last match or insert through the node (LRU key).
+    ``device_children``: children that are device-resident (kept by the tree; O(1) leaf test).
+    ``queued``: bit set of the eviction queues (``eviction.LRUQueue``) holding an entry for it.
     """
 
     __slots__ = (
@@ -46,6 +48,8 @@ class TreeNode:
         "host_ref",
         "hit_count",
         "last_access_time",
+        "device_children",
+        "queued",
     )
     _ids = itertools.count()
 
@@ -60,6 +64,8 @@ class TreeNode:
         self.host_ref = 0
         self.hit_count = 0
         self.last_access_time = 0
+        self.device_children = 0
+        self.queued = 0
 
     @property
     def evicted(self) -> bool:
@@ -94,7 +100,10 @@ class MatchResult(NamedTuple):
 
 def split_node(child: TreeNode, split_len: int, page_size: int) -> TreeNode:
     """Split ``child`` into ``new -> child`` with ``new`` holding the first ``split_len``
-    tokens of both tiers. Lock and host refs are path counts, so ``new`` inherits them."""
+    tokens of both tiers. Lock and host refs are path counts, so ``new`` inherits them, and so
+    does its access time (callers stamp ``child`` first: SGLang refreshes the whole node, then
+    splits). ``child`` keeps its place in the eviction queues; ``new`` has a child, so it is no
+    leaf of either tier and needs none."""
     new = TreeNode()
     new.parent = child.parent
     new.key = child.key[:split_len]
@@ -105,6 +114,7 @@ def split_node(child: TreeNode, split_len: int, page_size: int) -> TreeNode:
     if child.value is not None:
         new.value = child.value[:split_len]
         child.value = child.value[split_len:]
+        new.device_children = 1
     if child.host_value is not None:
         new.host_value = child.host_value[:split_len]
         child.host_value = child.host_value[split_len:]
@@ -116,7 +126,10 @@ def split_node(child: TreeNode, split_len: int, page_size: int) -> TreeNode:
 
 
 def as_key(key: Sequence[int] | torch.Tensor) -> list[int]:
-    """``key`` as a list of token ids; ``ValueError`` for a tensor that is not 1-D or a string."""
+    """``key`` as a list of token ids (a list is used as is, never copied); ``ValueError`` for a
+    tensor that is not 1-D or a string."""
+    if type(key) is list:
+        return key
     if isinstance(key, torch.Tensor):
         if key.dim() != 1:
             raise ValueError(f"key must be 1-D, got shape {tuple(key.shape)}")
@@ -127,11 +140,24 @@ def as_key(key: Sequence[int] | torch.Tensor) -> list[int]:
 
 
 def check_insert_args(
-    key: Sequence[int] | torch.Tensor, value: torch.Tensor, device: torch.device, page_size: int
-) -> list[int]:
-    """``key`` as token ids after checking ``insert``'s arguments: ``value`` a 1-D int64 tensor
-    on ``device``'s type, one slot per token, whole pages. ``ValueError`` otherwise."""
+    key: Sequence[int] | torch.Tensor,
+    value: torch.Tensor | None,
+    device: torch.device,
+    page_size: int,
+    simulated: bool,
+) -> tuple[list[int], torch.Tensor]:
+    """``(key, value)`` cut to whole pages after checking ``insert``'s arguments (SGLang
+    ``RadixKey.page_aligned``): ``value`` a 1-D int64 tensor on ``device``'s type with one slot
+    per token of ``key``. ``value=None`` only in a simulated tree (no allocator), where the
+    token ids stand in for slots as in SGLang's test fallback. ``ValueError`` otherwise."""
     key = as_key(key)
+    if value is None:
+        if not simulated:
+            raise ValueError(
+                "value is required: this tree frees its slots into an allocator, and token ids "
+                "are not slots (only a simulated tree, allocator=None, takes keys alone)"
+            )
+        value = torch.tensor(key, dtype=torch.int64, device=device)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"value must be a torch.Tensor of slots, got {type(value).__name__}")
     if value.dim() != 1 or value.dtype != torch.int64:
@@ -142,9 +168,11 @@ def check_insert_args(
         raise ValueError(f"value is on {value.device}, the tree's slots are on {device}")
     if len(key) != value.numel():
         raise ValueError(f"key has {len(key)} tokens but value has {value.numel()} slots")
-    if len(key) % page_size:
-        raise ValueError(f"key length {len(key)} is not a multiple of page_size {page_size}")
-    return key
+    tail = len(key) % page_size
+    if tail:
+        key = key[: len(key) - tail]
+        value = value[: len(key)]
+    return key, value
 
 
 def child_key(key: list[int], page_size: int, start: int = 0) -> int | tuple[int, ...]:
@@ -155,9 +183,9 @@ def child_key(key: list[int], page_size: int, start: int = 0) -> int | tuple[int
     return tuple(key[start : start + page_size])
 
 
-def match_len(node_key: list[int], key: list[int], start: int, page_size: int) -> int:
-    """Length of the common prefix of ``node_key`` and ``key[start:]``, in whole pages."""
-    n = min(len(node_key), len(key) - start)
+def match_len(node_key: list[int], key: list[int], start: int, end: int, page_size: int) -> int:
+    """Length of the common prefix of ``node_key`` and ``key[start:end]``, in whole pages."""
+    n = min(len(node_key), end - start)
     if node_key[:n] == key[start : start + n]:
         return n
     i = 0

@@ -1,9 +1,12 @@
-"""HiCacheController on CPU streams with injected copy delays: acks, deferred frees, layer waits."""
+"""HiCacheController on CPU streams: acks, deferred frees, layer waits.
+
+Copies that must still be in flight when the test looks are held by gates (a copy delay that
+blocks until the test opens it), so what has run when is decided by the test, never by timing.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,8 +23,14 @@ L = 3
 
 
 def make(
-    page: int = 1, size: int = 32, layout: str = "layer_first", io: str = "kernel",
-    mla: bool = False, delay=0.0, ratio: float = 2.0, device: str = "cpu",
+    page: int = 1,
+    size: int = 32,
+    layout: str = "layer_first",
+    io: str = "kernel",
+    mla: bool = False,
+    delay=0.0,
+    ratio: float = 2.0,
+    device: str = "cpu",
 ) -> HiCacheController:
     if mla:
         pool = MLATokenToKVPool(size, page, torch.float32, 6, 2, L, device)
@@ -33,35 +42,60 @@ def make(
     return HiCacheController(alloc, pool, host, io, streams=streams)
 
 
-def by_stream(write: float, load: float):
-    """A delay callable: the write stream is created first (cpu-stream-0), the load stream next."""
-    table = {"cpu-stream-0": write, "cpu-stream-1": load}
-    return lambda: table[threading.current_thread().name]
+class Gates:
+    """A copy delay: the ``i``-th copy a stream runs waits until ``open(stream, i)`` (or
+    ``open_all``). The write stream is created first (cpu-stream-0), the load stream next.
+    Streams not named in ``gated`` run freely."""
+
+    def __init__(self, gated: tuple[str, ...] = ("write", "load")) -> None:
+        self.gated = {{"write": "cpu-stream-0", "load": "cpu-stream-1"}[g] for g in gated}
+        self._lock = threading.Lock()
+        self._events: dict[tuple[str, int], threading.Event] = {}
+        self._calls: dict[str, int] = {}
+        self._all = threading.Event()
+
+    def _event(self, stream: str, i: int) -> threading.Event:
+        with self._lock:
+            return self._events.setdefault((stream, i), threading.Event())
+
+    def __call__(self) -> float:
+        name = threading.current_thread().name
+        if name not in self.gated:
+            return 0.0
+        with self._lock:
+            i = self._calls.get(name, 0)
+            self._calls[name] = i + 1
+        ev = self._event(name, i)
+        while not ev.is_set() and not self._all.is_set():
+            ev.wait(0.01)
+        return 0.0
+
+    def open(self, stream: str, i: int) -> None:
+        self._event({"write": "cpu-stream-0", "load": "cpu-stream-1"}[stream], i).set()
+
+    def open_all(self) -> None:
+        self._all.set()
 
 
-def poll(fn, timeout: float = 5.0) -> list[int]:
-    out: list[int] = []
-    end = time.perf_counter() + timeout
-    while time.perf_counter() < end:
-        out += fn()
-        if out:
-            return out
-        time.sleep(0.002)
-    raise AssertionError("no ack within timeout")
+def finished(c: HiCacheController, check) -> list[int]:
+    """Acks of every launched copy: wait for both streams, then poll ``check`` once."""
+    c.write_stream.synchronize()
+    c.load_stream.synchronize()
+    return check()
 
 
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("layout,io", sorted(SUPPORTED_LAYOUT_IO))
 @pytest.mark.parametrize("page", [1, 16])
 def test_backup_evict_load_round_trip(mla: bool, layout: str, io: str, page: int) -> None:
-    c = make(page=page, size=64, layout=layout, io=io, mla=mla, delay=0.001)
+    c = make(page=page, size=64, layout=layout, io=io, mla=mla)
     d = c.device_allocator.alloc(32)
     tokens, positions = torch.arange(100, 132), torch.arange(32)
     write_device(c.device_pool, d, tokens, positions)
     h = c.write(d, node_id=7)
     assert h is not None and h.device.type == "cpu" and h.numel() == 32
     c.check_integrity()
-    assert poll(c.writing_check) == [7]
+    assert finished(c, c.writing_check) == [7]
     check_host(c.host_pool, h, tokens, positions)
     c.evict_device(d)
     assert c.device_allocator.available_size() == 64
@@ -70,7 +104,7 @@ def test_backup_evict_load_round_trip(mla: bool, layout: str, io: str, page: int
     for layer in range(L):
         c.layer_done_counter.wait_until(layer)
     check_device(c.device_pool, d2, tokens, positions)
-    assert poll(c.loading_check) == [8]
+    assert finished(c, c.loading_check) == [8]
     c.check_integrity()
     s = c.stats.as_dict()
     assert s["d2h_copies"] == 1 and s["h2d_copies"] == 1
@@ -79,7 +113,8 @@ def test_backup_evict_load_round_trip(mla: bool, layout: str, io: str, page: int
 
 
 def test_device_slot_is_not_reusable_while_a_backup_reads_it() -> None:
-    c = make(size=8, delay=0.2)
+    gates = Gates()
+    c = make(size=8, delay=gates)
     d = c.device_allocator.alloc(4)
     write_device(c.device_pool, d, [1, 2, 3, 4], [0, 1, 2, 3])
     h = c.write(d, node_id=1)
@@ -91,6 +126,7 @@ def test_device_slot_is_not_reusable_while_a_backup_reads_it() -> None:
     assert c.device_allocator.alloc(4) is None
     with pytest.raises(ValueError, match="already freed"):
         c.evict_device(d)
+    gates.open_all()
     assert c.wait_write([1]) == [1]
     assert c.device_in_flight() == 0 and c.device_allocator.available_size() == 4
     check_host(c.host_pool, h, [1, 2, 3, 4], [0, 1, 2, 3])  # the copy read intact slots
@@ -99,7 +135,8 @@ def test_device_slot_is_not_reusable_while_a_backup_reads_it() -> None:
 
 
 def test_host_slot_is_not_reusable_while_a_load_reads_it() -> None:
-    c = make(size=8, ratio=1.0, delay=0.1)
+    gates = Gates(gated=("load",))
+    c = make(size=8, ratio=1.0, delay=gates)
     d = c.device_allocator.alloc(4)
     write_device(c.device_pool, d, [5, 6, 7, 8], [0, 1, 2, 3])
     h = c.write(d, node_id=1)
@@ -111,49 +148,50 @@ def test_host_slot_is_not_reusable_while_a_load_reads_it() -> None:
     c.start_loading()
     c.check_integrity()
     assert c.host_allocator.alloc(8) is None
-    assert poll(c.loading_check) == [2]
+    assert c.loading_check() == []  # the load is held: its host slots stay held too
+    assert c.host_in_flight() == 4
+    gates.open_all()
+    assert finished(c, c.loading_check) == [2]
     assert c.host_in_flight() == 0 and c.host_allocator.available_size() == 8
     check_device(c.device_pool, d2, [5, 6, 7, 8], [0, 1, 2, 3])
     c.close()
 
 
 def test_write_acks_complete_in_launch_order() -> None:
-    delays = iter([0.15, 0.01, 0.01, 0.01])
-    c = make(size=16, delay=lambda: next(delays))
-    ids = []
+    gates = Gates()
+    c = make(size=16, delay=gates)
     for i in range(4):
         d = c.device_allocator.alloc(4)
         assert c.write(d, node_id=i) is not None
-        ids.append(i)
-    seen: list[int] = []
-    while len(seen) < 4:
-        got = c.writing_check()
-        assert got == ids[len(seen): len(seen) + len(got)]  # always a prefix, in order
-        seen += got
-        time.sleep(0.005)
-    assert seen == [0, 1, 2, 3]
+    assert c.writing_check() == []  # nothing ran yet
+    gates.open("write", 0)
+    gates.open("write", 1)
+    c.ack_write_queue[1].finish_event.synchronize()
+    assert c.writing_check() == [0, 1]  # a prefix, in order
+    gates.open_all()
+    assert finished(c, c.writing_check) == [2, 3]
     c.close()
 
 
 def test_layer_wait_blocks_only_until_that_layer_is_loaded() -> None:
-    c = make(size=8, delay=by_stream(0.0, 0.25))
+    gates = Gates(gated=("load",))
+    c = make(size=8, delay=gates)
     d = c.device_allocator.alloc(4)
     write_device(c.device_pool, d, [1, 2, 3, 4], [0, 1, 2, 3])
     h = c.write(d)
     c.wait_write()
     c.evict_device(d)
-    t0 = time.perf_counter()
-    c.layer_done_counter.wait_until(L - 1)  # nothing loading: no wait
-    assert time.perf_counter() - t0 < 0.05
+    c.layer_done_counter.wait_until(L - 1)  # nothing loading: returns at once (no load event)
     d2 = c.load(h, node_id=3)
     pid = c.start_loading()
     lev = c.layer_done_counter.events[pid]
-    c.layer_done_counter.wait_until(0)
-    waited = time.perf_counter() - t0
-    assert 0.2 < waited < 0.6
+    assert not lev.load_events[0].query()  # layer 0's copy is held by its gate
+    gates.open("load", 0)  # the first callable on the load stream copies layer 0
+    c.layer_done_counter.wait_until(0)  # returns once layer 0 is loaded, not the others
     assert lev.load_events[0].query() and not lev.load_events[L - 1].query()
     assert torch.equal(c.device_pool.k_buffer[0][d2], c.device_pool.k_buffer[0][d])
     assert c.loading_check() == []  # not finished: non-blocking, nothing popped
+    gates.open_all()
     c.layer_done_counter.wait_until(L - 1)
     assert lev.finish_event.query()
     assert c.loading_check() == [3]
@@ -161,12 +199,18 @@ def test_layer_wait_blocks_only_until_that_layer_is_loaded() -> None:
 
 
 def test_load_waits_for_a_backup_still_writing_its_host_slots() -> None:
-    c = make(size=8, delay=by_stream(0.3, 0.0))
+    gates = Gates(gated=("write",))
+    c = make(size=8, delay=gates)
     d = c.device_allocator.alloc(4)
     write_device(c.device_pool, d, [9, 9, 9, 9], [0, 1, 2, 3])
     h = c.write(d, node_id=1)
     d2 = c.load(h, node_id=2)  # a misbehaving caller: the host copy is not acked yet
-    c.start_loading()
+    pid = c.start_loading()
+    lev = c.layer_done_counter.events[pid]
+    c.load_stream.submit(lambda: None)
+    fence = c.load_stream.record()
+    assert not lev.load_events[0].query() and not fence.query()  # waiting for the backup
+    gates.open_all()
     for layer in range(L):
         c.layer_done_counter.wait_until(layer)
     check_device(c.device_pool, d2, [9, 9, 9, 9], [0, 1, 2, 3])
@@ -175,7 +219,8 @@ def test_load_waits_for_a_backup_still_writing_its_host_slots() -> None:
 
 
 def test_backup_waits_for_a_load_still_writing_its_device_slots() -> None:
-    c = make(size=8, delay=by_stream(0.0, 0.1))
+    gates = Gates(gated=("load",))
+    c = make(size=8, delay=gates)
     d = c.device_allocator.alloc(4)
     write_device(c.device_pool, d, [4, 3, 2, 1], [0, 1, 2, 3])
     h = c.write(d)
@@ -183,9 +228,67 @@ def test_backup_waits_for_a_load_still_writing_its_device_slots() -> None:
     d2 = c.load(h)
     c.start_loading()
     h2 = c.write(d2, node_id=5)  # reads slots the load has not written yet
+    assert not c.ack_write_queue[-1].finish_event.query()  # held behind the load
+    gates.open_all()
     assert c.wait_write([5]) == [5]
     check_host(c.host_pool, h2, [4, 3, 2, 1], [0, 1, 2, 3])
     c.wait_all()
+    c.close()
+
+
+def test_deferred_free_fires_and_releases_at_that_copys_ack() -> None:
+    """Many backups in flight; the tree frees the device slots of two of them (copy 3 and copy
+    9) and of slots no copy uses. Unused slots are free at once; each held page comes back at
+    its own copy's ack, not before and not at another copy's."""
+    gates = Gates(gated=("write",))
+    c = make(page=4, size=64, delay=gates)
+    slots = [c.device_allocator.alloc(4) for _ in range(12)]
+    for i in range(10):
+        assert c.write(slots[i], node_id=i) is not None
+    free_before = c.device_allocator.available_size()
+    c.evict_device(torch.cat([slots[3], slots[10]]))  # slots[10]: no copy reads it
+    c.evict_device(slots[9])
+    assert c.device_in_flight() == 8
+    assert c.device_allocator.available_size() == free_before + 4
+    c.check_integrity()
+    for i in range(4):
+        gates.open("write", i)
+    c.ack_write_queue[3].finish_event.synchronize()
+    assert c.writing_check() == [0, 1, 2, 3]  # copy 3's ack: its slots come back
+    assert c.device_in_flight() == 4
+    assert c.device_allocator.available_size() == free_before + 8
+    assert not c.device_allocator.is_allocated(slots[3])
+    assert c.device_allocator.is_allocated(slots[9])  # copy 9 still reads them
+    c.check_integrity()
+    gates.open_all()
+    assert finished(c, c.writing_check) == [4, 5, 6, 7, 8, 9]
+    assert c.device_in_flight() == 0
+    assert c.device_allocator.available_size() == free_before + 12
+    c.check_integrity()
+    c.close()
+
+
+def test_frees_do_not_scan_the_copies_in_flight() -> None:
+    """Freeing asks the per-page busy counts, never the list of copies (whose scan made every
+    free cost O(copies in flight))."""
+    gates = Gates(gated=("write",))
+    c = make(page=1, size=256, delay=gates)
+    for i in range(100):
+        c.write(c.device_allocator.alloc(2), node_id=i)
+    other = c.device_allocator.alloc(8)
+    host_other = c.host_allocator.alloc(8)
+
+    def no_scan():
+        raise AssertionError("scanned the copies in flight")
+
+    c.inflight_slots = no_scan
+    c.evict_device(other)
+    c.evict_host(host_other)
+    assert c.device_in_flight() == 0 and c.host_in_flight() == 0
+    gates.open_all()
+    assert len(finished(c, c.writing_check)) == 100
+    del c.inflight_slots
+    c.check_integrity()
     c.close()
 
 

@@ -224,11 +224,19 @@ def test_write_back_story(caches) -> None:
     assert kv.stats.backed_up_tokens == 0
 
     # eviction backs up, waits for the copy, then frees: it blocks until the gate opens
+    waiting = threading.Event()
+    wait_write = kv.controller.wait_write
+
+    def traced_wait_write(node_ids=None):
+        waiting.set()
+        return wait_write(node_ids)
+
+    kv.controller.wait_write = traced_wait_write
     result: list[int] = []
     worker = threading.Thread(target=lambda: result.append(tree.evict(16)))
     worker.start()
-    worker.join(timeout=0.2)
-    assert worker.is_alive()  # waiting for its backups
+    waiting.wait()  # evict is inside wait_write; its copies cannot run before the gate opens
+    assert result == [] and kv.controller.ack_write_queue
     gate.open()
     worker.join()
     assert result == [16]
@@ -247,6 +255,24 @@ def test_write_back_story(caches) -> None:
     assert tree.evict(16) == 16 and kv.stats.backed_up_tokens == backed
     assert tree.evict_host(16) == 16
     assert not tree.root_node.children
+    kv.check_integrity()
+
+
+def test_write_back_keeps_lru_order_when_the_host_is_full(caches) -> None:
+    """Host pool 16 tokens, four 8-token keys on the device, evict all: the backups of the
+    oldest keys fill the host first, so they are finished and host-evicted to make room for
+    the newer ones. The two most recently used keys keep their host copy."""
+    kv = make_cache("write_back", device_tokens=32, ratio=0.5)
+    caches.append(kv)
+    tree = kv.tree
+    keys = [list(range(100 * i, 100 * i + 8)) for i in range(4)]
+    for k in keys:  # oldest first
+        compute(kv, k)
+    assert kv.host_pool.size == 16
+    assert tree.evict(32) == 32
+    hits = [tree.match_prefix(k).host_hit_length for k in keys]
+    assert hits == [0, 0, 8, 8]
+    check_tree_content(kv)
     kv.check_integrity()
 
 
@@ -419,8 +445,8 @@ def test_bad_calls_raise_and_change_nothing(caches) -> None:
 
     with pytest.raises(ValueError, match="8 tokens but value has 4"):
         tree.insert(B[:8], torch.arange(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="multiple of page_size"):
-        tree.insert(B[:6], torch.arange(6, dtype=torch.int64))
+    with pytest.raises(ValueError, match="value is required"):
+        tree.insert(B)  # token ids are not slots: only a simulated tree takes keys alone
     with pytest.raises(ValueError, match="below 0"):
         tree.dec_lock_ref(node)
     with pytest.raises(ValueError, match="num_tokens"):
@@ -472,3 +498,53 @@ def test_unsupported_configurations_are_refused(extra, match) -> None:
     )
     with pytest.raises(ValueError, match=match):
         build_kv_cache(args)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_both_queues_evict_what_a_full_scan_would(caches, policy) -> None:
+    """Random requests, device and host evictions: each single-leaf eviction of either tier
+    takes the leaf a scan of the whole tree by (access time, id) would pick."""
+    import random
+
+    rng = random.Random(1)
+    kv = make_cache(policy, device_tokens=64, ratio=2.0)
+    caches.append(kv)
+    tree = kv.tree
+    for _ in range(150):
+        op = rng.random()
+        key = [
+            p * 10 + i
+            for p in [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+            for i in range(PAGE)
+        ]
+        if op < 0.5:
+            m = tree.match_prefix(key)
+            if kv.allocator.available_size() + tree.evictable_size() >= len(key):
+                compute(kv, key)
+            elif m.host_hit_length:
+                tree.init_load_back(m.last_host_node, m.host_hit_length)
+                tree.ready_to_load_host_cache()
+        elif op < 0.6:
+            tree.match_prefix(key)
+        elif op < 0.8:
+            drain(kv)
+            leaves = [
+                x
+                for x in tree.all_nodes()
+                if not x.evicted and x.lock_ref == 0 and x.device_children == 0
+            ]
+            if leaves:
+                oldest = min(leaves, key=lambda x: (x.last_access_time, x.id))
+                tree.evict(1)
+                assert oldest.evicted or oldest.parent is None
+        else:
+            drain(kv)
+            leaves = [
+                x for x in tree.all_nodes() if x.evicted and not x.children and x.host_ref == 0
+            ]
+            if leaves:
+                oldest = min(leaves, key=lambda x: (x.last_access_time, x.id))
+                assert tree.evict_host(1) == len(oldest.key)
+                assert oldest.parent is None
+        drain(kv)
+        kv.check_integrity()

@@ -144,11 +144,121 @@ def test_bad_insert_raises_and_changes_nothing(key, value, match) -> None:
     tree.check_integrity()
 
 
-def test_unaligned_key_raises() -> None:
+def test_unaligned_key_is_cut_to_whole_pages() -> None:
+    """As SGLang's ``RadixKey.page_aligned``: the partial last page is not inserted and its
+    slots stay the caller's."""
     tree, alloc = make(page_size=4)
-    with pytest.raises(ValueError, match="multiple of page_size"):
-        tree.insert([1, 2, 3], torch.arange(3, dtype=torch.int64))
+    assert tree.insert([1, 2, 3], torch.arange(4, 7, dtype=torch.int64)) == 0
     assert not tree.root_node.children
+    slots = alloc.alloc(8)
+    assert tree.insert(list(range(10, 16)), slots[:6]) == 0
+    assert tree.match_prefix(list(range(10, 18))).device_indices.tolist() == slots[:4].tolist()
+    tree.check_integrity(request_owned=4)  # slots[4:8]: the partial page, still the caller's
+    alloc.free(slots[4:])
+    tree.check_integrity()
+
+
+def test_insert_without_value_needs_a_simulated_tree() -> None:
+    """SGLang's tests insert keys alone into ``RadixCache.create_simulated()``; token ids then
+    stand in for slots. A tree with an allocator refuses: it would free token ids as slots."""
+    sim = RadixCache(None, page_size=1)
+    assert sim.insert([1, 2, 3]) == 0
+    assert sim.insert([1, 2, 3]) == 3
+    assert sim.insert([1, 2, 4, 5]) == 2
+    assert sim.insert([1, 2, 4, 5, 6, 7]) == 4
+    assert sim.insert([8, 9, 10, 11, 12]) == 0
+    assert sim.match_prefix([1, 2, 3, 13, 14]).device_indices.tolist() == [1, 2, 3]
+    assert sim.total_size() == 12
+    sim.check_integrity()
+    assert sim.evict(100) == 12 and not sim.root_node.children
+    sim.check_integrity()
+
+    tree, alloc = make()
+    with pytest.raises(ValueError, match="value is required"):
+        tree.insert([1, 2, 3])
+    assert not tree.root_node.children
+    tree.check_integrity()
+
+
+def test_pure_miss_allocates_nothing_and_reuses_the_empty_result() -> None:
+    tree, alloc = make(page_size=2)
+    cache(tree, alloc, [1, 2, 3, 4])
+    nodes = tree.all_nodes()
+    stamp = tree.root_node.last_access_time
+    key = [7, 8, 9, 10]
+    r1 = tree.match_prefix(key)
+    r2 = tree.match_prefix([5])  # shorter than a page
+    assert r1 is r2 is tree.match_prefix([])
+    assert r1.device_indices.numel() == 0 and r1.last_device_node is tree.root_node
+    assert r1.host_hit_length == 0 and r1.last_host_node is tree.root_node
+    assert tree.root_node.last_access_time == stamp  # no tick, no refresh
+    assert tree.all_nodes() == nodes and key == [7, 8, 9, 10]
+    tree.check_integrity()
+
+
+def test_match_refreshes_the_whole_node_before_splitting_it() -> None:
+    """SGLang's order: the node is refreshed, then split, so its lower half is as recent as the
+    match. SGLang 0.5.23's own RadixCache, run on this trace, evicts [5, 6] first: [3, 4] was
+    refreshed by the match that split [1, 2, 3, 4]."""
+    tree, alloc = make()
+    cache(tree, alloc, [1, 2, 3, 4])
+    cache(tree, alloc, [5, 6])
+    tree.match_prefix([1, 2, 9])  # ends inside [1, 2, 3, 4]: split into [1, 2] -> [3, 4]
+    upper = tree.match_prefix([1, 2]).last_device_node
+    lower = next(iter(upper.children.values()))
+    assert lower.key == [3, 4] and lower.last_access_time >= upper.last_access_time - 1
+    assert tree.evict(2) == 2
+    assert tree.match_prefix([5, 6]).device_indices.numel() == 0
+    assert tree.match_prefix([1, 2, 3, 4]).device_indices.numel() == 4
+    tree.check_integrity()
+
+
+def test_eviction_order_matches_a_full_scan() -> None:
+    """The queue evicts exactly what a scan of every unlocked leaf by (access time, id) would,
+    over random matches, inserts, locks and evictions."""
+    import random
+
+    rng = random.Random(0)
+    tree, alloc = make(page_size=1, size=400)
+    held = []
+    for _ in range(400):
+        op = rng.random()
+        key = [rng.randrange(4) for _ in range(rng.randrange(1, 7))]
+        if op < 0.45:
+            m = tree.match_prefix(key)
+            need = len(key) - len(m.device_indices)
+            if alloc.available_size() >= need:
+                slots = torch.cat([m.device_indices, alloc.alloc(need)])
+                present = tree.insert(key, slots)
+                alloc.free(slots[len(m.device_indices) : present])
+        elif op < 0.6:
+            tree.match_prefix(key)
+        elif op < 0.7:
+            node = tree.match_prefix(key).last_device_node
+            if node is not tree.root_node:
+                tree.inc_lock_ref(node)
+                held.append(node)
+        elif op < 0.8 and held:
+            tree.dec_lock_ref(held.pop(rng.randrange(len(held))))
+        else:
+            leaves = [x for x in tree.all_nodes() if not x.children and x.lock_ref == 0]
+            if leaves:
+                oldest = min(leaves, key=lambda x: (x.last_access_time, x.id))
+                expected = (oldest.parent, len(oldest.key))
+                assert tree.evict(1) == expected[1]
+                assert oldest.parent is None  # deleted
+        tree.check_integrity()
+
+
+def test_integrity_holds_while_a_free_group_is_open() -> None:
+    tree, alloc = make()
+    cache(tree, alloc, [1, 2, 3])
+    cache(tree, alloc, [4, 5])
+    alloc.free_group_begin()
+    assert tree.evict(1) == 3  # [1, 2, 3] freed into the group: not available, not in the tree
+    assert alloc.available_size() == alloc.size - 5
+    tree.check_integrity()
+    alloc.free_group_end()
     tree.check_integrity()
 
 

@@ -12,15 +12,20 @@ from hicache.streams import CpuEvent, CpuStreams, CudaStreams, make_streams
 
 
 def test_cpu_stream_runs_in_order_without_blocking_the_caller() -> None:
-    streams = CpuStreams(delay=0.05)
+    gate = threading.Event()
+
+    def delay() -> float:  # every submitted callable waits for the gate
+        gate.wait()
+        return 0.0
+
+    streams = CpuStreams(delay=delay)
     s = streams.new_stream()
     out: list[int] = []
-    t0 = time.perf_counter()
     for i in range(3):
-        s.submit(lambda i=i: out.append(i))
+        s.submit(lambda i=i: out.append(i))  # would never return if submit waited
     ev = s.record()
-    assert time.perf_counter() - t0 < 0.04  # submit never waits for the delay
-    assert not ev.query() and not s.query()
+    assert out == [] and not ev.query() and not s.query()
+    gate.set()
     ev.synchronize()
     assert out == [0, 1, 2] and ev.query()
     s.synchronize()
@@ -52,14 +57,23 @@ def test_compute_stream_is_the_caller() -> None:
 
 
 def test_stream_wait_event_orders_two_streams() -> None:
-    delays = {"cpu-stream-0": 0.15, "cpu-stream-1": 0.0}
-    streams = CpuStreams(delay=lambda: delays[threading.current_thread().name])
+    gate = threading.Event()
+
+    def delay() -> float:  # stream a's work waits for the gate, stream b's does not
+        if threading.current_thread().name == "cpu-stream-0":
+            gate.wait()
+        return 0.0
+
+    streams = CpuStreams(delay=delay)
     a, b = streams.new_stream(), streams.new_stream()
     out: list[str] = []
     a.submit(lambda: out.append("a"))
     ev = a.record()
     b.wait_event(ev)
     b.submit(lambda: out.append("b"))
+    fence = b.record()
+    assert not fence.query() and out == []  # b waits for a, which waits for the gate
+    gate.set()
     b.synchronize()
     assert out == ["a", "b"]
     streams.close()
