@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.calibrate import Calibration
+from bench.common import DEADLINE_ENV, time_left
 from bench.virtual_cost import CostAccountant, RecordingModel
 from prefill.bootstrap import PeerConfig
 from prefill.clock import VirtualClock, WallClock
@@ -45,19 +45,12 @@ from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEADLINE_ENV = "HICACHE_BENCH_DEADLINE"
-"""Unix time by which a benchmark should have written its results (set by gpu_check.sh)."""
+__all__ = ["DEADLINE_ENV", "Driver", "TraceRun", "new_executor", "settle", "time_left"]
 
 CLOCKS = ("virtual", "wall")
 
 STUCK_STEPS = 1000
 """Virtual clock: consecutive steps without progress or a future event before giving up."""
-
-
-def time_left() -> float:
-    """Seconds until ``$HICACHE_BENCH_DEADLINE`` (infinite when unset)."""
-    deadline = os.environ.get(DEADLINE_ENV)
-    return float("inf") if not deadline else float(deadline) - time.time()
 
 
 def shared_model(args: ServerArgs) -> PagedTransformer:
