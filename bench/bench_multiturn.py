@@ -77,8 +77,8 @@ GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
 SIZES = {
     # (cpu, gpu) workloads
     "quick": (
-        dict(num_clients=40, num_rounds=5, request_length=256, sub_question_input_length=64,
-             load=0.7, max_parallel=4, seeds=(0, 1, 2), kv_sample_every=16),
+        dict(num_clients=40, num_rounds=5, request_length=192, sub_question_input_length=48,
+             load=0.7, max_parallel=4, seeds=(0, 1, 2), kv_sample_every=20),
         dict(num_clients=8, num_rounds=3, request_length=2048, sub_question_input_length=256,
              load=0.7, max_parallel=4, seeds=(0,), kv_sample_every=4),
     ),

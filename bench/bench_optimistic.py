@@ -56,7 +56,7 @@ SECTIONS = {"write_back": "optimistic", "write_through": "optimistic_write_throu
 SIZES = {
     "quick": (
         dict(num_requests=200, input_len=512, num_prefixes=4, utilization=0.25, chunk=64,
-             seeds=(0, 1, 2), kv_sample_every=16, sweep=[]),
+             seeds=(0, 1, 2), kv_sample_every=20, sweep=[]),
         dict(num_requests=24, input_len=8192, num_prefixes=4, utilization=0.25, chunk=1024,
              seeds=(0,), kv_sample_every=4, sweep=[]),
     ),
@@ -134,8 +134,11 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
                         skipped.append(f"{policy}/{key}/seed{seed}")
                         continue
                     t0 = time.perf_counter()
-                    results[key] = run_config(trace, attempts, policy, model, virtual_cal)
+                    results[key] = res = run_config(trace, attempts, policy, model, virtual_cal)
                     slowest = max(slowest, time.perf_counter() - t0)
+                    print(f"    {policy} {key} seed {seed}: {res['successes']} ok, TTFT mean "
+                          f"{res['ttft_mean_s'] * 1e3:.2f} ms, {res['yields']} yields "
+                          f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
                     free_memory()
                     _ratios(results)
                     # Written after every configuration: a run cut short leaves its results.

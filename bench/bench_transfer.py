@@ -120,8 +120,17 @@ CPU_TINY = Config(
 )  # fmt: skip
 
 
-def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
+PARTS = ("all", "grid", "sweep")
+"""``grid``: the method grid (``bench_transfer.json``); ``sweep``: the ``block_quota`` sweep and
+the GEMM co-run, CUDA only (``bench_transfer_sweep.json``); ``all``: both, one file."""
+
+
+def run(
+    quick: bool = True, out_dir: Path = Path("results"), part: str = "all"
+) -> dict[str, Any]:
     """Run the benchmark; print the tables; write JSON (and PNG). Returns the summary dict."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     cfg = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
@@ -135,7 +144,7 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
         # turn a 1 MiB memcpy from ~0.03 ms into ~10 ms.
         torch.set_num_threads(1)
     try:
-        return _run(cfg, device, sgl, quick, out_dir)
+        return _run(cfg, device, sgl, quick, out_dir, part)
     finally:
         torch.set_num_threads(threads)
 
@@ -159,9 +168,10 @@ class Recorder:
                        "side stream (H2D one layer, page_first)", GEMM_COLUMNS),
     }  # fmt: skip
 
-    def __init__(self, payload: dict[str, Any], out_dir: Path) -> None:
+    def __init__(self, payload: dict[str, Any], out_dir: Path, name: str) -> None:
         self.payload = payload
         self.out_dir = out_dir
+        self.name = name
         for key in self.TITLES:
             payload[key] = []
         payload["partial"] = True
@@ -190,15 +200,18 @@ class Recorder:
         return ok
 
     def write(self) -> Path:
-        return write_json("bench_transfer", self.payload, self.out_dir)
+        return write_json(self.name, self.payload, self.out_dir)
 
 
 def _run(
-    cfg: Config, device: torch.device, sgl: ModuleType | None, quick: bool, out_dir: Path
-) -> dict[str, Any]:
+    cfg: Config, device: torch.device, sgl: ModuleType | None, quick: bool, out_dir: Path,
+    part: str,
+) -> dict[str, Any]:  # fmt: skip
     cuda = device.type == "cuda"
     seed = 0
+    grid, sweep = part in ("all", "grid"), part in ("all", "sweep") and cuda
     payload: dict[str, Any] = {
+        "part": part,
         "quick": quick,
         "timer": timer_name(device),
         "num_layers": NUM_LAYERS,
@@ -206,19 +219,23 @@ def _run(
         "torch_threads": torch.get_num_threads(),
         "cpu_note": None if cuda else CPU_NOTE,
     }
-    rec = Recorder(payload, out_dir)
+    name = "bench_transfer_sweep" if part == "sweep" else "bench_transfer"
+    rec = Recorder(payload, out_dir, name)
     rows = rec.emitter("rows")
     for item in cfg.items:
+        if not grid and not (sweep and item == 2048):
+            continue
         pools = Pools.allocate(device, item, pool_slots(max(cfg.tokens)))
-        measure_grid(cfg, device, sgl, item, cfg.tokens, cfg.page_sizes, cfg.layouts, pools,
-                     seed, rows, rec.time_ok(f"grid item {item}"))  # fmt: skip
-        if cuda and item == 2048 and cfg.block_quotas:
+        if grid:
+            measure_grid(cfg, device, sgl, item, cfg.tokens, cfg.page_sizes, cfg.layouts, pools,
+                         seed, rows, rec.time_ok(f"grid item {item}"))  # fmt: skip
+        if sweep and item == 2048 and cfg.block_quotas:
             sweep_block_quota(cfg, device, pools, seed, rec.emitter("block_quota_sweep"),
                               rec.time_ok("block_quota sweep"))  # fmt: skip
             gemm_slowdown(cfg, device, pools, seed, rec.emitter("gemm_corun"),
                           rec.time_ok("gemm co-run"))  # fmt: skip
         del pools
-    for item in cfg.side_items:
+    for item in cfg.side_items if grid else ():
         pools = Pools.allocate(device, item, pool_slots(cfg.side_tokens))
         measure_grid(cfg, device, sgl, item, (cfg.side_tokens,), (1,),
                      ("layer_first", "page_first"), pools, seed, rows,
@@ -231,7 +248,7 @@ def _run(
     path = rec.write()
     png = plot(
         payload["rows"],
-        out_dir / "bench_transfer.png",
+        out_dir / f"{name}.png",
         f"bench_transfer on {device} ({'CPU memcpy numbers' if not cuda else 'PCIe'})",
         cpu=not cuda,
     )
@@ -245,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="Under 2 minutes on one GPU.")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--part", choices=PARTS, default="all",
+                        help="grid: the methods; sweep: block_quota sweep + GEMM co-run (CUDA); "
+                        "all: both.")  # fmt: skip
     args = parser.parse_args(argv)
-    run(quick=args.quick, out_dir=args.out)
+    run(quick=args.quick, out_dir=args.out, part=args.part)
     return 0
 
 

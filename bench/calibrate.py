@@ -296,11 +296,14 @@ class Calibration:
 
 
 def calibrate_run(
-    args: Any, model: Any, max_new: int, max_prefix: int, rounds: int = 15
+    args: Any, model: Any, max_new: int, max_prefix: int, rounds: int | None = None
 ) -> Calibration:
     """The calibration of one benchmark run: ``model``'s forward over ``forward_grid(max_new,
     max_prefix)`` and the copies of a cache built from ``args`` (hierarchical; it is closed and
-    its host pool released before returning)."""
+    its host pool released before returning). ``rounds``: 5 on CUDA (GPU times repeat closely),
+    15 on a CPU (shared cores: the median needs more samples)."""
+    if rounds is None:
+        rounds = 5 if torch.cuda.is_available() else 15
     from hicache.cache import build_kv_cache
     from hicache.memory_pool import MHATokenToKVPool
 
