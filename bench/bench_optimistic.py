@@ -7,9 +7,12 @@ bootstrap takes a delay drawn around the prefill time of one request (``--delay-
 it, uniform on [0.5, 1.5] of that), that time being measured on the benchmark's own clock.
 Without optimism a request waits for its peer, then computes; with it, it computes while the
 peer bootstraps (yield / park / retry as needed). Runs again with injected bootstrap failures
-and at higher load. Under write_back a yield publishes the computed pages and the retry hits
-them; under write_through a yield releases them and the retry recomputes them
-(``recomputed_tokens_per_yield``).
+(``_with_failures``), with peers that report not-ready to a request's first attempt
+(``_forced_retry``, upstream's force-retry hook: every such request yields once) and, at full
+size, at higher load (``_util_*``). Under write_back a yield publishes the computed pages and
+the retry hits them; under write_through a yield releases them and the retry recomputes them
+(``recomputed_tokens_per_yield``, counted position by position). The write_through rows run the
+base and forced-retry traces, the same traces (seed by seed) as the write_back rows.
 
 Headline: mean TTFT with 0 attempts / mean TTFT with N attempts, per seed, reported as mean and
 spread over ``--seeds``; on the default virtual clock it depends only on the seeds and the
@@ -55,7 +58,7 @@ SECTIONS = {"write_back": "optimistic", "write_through": "optimistic_write_throu
 
 SIZES = {
     "quick": (
-        dict(num_requests=200, input_len=512, num_prefixes=4, utilization=0.25, chunk=64,
+        dict(num_requests=200, input_len=256, num_prefixes=4, utilization=0.25, chunk=32,
              seeds=(0, 1, 2), kv_sample_every=20, sweep=[]),
         dict(num_requests=24, input_len=8192, num_prefixes=4, utilization=0.25, chunk=1024,
              seeds=(0,), kv_sample_every=4, sweep=[]),
@@ -112,19 +115,20 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         f"[{delay.a * 1e3:.1f}, {delay.b * 1e3:.1f}] ms; arrivals {rate:.1f}/s "
         f"(utilization {opts.utilization:g}); seeds {opts.seeds}; policies {policies}"
     )
-    variants = [("", 0.0, opts.utilization), ("_with_failures", opts.failure_prob,
-                                              opts.utilization)]  # fmt: skip
-    variants += [(f"_util_{u:g}", 0.0, u) for u in opts.utilization_sweep]
+    # (suffix, bootstrap failure prob, utilization, forced-retry prob, policies)
+    variants = [
+        ("", 0.0, opts.utilization, 0.0, policies),
+        ("_with_failures", opts.failure_prob, opts.utilization, 0.0, ["write_back"]),
+        ("_forced_retry", 0.0, opts.utilization, opts.forced_retry_prob, policies),
+    ] + [(f"_util_{u:g}", 0.0, u, 0.0, ["write_back"]) for u in opts.utilization_sweep]
     per_seed: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in policies}
     skipped: list[str] = []
     slowest = 0.0
     for seed in opts.seeds:
-        for suffix, failure_prob, util in variants:
+        for suffix, failure_prob, util, forced, run_policies in variants:
             arrivals = poisson_arrivals(opts.num_requests, util / prefill_s, seed)
-            trace = make_trace(opts, seed, arrivals, delay, failure_prob)
-            for policy in policies:
-                if policy != "write_back" and suffix:
-                    continue  # write_through rows: the base trace only
+            trace = make_trace(opts, seed, arrivals, delay, failure_prob, forced)
+            for policy in run_policies:
                 results = per_seed[policy].setdefault(seed, {})
                 for attempts in ATTEMPTS:
                     key = f"attempts_{attempts}{suffix}"
@@ -167,7 +171,8 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     doc = {"workload": vars(opts), "note": note, "summary": sections, "per_seed": per_seed}
     path = write_result(out_dir, "optimistic", doc)
     first = {f"{p[:2]}:{k}": v for p in policies for k, v in per_seed[p][opts.seeds[0]].items()}
-    labels = [n.replace("_with_failures", "\n+failures").replace("_util", "\nutil") for n in first]
+    labels = [n.replace("_with_failures", "\n+failures").replace("_forced_retry", "\n+forced")
+              .replace("_util", "\nutil") for n in first]  # fmt: skip
     plot_ttft(first, out_dir / "optimistic_ttft.png",
               f"Optimistic prefill TTFT by attempts (seed {opts.seeds[0]}; wr: write_back, "
               "wt: write_through)", labels)  # fmt: skip
@@ -200,6 +205,10 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
                    help="Mean bootstrap delay / calibrated prefill time.")
     p.add_argument("--failure-prob", type=float, default=0.1,
                    help="Bootstrap failure probability of the _with_failures rows.")
+    p.add_argument("--forced-retry-prob", type=float, default=0.5,
+                   help="Probability that a peer reports not-ready to a request's first attempt "
+                   "(upstream's force-retry test hook) in the _forced_retry rows: every such "
+                   "request yields once, so recomputation per yield shows.")
     p.add_argument("--device-pool-inputs", type=int, default=6,
                    help="Device pool size in input lengths.")
     p.add_argument("--hicache-ratio", type=float, default=2.0)

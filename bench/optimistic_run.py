@@ -41,6 +41,7 @@ class Trace:
     arrivals: list[float]
     delay: DelayDistribution
     failure_prob: float
+    forced_retry_prob: float = 0.0
 
     @staticmethod
     def server_args(
@@ -80,6 +81,7 @@ def make_trace(
     arrivals: list[float],
     delay: DelayDistribution,
     failure_prob: float,
+    forced_retry_prob: float = 0.0,
 ) -> Trace:
     from bench.bench_multiturn import CPU_MODEL, GPU_MODEL
     from bench.workload import cached_prompts
@@ -87,7 +89,7 @@ def make_trace(
     vocab = (GPU_MODEL if on_cuda() else CPU_MODEL).get("vocab_size", 32000)
     prompts = cached_prompts(len(arrivals), opts.input_len, opts.cached_fraction,
                              opts.num_prefixes, vocab, seed)  # fmt: skip
-    return Trace(opts, seed, prompts, arrivals, delay, failure_prob)
+    return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)
 
 
 def _warm(ex: Any, prefixes: list[list[int]]) -> None:
@@ -124,7 +126,7 @@ def run_config(
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
-                      seed=trace.seed)  # fmt: skip
+                      force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)  # fmt: skip
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
     ex, cost = new_executor(args, peer, decode_tokens, model, cal)
     _warm(ex, trace.prefixes)

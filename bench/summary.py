@@ -82,12 +82,16 @@ _ROWS = {
 _ROWS["optimistic_write_through"] = _ROWS["optimistic"]
 
 
+W = 17
+"""Width of one configuration's column in the final table."""
+
+
 def _cell(value: Any, scale: float) -> str:
     if value is None:
-        return f"{'-':>24}"
+        return f"{'-':>{W}}"
     if isinstance(value, int):
-        return f"{value:>24d}"
-    return f"{value * scale:>24.2f}"
+        return f"{value:>{W}d}"
+    return f"{value * scale:>{W}.2f}"
 
 
 def print_summary_table(summary: dict[str, Any]) -> None:
@@ -112,14 +116,14 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         if not names:
             continue
         print(f"\n{section} ({configs.get('mode', 'wall')} clock, seeds {configs.get('seeds')})")
-        print(f"{'metric':<18}" + "".join(f"{n[:22]:>24}" for n in names))
+        print(f"{'metric':<18}" + "".join(f"{n[:W - 2]:>{W}}" for n in names))
         for metric, label, scale in rows:
             print(f"{label:<18}" + "".join(_cell(configs[n].get(metric), scale) for n in names))
         ratio = rows[-1][0]
         spreads = [configs[n].get(ratio + "_spread") for n in names]
         if any(spreads):
             print(f"{'  min..max':<18}" + "".join(
-                f"{'-':>24}" if s is None else f"{s['min']:>15.2f}..{s['max']:<7.2f}"
+                f"{'-':>{W}}" if s is None else f"{s['min']:>{W - 7}.2f}..{s['max']:<5.2f}"
                 for s in spreads))  # fmt: skip
     transfer = summary.get("transfer")
     if isinstance(transfer, dict) and transfer.get("headline"):
