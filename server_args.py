@@ -44,6 +44,12 @@ MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape")
 GATE_PP = "Optimistic prefill does not support pp_size > 1"
 GATE_HICACHE = "Optimistic prefill only supports L2 hierarchical cache with write-back policy"
 GATE_MAMBA = "Optimistic prefill does not support models that use mamba radix cache."
+# With --optimistic-prefill-write-through (SGLang 0.5.23's gate): L2 write_back or write_through
+# with no storage backend keeps the attempts; anything else resolves them to 0 with this text.
+GATE_HICACHE_WRITE_THROUGH = (
+    "Optimistic prefill supports L2 write-back/write-through or "
+    "L3 buffer-only write-through hierarchical cache"
+)
 
 # Upstream warning texts of the layout / io backend resolutions.
 LAYOUT_DIRECT_NEEDS_DIRECT_IO = "Page first direct layout only support direct io backend"
@@ -128,6 +134,13 @@ class ServerArgs:
     max_total_tokens: int = _opt(16384, "Device KV pool size in tokens.")
     chunked_prefill_size: int = _opt(8192, "Max tokens of one prefill chunk; -1 disables chunking.")
     disable_radix_cache: bool = _opt(False, "Disable prefix caching.")
+    max_running_requests: int | None = _opt(
+        None,
+        "The maximum number of running requests (requests holding KV: running, parked or "
+        "transferring). The prefill side also gets 2x this many metadata buffers, which bound "
+        "optimistic admissions. Unset = 2048 (SGLang's floor for a derived value).",
+        type=int,
+    )
     device: str = _opt("auto", "Device to run on.", choices=DEVICE_CHOICES)
     random_seed: int = _opt(0, "Seed for weights, workloads and failure injection.")
 
@@ -164,6 +177,12 @@ class ServerArgs:
     )
     optimistic_prefill_attempts: int = _opt(
         0, "Optimistic forward passes a request may run before its decode peer is ready; 0 = off."
+    )
+    optimistic_prefill_write_through: bool = _opt(
+        False,
+        "Keep optimistic prefill under L2 write_through (SGLang 0.5.23's gate): a request whose "
+        "decode peer is still bootstrapping keeps its KV request-owned and publishes it to the "
+        "tree once, at finalize. Off = the earlier gate (optimism only with L2 write_back).",
     )
     pp_size: int = _opt(1, "Pipeline parallel size (accepted for validation; not implemented).")
 
@@ -270,6 +289,7 @@ class ServerArgs:
         positive("page_size")
         positive("max_total_tokens")
         positive("pp_size")
+        positive("max_running_requests", allow_none=True)
         non_negative_int("load_back_threshold")
         non_negative_int("random_seed")
         non_negative_int("optimistic_prefill_attempts")
@@ -351,24 +371,49 @@ class ServerArgs:
             self._resolve("hicache_io_backend", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
 
     def _handle_optimistic_prefill_gate(self) -> None:
-        """The upstream gate: optimistic prefill only with L2 under write_back and no L3.
+        """The upstream gate, in one of two generations; the first matching rule resolves
+        ``optimistic_prefill_attempts`` to 0 with a warning. Applied only when
+        ``optimistic_prefill_attempts > 0`` and ``disaggregation_mode == "prefill"``.
 
-        Applied when ``optimistic_prefill_attempts > 0`` and ``disaggregation_mode ==
-        "prefill"``; the first matching rule resolves the attempts to 0 with a warning.
+        Off (``optimistic_prefill_write_through=False``, SGLang 0.5.17): pp_size > 1; L2 with a
+        storage backend or any policy but write_back; a mamba radix cache.
+        On (SGLang 0.5.23): pp_size > 1; L2 with a storage backend or write_through_selective
+        (write_back and write_through are kept); a mamba radix cache.
         """
         if self.optimistic_prefill_attempts <= 0 or self.disaggregation_mode != "prefill":
             return
         reason = None
         if self.pp_size > 1:
             reason = GATE_PP
+        elif self.enable_hierarchical_cache and self.optimistic_prefill_write_through:
+            if self.hicache_storage_backend is not None or self.hicache_write_policy not in (
+                "write_back",
+                "write_through",
+            ):
+                reason = GATE_HICACHE_WRITE_THROUGH
         elif self.enable_hierarchical_cache and (
             self.hicache_storage_backend is not None or self.hicache_write_policy != "write_back"
         ):
             reason = GATE_HICACHE
-        elif self.uses_mamba_radix_cache:
+        if reason is None and self.uses_mamba_radix_cache:
             reason = GATE_MAMBA
         if reason is not None:
             self._resolve("optimistic_prefill_attempts", 0, reason)
+
+    def optimistic_gate_allows(self, write_policy: str | None) -> bool:
+        """Whether the gate keeps optimistic attempts for an L2 cache with ``write_policy``
+        (``None``: no L2), given this object's other fields as they are now. The executor asks
+        this with the policy its cache declares, so a configuration changed after resolution
+        is caught."""
+        if self.pp_size > 1 or self.uses_mamba_radix_cache:
+            return False
+        if write_policy is None:
+            return True
+        if self.hicache_storage_backend is not None:
+            return False
+        if write_policy == "write_back":
+            return True
+        return write_policy == "write_through" and bool(self.optimistic_prefill_write_through)
 
     # ------------------------------------------------------------------ runtime helpers
     def unsupported_runtime_features(self) -> list[str]:

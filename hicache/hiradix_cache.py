@@ -89,6 +89,12 @@ class HiRadixCache(HiRadixTransfers):
         self.stats = stats
         super().__init__(controller.device_allocator, page_size)
 
+    @property
+    def backs_up_on_insert(self) -> bool:
+        """``write_through`` and ``write_through_selective`` back up from ``insert`` (the first
+        or second insert touching a node); ``write_back`` only when eviction picks a node."""
+        return self.write_policy != "write_back"
+
     # ------------------------------------------------------------------ insert hooks
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:

@@ -100,6 +100,12 @@ class RadixCache:
         """All device tokens held by the tree."""
         return self.evictable_size_ + self.protected_size_
 
+    @property
+    def backs_up_on_insert(self) -> bool:
+        """Whether ``insert`` may start a host backup of the pages it is given (so KV of a
+        request that is not finalized would reach L2). Device-only: never."""
+        return False
+
     # ------------------------------------------------------------------ match
 
     def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:

@@ -1,15 +1,19 @@
-"""Admission of the optimistic prefill executor (SGLang ``PrefillBootstrapQueue``), DESIGN.md
-section 7: the bootstrap and waiting queues, the decode peer's bootstrap state as the scheduler
-sees it, and the optimistic-attempt policy.
+"""Admission of the optimistic prefill executor (SGLang ``PrefillBootstrapQueue``), see
+docs/DESIGN.md: the bootstrap and waiting queues, the decode peer's bootstrap state as the
+scheduler sees it, the optimistic-attempt policy and the metadata buffers.
 
 - A request still ``Bootstrapping`` is admitted optimistically while its
   ``optimistic_attempts < N`` (the attempt is counted at admission); a ready one is admitted and
   finalized at once; a failed one is handed back to the executor to abort.
+- Every admission needs a metadata buffer (SGLang ``ensure_metadata_buffer``), held until the
+  request's outcome or its fall back to the bootstrap queue; with none free the request waits
+  in the bootstrap queue. The pool (``2 * max_running_requests``) caps optimistic admissions.
 - ``finalize`` commits an attempt (``peer.init``): nothing is sent before it.
 - A yielded request goes back to the head of the waiting queue for another optimistic attempt,
   or to the tail of the bootstrap queue once its attempts are used up.
-- The test hook "force not ready": the peer looks ``Bootstrapping`` until the request's first
-  attempt yielded.
+- The test hook "force not ready" (SGLang ``should_force_retry``): the first attempt of a forced
+  request runs as if its peer were not ready and yields at its end, whatever
+  ``optimistic_prefill_attempts`` is (upstream's hook ignores the limit too).
 
 This file never touches KV: requests in both queues hold no slots and no lock.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from prefill.bootstrap import KVPoll
+from prefill.metadata_buffers import ReqToMetadataIdxAllocator
 from prefill.request import PrefillRequest, Stage
 from prefill.stats import ExecutorStats
 
@@ -31,29 +36,50 @@ class AdmissionQueue:
     Args:
         max_attempts: ``optimistic_prefill_attempts`` after the gate (0 disables optimism).
         stats: the executor's counters (admissions, finalized, retries, fallbacks).
+        metadata: the metadata buffer pool every admitted request takes one index from.
     """
 
-    def __init__(self, max_attempts: int, stats: ExecutorStats) -> None:
+    def __init__(
+        self, max_attempts: int, stats: ExecutorStats, metadata: ReqToMetadataIdxAllocator
+    ) -> None:
         self.max_attempts = max_attempts
         self.stats = stats
+        self.metadata = metadata
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
 
     # ------------------------------------------------------------------ bootstrap state
     def forced(self, req: PrefillRequest) -> bool:
         """Test hook: the peer looks not ready until the request's first attempt yielded."""
-        return req.force_not_ready and self.max_attempts > 0 and not req.forced_yield_done
+        return req.force_not_ready and not req.forced_yield_done
 
     def poll(self, req: PrefillRequest) -> KVPoll:
-        """The peer's state, except that a forced request still looks ``Bootstrapping``."""
+        """The peer's state, except that a forced pending request still sees ``Bootstrapping``."""
         state = req.peer.poll()
         if state == KVPoll.WaitingForInput and req.pending_bootstrap and self.forced(req):
             return KVPoll.Bootstrapping
         return state
 
+    def ensure_metadata_buffer(self, req: PrefillRequest) -> bool:
+        """Give ``req`` a metadata buffer unless it holds one; False when none is free."""
+        if req.metadata_buffer_index >= 0:
+            return True
+        index = self.metadata.alloc()
+        if index is None:
+            self.stats.metadata_buffer_waits += 1
+            return False
+        req.metadata_buffer_index = index
+        return True
+
+    def release_metadata_buffer(self, req: PrefillRequest) -> None:
+        if req.metadata_buffer_index >= 0:
+            self.metadata.free(req.metadata_buffer_index)
+            req.metadata_buffer_index = -1
+
     def finalize(self, req: PrefillRequest) -> None:
-        """Bootstrap done: commit this attempt (``peer.init``); sends may follow."""
-        assert req.pending_bootstrap
+        """Bootstrap done: commit this attempt (``peer.init``); sends may follow. The request
+        holds a metadata buffer since its admission."""
+        assert req.pending_bootstrap and req.metadata_buffer_index >= 0
         req.peer.init(req.attempt)
         req.pending_bootstrap = False
         req.start_send_idx = req.peer.decode_prefix_len
@@ -76,24 +102,33 @@ class AdmissionQueue:
                 self.stats.forced_not_ready += 1
 
     def pop_bootstrapped(self) -> list[PrefillRequest]:
-        """Move ready requests (finalized) and optimistic ones (while attempts are left) to the
-        tail of the waiting queue. Returns the requests whose peer failed, removed from the
-        queue, for the caller to abort."""
+        """Move ready requests (finalized) and optimistic ones (while attempts are left, and a
+        forced one whatever the limit) to the tail of the waiting queue, each with a metadata
+        buffer; without a free buffer a request stays. Returns the requests whose peer failed,
+        removed from the queue, for the caller to abort."""
         keep, failed = [], []
         for req in self.bootstrap_queue:
-            state = self.poll(req)
+            state = req.peer.poll()
             if state == KVPoll.Failed:
                 failed.append(req)
             elif state == KVPoll.Bootstrapping:
-                if req.optimistic_attempts < self.max_attempts:
+                if req.optimistic_attempts < self.max_attempts and self.ensure_metadata_buffer(
+                    req
+                ):
                     self._admit(req, optimistic=True)
                     self.waiting_queue.append(req)
                 else:
                     keep.append(req)
             elif state == KVPoll.WaitingForInput:
-                self._admit(req, optimistic=False)
-                self.finalize(req)
-                self.waiting_queue.append(req)
+                if not self.ensure_metadata_buffer(req):
+                    keep.append(req)
+                elif self.forced(req):
+                    self._admit(req, optimistic=True)  # the hook: run as if not ready
+                    self.waiting_queue.append(req)
+                else:
+                    self._admit(req, optimistic=False)
+                    self.finalize(req)
+                    self.waiting_queue.append(req)
             else:
                 raise RuntimeError(f"{req.rid}: unexpected {state.name} in the bootstrap queue")
         self.bootstrap_queue = keep
@@ -128,7 +163,8 @@ class AdmissionQueue:
 
     def requeue_yielded(self, req: PrefillRequest) -> None:
         """After a yield (``req`` holds no KV and was reset): another optimistic attempt at the
-        head of the waiting queue, or the tail of the bootstrap queue once attempts are used."""
+        head of the waiting queue (keeping its metadata buffer), or the tail of the bootstrap
+        queue once attempts are used (giving the buffer back)."""
         if self.forced(req):
             req.forced_yield_done = True
         if req.optimistic_attempts >= self.max_attempts:
@@ -137,6 +173,7 @@ class AdmissionQueue:
                 req.rid,
                 req.optimistic_attempts,
             )
+            self.release_metadata_buffer(req)
             req.stage = Stage.BOOTSTRAP
             self.bootstrap_queue.append(req)
             self.stats.fallbacks += 1

@@ -2,8 +2,9 @@
 ``run_batch``): pick requests within the token budget, give them slots, run the forward.
 
 - The continuing chunked request comes first; then waiting requests in the order the admission
-  queue gives (bootstrapped before optimistic). At most one request is left unfinished per batch:
-  the one that did not fit becomes the next chunked request.
+  queue gives (bootstrapped before optimistic), while fewer than ``max_running_requests``
+  requests hold KV. At most one request is left unfinished per batch: the one that did not fit
+  becomes the next chunked request.
 - A waiting request enters the batch by matching and locking its cached prefix (device hits, and
   host hits loaded back layer by layer under the forward) and allocating the rest of its chunk.
   That is its admission into running, where its prefix hit is counted, once per attempt.
@@ -67,12 +68,16 @@ class BatchRunner:
         self.page_size = kv.page_size
 
     def get_new_batch(
-        self, chunked_req: PrefillRequest | None, candidates: list[PrefillRequest]
+        self,
+        chunked_req: PrefillRequest | None,
+        candidates: list[PrefillRequest],
+        free_request_slots: int | None = None,
     ) -> Batch:
         """Pick ``(request, new_tokens)`` pairs within the token budget and allocate their
-        slots: ``chunked_req`` first, then ``candidates`` in order. Each candidate taken is
-        ``RUNNING`` and holds its prefix lock and slots (the caller removes it from the waiting
-        queue); a candidate that does not fit is released again and ends the batch."""
+        slots: ``chunked_req`` first, then at most ``free_request_slots`` of ``candidates`` in
+        order (``None``: no limit). Each candidate taken is ``RUNNING`` and holds its prefix lock
+        and slots (the caller removes it from the waiting queue); a candidate that does not fit
+        is released again and ends the batch."""
         budget = self.chunk_budget
         batch: Batch = []
         if chunked_req is not None:
@@ -85,6 +90,8 @@ class BatchRunner:
         for req in candidates:
             if budget is not None and budget < self.page_size:
                 break
+            if free_request_slots is not None and free_request_slots <= 0:
+                break
             self.kv.match_and_lock(req)
             n = self._chunk_len(req, budget)
             if n == 0 or not self.kv.alloc_extend(req, n):
@@ -96,6 +103,11 @@ class BatchRunner:
             # Prefix-hit accounting belongs to admission (SGLang's scheduler), once per attempt:
             # the tree's re-matches after chunk inserts are not hits.
             self.cache.stats.record_match(req.cached_device, req.cached_host)
+            if req.yielded_len:  # a retry: what its yielded attempt had computed, computed again
+                self.stats.yield_recomputed_tokens += max(0, req.yielded_len - req.computed_len)
+                req.yielded_len = 0
+            if free_request_slots is not None:
+                free_request_slots -= 1
             batch.append((req, n))
             budget = None if budget is None else budget - n
             if req.computed_len + n < req.num_tokens:

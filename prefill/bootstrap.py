@@ -4,34 +4,42 @@ One ``DecodePeer`` per request (SGLang's bootstrap room). Its life, driven by a 
 
 ``Bootstrapping`` --(delay from ``PeerConfig.bootstrap_delay``)--> ``WaitingForInput``, having
 preallocated decode-side slots for tokens ``[decode_prefix_len, n)``; or ``Failed`` with
-probability ``bootstrap_failure_prob``. The prefill side calls ``init`` (finalize; SGLang's
-``sender.init``) and then ``send`` page-aligned ranges; the peer is ``Transferring`` while sends
-are in flight. A send completes after ``transfer_latency_s + bytes / transfer_bandwidth``; only
-then are the source slots read and copied into the decode pool with the project's copy ops
-(``kernels.transfer_kv_all_layer``), like an RDMA read, so a prefill side that frees or reuses a
-slot before the ack is caught by comparing decode-side KV with a recompute. A send fails with
-probability ``transfer_failure_prob`` (the peer turns ``Failed``). ``Success`` once the last
-range is acked. Tests can also force ``set_ready`` / ``fail`` at any moment.
+probability ``bootstrap_failure_prob``. A peer whose delay has passed but whose decode pool is
+full stays ``Bootstrapping`` and retries at every poll; a peer still ``Bootstrapping``
+``bootstrap_timeout_s`` after its creation turns ``Failed`` (SGLang's
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``). The prefill side calls ``init`` (finalize;
+SGLang's ``sender.init``) and then ``send`` page-aligned ranges; the peer is ``Transferring``
+while sends are in flight. A send completes after ``transfer_latency_s + bytes /
+transfer_bandwidth``; only then are the source slots read and copied into the decode pool with
+the project's copy ops (``kernels.transfer_kv_all_layer``), like an RDMA read, so a prefill side
+that frees or reuses a slot of a live peer's send before the ack is caught by comparing
+decode-side KV with a recompute. Sends of a failed peer are never read (the decode side
+discards them). A send fails with probability ``transfer_failure_prob`` (the peer turns
+``Failed``). ``Success`` once the last range is acked. Tests can also force ``set_ready`` /
+``fail`` at any moment.
 
 Failure draws come from ``random.Random(f"{seed}:{rid}")`` so reruns repeat. The "force not
 ready on the first attempt" hook (``force_not_ready``) hashes the rid alone, as upstream's
-``should_force_retry`` does.
+``should_force_retry`` does. ``PeerConfig`` and the delay distributions live in
+``prefill.peer_config`` (re-exported here).
 
-``DecodeSide`` owns the decode KV pool, its allocator and the peers, and keeps a log of every
-send (keyed by ``(rid, attempt)``) so tests can check that nothing was sent for an attempt that
-was not finalized.
+``DecodeSide`` owns the decode KV pool, its allocator and the peers, and keeps a bounded log of
+the latest sends (keyed by ``(rid, attempt)``) so tests can check that nothing was sent for an
+attempt that was not finalized. Memory stays bounded over any number of requests: a peer is
+dropped when it fails or succeeds (with ``keep_received``, a successful one stays until
+``release(rid)``), an acked send drops its copy of the source slots, and ``next_event_time``
+looks at live peers only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
 import random
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
 
 import torch
 
@@ -40,12 +48,27 @@ from hicache.allocator import TokenToKVPoolAllocator
 from hicache.memory_pool import MHATokenToKVPool
 from hicache.streams import CPU_COPY_LOCK
 from prefill.clock import Clock
+from prefill.peer_config import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    FORCE_RETRY_ENV,
+    DelayDistribution,
+    PeerConfig,
+    force_not_ready,
+)
+
+__all__ = [
+    "BOOTSTRAP_TIMEOUT_ENV",
+    "FORCE_RETRY_ENV",
+    "DecodePeer",
+    "DecodeSide",
+    "DelayDistribution",
+    "KVPoll",
+    "PeerConfig",
+    "SendRecord",
+    "force_not_ready",
+]
 
 logger = logging.getLogger(__name__)
-
-
-FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
-"""Upstream's environment variable for the force-not-ready test hook (read by ``PeerConfig``)."""
 
 
 class KVPoll(IntEnum):
@@ -58,101 +81,7 @@ class KVPoll(IntEnum):
     Success = 4
 
 
-def force_not_ready(rid: str, prob: float) -> bool:
-    """Deterministic per-rid coin of probability ``prob`` (upstream ``should_force_retry``)."""
-    if prob <= 0:
-        return False
-    digest = hashlib.sha256(str(rid).encode()).digest()
-    return int.from_bytes(digest[:8], "big") < prob * 2**64
-
-
-@dataclass(frozen=True)
-class DelayDistribution:
-    """Bootstrap delay in seconds: ``fixed`` (``a``), ``uniform`` on ``[a, b]``, or
-    ``exponential`` with mean ``a``. ``parse("uniform:0.01,0.05")`` reads the CLI form."""
-
-    kind: str = "fixed"
-    a: float = 0.0
-    b: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "uniform", "exponential"):
-            raise ValueError(f"kind must be fixed, uniform or exponential, got {self.kind!r}")
-        if self.a < 0 or self.b < 0 or (self.kind == "uniform" and self.b < self.a):
-            raise ValueError(f"bad delay parameters for {self.kind}: a={self.a}, b={self.b}")
-
-    @classmethod
-    def parse(cls, spec: str | float | DelayDistribution) -> DelayDistribution:
-        if isinstance(spec, DelayDistribution):
-            return spec
-        if isinstance(spec, (int, float)):
-            return cls("fixed", float(spec))
-        kind, _, params = str(spec).partition(":")
-        values = [float(x) for x in params.split(",") if x.strip()] if params else []
-        if kind in ("fixed", "exponential") and len(values) == 1:
-            return cls(kind, values[0])
-        if kind == "uniform" and len(values) == 2:
-            return cls(kind, values[0], values[1])
-        raise ValueError(
-            f"bootstrap delay spec {spec!r}: use fixed:S, uniform:LO,HI or exponential:MEAN"
-        )
-
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "fixed":
-            return self.a
-        if self.kind == "uniform":
-            return rng.uniform(self.a, self.b)
-        return rng.expovariate(1.0 / self.a) if self.a > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    """How simulated decode peers behave. ``decode_prefix_len`` is capped per request to a
-    page-aligned length that leaves at least one token to send."""
-
-    bootstrap_delay: DelayDistribution = field(default_factory=DelayDistribution)
-    bootstrap_failure_prob: float = 0.0
-    transfer_failure_prob: float = 0.0
-    force_not_ready_prob: float = 0.0
-    transfer_latency_s: float = 0.0
-    transfer_bandwidth: float = math.inf  # bytes per second
-    decode_prefix_len: int = 0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("bootstrap_failure_prob", "transfer_failure_prob", "force_not_ready_prob"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.transfer_latency_s < 0 or self.transfer_bandwidth <= 0:
-            raise ValueError("transfer_latency_s must be >= 0 and transfer_bandwidth > 0")
-        if self.decode_prefix_len < 0:
-            raise ValueError(f"decode_prefix_len must be >= 0, got {self.decode_prefix_len}")
-
-    @classmethod
-    def from_server_args(cls, args: Any) -> PeerConfig:
-        """Failure probabilities from ``ServerArgs`` (``FORCE_RETRY_ENV`` overrides the force
-        probability, as upstream's test hook); the delay / transfer model from optional fields
-        (``disaggregation_bootstrap_delay``, ``disaggregation_transfer_latency_s``,
-        ``disaggregation_transfer_bandwidth_gbps``, ``disaggregation_decode_prefix_len``)."""
-        bw_gbps = float(getattr(args, "disaggregation_transfer_bandwidth_gbps", 0.0) or 0.0)
-        force = float(getattr(args, "disaggregation_force_not_ready_prob", 0))
-        env_force = os.environ.get(FORCE_RETRY_ENV)
-        if env_force is not None:  # upstream's test hook spelling wins, with a trace
-            logger.warning("%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV,
-                           env_force, force)
-            force = float(env_force)
-        return cls(
-            bootstrap_delay=DelayDistribution.parse(
-                getattr(args, "disaggregation_bootstrap_delay", "fixed:0")
-            ),
-            bootstrap_failure_prob=float(getattr(args, "disaggregation_bootstrap_failure_prob", 0)),
-            transfer_failure_prob=float(getattr(args, "disaggregation_transfer_failure_prob", 0)),
-            force_not_ready_prob=force,
-            transfer_latency_s=float(getattr(args, "disaggregation_transfer_latency_s", 0.0)),
-            transfer_bandwidth=bw_gbps * 1e9 if bw_gbps > 0 else math.inf,
-            decode_prefix_len=int(getattr(args, "disaggregation_decode_prefix_len", 0)),
-            seed=int(getattr(args, "random_seed", 0)),
-        )
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 @dataclass
@@ -163,7 +92,7 @@ class Transfer:
     attempt: int
     start: int
     end: int
-    src: torch.Tensor
+    src: torch.Tensor | None  # dropped once acked (or when the peer fails)
     done_at: float
     fails: bool
     last: bool
@@ -183,15 +112,28 @@ class SendRecord:
 
 
 class DecodePeer:
-    """The decode side of one request. Create through ``DecodeSide.create_peer``."""
+    """The decode side of one request. Create through ``DecodeSide.create_peer``.
 
-    def __init__(self, side: DecodeSide, rid: str, num_tokens: int, now: float) -> None:
+    ``token_ids`` (kept only when the side keeps received KV): the prompt, which a real decode
+    instance receives with the request; tests recompute the reference KV from it."""
+
+    def __init__(
+        self,
+        side: DecodeSide,
+        rid: str,
+        num_tokens: int,
+        now: float,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
         cfg = side.config
         self.side = side
         self.rid = rid
         self.num_tokens = num_tokens
+        self.token_ids = list(token_ids) if token_ids is not None else None
         self._rng = random.Random(f"{cfg.seed}:{rid}")
+        self.created_at = now
         self.ready_at = now + cfg.bootstrap_delay.sample(self._rng)
+        self.deadline = now + cfg.bootstrap_timeout_s
         self.bootstrap_fails = self._rng.random() < cfg.bootstrap_failure_prob
         ps = side.page_size
         cap = (num_tokens - 1) // ps * ps
@@ -202,6 +144,7 @@ class DecodePeer:
         self.transfers: list[Transfer] = []
         self.received_end = self.decode_prefix_len  # tokens [dpl, received_end) landed
         self.failure: str | None = None
+        self.timed_out = False
         self._forced_ready = False
 
     # ------------------------------------------------------------------ test controls
@@ -211,7 +154,7 @@ class DecodePeer:
         self.poll()
 
     def fail(self, reason: str = "decode peer failed (injected)") -> None:
-        """Fail now at any stage before ``Success``; in-flight sends still ack at their time."""
+        """Fail now at any stage before ``Success``; sends in flight are never read."""
         if self.state != KVPoll.Success:
             self._set_failed(reason)
 
@@ -224,6 +167,12 @@ class DecodePeer:
                 self._set_failed("decode bootstrap failed (injected)")
             else:
                 self._try_prealloc()
+        if self.state == KVPoll.Bootstrapping and now >= self.deadline:
+            self.timed_out = True
+            self._set_failed(
+                f"timed out after {now - self.created_at:.1f}s in KVPoll.Bootstrapping "
+                f"({BOOTSTRAP_TIMEOUT_ENV}={self.side.config.bootstrap_timeout_s:g})"
+            )
         self._complete_transfers(now)
         return self.state
 
@@ -273,16 +222,34 @@ class DecodePeer:
         return True
 
     def inflight_reads(self) -> int:
-        """Sends whose source slots are still being read (not yet acked)."""
+        """Sends of a live peer whose source slots are still to be read (not yet acked). A
+        failed peer reads nothing more: 0."""
         self._complete_transfers(self.side.clock.now())
+        if self.state == KVPoll.Failed:
+            return 0
         return sum(1 for t in self.transfers if not t.acked)
 
     def next_event_time(self) -> float | None:
-        """The earliest future time at which ``poll`` may change something, or None."""
+        """When ``poll`` may next change something on its own: the earliest unacked send's
+        completion, the bootstrap delay's end while it lies ahead, and while ``Bootstrapping``
+        the timeout. A peer whose delay has passed but whose decode pool is full reports its
+        timeout (its preallocation can also succeed earlier, when another peer's event frees
+        decode slots). ``None`` once nothing is pending."""
+        if not self.live:
+            return None
         times = [t.done_at for t in self.transfers if not t.acked]
-        if self.state == KVPoll.Bootstrapping and not self._forced_ready:
-            times.append(self.ready_at)
+        if self.state == KVPoll.Bootstrapping:
+            now = self.side.clock.now()
+            if not self._forced_ready and self.ready_at > now:
+                times.append(self.ready_at)
+            if self.deadline < math.inf:
+                times.append(self.deadline)
         return min(times) if times else None
+
+    @property
+    def live(self) -> bool:
+        """Not yet ``Success`` or ``Failed`` (a failed peer's unacked sends are never read)."""
+        return self.state not in TERMINAL
 
     # ------------------------------------------------------------------ internals
     def _try_prealloc(self) -> None:
@@ -309,25 +276,27 @@ class DecodePeer:
                 if t.last:
                     self.state = KVPoll.Success
                     self.side.on_success(self)
+            t.src = None
 
     def _copy_in(self, t: Transfer) -> None:
         """Read the source slots now (the simulated RDMA read). On CUDA the copy is queued on the
         current (compute) stream, so it reads the KV after the forward that wrote it and before
         any later forward can reuse the slots; the last range's copy is waited for, so
-        ``Success`` (the end of TTFT) comes after the bytes landed."""
-        assert self.decode_slots is not None
+        ``Success`` (the end of TTFT) comes after the bytes landed. On CPU it is one indexed
+        copy of every layer's K and V (the interpreted Triton kernel would cost ~0.1 s a send;
+        the kernel is tested on its own)."""
+        assert self.decode_slots is not None and t.src is not None
         src_pool, dst_pool = self.side.src_pool, self.side.pool
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
+        if src_pool.device.type == "cpu":
+            with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
+                dst_pool.kv_buffer[:, :, dst] = src_pool.kv_buffer[:, :, t.src]
+            return
         args = (
             src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,
             dst_pool.v_data_ptrs, t.src.to(src_pool.device), dst.to(dst_pool.device),
             src_pool.item_size, src_pool.layer_num,
         )
-        if src_pool.device.type == "cpu":
-            # Triton's CPU interpreter is not thread-safe: share the side streams' lock.
-            with CPU_COPY_LOCK:
-                kernels.transfer_kv_all_layer(*args)
-            return
         # A device-to-device copy standing in for a network transfer, on the compute stream: give
         # it the whole GPU, not HiCache's 2 blocks (a GB through 2 blocks would hold the stream
         # for an estimated tens of ms, charged to every later forward).
@@ -341,15 +310,23 @@ class DecodePeer:
         self.state = KVPoll.Failed
         self.failure = reason
         logger.debug("%s: %s", self.rid, reason)
-        self.side.release(self.rid)
+        for t in self.transfers:  # a failed peer reads nothing more
+            t.src = None
+        self.side.retire(self)
+
+
+DEFAULT_SEND_LOG_SIZE = 10_000
+"""Sends ``DecodeSide.send_log`` remembers by default (the latest ones)."""
 
 
 class DecodeSide:
     """The decode instance: a KV pool like the prefill one, an allocator, and one peer per rid.
 
     ``src_pool`` is the prefill device pool the peers read from. With ``keep_received``, a
-    successful request's decode slots stay allocated until ``release(rid)`` so tests can read
-    them with ``received_kv``; otherwise they are freed at ``Success``.
+    successful request's decode slots (and its peer) stay until ``release(rid)`` so tests can
+    read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
+    slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
+    all of them, for tests).
     """
 
     def __init__(
@@ -359,6 +336,7 @@ class DecodeSide:
         config: PeerConfig,
         size: int,
         keep_received: bool = True,
+        send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
     ) -> None:
         self.src_pool = src_pool
         self.clock = clock
@@ -377,39 +355,70 @@ class DecodeSide:
             else 2
         )
         self.keep_received = keep_received
-        self.peers: dict[str, DecodePeer] = {}
-        self.send_log: list[SendRecord] = []
+        self.peers: dict[str, DecodePeer] = {}  # live peers, and kept successful ones
+        self._live: dict[str, DecodePeer] = {}  # peers that may still produce an event
+        self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
 
-    def create_peer(self, rid: str, num_tokens: int) -> DecodePeer:
-        if rid in self.peers:
-            raise ValueError(f"rid {rid!r} already has a decode peer")
+    def create_peer(
+        self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> DecodePeer:
+        """A new peer for ``rid``. A finished peer kept under the same rid (its KV not yet
+        released) is released first; a live one raises ``ValueError``."""
+        old = self.peers.get(rid)
+        if old is not None:
+            if old.live:
+                raise ValueError(f"rid {rid!r} already has a live decode peer")
+            self.retire(old)
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        peer = DecodePeer(self, rid, num_tokens, self.clock.now())
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} entries, num_tokens is {num_tokens}")
+        keep_ids = token_ids if self.keep_received else None
+        peer = DecodePeer(self, rid, num_tokens, self.clock.now(), keep_ids)
         self.peers[rid] = peer
+        self._live[rid] = peer
         return peer
 
     def next_event_time(self) -> float | None:
-        times = [t for p in self.peers.values() if (t := p.next_event_time()) is not None]
-        return min(times) if times else None
+        """Earliest ``next_event_time`` of the live peers; O(live peers)."""
+        best = None
+        for p in self._live.values():
+            t = p.next_event_time()
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
 
     def on_success(self, peer: DecodePeer) -> None:
+        if self._live.get(peer.rid) is peer:
+            del self._live[peer.rid]
         if not self.keep_received:
-            self.release(peer.rid)
+            self.retire(peer)
 
-    def release(self, rid: str) -> None:
-        """Free the decode slots of ``rid`` (idempotent)."""
-        peer = self.peers.get(rid)
-        if peer is not None and peer.decode_slots is not None:
+    def retire(self, peer: DecodePeer) -> None:
+        """Free ``peer``'s decode slots and forget it (idempotent; a newer peer under the same
+        rid is left alone)."""
+        if peer.decode_slots is not None:
             self.allocator.free(peer.decode_slots)
             peer.decode_slots = None
+        if self.peers.get(peer.rid) is peer:
+            del self.peers[peer.rid]
+        if self._live.get(peer.rid) is peer and not peer.live:
+            del self._live[peer.rid]
+
+    def release(self, rid: str) -> None:
+        """Free the decode slots of ``rid`` and forget its peer (idempotent)."""
+        peer = self.peers.get(rid)
+        if peer is not None:
+            self.retire(peer)
 
     def received_kv(self, rid: str) -> tuple[int, torch.Tensor, torch.Tensor]:
         """``(decode_prefix_len, k, v)`` with ``k``/``v`` ``[L, n - decode_prefix_len, H, D]``:
-        what decode holds for the tokens prefill sent (valid after ``Success``)."""
-        peer = self.peers[rid]
-        if peer.state != KVPoll.Success or peer.decode_slots is None:
-            raise ValueError(f"rid {rid!r} has no received KV (state {peer.state.name})")
+        what decode holds for the tokens prefill sent (valid after ``Success``, until
+        ``release(rid)``)."""
+        peer = self.peers.get(rid)
+        if peer is None or peer.state != KVPoll.Success or peer.decode_slots is None:
+            state = "released" if peer is None else peer.state.name
+            raise ValueError(f"rid {rid!r} has no received KV ({state})")
         slots = peer.decode_slots[: peer.num_tokens - peer.decode_prefix_len]
         k = torch.stack([self.pool.k_buffer[i][slots] for i in range(self.pool.layer_num)])
         v = torch.stack([self.pool.v_buffer[i][slots] for i in range(self.pool.layer_num)])

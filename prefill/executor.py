@@ -1,35 +1,54 @@
 """Optimistic prefill executor: the prefill side of PD disaggregation (SGLang
-``SchedulerDisaggregationPrefillMixin`` + ``PrefillBootstrapQueue``), DESIGN.md section 7.
+``SchedulerDisaggregationPrefillMixin`` + ``PrefillBootstrapQueue``), see docs/DESIGN.md.
 
 Queues: bootstrap -> waiting -> running (chunked prefill, one chunked request at a time) ->
 inflight (parked or transferring). One ``step()`` is one scheduler iteration:
 
-1. poll cache acks (``check_hicache_events``) and finish deferred releases whose reads acked;
+1. poll cache acks (``check_hicache_events``);
 2. ``pop_bootstrapped``: peers that failed abort; ready peers are finalized and admitted;
-   bootstrapping peers are admitted optimistically while ``optimistic_attempts < N``
-   (the attempt is counted at admission);
+   bootstrapping peers are admitted optimistically while ``optimistic_attempts < N`` (the
+   attempt is counted at admission); every admission takes a metadata buffer;
 3. ``resolve_waiting_bootstrap``: waiting requests whose peer failed abort, ready ones finalize;
-4. ``process_chunked_req`` (the chunk boundary of the running request): insert its computed
-   pages; failed peer -> abort; ready -> finalize and send; still bootstrapping -> yield if a
-   bootstrapped request is waiting, else keep computing without sending (adaptive yield);
+4. ``process_chunked_req`` (the chunk boundary of the running request): publish its computed
+   pages; failed peer -> abort; ready -> finalize, publish and send; still bootstrapping ->
+   yield if a bootstrapped request is waiting, else keep computing without sending (adaptive
+   yield);
 5. build and run one extend batch of at most ``chunked_prefill_size`` tokens (the chunked
    request first, then waiting requests: bootstrapped ones before optimistic ones, queue order
-   within each);
-6. for each request whose prefill finished: insert its pages; forced-not-ready -> yield;
+   within each) while fewer than ``max_running_requests`` requests hold KV;
+6. for each request whose prefill finished: publish its pages; forced-not-ready -> yield;
    pending -> park; finalized -> send the rest (last chunk);
-7. ``process_inflight_queue``: parked + ready -> finalize and send; parked + failed -> abort;
+7. ``process_inflight_queue``: parked + ready -> finalize, publish and send; parked + failed ->
+   abort; parked + bootstrapping while every running slot is held and others wait -> yield;
    transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
+**Publishing a pending attempt's KV.** The tree declares whether its write policy backs up pages
+from an insert (``tree.backs_up_on_insert``: L2 ``write_through*``). If it does not (device only,
+L2 ``write_back``), a pending attempt inserts its computed pages at chunk boundaries, at the end
+of its prefill and at a yield, so a retry hits them. If it does, a pending attempt's KV stays
+request-owned (SGLang 0.5.23 ``advance_unpublished_req``): no insert until finalize, which
+inserts once (the policy backs up from there) before the first send; a yield or abort frees it
+unpublished and the retry recomputes what the tree does not hold. Either way no host page is
+ever written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
+``check_integrity``). At build, optimism is refused (``ValueError`` naming the flags) unless the
+gate keeps it for the policy the tree declares, so ServerArgs changed after resolution, or a
+cache built from other flags, cannot run optimism the gate turned off.
+
 Nothing is sent, and ``peer.init`` (the metadata) is not called, before finalize. Yield =
-insert computed pages, release slots and lock, reset, requeue at the head of waiting (another
-optimistic attempt) or at the tail of bootstrap once attempts are used up. Abort releases
-everything (deferred until in-flight reads of its slots ack) and sends nothing more.
+publish what the policy allows, release slots and lock, reset, requeue at the head of waiting
+(another optimistic attempt) or at the tail of bootstrap once attempts are used up. Abort
+releases everything at once (a failed peer reads nothing more) and sends nothing more.
+
+Long runs: a request is forgotten once its outcome is reported; results wait in ``results``
+until ``pop_results()`` hands them out (``result(rid)`` reads one not yet popped), after which
+the rid may be submitted again. Memory and the cost of a step depend on the requests in flight,
+not on how many have finished.
 
 This file owns the public API, the step order, the running (chunked) request and the decisions
 at its chunk boundaries and at the end of its prefill, including yield. The rest is delegated:
-``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, finalize, requeue after
-a yield), ``prefill.batch`` (step 5), ``prefill.inflight`` (sends, step 7, abort, results) and
-``prefill.req_kv`` (a request's slots and lock).
+``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
+finalize, requeue after a yield), ``prefill.batch`` (step 5), ``prefill.inflight`` (sends, step
+7, abort, results) and ``prefill.req_kv`` (a request's slots and lock).
 """
 
 from __future__ import annotations
@@ -47,9 +66,14 @@ from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_
 from prefill.clock import Clock, WallClock
 from prefill.inflight import InflightQueue
 from prefill.integrity import check_executor
+from prefill.metadata_buffers import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    ReqToMetadataIdxAllocator,
+    metadata_buffer_count,
+)
 from prefill.model import PagedTransformer
 from prefill.req_kv import RequestKV
-from prefill.request import PrefillRequest, RequestResult, Stage
+from prefill.request import PrefillRequest, RequestResult
 from prefill.stats import ExecutorStats
 
 __all__ = ["CostModel", "OptimisticPrefillExecutor"]
@@ -62,6 +86,8 @@ class OptimisticPrefillExecutor:
 
     Args:
         args: resolved ``ServerArgs``; reads ``optimistic_prefill_attempts`` (after the gate),
+            ``optimistic_prefill_write_through`` and the other gate fields (checked against the
+            cache, see the module docstring), ``max_running_requests``,
             ``chunked_prefill_size``, ``page_size``, ``max_total_tokens`` and the failure hooks.
         cache: ``hicache.cache.KVCache`` (``device_pool``, ``allocator``, ``tree``, ``stats``);
             built from ``args`` when omitted. Admission records prefix hits in ``cache.stats``.
@@ -69,6 +95,9 @@ class OptimisticPrefillExecutor:
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
         decode: the simulated decode instance; built from ``args`` when omitted.
         cost_model: seconds charged to the clock per forward (virtual clocks only).
+
+    Raises ``ValueError`` when ``args`` asks for optimistic attempts the gate would not keep for
+    the write policy the cache's tree declares.
     """
 
     def __init__(
@@ -81,10 +110,12 @@ class OptimisticPrefillExecutor:
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
     ) -> None:
+        max_attempts = self._resolved_attempts(args)
         if cache is None:
             from hicache.cache import build_kv_cache
 
             cache = build_kv_cache(args)
+        self._check_gate(args, cache, max_attempts)
         if model is None:
             from prefill.model import build_model
 
@@ -95,7 +126,6 @@ class OptimisticPrefillExecutor:
         self.pool = cache.device_pool
         self.tree = cache.tree
         self.allocator = cache.allocator
-        self.kv = RequestKV(cache)
         self.clock: Clock = clock if clock is not None else WallClock()
         self.page_size = self.allocator.page_size
         if decode is not None:
@@ -105,19 +135,31 @@ class OptimisticPrefillExecutor:
             decode = DecodeSide(
                 self.pool, self.clock, self.peer_config,
                 size=decode_pool_size or self.allocator.size, keep_received=False,
-            )
+            )  # fmt: skip
         self.decode = decode
-        self.max_attempts = self._resolved_attempts(args)
+        self.max_attempts = max_attempts
+        # A pending attempt's KV is never inserted into a tree that backs up at insert.
+        self.unpublished_pending = bool(self.tree.backs_up_on_insert)
+        mrr = getattr(args, "max_running_requests", None)
+        self.max_running_requests = int(mrr) if mrr else DEFAULT_MAX_RUNNING_REQUESTS
         cps = int(args.chunked_prefill_size)
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
+        self.kv = RequestKV(cache, self.stats)
         self.requests: dict[str, PrefillRequest] = {}
         self.chunked_req: PrefillRequest | None = None
-        self.admission = AdmissionQueue(self.max_attempts, self.stats)
+        self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
+        self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata)
         self.batch_runner = BatchRunner(
             cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
         )
-        self.inflight = InflightQueue(self.kv, self.admission, self.clock, self.stats)
+        self.inflight = InflightQueue(
+            self.kv, self.admission, self.clock, self.stats,
+            publish=self._publish, yield_req=self._yield, on_done=self._forget,
+            max_running_requests=self.max_running_requests,
+            other_holders=lambda: int(self.chunked_req is not None),
+            unpublished_pending=self.unpublished_pending,
+        )  # fmt: skip
         self._log_gate_once()
 
     @staticmethod
@@ -134,13 +176,39 @@ class OptimisticPrefillExecutor:
             return 0
         return attempts
 
+    @staticmethod
+    def _check_gate(args: Any, cache: Any, attempts: int) -> None:
+        """Refuse optimistic attempts that the gate would not keep for the write policy the
+        cache's tree declares (``None`` without an L2 tier), reading ``args`` as they are now."""
+        if attempts <= 0:
+            return
+        tree = cache.tree
+        policy = getattr(tree, "write_policy", None) if cache.hierarchical else None
+        allows = getattr(args, "optimistic_gate_allows", None)
+        if allows is not None:
+            ok = allows(policy)
+        else:  # a plain namespace: the earlier gate (write_back only)
+            ok = policy in (None, "write_back")
+        if ok:
+            return
+        raise ValueError(
+            f"--optimistic-prefill-attempts={attempts} is not allowed with this cache: its tree "
+            f"declares --hicache-write-policy={policy} (backs up at insert: "
+            f"{tree.backs_up_on_insert}) with --optimistic-prefill-write-through="
+            f"{getattr(args, 'optimistic_prefill_write_through', False)}, "
+            f"--hicache-storage-backend={getattr(args, 'hicache_storage_backend', None)}, "
+            f"--pp-size={getattr(args, 'pp_size', 1)}, --uses-mamba-radix-cache="
+            f"{getattr(args, 'uses_mamba_radix_cache', False)}; the gate resolves this to 0 "
+            "attempts (were ServerArgs changed after they were resolved?)"
+        )
+
     def _log_gate_once(self) -> None:
         for r in getattr(self.args, "resolutions", []):
             if getattr(r, "field", None) == "optimistic_prefill_attempts" and r.new == 0:
                 logger.warning(
                     "optimistic prefill disabled: %s (requested %s attempts); requests wait for "
                     "their decode peer before prefill", r.reason, r.old,
-                )
+                )  # fmt: skip
                 return
 
     # ================================================================== public API
@@ -149,13 +217,16 @@ class OptimisticPrefillExecutor:
     ) -> None:
         """Queue a request (bootstrap queue). Creates its decode peer unless ``peer`` is given.
 
-        Raises ``ValueError`` (nothing queued) for a duplicate ``rid``, empty or out-of-vocab
-        ``token_ids``, or a prompt longer than the device pool.
+        Raises ``ValueError`` (nothing queued) for a ``rid`` in flight or whose result was not
+        popped yet, empty or out-of-vocab ``token_ids``, or a prompt longer than the device pool
+        (counted in ``stats.rejected``).
         """
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"rid must be a non-empty string, got {rid!r}")
         if rid in self.requests:
-            raise ValueError(f"rid {rid!r} was already submitted")
+            raise ValueError(f"rid {rid!r} is already in flight")
+        if rid in self.results:
+            raise ValueError(f"rid {rid!r} has a result not popped yet (pop_results)")
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         if not ids:
             raise ValueError("token_ids must not be empty")
@@ -163,17 +234,18 @@ class OptimisticPrefillExecutor:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"token_ids must be ints in [0, {vocab})")
         if len(ids) + self.page_size > self.allocator.size:
+            self.stats.rejected += 1
             raise ValueError(
                 f"token_ids has {len(ids)} tokens; the device pool holds {self.allocator.size}"
             )
         if peer is None:
-            peer = self.decode.create_peer(rid, len(ids))
+            peer = self.decode.create_peer(rid, len(ids), ids)
         elif peer.num_tokens != len(ids):
             raise ValueError(f"peer expects {peer.num_tokens} tokens, token_ids has {len(ids)}")
         req = PrefillRequest(
             rid=rid, token_ids=ids, peer=peer, submit_time=self.clock.now(),
             force_not_ready=force_not_ready(rid, self.peer_config.force_not_ready_prob),
-        )
+        )  # fmt: skip
         self.requests[rid] = req
         self.admission.add(req)
         self.stats.submitted += 1
@@ -183,7 +255,6 @@ class OptimisticPrefillExecutor:
         changed. Blocks only for the forward pass (and for write_back eviction copies)."""
         before = self._progress_marker()
         self.tree.check_hicache_events()
-        self.inflight.process_releasing()
         for req in self.admission.pop_bootstrapped():
             self._abort(req)
         for req in self.admission.resolve_waiting_bootstrap():
@@ -197,22 +268,39 @@ class OptimisticPrefillExecutor:
         return bool(batch) or self._progress_marker() != before
 
     def run_until_idle(self, max_steps: int = 1_000_000, check: bool = False) -> None:
-        """Step until every request has a result and every release is done. When nothing can
-        progress, waits (virtual: jumps) to the next peer event. ``check`` runs
-        ``check_integrity`` after every step. Raises ``RuntimeError`` after ``max_steps``."""
+        """Step until every request has its outcome. When a step changes nothing, waits
+        (virtual clock: jumps) to the next peer event, or for the cache's next ack while copies
+        are in flight; never steps in place. ``check`` runs ``check_integrity`` after every
+        step. Raises ``RuntimeError`` when nothing can change any more (no step progress, no
+        peer event ahead, no copy in flight) or after ``max_steps``."""
+        due_now = 0
         for _ in range(max_steps):
             if self.is_idle():
                 return
             progressed = self.step()
             if check:
                 self.check_integrity()
-            if not progressed:
-                t = self.decode.next_event_time()
-                if t is not None and t > self.clock.now():
-                    self.clock.wait_until(t)
-                else:
-                    time.sleep(0.0002)  # a cache ack on a side stream
+            if progressed:
+                due_now = 0
+                continue
+            now = self.clock.now()
+            t = self.decode.next_event_time()
+            if t is not None and t > now:
+                self.clock.wait_until(t)
+                due_now = 0
+            elif self.cache_copies_in_flight():
+                time.sleep(0.0002)  # an ack comes from a side stream
+            elif t is not None and due_now < 2:
+                due_now += 1  # an event due now; the next step sees it
+            else:
+                raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; "
+                                   f"{self.describe()}")  # fmt: skip
         raise RuntimeError(f"not idle after {max_steps} steps: {self.describe()}")
+
+    def cache_copies_in_flight(self) -> int:
+        return len(getattr(self.tree, "ongoing_write_through", ())) + len(
+            getattr(self.tree, "ongoing_load_back", ())
+        )
 
     def drain_cache_events(self, timeout_s: float = 30.0) -> None:
         """Block until the cache has acked every backup and load it started (their locks are
@@ -220,9 +308,7 @@ class OptimisticPrefillExecutor:
         deadline = time.monotonic() + timeout_s
         while True:
             self.tree.check_hicache_events()
-            pending = len(getattr(self.tree, "ongoing_write_through", ())) + len(
-                getattr(self.tree, "ongoing_load_back", ())
-            )
+            pending = self.cache_copies_in_flight()
             if pending == 0:
                 return
             if time.monotonic() > deadline:
@@ -231,20 +317,26 @@ class OptimisticPrefillExecutor:
 
     def is_idle(self) -> bool:
         return not (
-            self.bootstrap_queue or self.waiting_queue or self.chunked_req
-            or self.inflight_queue or self.releasing
+            self.bootstrap_queue or self.waiting_queue or self.chunked_req or self.inflight_queue
         )
 
     def result(self, rid: str) -> RequestResult | None:
+        """The result of ``rid`` if it finished and was not popped yet."""
         return self.results.get(rid)
+
+    def pop_results(self) -> list[RequestResult]:
+        """Hand out every result not popped yet, in finish order, and forget them (their rids
+        may be submitted again)."""
+        out = list(self.results.values())
+        self.results.clear()
+        return out
 
     def describe(self) -> str:
         return (
             f"bootstrap={[r.rid for r in self.bootstrap_queue]} "
             f"waiting={[r.rid for r in self.waiting_queue]} "
             f"chunked={self.chunked_req.rid if self.chunked_req else None} "
-            f"inflight={[r.rid for r in self.inflight_queue]} "
-            f"releasing={[r.rid for r in self.releasing]}"
+            f"inflight={[r.rid for r in self.inflight_queue]}"
         )
 
     # ================================================================== queues (read-only views)
@@ -261,19 +353,24 @@ class OptimisticPrefillExecutor:
         return self.inflight.inflight_queue
 
     @property
-    def releasing(self) -> list[PrefillRequest]:
-        return self.inflight.releasing
-
-    @property
     def results(self) -> dict[str, RequestResult]:
+        """Results not popped yet, by rid, in finish order."""
         return self.inflight.results
+
+    # ================================================================== publishing
+    def _publish(self, req: PrefillRequest, chunked: bool) -> None:
+        """Insert the request's computed whole pages, unless it is pending and the tree would
+        back them up (then they stay request-owned until finalize)."""
+        if req.pending_bootstrap and self.unpublished_pending:
+            return
+        self.kv.cache_unfinished(req, chunked=chunked)
 
     # ================================================================== chunk boundary
     def _process_chunked_req(self) -> None:
         req = self.chunked_req
         if req is None:
             return
-        self.kv.cache_unfinished(req, chunked=True)
+        self._publish(req, chunked=True)
         state = self.admission.poll(req)
         if state == KVPoll.Failed:
             self.chunked_req = None
@@ -281,6 +378,7 @@ class OptimisticPrefillExecutor:
         elif req.pending_bootstrap:
             if state == KVPoll.WaitingForInput:
                 self.admission.finalize(req)
+                self._publish(req, chunked=True)  # once, now that it is final
                 self.inflight.send_kv_chunk(req, last=False)
             elif self.admission.has_bootstrapped_waiting_req():
                 self.chunked_req = None
@@ -291,7 +389,10 @@ class OptimisticPrefillExecutor:
 
     # ================================================================== batch
     def _get_new_batch(self) -> Batch:
-        batch = self.batch_runner.get_new_batch(self.chunked_req, self.admission.candidates())
+        holding = len(self.inflight_queue) + int(self.chunked_req is not None)
+        batch = self.batch_runner.get_new_batch(
+            self.chunked_req, self.admission.candidates(), self.max_running_requests - holding
+        )
         for req, _ in batch:
             if req is not self.chunked_req:
                 self.admission.remove_started(req)
@@ -310,7 +411,7 @@ class OptimisticPrefillExecutor:
             self._finish_prefill(req)
 
     def _finish_prefill(self, req: PrefillRequest) -> None:
-        self.kv.cache_unfinished(req, chunked=False)
+        self._publish(req, chunked=False)
         req.prefill_done_time = self.clock.now()
         if req.pending_bootstrap and self.admission.forced(req):
             self._yield(req)
@@ -321,14 +422,18 @@ class OptimisticPrefillExecutor:
     # Slot ownership at yield (see prefill/req_kv.py for the ranges; abort and completion are in
     # prefill/inflight.py):
     #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
-    #   [tree_len, len(slots)) request-owned: freed. Whole pages computed before the yield were
-    #                          inserted first (cache_unfinished), so a retry hits them.
+    #   [tree_len, len(slots)) request-owned: freed. Unless the tree backs up at insert, whole
+    #                          pages computed before the yield were inserted first, so a retry
+    #                          hits them; otherwise they are dropped unpublished.
     #   sends in flight        none: a yield happens only before finalize, and nothing is sent
     #                          before finalize.
     def _yield(self, req: PrefillRequest) -> None:
-        """Optimistic rollback: keep computed pages in the tree, release, reset, requeue."""
+        """Optimistic rollback: publish what the policy allows, release, reset, requeue."""
         assert req.pending_bootstrap and req.peer.inflight_reads() == 0
-        self.kv.cache_unfinished(req, chunked=req.computed_len < req.num_tokens)
+        self._publish(req, chunked=req.computed_len < req.num_tokens)
+        if self.unpublished_pending:
+            self.stats.unpublished_dropped_tokens += max(0, req.computed_len - req.tree_len)
+        req.yielded_len = req.computed_len
         self.kv.release(req)
         req.reset_attempt()
         req.yields += 1
@@ -337,24 +442,29 @@ class OptimisticPrefillExecutor:
 
     def _abort(self, req: PrefillRequest) -> None:
         """The peer failed: drop the request from the running slot (callers remove it from the
-        queue they iterate) and hand it to ``inflight.abort`` (deferred release, error result)."""
+        queue they iterate) and hand it to ``inflight.abort`` (release, error result)."""
         if self.chunked_req is req:
             self.chunked_req = None
         self.inflight.abort(req)
 
+    def _forget(self, req: PrefillRequest) -> None:
+        """``req`` has its outcome: the executor keeps nothing of it but the result."""
+        del self.requests[req.rid]
+
     # ================================================================== integrity
     def _progress_marker(self) -> tuple:
+        s = self.stats
         return (
-            len(self.results), self.stats.sends, self.stats.admissions, self.stats.finalized,
-            len(self.releasing), len(self.inflight_queue), self.stats.yields,
-        )
+            s.successes, s.aborts, s.sends, s.admissions, s.finalized, s.yields,
+            len(self.inflight_queue), len(self.bootstrap_queue),
+        )  # fmt: skip
 
     def request_owned_slots(self) -> int:
-        """Device slots owned by requests (not the tree), including aborted ones whose
-        release waits for in-flight reads."""
-        return sum(r.owned_slots() for r in self.requests.values() if r.stage != Stage.DONE)
+        """Device slots owned by requests in flight (not the tree)."""
+        return sum(r.owned_slots() for r in self.requests.values())
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` on leaked slots or locks or inconsistent queues (see
+        """Raise ``AssertionError`` on leaked slots, locks or metadata buffers, inconsistent
+        queues, or a host page written from an attempt that was not finalized (see
         ``prefill.integrity.check_executor``). Cheap enough for tests to call every step."""
         check_executor(self)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from prefill.bootstrap import DecodeSide, PeerConfig
+from prefill.bootstrap import DEFAULT_SEND_LOG_SIZE, DecodeSide, PeerConfig
 from prefill.clock import Clock, VirtualClock
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model import ModelConfig, PagedTransformer
@@ -38,17 +38,21 @@ def make_executor(
     decode_pool_size: int = 1 << 16,
     cache: Any = None,
     model: PagedTransformer | None = None,
+    send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
-    that keeps received KV (for ``assert_decode_kv_matches``) and a ``VirtualClock`` default."""
+    that keeps received KV (for ``assert_decode_kv_matches``; ``decode.release(rid)`` frees it)
+    and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
+    (``None``: all)."""
     clock = clock if clock is not None else VirtualClock()
     cache = cache if cache is not None else build_cache(args)
     if model is None:
         model = PagedTransformer(ModelConfig.from_server_args(args), args.resolved_device())
     peer_config = peer_config if peer_config is not None else PeerConfig.from_server_args(args)
     decode = DecodeSide(
-        cache.device_pool, clock, peer_config, size=decode_pool_size, keep_received=keep_received
-    )
+        cache.device_pool, clock, peer_config, size=decode_pool_size,
+        keep_received=keep_received, send_log_size=send_log_size,
+    )  # fmt: skip
     return OptimisticPrefillExecutor(
         args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model
     )
@@ -59,10 +63,13 @@ def decode_kv_and_reference(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(k, ref_k), (v, ref_v)]``: the decode-side KV of ``rid`` (tokens
     ``[decode_prefix_len, n)``, ``[L, n', H, D]``) and the model's full recompute of the same
-    tokens, in the KV dtype."""
-    req = executor.requests[rid]
+    tokens (the prompt the decode peer was given), in the KV dtype. Valid after ``Success``
+    until ``decode.release(rid)``, whether or not the result was popped."""
     dpl, k, v = executor.decode.received_kv(rid)
-    ids = torch.tensor(req.token_ids, dtype=torch.int64)
+    token_ids = executor.decode.peers[rid].token_ids
+    if token_ids is None:
+        raise ValueError(f"rid {rid!r}: the decode side was built without keep_received")
+    ids = torch.tensor(token_ids, dtype=torch.int64)
     _, ref_k, ref_v = executor.model.forward_reference(ids)
     return [(k, ref_k[:, dpl:].to(k.dtype)), (v, ref_v[:, dpl:].to(v.dtype))]
 

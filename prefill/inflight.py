@@ -1,19 +1,22 @@
 """KV transfers of the optimistic prefill executor and what ends a request (SGLang
-``send_kv_chunk`` and ``process_disagg_prefill_inflight_queue``), DESIGN.md section 7.
+``send_kv_chunk`` and ``process_disagg_prefill_inflight_queue``), see docs/DESIGN.md.
 
 - ``send_kv_chunk``: send the computed whole pages (or everything, for the last chunk), only
   after finalize.
 - The inflight queue holds requests whose prefill finished: **parked** ones (still pending:
-  finalized and sent once the peer is ready, aborted if it fails) and **transferring** ones
-  (released and reported at ``Success``, aborted at ``Failed``).
-- **Abort** (the peer failed at any stage): release everything once no send reads it (the
-  ``releasing`` list), send nothing more, report the error.
-- Every finished request gets a ``RequestResult`` in ``results``.
+  finalized, published and sent once the peer is ready, aborted if it fails, yielded when every
+  running slot is taken while others wait) and **transferring** ones (released and reported at
+  ``Success``, aborted at ``Failed``).
+- **Abort** (the peer failed at any stage): release everything at once (a failed peer reads
+  none of the sends still in flight), send nothing more, report the error.
+- Every finished request gets a ``RequestResult`` in ``results`` until the caller pops it; the
+  request itself is handed to ``on_done`` (the executor forgets it).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prefill.admission import AdmissionQueue
 from prefill.bootstrap import KVPoll
@@ -26,32 +29,55 @@ logger = logging.getLogger(__name__)
 
 
 class InflightQueue:
-    """Sends, the inflight queue, deferred releases and results.
+    """Sends, the inflight queue, aborts and results.
 
     Args:
         kv: the executor's ``RequestKV`` (release).
-        admission: peer polling (with the force-not-ready hook) and finalize.
+        admission: peer polling (with the force-not-ready hook), finalize, metadata buffers.
         clock: time of results.
-        stats: the executor's counters (sends, parks, aborts, successes, TTFT samples).
+        stats: the executor's counters (sends, parks, aborts, successes, TTFT).
+        publish: ``publish(req, chunked)`` inserts a just-finalized request's computed pages
+            (a no-op when they are in the tree already).
+        yield_req: the executor's yield (release, reset, requeue) of a pending request.
+        on_done: told of each request that got its outcome.
+        max_running_requests: requests that may hold KV at once (SGLang's request pool).
+        other_holders: how many requests outside the inflight queue hold KV (the chunked one).
+        unpublished_pending: pending attempts keep their KV out of the tree (counted when an
+            abort frees it).
     """
 
     def __init__(
-        self, kv: RequestKV, admission: AdmissionQueue, clock: Clock, stats: ExecutorStats
+        self,
+        kv: RequestKV,
+        admission: AdmissionQueue,
+        clock: Clock,
+        stats: ExecutorStats,
+        publish: Callable[[PrefillRequest, bool], None],
+        yield_req: Callable[[PrefillRequest], None],
+        on_done: Callable[[PrefillRequest], None],
+        max_running_requests: int,
+        other_holders: Callable[[], int],
+        unpublished_pending: bool = False,
     ) -> None:
         self.kv = kv
         self.admission = admission
         self.clock = clock
         self.stats = stats
+        self.publish = publish
+        self.yield_req = yield_req
+        self.on_done = on_done
+        self.max_running_requests = max_running_requests
+        self.other_holders = other_holders
+        self.unpublished_pending = unpublished_pending
         self.page_size = kv.page_size
         self.inflight_queue: list[PrefillRequest] = []
-        self.releasing: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
 
     # ------------------------------------------------------------------ sends
     def send_kv_chunk(self, req: PrefillRequest, last: bool) -> None:
         """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
         ``last``. Only after finalize. The source slots stay owned (tree-locked or request-owned)
-        until the request's release, which waits for every ack."""
+        until the request's release, which comes after every ack (or after its peer failed)."""
         assert not req.pending_bootstrap and req.slots is not None
         end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
         if end <= req.start_send_idx and not last:
@@ -65,8 +91,8 @@ class InflightQueue:
 
     # ------------------------------------------------------------------ inflight
     def add(self, req: PrefillRequest) -> None:
-        """Prefill of ``req`` finished (its pages are in the tree): park it while its peer is
-        pending, else send the rest (last chunk)."""
+        """Prefill of ``req`` finished: park it while its peer is pending, else send the rest
+        (last chunk; its pages were published by the caller)."""
         req.stage = Stage.INFLIGHT
         self.inflight_queue.append(req)
         if req.pending_bootstrap:
@@ -76,66 +102,83 @@ class InflightQueue:
             self.send_kv_chunk(req, last=True)
 
     def process_inflight_queue(self) -> None:
-        """Parked + ready -> finalize and send; parked + failed -> abort; transfer ``Success``
-        -> release and report; ``Failed`` -> abort."""
-        keep = []
-        for req in self.inflight_queue:
+        """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
+        bootstrapping -> yield when starved (below); transfer ``Success`` -> release and
+        report; ``Failed`` -> abort.
+
+        Starved (SGLang's rule against a circular wait with the decode side): every running
+        slot (``max_running_requests``) is held, and a request waits for one (the waiting queue
+        is not empty, or the bootstrap queue is not and no metadata buffer is free). Then a
+        parked request whose peer is still bootstrapping yields, one per freed slot."""
+        queue, self.inflight_queue = self.inflight_queue, []
+        holding = len(queue) + self.other_holders()
+        for req in queue:
             state = self.admission.poll(req)
             if state == KVPoll.Failed:
                 self.abort(req)
+                holding -= 1
                 continue
             if req.pending_bootstrap:  # parked
                 if state == KVPoll.WaitingForInput:
                     self.admission.finalize(req)
                     req.parked = False
+                    self.publish(req, False)
                     self.send_kv_chunk(req, last=True)
-                keep.append(req)
+                elif (
+                    state == KVPoll.Bootstrapping
+                    and holding >= self.max_running_requests
+                    and self._someone_waits_for_a_slot()
+                ):
+                    req.parked = False
+                    self.stats.parked_yields += 1
+                    self.yield_req(req)
+                    holding -= 1
+                    continue
+                self.inflight_queue.append(req)
             elif state == KVPoll.Success:
                 self._complete(req)
+                holding -= 1
             else:
-                keep.append(req)
-        self.inflight_queue = keep
+                self.inflight_queue.append(req)
+
+    def _someone_waits_for_a_slot(self) -> bool:
+        adm = self.admission
+        return bool(adm.waiting_queue) or (
+            bool(adm.bootstrap_queue) and adm.metadata.available_size() == 0
+        )
 
     # ------------------------------------------------------------------ abort / done
     # Slot ownership at abort / completion (see prefill/req_kv.py for the ranges):
     #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
     #   [tree_len, len(slots)) request-owned: freed.
-    #   sends in flight        read slots of either range: release waits until the peer acks
-    #                          them (an abort waits in ``releasing``; ``Success`` comes only
-    #                          once the last range is acked).
+    #   sends in flight        none at Success (the last range acked last); at abort the peer
+    #                          has failed and reads none of them, so the slots are freed at once.
     def abort(self, req: PrefillRequest) -> None:
-        """The peer failed: release the request's KV once no send reads it, report the error.
+        """The peer failed: release the request's KV and metadata buffer, report the error.
         The caller has removed it from its queue (and cleared it as the chunked request)."""
-        before_finalize = req.pending_bootstrap
         self.stats.aborts += 1
-        if before_finalize:
+        if req.pending_bootstrap:
             self.stats.bootstrap_failures += 1
+            if req.peer.timed_out:
+                self.stats.bootstrap_timeouts += 1
         else:
             self.stats.transfer_failures += 1
-        req.stage = Stage.RELEASING
-        self.releasing.append(req)
-        self.process_releasing()
+        assert req.peer.inflight_reads() == 0, f"{req.rid}: a failed peer still reads"
+        if req.pending_bootstrap and self.unpublished_pending and req.slots is not None:
+            self.stats.unpublished_dropped_tokens += max(0, req.computed_len - req.tree_len)
+        self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
-
-    def process_releasing(self) -> None:
-        """Release aborted requests whose sends have all acked."""
-        keep = []
-        for req in self.releasing:
-            if req.peer.inflight_reads() > 0:
-                keep.append(req)
-                continue
-            self.kv.release(req)
-            req.stage = Stage.DONE
-        self.releasing = keep
 
     def _complete(self, req: PrefillRequest) -> None:
         self.kv.release(req)
-        req.stage = Stage.DONE
         self.stats.successes += 1
         self._report(req, Outcome.SUCCESS, None)
 
     def _report(self, req: PrefillRequest, outcome: Outcome, error: str | None) -> None:
+        self.admission.release_metadata_buffer(req)
+        req.stage = Stage.DONE
         result = req.to_result(outcome, self.clock.now(), error)
         if result.ttft is not None:
-            self.stats.ttft_samples.append(result.ttft)
+            self.stats.record_ttft(result.ttft)
         self.results[req.rid] = result
+        self.on_done(req)

@@ -2,10 +2,16 @@
 
 ``check_executor(ex)`` raises ``AssertionError`` naming the first broken invariant:
 
-- every live request is in exactly one queue and its ``stage`` says which;
-- requests in the bootstrap or waiting queue, and finished ones, hold no KV (no slots, no lock);
-  running and inflight ones hold a lock on their ``last_node``;
-- every finished request has a result;
+- every request in flight is in exactly one queue and its ``stage`` says which, and the
+  executor knows no other request (a finished one is forgotten once its result is reported);
+- requests in the bootstrap or waiting queue hold no KV (no slots, no lock); running and
+  inflight ones hold a lock on their ``last_node``;
+- metadata buffers: every admitted request (waiting, running, inflight) holds one, requests in
+  the bootstrap queue hold none, and held + free == the pool;
+- under a tree that backs up at insert, a pending request owns all of its computed KV (nothing
+  of it was inserted past its matched prefix);
+- no host page was ever written from an attempt that was not finalized
+  (``stats.speculative_l2_pages == 0``);
 - every tree node's ``lock_ref`` is at least the number of this executor's requests locking it
   or a descendant (the cache's own locks, for pending backups and loads, come on top);
 - the tree's ledger balances with the request-owned count: free + in tree + request-owned +
@@ -26,12 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 def check_executor(ex: OptimisticPrefillExecutor) -> None:
-    """See the module docstring. O(requests + tree nodes); touches no device memory."""
+    """See the module docstring. O(requests in flight + tree nodes); touches no device memory."""
+    assert ex.stats.speculative_l2_pages == 0, (
+        f"{ex.stats.speculative_l2_pages} host pages written from attempts not finalized"
+    )
     queues = {
         Stage.BOOTSTRAP: ex.bootstrap_queue,
         Stage.WAITING: ex.waiting_queue,
         Stage.INFLIGHT: ex.inflight_queue,
-        Stage.RELEASING: ex.releasing,
         Stage.RUNNING: [ex.chunked_req] if ex.chunked_req else [],
     }
     seen: dict[str, Stage] = {}
@@ -39,23 +47,38 @@ def check_executor(ex: OptimisticPrefillExecutor) -> None:
         for r in q:
             assert r.rid not in seen, f"{r.rid} is in {seen[r.rid]} and {stage}"
             assert r.stage == stage, f"{r.rid} has stage {r.stage}, is queued in {stage}"
+            assert ex.requests.get(r.rid) is r, f"{r.rid} is queued but not known"
             seen[r.rid] = stage
+    assert len(seen) == len(ex.requests), (
+        f"requests known but in no queue: {sorted(set(ex.requests) - set(seen))}"
+    )
     locks: dict[int, int] = {}
+    held_buffers = 0
     for r in ex.requests.values():
-        if r.rid not in seen:
-            assert r.stage == Stage.DONE, f"{r.rid} ({r.stage}) is in no queue"
         holds = r.slots is not None or r.last_node is not None
-        if r.stage in (Stage.BOOTSTRAP, Stage.WAITING, Stage.DONE):
+        if r.stage in (Stage.BOOTSTRAP, Stage.WAITING):
             assert not holds, f"{r.rid} holds KV in stage {r.stage}"
-        if r.stage in (Stage.RUNNING, Stage.INFLIGHT):
+        else:
             assert holds and r.last_node is not None, f"{r.rid} runs without KV"
+        has_buffer = r.metadata_buffer_index >= 0
+        assert has_buffer == (r.stage != Stage.BOOTSTRAP), (
+            f"{r.rid} in {r.stage} holds metadata buffer {r.metadata_buffer_index}"
+        )
+        held_buffers += has_buffer
+        if ex.unpublished_pending and r.pending_bootstrap and holds:
+            assert r.tree_len == r.cached_device + r.cached_host, (
+                f"{r.rid}: pending, yet {r.tree_len - r.cached_device - r.cached_host} computed "
+                "tokens were inserted into a tree that backs up at insert"
+            )
         if r.last_node is not None:
             x = r.last_node
             while x is not None and x is not ex.tree.root_node:
                 locks[id(x)] = locks.get(id(x), 0) + 1
                 x = x.parent
-        if r.stage == Stage.DONE:
-            assert r.rid in ex.results, f"{r.rid} is done without a result"
+    meta = ex.metadata
+    assert held_buffers + meta.available_size() == meta.size, (
+        f"metadata buffers: {held_buffers} held + {meta.available_size()} free != {meta.size}"
+    )
     for node in ex.tree.all_nodes():
         held = locks.get(id(node), 0)
         assert node.lock_ref >= held, f"{node!r}: lock_ref {node.lock_ref} < {held} request locks"

@@ -13,7 +13,12 @@ Slot ownership of one request's attempt (``PrefillRequest`` fields, token ranges
   chunk about to run), owned by the request.
 
 ``release`` gives the lock back and frees ``slots[tree_len:]`` (whole pages); it must only run
-when nothing still reads those slots (the executor defers it until transfers are acked).
+when no send to a live peer still reads those slots (a request is released at ``Success``, when
+every send was acked, or at abort, when its peer failed and reads nothing more).
+
+Every insert is measured: host backups the tree issues from inside an insert made for an attempt
+that is not finalized are counted in ``stats.speculative_l2_pages`` (the executor never makes
+such an insert into a tree that backs up at insert, so this stays 0).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from prefill.request import PrefillRequest
+from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +37,10 @@ logger = logging.getLogger(__name__)
 class RequestKV:
     """Admission, allocation, chunk insertion and release of requests' device slots."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, stats: ExecutorStats | None = None) -> None:
         self.tree = cache.tree
+        self.cache_stats = cache.stats
+        self.stats = stats if stats is not None else ExecutorStats()
         self.allocator = cache.allocator
         self.page_size = cache.allocator.page_size
         self.device = cache.allocator.device
@@ -108,7 +116,12 @@ class RequestKV:
             f"{req.rid}: a send covers tokens not yet in the tree"
         )
         key = req.token_ids[:end]
+        backed_up = self.cache_stats.backed_up_tokens
         present = self.tree.insert(key, req.slots[:end], chunked=chunked)
+        issued = self.cache_stats.backed_up_tokens - backed_up
+        if issued and req.pending_bootstrap:
+            self.stats.speculative_l2_pages += -(-issued // self.page_size)
+            logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
         assert present >= req.tree_len, f"{req.rid}: locked prefix {req.tree_len} > {present}"
         if present > req.tree_len:
             self.allocator.free(req.slots[req.tree_len : present])

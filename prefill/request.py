@@ -22,8 +22,7 @@ class Stage(enum.Enum):
     WAITING = "waiting"  # admitted, not yet running
     RUNNING = "running"  # holds slots; the chunked request between chunks
     INFLIGHT = "inflight"  # prefill done: parked (pending) or transferring (finalized)
-    RELEASING = "releasing"  # aborted; waits for in-flight reads of its slots to ack
-    DONE = "done"
+    DONE = "done"  # has its outcome; holds nothing
 
 
 class Outcome(enum.Enum):
@@ -53,6 +52,7 @@ class PrefillRequest:
     optimistic_attempts: int = 0
     forced_yield_done: bool = False
     pending_bootstrap: bool = True
+    metadata_buffer_index: int = -1  # held from admission (optimistic or finalized) to outcome
     # per-attempt state
     slots: torch.Tensor | None = None
     computed_len: int = 0
@@ -65,6 +65,7 @@ class PrefillRequest:
     # history
     total_computed: int = 0
     yields: int = 0
+    yielded_len: int = 0  # tokens with KV at the last yield (recompute accounting of the retry)
     was_parked: bool = False
     prefill_done_time: float | None = None
     first_token: int | None = None

@@ -22,10 +22,15 @@ from prefill.clock import VirtualClock, WallClock
 L, H, D = 2, 2, 4
 
 
-def make_side(page_size: int = 1, size: int = 64, keep: bool = True, **cfg) -> DecodeSide:
+def make_side(
+    page_size: int = 1, size: int = 64, keep: bool = True, send_log_size: int | None = None, **cfg
+) -> DecodeSide:
     src = MHATokenToKVPool(64, page_size, torch.float32, H, D, L, "cpu")
     src.kv_buffer.copy_(torch.randn_like(src.kv_buffer))
-    return DecodeSide(src, VirtualClock(), PeerConfig(**cfg), size=size, keep_received=keep)
+    return DecodeSide(
+        src, VirtualClock(), PeerConfig(**cfg), size=size, keep_received=keep,
+        send_log_size=send_log_size,
+    )  # fmt: skip
 
 
 def test_kvpoll_values_match_upstream():
@@ -115,15 +120,19 @@ def test_bootstrap_failure_is_deterministic_per_rid():
     cfg = dict(bootstrap_failure_prob=0.5, seed=3, bootstrap_delay=delay)
     a, b = make_side(**cfg), make_side(**cfg)
     rids = [f"req-{i}" for i in range(40)]
+    peers = {}
     for side in (a, b):
-        for rid in rids:
-            side.create_peer(rid, 4)
+        peers[side] = [side.create_peer(rid, 4) for rid in rids]
         side.clock.advance(1.0)
-    states_a = [a.peers[r].poll() for r in rids]
-    states_b = [b.peers[r].poll() for r in rids]
+    states_a = [p.poll() for p in peers[a]]
+    states_b = [p.poll() for p in peers[b]]
     assert states_a == states_b
     assert KVPoll.Failed in states_a and KVPoll.WaitingForInput in states_a
-    assert [a.peers[r].ready_at for r in rids] == [b.peers[r].ready_at for r in rids]
+    assert [p.ready_at for p in peers[a]] == [p.ready_at for p in peers[b]]
+    # A failed peer is forgotten by its side at once; the others stay.
+    assert sorted(a.peers) == sorted(
+        r for r, st in zip(rids, states_a, strict=True) if st != KVPoll.Failed
+    )
 
 
 def test_transfer_failure_turns_failed_and_skips_the_copy():
@@ -138,18 +147,21 @@ def test_transfer_failure_turns_failed_and_skips_the_copy():
     assert side.allocator.available_size() == side.allocator.size  # decode slots released
 
 
-def test_fail_while_transferring_keeps_reads_in_flight_until_their_ack():
+def test_fail_while_transferring_never_reads_the_sends_in_flight():
     side = make_side(transfer_latency_s=1.0)
     peer = side.create_peer("r", 3)
     peer.poll()
     peer.init(0)
+    before = side.pool.k_buffer[0].clone()
     peer.send(0, 0, 3, torch.tensor([1, 2, 3]), last=True)
     peer.fail()
     assert peer.poll() == KVPoll.Failed
-    assert peer.inflight_reads() == 1  # the prefill side must not free the source yet
-    assert side.next_event_time() == 1.0
+    # The prefill side may free the source at once: nothing will read it.
+    assert peer.inflight_reads() == 0 and peer.transfers[0].src is None
+    assert side.next_event_time() is None and "r" not in side.peers
     side.clock.advance(1.0)
-    assert peer.inflight_reads() == 0 and peer.poll() == KVPoll.Failed
+    assert peer.poll() == KVPoll.Failed and peer.received_end == 0
+    assert torch.equal(side.pool.k_buffer[0], before)
 
 
 def test_send_before_ready_or_after_fail_raises():
@@ -162,7 +174,7 @@ def test_send_before_ready_or_after_fail_raises():
     peer.fail()
     # A send to a failed peer is dropped (a transport error), not a protocol violation.
     assert peer.send(0, 0, 3, torch.tensor([1, 2, 3]), last=True) is False
-    assert side.send_log == [] and peer.transfers == []
+    assert list(side.send_log) == [] and peer.transfers == []
 
 
 def test_full_decode_pool_keeps_bootstrapping():
@@ -172,6 +184,88 @@ def test_full_decode_pool_keeps_bootstrapping():
     assert b.poll() == KVPoll.Bootstrapping
     a.fail()
     assert b.poll() == KVPoll.WaitingForInput
+
+
+def test_full_decode_pool_reports_the_timeout_not_a_past_time():
+    side = make_side(size=4, bootstrap_delay=DelayDistribution("fixed", 0.1),
+                     bootstrap_timeout_s=300.0)  # fmt: skip
+    a, b = side.create_peer("a", 4), side.create_peer("b", 4)
+    assert side.next_event_time() == pytest.approx(0.1)
+    side.clock.advance(0.1)
+    assert a.poll() == KVPoll.WaitingForInput and b.poll() == KVPoll.Bootstrapping
+    # b's delay is over but it cannot preallocate: its next event is its timeout, never 0.1.
+    assert b.next_event_time() == pytest.approx(300.0)
+    assert side.next_event_time() == pytest.approx(300.0)  # a has nothing pending
+    side.clock.wait_until(side.next_event_time())
+    assert b.poll() == KVPoll.Failed and b.timed_out
+    assert "timed out after 300.0s in KVPoll.Bootstrapping" in b.failure
+    assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=300" in b.failure
+    assert a.poll() == KVPoll.WaitingForInput  # a preallocated: no timeout for it
+
+
+def test_bootstrap_timeout_counts_from_creation_and_spares_a_ready_peer():
+    side = make_side(bootstrap_delay=DelayDistribution("fixed", 10.0), bootstrap_timeout_s=5.0)
+    late = side.create_peer("late", 2)
+    side.clock.advance(2.0)
+    young = side.create_peer("young", 2)
+    assert side.next_event_time() == pytest.approx(5.0)
+    side.clock.wait_until(5.0)
+    assert late.poll() == KVPoll.Failed and young.poll() == KVPoll.Bootstrapping
+    young.set_ready()  # ready before its own deadline at 7.0
+    side.clock.wait_until(8.0)
+    assert young.poll() == KVPoll.WaitingForInput and young.next_event_time() is None
+
+
+def test_bootstrap_timeout_env_var(monkeypatch):
+    from prefill.bootstrap import BOOTSTRAP_TIMEOUT_ENV
+
+    class Args:
+        pass
+
+    assert BOOTSTRAP_TIMEOUT_ENV == "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
+    monkeypatch.delenv(BOOTSTRAP_TIMEOUT_ENV, raising=False)
+    assert PeerConfig.from_server_args(Args()).bootstrap_timeout_s == 300.0
+    monkeypatch.setenv(BOOTSTRAP_TIMEOUT_ENV, "600")
+    assert PeerConfig.from_server_args(Args()).bootstrap_timeout_s == 600.0
+    for bad in ("0", "-3", "soon", "1.5"):
+        monkeypatch.setenv(BOOTSTRAP_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=BOOTSTRAP_TIMEOUT_ENV):
+            PeerConfig.from_server_args(Args())
+    with pytest.raises(ValueError, match="bootstrap_timeout_s"):
+        PeerConfig(bootstrap_timeout_s=0)
+
+
+def test_finished_peers_are_forgotten_and_a_rid_can_come_back():
+    side = make_side(keep=False, send_log_size=3)
+    for i in range(5):
+        peer = side.create_peer("r", 2)  # the same rid, again and again
+        peer.poll()
+        peer.init(0)
+        peer.send(0, 0, 2, torch.tensor([1, 2]), last=True)
+        assert peer.poll() == KVPoll.Success
+        assert peer.transfers[0].src is None  # the acked send dropped its copy of the slots
+    assert side.peers == {} and side._live == {} and side.next_event_time() is None
+    assert len(side.send_log) == 3  # the latest sends only
+    assert side.allocator.available_size() == side.allocator.size
+
+
+def test_kept_peer_is_released_by_a_new_peer_of_its_rid_but_a_live_one_is_not():
+    side = make_side(keep=True)
+    peer = side.create_peer("r", 2, token_ids=[5, 6])
+    peer.poll()
+    peer.init(0)
+    peer.send(0, 0, 2, torch.tensor([1, 2]), last=True)
+    assert peer.poll() == KVPoll.Success and peer.token_ids == [5, 6]
+    assert side.received_kv("r")[1].shape == (L, 2, H, D)
+    again = side.create_peer("r", 2)
+    assert side.peers["r"] is again and peer.decode_slots is None
+    with pytest.raises(ValueError, match="already has a live decode peer"):
+        side.create_peer("r", 2)
+    with pytest.raises(ValueError, match="no received KV"):
+        side.received_kv("r")
+    old_fails_late = peer
+    old_fails_late.fail()  # a stale peer never touches its successor
+    assert side.peers["r"] is again
 
 
 def test_keep_received_false_frees_at_success():

@@ -356,23 +356,27 @@ def test_fail_while_parked():
     finish(ex)
 
 
-def test_fail_while_transferring_waits_for_the_in_flight_read_before_freeing():
-    ex = make(delay=DelayDistribution("fixed", 0.0))
+def test_fail_while_transferring_frees_at_once_and_the_send_is_never_read():
+    """As SGLang: a transfer failure releases the request's KV at once. The failed peer never
+    reads the send still in flight, so the freed slots may be reused right away."""
+    ex = make(delay=DelayDistribution("fixed", 0.0), max_total_tokens=16)
     ex.submit("a", prompt(10))
     step(ex)
     a = ex.requests["a"]
     assert sends_of(ex, "a") == [(1, 0, 10, True)]
-    owned = a.owned_slots()
-    assert owned == 4  # the partial last page is request-owned and read by the send
+    assert a.owned_slots() == 4  # the partial last page is request-owned and read by the send
+    tail = set(a.slots[8:].tolist())
     a.peer.fail()
     step(ex)
     assert ex.result("a").outcome == Outcome.ABORTED and ex.stats.transfer_failures == 1
-    assert a.stage == Stage.RELEASING and a.owned_slots() == owned  # read still in flight
-    assert ex.tree.protected_size() == 8  # its lock is held until the ack
-    ex.clock.advance(1.0)
+    assert a.stage == Stage.DONE and a.slots is None and "a" not in ex.requests
+    assert ex.tree.protected_size() == 0 and ex.request_owned_slots() == 0
+    ex.submit("b", prompt(12, seed=9))
     step(ex)
-    assert a.stage == Stage.DONE and a.slots is None and ex.tree.protected_size() == 0
+    assert tail <= set(ex.requests["b"].slots.tolist())  # reused before the send's ack time
     finish(ex)
+    assert ex.clock.now() >= 1.0 and a.peer.received_end == 0  # a's send never landed
+    assert_decode_kv_matches(ex, "b")
 
 
 def test_fail_mid_prefill_after_finalize_with_a_chunk_in_flight():
@@ -384,11 +388,9 @@ def test_fail_mid_prefill_after_finalize_with_a_chunk_in_flight():
     a.peer.fail()
     step(ex)
     assert ex.result("a").outcome == Outcome.ABORTED and ex.chunked_req is None
-    assert a.stage == Stage.RELEASING and a.last_node is not None  # lock kept for the read
+    assert a.stage == Stage.DONE and a.last_node is None  # released at once
     assert sends_of(ex, "a") == [(1, 0, 16, False)]  # nothing more after the failure
-    ex.clock.advance(1.0)
-    step(ex)
-    assert a.stage == Stage.DONE and a.last_node is None
+    assert a.peer.inflight_reads() == 0 and a.peer.received_end == 0
     finish(ex)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from server_args import (
     GATE_HICACHE,
+    GATE_HICACHE_WRITE_THROUGH,
     GATE_MAMBA,
     GATE_PP,
     LAYOUT_DIRECT_NEEDS_DIRECT_IO,
@@ -115,6 +116,97 @@ def test_gate_cross_product(case):
     else:
         assert gate == [Resolution("optimistic_prefill_attempts", case["attempts"], 0, warning)]
         assert warning in args.warnings
+
+
+# With --optimistic-prefill-write-through the hicache rule is SGLang 0.5.23's: L2 write_back and
+# write_through with no storage backend keep the attempts; the pp and mamba rules are unchanged.
+GATE_TABLE_WRITE_THROUGH = [
+    (lambda c: c["pp_size"] > 1, GATE_PP),
+    (
+        lambda c: c["hicache"]
+        and (c["storage"] is not None or c["policy"] not in ("write_back", "write_through")),
+        GATE_HICACHE_WRITE_THROUGH,
+    ),
+    (lambda c: c["mamba"], GATE_MAMBA),
+]
+
+
+def _expected_write_through(case: dict) -> tuple[int, str | None]:
+    if case["attempts"] == 0 or case["mode"] != "prefill":
+        return case["attempts"], None
+    for rule, warning in GATE_TABLE_WRITE_THROUGH:
+        if rule(case):
+            return 0, warning
+    return case["attempts"], None
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_gate_cross_product_with_write_through_flag(case):
+    args = ServerArgs(
+        disaggregation_mode=case["mode"],
+        optimistic_prefill_attempts=case["attempts"],
+        optimistic_prefill_write_through=True,
+        enable_hierarchical_cache=case["hicache"],
+        hicache_write_policy=case["policy"],
+        hicache_storage_backend=case["storage"],
+        pp_size=case["pp_size"],
+        uses_mamba_radix_cache=case["mamba"],
+    )
+    attempts, warning = _expected_write_through(case)
+    assert args.optimistic_prefill_attempts == attempts
+    gate = [r for r in args.resolutions if r.field == "optimistic_prefill_attempts"]
+    if warning is None:
+        assert gate == []
+    else:
+        assert gate == [Resolution("optimistic_prefill_attempts", case["attempts"], 0, warning)]
+        assert args.warnings.count(warning) == 1
+    # The executor's build-time question agrees with the resolution for every L2 policy.
+    if case["mode"] == "prefill" and case["attempts"] > 0:
+        policy = case["policy"] if case["hicache"] else None
+        assert args.optimistic_gate_allows(policy) == (attempts > 0)
+
+
+@pytest.mark.parametrize(
+    "policy, flag, kept",
+    [
+        ("write_back", False, True),
+        ("write_through", False, False),
+        ("write_through_selective", False, False),
+        ("write_back", True, True),
+        ("write_through", True, True),
+        ("write_through_selective", True, False),
+    ],
+)
+def test_optimistic_gate_allows_reads_the_fields_as_they_are_now(policy, flag, kept):
+    args = ServerArgs(**PD)
+    assert args.optimistic_gate_allows(None)
+    args.optimistic_prefill_write_through = flag
+    assert args.optimistic_gate_allows(policy) is kept
+    args.hicache_storage_backend = "file"
+    assert not args.optimistic_gate_allows(policy)
+
+
+def test_write_through_flag_on_the_cli(caplog):
+    argv = ["--disaggregation-mode", "prefill", "--optimistic-prefill-attempts", "2",
+            "--enable-hierarchical-cache"]  # fmt: skip
+    assert prepare_server_args(argv).optimistic_prefill_attempts == 0
+    on = prepare_server_args([*argv, "--optimistic-prefill-write-through"])
+    assert on.optimistic_prefill_attempts == 2 and on.optimistic_prefill_write_through
+    assert on.resolutions == []
+    selective = prepare_server_args(
+        [*argv, "--optimistic-prefill-write-through", "--hicache-write-policy",
+         "write_through_selective"]
+    )  # fmt: skip
+    assert selective.optimistic_prefill_attempts == 0
+    assert selective.warnings == [GATE_HICACHE_WRITE_THROUGH]
+
+
+def test_max_running_requests_is_validated():
+    assert ServerArgs().max_running_requests is None
+    assert ServerArgs(max_running_requests=3).max_running_requests == 3
+    with pytest.raises(ValueError, match="--max-running-requests=0 must be a positive integer"):
+        ServerArgs(max_running_requests=0)
+    assert prepare_server_args(["--max-running-requests", "7"]).max_running_requests == 7
 
 
 def test_gate_never_raises_and_is_stable_under_replace():
