@@ -101,6 +101,7 @@ class TraceRun:
     sampled: list[str] = field(default_factory=list)
     ttft: dict[str, float] = field(default_factory=dict)
     cost: CostAccountant | None = None
+    unfinalized_sends: int = 0  # results whose sends name an attempt that was not finalized
     kv_max_rel_err: float | None = None  # set by ``audit``
 
 
@@ -116,13 +117,15 @@ def new_executor(
     ``CostAccountant`` (returned), else on wall time (``None`` returned)."""
     if calibration is None:
         ex = make_executor(args, peer_config=peer, clock=WallClock(), keep_received=True,
-                           decode_pool_size=decode_pool_tokens, model=model)  # fmt: skip
+                           decode_pool_size=decode_pool_tokens, model=model,
+                           send_log_size=None)  # fmt: skip
         return ex, None
     clock = VirtualClock()
     recording = RecordingModel(model)
     cost = CostAccountant(calibration, clock, recording)
     ex = make_executor(args, peer_config=peer, clock=clock, cost_model=cost, keep_received=True,
-                       decode_pool_size=decode_pool_tokens, model=recording)  # fmt: skip
+                       decode_pool_size=decode_pool_tokens, model=recording,
+                       send_log_size=None)  # fmt: skip
     if ex.cache.controller is not None:
         cost.install(ex.cache.controller)
     return ex, cost
@@ -162,12 +165,19 @@ def run_until_idle(ex: OptimisticPrefillExecutor) -> None:
             time.sleep(0.0002)
 
 
+def pop_results(ex: OptimisticPrefillExecutor) -> list[RequestResult]:
+    """The executor's results not handed out yet, in finish order."""
+    return ex.pop_results()
+
+
 class Driver:
     """Feeds requests to an executor at their times and collects results.
 
     Every ``kv_sample_every``-th success keeps its decode-side KV for ``audit``'s recompute
-    check; the others release it at once. Results are collected in rid order after each step,
-    so a client's reaction to them (its next round) does not depend on set ordering.
+    check; the others release it at once. Results are collected in finish order after each
+    step. Each result's sends are checked against the decode peer's finalized attempt: a
+    success sent only its last attempt, which was finalized; an aborted request sent nothing or
+    only its last attempt (``TraceRun.unfinalized_sends`` counts the others).
     """
 
     def __init__(
@@ -185,12 +195,32 @@ class Driver:
         self.slot_free_at = float("-inf")
         self.run = TraceRun(label="", executor=executor, cost=cost)
         self._successes = 0
+        self._sent: dict[str, set[int]] = {}
+        self._log_seen = 0
+
+    def _read_send_log(self) -> None:
+        log = self.ex.decode.send_log
+        for i in range(self._log_seen, len(log)):
+            self._sent.setdefault(log[i].rid, set()).add(log[i].attempt)
+        self._log_seen = len(log)
+
+    def _check_sends(self, res: RequestResult) -> None:
+        sent = self._sent.pop(res.rid, set())
+        if res.outcome == Outcome.SUCCESS:
+            peer = self.ex.decode.peers.get(res.rid)
+            final = None if peer is None else peer.finalized_attempt
+            bad = final != res.passes or sent != {res.passes}
+        else:
+            bad = bool(sent - {res.passes})
+        self.run.unfinalized_sends += int(bad)
 
     def _collect(self, on_result: Callable[[RequestResult], None]) -> None:
-        for rid in sorted(self.inflight):
-            res = self.ex.result(rid)
-            if res is None:
+        self._read_send_log()
+        for res in pop_results(self.ex):
+            rid = res.rid
+            if rid not in self.inflight:
                 continue
+            self._check_sends(res)
             if len(self.inflight) >= self.max_parallel:
                 self.slot_free_at = res.finish_time
             self.inflight.discard(rid)

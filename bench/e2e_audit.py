@@ -39,9 +39,10 @@ def latency_stats(values: list[float]) -> dict[str, float | None]:
 def audit(run: TraceRun) -> dict[str, int]:
     """The integrity every run ends with: slots that are neither free nor in the tree (the
     executor is idle, so requests own none), decode-side KV of sampled successes that differs
-    from a full recompute, and sends for attempts that were never finalized (aborted or rolled
-    back); nodes still locked; ``integrity_errors`` counts failed ``check_integrity`` calls.
-    Where the tree counts them, ``speculative_l2_pages``: host pages written from an attempt
+    from a full recompute, and results whose sends name an attempt that was never finalized
+    (``aborted_sends``, checked by the driver as results arrive); nodes still locked;
+    ``integrity_errors`` counts failed ``check_integrity`` calls.
+    Where the executor counts them, ``speculative_l2_pages``: host pages written from an attempt
     that was not finalized when the copy was issued.
 
     KV check: fp32 element-wise (``kv_tolerance``); bf16 / fp16 per (layer, token) row, relative
@@ -72,9 +73,7 @@ def audit(run: TraceRun) -> dict[str, int]:
         del pairs
         ex.decode.release(rid)
     run.kv_max_rel_err = worst if run.sampled else None
-    aborted_sends = sum(
-        1 for s in ex.decode.send_log if ex.requests[s.rid].peer.finalized_attempt != s.attempt
-    )
+    aborted_sends = run.unfinalized_sends
     out = {
         "leaked_slots": int(leaked),
         "leaked_locks": leaked_locks,

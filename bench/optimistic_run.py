@@ -97,6 +97,7 @@ def _warm(ex: Any, prefixes: list[list[int]]) -> None:
     for i, p in enumerate(prefixes):
         ex.submit(f"warm-{i}", p)
     run_until_idle(ex)
+    ex.pop_results()
     for i in range(len(prefixes)):
         ex.decode.release(f"warm-{i}")
 
@@ -113,7 +114,8 @@ def calibrate_prefill_s(opts: argparse.Namespace, model: Any, cal: Calibration |
     for i, p in enumerate(trace.prompts):
         ex.submit(f"cal-{i}", p)
         run_until_idle(ex)
-        times.append(ex.result(f"cal-{i}").prefill_latency)
+        (res,) = ex.pop_results()
+        times.append(res.prefill_latency)
         ex.decode.release(f"cal-{i}")
     release_executor(ex)
     times.sort()
@@ -155,6 +157,8 @@ def run_config(
         failed_requests=sum(1 for r in run.results if r.outcome == Outcome.ABORTED),
         recomputed_tokens=recomputed,
         recomputed_tokens_per_yield=recomputed / stats.yields if stats.yields else None,
+        executor_yield_recomputed_tokens=getattr(stats, "yield_recomputed_tokens", None),
+        unpublished_dropped_tokens=getattr(stats, "unpublished_dropped_tokens", None),
         seed=trace.seed, write_policy=policy,
     )  # fmt: skip
     out["integrity"] = audit(run)

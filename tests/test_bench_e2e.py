@@ -177,8 +177,9 @@ def test_multiturn_on_the_virtual_clock_repeats_exactly(
     assert a["ttft_samples_s"] == b["ttft_samples_s"]
     assert a["virtual_clock"] == b["virtual_clock"]
     assert {k: v for k, v in a["integrity"].items() if k != "kv_checked_requests"} == dict.fromkeys(
-        ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends", "integrity_errors"), 0
-    )
+        ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends", "integrity_errors",
+         "speculative_l2_pages"), 0
+    )  # fmt: skip
     assert a["integrity"]["kv_checked_requests"] == 6
     if name != "device_only":
         assert a["host_hit_tokens"] > 0 and a["virtual_clock"]["h2d_busy_s"] > 0
@@ -202,6 +203,35 @@ def test_optimistic_on_the_virtual_clock_repeats_exactly(monkeypatch: pytest.Mon
     assert a["optimistic_admissions"] > 0 and a["parks"] + a["yields"] > 0
     assert a["recomputed_tokens"] == b["recomputed_tokens"]
     assert not any(v for k, v in a["integrity"].items() if k != "kv_checked_requests")
+
+
+def test_write_through_retries_recompute_what_write_back_keeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forced retries on one trace: under write_back a retry recomputes only the last page (the
+    yield published the rest); under write_through it recomputes what the yield dropped."""
+    if "write_through" not in orun.available_policies():
+        pytest.skip("ServerArgs has no optimistic_prefill_write_through")
+    monkeypatch.setattr(bm, "CPU_MODEL", TINY)
+    opts = bo.parse_args(
+        ["--num-requests", "6", "--input-len", "128", "--chunked-prefill-size", "16",
+         "--kv-sample-every", "1", "--seeds", "1"], quick=True,
+    )  # fmt: skip
+    cal = linear_calibration()
+    model = bm.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
+    delay = orun.DelayDistribution("fixed", 1.0)  # peers ready long after any prefill
+    trace = orun.make_trace(opts, 1, [0.01 * i for i in range(6)], delay, 0.0, 1.0)
+    per_yield = {}
+    for policy in ("write_back", "write_through"):
+        res = orun.run_config(trace, 2, policy, model, cal)
+        assert res["successes"] == 6 and res["yields"] == 6  # every first attempt yields
+        assert not any(v for k, v in res["integrity"].items() if k != "kv_checked_requests")
+        assert res["integrity"]["speculative_l2_pages"] == 0
+        assert res["recomputed_tokens"] == res["executor_yield_recomputed_tokens"]
+        per_yield[policy] = res["recomputed_tokens_per_yield"]
+    assert per_yield["write_back"] == 16  # the last page: a match leaves one token to compute
+    uncached = 128 - int(128 * 0.8) // 16 * 16  # what each first attempt computed
+    assert per_yield["write_through"] == uncached == 32
 
 
 def test_compute_ledger_counts_positions_computed_twice() -> None:
