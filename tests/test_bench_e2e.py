@@ -297,3 +297,28 @@ def test_gpu_check_without_cuda_torch_stops_with_one_line(tmp_path: Path) -> Non
     assert len(lines) == 1 and lines[0].startswith("gpu_check: STOP: torch ")
     assert "not a CUDA build" in lines[0]
     assert (tmp_path / "out" / "status.txt").read_text() == "probe rc=3\n"
+
+
+def test_compare_reports_the_largest_ratio_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import compare
+
+    def summary(wb: float, a2: float) -> dict[str, Any]:
+        return {
+            "multiturn": {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
+                          "write_back": {"ttft_mean_speedup_vs_device_only": wb}},
+            "optimistic": {"attempts_0": {"ttft_mean_speedup_vs_0": 1.0},
+                           "attempts_0_with_failures": {"ttft_mean_speedup_vs_0": 1.0},
+                           "attempts_2": {"ttft_mean_speedup_vs_0": a2}, "seeds": [0]},
+        }  # fmt: skip
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(summary(3.0, 1.6)))
+    b.write_text(json.dumps(summary(3.06, 1.6)))
+    assert compare.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "multiturn/write_back" in out and "2.00%" in out and "attempts_0" not in out
+    assert compare.main([str(a), str(b), "--tolerance", "0.01"]) == 1
+    b.write_text(json.dumps({"transfer": {}}))
+    assert compare.main([str(a), str(b)]) == 2
