@@ -8,7 +8,8 @@ it, uniform on [0.5, 1.5] of that), that time being measured on the benchmark's 
 Without optimism a request waits for its peer, then computes; with it, it computes while the
 peer bootstraps (yield / park / retry as needed). Runs again with injected bootstrap failures
 (``_with_failures``), with peers that report not-ready to a request's first attempt
-(``_forced_retry``, upstream's force-retry hook: every such request yields once) and, at full
+(``_forced_retry``, upstream's force-retry hook: every such request runs one optimistic
+attempt whatever the limit, as upstream's hook does, and yields at its end) and, at full
 size, at higher load (``_util_*``). Under write_back a yield publishes the computed pages and
 the retry hits them; under write_through a yield releases them and the retry recomputes them
 (``recomputed_tokens_per_yield``, counted position by position). The write_through rows run the

@@ -86,11 +86,11 @@ W = 17
 """Width of one configuration's column in the final table."""
 
 
-def _cell(value: Any, scale: float) -> str:
+def _cell(value: Any, scale: float, exact: bool = False) -> str:
     if value is None:
         return f"{'-':>{W}}"
-    if isinstance(value, int):
-        return f"{value:>{W}d}"
+    if not exact and (isinstance(value, int) or (scale == 1 and float(value).is_integer())):
+        return f"{int(value):>{W}d}"
     return f"{value * scale:>{W}.2f}"
 
 
@@ -118,7 +118,9 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         print(f"\n{section} ({configs.get('mode', 'wall')} clock, seeds {configs.get('seeds')})")
         print(f"{'metric':<18}" + "".join(f"{n[:W - 2]:>{W}}" for n in names))
         for metric, label, scale in rows:
-            print(f"{label:<18}" + "".join(_cell(configs[n].get(metric), scale) for n in names))
+            exact = metric.startswith("ttft_mean_speedup")
+            print(f"{label:<18}" + "".join(_cell(configs[n].get(metric), scale, exact)
+                                           for n in names))  # fmt: skip
         ratio = rows[-1][0]
         spreads = [configs[n].get(ratio + "_spread") for n in names]
         if any(spreads):
