@@ -48,15 +48,16 @@ def spread(values: Sequence[float | None]) -> dict[str, Any] | None:
 def aggregate_seeds(
     per_seed: dict[int, dict[str, dict[str, Any]]], keys: Sequence[str], ratio_key: str
 ) -> dict[str, dict[str, Any]]:
-    """One entry per configuration that ran under every seed: each of ``keys`` averaged over the
-    seeds (None if missing anywhere); ``ratio_key`` and ``ttft_mean_s`` also get ``*_spread``
-    (``spread``); ``integrity`` counters are summed."""
-    seeds = sorted(per_seed)
-    if not seeds:
-        return {}
-    names = [n for n in per_seed[seeds[0]] if all(n in per_seed[s] for s in seeds)]
+    """One entry per configuration, over the seeds it ran under (a run cut short by its
+    deadline may lack some; ``seeds`` lists them): each of ``keys`` averaged (None if missing
+    anywhere); ``ratio_key`` and ``ttft_mean_s`` also get ``*_spread`` (``spread``);
+    ``integrity`` counters are summed."""
+    names: list[str] = []
+    for seed in sorted(per_seed):
+        names += [n for n in per_seed[seed] if n not in names]
     out: dict[str, dict[str, Any]] = {}
     for name in names:
+        seeds = [s for s in sorted(per_seed) if name in per_seed[s]]
         rows = [per_seed[s][name] for s in seeds]
         entry: dict[str, Any] = {}
         for k in keys:

@@ -322,3 +322,24 @@ def test_compare_reports_the_largest_ratio_difference(
     assert compare.main([str(a), str(b), "--tolerance", "0.01"]) == 1
     b.write_text(json.dumps({"transfer": {}}))
     assert compare.main([str(a), str(b)]) == 2
+
+
+def test_aggregate_over_the_seeds_each_configuration_ran() -> None:
+    from bench.e2e_report import aggregate_seeds
+
+    def row(ttft: float, ratio: float | None) -> dict[str, Any]:
+        return {"ttft_mean_s": ttft, "r": ratio, "yields": 2, "integrity": {"leaked_slots": 0}}
+
+    per_seed = {
+        0: {"base": row(2.0, 1.0), "fast": row(1.0, 2.0)},
+        1: {"base": row(3.0, 1.0), "fast": row(1.0, 3.0)},
+        2: {"base": row(4.0, 1.0)},  # cut short by a deadline
+    }
+    out = aggregate_seeds(per_seed, ("ttft_mean_s", "yields", "r"), "r")
+    assert out["base"]["seeds"] == [0, 1, 2] and out["fast"]["seeds"] == [0, 1]
+    assert out["fast"]["r"] == 2.5
+    assert out["fast"]["r_spread"] == {"mean": 2.5, "min": 2.0, "max": 3.0,
+                                       "stdev": pytest.approx(0.7071, abs=1e-4),
+                                       "per_seed": [2.0, 3.0]}  # fmt: skip
+    assert out["base"]["ttft_mean_s"] == 3.0 and out["base"]["yields"] == 2.0
+    assert out["base"]["integrity"] == {"leaked_slots": 0}
