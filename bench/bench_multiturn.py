@@ -30,6 +30,7 @@ from bench.e2e import (
     Driver,
     cpu_note,
     free_memory,
+    model_args,
     new_executor,
     on_cuda,
     release_executor,
@@ -59,20 +60,6 @@ CONFIGS = {
     ),
     "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
 }
-
-# Model geometry for the CPU run: small enough for minutes on 2 cores, heavy enough that a
-# prefill costs more than copying its KV back from host memory (as on a GPU with a real model).
-CPU_MODEL = dict(
-    num_layers=4,
-    num_attention_heads=8,
-    head_num=4,
-    head_dim=32,
-    hidden_size=256,
-    intermediate_size=768,
-    vocab_size=1024,
-    dtype="float32",
-)
-GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
 
 SIZES = {
     # (cpu, gpu) workloads
@@ -112,9 +99,8 @@ HEADLINE_KEYS = (
 
 
 def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> ServerArgs:
-    model = GPU_MODEL if on_cuda() else CPU_MODEL
     return ServerArgs(
-        **model,
+        **model_args(),
         **CONFIGS[name],
         page_size=opts.page_size,
         max_total_tokens=device_tokens,

@@ -7,6 +7,7 @@
 - :func:`print_table`: fixed-width table from a list of dicts and column specs
   (:func:`table_header` and :func:`table_row` print one line at a time).
 - :func:`time_left`: seconds until the deadline ``bench/gpu_check.sh`` gives each step.
+- :func:`call_timer` / :func:`sync_device`: the clock the deterministic mode's calibration reads.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from bench.summary import machine_info
 __all__ = [
     "Column",
     "Timing",
+    "call_timer",
     "machine_info",
     "print_table",
+    "sync_device",
     "table_header",
     "table_row",
     "time_left",
@@ -58,6 +61,19 @@ class Timing:
 
     def as_dict(self) -> dict[str, float]:
         return {"median_ms": self.median, "p20_ms": self.p20, "p80_ms": self.p80}
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_timer(device: torch.device) -> Callable[[], float]:
+    """CUDA: wall time (read around a ``sync_device``). CPU: this thread's CPU time, which time
+    spent descheduled by other jobs on a shared machine does not inflate (the benchmarks run
+    torch ops on the calling thread: one intra-op thread)."""
+    return time.perf_counter if device.type == "cuda" else time.thread_time
 
 
 def timer_name(device: torch.device) -> str:

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,12 +46,28 @@ from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEADLINE_ENV", "Driver", "TraceRun", "new_executor", "settle", "time_left"]
+__all__ = ["DEADLINE_ENV", "Driver", "TraceRun", "model_args", "new_executor", "settle",
+           "time_left"]  # fmt: skip
+
+# Model geometry of the CPU runs: small enough for minutes on 2 cores, heavy enough that a
+# prefill costs more than copying its KV back from host memory (as on a GPU with a real model:
+# on this CPU recomputing a token costs ~10x loading its 4 KiB of KV back, measured in the run).
+CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
+                 intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
+GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
 
 CLOCKS = ("virtual", "wall")
 
 STUCK_STEPS = 1000
 """Virtual clock: consecutive steps without progress or a future event before giving up."""
+
+
+def model_args() -> dict[str, Any]:
+    """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
+    in bf16 on CUDA, ``CPU_MODEL`` on a CPU. ``vocab_size`` is always present."""
+    if on_cuda():
+        return {**GPU_MODEL, "vocab_size": 32000}
+    return dict(CPU_MODEL)
 
 
 def shared_model(args: ServerArgs) -> PagedTransformer:

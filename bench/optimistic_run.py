@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.calibrate import Calibration
-from bench.e2e import Driver, new_executor, on_cuda, release_executor, run_until_idle
+from bench.e2e import Driver, model_args, new_executor, release_executor, run_until_idle
 from bench.e2e_audit import audit, config_summary
 from prefill.bootstrap import DelayDistribution, PeerConfig
 from prefill.request import Outcome
@@ -47,13 +47,11 @@ class Trace:
     def server_args(
         opts: argparse.Namespace, attempts: int, failure_prob: float, policy: str
     ) -> ServerArgs:
-        from bench.bench_multiturn import CPU_MODEL, GPU_MODEL
-
         page = opts.page_size
         device_tokens = ((opts.device_pool_inputs * opts.input_len + page - 1) // page) * page
         extra = {WRITE_THROUGH_FLAG: True} if policy == "write_through" else {}
         return ServerArgs(
-            **(GPU_MODEL if on_cuda() else CPU_MODEL),
+            **model_args(),
             page_size=page,
             max_total_tokens=device_tokens,
             chunked_prefill_size=opts.chunk,
@@ -83,10 +81,9 @@ def make_trace(
     failure_prob: float,
     forced_retry_prob: float = 0.0,
 ) -> Trace:
-    from bench.bench_multiturn import CPU_MODEL, GPU_MODEL
     from bench.workload import cached_prompts
 
-    vocab = (GPU_MODEL if on_cuda() else CPU_MODEL).get("vocab_size", 32000)
+    vocab = model_args()["vocab_size"]
     prompts = cached_prompts(len(arrivals), opts.input_len, opts.cached_fraction,
                              opts.num_prefixes, vocab, seed)  # fmt: skip
     return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)

@@ -28,6 +28,7 @@ import torch
 from bench import __main__ as suite
 from bench import bench_multiturn as bm
 from bench import bench_optimistic as bo
+from bench import e2e
 from bench import optimistic_run as orun
 from bench.calibrate import Calibration, CopyFit, ForwardTable, fit_copy, forward_grid, table_from
 from bench.summary import git_commit, run_info
@@ -165,7 +166,7 @@ def _multiturn_opts() -> argparse.Namespace:
 def test_multiturn_on_the_virtual_clock_repeats_exactly(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bm, "CPU_MODEL", TINY)
+    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
     opts = _multiturn_opts()
     _, device_tokens = bm.pool_sizes(opts)
     cal = linear_calibration()
@@ -186,7 +187,7 @@ def test_multiturn_on_the_virtual_clock_repeats_exactly(
 
 
 def test_optimistic_on_the_virtual_clock_repeats_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bm, "CPU_MODEL", TINY)
+    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
     opts = bo.parse_args(
         ["--num-requests", "8", "--input-len", "128", "--chunked-prefill-size", "16",
          "--kv-sample-every", "2", "--seeds", "3"], quick=True,
@@ -212,7 +213,7 @@ def test_write_through_retries_recompute_what_write_back_keeps(
     yield published the rest); under write_through it recomputes what the yield dropped."""
     if "write_through" not in orun.available_policies():
         pytest.skip("ServerArgs has no optimistic_prefill_write_through")
-    monkeypatch.setattr(bm, "CPU_MODEL", TINY)
+    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
     opts = bo.parse_args(
         ["--num-requests", "6", "--input-len", "128", "--chunked-prefill-size", "16",
          "--kv-sample-every", "1", "--seeds", "1"], quick=True,
