@@ -13,13 +13,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{"commit": sha or "unknown", "dirty": bool or None}`` of the checkout at ``root``."""
+    """``{"commit": sha or "unknown", "dirty": bool or None}`` of the checkout at ``root``
+    (``dirty``: tracked files outside ``results/`` differ from the commit)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=root, capture_output=True, text=True, timeout=10,
-                                check=True).stdout  # fmt: skip
+        # Outputs of earlier runs (results/) do not make the code dirty.
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                 ".", ":(exclude)results"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=True).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": None}
     return {"commit": sha or "unknown", "dirty": bool(status.strip())}
