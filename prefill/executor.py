@@ -64,6 +64,7 @@ from prefill.admission import AdmissionQueue
 from prefill.batch import Batch, BatchRunner, CostModel
 from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
 from prefill.clock import Clock, WallClock
+from prefill.gate import check_gate, log_gate_once, resolved_attempts
 from prefill.inflight import InflightQueue
 from prefill.integrity import check_executor
 from prefill.metadata_buffers import (
@@ -72,6 +73,7 @@ from prefill.metadata_buffers import (
     metadata_buffer_count,
 )
 from prefill.model import PagedTransformer
+from prefill.pending import PendingKV
 from prefill.req_kv import RequestKV
 from prefill.request import PrefillRequest, RequestResult
 from prefill.stats import ExecutorStats
@@ -110,12 +112,18 @@ class OptimisticPrefillExecutor:
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
     ) -> None:
-        max_attempts = self._resolved_attempts(args)
+        max_attempts = resolved_attempts(args)
         if cache is None:
             from hicache.cache import build_kv_cache
 
-            cache = build_kv_cache(args)
-        self._check_gate(args, cache, max_attempts)
+            built = build_kv_cache(args)
+            try:
+                check_gate(args, built, max_attempts)
+            except ValueError:
+                built.close()
+                raise
+            cache = built
+        check_gate(args, cache, max_attempts)
         if model is None:
             from prefill.model import build_model
 
@@ -153,63 +161,13 @@ class OptimisticPrefillExecutor:
         self.batch_runner = BatchRunner(
             cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
         )
+        self.pending = PendingKV(self.kv, self.admission, self.stats, self.unpublished_pending)
         self.inflight = InflightQueue(
-            self.kv, self.admission, self.clock, self.stats,
-            publish=self._publish, yield_req=self._yield, on_done=self._forget,
-            max_running_requests=self.max_running_requests,
+            self.kv, self.admission, self.pending, self.clock, self.stats,
+            on_done=self._forget, max_running_requests=self.max_running_requests,
             other_holders=lambda: int(self.chunked_req is not None),
-            unpublished_pending=self.unpublished_pending,
         )  # fmt: skip
-        self._log_gate_once()
-
-    @staticmethod
-    def _resolved_attempts(args: Any) -> int:
-        """Optimistic attempts this executor may use: the gate's resolved value, and only in
-        ``--disaggregation-mode prefill`` (upstream reads the flag nowhere else, and the gate
-        only checks that mode, so any other mode runs without optimism)."""
-        attempts = int(args.optimistic_prefill_attempts)
-        if attempts > 0 and args.disaggregation_mode != "prefill":
-            logger.warning(
-                "optimistic prefill ignored: --optimistic-prefill-attempts=%d applies only with "
-                "--disaggregation-mode prefill (got %s)", attempts, args.disaggregation_mode,
-            )  # fmt: skip
-            return 0
-        return attempts
-
-    @staticmethod
-    def _check_gate(args: Any, cache: Any, attempts: int) -> None:
-        """Refuse optimistic attempts that the gate would not keep for the write policy the
-        cache's tree declares (``None`` without an L2 tier), reading ``args`` as they are now."""
-        if attempts <= 0:
-            return
-        tree = cache.tree
-        policy = getattr(tree, "write_policy", None) if cache.hierarchical else None
-        allows = getattr(args, "optimistic_gate_allows", None)
-        if allows is not None:
-            ok = allows(policy)
-        else:  # a plain namespace: the earlier gate (write_back only)
-            ok = policy in (None, "write_back")
-        if ok:
-            return
-        raise ValueError(
-            f"--optimistic-prefill-attempts={attempts} is not allowed with this cache: its tree "
-            f"declares --hicache-write-policy={policy} (backs up at insert: "
-            f"{tree.backs_up_on_insert}) with --optimistic-prefill-write-through="
-            f"{getattr(args, 'optimistic_prefill_write_through', False)}, "
-            f"--hicache-storage-backend={getattr(args, 'hicache_storage_backend', None)}, "
-            f"--pp-size={getattr(args, 'pp_size', 1)}, --uses-mamba-radix-cache="
-            f"{getattr(args, 'uses_mamba_radix_cache', False)}; the gate resolves this to 0 "
-            "attempts (were ServerArgs changed after they were resolved?)"
-        )
-
-    def _log_gate_once(self) -> None:
-        for r in getattr(self.args, "resolutions", []):
-            if getattr(r, "field", None) == "optimistic_prefill_attempts" and r.new == 0:
-                logger.warning(
-                    "optimistic prefill disabled: %s (requested %s attempts); requests wait for "
-                    "their decode peer before prefill", r.reason, r.old,
-                )  # fmt: skip
-                return
+        log_gate_once(args)
 
     # ================================================================== public API
     def submit(
@@ -357,20 +315,12 @@ class OptimisticPrefillExecutor:
         """Results not popped yet, by rid, in finish order."""
         return self.inflight.results
 
-    # ================================================================== publishing
-    def _publish(self, req: PrefillRequest, chunked: bool) -> None:
-        """Insert the request's computed whole pages, unless it is pending and the tree would
-        back them up (then they stay request-owned until finalize)."""
-        if req.pending_bootstrap and self.unpublished_pending:
-            return
-        self.kv.cache_unfinished(req, chunked=chunked)
-
     # ================================================================== chunk boundary
     def _process_chunked_req(self) -> None:
         req = self.chunked_req
         if req is None:
             return
-        self._publish(req, chunked=True)
+        self.pending.publish(req, chunked=True)
         state = self.admission.poll(req)
         if state == KVPoll.Failed:
             self.chunked_req = None
@@ -378,11 +328,11 @@ class OptimisticPrefillExecutor:
         elif req.pending_bootstrap:
             if state == KVPoll.WaitingForInput:
                 self.admission.finalize(req)
-                self._publish(req, chunked=True)  # once, now that it is final
+                self.pending.publish(req, chunked=True)  # once, now that it is final
                 self.inflight.send_kv_chunk(req, last=False)
             elif self.admission.has_bootstrapped_waiting_req():
                 self.chunked_req = None
-                self._yield(req)
+                self.pending.yield_(req)
             # else: still bootstrapping, nobody ready is waiting: keep computing, send nothing
         else:
             self.inflight.send_kv_chunk(req, last=False)
@@ -411,35 +361,14 @@ class OptimisticPrefillExecutor:
             self._finish_prefill(req)
 
     def _finish_prefill(self, req: PrefillRequest) -> None:
-        self._publish(req, chunked=False)
+        self.pending.publish(req, chunked=False)
         req.prefill_done_time = self.clock.now()
         if req.pending_bootstrap and self.admission.forced(req):
-            self._yield(req)
+            self.pending.yield_(req)
             return
         self.inflight.add(req)
 
-    # ================================================================== yield / abort
-    # Slot ownership at yield (see prefill/req_kv.py for the ranges; abort and completion are in
-    # prefill/inflight.py):
-    #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
-    #   [tree_len, len(slots)) request-owned: freed. Unless the tree backs up at insert, whole
-    #                          pages computed before the yield were inserted first, so a retry
-    #                          hits them; otherwise they are dropped unpublished.
-    #   sends in flight        none: a yield happens only before finalize, and nothing is sent
-    #                          before finalize.
-    def _yield(self, req: PrefillRequest) -> None:
-        """Optimistic rollback: publish what the policy allows, release, reset, requeue."""
-        assert req.pending_bootstrap and req.peer.inflight_reads() == 0
-        self._publish(req, chunked=req.computed_len < req.num_tokens)
-        if self.unpublished_pending:
-            self.stats.unpublished_dropped_tokens += max(0, req.computed_len - req.tree_len)
-        req.yielded_len = req.computed_len
-        self.kv.release(req)
-        req.reset_attempt()
-        req.yields += 1
-        self.stats.yields += 1
-        self.admission.requeue_yielded(req)
-
+    # ================================================================== abort
     def _abort(self, req: PrefillRequest) -> None:
         """The peer failed: drop the request from the running slot (callers remove it from the
         queue they iterate) and hand it to ``inflight.abort`` (release, error result)."""

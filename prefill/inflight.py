@@ -21,6 +21,7 @@ from collections.abc import Callable
 from prefill.admission import AdmissionQueue
 from prefill.bootstrap import KVPoll
 from prefill.clock import Clock
+from prefill.pending import PendingKV
 from prefill.req_kv import RequestKV
 from prefill.request import Outcome, PrefillRequest, RequestResult, Stage
 from prefill.stats import ExecutorStats
@@ -34,41 +35,34 @@ class InflightQueue:
     Args:
         kv: the executor's ``RequestKV`` (release).
         admission: peer polling (with the force-not-ready hook), finalize, metadata buffers.
+        pending: publishes a just-finalized request's pages, yields a parked one, counts KV
+            an abort drops unpublished.
         clock: time of results.
         stats: the executor's counters (sends, parks, aborts, successes, TTFT).
-        publish: ``publish(req, chunked)`` inserts a just-finalized request's computed pages
-            (a no-op when they are in the tree already).
-        yield_req: the executor's yield (release, reset, requeue) of a pending request.
         on_done: told of each request that got its outcome.
         max_running_requests: requests that may hold KV at once (SGLang's request pool).
         other_holders: how many requests outside the inflight queue hold KV (the chunked one).
-        unpublished_pending: pending attempts keep their KV out of the tree (counted when an
-            abort frees it).
     """
 
     def __init__(
         self,
         kv: RequestKV,
         admission: AdmissionQueue,
+        pending: PendingKV,
         clock: Clock,
         stats: ExecutorStats,
-        publish: Callable[[PrefillRequest, bool], None],
-        yield_req: Callable[[PrefillRequest], None],
         on_done: Callable[[PrefillRequest], None],
         max_running_requests: int,
         other_holders: Callable[[], int],
-        unpublished_pending: bool = False,
     ) -> None:
         self.kv = kv
         self.admission = admission
+        self.pending = pending
         self.clock = clock
         self.stats = stats
-        self.publish = publish
-        self.yield_req = yield_req
         self.on_done = on_done
         self.max_running_requests = max_running_requests
         self.other_holders = other_holders
-        self.unpublished_pending = unpublished_pending
         self.page_size = kv.page_size
         self.inflight_queue: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
@@ -122,7 +116,7 @@ class InflightQueue:
                 if state == KVPoll.WaitingForInput:
                     self.admission.finalize(req)
                     req.parked = False
-                    self.publish(req, False)
+                    self.pending.publish(req, chunked=False)
                     self.send_kv_chunk(req, last=True)
                 elif (
                     state == KVPoll.Bootstrapping
@@ -131,7 +125,7 @@ class InflightQueue:
                 ):
                     req.parked = False
                     self.stats.parked_yields += 1
-                    self.yield_req(req)
+                    self.pending.yield_(req)
                     holding -= 1
                     continue
                 self.inflight_queue.append(req)
@@ -164,8 +158,7 @@ class InflightQueue:
         else:
             self.stats.transfer_failures += 1
         assert req.peer.inflight_reads() == 0, f"{req.rid}: a failed peer still reads"
-        if req.pending_bootstrap and self.unpublished_pending and req.slots is not None:
-            self.stats.unpublished_dropped_tokens += max(0, req.computed_len - req.tree_len)
+        self.pending.drop(req)
         self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
 

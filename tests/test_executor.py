@@ -406,7 +406,7 @@ def test_injected_transfer_failure_aborts():
 def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog):
     args = make_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
     assert args.optimistic_prefill_attempts == 0
-    with caplog.at_level(logging.WARNING, logger="prefill.executor"):
+    with caplog.at_level(logging.WARNING, logger="prefill.gate"):
         ex = make_executor(args, peer_config=PeerConfig(bootstrap_delay=NEVER))
     gate_logs = [r for r in caplog.records if "optimistic prefill disabled" in r.message]
     assert len(gate_logs) == 1 and "write-back" in gate_logs[0].message

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prefill.bootstrap import DelayDistribution, KVPoll, PeerConfig
@@ -147,15 +147,20 @@ def test_soak_wall_clock_smoke():
 # ------------------------------------------------------------------------------------- property
 _MODEL = PagedTransformer(ModelConfig.from_server_args(soak_args(False)))
 
+_submit = st.tuples(st.just("submit"), st.integers(0, 7), st.integers(0, 5), st.integers(1, 50))
+_step = st.tuples(st.just("step"), st.integers(1, 3))
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("submit"), st.integers(0, 7), st.integers(0, 5), st.integers(1, 50)),
-        st.tuples(st.just("step"), st.integers(1, 3)),
+        _submit,
+        _step,
+        _submit,  # listed twice: traffic and steps make up most of a sequence
+        _step,
         st.tuples(st.just("ready"), st.integers(0, 30)),
         st.tuples(st.just("fail"), st.integers(0, 30)),
         st.tuples(st.just("pop")),
         st.tuples(st.just("advance"), st.sampled_from([0.0005, 0.002, 0.01, 400.0])),
     ),
+    min_size=8,
     max_size=40,
 )
 
@@ -171,7 +176,7 @@ POLICIES = {
 
 
 @settings(
-    max_examples=80,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -179,7 +184,7 @@ POLICIES = {
     ops=ops,
     policy=st.sampled_from(sorted(POLICIES)),
     attempts=st.integers(0, 2),
-    max_running=st.sampled_from([None, 2]),
+    max_running=st.sampled_from([None, 1, 2]),
     forced=st.sampled_from([0.0, 0.5]),
 )
 def test_random_operation_sequences_keep_invariants(ops, policy, attempts, max_running, forced):
@@ -238,3 +243,8 @@ def test_random_operation_sequences_keep_invariants(ops, policy, attempts, max_r
     pop()
     check_final(ex)
     ex.cache.close()
+    s = ex.stats  # which paths this example reached (--hypothesis-show-statistics)
+    for name in ("yields", "parked_yields", "bootstrap_timeouts", "unpublished_dropped_tokens",
+                 "forced_not_ready", "metadata_buffer_waits", "transfer_failures"):  # fmt: skip
+        if getattr(s, name):
+            event(name)
