@@ -1,8 +1,13 @@
 """The benchmark suite: ``python -m bench`` (the README's ``make bench``).
 
-Runs every benchmark module that exists, at a size that fits the machine (``--quick`` on CPU by
-default), shows progress, prints one summary table, and writes ``results/summary.json``.
-Each benchmark module exposes ``run(quick: bool, out_dir: pathlib.Path) -> dict``.
+Runs every benchmark module that exists, at a size that fits the machine (quick by default),
+shows progress, prints one summary table, and writes ``results/summary.json``.
+Each benchmark module exposes ``run(quick: bool, out_dir: pathlib.Path) -> dict``; the
+end-to-end ones also take ``argv`` (their own flags: ``--clock``, ``--seeds``, ...).
+
+``--only NAME [NAME ...]`` runs those sections (an unknown name is an error that lists the valid
+ones) and merges them into the existing summary file: sections not run are kept as they were.
+A full run writes the summary from scratch.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-from bench.summary import machine_info, print_summary_table
+from bench.summary import machine_info, print_summary_table, run_info
 from kernels._env import cuda_available, ensure_triton_interpret
 
 ensure_triton_interpret()
@@ -27,24 +33,44 @@ SUITE = [
     ("bench.bench_multiturn", "multiturn"),
     ("bench.bench_optimistic", "optimistic"),
 ]
+E2E = {"multiturn", "optimistic"}
+"""Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""
+
+INTEGRITY_KEYS = ("leaked_slots", "kv_mismatches", "aborted_sends", "leaked_locks",
+                  "integrity_errors", "speculative_l2_pages",
+                  "attempt_budget_exceeded")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    names = [key for _, key in SUITE]
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
-    parser.add_argument("--only", nargs="*", default=None, help="Summary keys to run.")
-    parser.add_argument(
-        "--summary", default="summary.json", help="Summary file name in --out (one per step)."
-    )
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help=f"Run only these sections ({', '.join(names)}) and merge them into "
+                        "the summary file.")
+    parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
+                        help="Clock of the end-to-end benchmarks (virtual: deterministic, "
+                        "calibrated in the run; wall: real time).")
+    parser.add_argument("--summary", default="summary.json",
+                        help="Summary file name in --out (one per step).")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.only is not None:
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            parser.error(f"unknown benchmark {', '.join(unknown)}; valid names: {', '.join(names)}")
     args.out.mkdir(parents=True, exist_ok=True)
     quick = not args.full
+    path = args.out / args.summary
 
-    summary: dict = {"machine": machine_info()}
+    summary: dict[str, Any] = load_summary(path) if args.only is not None else {}
+    summary["machine"] = machine_info()
+    summary["run"] = run_info()
     failures: list[str] = []
     missing: list[str] = []
-    print(f"[bench] device: {'cuda' if cuda_available() else 'cpu'}; quick={quick}; out={args.out}")
+    print(f"[bench] device: {'cuda' if cuda_available() else 'cpu'}; quick={quick}; "
+          f"clock={args.clock}; out={args.out}")  # fmt: skip
+    t_suite = time.perf_counter()
     for module_name, key in SUITE:
         if args.only is not None and key not in args.only:
             continue
@@ -59,19 +85,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {key}: running {module_name} ...", flush=True)
         start = time.perf_counter()
         try:
-            summary[key] = module.run(quick=quick, out_dir=args.out)
+            if key in E2E:
+                result = module.run(quick=quick, out_dir=args.out, argv=["--clock", args.clock])
+            else:
+                result = module.run(quick=quick, out_dir=args.out)
         except Exception:
             traceback.print_exc()
             failures.append(key)
             continue
+        extra = result.pop("extra_sections", None) if isinstance(result, dict) else None
+        summary[key] = result
+        summary.update(extra or {})
         print(f"[bench] {key}: done in {time.perf_counter() - start:.1f} s", flush=True)
 
-    if "integrity" not in summary:
-        summary["integrity"] = _gather_integrity(summary)
-    path = args.out / args.summary
+    summary["integrity"] = gather_integrity(summary)
+    summary["run"]["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
     path.write_text(json.dumps(summary, indent=2, default=str))
     print_summary_table(summary)
-    print(f"[bench] wrote {path}")
+    print(f"[bench] wrote {path} ({summary['run']['suite_wall_s']} s)")
     if missing:
         print(f"[bench] not yet present: {', '.join(missing)}")
     bad = {k: v for k, v in summary["integrity"].items() if v}
@@ -84,19 +115,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _gather_integrity(summary: dict) -> dict:
-    """Sum the integrity counters each benchmark reported."""
-    total = {
-        "leaked_slots": 0,
-        "kv_mismatches": 0,
-        "aborted_sends": 0,
-        "leaked_locks": 0,
-        "integrity_errors": 0,
-    }
-    for value in summary.values():
-        if isinstance(value, dict) and isinstance(value.get("integrity"), dict):
-            for name in total:
-                total[name] += int(value["integrity"].get(name, 0))
+def load_summary(path: Path) -> dict[str, Any]:
+    """The summary file's sections, or nothing when it is missing or not a JSON object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def gather_integrity(summary: dict[str, Any]) -> dict[str, int]:
+    """Sum the integrity counters every section reported (``INTEGRITY_KEYS``; a key no
+    section reports is absent)."""
+    total: dict[str, int] = {}
+    for name, value in summary.items():
+        if name == "integrity" or not isinstance(value, dict):
+            continue
+        counters = value.get("integrity")
+        if not isinstance(counters, dict):
+            continue
+        for k in INTEGRITY_KEYS:
+            if k in counters:
+                total[k] = total.get(k, 0) + int(counters[k])
+    for k in INTEGRITY_KEYS[:5]:
+        total.setdefault(k, 0)
     return total
 
 

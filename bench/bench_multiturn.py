@@ -1,12 +1,18 @@
 """Multi-turn conversations through the prefill executor: device cache only vs the L2 cache under
-each write policy, on one trace (SGLang ``bench_multiturn`` style, output length 1).
+each write policy, on one trace per seed (SGLang ``bench_multiturn`` style, output length 1).
 
 Each client starts with a ``--request-length`` prompt; every later round appends a
 ``--sub-question-input-length`` question to the whole history. Requests leave a ready queue at
-Poisson times (``--request-rate``), at most ``--max-parallel`` in flight. The device pool is sized
-so the working set is ``--working-set-ratio`` times the pool, so the history spills to L2.
+Poisson times, at most ``--max-parallel`` in flight. The rate is ``--load`` times the rate at
+which a device-only server could prefill the trace's prompts from scratch (from the calibrated
+forward cost), so the offered load does not depend on how fast this machine is. The device pool
+is sized so the working set is ``--working-set-ratio`` times the pool, so history spills to L2.
 
-    python -m bench.bench_multiturn [--quick] [--out results]
+Headline: mean TTFT of device-only / mean TTFT of each configuration, per seed, reported as
+mean and spread over ``--seeds``; on the default virtual clock it depends only on the seeds and
+the calibration measured at the start (``bench.e2e``, ``bench.calibrate``).
+
+    python -m bench.bench_multiturn [--quick] [--out results] [--clock wall] [--seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -19,21 +25,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.calibrate import Calibration, calibrate_run, describe
 from bench.e2e import (
     Driver,
-    audit,
-    bench_main,
-    config_summary,
     cpu_note,
     free_memory,
+    model_args,
     new_executor,
     on_cuda,
-    plot_ttft,
-    print_config_table,
     release_executor,
     shared_model,
-    sum_integrity,
     time_left,
+)
+from bench.e2e_audit import audit, config_summary
+from bench.e2e_report import (
+    add_common_args,
+    aggregate_seeds,
+    bench_main,
+    plot_ttft,
+    print_config_table,
+    print_spread,
+    sum_integrity,
     write_result,
 )
 from bench.workload import make_conversations, working_set_tokens
@@ -49,36 +61,23 @@ CONFIGS = {
     "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
 }
 
-# Model geometry for the CPU run: small enough for minutes on 2 cores, heavy enough that a
-# prefill costs more than copying its KV back from host memory (as on a GPU with a real model).
-CPU_MODEL = dict(
-    num_layers=4,
-    num_attention_heads=8,
-    head_num=4,
-    head_dim=32,
-    hidden_size=256,
-    intermediate_size=768,
-    vocab_size=1024,
-    dtype="float32",
-)
-GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
-
 SIZES = {
     # (cpu, gpu) workloads
     "quick": (
-        dict(num_clients=8, num_rounds=4, request_length=384, sub_question_input_length=96,
-             request_rate=16.0, max_parallel=4),
+        dict(num_clients=40, num_rounds=5, request_length=192, sub_question_input_length=48,
+             load=0.7, max_parallel=4, seeds=(0, 1, 2), kv_sample_every=20),
         dict(num_clients=8, num_rounds=3, request_length=2048, sub_question_input_length=256,
-             request_rate=8.0, max_parallel=4),
+             load=0.7, max_parallel=4, seeds=(0,), kv_sample_every=4),
     ),
     "full": (
-        dict(num_clients=16, num_rounds=5, request_length=512, sub_question_input_length=128,
-             request_rate=16.0, max_parallel=8),
+        dict(num_clients=64, num_rounds=6, request_length=384, sub_question_input_length=96,
+             load=0.7, max_parallel=8, seeds=(0, 1, 2, 3, 4), kv_sample_every=8),
         dict(num_clients=32, num_rounds=5, request_length=4096, sub_question_input_length=512,
-             request_rate=4.0, max_parallel=16),
+             load=0.7, max_parallel=16, seeds=(0, 1, 2), kv_sample_every=4),
     ),
 }  # fmt: skip
 
+RATIO = "ttft_mean_speedup_vs_device_only"
 
 TABLE = [
     ("TTFT mean ms", "ttft_mean_s", 1e3, ".1f"),
@@ -90,14 +89,18 @@ TABLE = [
     ("D2H MB", "d2h_bytes", 1e-6, ".1f"),
     ("H2D MB", "h2d_bytes", 1e-6, ".1f"),
     ("tok/s", "throughput_tok_s", 1, ".0f"),
-    ("vs dev-only", "ttft_mean_speedup_vs_device_only", 1, ".2f"),
+    ("vs dev-only", RATIO, 1, ".3f"),
 ]
+
+HEADLINE_KEYS = (
+    "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "device_hit_tokens", "host_hit_tokens",
+    "prefill_tokens_computed", "throughput_tok_s", "d2h_bytes", "h2d_bytes", "successes", RATIO,
+)  # fmt: skip
 
 
 def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> ServerArgs:
-    model = GPU_MODEL if on_cuda() else CPU_MODEL
     return ServerArgs(
-        **model,
+        **model_args(),
         **CONFIGS[name],
         page_size=opts.page_size,
         max_total_tokens=device_tokens,
@@ -106,59 +109,78 @@ def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> 
         hicache_mem_layout="page_first",
         hicache_io_backend="kernel",
         disaggregation_mode="prefill",
-        random_seed=opts.seed,
+        random_seed=0,  # model weights: the same in every configuration and seed
     )
+
+
+def conversations_for(opts: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
+    return make_conversations(opts.num_clients, opts.num_rounds, opts.request_length,
+                              opts.sub_question_input_length, vocab, seed)  # fmt: skip
+
+
+def full_prefill_s(cal: Calibration, tokens: int, chunk: int) -> float:
+    """Calibrated seconds to prefill ``tokens`` from scratch, chunk by chunk."""
+    return sum(
+        cal.forward.cost([(min(chunk, tokens - k), k)]) for k in range(0, tokens, max(chunk, 1))
+    )
+
+
+def request_rate(opts: argparse.Namespace, cal: Calibration) -> float:
+    """Requests per second: ``--request-rate``, or ``--load`` over the mean calibrated time of a
+    from-scratch prefill of the trace's prompts (its device-only work)."""
+    if opts.request_rate is not None:
+        return opts.request_rate
+    convs = conversations_for(opts, 2, 0)
+    lengths = [len(c.first_prompt) + sum(len(q) + 1 for q in c.questions[:r])
+               for c in convs for r in range(c.num_rounds)]  # fmt: skip
+    mean_s = sum(full_prefill_s(cal, n, opts.chunked_prefill_size) for n in lengths) / len(lengths)
+    return opts.load / mean_s
 
 
 def run_config(
-    name: str, device_tokens: int, opts: argparse.Namespace, model: Any = None
-) -> dict[str, Any]:
+    name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
+    cal: Calibration | None,
+) -> dict[str, Any]:  # fmt: skip
     args = server_args_for(name, device_tokens, opts)
-    conversations = make_conversations(
-        opts.num_clients, opts.num_rounds, opts.request_length, opts.sub_question_input_length,
-        args.vocab_size, opts.seed,
-    )  # fmt: skip
+    conversations = conversations_for(opts, args.vocab_size, seed)
     total_requests = sum(c.num_rounds for c in conversations)
-    decode_tokens = (
-        sum(
-            len(c.first_prompt) + sum(len(q) for q in c.questions) + c.num_rounds
-            for c in conversations
-        )
-        * opts.num_rounds
+    # Decode side: the sampled successes keep their KV until the audit; the others free it.
+    longest = -(-max(working_set_tokens([c]) for c in conversations) // opts.page_size)
+    decode_tokens = (total_requests // opts.kv_sample_every + opts.max_parallel + 2) * (
+        longest * opts.page_size
     )
-    ex = new_executor(
-        args, PeerConfig(seed=opts.seed), decode_pool_tokens=decode_tokens, model=model
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal)
+    driver = Driver(ex, opts.max_parallel, opts.kv_sample_every, cost)
+    ready: collections.deque[tuple[int, float]] = collections.deque(
+        (c, 0.0) for c in range(len(conversations))
     )
-    driver = Driver(ex, opts.max_parallel)
-    ready: collections.deque[int] = collections.deque(range(len(conversations)))
     prompts: dict[str, tuple[int, list[int]]] = {}
-    rng = random.Random(opts.seed)
+    rng = random.Random(seed)
     state = {"next_at": ex.clock.now()}
 
     def next_due() -> float | None:
-        return state["next_at"] if ready else None
+        return max(state["next_at"], ready[0][1]) if ready else None
 
     def pop_request() -> tuple[str, list[int]]:
-        c = ready.popleft()
+        c, _ = ready.popleft()
         conv = conversations[c]
         prompt = conv.next_prompt()
         rid = f"c{c}-r{conv.round}"
         prompts[rid] = (c, prompt)
-        gap = rng.expovariate(opts.request_rate) if opts.request_rate > 0 else 0.0
-        state["next_at"] = max(state["next_at"], ex.clock.now()) + gap
+        state["next_at"] = max(state["next_at"], ex.clock.now()) + rng.expovariate(rate)
         return rid, prompt
 
     def on_result(res: Any) -> None:
         c, prompt = prompts[res.rid]
         conversations[c].complete_round(prompt)
         if not conversations[c].done:
-            ready.append(c)
+            ready.append((c, res.finish_time))
 
     last = [0]
 
     def progress(n: int) -> None:
-        if n - last[0] >= max(1, total_requests // 4) or n == total_requests:
-            print(f"    {name}: {n}/{total_requests} requests", flush=True)
+        if n - last[0] >= max(1, total_requests // 2) or n == total_requests:
+            print(f"    {name} seed {seed}: {n}/{total_requests} requests", flush=True)
             last[0] = n
 
     run = driver.drive(
@@ -168,85 +190,96 @@ def run_config(
     out = config_summary(run)
     out["integrity"] = audit(run)
     out["kv_max_rel_err"] = run.kv_max_rel_err
+    out["seed"] = seed
     out["server_args"] = args.to_dict()
     release_executor(ex)
     return out
 
 
-def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
-    """Run every configuration on one trace; returns the summary keyed by configuration."""
-    opts = parse_args(argv or [], quick)
-    working_set = working_set_tokens(
-        make_conversations(
-            opts.num_clients, opts.num_rounds, opts.request_length,
-            opts.sub_question_input_length, vocab_size=2, seed=opts.seed,
-        )
-    )  # fmt: skip
+def pool_sizes(opts: argparse.Namespace) -> tuple[int, int]:
+    """(working set tokens, device pool tokens): the pool holds 1 / ``working_set_ratio`` of the
+    working set, and at least two of the longest prompts."""
+    working_set = working_set_tokens(conversations_for(opts, 2, 0))
     page = opts.page_size
     device_tokens = max(page, (int(working_set / opts.working_set_ratio) // page) * page)
     longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
     if device_tokens < 2 * longest:
         device_tokens = ((2 * longest + page - 1) // page) * page
+    return working_set, device_tokens
+
+
+def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
+    """Every configuration under every seed; returns the summary keyed by configuration."""
+    opts = parse_args(argv or [], quick)
+    working_set, device_tokens = pool_sizes(opts)
     ratio = working_set / device_tokens
     note = cpu_note()
     print(
         f"[multiturn] working set {working_set} tokens, device pool {device_tokens} tokens "
-        f"(working set / device pool = {ratio:.2f}); host pool = {opts.hicache_ratio}x device"
+        f"(working set / device pool = {ratio:.2f}); host pool = {opts.hicache_ratio}x device; "
+        f"clock: {opts.clock}; seeds {opts.seeds}"
     )
     if note:
         print(f"[multiturn] {note}")
-    results: dict[str, Any] = {}
+    cal_args = server_args_for("write_back", device_tokens, opts)
+    model = shared_model(cal_args)
+    longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
+    cal = calibrate_run(cal_args, model, opts.chunked_prefill_size, longest)
+    print(f"[multiturn] calibration: {describe(cal)}", flush=True)
+    rate = request_rate(opts, cal)
+    print(f"[multiturn] arrivals {rate:.2f}/s (load {opts.load:g} of device-only capacity)")
+    per_seed: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
-    first = opts.configs[0] if opts.configs else "device_only"
-    model = shared_model(server_args_for(first, device_tokens, opts))
     slowest = 0.0
-    for name in opts.configs:
-        if time_left() < 1.5 * slowest + 5:
-            print(f"[multiturn] {name}: skipped, {time_left():.0f} s left", flush=True)
-            skipped.append(name)
-            continue
-        print(f"[multiturn] {name} ...", flush=True)
-        t0 = time.perf_counter()
-        results[name] = run_config(name, device_tokens, opts, model)
-        slowest = max(slowest, time.perf_counter() - t0)
-        free_memory()
-        # Written after every configuration, so a run cut short still leaves its results.
-        write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
-                                            "partial": True, "configs": results})  # fmt: skip
+    for seed in opts.seeds:
+        results = per_seed.setdefault(seed, {})
+        for name in opts.configs:
+            if time_left() < 1.5 * slowest + 5:
+                print(f"[multiturn] {name} seed {seed}: skipped, {time_left():.0f} s left")
+                skipped.append(f"{name}/seed{seed}")
+                continue
+            t0 = time.perf_counter()
+            results[name] = run_config(name, seed, device_tokens, rate, opts, model,
+                                       cal if opts.clock == "virtual" else None)  # fmt: skip
+            slowest = max(slowest, time.perf_counter() - t0)
+            free_memory()
+            _ratios(results)
+            # Written after every configuration, so a run cut short still leaves its results.
+            write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
+                                                "partial": True, "per_seed": per_seed})  # fmt: skip
     del model
     free_memory()
-    base = results.get("device_only", {}).get("ttft_mean_s")
-    for res in results.values():
-        res["ttft_mean_speedup_vs_device_only"] = (
-            base / res["ttft_mean_s"] if base and res.get("ttft_mean_s") else None
-        )
-    print_config_table(results, TABLE)
+    configs = aggregate_seeds(per_seed, HEADLINE_KEYS, RATIO)
+    print(f"\n[multiturn] mean over seeds {opts.seeds} ({opts.clock} clock)")
+    print_config_table(configs, TABLE)
+    print_spread(configs, RATIO, "mean TTFT vs device-only")
     summary = {
-        **{k: _headline(v) for k, v in results.items()},
+        **configs,
+        "mode": opts.clock,
+        "seeds": opts.seeds,
+        "request_rate_per_s": rate,
         "working_set_tokens": working_set,
         "device_pool_tokens": device_tokens,
         "working_set_over_device_pool": ratio,
-        "integrity": sum_integrity(results),
+        "calibration": cal.as_dict(),
+        "integrity": sum_integrity(configs),
         "note": note,
         "skipped_for_time": skipped,
     }
-    doc = {"workload": vars(opts), "note": note, "summary": summary, "configs": results}
+    doc = {"workload": vars(opts), "note": note, "summary": summary, "per_seed": per_seed}
     path = write_result(out_dir, "multiturn", doc)
-    plot_ttft(
-        results, out_dir / "multiturn_ttft.png", "Multi-turn prefill TTFT per cache configuration",
-        list(results),
-    )  # fmt: skip
+    first = per_seed[opts.seeds[0]]
+    plot_ttft(first, out_dir / "multiturn_ttft.png",
+              f"Multi-turn prefill TTFT per cache configuration (seed {opts.seeds[0]})",
+              list(first))  # fmt: skip
     print(f"[multiturn] wrote {path}")
     return summary
 
 
-def _headline(res: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "device_hit_tokens", "host_hit_tokens",
-        "prefill_tokens_computed", "throughput_tok_s", "d2h_bytes", "h2d_bytes",
-        "ttft_mean_speedup_vs_device_only",
-    )  # fmt: skip
-    return {k: res.get(k) for k in keys}
+def _ratios(results: dict[str, Any]) -> None:
+    base = results.get("device_only", {}).get("ttft_mean_s")
+    for res in results.values():
+        res[RATIO] = base / res["ttft_mean_s"] if base and res.get("ttft_mean_s") else None
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
@@ -259,12 +292,10 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     p.add_argument(
         "--sub-question-input-length", type=int, default=size["sub_question_input_length"]
     )
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        default=size["request_rate"],
-        help="Poisson rate of submissions (requests/s); <= 0 = as fast as possible.",
-    )
+    p.add_argument("--load", type=float, default=size["load"],
+                   help="Arrival rate as a fraction of device-only prefill capacity.")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson rate of submissions (requests/s); overrides --load.")
     p.add_argument("--max-parallel", type=int, default=size["max_parallel"])
     p.add_argument(
         "--working-set-ratio", type=float, default=4.0, help="Working set / device pool."
@@ -272,9 +303,12 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     p.add_argument("--hicache-ratio", type=float, default=5.0)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=512 if not on_cuda() else 4096)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    return p.parse_args(argv)  # fmt: skip
+    add_common_args(p, size["seeds"], size["kv_sample_every"])
+    opts = p.parse_args(argv)
+    if "device_only" not in opts.configs:
+        p.error("--configs must include device_only (the baseline of the ratios)")
+    return opts  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,8 +35,13 @@ Files: ``bench.transfer_methods`` (buffers, indices, the methods), ``bench.trans
 (grid, sweep, GEMM co-run), ``bench.transfer_report`` (table columns, headline, plot); this file
 holds the configurations, ``run`` and the CLI.
 
+Every row is printed and written to ``bench_transfer.json`` (``"partial": true`` until the end)
+the moment it is measured, and no measurement starts within a few seconds of the deadline that
+``bench/gpu_check.sh`` sets (``HICACHE_BENCH_DEADLINE``): what was skipped is listed under
+``skipped_for_time``.
+
 ``python -m bench.bench_transfer [--quick] [--out results]``: table, ``bench_transfer.json``,
-``bench_transfer.png`` (matplotlib, if installed).
+``bench_transfer.png`` (matplotlib, if installed; one panel per direction and page size).
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ from typing import Any
 
 import torch
 
-from bench.common import Column, print_table, timer_name, write_json
+from bench.common import Column, table_header, table_row, timer_name, write_json
 from bench.transfer_measure import (
     GEMM_SIZE,
     Config,
+    before_deadline,
     gemm_slowdown,
     measure_grid,
     sweep_block_quota,
@@ -114,8 +120,17 @@ CPU_TINY = Config(
 )  # fmt: skip
 
 
-def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
+PARTS = ("all", "grid", "sweep")
+"""``grid``: the method grid (``bench_transfer.json``); ``sweep``: the ``block_quota`` sweep and
+the GEMM co-run, CUDA only (``bench_transfer_sweep.json``); ``all``: both, one file."""
+
+
+def run(
+    quick: bool = True, out_dir: Path = Path("results"), part: str = "all"
+) -> dict[str, Any]:
     """Run the benchmark; print the tables; write JSON (and PNG). Returns the summary dict."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     cfg = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
@@ -129,70 +144,116 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
         # turn a 1 MiB memcpy from ~0.03 ms into ~10 ms.
         torch.set_num_threads(1)
     try:
-        return _run(cfg, device, sgl, quick, out_dir)
+        return _run(cfg, device, sgl, quick, out_dir, part)
     finally:
         torch.set_num_threads(threads)
 
 
+SWEEP_COLUMNS = [Column("direction", "dir", 5), Column("tokens", "tokens", 8),
+                 Column("block_quota", "bq", 5), Column("gbps", "GB/s", 9, ".2f"),
+                 Column("ratio", "x ceil", 8, ".2f"), Column("median_ms", "ms", 10, ".3f")]
+GEMM_COLUMNS = [Column("copy", "copy", 24), Column("gemm_ms", "GEMM ms", 10, ".3f"),
+                Column("slowdown", "slowdown", 10, ".3f"), Column("covered", "overlap", 9)]
+
+
+class Recorder:
+    """Prints each row as it is measured (a header before the first row of each table) and
+    rewrites ``bench_transfer.json`` after each one, marked ``partial`` until ``finish``."""
+
+    TITLES = {
+        "rows": ("", GRID_COLUMNS),
+        "block_quota_sweep": ("block_quota sweep (triton, page_first, page size 1; x ceil = "
+                              "ceiling time / time)", SWEEP_COLUMNS),
+        "gemm_corun": (f"bf16 GEMM {GEMM_SIZE}^3 x10 on the compute stream, a copy looping on a "
+                       "side stream (H2D one layer, page_first)", GEMM_COLUMNS),
+    }  # fmt: skip
+
+    def __init__(self, payload: dict[str, Any], out_dir: Path, name: str) -> None:
+        self.payload = payload
+        self.out_dir = out_dir
+        self.name = name
+        for key in self.TITLES:
+            payload[key] = []
+        payload["partial"] = True
+        payload["skipped_for_time"] = []
+
+    def emitter(self, key: str) -> Any:
+        def emit(row: dict[str, Any]) -> None:
+            title, cols = self.TITLES[key]
+            if not self.payload[key]:
+                print(("\n" + title + "\n" if title else "\n") + table_header(cols))
+            self.payload[key].append(row)
+            print(table_row(row, cols), flush=True)
+            self.write()
+
+        return emit
+
+    def time_ok(self, what: str) -> Any:
+        def ok() -> bool:
+            if before_deadline():
+                return True
+            if what not in self.payload["skipped_for_time"]:
+                self.payload["skipped_for_time"].append(what)
+                print(f"[bench_transfer] deadline near: skipping {what}", flush=True)
+            return False
+
+        return ok
+
+    def write(self) -> Path:
+        return write_json(self.name, self.payload, self.out_dir)
+
+
 def _run(
-    cfg: Config, device: torch.device, sgl: ModuleType | None, quick: bool, out_dir: Path
-) -> dict[str, Any]:
+    cfg: Config, device: torch.device, sgl: ModuleType | None, quick: bool, out_dir: Path,
+    part: str,
+) -> dict[str, Any]:  # fmt: skip
     cuda = device.type == "cuda"
     seed = 0
-
-    rows: list[dict[str, Any]] = []
-    sweep: list[dict[str, Any]] = []
-    gemm: list[dict[str, Any]] = []
-    for item in cfg.items:
-        pools = Pools.allocate(device, item, pool_slots(max(cfg.tokens)))
-        rows += measure_grid(cfg, device, sgl, item, cfg.tokens, cfg.page_sizes, cfg.layouts,
-                             pools, seed)  # fmt: skip
-        if cuda and item == 2048 and cfg.block_quotas:
-            sweep = sweep_block_quota(cfg, device, pools, seed)
-            gemm = gemm_slowdown(cfg, device, pools, seed)
-        del pools
-    for item in cfg.side_items:
-        pools = Pools.allocate(device, item, pool_slots(cfg.side_tokens))
-        rows += measure_grid(cfg, device, sgl, item, (cfg.side_tokens,), (1,),
-                             ("layer_first", "page_first"), pools, seed)  # fmt: skip
-        del pools
-
-    print()
-    print_table(rows, GRID_COLUMNS)
-    if sweep:
-        print("\nblock_quota sweep (triton, page_first, page size 1; x ceil = ceiling time / time)")
-        print_table(sweep, [Column("direction", "dir", 5), Column("tokens", "tokens", 8),
-                            Column("block_quota", "bq", 5), Column("gbps", "GB/s", 9, ".2f"),
-                            Column("ratio", "x ceil", 8, ".2f"),
-                            Column("median_ms", "ms", 10, ".3f")])  # fmt: skip
-    if gemm:
-        print(f"\nbf16 GEMM {GEMM_SIZE}^3 x10 on the compute stream, a copy looping on a side "
-              "stream (H2D one layer, page_first)")  # fmt: skip
-        print_table(gemm, [Column("copy", "copy", 24), Column("gemm_ms", "GEMM ms", 10, ".3f"),
-                           Column("slowdown", "slowdown", 10, ".3f"),
-                           Column("covered", "overlap", 9)])  # fmt: skip
-
-    head = headline(rows, sweep, gemm, cpu=not cuda)
-    payload = {
+    grid, sweep = part in ("all", "grid"), part in ("all", "sweep") and cuda
+    payload: dict[str, Any] = {
+        "part": part,
         "quick": quick,
         "timer": timer_name(device),
         "num_layers": NUM_LAYERS,
         "sgl_kernel": sgl is not None,
         "torch_threads": torch.get_num_threads(),
         "cpu_note": None if cuda else CPU_NOTE,
-        "headline": head,
-        "rows": rows,
-        "block_quota_sweep": sweep,
-        "gemm_corun": gemm,
     }
-    path = write_json("bench_transfer", payload, out_dir)
+    name = "bench_transfer_sweep" if part == "sweep" else "bench_transfer"
+    rec = Recorder(payload, out_dir, name)
+    rows = rec.emitter("rows")
+    for item in cfg.items:
+        if not grid and not (sweep and item == 2048):
+            continue
+        pools = Pools.allocate(device, item, pool_slots(max(cfg.tokens)))
+        if grid:
+            measure_grid(cfg, device, sgl, item, cfg.tokens, cfg.page_sizes, cfg.layouts, pools,
+                         seed, rows, rec.time_ok(f"grid item {item}"))  # fmt: skip
+        if sweep and item == 2048 and cfg.block_quotas:
+            sweep_block_quota(cfg, device, pools, seed, rec.emitter("block_quota_sweep"),
+                              rec.time_ok("block_quota sweep"))  # fmt: skip
+            gemm_slowdown(cfg, device, pools, seed, rec.emitter("gemm_corun"),
+                          rec.time_ok("gemm co-run"))  # fmt: skip
+        del pools
+    for item in cfg.side_items if grid else ():
+        pools = Pools.allocate(device, item, pool_slots(cfg.side_tokens))
+        measure_grid(cfg, device, sgl, item, (cfg.side_tokens,), (1,),
+                     ("layer_first", "page_first"), pools, seed, rows,
+                     rec.time_ok(f"side item {item}"))  # fmt: skip
+        del pools
+
+    payload["headline"] = headline(payload["rows"], payload["block_quota_sweep"],
+                                   payload["gemm_corun"], cpu=not cuda)  # fmt: skip
+    payload["partial"] = False
+    path = rec.write()
     png = plot(
-        rows,
-        out_dir / "bench_transfer.png",
+        payload["rows"],
+        out_dir / f"{name}.png",
         f"bench_transfer on {device} ({'CPU memcpy numbers' if not cuda else 'PCIe'})",
+        cpu=not cuda,
     )
     print(f"\n[bench_transfer] wrote {path}" + (f" and {png}" if png else ""))
-    for k, v in head.items():
+    for k, v in payload["headline"].items():
         print(f"  {k}: {v}")
     return payload
 
@@ -201,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="Under 2 minutes on one GPU.")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--part", choices=PARTS, default="all",
+                        help="grid: the methods; sweep: block_quota sweep + GEMM co-run (CUDA); "
+                        "all: both.")  # fmt: skip
     args = parser.parse_args(argv)
-    run(quick=args.quick, out_dir=args.out)
+    run(quick=args.quick, out_dir=args.out, part=args.part)
     return 0
 
 

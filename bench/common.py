@@ -4,12 +4,16 @@
   ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions); on CPU a
   ``perf_counter`` loop. Say which in the output (:func:`timer_name`).
 - :func:`write_json`: ``out_dir/<name>.json`` with the machine description added.
-- :func:`print_table`: fixed-width table from a list of dicts and column specs.
+- :func:`print_table`: fixed-width table from a list of dicts and column specs
+  (:func:`table_header` and :func:`table_row` print one line at a time).
+- :func:`time_left`: seconds until the deadline ``bench/gpu_check.sh`` gives each step.
+- :func:`call_timer` / :func:`sync_device`: the clock the deterministic mode's calibration reads.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +28,27 @@ from bench.summary import machine_info
 __all__ = [
     "Column",
     "Timing",
+    "call_timer",
     "machine_info",
     "print_table",
+    "sync_device",
+    "table_header",
+    "table_row",
+    "time_left",
     "time_ms",
     "timer_name",
     "write_json",
 ]
+
+
+DEADLINE_ENV = "HICACHE_BENCH_DEADLINE"
+"""Unix time by which a benchmark should have written its results (set by gpu_check.sh)."""
+
+
+def time_left() -> float:
+    """Seconds until ``$HICACHE_BENCH_DEADLINE`` (infinite when unset)."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    return float("inf") if not deadline else float(deadline) - time.time()
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,19 @@ class Timing:
 
     def as_dict(self) -> dict[str, float]:
         return {"median_ms": self.median, "p20_ms": self.p20, "p80_ms": self.p80}
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_timer(device: torch.device) -> Callable[[], float]:
+    """CUDA: wall time (read around a ``sync_device``). CPU: this thread's CPU time, which time
+    spent descheduled by other jobs on a shared machine does not inflate (the benchmarks run
+    torch ops on the calling thread: one intra-op thread)."""
+    return time.perf_counter if device.type == "cuda" else time.thread_time
 
 
 def timer_name(device: torch.device) -> str:
@@ -120,14 +152,24 @@ class Column:
     fmt: str = ""
 
 
+def table_header(columns: Sequence[Column]) -> str:
+    """The header line and the rule under it."""
+    head = "".join(f"{c.header:>{c.width}}" for c in columns)
+    return head + "\n" + "-" * sum(c.width for c in columns)
+
+
+def table_row(row: dict[str, Any], columns: Sequence[Column]) -> str:
+    """One fixed-width line; missing or None cells print as ``-``."""
+    cells = []
+    for c in columns:
+        value = row.get(c.key)
+        text = "-" if value is None else format(value, c.fmt)
+        cells.append(f"{text:>{c.width}}")
+    return "".join(cells)
+
+
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
     """Print ``rows`` as a fixed-width table; missing or None cells print as ``-``."""
-    print("".join(f"{c.header:>{c.width}}" for c in columns))
-    print("-" * sum(c.width for c in columns))
+    print(table_header(columns))
     for row in rows:
-        cells = []
-        for c in columns:
-            value = row.get(c.key)
-            text = "-" if value is None else format(value, c.fmt)
-            cells.append(f"{text:>{c.width}}")
-        print("".join(cells))
+        print(table_row(row, columns))

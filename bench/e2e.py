@@ -1,53 +1,73 @@
-"""Shared machinery of the end-to-end benchmarks: one executor on wall time, a request driver,
-latency statistics and the integrity audit every run ends with.
+"""Shared machinery of the end-to-end benchmarks: the executor on a virtual or a wall clock, and
+the request driver.
+
+Two clocks (``--clock``):
+
+- ``virtual`` (default, the headline mode): the executor's ``VirtualClock``, charged by
+  ``bench.virtual_cost.CostAccountant`` from a calibration measured in the same run
+  (``bench.calibrate``). The real model computes every forward and the cache moves every byte;
+  after each scheduler step the driver waits for the cache's real copies and pops their acks
+  (``drain_cache_events``), so what happens depends only on the trace's seed and the
+  calibration, never on thread timing or other jobs on the machine.
+- ``wall``: monotonic wall time; copies overlap for real, and results move with the machine's
+  load.
+
+TTFT is measured from the moment a request is *sent*: its arrival time, or later when the
+client was waiting for its previous round or for a free slot under ``max_parallel`` (as a
+benchmark client measures it), to the decode side's transfer ``Success``.
 
 On CUDA every configuration of a benchmark shares one model (the 8B-shaped model is ~14.5 GB),
-and what a configuration allocated (device, decode and pinned host pools) is given back before
-the next one is built: ``release_executor`` then ``free_memory``. ``time_left`` reads the
-deadline that ``bench/gpu_check.sh`` gives each step, so a benchmark skips configurations it can
-no longer finish instead of being killed half-way.
+and what a configuration allocated is given back before the next one is built:
+``release_executor`` then ``free_memory``. ``time_left`` reads the deadline that
+``bench/gpu_check.sh`` gives each step, so a benchmark skips what it can no longer finish.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import logging
-import os
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.calibrate import Calibration
+from bench.common import DEADLINE_ENV, time_left
+from bench.virtual_cost import CostAccountant, RecordingModel
 from prefill.bootstrap import PeerConfig
-from prefill.clock import WallClock
+from prefill.clock import VirtualClock, WallClock
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import decode_kv_and_reference, kv_max_rel_error, make_executor
+from prefill.harness import make_executor
 from prefill.model import ModelConfig, PagedTransformer
 from prefill.request import Outcome, RequestResult
 from server_args import ServerArgs
 
-KV_SAMPLE_EVERY = 4
-"""Every this many successful requests, one keeps its decode-side KV for the recompute check."""
+logger = logging.getLogger(__name__)
 
-KV_REL_TOL = 0.2
-"""bf16 / fp16 KV check: largest relative error of one (layer, token) row vs a full recompute.
-Rounding noise is a few percent (``prefill.harness.kv_max_rel_error``); corruption is ~1."""
+__all__ = ["DEADLINE_ENV", "Driver", "TraceRun", "model_args", "new_executor", "settle",
+           "time_left"]  # fmt: skip
 
-DEADLINE_ENV = "HICACHE_BENCH_DEADLINE"
-"""Unix time by which a benchmark should have written its results (set by gpu_check.sh)."""
+# Model geometry of the CPU runs: small enough for minutes on 2 cores, heavy enough that a
+# prefill costs more than copying its KV back from host memory (as on a GPU with a real model:
+# on this CPU recomputing a token costs ~10x loading its 4 KiB of KV back, measured in the run).
+CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
+                 intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
+GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
+
+CLOCKS = ("virtual", "wall")
+
+STUCK_STEPS = 1000
+"""Virtual clock: consecutive steps without progress or a future event before giving up."""
 
 
-def time_left() -> float:
-    """Seconds until ``$HICACHE_BENCH_DEADLINE`` (infinite when unset)."""
-    deadline = os.environ.get(DEADLINE_ENV)
-    return float("inf") if not deadline else float(deadline) - time.time()
+def model_args() -> dict[str, Any]:
+    """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
+    in bf16 on CUDA, ``CPU_MODEL`` on a CPU. ``vocab_size`` is always present."""
+    if on_cuda():
+        return {**GPU_MODEL, "vocab_size": 32000}
+    return dict(CPU_MODEL)
 
 
 def shared_model(args: ServerArgs) -> PagedTransformer:
@@ -89,13 +109,16 @@ def cpu_note() -> str | None:
 
 @dataclass
 class TraceRun:
-    """What one configuration's run produced."""
+    """What one configuration's run produced. ``ttft`` is keyed by rid (seconds from send)."""
 
     label: str
     results: list[RequestResult] = field(default_factory=list)
     wall_s: float = 0.0
     executor: OptimisticPrefillExecutor | None = None
     sampled: list[str] = field(default_factory=list)
+    ttft: dict[str, float] = field(default_factory=dict)
+    cost: CostAccountant | None = None
+    unfinalized_sends: int = 0  # results whose sends name an attempt that was not finalized
     kv_max_rel_err: float | None = None  # set by ``audit``
 
 
@@ -103,44 +126,126 @@ def new_executor(
     args: ServerArgs,
     peer: PeerConfig,
     decode_pool_tokens: int,
-    model: PagedTransformer | None = None,
-) -> Any:
-    """An executor on wall time whose decode side keeps received KV (sampled, see
-    ``Driver``) in a pool of ``decode_pool_tokens``; ``model`` (``shared_model``) or a new one."""
-    return make_executor(
-        args,
-        peer_config=peer,
-        clock=WallClock(),
-        keep_received=True,
-        decode_pool_size=decode_pool_tokens,
-        model=model,
-    )
+    model: PagedTransformer,
+    calibration: Calibration | None = None,
+) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
+    """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
+    ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
+    ``CostAccountant`` (returned), else on wall time (``None`` returned)."""
+    if calibration is None:
+        ex = make_executor(args, peer_config=peer, clock=WallClock(), keep_received=True,
+                           decode_pool_size=decode_pool_tokens, model=model,
+                           send_log_size=None)  # fmt: skip
+        return ex, None
+    clock = VirtualClock()
+    recording = RecordingModel(model)
+    cost = CostAccountant(calibration, clock, recording)
+    ex = make_executor(args, peer_config=peer, clock=clock, cost_model=cost, keep_received=True,
+                       decode_pool_size=decode_pool_tokens, model=recording,
+                       send_log_size=None)  # fmt: skip
+    if ex.cache.controller is not None:
+        cost.install(ex.cache.controller)
+    return ex, cost
+
+
+def is_virtual(ex: OptimisticPrefillExecutor) -> bool:
+    return bool(getattr(ex.clock, "is_virtual", False))
+
+
+def settle(ex: OptimisticPrefillExecutor) -> bool:
+    """One scheduler step; on a virtual clock also wait for the cache's copies and pop their
+    acks, so the next step sees a state that does not depend on thread timing."""
+    progressed = ex.step()
+    if is_virtual(ex):
+        ex.drain_cache_events()
+    return progressed
+
+
+def run_until_idle(ex: OptimisticPrefillExecutor) -> None:
+    """``settle`` until the executor is idle, jumping (virtual) or sleeping (wall) to the next
+    peer event when nothing progresses."""
+    stuck = 0
+    while not ex.is_idle():
+        if settle(ex):
+            stuck = 0
+            continue
+        t = ex.decode.next_event_time()
+        now = ex.clock.now()
+        if t is not None and t > now:
+            ex.clock.wait_until(t)
+            stuck = 0
+        elif is_virtual(ex):
+            stuck += 1
+            if stuck > STUCK_STEPS:
+                raise RuntimeError(f"executor stuck: {ex.describe()}")
+        else:
+            time.sleep(0.0002)
+
+
+def pop_results(ex: OptimisticPrefillExecutor) -> list[RequestResult]:
+    """The executor's results not handed out yet, in finish order."""
+    return ex.pop_results()
 
 
 class Driver:
     """Feeds requests to an executor at their times and collects results.
 
-    ``next_request(now)`` returns ``(rid, tokens)`` or None; ``on_result(result)`` is told of
-    each finished request (multi-turn clients queue their next round there).
+    Every ``kv_sample_every``-th success keeps its decode-side KV for ``audit``'s recompute
+    check; the others release it at once. Results are collected in finish order after each
+    step. Each result's sends are checked against the decode peer's finalized attempt: a
+    success sent only its last attempt, which was finalized; an aborted request sent nothing or
+    only its last attempt (``TraceRun.unfinalized_sends`` counts the others).
     """
 
-    def __init__(self, executor: OptimisticPrefillExecutor, max_parallel: int) -> None:
+    def __init__(
+        self,
+        executor: OptimisticPrefillExecutor,
+        max_parallel: int,
+        kv_sample_every: int = 4,
+        cost: CostAccountant | None = None,
+    ) -> None:
         self.ex = executor
         self.max_parallel = max_parallel
+        self.kv_sample_every = kv_sample_every
         self.inflight: set[str] = set()
-        self.run = TraceRun(label="", executor=executor)
+        self.sent_at: dict[str, float] = {}
+        self.slot_free_at = float("-inf")
+        self.run = TraceRun(label="", executor=executor, cost=cost)
         self._successes = 0
+        self._sent: dict[str, set[int]] = {}
+        self._log_seen = 0
+
+    def _read_send_log(self) -> None:
+        log = self.ex.decode.send_log
+        for i in range(self._log_seen, len(log)):
+            self._sent.setdefault(log[i].rid, set()).add(log[i].attempt)
+        self._log_seen = len(log)
+
+    def _check_sends(self, res: RequestResult) -> None:
+        sent = self._sent.pop(res.rid, set())
+        if res.outcome == Outcome.SUCCESS:
+            peer = self.ex.decode.peers.get(res.rid)
+            final = None if peer is None else peer.finalized_attempt
+            bad = final != res.passes or sent != {res.passes}
+        else:
+            bad = bool(sent - {res.passes})
+        self.run.unfinalized_sends += int(bad)
 
     def _collect(self, on_result: Callable[[RequestResult], None]) -> None:
-        for rid in list(self.inflight):
-            res = self.ex.result(rid)
-            if res is None:
+        self._read_send_log()
+        for res in pop_results(self.ex):
+            rid = res.rid
+            if rid not in self.inflight:
                 continue
+            self._check_sends(res)
+            if len(self.inflight) >= self.max_parallel:
+                self.slot_free_at = res.finish_time
             self.inflight.discard(rid)
             self.run.results.append(res)
             if res.outcome == Outcome.SUCCESS:
+                self.run.ttft[rid] = res.finish_time - self.sent_at[rid]
                 self._successes += 1
-                if self._successes % KV_SAMPLE_EVERY == 1:
+                if self._successes % self.kv_sample_every == 1 or self.kv_sample_every == 1:
                     self.run.sampled.append(rid)
                 else:
                     self.ex.decode.release(rid)
@@ -155,212 +260,41 @@ class Driver:
         progress: Callable[[int], None] | None = None,
     ) -> TraceRun:
         """Run until ``done()`` and the executor is idle. ``next_due()`` is when the next
-        request may be submitted (None: nothing queued); ``pop_request()`` takes it."""
+        request may be sent (None: nothing queued); ``pop_request()`` takes it."""
         start = time.perf_counter()
+        virtual = is_virtual(self.ex)
+        stuck = 0
         while True:
             now = self.ex.clock.now()
             due = next_due()
             while due is not None and due <= now and len(self.inflight) < self.max_parallel:
                 rid, tokens = pop_request()
                 self.ex.submit(rid, tokens)
+                self.sent_at[rid] = max(due, self.slot_free_at)
                 self.inflight.add(rid)
                 due = next_due()
-            progressed = self.ex.step()
+            progressed = settle(self.ex)
             self._collect(on_result)
             if progress is not None:
                 progress(len(self.run.results))
             if done() and not self.inflight and self.ex.is_idle():
                 break
-            if not progressed:
-                waits = [t for t in (due, self.ex.decode.next_event_time()) if t is not None]
-                target = min(waits) if waits else now + 0.0005
-                self.ex.clock.wait_until(max(now + 1e-4, min(target, now + 0.01)))
+            if progressed:
+                stuck = 0
+                continue
+            free = len(self.inflight) < self.max_parallel
+            waits = [t for t in ((due if free else None), self.ex.decode.next_event_time())
+                     if t is not None and t > now]  # fmt: skip
+            if virtual:
+                if waits:
+                    self.ex.clock.wait_until(min(waits))
+                    stuck = 0
+                else:
+                    stuck += 1
+                    if stuck > STUCK_STEPS:
+                        raise RuntimeError(f"executor stuck: {self.ex.describe()}")
+                continue
+            target = min(waits) if waits else now + 0.0005
+            self.ex.clock.wait_until(max(now + 1e-4, min(target, now + 0.01)))
         self.run.wall_s = time.perf_counter() - start
         return self.run
-
-
-def latency_stats(values: list[float]) -> dict[str, float | None]:
-    """Mean / p50 / p90 / p99 in seconds (None when empty)."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-    return {"mean": statistics.fmean(ordered), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
-
-
-def audit(run: TraceRun) -> dict[str, int]:
-    """The integrity every run ends with: slots that are neither free nor in the tree (the
-    executor is idle, so requests own none), decode-side KV of sampled successes that differs
-    from a full recompute, and sends for attempts that were never finalized (aborted or rolled
-    back); nodes still locked; ``integrity_errors`` counts failed ``check_integrity`` calls.
-
-    KV check: fp32 element-wise (``kv_tolerance``); bf16 / fp16 per (layer, token) row, relative
-    error at most ``KV_REL_TOL`` (an element-wise bf16 tolerance fails on plain rounding noise of
-    a 32-layer model). The largest relative error is left in ``run.kv_max_rel_err``."""
-    ex = run.executor
-    assert ex is not None
-    ex.drain_cache_events()
-    errors = 0
-    try:
-        ex.check_integrity()
-    except (AssertionError, ValueError):
-        errors += 1
-    tree_tokens = ex.tree.evictable_size() + ex.tree.protected_size()
-    leaked = ex.allocator.size - ex.allocator.available_size() - tree_tokens
-    leaked_locks = sum(1 for n in ex.tree.all_nodes() if n.lock_ref != 0)
-    mismatches = 0
-    exact = ex.pool.dtype == torch.float32
-    worst = 0.0
-    for rid in run.sampled:
-        pairs = decode_kv_and_reference(ex, rid)
-        err = kv_max_rel_error(pairs)
-        worst = max(worst, err)
-        if not exact:
-            mismatches += int(err > KV_REL_TOL)
-        elif not all(_close(got, ref, kv_tolerance(ex)) for got, ref in pairs):
-            mismatches += 1
-        del pairs
-        ex.decode.release(rid)
-    run.kv_max_rel_err = worst if run.sampled else None
-    aborted_sends = sum(
-        1 for s in ex.decode.send_log if ex.requests[s.rid].peer.finalized_attempt != s.attempt
-    )
-    return {
-        "leaked_slots": int(leaked),
-        "leaked_locks": leaked_locks,
-        "kv_mismatches": mismatches,
-        "aborted_sends": aborted_sends,
-        "integrity_errors": errors,
-        "kv_checked_requests": len(run.sampled),
-    }
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
-    try:
-        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
-    except AssertionError:
-        return False
-    return True
-
-
-def kv_tolerance(ex: OptimisticPrefillExecutor) -> float:
-    """Element-wise tolerance. fp32: reduction-order noise only. bf16/fp16: one rounding step,
-    too tight for a deep model's accumulated noise (``audit`` checks those by row instead)."""
-    dtype = ex.pool.dtype if hasattr(ex.pool, "dtype") else torch.float32
-    return 1e-4 if dtype == torch.float32 else 3e-2
-
-
-def config_summary(run: TraceRun) -> dict[str, Any]:
-    """Per-configuration numbers every end-to-end benchmark reports."""
-    ok = [r for r in run.results if r.outcome == Outcome.SUCCESS]
-    ttft = latency_stats([r.ttft for r in ok if r.ttft is not None])
-    ex = run.executor
-    assert ex is not None
-    prompt_tokens = sum(r.num_tokens for r in ok)
-    cache_stats = ex.cache.stats.as_dict()
-    gpu_peak = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    return {
-        "requests": len(run.results),
-        "successes": len(ok),
-        "aborted": len(run.results) - len(ok),
-        "ttft_mean_s": ttft["mean"],
-        "ttft_p50_s": ttft["p50"],
-        "ttft_p90_s": ttft["p90"],
-        "ttft_p99_s": ttft["p99"],
-        "device_hit_tokens": sum(r.cached_device_tokens for r in ok),
-        "host_hit_tokens": sum(r.cached_host_tokens for r in ok),
-        "prefill_tokens_computed": sum(r.total_computed_tokens for r in run.results),
-        "prompt_tokens": prompt_tokens,
-        "throughput_tok_s": prompt_tokens / run.wall_s if run.wall_s else None,
-        "wall_s": run.wall_s,
-        "d2h_bytes": cache_stats["d2h_bytes"],
-        "h2d_bytes": cache_stats["h2d_bytes"],
-        "backed_up_tokens": cache_stats["backed_up_tokens"],
-        "loaded_tokens": cache_stats["loaded_tokens"],
-        "evicted_device_tokens": cache_stats["evicted_device_tokens"],
-        "executor": {k: v for k, v in ex.stats.to_dict().items() if k != "ttft_samples"},
-        "ttft_samples_s": [r.ttft for r in ok],
-        "gpu_peak_allocated_gb": gpu_peak,
-    }
-
-
-# ---------------------------------------------------------------------------- reporting
-Column = tuple[str, str, float, str]
-"""(header, result key, scale, format spec) of one table column."""
-
-
-def sum_integrity(results: dict[str, Any]) -> dict[str, int]:
-    """Integrity counters of every configuration, added up."""
-    total: dict[str, int] = {}
-    for res in results.values():
-        for k, v in res["integrity"].items():
-            if k != "kv_checked_requests":
-                total[k] = total.get(k, 0) + int(v)
-    return total
-
-
-def print_config_table(results: dict[str, Any], cols: list[Column], width: int = 14) -> None:
-    """One row per configuration, fixed-width columns with units in the headers."""
-    name_w = max(24, max((len(n) for n in results), default=0) + 2)
-    print(f"{'config':<{name_w}}" + "".join(f"{c[0]:>{width}}" for c in cols))
-    for name, res in results.items():
-        cells = []
-        for _, key, scale, fmt in cols:
-            v = res.get(key)
-            cells.append(f"{'-':>{width}}" if v is None else f"{v * scale:>{width}{fmt}}")
-        print(f"{name:<{name_w}}" + "".join(cells))
-
-
-def plot_ttft(results: dict[str, Any], path: Path, title: str, labels: list[str]) -> None:
-    """Box plot of the TTFT samples of each configuration, when matplotlib is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no plot {path.name}")
-        return
-    data = [[t * 1e3 for t in res["ttft_samples_s"]] for res in results.values()]
-    if not any(data):
-        print(f"no TTFT samples: no plot {path.name}")
-        return
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(data)), 4.5))
-    ax.boxplot(data, showmeans=True)
-    ax.set_xticks(range(1, len(data) + 1), labels)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(title + (" (CPU)" if cpu_note() else ""))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_result(out_dir: Path, name: str, doc: dict[str, Any]) -> Path:
-    """``out_dir/NAME.json`` with the machine description added."""
-    from bench.summary import machine_info
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **doc}, indent=2,
-                               default=str))  # fmt: skip
-    return path
-
-
-def bench_main(name: str, run: Callable[..., dict[str, Any]], argv: list[str] | None = None) -> int:
-    """Command line of one end-to-end benchmark: ``--quick``, ``--out DIR``, and the
-    benchmark's own flags; exits non-zero on any integrity violation."""
-    logging.basicConfig(level=logging.WARNING)
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    summary = run(quick=known.quick, out_dir=known.out, argv=rest)
-    bad = {k: v for k, v in summary["integrity"].items() if v}
-    if bad:
-        print(f"[{name}] INTEGRITY VIOLATIONS: {bad}", file=sys.stderr)
-        return 1
-    return 0

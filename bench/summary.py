@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
+import subprocess
+from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """``{"commit": sha or "unknown", "dirty": bool or None}`` of the checkout at ``root``
+    (``dirty``: tracked files outside ``results/`` differ from the commit)."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        # Outputs of earlier runs (results/) do not make the code dirty.
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                 ".", ":(exclude)results"], cwd=root, capture_output=True,
+                                text=True, timeout=10, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": sha or "unknown", "dirty": bool(status.strip())}
+
+
+def run_info() -> dict[str, Any]:
+    """When and on what this run happened: commit (``git rev-parse``; ``"unknown"`` outside a
+    repository), local timestamp (ISO 8601) and the 1/5/15-minute load averages."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not on Linux
+        load = None
+    return {
+        **git_commit(),
+        "timestamp": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "loadavg_1_5_15": load,
+    }
 
 
 def machine_info() -> dict[str, Any]:
     """Device, torch and triton versions, CPU count: recorded in every result file."""
-    import os
-
     import torch
 
     info: dict[str, Any] = {
@@ -33,29 +66,46 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-# (summary key, metric, unit label, scale) rows of the final table.
-_ROWS = [
-    ("multiturn", "ttft_mean_s", "TTFT mean ms", 1e3),
-    ("multiturn", "ttft_p50_s", "TTFT p50 ms", 1e3),
-    ("multiturn", "ttft_p90_s", "TTFT p90 ms", 1e3),
-    ("multiturn", "device_hit_tokens", "device hit tok", 1),
-    ("multiturn", "host_hit_tokens", "host hit tok", 1),
-    ("multiturn", "prefill_tokens_computed", "computed tok", 1),
-    ("optimistic", "ttft_mean_s", "TTFT mean ms", 1e3),
-    ("optimistic", "ttft_p50_s", "TTFT p50 ms", 1e3),
-    ("optimistic", "ttft_p90_s", "TTFT p90 ms", 1e3),
-    ("optimistic", "yields", "yields", 1),
-    ("optimistic", "parks", "parks", 1),
-    ("optimistic", "aborts", "aborts", 1),
-]
+# (metric, unit label, scale) rows of the final table's end-to-end sections.
+_ROWS = {
+    "multiturn": [
+        ("ttft_mean_s", "TTFT mean ms", 1e3), ("ttft_p50_s", "TTFT p50 ms", 1e3),
+        ("ttft_p90_s", "TTFT p90 ms", 1e3), ("device_hit_tokens", "device hit tok", 1),
+        ("host_hit_tokens", "host hit tok", 1), ("prefill_tokens_computed", "computed tok", 1),
+        ("ttft_mean_speedup_vs_device_only", "vs device-only", 1),
+    ],
+    "optimistic": [
+        ("ttft_mean_s", "TTFT mean ms", 1e3), ("ttft_p50_s", "TTFT p50 ms", 1e3),
+        ("ttft_p90_s", "TTFT p90 ms", 1e3), ("yields", "yields", 1), ("parks", "parks", 1),
+        ("aborts", "aborts", 1), ("recomputed_tokens_per_yield", "recomputed/yield", 1),
+        ("ttft_mean_speedup_vs_0", "vs 0 attempts", 1),
+    ],
+}  # fmt: skip
+_ROWS["optimistic_write_through"] = _ROWS["optimistic"]
+
+
+W = 17
+"""Width of one configuration's column in the final table."""
+
+
+def _cell(value: Any, scale: float, exact: bool = False) -> str:
+    if value is None:
+        return f"{'-':>{W}}"
+    if not exact and (isinstance(value, int) or (scale == 1 and float(value).is_integer())):
+        return f"{int(value):>{W}d}"
+    return f"{value * scale:>{W}.2f}"
 
 
 def print_summary_table(summary: dict[str, Any]) -> None:
-    """Print one fixed-width table per section that has per-configuration results."""
+    """Print one fixed-width table per section that has per-configuration results, with the
+    spread over seeds of each headline ratio."""
     print()
     print("=" * 78)
-    print(f"summary on {summary.get('machine', {}).get('device', '?')}")
-    for section in ("multiturn", "optimistic"):
+    run = summary.get("run", {})
+    device = summary.get("machine", {}).get("device", "?")
+    print(f"summary on {device}; commit {str(run.get('commit', '?'))[:12]}; "
+          f"load average {run.get('loadavg_1_5_15')}")  # fmt: skip
+    for section, rows in _ROWS.items():
         configs = summary.get(section)
         if not isinstance(configs, dict):
             continue
@@ -67,21 +117,18 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         ]
         if not names:
             continue
-        print(f"\n{section}")
-        print(f"{'metric':<18}" + "".join(f"{n[:22]:>24}" for n in names))
-        for sec, metric, label, scale in _ROWS:
-            if sec != section:
-                continue
-            cells = []
-            for n in names:
-                value = configs[n].get(metric)
-                if value is None:
-                    cells.append(f"{'-':>24}")
-                elif isinstance(value, int):
-                    cells.append(f"{value:>24d}")
-                else:
-                    cells.append(f"{value * scale:>24.2f}")
-            print(f"{label:<18}" + "".join(cells))
+        print(f"\n{section} ({configs.get('mode', 'wall')} clock, seeds {configs.get('seeds')})")
+        print(f"{'metric':<18}" + "".join(f"{n[:W - 2]:>{W}}" for n in names))
+        for metric, label, scale in rows:
+            exact = metric.startswith("ttft_mean_speedup")
+            print(f"{label:<18}" + "".join(_cell(configs[n].get(metric), scale, exact)
+                                           for n in names))  # fmt: skip
+        ratio = rows[-1][0]
+        spreads = [configs[n].get(ratio + "_spread") for n in names]
+        if any(spreads):
+            print(f"{'  min..max':<18}" + "".join(
+                f"{'-':>{W}}" if s is None else f"{s['min']:>{W - 7}.2f}..{s['max']:<5.2f}"
+                for s in spreads))  # fmt: skip
     transfer = summary.get("transfer")
     if isinstance(transfer, dict) and transfer.get("headline"):
         print("\ntransfer")

@@ -6,7 +6,10 @@
 - ``gemm_slowdown``: a bf16 GEMM on the compute stream alone, and while a copy loops on a side
   stream (CUDA only).
 
-Each returns plain row dicts for the report; ``Config`` says what one run measures.
+Each returns plain row dicts for the report and hands every row to ``emit`` the moment it is
+measured (the caller prints it and rewrites its JSON, so a run cut short keeps what it measured).
+Before each measurement ``time_ok()`` is asked; once it says no, the rest is skipped (the caller
+records that). ``Config`` says what one run measures.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.common import time_ms
+from bench.common import time_left, time_ms
 from bench.transfer_methods import (
     NUM_LAYERS,
     Indices,
@@ -33,6 +36,21 @@ from bench.transfer_methods import (
 logger = logging.getLogger(__name__)
 
 GEMM_SIZE = 8192
+
+Emit = Callable[[dict[str, Any]], None]
+TimeOk = Callable[[], bool]
+
+DEADLINE_MARGIN_S = 5.0
+"""Seconds a measurement may take: none starts closer than this to the step's deadline."""
+
+
+def before_deadline() -> bool:
+    """``time_ok`` default: more than ``DEADLINE_MARGIN_S`` left before the deadline."""
+    return time_left() > DEADLINE_MARGIN_S
+
+
+def _ignore(row: dict[str, Any]) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -61,12 +79,20 @@ def _direct_copies(direction: str, layout: str, n: int, page_size: int) -> int:
 def measure_grid(
     cfg: Config, device: torch.device, sgl: ModuleType | None, item: int, tokens: tuple[int, ...],
     page_sizes: tuple[int, ...], layouts: tuple[str, ...], pools: Pools, seed: int,
+    emit: Emit = _ignore, time_ok: TimeOk = before_deadline,
 ) -> list[dict[str, Any]]:  # fmt: skip
     rows: list[dict[str, Any]] = []
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        emit(row)
+
     for ps in page_sizes:
         for n in tokens:
             idx = Indices.make(pools, n, ps, seed + n + ps)
             for direction in ("h2d", "d2h"):
+                if not time_ok():
+                    return rows
                 layers = 1 if direction == "h2d" else NUM_LAYERS
                 nbytes = n * 2 * item * layers
                 ceiling = time_ms(
@@ -74,8 +100,8 @@ def measure_grid(
                 )
                 ceil_gbps = nbytes / ceiling.median / 1e6
                 base = dict(direction=direction, item=item, page=ps, tokens=n, bytes=nbytes)
-                rows.append(dict(base, layout="-", method="ceiling", gbps=ceil_gbps, ratio=1.0,
-                                 **ceiling.as_dict()))  # fmt: skip
+                add(dict(base, layout="-", method="ceiling", gbps=ceil_gbps, ratio=1.0,
+                         **ceiling.as_dict()))  # fmt: skip
                 for layout in layouts:
                     if direction == "h2d":
                         methods = h2d_methods(pools, layout, idx, ps, NUM_LAYERS // 2, 2, sgl)
@@ -88,27 +114,34 @@ def measure_grid(
                         if name in ("direct", "sgl_direct") and (
                             _direct_copies(direction, layout, n, ps) > cfg.max_direct_copies
                         ):
-                            rows.append(dict(row, note="skipped: too many copy_ calls"))
+                            add(dict(row, note="skipped: too many copy_ calls"))
                             continue
+                        if not time_ok():
+                            return rows
                         t = time_ms(fn, device, rep_ms=cfg.rep_ms)
                         gbps = nbytes / t.median / 1e6
-                        rows.append(dict(row, gbps=gbps, ratio=gbps / ceil_gbps, **t.as_dict()))
+                        add(dict(row, gbps=gbps, ratio=gbps / ceil_gbps, **t.as_dict()))
                     del methods
     return rows
 
 
 def sweep_block_quota(
-    cfg: Config, device: torch.device, pools: Pools, seed: int
-) -> list[dict[str, Any]]:
+    cfg: Config, device: torch.device, pools: Pools, seed: int, emit: Emit = _ignore,
+    time_ok: TimeOk = before_deadline,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Triton page_first H2D (one layer) and D2H (all layers) at each ``block_quota``."""
     n, item = cfg.sweep_tokens, pools.item_size
     idx = Indices.make(pools, n, 1, seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for direction in ("h2d", "d2h"):
+        if not time_ok():
+            return rows
         layers = 1 if direction == "h2d" else NUM_LAYERS
         nbytes = n * 2 * item * layers
         ceil = time_ms(ceiling_method(pools, direction, nbytes), device, rep_ms=cfg.rep_ms)
         for bq in cfg.block_quotas:
+            if not time_ok():
+                return rows
             if direction == "h2d":
                 fn = h2d_methods(pools, "page_first", idx, 1, NUM_LAYERS // 2, bq, None)["triton"]
             else:
@@ -117,10 +150,14 @@ def sweep_block_quota(
             rows.append(dict(direction=direction, layout="page_first", item=item, tokens=n,
                              block_quota=bq, gbps=nbytes / t.median / 1e6,
                              ratio=ceil.median / t.median, **t.as_dict()))  # fmt: skip
+            emit(rows[-1])
     return rows
 
 
-def gemm_slowdown(cfg: Config, device: torch.device, pools: Pools, seed: int) -> list[dict]:
+def gemm_slowdown(
+    cfg: Config, device: torch.device, pools: Pools, seed: int, emit: Emit = _ignore,
+    time_ok: TimeOk = before_deadline,
+) -> list[dict]:  # fmt: skip
     """Time of ``reps`` bf16 GEMMs alone, and while a copy loops on a side stream."""
     n, item = cfg.sweep_tokens, pools.item_size
     idx = Indices.make(pools, n, 1, seed)
@@ -157,13 +194,19 @@ def gemm_slowdown(cfg: Config, device: torch.device, pools: Pools, seed: int) ->
         covered = copy is None or start.elapsed_time(side_end) >= start.elapsed_time(end)
         return start.elapsed_time(end), covered
 
+    if not time_ok():
+        return []
     gemms()
     alone = sorted(window(None, 0, 0)[0] for _ in range(5))[2]
     rows = [dict(copy="none", gemm_ms=alone, slowdown=1.0, covered=True)]
+    emit(rows[-1])
     for name, fn in copies.items():
+        if not time_ok():
+            return rows
         copy_ms = time_ms(fn, device, rep_ms=cfg.rep_ms).median
         runs = [window(fn, copy_ms, alone) for _ in range(3)]
         t = sorted(r[0] for r in runs)[1]
         rows.append(dict(copy=name, gemm_ms=t, slowdown=t / alone,
                          covered=all(r[1] for r in runs), copy_alone_ms=copy_ms))  # fmt: skip
+        emit(rows[-1])
     return rows

@@ -33,6 +33,9 @@ def _best(rows: list[dict], **match: Any) -> dict | None:
 def headline(rows: list[dict], sweep: list[dict], gemm: list[dict], cpu: bool) -> dict:
     """The few numbers the suite summary prints."""
     out: dict[str, Any] = {}
+    if not any("gbps" in r for r in rows):
+        out["note"] = "no rows measured"
+        return out
     if cpu:
         out["note"] = CPU_NOTE
         n = max(r["tokens"] for r in rows)
@@ -74,8 +77,18 @@ def headline(rows: list[dict], sweep: list[dict], gemm: list[dict], cpu: bool) -
     return out
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    """GB/s vs tokens, one line per method (and layout), item 2 KiB (or the first), page 1."""
+def ceiling_label(cpu: bool) -> str:
+    """Legend text of the ceiling line: what it is and why nothing indexed can beat it."""
+    if cpu:
+        return ("ceiling: one contiguous memcpy of the same bytes\n"
+                "(no gather/scatter; host memory on both sides)")  # fmt: skip
+    return ("ceiling: one contiguous pinned copy_ of the same bytes\n"
+            "(copy engine, no gather/scatter: the link's measured best)")  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path, title: str, cpu: bool = False) -> Path | None:
+    """GB/s vs tokens, one line per method (and layout), item 2 KiB (or the first item), one
+    panel per direction and page size present (page 1 and 16 at the quick size)."""
     try:
         import matplotlib
 
@@ -84,24 +97,33 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     except ImportError:
         logger.info("matplotlib not installed: no plot")
         return None
-    item = 2048 if any(r["item"] == 2048 for r in rows) else rows[0]["item"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, direction in zip(axes, ("h2d", "d2h"), strict=True):
-        sel = [r for r in rows if r["direction"] == direction and r["item"] == item
-               and r["page"] == 1 and "gbps" in r]  # fmt: skip
-        for key in sorted({(r["method"], r["layout"]) for r in sel}):
-            pts = sorted((r["tokens"], r["gbps"]) for r in sel if (r["method"], r["layout"]) == key)
-            label = key[0] if key[1] == "-" else f"{key[0]} ({key[1]})"
-            style = "k--" if key[0] == "ceiling" else "-o"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("GB/s")
-        what = "H2D, one layer" if direction == "h2d" else "D2H, all layers"
-        ax.set_title(f"{what}, item {item} B, page size 1")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    measured = [r for r in rows if "gbps" in r]
+    if not measured:
+        return None
+    item = 2048 if any(r["item"] == 2048 for r in measured) else measured[0]["item"]
+    pages = sorted({r["page"] for r in measured if r["item"] == item})
+    fig, axes = plt.subplots(len(pages), 2, figsize=(12, 4.2 * len(pages)), squeeze=False)
+    for row_axes, page in zip(axes, pages, strict=True):
+        for ax, direction in zip(row_axes, ("h2d", "d2h"), strict=True):
+            sel = [r for r in measured if r["direction"] == direction and r["item"] == item
+                   and r["page"] == page]  # fmt: skip
+            for key in sorted({(r["method"], r["layout"]) for r in sel}):
+                pts = sorted(
+                    (r["tokens"], r["gbps"]) for r in sel if (r["method"], r["layout"]) == key
+                )
+                if key[0] == "ceiling":
+                    label, style = ceiling_label(cpu), "k--"
+                else:
+                    label, style = f"{key[0]} ({key[1]})", "-o"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("GB/s")
+            what = "H2D, one layer" if direction == "h2d" else "D2H, all layers"
+            ax.set_title(f"{what}, item {item} B, page size {page}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

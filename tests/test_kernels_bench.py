@@ -115,3 +115,43 @@ def test_run_on_cpu_writes_json_and_says_cpu_numbers(
     assert methods == {"ceiling", "direct", "torch_gather"}
     assert all(r["gbps"] > 0 for r in data["rows"] if "gbps" in r)
     assert result["headline"] == data["headline"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is bench/gpu_check.sh's job")
+def test_run_writes_each_row_as_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON on disk grows row by row (partial until the end) and each row is printed."""
+    tiny = replace(bt.CPU_TINY, tokens=(32,), page_sizes=(1, 16), layouts=("layer_first",),
+                   rep_ms=1)  # fmt: skip
+    monkeypatch.setattr(bt, "CPU_TINY", tiny)
+    seen: list[tuple[bool, int]] = []
+    write = bt.Recorder.write
+
+    def spy(self: bt.Recorder) -> Path:
+        path = write(self)
+        data = json.loads(path.read_text())
+        seen.append((data["partial"], len(data["rows"])))
+        return path
+
+    monkeypatch.setattr(bt.Recorder, "write", spy)
+    result = bt.run(quick=True, out_dir=tmp_path)
+    n = len(result["rows"])
+    assert n == 2 * 2 * 3  # 2 page sizes x 2 directions x (ceiling, direct, torch_gather)
+    assert seen[:n] == [(True, i) for i in range(1, n + 1)]
+    assert seen[-1] == (False, n)
+    lines = capsys.readouterr().out.splitlines()
+    printed = [ln for ln in lines if ln.rstrip().endswith("-") and " 32 " in ln]
+    assert [ln.split()[5] for ln in printed] == [r["method"] for r in result["rows"]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is bench/gpu_check.sh's job")
+def test_run_past_its_deadline_measures_nothing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_BENCH_DEADLINE", "1")  # long past
+    result = bt.run(quick=True, out_dir=tmp_path)
+    data = json.loads((tmp_path / "bench_transfer.json").read_text())
+    assert data["rows"] == [] and result["rows"] == []
+    assert data["skipped_for_time"] == ["grid item 2048"]
+    assert data["partial"] is False and data["headline"]["note"] == "no rows measured"
