@@ -86,6 +86,16 @@ class _SGLangDriver:
         self.allocator = _allocator(sgl, pool_tokens, page_size)
         self.page_size = page_size
 
+    def _cache_params(self, **extra: Any) -> Any:
+        """SGLang's ``CacheInitParams`` of a tree over :attr:`allocator`, plus ``extra``."""
+        return self.sgl.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+            **extra,
+        )
+
     def prepare(self, key: list[int]) -> Any:
         return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
 
@@ -124,13 +134,7 @@ class SGLangPythonDriver(_SGLangDriver):
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         super().__init__(sgl, pool_tokens, page_size)
-        params = sgl.CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=page_size,
-        )
-        self.tree = sgl.RadixCache(params)
+        self.tree = sgl.RadixCache(self._cache_params())
 
     def lock(self, node: Any) -> Any:
         self.tree.inc_lock_ref(node)
@@ -152,13 +156,8 @@ class SGLangRustDriver(_SGLangDriver):
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         super().__init__(sgl, pool_tokens, page_size)
-        params = sgl.CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=page_size,
-            tree_components=(sgl.ComponentType.FULL,),
-            tree_core_backend="rust",
+        params = self._cache_params(
+            tree_components=(sgl.ComponentType.FULL,), tree_core_backend="rust"
         )
         self.tree = sgl.UnifiedRadixCache(params=params)
         if self.tree._tree_core_backend != "rust":
