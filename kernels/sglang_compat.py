@@ -94,7 +94,6 @@ kvcacheio ops. The first layout whose modules all exist is used."""
 HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
 
 
-
 def sglang_version() -> str:
     """The installed SGLang's version (``"unknown"`` when it has no distribution metadata)."""
     try:
