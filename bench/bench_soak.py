@@ -31,9 +31,8 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "0")  # CPU copies: the torch reference of the ops
 
 from bench.common import write_json  # noqa: E402
-from prefill.bootstrap import DelayDistribution, PeerConfig  # noqa: E402
-from prefill.harness import make_executor, single_torch_thread  # noqa: E402
-from prefill.soak import SoakConfig, SoakReport, run_soak  # noqa: E402
+from prefill.harness import single_torch_thread  # noqa: E402
+from prefill.soak import SoakConfig, SoakReport, run_soak, soak_executor  # noqa: E402
 from server_args import ServerArgs  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -63,17 +62,10 @@ def build(config: str, seed: int) -> Any:
         hicache_io_backend="direct", hicache_mem_layout="page_first_direct", random_seed=seed,
         **CONFIGS[config],
     )  # fmt: skip
-    peer = PeerConfig(
-        bootstrap_delay=DelayDistribution("uniform", 0.0, 0.03),
-        bootstrap_failure_prob=0.02,
-        transfer_failure_prob=0.01,
-        transfer_latency_s=0.002,
-        transfer_bandwidth=2e7,
-        seed=seed,
-    )
-    return make_executor(
-        args, peer_config=peer, cost_model=lambda n, p: 2e-5 * n + 2e-4, decode_pool_size=8192
-    )
+    return soak_executor(
+        args, seed, bootstrap_failure_prob=0.02, transfer_failure_prob=0.01,
+        force_not_ready_prob=0.0, decode_pool_size=8192,
+    )  # fmt: skip
 
 
 def run_config(config: str, requests: int, window: int, warmup: int, seed: int) -> dict[str, Any]:

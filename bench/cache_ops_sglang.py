@@ -24,32 +24,28 @@ from typing import Any
 
 import torch
 
+SGLANG_NAMES = {
+    "sglang.srt.mem_cache.allocator": ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"),
+    "sglang.srt.mem_cache.memory_pool": ("MHATokenToKVPool",),
+    "sglang.srt.mem_cache.cache_init_params": ("CacheInitParams",),
+    "sglang.srt.mem_cache.radix_cache": ("RadixCache", "RadixKey"),
+    "sglang.srt.mem_cache.base_prefix_cache": ("MatchPrefixParams", "InsertParams", "EvictParams"),
+    "sglang.srt.server_args": ("ServerArgs", "set_global_server_args_for_scheduler"),
+    "sglang.srt.mem_cache.unified_radix_cache": ("UnifiedRadixCache",),
+    "sglang.srt.mem_cache.unified_cache.component_type": ("ComponentType",),
+}
+"""The SGLang names the drivers use, by module (imported in this order)."""
+
 
 def load_sglang() -> tuple[Any, str]:
     """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``."""
     try:
         sglang = importlib.import_module("sglang")
-        ns = {}
-        alloc = importlib.import_module("sglang.srt.mem_cache.allocator")
-        ns["TokenToKVPoolAllocator"] = alloc.TokenToKVPoolAllocator
-        ns["PagedTokenToKVPoolAllocator"] = alloc.PagedTokenToKVPoolAllocator
-        pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-        ns["MHATokenToKVPool"] = pool.MHATokenToKVPool
-        params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
-        ns["CacheInitParams"] = params.CacheInitParams
-        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
-        ns["RadixCache"] = radix.RadixCache
-        ns["RadixKey"] = radix.RadixKey
-        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-        for name in ("MatchPrefixParams", "InsertParams", "EvictParams"):
-            ns[name] = getattr(base, name)
-        server_args = importlib.import_module("sglang.srt.server_args")
-        ns["ServerArgs"] = server_args.ServerArgs
-        ns["set_global_server_args"] = server_args.set_global_server_args_for_scheduler
-        unified = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
-        ns["UnifiedRadixCache"] = unified.UnifiedRadixCache
-        ctype = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type")
-        ns["ComponentType"] = ctype.ComponentType
+        ns = {
+            name: getattr(importlib.import_module(module), name)
+            for module, names in SGLANG_NAMES.items()
+            for name in names
+        }
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
         return None, f"SGLang is not importable here ({type(exc).__name__}: {exc})"
     return type("SGLang", (), ns), getattr(sglang, "__version__", "unknown")
@@ -85,9 +81,20 @@ class _SGLangDriver:
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         self.sgl = sgl
-        sgl.set_global_server_args(sgl.ServerArgs(model_path="dummy", page_size=page_size))
+        args = sgl.ServerArgs(model_path="dummy", page_size=page_size)
+        sgl.set_global_server_args_for_scheduler(args)
         self.allocator = _allocator(sgl, pool_tokens, page_size)
         self.page_size = page_size
+
+    def _cache_params(self, **extra: Any) -> Any:
+        """SGLang's ``CacheInitParams`` of a tree over :attr:`allocator`, plus ``extra``."""
+        return self.sgl.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+            **extra,
+        )
 
     def prepare(self, key: list[int]) -> Any:
         return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
@@ -127,13 +134,7 @@ class SGLangPythonDriver(_SGLangDriver):
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         super().__init__(sgl, pool_tokens, page_size)
-        params = sgl.CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=page_size,
-        )
-        self.tree = sgl.RadixCache(params)
+        self.tree = sgl.RadixCache(self._cache_params())
 
     def lock(self, node: Any) -> Any:
         self.tree.inc_lock_ref(node)
@@ -155,13 +156,8 @@ class SGLangRustDriver(_SGLangDriver):
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         super().__init__(sgl, pool_tokens, page_size)
-        params = sgl.CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=page_size,
-            tree_components=(sgl.ComponentType.FULL,),
-            tree_core_backend="rust",
+        params = self._cache_params(
+            tree_components=(sgl.ComponentType.FULL,), tree_core_backend="rust"
         )
         self.tree = sgl.UnifiedRadixCache(params=params)
         if self.tree._tree_core_backend != "rust":

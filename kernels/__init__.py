@@ -43,27 +43,6 @@ from kernels.ptr_tables import (  # noqa: E402
     verify_ptr_table,
 )
 
-KVCACHEIO_OPS = (
-    "get_device_accessible_ptr",
-    "transfer_embedding_ranges_direct",
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_lf_pf",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-)
-"""Every name of upstream's ``sgl_kernel.kvcacheio`` this package provides (for an adapter that
-installs them as that module)."""
-
 __all__ = [
     "KVCACHEIO_OPS",
     "TRITON_INTERPRETED",
@@ -89,3 +68,9 @@ __all__ = [
     "verified_alignment",
     "verify_ptr_table",
 ]
+
+KVCACHEIO_OPS = tuple(
+    name for name in __all__ if name.startswith("transfer_") or name == "get_device_accessible_ptr"
+)
+"""Every name of upstream's ``sgl_kernel.kvcacheio`` this package provides (for an adapter that
+installs them as that module)."""

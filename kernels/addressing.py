@@ -3,9 +3,10 @@
 Every ``transfer_kv_*`` op of the kernel backend is ``dst[dst_indices[i]] = src[src_indices[i]]``
 for each layer it covers, K and V (MHA) or the one latent buffer (MLA). The ops differ only in
 how each side is laid out, which an :class:`Addressing` names (one constant per SGLang op pair,
-shared by the MHA and MLA twins). A call's arguments by role form a :class:`KVCopy`; the
-validator and launcher (:mod:`kernels.kvcacheio`) and the torch reference
-(:mod:`kernels.reference`) all read that one description.
+shared by the MHA and MLA twins). A call's arguments by role form a :class:`KVCopy`
+(:mod:`kernels.kernel_backend` builds one per op call); the validator and launcher
+(:mod:`kernels.transfer`) and the torch reference (:mod:`kernels.reference`) all read that one
+description.
 
 Byte address of token slot ``t``, layer ``l`` (``item_size`` = one token, one layer, K or V;
 ``layout_dim = item_size * L``), which a :class:`Side` records as strides:

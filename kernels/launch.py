@@ -131,6 +131,7 @@ class Launch:
     constexprs: dict
     num_warps: int
     geometry: Geometry
+    device: torch.device  # the indices'
 
 
 def plan_launch(
@@ -144,7 +145,9 @@ def plan_launch(
     num_warps: int,
     cache_hints: bool,
 ) -> Launch:
-    """The launch of one part (arguments assumed validated, see :mod:`kernels.kvcacheio`)."""
+    """The launch of one part (arguments assumed validated, see :mod:`kernels.transfer`), which
+    :func:`launch_kv_copy` queues. ``cache_hints``: :func:`cache_hints_supported` of the
+    indices' device (the PTX tests compile with them on)."""
     g = plan_geometry(part, num_warps)
     src, dst = part.src, part.dst
     n_items = src_indices.numel()
@@ -170,30 +173,16 @@ def plan_launch(
         CHUNK_WORDS=g.chunk_words, ROWS=g.rows, NCHUNK=g.nchunk, GROUPS=g.groups, COLS=g.cols,
         CACHE_HINTS=cache_hints,
     )  # fmt: skip
-    return Launch((max(1, min(block_quota, n_tiles)),), args, constexprs, num_warps, g)
+    grid = (max(1, min(block_quota, n_tiles)),)
+    return Launch(grid, args, constexprs, num_warps, g, src_indices.device)
 
 
-def launch_kv_copy(
-    part: Part,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    *,
-    layer_begin: int,
-    num_layers: int,
-    block_quota: int,
-    num_warps: int,
-) -> None:
-    """Launch :func:`kv_copy_kernel` for one part on the current stream; never synchronizes."""
-    if src_indices.numel() == 0 or num_layers == 0:
-        return
-    device = src_indices.device
-    launch = plan_launch(
-        part, src_indices, dst_indices, layer_begin=layer_begin, num_layers=num_layers,
-        block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints_supported(device),
-    )  # fmt: skip
-    # Launch on the indices' device (and its current stream), whatever the current device is.
+def launch_kv_copy(launch: Launch) -> None:
+    """Launch a planned :func:`kv_copy_kernel` on the indices' device (whatever the current
+    device is) and that device's current stream; never synchronizes."""
+    device = launch.device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kv_copy_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=num_warps)
+        kv_copy_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
 
 
 def resolve_num_warps(num_warps_per_block: int) -> int:

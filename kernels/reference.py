@@ -12,9 +12,10 @@ they do not do the argument validation of the real ops.
 
 The kernel-backend ops are one function, :func:`copy_kv`, over the addressing that
 :mod:`kernels.addressing` describes (layer_first, page_first, page_head, pointer table), K and V
-each with its own bytes per token. The direct-backend
-ops take lists of tensors; a page_first_direct tensor ``[P, L, page_size, ...]`` holds token slot
-``t`` of layer ``l`` at page ``t // page_size``, layer ``l``, row ``t % page_size``.
+each with its own bytes per token, behind the signatures :mod:`kernels.kernel_backend` writes
+once for it and :mod:`kernels.kvcacheio`. The direct-backend ops take lists of tensors; a
+page_first_direct tensor ``[P, L, page_size, ...]`` holds token slot ``t`` of layer ``l`` at page
+``t // page_size``, layer ``l``, row ``t % page_size``.
 """
 
 from __future__ import annotations
@@ -26,23 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.addressing import (
-    LF_TO_LF,
-    LF_TO_PF,
-    PF_TO_LF,
-    PH_TO_LF,
-    TABLE_TO_PF,
-    TABLE_TO_PH,
-    TABLE_TO_TABLE,
-    KVCopy,
-    Side,
-    with_v_item_size,
-)
+from kernels.addressing import KVCopy, Side, with_v_item_size
+from kernels.kernel_backend import KernelBackendOps
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BLOCK_QUOTA = 2
-DEFAULT_NUM_WARPS = 16 if torch.version.hip is not None else 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,220 +138,28 @@ def copy_kv(call: KVCopy) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel-backend ops (MHA)
+# Kernel-backend ops: upstream's signatures (kernels.kernel_backend) over copy_kv
 # ---------------------------------------------------------------------------------------------
 
 
-def transfer_kv_per_layer(
-    src_k: torch.Tensor,
-    dst_k: torch.Tensor,
-    src_v: torch.Tensor,
-    dst_v: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """One layer, layer_first -> layer_first: ``dst[d] = src[s]`` for K and V."""
-    copy_kv(with_v_item_size(KVCopy(
-        LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
-    )))  # fmt: skip
+def _run(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
+    """The reference of one op call; the launch shape does not apply."""
+    copy_kv(with_v_item_size(call))
 
 
-def transfer_kv_per_layer_pf_lf(
-    src_k: torch.Tensor,
-    dst_k: torch.Tensor,
-    src_v: torch.Tensor,
-    dst_v: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_id: int,
-    item_size: int,
-    src_layout_dim: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """Layer ``layer_id`` of a page_first buffer ``[T, L, ...]`` -> one layer_first layer."""
-    copy_kv(with_v_item_size(KVCopy(
-        PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
-        layout_dim=src_layout_dim, layer_id=layer_id,
-    )))  # fmt: skip
+_ops = KernelBackendOps(_run)
 
-
-def transfer_kv_per_layer_ph_lf(
-    src_k: torch.Tensor,
-    dst_k: torch.Tensor,
-    src_v: torch.Tensor,
-    dst_v: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_id: int,
-    item_size: int,
-    src_layout_dim: int,
-    page_size: int,
-    head_num: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """Layer ``layer_id`` of a page_head buffer ``[T / P, H, P, L, D]`` -> one layer_first
-    layer ``[T, H, D]``, head by head."""
-    copy_kv(with_v_item_size(KVCopy(
-        PH_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
-        layout_dim=src_layout_dim, layer_id=layer_id, page_size=page_size, head_num=head_num,
-    )))  # fmt: skip
-
-
-def transfer_kv_all_layer(
-    src_k_layers: torch.Tensor,
-    dst_k_layers: torch.Tensor,
-    src_v_layers: torch.Tensor,
-    dst_v_layers: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    num_layers: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """All layers, layer_first -> layer_first, both sides given as ``data_ptr()`` tables (K and V
-    of one size: tables carry no shape)."""
-    copy_kv(KVCopy(
-        TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
-        src_indices, dst_indices, item_size, num_layers=num_layers,
-    ))  # fmt: skip
-
-
-def transfer_kv_all_layer_lf_pf(
-    src_k_layers: torch.Tensor,
-    dst_k: torch.Tensor,
-    src_v_layers: torch.Tensor,
-    dst_v: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    dst_layout_dim: int,
-    num_layers: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """All layers from ``data_ptr()`` tables (layer_first) -> page_first buffer ``[T, L, ...]``."""
-    copy_kv(with_v_item_size(KVCopy(
-        TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
-        item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
-    )))  # fmt: skip
-
-
-def transfer_kv_all_layer_lf_ph(
-    src_k_layers: torch.Tensor,
-    dst_k: torch.Tensor,
-    src_v_layers: torch.Tensor,
-    dst_v: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    dst_layout_dim: int,
-    num_layers: int,
-    page_size: int,
-    head_num: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """All layers from ``data_ptr()`` tables -> page_head buffer ``[T / P, H, P, L, D]``."""
-    copy_kv(with_v_item_size(KVCopy(
-        TABLE_TO_PH, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices, dst_indices,
-        item_size, layout_dim=dst_layout_dim, num_layers=num_layers, page_size=page_size,
-        head_num=head_num,
-    )))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel-backend ops (MLA): one buffer instead of K and V
-# ---------------------------------------------------------------------------------------------
-
-
-def transfer_kv_per_layer_mla(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """MLA twin of :func:`transfer_kv_per_layer`."""
-    copy_kv(KVCopy(LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size))
-
-
-def transfer_kv_per_layer_mla_pf_lf(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_id: int,
-    item_size: int,
-    src_layout_dim: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """MLA twin of :func:`transfer_kv_per_layer_pf_lf`."""
-    copy_kv(KVCopy(
-        PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
-        layout_dim=src_layout_dim, layer_id=layer_id,
-    ))  # fmt: skip
-
-
-def transfer_kv_per_layer_mla_lf_pf(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_id: int,
-    item_size: int,
-    dst_layout_dim: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """One layer_first layer -> layer ``layer_id`` of a page_first buffer ``[T, L, ...]``."""
-    copy_kv(KVCopy(
-        LF_TO_PF, (src,), (dst,), src_indices, dst_indices, item_size,
-        layout_dim=dst_layout_dim, layer_id=layer_id,
-    ))  # fmt: skip
-
-
-def transfer_kv_all_layer_mla(
-    src_layers: torch.Tensor,
-    dst_layers: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    num_layers: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """MLA twin of :func:`transfer_kv_all_layer`."""
-    copy_kv(KVCopy(
-        TABLE_TO_TABLE, (src_layers,), (dst_layers,), src_indices, dst_indices, item_size,
-        num_layers=num_layers,
-    ))  # fmt: skip
-
-
-def transfer_kv_all_layer_mla_lf_pf(
-    src_layers: torch.Tensor,
-    dst: torch.Tensor,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    item_size: int,
-    dst_layout_dim: int,
-    num_layers: int,
-    block_quota: int = DEFAULT_BLOCK_QUOTA,
-    num_warps_per_block: int = DEFAULT_NUM_WARPS,
-) -> None:
-    """MLA twin of :func:`transfer_kv_all_layer_lf_pf`."""
-    copy_kv(KVCopy(
-        TABLE_TO_PF, (src_layers,), (dst,), src_indices, dst_indices, item_size,
-        layout_dim=dst_layout_dim, num_layers=num_layers,
-    ))  # fmt: skip
+transfer_kv_per_layer = _ops.transfer_kv_per_layer
+transfer_kv_per_layer_pf_lf = _ops.transfer_kv_per_layer_pf_lf
+transfer_kv_per_layer_ph_lf = _ops.transfer_kv_per_layer_ph_lf
+transfer_kv_all_layer = _ops.transfer_kv_all_layer
+transfer_kv_all_layer_lf_pf = _ops.transfer_kv_all_layer_lf_pf
+transfer_kv_all_layer_lf_ph = _ops.transfer_kv_all_layer_lf_ph
+transfer_kv_per_layer_mla = _ops.transfer_kv_per_layer_mla
+transfer_kv_per_layer_mla_pf_lf = _ops.transfer_kv_per_layer_mla_pf_lf
+transfer_kv_per_layer_mla_lf_pf = _ops.transfer_kv_per_layer_mla_lf_pf
+transfer_kv_all_layer_mla = _ops.transfer_kv_all_layer_mla
+transfer_kv_all_layer_mla_lf_pf = _ops.transfer_kv_all_layer_mla_lf_pf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,21 +245,3 @@ def transfer_kv_all_layer_direct_lf_pf(
     """Device layer tensors (all K layers, then all V layers) -> page_first_direct buffers."""
     s, d = _valid_pairs(src_indices, dst_indices)
     _direct_pages(dst_ptrs, src_ptrs, d, s, 0, page_size, to_host=True)
-
-
-__all__ = [
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_lf_pf",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-]

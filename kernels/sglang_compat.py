@@ -25,6 +25,9 @@ patched):
 4. ``warm=[(host_pool, device_pool), ...]``: :func:`warm_up` each pair (see there: it also
    verifies the pointer tables SGLang built, so the kernels copy them with 16-byte words).
 
+Which names step 2 and 3 rebind is read from SGLang's module sources by
+:mod:`kernels.sglang_rebind`; this module checks, registers, applies and undoes.
+
 The handle's :meth:`SGLangKernels.uninstall` restores every binding exactly (names that did not
 exist are deleted again, registered modules removed). Installing again while installed returns
 the same handle; different options then raise ``ValueError`` (uninstall first).
@@ -35,25 +38,24 @@ This module imports nothing of SGLang at import time, and nothing of this projec
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
 import sys
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels.sglang_rebind import Binding, plan_rebinding, required_names
 from kernels.sglang_warm_up import WarmUpReport, verify_pool_tables, warm_up
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "JIT_PREDICATES", "KVCACHEIO_NAMES", "MODULE_LAYOUTS", "SGLangKernels", "WarmUpReport",
-    "active", "imported_names", "install", "module_source", "provided_ops", "sglang_version",
-    "verify_pool_tables", "warm_up",
+    "KVCACHEIO_NAMES", "MODULE_LAYOUTS", "SGLangKernels", "WarmUpReport", "active", "install",
+    "provided_ops", "sglang_version", "verify_pool_tables", "warm_up",
 ]  # fmt: skip
 
 KVCACHEIO_NAMES: tuple[str, ...] = (
@@ -75,15 +77,6 @@ KVCACHEIO_NAMES: tuple[str, ...] = (
 """The ``sgl_kernel.kvcacheio`` surface this module can supply (each where :mod:`kernels` has
 it)."""
 
-KVCACHEIO_SOURCES: tuple[str, ...] = (
-    "sgl_kernel.kvcacheio",
-    "sglang.srt.mem_cache.pool_host._kvcacheio",  # 0.5.23's per-op binding module (XPU)
-)
-JIT_SOURCES: tuple[str, ...] = (
-    "sglang.kernels.ops.kvcache.hicache",  # 0.5.17+
-    "sglang.jit_kernel.hicache",  # 0.5.14
-)
-JIT_PREDICATES: tuple[str, ...] = ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel")
 
 MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
     # MHA / MLA host pools split into a package (0.5.17 ... 0.5.23 at least).
@@ -97,17 +90,8 @@ MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
 """The host-pool module layouts this module recognises: layout name -> modules that must import
 kvcacheio ops. The first layout whose modules all exist is used."""
 
-SCANNED_PACKAGE = "sglang.srt.mem_cache."
-"""Other already-imported modules under this package that import kvcacheio ops are rebound too."""
 
 HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
-
-_ABSENT = object()
-
-
-def _false_predicate(*args: Any, **kwargs: Any) -> bool:
-    """Stands for SGLang's JIT predicates when routing around the JIT kernels."""
-    return False
 
 
 def sglang_version() -> str:
@@ -126,93 +110,6 @@ def provided_ops() -> dict[str, Any]:
     return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
 
 
-def imported_names(
-    source: str, sources: Sequence[str], only_ops: bool = True, module_level: bool = False
-) -> set[str]:
-    """Names a module's ``source`` text imports from any of ``sources`` (``from X import a, b``), at
-    any nesting (SGLang's imports sit under platform ``if`` branches, so on a machine without CUDA
-    they never ran: the names are read from the text, not from the module's globals).
-
-    From a module other than ``sgl_kernel.kvcacheio`` itself (0.5.23's ``_kvcacheio`` also exports
-    helpers such as ``require_kvcacheio_ops``), only op names count: ``transfer_*`` and
-    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name). ``module_level=True``:
-    only imports that bind module globals (not those inside a function or class body).
-    """
-    names: set[str] = set()
-    for node in _import_nodes(ast.parse(source), module_level):
-        if node.module in sources and node.level == 0:
-            for alias in node.names:
-                if not only_ops or node.module == "sgl_kernel.kvcacheio" or _is_op(alias.name):
-                    names.add(alias.name)
-    return names
-
-
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
-
-
-def _import_nodes(tree: ast.AST, module_level: bool) -> list[ast.ImportFrom]:
-    """Every ``from ... import`` of ``tree``; with ``module_level``, not those in a new scope."""
-    if not module_level:
-        return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    out: list[ast.ImportFrom] = []
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ImportFrom):
-                out.append(child)
-            elif not isinstance(child, _SCOPES):
-                todo.append(child)
-    return out
-
-
-def _is_op(name: str) -> bool:
-    return name.startswith("transfer_") or name == "get_device_accessible_ptr"
-
-
-def module_source(name: str) -> str:
-    """The source text of module ``name`` (imported or not; importing its parent packages).
-
-    Raises ``ValueError`` when it cannot be found or read.
-    """
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None) if module is not None else None
-    if path is None:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError) as e:
-            raise ValueError(f"cannot locate {name}: {e}") from e
-        path = spec.origin if spec is not None else None
-    if not path or not str(path).endswith(".py"):
-        raise ValueError(f"cannot read the source of {name} (origin {path!r})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read the source of {name}: {e}") from e
-
-
-@dataclass
-class _Binding:
-    """One name to set on one namespace (module or object), with what it held before."""
-
-    target: Any
-    name: str
-    value: Any
-    old: Any = _ABSENT
-
-    def apply(self) -> None:
-        self.old = getattr(self.target, self.name, _ABSENT)
-        setattr(self.target, self.name, self.value)
-
-    def restore(self) -> None:
-        if self.old is _ABSENT:
-            if hasattr(self.target, self.name):
-                delattr(self.target, self.name)
-        else:
-            setattr(self.target, self.name, self.old)
-
-
 @dataclass
 class SGLangKernels:
     """The handle :func:`install` returns. Read-only record of what was patched."""
@@ -225,7 +122,7 @@ class SGLangKernels:
     skipped: dict[str, tuple[str, ...]]
     resolved_at_call: dict[str, tuple[str, ...]] = field(default_factory=dict)
     warm: WarmUpReport = field(default_factory=WarmUpReport)
-    _bindings: list[_Binding] = field(default_factory=list, repr=False)
+    _bindings: list[Binding] = field(default_factory=list, repr=False)
     _registered: list[str] = field(default_factory=list, repr=False)
     _options: tuple = field(default=(), repr=False)
     installed: bool = True
@@ -335,18 +232,18 @@ def install(
     layout = _find_layout(version)
     required = MODULE_LAYOUTS[layout]
     # Check the required modules' imports from their source before touching anything.
-    required_names = {name: _required_names(version, layout, name, ops) for name in required}
+    needed = {name: required_names(version, layout, name, ops) for name in required}
     has_sgl_kernel = _sgl_kernel_present()
 
     # 1. The ops module: registered before SGLang's host-pool modules import (they bind it), or
     # sgl-kernel's own, rebound below. Undone if anything after this fails.
     registered = {} if has_sgl_kernel else _fake_sgl_kernel(ops)
-    bindings: list[_Binding] = []
+    bindings: list[Binding] = []
     sys.modules.update(registered)
     try:
         if has_sgl_kernel:
             io_module = importlib.import_module("sgl_kernel.kvcacheio")
-            bindings += [_Binding(io_module, n, fn) for n, fn in ops.items()]
+            bindings += [Binding(io_module, n, fn) for n, fn in ops.items()]
         for name in required:
             if import_modules:
                 importlib.import_module(name)
@@ -354,9 +251,7 @@ def install(
                 raise ValueError(
                     f"SGLang {version}: {name} is not imported (pass import_modules=True)"
                 )
-        patched, skipped, at_call, module_bindings = _plan_rebinding(
-            required_names, ops, route_around_jit
-        )
+        patched, skipped, at_call, module_bindings = plan_rebinding(needed, ops, route_around_jit)
     except BaseException:
         for name in registered:
             sys.modules.pop(name, None)
@@ -365,7 +260,7 @@ def install(
     if route_around_jit:
         for pool in host_pools:
             bindings += [
-                _Binding(pool, flag, False) for flag in HOST_POOL_JIT_FLAGS if hasattr(pool, flag)
+                Binding(pool, flag, False) for flag in HOST_POOL_JIT_FLAGS if hasattr(pool, flag)
             ]
 
     # 2. Everything checked: apply.
@@ -397,90 +292,3 @@ def install(
         handle.uninstall()
         raise
     return handle
-
-
-def _required_names(version: str, layout: str, name: str, ops: dict[str, Any]) -> set[str]:
-    """The kvcacheio names required module ``name`` imports; ``ValueError`` when it imports none
-    or one this project lacks."""
-    try:
-        names = imported_names(module_source(name), KVCACHEIO_SOURCES)
-    except (ValueError, SyntaxError) as e:
-        raise ValueError(f"SGLang {version} ({layout} layout): {e}") from e
-    if not names:
-        raise ValueError(
-            f"SGLang {version} ({layout} layout): {name} imports no kvcacheio op from "
-            f"{' or '.join(KVCACHEIO_SOURCES)}; sglang_compat does not recognise its layout"
-        )
-    missing = sorted(names - set(ops))
-    if missing:
-        raise ValueError(
-            f"SGLang {version} ({layout} layout): {name} imports {missing} from "
-            f"sgl_kernel.kvcacheio, which this project's kernels do not provide"
-        )
-    return names
-
-
-def _plan_rebinding(
-    required_names: dict[str, set[str]],
-    ops: dict[str, Any],
-    route_around_jit: bool,
-) -> tuple[
-    dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
-    list[_Binding],
-]:  # fmt: skip
-    """Every module binding to apply: the required modules, then other imported modules under
-    :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped).
-    Only names imported at module level are bound; names imported inside functions resolve
-    through ``sgl_kernel.kvcacheio`` when called (returned per module, third)."""
-    others = sorted(
-        name
-        for name, mod in list(sys.modules.items())
-        if name.startswith(SCANNED_PACKAGE) and name not in required_names and mod is not None
-    )
-    patched: dict[str, tuple[str, ...]] = {}
-    skipped: dict[str, tuple[str, ...]] = {}
-    at_call: dict[str, tuple[str, ...]] = {}
-    bindings: list[_Binding] = []
-    for name in [*required_names, *others]:
-        module = sys.modules[name]
-        if name in required_names:
-            names = required_names[name]
-            source = module_source(name)
-        else:
-            if not _mentions_kvcacheio(module):
-                continue
-            try:
-                source = module_source(name)
-                names = imported_names(source, KVCACHEIO_SOURCES)
-            except (ValueError, SyntaxError):
-                continue
-            missing = tuple(sorted(names - set(ops)))
-            if missing:
-                skipped[name] = missing
-                continue
-            if not names:
-                continue
-        bound = names & imported_names(source, KVCACHEIO_SOURCES, module_level=True)
-        if names - bound:
-            at_call[name] = tuple(sorted(names - bound))
-        if bound:
-            bindings += [_Binding(module, n, ops[n]) for n in sorted(bound)]
-            patched[name] = tuple(sorted(bound))
-        if route_around_jit:
-            jit = imported_names(source, JIT_SOURCES, only_ops=False, module_level=True)
-            bindings += [
-                _Binding(module, n, _false_predicate) for n in sorted(jit & set(JIT_PREDICATES))
-            ]
-    return patched, skipped, at_call, bindings
-
-
-def _mentions_kvcacheio(module: types.ModuleType) -> bool:
-    """Cheap filter before parsing a module: does its source file mention kvcacheio at all?"""
-    path = getattr(module, "__file__", None)
-    if not path or not path.endswith(".py"):
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            return "kvcacheio" in f.read()
-    except OSError:
-        return False

@@ -23,7 +23,12 @@ from kernels.addressing import (
     Part,
     token_bytes,
 )
-from kernels.launch import launch_kv_copy, resolve_num_warps
+from kernels.launch import (
+    cache_hints_supported,
+    launch_kv_copy,
+    plan_launch,
+    resolve_num_warps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +156,13 @@ def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
     if not _runs_triton(call.src_indices.device):
         reference.copy_kv(call)
         return
+    if call.src_indices.numel() == 0:
+        return
+    cache_hints = cache_hints_supported(call.src_indices.device)
     for part in parts:
-        launch_kv_copy(
+        launch_kv_copy(plan_launch(
             part, call.src_indices, call.dst_indices,
             layer_begin=call.layer_id, num_layers=call.num_layers,
             block_quota=block_quota, num_warps=resolve_num_warps(num_warps_per_block),
-        )  # fmt: skip
+            cache_hints=cache_hints,
+        ))  # fmt: skip

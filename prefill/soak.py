@@ -4,10 +4,11 @@ follow-ups, so the radix tree hits), decode peers killed at random moments, resu
 they come, sampled decode-side KV compared with a full recompute, and per-result protocol checks
 (nothing sent for an attempt that was not finalized, attempts within the budget).
 
-``run_soak(ex, cfg)`` drives ``ex`` until every request has its outcome and returns a
-``SoakReport``. It holds nothing per finished request, so it runs any number of requests in
-bounded memory; ``on_progress`` is called every ``progress_every`` results (the benchmark samples
-RSS and step cost there).
+``soak_executor(args, seed)`` builds the executor a soak runs (its decode peers' failures and
+delays, the virtual cost of a forward). ``run_soak(ex, cfg)`` drives ``ex`` until every request
+has its outcome and returns a ``SoakReport``. It holds nothing per finished request, so it runs
+any number of requests in bounded memory; ``on_progress`` is called every ``progress_every``
+results (the benchmark samples RSS and step cost there).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import decode_kv_and_reference, kv_max_rel_error
+from prefill.harness import build_cache, decode_kv_and_reference, kv_max_rel_error, make_executor
+from prefill.peer_config import DelayDistribution, PeerConfig
 from prefill.request import Outcome, RequestResult
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,45 @@ class SoakReport:
     killed: int = 0
     virtual_s: float = 0.0
     wall_s: float = 0.0
+
+
+def soak_executor(
+    args: Any,
+    seed: int,
+    *,
+    bootstrap_failure_prob: float = 0.08,
+    transfer_failure_prob: float = 0.04,
+    force_not_ready_prob: float = 0.15,
+    decode_pool_size: int = 4096,
+    copy_delay_seed: int | None = None,
+) -> OptimisticPrefillExecutor:
+    """An executor over ``args`` (``prefill.harness.make_executor``, virtual clock) for
+    :func:`run_soak`. Decode peers (seeded by ``seed``) get ready after 0-30 ms (uniform), fail
+    their bootstrap or a transfer with the given probabilities, report a first attempt not ready
+    with ``force_not_ready_prob``, and ack a send after 2 ms plus its bytes at 20 MB/s; the
+    decode side holds ``decode_pool_size`` tokens. A forward costs 20 us a token plus 200 us of
+    virtual time. With ``copy_delay_seed``, every side-stream copy of the cache sleeps 0-1 ms
+    first (seeded; CPU), so backups and loads race with the scheduler."""
+    peers = PeerConfig(
+        bootstrap_delay=DelayDistribution("uniform", 0.0, 0.03),
+        bootstrap_failure_prob=bootstrap_failure_prob,
+        transfer_failure_prob=transfer_failure_prob,
+        force_not_ready_prob=force_not_ready_prob,
+        transfer_latency_s=0.002,
+        transfer_bandwidth=2e7,
+        seed=seed,
+    )
+    delay: float | Callable[[], float] = 0.0
+    if copy_delay_seed is not None:
+        delay_rng = random.Random(copy_delay_seed)
+        delay = lambda: delay_rng.random() * 1e-3  # noqa: E731
+    return make_executor(
+        args,
+        peer_config=peers,
+        cost_model=lambda n, p: 2e-5 * n + 2e-4,
+        decode_pool_size=decode_pool_size,
+        cache=build_cache(args, copy_delay=delay),
+    )
 
 
 def workload(cfg: SoakConfig) -> Iterator[tuple[float, str, list[int]]]:

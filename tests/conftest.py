@@ -1,9 +1,12 @@
-"""Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path."""
+"""Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path, and
+the ``one_torch_thread`` fixture (modules running the tiny model use it with
+``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,3 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for the test (see ``prefill.harness.single_torch_thread``)."""
+    from prefill.harness import single_torch_thread
+
+    with single_torch_thread():
+        yield

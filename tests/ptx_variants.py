@@ -96,8 +96,8 @@ def compile_variant(call, unverified: bool, ptxas: str) -> dict:  # noqa: ANN001
     from triton.runtime.jit import create_function_from_signature
 
     from kernels.copy_kernel import kv_copy_kernel
+    from kernels.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.launch import plan_launch
-    from kernels.reference import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.transfer import validate
 
     call, parts = validate(call, DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS)

@@ -154,6 +154,12 @@ def test_wait_for_a_backup_advances_the_clock_to_its_end() -> None:
 
 
 # ------------------------------------------------------------------------------ determinism
+@pytest.fixture
+def tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' CPU model shrunk to :data:`TINY`."""
+    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
+
+
 def _multiturn_opts() -> argparse.Namespace:
     return bm.parse_args(
         ["--num-clients", "4", "--num-rounds", "3", "--request-length", "64",
@@ -162,11 +168,9 @@ def _multiturn_opts() -> argparse.Namespace:
     )  # fmt: skip
 
 
+@pytest.mark.usefixtures("tiny_model")
 @pytest.mark.parametrize("name", ["device_only", "write_back", "write_through"])
-def test_multiturn_on_the_virtual_clock_repeats_exactly(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
+def test_multiturn_on_the_virtual_clock_repeats_exactly(name: str) -> None:
     opts = _multiturn_opts()
     _, device_tokens = bm.pool_sizes(opts)
     cal = linear_calibration()
@@ -186,14 +190,22 @@ def test_multiturn_on_the_virtual_clock_repeats_exactly(
         assert a["host_hit_tokens"] > 0 and a["virtual_clock"]["h2d_busy_s"] > 0
 
 
-def test_optimistic_on_the_virtual_clock_repeats_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
+def _optimistic_setup(
+    num_requests: int, kv_sample_every: int, seeds: int
+) -> tuple[argparse.Namespace, Calibration, Any]:
+    """bench_optimistic's options (prompts of 128 tokens, chunks of 16), the made-up calibration
+    and the shared model (build it under ``tiny_model``)."""
     opts = bo.parse_args(
-        ["--num-requests", "8", "--input-len", "128", "--chunked-prefill-size", "16",
-         "--kv-sample-every", "2", "--seeds", "3"], quick=True,
+        ["--num-requests", str(num_requests), "--input-len", "128", "--chunked-prefill-size",
+         "16", "--kv-sample-every", str(kv_sample_every), "--seeds", str(seeds)], quick=True,
     )  # fmt: skip
-    cal = linear_calibration()
     model = bm.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
+    return opts, linear_calibration(), model
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_optimistic_on_the_virtual_clock_repeats_exactly() -> None:
+    opts, cal, model = _optimistic_setup(8, kv_sample_every=2, seeds=3)
     prefill_s = orun.calibrate_prefill_s(opts, model, cal)
     assert prefill_s == orun.calibrate_prefill_s(opts, model, cal)
     delay = orun.DelayDistribution("uniform", 0.5 * prefill_s, 1.5 * prefill_s)
@@ -206,20 +218,13 @@ def test_optimistic_on_the_virtual_clock_repeats_exactly(monkeypatch: pytest.Mon
     assert not any(v for k, v in a["integrity"].items() if k != "kv_checked_requests")
 
 
-def test_write_through_retries_recompute_what_write_back_keeps(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("tiny_model")
+def test_write_through_retries_recompute_what_write_back_keeps() -> None:
     """Forced retries on one trace: under write_back a retry recomputes only the last page (the
     yield published the rest); under write_through it recomputes what the yield dropped."""
     if "write_through" not in orun.available_policies():
         pytest.skip("ServerArgs has no optimistic_prefill_write_through")
-    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
-    opts = bo.parse_args(
-        ["--num-requests", "6", "--input-len", "128", "--chunked-prefill-size", "16",
-         "--kv-sample-every", "1", "--seeds", "1"], quick=True,
-    )  # fmt: skip
-    cal = linear_calibration()
-    model = bm.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
+    opts, cal, model = _optimistic_setup(6, kv_sample_every=1, seeds=1)
     delay = orun.DelayDistribution("fixed", 1.0)  # peers ready long after any prefill
     trace = orun.make_trace(opts, 1, [0.01 * i for i in range(6)], delay, 0.0, 1.0)
     per_yield = {}

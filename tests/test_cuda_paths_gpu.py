@@ -13,16 +13,11 @@ import pytest
 import torch
 
 from bench import gpu_smoke
-from prefill.harness import single_torch_thread
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = ["cpu", CUDA]
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("device", DEVICES)

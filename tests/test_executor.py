@@ -11,36 +11,17 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from prefill.bootstrap import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import (
-    assert_decode_kv_matches,
-    make_executor,
-    single_torch_thread,
-)
+from prefill.harness import assert_decode_kv_matches, make_executor
 from prefill.request import Outcome, Stage
-from server_args import ServerArgs
+from tests.executor_helpers import BASE_ARGS, NEVER, executor_args, finish, prompt, step
 
-NEVER = DelayDistribution("fixed", 1e9)
-PS = 4  # page size
-CHUNK = 16  # chunked_prefill_size
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
-def make_args(**kw) -> ServerArgs:
-    base = dict(
-        page_size=PS, max_total_tokens=256, chunked_prefill_size=CHUNK, device="cpu",
-        dtype="float32", disaggregation_mode="prefill", optimistic_prefill_attempts=2,
-    )
-    base.update(kw)
-    return ServerArgs(**base)
+PS = BASE_ARGS["page_size"]  # 4
+CHUNK = BASE_ARGS["chunked_prefill_size"]  # 16
 
 
 def make(delay=NEVER, latency: float = 1.0, **kw) -> OptimisticPrefillExecutor:
@@ -50,26 +31,7 @@ def make(delay=NEVER, latency: float = 1.0, **kw) -> OptimisticPrefillExecutor:
         transfer_failure_prob=kw.pop("transfer_failure_prob", 0.0),
         decode_prefix_len=kw.pop("decode_prefix_len", 0),
     )
-    return make_executor(make_args(**kw), peer_config=peer)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (n,), generator=g).tolist()
-
-
-def step(ex: OptimisticPrefillExecutor, n: int = 1) -> None:
-    for _ in range(n):
-        ex.step()
-        ex.check_integrity()
-
-
-def finish(ex: OptimisticPrefillExecutor) -> None:
-    ex.run_until_idle(max_steps=10_000, check=True)
-    ex.drain_cache_events()
-    ex.check_integrity()
-    assert ex.request_owned_slots() == 0
-    assert all(node.lock_ref == 0 for node in ex.tree.all_nodes())
+    return make_executor(executor_args(**kw), peer_config=peer)
 
 
 def sends_of(ex: OptimisticPrefillExecutor, rid: str) -> list[tuple[int, int, int, bool]]:
@@ -404,7 +366,7 @@ def test_injected_transfer_failure_aborts():
 
 # ---------------------------------------------------------------------------------- the gate
 def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog):
-    args = make_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
+    args = executor_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
     assert args.optimistic_prefill_attempts == 0
     with caplog.at_level(logging.WARNING, logger="prefill.gate"):
         ex = make_executor(args, peer_config=PeerConfig(bootstrap_delay=NEVER))
@@ -421,7 +383,7 @@ def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog)
 
 
 def test_write_back_keeps_optimism_on():
-    args = make_args(enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    args = executor_args(enable_hierarchical_cache=True, hicache_write_policy="write_back")
     assert args.optimistic_prefill_attempts == 2
 
 

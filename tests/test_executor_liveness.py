@@ -9,43 +9,20 @@ Virtual clock, tiny model, CPU. Every story checks integrity after every step.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from prefill.bootstrap import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import assert_decode_kv_matches, make_executor, single_torch_thread
+from prefill.harness import assert_decode_kv_matches, make_executor
 from prefill.request import Outcome, Stage
 from server_args import ServerArgs
+from tests.executor_helpers import NOW, assert_drained, executor_args, prompt
 
-NOW = DelayDistribution("fixed", 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def args_(**kw) -> ServerArgs:
-    base = dict(
-        page_size=4, max_total_tokens=256, chunked_prefill_size=64, device="cpu",
-        dtype="float32", disaggregation_mode="prefill", optimistic_prefill_attempts=0,
-    )  # fmt: skip
-    base.update(kw)
-    return ServerArgs(**base)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (n,), generator=g).tolist()
-
-
-def clean(ex: OptimisticPrefillExecutor) -> None:
-    ex.drain_cache_events()
-    ex.check_integrity()
-    assert ex.is_idle() and not ex.requests and ex.request_owned_slots() == 0
-    assert all(node.lock_ref == 0 for node in ex.tree.all_nodes())
-    assert ex.metadata.available_size() == ex.metadata.size
+    """Chunks of 64 and no optimistic attempts unless a story sets them."""
+    return executor_args(**{"chunked_prefill_size": 64, "optimistic_prefill_attempts": 0, **kw})
 
 
 # ------------------------------------------------------------------------ stall on a full decode
@@ -77,7 +54,7 @@ def test_two_requests_on_a_full_decode_pool_never_spin(keep_received):
         assert_decode_kv_matches(ex, "a")
     else:
         assert b.outcome == Outcome.SUCCESS and ex.clock.now() < 1.0
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_run_until_idle_raises_at_once_when_nothing_can_change():
@@ -129,7 +106,7 @@ def test_circular_wait_without_optimism_finishes_at_half_a_second():
     results = ex.pop_results()
     assert [r.outcome for r in results] == [Outcome.SUCCESS] * 6
     assert ex.clock.now() == pytest.approx(0.501, abs=2e-3)
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_circular_wait_with_optimism_ends_by_the_bootstrap_timeout():
@@ -144,7 +121,7 @@ def test_circular_wait_with_optimism_ends_by_the_bootstrap_timeout():
         slow = results[f"slow{i}"]
         assert slow.outcome == Outcome.ABORTED and "timed out" in slow.error and slow.parked
     assert ex.stats.bootstrap_timeouts == 3
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_circular_wait_with_optimism_is_broken_by_yielding_a_parked_request():
@@ -157,7 +134,7 @@ def test_circular_wait_with_optimism_is_broken_by_yielding_a_parked_request():
     assert [results[r].outcome for r in sorted(results)] == [Outcome.SUCCESS] * 6
     assert ex.stats.parked_yields >= 3 and ex.stats.bootstrap_timeouts == 0
     assert ex.clock.now() < 1.0
-    clean(ex)
+    assert_drained(ex)
 
 
 # ------------------------------------------------------------------------ bounded records
@@ -187,7 +164,7 @@ def test_records_are_freed_after_the_outcome_and_a_rid_can_come_back():
     assert s.submitted == 200 and s.successes + s.aborts == 200 and s.bootstrap_failures > 0
     assert s.ttft_count == s.successes and len(s.ttft_samples) == s.successes
     assert s.to_dict()["ttft_mean"] == pytest.approx(s.ttft_sum / s.ttft_count)
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_ttft_reservoir_is_bounded_and_aggregates_stay_exact():
@@ -234,7 +211,7 @@ def test_force_not_ready_hook_applies_without_optimistic_attempts():
     assert r.outcome == Outcome.SUCCESS and r.passes == 2 and r.attempts == 1
     assert r.cached_device_tokens == 16  # the forced pass's pages were published (device only)
     assert_decode_kv_matches(ex, "a")
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_metadata_buffers_cap_optimistic_admissions():
@@ -258,7 +235,7 @@ def test_metadata_buffers_cap_optimistic_admissions():
         p.set_ready()
     ex.run_until_idle(max_steps=1000, check=True)
     assert [r.outcome for r in ex.pop_results()] == [Outcome.SUCCESS] * 7
-    clean(ex)
+    assert_drained(ex)
 
 
 def test_max_running_requests_bounds_requests_holding_kv():
@@ -282,4 +259,4 @@ def test_max_running_requests_bounds_requests_holding_kv():
             r.peer.set_ready()
     ex.run_until_idle(max_steps=1000, check=True)
     assert [r.outcome for r in ex.pop_results()] == [Outcome.SUCCESS] * 4
-    clean(ex)
+    assert_drained(ex)

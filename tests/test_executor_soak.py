@@ -14,64 +14,41 @@ invariants after every operation and drains to a clean state (hypothesis).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prefill.bootstrap import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import (
-    assert_decode_kv_matches,
-    build_cache,
-    make_executor,
-    single_torch_thread,
-)
+from prefill.harness import assert_decode_kv_matches, make_executor
 from prefill.model import ModelConfig, PagedTransformer
 from prefill.request import Outcome
-from prefill.soak import SoakConfig, SoakReport, run_soak, workload
+from prefill.soak import SoakConfig, SoakReport, run_soak, soak_executor, workload
 from server_args import ServerArgs
+from tests.executor_helpers import WRITE_THROUGH, assert_drained, executor_args
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ATTEMPTS = 2
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
 def soak_args(hierarchical: bool, max_total_tokens: int = 256, **kw) -> ServerArgs:
+    """Chunks of 32, L2 (``hierarchical``) under write_back at twice the device pool."""
     base = dict(
-        page_size=4,
-        max_total_tokens=max_total_tokens,
-        chunked_prefill_size=32,
-        device="cpu",
-        dtype="float32",
-        disaggregation_mode="prefill",
-        optimistic_prefill_attempts=ATTEMPTS,
-        enable_hierarchical_cache=hierarchical,
-        hicache_write_policy="write_back",
-        hicache_ratio=2.0,
-        load_back_threshold=8,
+        max_total_tokens=max_total_tokens, chunked_prefill_size=32,
+        optimistic_prefill_attempts=ATTEMPTS, enable_hierarchical_cache=hierarchical,
+        hicache_write_policy="write_back", hicache_ratio=2.0, load_back_threshold=8,
         random_seed=0,
-    )
-    base.update(kw)
-    return ServerArgs(**base)
+    )  # fmt: skip
+    return executor_args(**{**base, **kw})
 
 
 def check_final(ex: OptimisticPrefillExecutor, rep: SoakReport | None = None) -> None:
-    """Idle, nothing leaked (slots, locks, metadata buffers), nothing speculative on the host,
-    and (with a report) every result passed the soak's protocol and KV checks."""
-    ex.drain_cache_events()
-    ex.check_integrity()
-    assert ex.is_idle() and ex.request_owned_slots() == 0 and not ex.requests
-    assert all(node.lock_ref == 0 for node in ex.tree.all_nodes()), "a lock leaked"
+    """Drained (``assert_drained``), every device slot free or in the tree, and (with a report)
+    every result passed the soak's protocol and KV checks."""
+    assert_drained(ex)
     tree_tokens = ex.tree.evictable_size() + ex.tree.protected_size()
     assert ex.allocator.available_size() + tree_tokens == ex.allocator.size
-    assert ex.metadata.available_size() == ex.metadata.size
-    assert ex.stats.speculative_l2_pages == 0
     if rep is not None:
         assert rep.protocol_errors == []
         assert rep.kv_mismatches == 0 and rep.verified > 0
@@ -79,37 +56,10 @@ def check_final(ex: OptimisticPrefillExecutor, rep: SoakReport | None = None) ->
         assert rep.max_attempts_used <= ATTEMPTS
 
 
-SOAK_PEERS = PeerConfig(
-    bootstrap_delay=DelayDistribution("uniform", 0.0, 0.03),
-    bootstrap_failure_prob=0.08,
-    transfer_failure_prob=0.04,
-    force_not_ready_prob=0.15,
-    transfer_latency_s=0.002,
-    transfer_bandwidth=2e7,
-    seed=11,
-)
-
-
-def soak_executor(args: ServerArgs, copy_delay_seed: int | None) -> OptimisticPrefillExecutor:
-    """Cost model of a forward charged to the clock; side-stream copies sleep 0-1 ms (seeded)
-    so backups and loads race with the scheduler."""
-    delay = 0.0
-    if copy_delay_seed is not None:
-        delay_rng = random.Random(copy_delay_seed)
-        delay = lambda: delay_rng.random() * 1e-3  # noqa: E731
-    return make_executor(
-        args,
-        peer_config=SOAK_PEERS,
-        cost_model=lambda n, p: 2e-5 * n + 2e-4,
-        decode_pool_size=4096,
-        cache=build_cache(args, copy_delay=delay),
-    )
-
-
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["device-only", "L2-write-back"])
 def test_soak(hierarchical):
     args = soak_args(hierarchical)
-    ex = soak_executor(args, copy_delay_seed=6 if hierarchical else None)
+    ex = soak_executor(args, seed=11, copy_delay_seed=6 if hierarchical else None)
     rep = run_soak(ex, SoakConfig(requests=300, seed=7))
     check_final(ex, rep)
     s = ex.stats
@@ -167,11 +117,7 @@ ops = st.lists(
 POLICIES = {
     "device-only": dict(enable_hierarchical_cache=False),
     "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
-    "write_through": dict(
-        enable_hierarchical_cache=True,
-        hicache_write_policy="write_through",
-        optimistic_prefill_write_through=True,
-    ),
+    "write_through": WRITE_THROUGH,
 }
 
 

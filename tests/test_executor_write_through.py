@@ -9,42 +9,31 @@ then a soak of randomized traffic under write_through + 2 attempts.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from prefill.bootstrap import DelayDistribution, PeerConfig
+from prefill.bootstrap import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.harness import (
-    assert_decode_kv_matches,
-    build_cache,
-    make_executor,
-    single_torch_thread,
-)
-from prefill.request import Outcome, Stage
-from prefill.soak import SoakConfig, run_soak
+from prefill.harness import assert_decode_kv_matches, build_cache, make_executor
+from prefill.request import Outcome
+from prefill.soak import SoakConfig, run_soak, soak_executor
 from server_args import ServerArgs
+from tests import executor_helpers
+from tests.executor_helpers import (
+    NEVER,
+    NOW,
+    WRITE_THROUGH,
+    assert_drained,
+    executor_args,
+    prompt,
+    step,
+)
 
-NEVER = DelayDistribution("fixed", 1e9)
-NOW = DelayDistribution("fixed", 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def wt_args(**kw) -> ServerArgs:
-    base = dict(
-        page_size=4, max_total_tokens=256, chunked_prefill_size=16, device="cpu",
-        dtype="float32", disaggregation_mode="prefill", optimistic_prefill_attempts=2,
-        enable_hierarchical_cache=True, hicache_write_policy="write_through",
-        optimistic_prefill_write_through=True,
-    )  # fmt: skip
-    base.update(kw)
-    return ServerArgs(**base)
+    """``executor_args`` with L2 under write_through and optimistic prefill allowed there."""
+    return executor_args(**{**WRITE_THROUGH, **kw})
 
 
 def make(args: ServerArgs | None = None, delay=NEVER, **peer) -> OptimisticPrefillExecutor:
@@ -52,24 +41,9 @@ def make(args: ServerArgs | None = None, delay=NEVER, **peer) -> OptimisticPrefi
     return make_executor(args or wt_args(), peer_config=cfg)
 
 
-def prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (n,), generator=g).tolist()
-
-
-def step(ex: OptimisticPrefillExecutor, n: int = 1) -> None:
-    for _ in range(n):
-        ex.step()
-        ex.check_integrity()
-
-
 def finish(ex: OptimisticPrefillExecutor) -> None:
-    ex.run_until_idle(max_steps=10_000, check=True)
-    ex.drain_cache_events()
-    ex.check_integrity()
-    assert ex.request_owned_slots() == 0 and not ex.requests
-    assert all(node.lock_ref == 0 for node in ex.tree.all_nodes())
-    assert ex.stats.speculative_l2_pages == 0
+    """``executor_helpers.finish``, then the L2 cache closed."""
+    executor_helpers.finish(ex)
     ex.cache.close()
 
 
@@ -242,7 +216,7 @@ SOAK_CASES = [
 ]
 
 
-def soak_executor(page: int, io: str, layout: str, seed: int) -> OptimisticPrefillExecutor:
+def wt_soak_executor(page: int, io: str, layout: str, seed: int) -> OptimisticPrefillExecutor:
     """Small pools (device 256 tokens, host 1.5x) so eviction, host eviction and load back
     happen; side-stream copies sleep 0-1 ms (seeded) so backups and loads race."""
     args = wt_args(
@@ -250,22 +224,7 @@ def soak_executor(page: int, io: str, layout: str, seed: int) -> OptimisticPrefi
         hicache_io_backend=io, hicache_mem_layout=layout, load_back_threshold=page,
         random_seed=seed,
     )  # fmt: skip
-    delay_rng = random.Random(seed)
-    return make_executor(
-        args,
-        peer_config=PeerConfig(
-            bootstrap_delay=DelayDistribution("uniform", 0.0, 0.03),
-            bootstrap_failure_prob=0.08,
-            transfer_failure_prob=0.04,
-            force_not_ready_prob=0.15,
-            transfer_latency_s=0.002,
-            transfer_bandwidth=2e7,
-            seed=seed,
-        ),
-        cost_model=lambda n, p: 2e-5 * n + 2e-4,
-        decode_pool_size=4096,
-        cache=build_cache(args, copy_delay=lambda: delay_rng.random() * 1e-3),
-    )
+    return soak_executor(args, seed=seed, copy_delay_seed=seed)
 
 
 @pytest.mark.parametrize("page, io, layout", SOAK_CASES)
@@ -273,14 +232,9 @@ def test_soak_write_through_two_attempts(page, io, layout):
     """500 requests: random bootstrap delays, bootstrap and transfer failures, forced retries,
     peers killed at random moments. Ends with 0 speculative L2 pages (checked every step), no
     leaked slots, locks or metadata buffers, and sampled decode-side KV equal to a recompute."""
-    ex = soak_executor(page, io, layout, seed=page)
+    ex = wt_soak_executor(page, io, layout, seed=page)
     rep = run_soak(ex, SoakConfig(requests=500, seed=page, verify_every=4, max_prompt=96))
-    ex.drain_cache_events()
-    ex.check_integrity()
-    assert ex.is_idle() and not ex.requests and ex.request_owned_slots() == 0
-    assert all(node.lock_ref == 0 for node in ex.tree.all_nodes())
-    assert ex.metadata.available_size() == ex.metadata.size
-    assert ex.stats.speculative_l2_pages == 0
+    assert_drained(ex)
     assert rep.protocol_errors == [] and rep.kv_mismatches == 0 and rep.verified > 50
     assert rep.submitted == 500 and rep.successes > 250 and rep.max_attempts_used <= 2
     s, cs = ex.stats, ex.cache.stats

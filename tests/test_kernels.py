@@ -463,17 +463,18 @@ def test_kernel_skips_out_of_range_slots_when_unchecked() -> None:
     """Even past validation (e.g. CUDA without debug checks), a tensor side is never written or
     read past its end: the launcher is called directly with out-of-range indices."""
     from kernels.addressing import Part, Side
-    from kernels.launch import launch_kv_copy
+    from kernels.launch import cache_hints_supported, launch_kv_copy, plan_launch
 
     guard = torch.full((64, 8), 7, dtype=torch.uint8, device=DEVICE)
     dst = guard[:16]  # slots 16.. of `guard` lie past the end of `dst`
     src = torch.arange(16 * 8, dtype=torch.uint8, device=DEVICE).view(16, 8)
     s = torch.tensor([0, 1, 40, 2], device=DEVICE)
     d = torch.tensor([3, 20, 4, 5], device=DEVICE)
-    launch_kv_copy(
+    launch_kv_copy(plan_launch(
         Part(Side((src,), False, 8, 0, 16), Side((dst,), False, 8, 0, 16), 8, 1), s, d,
         layer_begin=0, num_layers=1, block_quota=2, num_warps=4,
-    )  # fmt: skip
+        cache_hints=cache_hints_supported(DEVICE),
+    ))  # fmt: skip
     sync()
     expected = torch.full((64, 8), 7, dtype=torch.uint8)
     expected[3], expected[5] = src[0].cpu(), src[2].cpu()

@@ -77,8 +77,8 @@ def test_no_spills_within_the_register_budget(report: dict, name: str) -> None:
 def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) -> None:
     """2 programs (SGLang's block_quota) of 32 warps, each with one 128 KiB block of loads
     outstanding; fewer items than two blocks simply use fewer programs."""
+    from kernels.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.launch import plan_launch
-    from kernels.reference import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
     from kernels.transfer import validate
 
     (call,) = [c for n, c, _ in calls() if n == f"{op}[{kv},2048B]"]

@@ -12,14 +12,9 @@ import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.memory_pool import MHATokenToKVPool
-from prefill.harness import single_torch_thread
 from prefill.model import ExtendInput, ModelConfig, PagedTransformer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)

@@ -11,35 +11,13 @@ CPU only, tiny model, virtual clock.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from prefill.bootstrap import DelayDistribution, PeerConfig
-from prefill.harness import make_executor, single_torch_thread
+from prefill.bootstrap import PeerConfig
+from prefill.harness import make_executor
 from prefill.request import Outcome
-from server_args import ServerArgs
+from tests.executor_helpers import NEVER, NOW, executor_args, prompt
 
-NEVER = DelayDistribution("fixed", 1e9)
-NOW = DelayDistribution("fixed", 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with single_torch_thread():
-        yield
-
-
-def _args(**kw) -> ServerArgs:
-    base = dict(
-        page_size=4, max_total_tokens=256, chunked_prefill_size=16, device="cpu",
-        dtype="float32", disaggregation_mode="prefill", optimistic_prefill_attempts=2,
-    )
-    base.update(kw)
-    return ServerArgs(**base)
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (n,), generator=g).tolist()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("attempts", [0, 2], ids=["plain-PD", "optimistic"])
@@ -48,11 +26,11 @@ def test_failed_earlier_chunk_transfer_aborts_instead_of_crashing_at_the_last_se
     # Step 1 computes [0, 16); step 2 sends [0, 16) at the boundary and computes [16, 24);
     # finishing, the executor sends [16, 24) to a peer that is Failed by now.
     ex = make_executor(
-        _args(optimistic_prefill_attempts=attempts),
+        executor_args(optimistic_prefill_attempts=attempts),
         peer_config=PeerConfig(bootstrap_delay=NOW, transfer_latency_s=0.0,
                                transfer_failure_prob=1.0),
     )
-    ex.submit("a", _prompt(24))
+    ex.submit("a", prompt(24))
     ex.run_until_idle(max_steps=100, check=True)  # raises RuntimeError("a: send in state Failed")
     r = ex.result("a")
     assert r.outcome == Outcome.ABORTED and "transfer" in r.error
@@ -64,11 +42,11 @@ def test_executor_never_runs_optimistically_under_write_through():
     # DESIGN.md sections 1 and 7: optimistic prefill is only allowed with L2 under write_back.
     # Forgetting --disaggregation-mode=prefill skips the gate (as upstream, where the flag is
     # then unused), but this executor still uses the attempts and speculates under write_through.
-    args = _args(disaggregation_mode="null", enable_hierarchical_cache=True)
+    args = executor_args(disaggregation_mode="null", enable_hierarchical_cache=True)
     assert args.hicache_write_policy == "write_through"
     ex = make_executor(args, peer_config=PeerConfig(bootstrap_delay=NEVER))
     try:
-        ex.submit("a", _prompt(20))
+        ex.submit("a", prompt(20))
         ex.step()
         assert ex.stats.optimistic_admissions == 0 and ex.stats.forward_passes == 0
     finally:

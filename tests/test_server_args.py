@@ -76,6 +76,19 @@ GATE_TABLE = [
     (lambda c: c["mamba"], GATE_MAMBA),
 ]
 
+# With --optimistic-prefill-write-through the hicache rule is SGLang 0.5.23's: L2 write_back and
+# write_through with no storage backend keep the attempts; the pp and mamba rules are unchanged.
+GATE_TABLE_WRITE_THROUGH = [
+    (lambda c: c["pp_size"] > 1, GATE_PP),
+    (
+        lambda c: c["hicache"]
+        and (c["storage"] is not None or c["policy"] not in ("write_back", "write_through")),
+        GATE_HICACHE_WRITE_THROUGH,
+    ),
+    (lambda c: c["mamba"], GATE_MAMBA),
+]
+GATE_TABLES = {False: GATE_TABLE, True: GATE_TABLE_WRITE_THROUGH}
+
 AXES = dict(
     mode=["null", "prefill", "decode"],
     attempts=[0, 1, 3],
@@ -88,71 +101,29 @@ AXES = dict(
 CASES = [dict(zip(AXES, values, strict=True)) for values in itertools.product(*AXES.values())]
 
 
-def _expected(case: dict) -> tuple[int, str | None]:
+def _expected(case: dict, write_through_flag: bool) -> tuple[int, str | None]:
     if case["attempts"] == 0 or case["mode"] != "prefill":
         return case["attempts"], None
-    for rule, warning in GATE_TABLE:
+    for rule, warning in GATE_TABLES[write_through_flag]:
         if rule(case):
             return 0, warning
     return case["attempts"], None
 
 
+@pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "write-through-flag"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_gate_cross_product(case):
+def test_gate_cross_product(case, flag):
     args = ServerArgs(
         disaggregation_mode=case["mode"],
         optimistic_prefill_attempts=case["attempts"],
+        optimistic_prefill_write_through=flag,
         enable_hierarchical_cache=case["hicache"],
         hicache_write_policy=case["policy"],
         hicache_storage_backend=case["storage"],
         pp_size=case["pp_size"],
         uses_mamba_radix_cache=case["mamba"],
     )
-    attempts, warning = _expected(case)
-    assert args.optimistic_prefill_attempts == attempts
-    gate = [r for r in args.resolutions if r.field == "optimistic_prefill_attempts"]
-    if warning is None:
-        assert gate == []
-    else:
-        assert gate == [Resolution("optimistic_prefill_attempts", case["attempts"], 0, warning)]
-        assert warning in args.warnings
-
-
-# With --optimistic-prefill-write-through the hicache rule is SGLang 0.5.23's: L2 write_back and
-# write_through with no storage backend keep the attempts; the pp and mamba rules are unchanged.
-GATE_TABLE_WRITE_THROUGH = [
-    (lambda c: c["pp_size"] > 1, GATE_PP),
-    (
-        lambda c: c["hicache"]
-        and (c["storage"] is not None or c["policy"] not in ("write_back", "write_through")),
-        GATE_HICACHE_WRITE_THROUGH,
-    ),
-    (lambda c: c["mamba"], GATE_MAMBA),
-]
-
-
-def _expected_write_through(case: dict) -> tuple[int, str | None]:
-    if case["attempts"] == 0 or case["mode"] != "prefill":
-        return case["attempts"], None
-    for rule, warning in GATE_TABLE_WRITE_THROUGH:
-        if rule(case):
-            return 0, warning
-    return case["attempts"], None
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_gate_cross_product_with_write_through_flag(case):
-    args = ServerArgs(
-        disaggregation_mode=case["mode"],
-        optimistic_prefill_attempts=case["attempts"],
-        optimistic_prefill_write_through=True,
-        enable_hierarchical_cache=case["hicache"],
-        hicache_write_policy=case["policy"],
-        hicache_storage_backend=case["storage"],
-        pp_size=case["pp_size"],
-        uses_mamba_radix_cache=case["mamba"],
-    )
-    attempts, warning = _expected_write_through(case)
+    attempts, warning = _expected(case, flag)
     assert args.optimistic_prefill_attempts == attempts
     gate = [r for r in args.resolutions if r.field == "optimistic_prefill_attempts"]
     if warning is None:

@@ -18,6 +18,7 @@ import torch
 
 import kernels
 from kernels import sglang_compat as compat
+from kernels.sglang_rebind import KVCACHEIO_SOURCES, imported_names
 
 MHA_SRC = """
 IS_CUDA = {cuda}
@@ -210,10 +211,10 @@ def test_imported_names_reads_nested_imports_and_filters_helpers():
             from sgl_kernel.kvcacheio import get_device_accessible_ptr
         """
     )
-    assert compat.imported_names(src, compat.KVCACHEIO_SOURCES) == {
+    assert imported_names(src, KVCACHEIO_SOURCES) == {
         "transfer_kv_per_layer", "other", "transfer_kv_direct", "get_device_accessible_ptr",
     }  # fmt: skip
-    assert compat.imported_names(src, compat.KVCACHEIO_SOURCES, module_level=True) == {
+    assert imported_names(src, KVCACHEIO_SOURCES, module_level=True) == {
         "transfer_kv_per_layer", "other", "transfer_kv_direct",
     }  # fmt: skip
 

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
     from kernels import sglang_compat as compat
+    from kernels import sglang_rebind as rebind
     from tests.sglang_check import gate, stubs, transfers
 
     out: dict[str, Any] = {"mode": args.mode, "sglang_version": compat.sglang_version()}
@@ -103,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             out["gate_traceback"] = traceback.format_exc()
     try:
         global WATCHED
-        WATCHED = (*compat.KVCACHEIO_NAMES, *compat.JIT_PREDICATES)
+        WATCHED = (*compat.KVCACHEIO_NAMES, *rebind.JIT_PREDICATES)
         if cuda_shaped:
             handle = compat.install(route_around_jit=True)
             before = _import_time_bindings(compat, handle)
         for name in HOST_POOL_MODULES:
             importlib.import_module(name)
         if not cuda_shaped:
-            before = _snapshot([m for m in sys.modules if m.startswith(compat.SCANNED_PACKAGE)])
+            before = _snapshot([m for m in sys.modules if m.startswith(rebind.SCANNED_PACKAGE)])
             handle = compat.install()
             before = {m: before[m] for m in handle.patched_modules}
         out["install"] = {
@@ -153,12 +154,14 @@ def _import_time_bindings(compat: Any, handle: Any) -> dict[str, dict[str, int |
     """What the cuda-shaped modules hold without the compat rebinding: the ops they imported
     from the registered ``sgl_kernel.kvcacheio`` (this project's) and SGLang's own JIT predicates
     (here the stub's)."""
+    from kernels import sglang_rebind as rebind
+
     ops = compat.provided_ops()
     jit = sys.modules["sglang.kernels.ops.kvcache.hicache"]
     out = {}
     for m, names in handle.patched_modules.items():
-        src = compat.module_source(m)
-        preds = compat.imported_names(src, compat.JIT_SOURCES, only_ops=False)
+        src = rebind.module_source(m)
+        preds = rebind.imported_names(src, rebind.JIT_SOURCES, only_ops=False)
         out[m] = {
             n: id(ops[n]) if n in names else (id(getattr(jit, n)) if n in preds else None)
             for n in WATCHED
