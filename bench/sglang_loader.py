@@ -9,7 +9,7 @@ check's venv (CPU torch, triton, numpy, psutil, msgspec) plus ``packaging`` (in
 benchmark -- ``radix_cache``, ``unified_radix_cache`` and its ``unified_cache`` package, the Rust
 TreeCore extension (``mem_cache/rust_tree_core/mem_cache.*.so``, compiled, shipped in the wheel),
 the allocators, ``memory_pool``, ``server_args``, ``sglang.srt.utils`` -- is SGLang's file as
-installed (290 of its modules load).
+installed (260 of its modules load unchanged).
 
 Bare packages (``__init__`` not run, submodules load from the installed files):
 
