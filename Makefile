@@ -62,7 +62,8 @@ sglang-check: $(SGLANG_VENV)/.installed
 # only. Reuses the sglang-check venv and its pin directory; adds only `packaging` (called by
 # sglang.srt.utils at import) in bench-deps/. Unrelated imports are stubbed and listed in
 # bench/sglang_loader.py. BENCH_VS_ARGS: e.g. --quick, or --steps 2000 --sizes 10000 100000.
-BENCH_VS_PIN ?= 0.5.23
+# The stub list of bench/sglang_loader.py is made for this release.
+BENCH_VS_PIN := 0.5.23
 BENCH_VS_ARGS ?= --steps 2000
 BENCH_VS_SITE := $(SGLANG_VENV)/sglang-$(BENCH_VS_PIN)
 

@@ -238,6 +238,8 @@ def run(
         from bench.cache_ops_sglang import SGLangPythonDriver, SGLangRustDriver, load_sglang
 
         sgl, version = load_sglang(sglang_site)
+        if sgl is None and sglang_site is not None:  # asked for that install: no silent fallback
+            raise RuntimeError(f"--sglang-site {sglang_site}: {version}")
         if sgl is None:
             sglang_note = version
             print(f"[cache_ops] {version}; running without SGLang")
