@@ -9,7 +9,7 @@ CPU_TORCH ?= torch==2.13.0
 # Linux torch wheel is the CUDA one). When it cannot be reached, the default index is used.
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: test bench lint clean sglang-check
+.PHONY: test bench lint clean sglang-check bench-vs-sglang
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
@@ -65,6 +65,30 @@ sglang-check: $(SGLANG_VENV)/.installed
 	done
 	PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m tests.sglang_check \
 		--venv $(SGLANG_VENV) --pins $(SGLANG_PINS)
+
+# This project's RadixCache against SGLang's own trees (its Python RadixCache and its
+# UnifiedRadixCache with the Rust TreeCore shipped in the wheel) on the bench_cache_ops trace, CPU
+# only. Reuses the sglang-check venv and its pin directory; adds only `packaging` (called by
+# sglang.srt.utils at import) in bench-deps/. Unrelated imports are stubbed and listed in
+# bench/sglang_loader.py. BENCH_VS_ARGS: e.g. --quick, or --steps 2000 --sizes 10000 100000.
+# The stub list of bench/sglang_loader.py is made for this release.
+BENCH_VS_PIN := 0.5.23
+BENCH_VS_ARGS ?= --steps 2000
+BENCH_VS_SITE := $(SGLANG_VENV)/sglang-$(BENCH_VS_PIN)
+
+$(BENCH_VS_SITE)/.done: | $(SGLANG_VENV)/.installed
+	rm -rf $(BENCH_VS_SITE)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(BENCH_VS_SITE) sglang==$(BENCH_VS_PIN)
+	@touch $@
+
+$(SGLANG_VENV)/bench-deps/.done: | $(SGLANG_VENV)/.installed
+	rm -rf $(SGLANG_VENV)/bench-deps
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(SGLANG_VENV)/bench-deps packaging
+	@touch $@
+
+bench-vs-sglang: $(BENCH_VS_SITE)/.done $(SGLANG_VENV)/bench-deps/.done
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m bench.bench_cache_ops \
+		--against-sglang --sglang-site $(BENCH_VS_SITE) $(BENCH_VS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache

@@ -225,16 +225,21 @@ def run(
     sizes: tuple[int, ...] = SIZES,
     pages: tuple[int, ...] = (1, 16),
     steps: int | None = None,
+    sglang_site: str | None = None,
 ) -> dict[str, Any]:
     """Run the trace at every size and page size (quick: 300 steady steps, the pressure
     measurements at smaller sizes; full: 3000 steps), print the tables and write
-    ``bench_cache_ops.json`` under ``out_dir``. Returns the summary dict."""
+    ``bench_cache_ops.json`` under ``out_dir``. Returns the summary dict. ``sglang_site``: load
+    SGLang from that pin directory through ``bench/sglang_loader.py`` (stubs listed)."""
     factories: list[Any] = [ProjectDriver]
     sglang_note = "not requested (--against-sglang)"
+    sgl = None
     if against_sglang:
         from bench.cache_ops_sglang import SGLangPythonDriver, SGLangRustDriver, load_sglang
 
-        sgl, version = load_sglang()
+        sgl, version = load_sglang(sglang_site)
+        if sgl is None and sglang_site is not None:  # asked for that install: no silent fallback
+            raise RuntimeError(f"--sglang-site {sglang_site}: {version}")
         if sgl is None:
             sglang_note = version
             print(f"[cache_ops] {version}; running without SGLang")
@@ -247,15 +252,29 @@ def run(
             ]
     n_steps = steps if steps is not None else (300 if quick else 3000)
     rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
+    stubs = sgl.stub_report() if sgl is not None else []
+    rust_core = None
+    if sgl is not None:
+        from bench.cache_ops_sglang import rust_core_file
+
+        rust_core = rust_core_file()
+        print(f"[cache_ops] SGLang Rust TreeCore: {rust_core}")
     _print_rows(rows)
     targets = _targets(rows)
     _print_targets(targets)
+    if stubs:
+        from bench.sglang_loader import stub_lines
+
+        print("SGLang imports replaced (everything else is SGLang's installed code):")
+        print("\n".join(stub_lines(stubs)))
     curve = _curve(rows)
     pressure = run_pressure(quick)
     largest = [r for r in rows if r["tokens"] == max(sizes)]
     result = {
         "unit": "microseconds per call",
         "sglang": sglang_note,
+        "sglang_stubs": stubs,
+        "sglang_rust_core": rust_core,
         "rows": rows,
         "targets": targets,
         "eviction_curve": curve,
@@ -286,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, nargs="*", default=[1, 16], help="Page sizes.")
     parser.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument(
+        "--sglang-site",
+        default=None,
+        help="Load SGLang from this pin directory (pip --no-deps --target), unrelated imports "
+        "stubbed (bench/sglang_loader.py); default: SGLang as installed.",
+    )
     args = parser.parse_args(argv)
     run(
         quick=args.quick,
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes=tuple(args.sizes),
         pages=tuple(args.pages),
         steps=args.steps,
+        sglang_site=args.sglang_site,
     )
     return 0
 

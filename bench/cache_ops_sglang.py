@@ -1,7 +1,9 @@
 """SGLang's own radix trees as drivers of the ``bench_cache_ops`` trace (``--against-sglang``).
 
-Loads SGLang when it is importable (a release wheel installed without its dependency tree plus
-the small packages its ``mem_cache`` modules import; see ``load_sglang``) and wraps:
+Loads SGLang either as installed in this environment (nothing replaced) or, with ``site``, from a
+release installed without its dependency tree (``make bench-vs-sglang``: the pin directory of
+``make sglang-check``, with the unrelated imports stubbed as listed in ``bench/sglang_loader.py``),
+and wraps:
 
 - ``SGLangPythonDriver``: ``sglang.srt.mem_cache.radix_cache.RadixCache`` with SGLang's own
   allocator (``TokenToKVPoolAllocator`` at page 1, ``PagedTokenToKVPoolAllocator`` otherwise)
@@ -9,16 +11,22 @@ the small packages its ``mem_cache`` modules import; see ``load_sglang``) and wr
 - ``SGLangRustDriver``: ``UnifiedRadixCache`` (SGLang's default tree since 0.5.2x) with its
   Rust TreeCore (``tree_core_backend="rust"``), same allocator.
 
-Nothing of SGLang is stubbed or patched: if an import fails, ``load_sglang`` says which and the
-benchmark runs without SGLang. Keys are handed to SGLang as ``RadixKey(array("q", ...))`` built
-outside the timed region (SGLang's scheduler builds them per request, so SGLang's times here are
-a lower bound). "match" includes ``path_device_indices`` of the matched node, which is what the
-scheduler reads after a match in 0.5.23 (its ``MatchResult`` carries a length, not indices).
+SGLang's tree, allocator and pool code runs as installed, unpatched (with ``site``, only modules
+unrelated to the trees are stubbed, and any stub called raises); if an import fails,
+``load_sglang`` says which and the benchmark runs without SGLang. Keys are handed to SGLang as
+``RadixKey(array("q", ...))`` built outside the timed region (SGLang's scheduler builds them per
+request, so SGLang's times here are a lower bound). "match" includes ``path_device_indices`` of
+the matched node, which is what the scheduler reads after a match in 0.5.23 (its
+``MatchResult`` carries a length, not indices). No ``ServerArgs`` is published: with HiCache and
+metrics off the trees read no runtime-context config (an unpublished config raises
+``ValueError`` in 0.5.23, so a read would stop the run), and publishing one resolves a model
+config (transformers).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from array import array
 from typing import Any
 
@@ -30,25 +38,48 @@ SGLANG_NAMES = {
     "sglang.srt.mem_cache.cache_init_params": ("CacheInitParams",),
     "sglang.srt.mem_cache.radix_cache": ("RadixCache", "RadixKey"),
     "sglang.srt.mem_cache.base_prefix_cache": ("MatchPrefixParams", "InsertParams", "EvictParams"),
-    "sglang.srt.server_args": ("ServerArgs", "set_global_server_args_for_scheduler"),
     "sglang.srt.mem_cache.unified_radix_cache": ("UnifiedRadixCache",),
     "sglang.srt.mem_cache.unified_cache.component_type": ("ComponentType",),
 }
 """The SGLang names the drivers use, by module (imported in this order)."""
 
 
-def load_sglang() -> tuple[Any, str]:
-    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``."""
+def load_sglang(site: str | None = None) -> tuple[Any, str]:
+    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``.
+
+    ``site``: a pin directory (``pip install --no-deps --target``); SGLang is then loaded through
+    :mod:`bench.sglang_loader`; the namespace's ``stub_report()`` lists every replacement used
+    so far (empty without ``site``)."""
+    finder = None
     try:
+        if site is not None:
+            from bench import sglang_loader
+
+            finder = sglang_loader.install(site)
         sglang = importlib.import_module("sglang")
-        ns = {
+        ns: dict[str, Any] = {
             name: getattr(importlib.import_module(module), name)
             for module, names in SGLANG_NAMES.items()
             for name in names
         }
+        ns["stub_report"] = staticmethod(
+            (lambda: []) if finder is None else (lambda: sglang_loader.stub_report(finder))
+        )
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
         return None, f"SGLang is not importable here ({type(exc).__name__}: {exc})"
-    return type("SGLang", (), ns), getattr(sglang, "__version__", "unknown")
+    version = getattr(sglang, "__version__", None)  # a bare package has none
+    if version is None:
+        version = getattr(importlib.import_module("sglang.version"), "__version__", "unknown")
+    return type("SGLang", (), ns), version
+
+
+RUST_CORE_MODULE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
+
+
+def rust_core_file() -> str | None:
+    """The file of SGLang's compiled Rust TreeCore extension this process loaded (or None)."""
+    module = sys.modules.get(RUST_CORE_MODULE)
+    return getattr(module, "__file__", None)
 
 
 def _allocator(sgl: Any, pool_tokens: int, page_size: int) -> Any:
@@ -81,8 +112,6 @@ class _SGLangDriver:
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         self.sgl = sgl
-        args = sgl.ServerArgs(model_path="dummy", page_size=page_size)
-        sgl.set_global_server_args_for_scheduler(args)
         self.allocator = _allocator(sgl, pool_tokens, page_size)
         self.page_size = page_size
 

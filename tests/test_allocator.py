@@ -63,6 +63,37 @@ def test_bad_free_raises_and_changes_nothing(bad) -> None:
     a.check_integrity()
 
 
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda x: x[2:6], "not allocated"),  # ascending, pages 3 and 4 already free
+        (lambda x: x[[5, 2]], "not allocated"),  # descending, page 3 already free
+        (lambda x: x[[5, 4, 5]], "twice"),  # out of order with a repeat
+        (lambda x: torch.tensor([17]), "out of range"),  # one page past the end
+        (lambda x: torch.tensor([6, 0]), "out of range"),  # descending onto the padding page
+        (lambda x: x[[6, 6]], "twice"),  # a page twice in a row
+    ],
+)
+def test_free_at_page_one_checks_every_order(make, error) -> None:
+    a = TokenToKVPoolAllocator(16, 1, "cpu")
+    x = a.alloc(8)  # slots 1..8, ascending
+    a.free(x[2:4])
+    before = (a.available_size(), a._state.clone())
+    with pytest.raises(ValueError, match=error):
+        a.free(make(x))
+    assert a.available_size() == before[0] and torch.equal(a._state, before[1])
+    a.free(x[[7, 6, 5]])  # a valid free out of order is accepted
+    a.free(x[[4]])
+    a.free_group_begin()
+    a.free(x[[0]])
+    with pytest.raises(ValueError, match="not allocated"):  # pending in the open group
+        a.free(x[[0]])
+    a.free_group_end()
+    a.free(x[[1]])
+    assert a.available_size() == 16
+    a.check_integrity()
+
+
 def test_free_group_returns_pages_at_end() -> None:
     a = TokenToKVPoolAllocator(8, 1, "cpu", reserve_padding=False)
     x = a.alloc(8)
