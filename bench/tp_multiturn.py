@@ -120,8 +120,9 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
                 skipped.append(f"{name}/seed{seed}")
                 continue
             t0 = time.perf_counter()
+            virtual_cal = cal if opts.clock == "virtual" else None
             results[name] = run_config_tp(name, seed, device_tokens, rate, opts, model,
-                                          cal if opts.clock == "virtual" else None, group)  # fmt: skip
+                                          virtual_cal, group)  # fmt: skip
             slowest = max(slowest, time.perf_counter() - t0)
             free_memory()
             if rank == 0:

@@ -273,7 +273,14 @@ class OptimisticPrefillExecutor:
         changed. Blocks only for the forward pass (and for write_back eviction copies; under
         tensor parallelism for the group's collectives)."""
         self._sync()
-        return self._step()
+        try:
+            return self._step()
+        finally:
+            self._release_clock()
+
+    def _release_clock(self) -> None:
+        if isinstance(self.clock, AgreedClock):
+            self.clock.release()
 
     def _sync(self) -> bool:
         """Tensor parallelism: rank 0's requests, releases and clock reading on every rank.
@@ -336,6 +343,12 @@ class OptimisticPrefillExecutor:
         are in flight; never steps in place. ``check`` runs ``check_integrity`` after every
         step. Raises ``RuntimeError`` when nothing can change any more (no step progress, no
         peer event ahead, no copy in flight) or after ``max_steps``."""
+        try:
+            self._run_until_idle(max_steps, check)
+        finally:
+            self._release_clock()
+
+    def _run_until_idle(self, max_steps: int, check: bool) -> None:
         due_now = 0
         for _ in range(max_steps):
             self._sync()

@@ -44,10 +44,12 @@ class AgreedClock:
     ``set_base(t)`` (at every step's start, with the time rank 0 broadcast) fixes ``now()``
     for the step on every rank. On a virtual inner clock, time then moves with the step's
     ``advance`` calls (identical on every rank: the same cost model over the same batches); on
-    wall time ``now()`` stays at the step's start. ``live_now()`` is rank 0's own reading (for
-    submit times and what it broadcasts). ``wait_until(t)``: a virtual clock jumps; on wall time
-    rank 0 sleeps (its clock defines the time) and the other ranks return at once (they wait in
-    the next step's broadcast).
+    wall time ``now()`` stays at the step's start until ``release()`` (the executor calls it
+    when ``step`` returns to its caller), after which rank 0 reads its own clock again (a driver
+    on rank 0 sees live time; the other ranks keep the step's). ``live_now()`` is rank 0's own
+    reading (submit times, what it broadcasts). ``wait_until(t)``: a virtual clock jumps; on
+    wall time rank 0 sleeps (its clock defines the time) and the other ranks return at once
+    (they wait in the next step's broadcast).
     """
 
     def __init__(self, inner: Any, group: TPGroup) -> None:
@@ -56,14 +58,21 @@ class AgreedClock:
         self.is_virtual = bool(getattr(inner, "is_virtual", False))
         self._base = float(inner.now())
         self._inner_base = self._base
+        self._live = True
 
     def set_base(self, t: float) -> None:
         self._base = float(t)
         self._inner_base = float(self.inner.now())
+        self._live = False
+
+    def release(self) -> None:
+        self._live = True
 
     def now(self) -> float:
         if self.is_virtual:
             return self._base + (self.inner.now() - self._inner_base)
+        if self._live and self.group.rank == 0:
+            return float(self.inner.now())
         return self._base
 
     def live_now(self) -> float:

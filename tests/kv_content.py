@@ -71,7 +71,8 @@ def expected_kv(
         raise ValueError(f"tokens ({tok.numel()}) and positions ({pos.numel()}) differ in length")
     parts, heads, dim, dtype, _ = _geometry(pool)
     base = _hash(tok * 1_000_003 + pos * 7_919 + layer * 104_729)[:, None, None]
-    hd = (torch.arange(head_offset, head_offset + heads)[:, None] * 4099 + torch.arange(dim)[None, :] * 131)[None]
+    head_ids = torch.arange(head_offset, head_offset + heads)
+    hd = (head_ids[:, None] * 4099 + torch.arange(dim)[None, :] * 131)[None]
     out = []
     for part in range(parts):
         h = _hash(base + hd + part * 15_485_863)
