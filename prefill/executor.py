@@ -262,7 +262,8 @@ class OptimisticPrefillExecutor:
 
     def release_received(self, rid: str) -> None:
         """Free the decode side's kept KV of ``rid`` (``DecodeSide.release``); under tensor
-        parallelism rank 0 asks and every rank frees its own at the next step."""
+        parallelism rank 0 asks and every rank frees its own at the next step (on the other
+        ranks this call does nothing: rank 0's request reaches them)."""
         if self.inputs is None:
             self.decode.release(rid)
         elif self.group.rank == 0:

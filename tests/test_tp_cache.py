@@ -378,6 +378,13 @@ def test_injected_rank_local_decisions_are_caught():
             assert kind == "CollectiveMismatchError", (how, caught)
 
 
+def test_tp_model_needs_the_process_group():
+    from prefill.model import build_model
+
+    with pytest.raises(ValueError, match="tp_size: --tp-size=2 needs an initialized default"):
+        build_model(ServerArgs(device="cpu", tp_size=2))
+
+
 def test_single_rank_cache_needs_no_group_and_tp_needs_one():
     args = ServerArgs(device="cpu", num_layers=2, head_dim=4, max_total_tokens=64,
                       enable_hierarchical_cache=True)  # fmt: skip

@@ -77,6 +77,18 @@ def _serve(rank: int, world: int, policy: str) -> dict[str, Any]:
     group = new_cache_group()
     ex = _executor(rank, policy, group, latency_s=0.002 + 0.004 * rank)
     args = ex.args
+    if rank == 0:  # who may do what
+        peer = ex.decode.create_peer("x", 3)
+        with pytest.raises(ValueError, match="peer: under tensor parallelism"):
+            ex.submit("x", [1, 2, 3], peer=peer)
+        peer.fail()  # and forgotten by the decode side
+        with pytest.raises(ValueError, match="follow: only ranks other than 0"):
+            ex.follow()
+    else:
+        with pytest.raises(ValueError, match=f"submit: rank {rank} of a tensor-parallel group"):
+            ex.submit("x", [1, 2, 3])
+        with pytest.raises(ValueError, match="stop_followers: only rank 0"):
+            ex.stop_followers()
     held_back = [0]
     agree = group.agree_min_many
 
