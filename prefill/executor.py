@@ -70,11 +70,11 @@ from typing import Any
 
 import torch
 
+from hicache.tp_group import SingleRankGroup, TPGroup
 from prefill.admission import AdmissionQueue
 from prefill.batch import Batch, BatchRunner, CostModel
 from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
 from prefill.clock import Clock, WallClock
-from hicache.tp_group import SingleRankGroup, TPGroup
 from prefill.gate import check_gate, log_gate_once, resolved_attempts
 from prefill.inflight import InflightQueue
 from prefill.integrity import check_executor
