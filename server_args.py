@@ -185,6 +185,12 @@ class ServerArgs:
         "tree once, at finalize. Off = the earlier gate (optimism only with L2 write_back).",
     )
     pp_size: int = _opt(1, "Pipeline parallel size (accepted for validation; not implemented).")
+    tp_size: int = _opt(
+        1,
+        "Tensor parallel size: ranks that split the attention heads, the MLP columns and the KV "
+        "heads (each rank's device and host pools hold its KV heads). One process per rank "
+        "(torchrun); cache decisions are agreed over a gloo group.",
+    )
 
     # Failure injection (test hooks, as upstream's tests use).
     disaggregation_force_not_ready_prob: float = _opt(
@@ -289,6 +295,8 @@ class ServerArgs:
         positive("page_size")
         positive("max_total_tokens")
         positive("pp_size")
+        positive("tp_size")
+        errors.extend(self._tp_errors())
         positive("max_running_requests", allow_none=True)
         non_negative_int("load_back_threshold")
         non_negative_int("random_seed")
@@ -359,6 +367,33 @@ class ServerArgs:
         ):
             probability(name)
         return errors
+
+    def _tp_errors(self) -> list[str]:
+        """The geometry ``--tp-size`` must split (the same rules and words as
+        ``prefill.tp_model.TPShard.plan``): query heads and intermediate size divisible by it;
+        KV heads divisible by it (split) or dividing it (each KV head replicated on
+        ``tp_size // head_num`` ranks). An MLA latent is not split (every rank holds it)."""
+        tp = self.tp_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
+            return []
+        out = []
+        hq, hkv, inter = self.num_attention_heads, self.head_num, self.intermediate_size
+        if isinstance(hq, int) and hq > 0 and hq % tp:
+            out.append(f"tp_size={tp} must divide num_attention_heads={hq}")
+        if isinstance(inter, int) and inter > 0 and inter % tp:
+            out.append(f"tp_size={tp} must divide intermediate_size={inter}")
+        if not self.use_mla and isinstance(hkv, int) and hkv > 0 and hkv % tp and tp % hkv:
+            out.append(
+                f"tp_size={tp} must divide num_kv_heads={hkv} (heads split) or be a multiple "
+                "of it (heads replicated)"
+            )
+        return [f"--tp-size: {e}" for e in out]
+
+    def kv_heads_per_rank(self) -> int:
+        """KV heads one tensor-parallel rank's pools hold: ``head_num / tp_size`` when the heads
+        are split, 1 when ``tp_size`` exceeds ``head_num`` (each head replicated)."""
+        tp = self.tp_size
+        return self.head_num // tp if tp <= self.head_num else 1
 
     # ------------------------------------------------------------------ resolutions
     def _handle_hicache_layout(self) -> None:

@@ -211,6 +211,10 @@ def pool_sizes(opts: argparse.Namespace) -> tuple[int, int]:
 def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
     """Every configuration under every seed; returns the summary keyed by configuration."""
     opts = parse_args(argv or [], quick)
+    if opts.tp > 1:  # the same trace on tensor-parallel ranks
+        from bench.tp_multiturn import run_tp
+
+        return run_tp(opts, out_dir)
     working_set, device_tokens = pool_sizes(opts)
     ratio = working_set / device_tokens
     note = cpu_note()
@@ -304,6 +308,7 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=512 if not on_cuda() else 4096)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel ranks (bench/tp_multiturn).")
     add_common_args(p, size["seeds"], size["kv_sample_every"])
     opts = p.parse_args(argv)
     if "device_only" not in opts.configs:

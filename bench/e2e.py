@@ -248,7 +248,7 @@ class Driver:
                 if self._successes % self.kv_sample_every == 1 or self.kv_sample_every == 1:
                     self.run.sampled.append(rid)
                 else:
-                    self.ex.decode.release(rid)
+                    self.ex.release_received(rid)  # (every rank's decode side under TP)
             on_result(res)
 
     def drive(

@@ -2,19 +2,28 @@
 
 ``build_kv_cache(args)`` is the one place that turns flags into objects, so the executor, the
 benches and the tests all get the same cache for the same flags.
+
+With ``--tp-size N`` every rank calls ``build_kv_cache(args, group=...)`` with the cache group
+(``hicache.tp_group.new_cache_group()``): its pools hold its ``args.kv_heads_per_rank()`` KV
+heads (an MLA latent is held whole by every rank), the host pool's token capacity is agreed at
+start-up (the smallest any rank could build; a rank that cannot build one fails every rank), and
+the controller and tree agree every rank-local input on the group (``hiradix_transfers``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
 from hicache.hiradix_cache import HiRadixCache
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.radix_cache import RadixCache
 from hicache.stats import CacheStats
+from hicache.tp_group import SingleRankGroup, TPGroup
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
@@ -34,6 +43,8 @@ class KVCache:
     ``controller`` are then ``None``) and a ``HiRadixCache`` when it is on; both take the same
     calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
     when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
+    ``group``: the tensor-parallel cache group (``SingleRankGroup`` for one rank); ``stats``
+    are this rank's.
     """
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool
@@ -42,6 +53,7 @@ class KVCache:
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None
     controller: HiCacheController | None
     stats: CacheStats
+    group: TPGroup = field(default_factory=SingleRankGroup)
 
     @property
     def hierarchical(self) -> bool:
@@ -55,10 +67,42 @@ class KVCache:
         """
         self.tree.check_integrity(request_owned=request_owned)
 
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
+        short; ``None`` when even eviction cannot make room. Every decision is the group's:
+        room is ``agree_all`` of each rank's, the tokens to evict the largest any rank needs,
+        so every rank allocates or gives up together and evicts the same leaves. May block
+        while write_back backs up an evicted leaf (and on the group's collectives)."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        g, alloc = self.group, self.allocator
+        if not g.agree_all(alloc.can_alloc(n), tag="alloc_device_room"):
+            need = g.agree_max(n - alloc.available_size(), tag="alloc_device_evict")
+            self.tree.evict(need)
+            if not g.agree_all(alloc.can_alloc(n), tag="alloc_device_room_after_evict"):
+                return None
+        slots = alloc.alloc(n)
+        if slots is None:
+            raise RuntimeError(
+                f"rank {g.rank}: {alloc.available_size()} free device slots for {n} after the "
+                "group agreed there was room (allocators diverged)"
+            )
+        return slots
+
     def close(self) -> None:
         """Finish queued copies and stop the CPU stream threads (no-op when off or on CUDA)."""
         if self.controller is not None:
             self.controller.close()
+
+
+# Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
+# pool's size may differ: its capacity is agreed).
+SAME_ON_EVERY_RANK = (
+    "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
+    "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
+    "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "dtype",
+)  # fmt: skip
 
 
 def build_kv_cache(
@@ -66,6 +110,7 @@ def build_kv_cache(
     *,
     copy_delay: Delay = 0.0,
     streams: CudaStreams | CpuStreams | None = None,
+    group: TPGroup | None = None,
 ) -> KVCache:
     """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
     with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
@@ -74,28 +119,48 @@ def build_kv_cache(
 
     ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
     ``streams``: stream factory to use instead of the default for the device.
+    ``group``: the cache group of ``args.tp_size`` ranks (required when it is > 1; every rank
+    calls this, in the same order): pools of this rank's KV heads, the flags in
+    ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
+    capacity agreed (see the module docstring).
 
     Raises ``ValueError`` for configurations the runtime cannot run (an L3 storage backend,
-    ``pp_size > 1``, mamba models, ``disable_radix_cache``) and for a host pool larger than
-    the RAM that may be used. Allocates everything up front; nothing blocks afterwards.
+    ``pp_size > 1``, mamba models, ``disable_radix_cache``), for a host pool larger than the RAM
+    that may be used (on every rank, when any rank's is), and for a group that does not match
+    ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """
     args.check_runtime_supported()
+    tp_size = getattr(args, "tp_size", 1)
+    if group is None:
+        if tp_size > 1:
+            raise ValueError(
+                f"group: --tp-size={tp_size} needs the cache group of its ranks "
+                "(hicache.tp_group.new_cache_group())"
+            )
+        group = SingleRankGroup()
+    if group.size != tp_size:
+        raise ValueError(f"group has {group.size} ranks, --tp-size={tp_size}")
+    group.assert_same("server_args", {k: getattr(args, k, None) for k in SAME_ON_EVERY_RANK})
     device = args.resolved_device()
-    pool_cls = MLATokenToKVPool if args.use_mla else MHATokenToKVPool
-    device_pool = pool_cls.from_server_args(args)
+    if args.use_mla:
+        device_pool = MLATokenToKVPool.from_server_args(args)
+    else:
+        device_pool = MHATokenToKVPool(
+            size=args.max_total_tokens, page_size=args.page_size, dtype=args.torch_dtype(),
+            head_num=args.kv_heads_per_rank() if tp_size > 1 else args.head_num,
+            head_dim=args.head_dim, layer_num=args.num_layers, device=device,
+            v_head_dim=getattr(args, "v_head_dim", None),
+        )  # fmt: skip
     allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, device)
     stats = CacheStats()
     if not args.enable_hierarchical_cache:
         tree = RadixCache(allocator, args.page_size, device)
         logger.info("KV cache: device only, %d tokens, page %d", allocator.size, args.page_size)
-        return KVCache(device_pool, allocator, tree, None, None, stats)
+        return KVCache(device_pool, allocator, tree, None, None, stats, group)
 
     from hicache.controller import HiCacheController
-    from hicache.memory_pool_host import make_host_pool
 
-    host_pool = make_host_pool(
-        device_pool, args.hicache_ratio, args.hicache_size, args.hicache_mem_layout
-    )
+    host_pool = _agreed_host_pool(args, device_pool, group)
     controller = HiCacheController(
         allocator,
         device_pool,
@@ -104,6 +169,7 @@ def build_kv_cache(
         streams=streams,
         copy_delay=copy_delay,
         stats=stats,
+        group=group,
     )
     tree = HiRadixCache(
         controller,
@@ -114,7 +180,8 @@ def build_kv_cache(
         stats=stats,
     )
     logger.info(
-        "KV cache: device %d + host %d tokens, page %d, %s, %s/%s",
+        "KV cache%s: device %d + host %d tokens, page %d, %s, %s/%s",
+        f" (tp rank {group.rank}/{group.size})" if group.size > 1 else "",
         allocator.size,
         host_pool.size,
         args.page_size,
@@ -122,4 +189,39 @@ def build_kv_cache(
         args.hicache_mem_layout,
         args.hicache_io_backend,
     )
-    return KVCache(device_pool, allocator, tree, host_pool, controller, stats)
+    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group)
+
+
+def _agreed_host_pool(
+    args: ServerArgs, device_pool: MHATokenToKVPool | MLATokenToKVPool, group: TPGroup
+) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
+    """This rank's host pool, of the token capacity every rank agreed on: the smallest any rank
+    built (from its own ``hicache_ratio`` / ``hicache_size`` and RAM). A rank whose pool could
+    not be built (RAM) makes every rank raise ``ValueError``, instead of leaving the others
+    waiting in the next collective."""
+    from hicache.memory_pool_host import make_host_pool
+
+    layout = args.hicache_mem_layout
+    host_pool, error = None, None
+    try:
+        host_pool = make_host_pool(device_pool, args.hicache_ratio, args.hicache_size, layout)
+    except ValueError as exc:
+        error = exc
+    if not group.agree_all(error is None, tag="host_pool_built"):
+        if host_pool is not None:
+            host_pool.destroy()
+        raise ValueError(
+            f"host pool: {error if error is not None else 'another rank could not build its'}"
+        ) from error
+    assert host_pool is not None
+    size = group.agree_min(host_pool.size, tag="host_pool_tokens")
+    if size != host_pool.size:
+        logger.warning(
+            "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
+            group.rank, host_pool.size, size,
+        )  # fmt: skip
+        host_pool.destroy()
+        # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
+        host_pool = make_host_pool(device_pool, (size + 0.5) / device_pool.size, 0.0, layout)
+        assert host_pool.size == size, (host_pool.size, size)
+    return host_pool

@@ -18,6 +18,23 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
 
 Acks are ``HiCacheAck(start_event, finish_event, node_ids, ...)``, completed in launch order.
 
+Tensor parallelism: each rank has its own controller over its shard of the KV heads, and its
+copies finish at their own pace. Two things here are rank-local and are agreed on the
+controller's ``group`` (``hicache.tp_group``; ``SingleRankGroup`` at ``tp_size`` 1, where every
+agreement is the identity):
+
+- whether a pool has room: ``write`` reserves host space and ``load`` device space on every
+  rank (a capacity check that holds until the commit: nothing else allocates in between on the
+  one scheduler thread), agrees (``agree_all``), then commits everywhere (allocates, launches)
+  or aborts everywhere (returns ``None``). A commit whose allocation fails after the group
+  agreed there was room raises ``RuntimeError`` (the ranks' allocators diverged).
+- how many acks finished: ``count_finished_writes`` / ``count_finished_loads`` count this
+  rank's leading finished acks; the tree agrees the minimum over ranks and pops exactly that
+  many with ``writing_check(n)`` / ``loading_check(n)`` (``hiradix_transfers``).
+
+Everything else (which slots a free defers, which acks ``wait_write`` pops) follows from the
+same calls in the same order on every rank, so both allocators stay identical across ranks.
+
 Whether a freed slot is still in use is answered by per-page busy counts (``BusyPages``: raised
 at launch or queueing, lowered when the ack is popped), so a free costs O(freed pages) whatever
 the number of copies in flight.
@@ -52,6 +69,7 @@ from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
 from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.streams import CpuStreams, CudaStreams, Delay, Event, make_streams
+from hicache.tp_group import SingleRankGroup, TPGroup
 
 __all__ = [
     "HiCacheAck",
@@ -97,6 +115,8 @@ class HiCacheController:
         copy_delay: CPU only, when ``streams`` is not given: seconds (or a callable) slept
             before every copy on the side streams, to widen race windows in tests.
         stats: receives bytes moved and copy time as acks complete.
+        group: the tensor-parallel cache group that agrees room in the pools (module doc);
+            ``None``: a single rank.
     """
 
     def __init__(
@@ -108,6 +128,7 @@ class HiCacheController:
         streams: CudaStreams | CpuStreams | None = None,
         copy_delay: Delay = 0.0,
         stats: CacheStats | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         if (host_pool.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
             raise ValueError(
@@ -129,6 +150,7 @@ class HiCacheController:
         self.page_size = host_pool.page_size
         self.layer_num = device_pool.layer_num
         self.device = device_pool.device
+        self.group = group if group is not None else SingleRankGroup()
         self.stats = stats if stats is not None else CacheStats()
         self.streams = streams if streams is not None else make_streams(self.device, copy_delay)
         self.write_stream = self.streams.new_stream()
@@ -149,10 +171,11 @@ class HiCacheController:
         """Back up device slots to freshly allocated host slots; launches at once.
 
         Returns the host slots (CPU int64, same order as ``device_indices``) or ``None`` when the
-        host pool is short (nothing changes). Raises ``ValueError`` for malformed indices or
-        slots that a queued, unstarted load will write (their content does not exist yet).
-        The copy starts on the write stream after an event recorded now on the compute stream
-        (so it reads what the forward wrote). Never blocks.
+        host pool is short on any rank of the group (nothing changes). Raises ``ValueError`` for
+        malformed indices or slots that a queued, unstarted load will write (their content does
+        not exist yet). The copy starts on the write stream after an event recorded now on the
+        compute stream (so it reads what the forward wrote). Never blocks, except for the
+        group's agreement on room (a collective when ``tp_size > 1``).
         The host copy is readable only after this write's ack (``writing_check``).
         """
         check_indices("device_indices", device_indices, self.page_size)
@@ -165,9 +188,10 @@ class HiCacheController:
                 "device_indices include slots of a queued load that has not started; "
                 "call start_loading() first"
             )
-        host_indices = self.host_allocator.alloc(device_indices.numel())
-        if host_indices is None:
+        n = device_indices.numel()
+        if not self.group.agree_all(self.host_allocator.can_alloc(n), tag="hicache_write_room"):
             return None
+        host_indices = self._commit_alloc(self.host_allocator, n, "host")
         if host_indices.numel() == 0:
             return host_indices
         start = self.streams.new_event(enable_timing=True)
@@ -198,11 +222,19 @@ class HiCacheController:
         )
         return host_indices
 
-    def writing_check(self) -> list[int]:
-        """Pop finished backups in launch order (stops at the first unfinished one); returns
-        their node ids. Never blocks. Releases deferred frees that no copy uses any more."""
+    def count_finished_writes(self) -> int:
+        """Leading backups (launch order) whose copy finished on this rank; 0 for an empty
+        queue. Never blocks. The tree agrees the minimum over ranks and pops that many."""
+        return _count_finished(self.ack_write_queue)
+
+    def writing_check(self, n: int | None = None) -> list[int]:
+        """Pop the first ``n`` backups in launch order (``None``: every leading finished one);
+        returns their node ids. Releases deferred frees that no copy uses any more. Never
+        blocks for an agreed ``n`` (at most ``count_finished_writes()``); a larger one waits for
+        those copies. ``ValueError`` when ``n`` exceeds the queue."""
+        count = self._check_count(n, self.ack_write_queue, self.count_finished_writes)
         done: list[int] = []
-        while self.ack_write_queue and self.ack_write_queue[0].finish_event.query():
+        for _ in range(count):
             done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
         self._release_deferred()
         return done
@@ -228,16 +260,18 @@ class HiCacheController:
         """Allocate device slots for ``host_indices`` and queue their H2D copy.
 
         Returns the device slots (int64 on the device, same order) or ``None`` when the device
-        pool is short (nothing changes). Nothing moves until ``start_loading()``. Never blocks.
+        pool is short on any rank of the group (nothing changes). Nothing moves until
+        ``start_loading()``. Never blocks, except for the group's agreement on room.
         """
         check_indices("host_indices", host_indices, self.page_size)
         if host_indices.numel() and (
             int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
         ):
             raise ValueError(f"host_indices out of range [0, {self.host_pool.size})")
-        device_indices = self.device_allocator.alloc(host_indices.numel())
-        if device_indices is None:
+        n = host_indices.numel()
+        if not self.group.agree_all(self.device_allocator.can_alloc(n), tag="hicache_load_room"):
             return None
+        device_indices = self._commit_alloc(self.device_allocator, n, "device")
         host_indices = host_indices.cpu()
         usage = CopyUsage(device_indices, host_indices, host_written=False)
         self._busy.add(usage)
@@ -287,10 +321,17 @@ class HiCacheController:
         self.layer_done_counter.set_consumer(pid)
         return pid
 
-    def loading_check(self) -> list[int]:
-        """Pop finished loads in launch order; returns their node ids. Never blocks."""
+    def count_finished_loads(self) -> int:
+        """Leading loads (launch order) whose copy finished on this rank; 0 for an empty queue.
+        Never blocks."""
+        return _count_finished(self.ack_load_queue)
+
+    def loading_check(self, n: int | None = None) -> list[int]:
+        """Pop the first ``n`` loads in launch order (``None``: every leading finished one);
+        returns their node ids. Never blocks for an agreed ``n`` (as ``writing_check``)."""
+        count = self._check_count(n, self.ack_load_queue, self.count_finished_loads)
         done: list[int] = []
-        while self.ack_load_queue and self.ack_load_queue[0].finish_event.query():
+        for _ in range(count):
             ack = self.ack_load_queue.popleft()
             done.extend(self._complete(ack, "h2d"))
             self.layer_done_counter.release(ack.producer_id)
@@ -385,6 +426,24 @@ class HiCacheController:
             self.load_stream.synchronize()
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _check_count(n: int | None, queue: deque[HiCacheAck], finished) -> int:
+        if n is None:
+            return finished()
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
+            raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
+        return n
+
+    def _commit_alloc(self, allocator: TokenToKVPoolAllocator, n: int, tier: str) -> torch.Tensor:
+        """The allocation every rank agreed there was room for."""
+        slots = allocator.alloc(n)
+        if slots is None:
+            raise RuntimeError(
+                f"rank {self.group.rank}: the {tier} pool has {allocator.available_size()} free "
+                f"slots for {n} after the group agreed there was room (allocators diverged)"
+            )
+        return slots
+
     def _nbytes(self, indices: torch.Tensor) -> int:
         return indices.numel() * self.host_pool.size_per_token
 
@@ -417,3 +476,12 @@ class HiCacheController:
             self._deferred_device.release(self._busy.device_busy)
         if self._deferred_host.held:
             self._deferred_host.release(self._busy.host_busy)
+
+
+def _count_finished(queue: deque[HiCacheAck]) -> int:
+    n = 0
+    for ack in queue:
+        if not ack.finish_event.query():
+            break
+        n += 1
+    return n

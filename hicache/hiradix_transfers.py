@@ -10,6 +10,33 @@ the write policy's decision, in ``hiradix_cache.py``; the controller moves the b
 
 ``HiRadixTransfers`` is the base of ``HiRadixCache`` and is not built on its own: it uses the
 subclass's attributes (declared below) and its ``evict`` / ``evict_host``.
+
+Tensor parallelism (the controller's ``group``): every rank holds an identical tree over its
+own shard of the KV heads. The tree changes only through calls every rank makes in the same
+order with the same arguments, and every input that is rank-local is agreed first:
+
+==========================  ===============================================================
+decision                    agreed input (collective on the cache group)
+==========================  ===============================================================
+acks applied each tick      ``agree_min_many([finished writes, finished loads])``: every rank
+                            enters it every tick (0 for an empty queue, no early return) and
+                            pops exactly that many of each (``check_hicache_events``)
+backup started / skipped    host room, reserved on every rank then ``agree_all``
+                            (``controller.write``); a refusal is one on every rank, so every
+                            rank runs the same ``evict_host`` and the same retry
+load back started / not     device room, ``agree_all`` of the reservation (a group-agreed
+                            capacity snapshot, ``controller.load``); without room every rank
+                            runs the same ``evict`` and the same retry, else all recompute
+device / host eviction      none needed: identical trees and arguments pop the same LRU
+                            leaves; under write_back each backup's result is agreed (above)
+                            and ``wait_write`` waits for the same backups on every rank
+device slots for requests   ``KVCache.alloc_device``: ``agree_all`` of room, ``agree_max`` of
+                            the tokens to evict
+==========================  ===============================================================
+
+Node ids are a per-process counter (they only break LRU ties between nodes of one tree, whose
+relative order is the same on every rank); cross-rank checks compare ``tp_digest.tree_state``,
+which names nodes by their path, not their id.
 """
 
 from __future__ import annotations
@@ -27,6 +54,7 @@ if TYPE_CHECKING:
     from hicache.allocator import TokenToKVPoolAllocator
     from hicache.controller import HiCacheController
     from hicache.stats import CacheStats
+    from hicache.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +107,15 @@ class HiRadixTransfers(RadixCache):
 
     # ------------------------------------------------------------------ acks
 
-    def writing_check(self) -> None:
-        """Complete finished backups (non-blocking): their host copies become readable and
-        write-through locks are released."""
-        for node_id in self.controller.writing_check():
+    @property
+    def group(self) -> TPGroup:
+        """The cache group the controller agrees on (``SingleRankGroup`` for one rank)."""
+        return self.controller.group
+
+    def writing_check(self, n: int | None = None) -> None:
+        """Complete the first ``n`` backups (``None``: the finished ones; non-blocking): their
+        host copies become readable and write-through locks are released."""
+        for node_id in self.controller.writing_check(n):
             self._ack_write(node_id)
 
     def _ack_write(self, node_id: int) -> None:
@@ -91,18 +124,25 @@ class HiRadixTransfers(RadixCache):
         if node is not None and self.write_locks:
             self.dec_lock_ref(node)
 
-    def loading_check(self) -> None:
-        """Complete finished loads (non-blocking): release the locks they held."""
-        for node_id in self.controller.loading_check():
+    def loading_check(self, n: int | None = None) -> None:
+        """Complete the first ``n`` loads (``None``: the finished ones; non-blocking): release
+        the locks they held."""
+        for node_id in self.controller.loading_check(n):
             node = self.ongoing_load_back.pop(node_id, None)
             self._load_ancestors.pop(node_id, None)
             if node is not None:
                 self.dec_lock_ref(node)
 
     def check_hicache_events(self) -> None:
-        """Poll both ack queues without blocking."""
-        self.writing_check()
-        self.loading_check()
+        """Poll both ack queues without blocking: the leading finished backups and loads,
+        as many of each as every rank of the group has finished (one collective per call when
+        ``tp_size > 1``, entered whatever the queues hold)."""
+        c = self.controller
+        writes, loads = self.group.agree_min_many(
+            [c.count_finished_writes(), c.count_finished_loads()], tag="hicache_acks"
+        )
+        self.writing_check(writes)
+        self.loading_check(loads)
 
     # ------------------------------------------------------------------ host protection
 

@@ -2,6 +2,7 @@
 
 ``TPGroup.assert_same`` compares these across ranks (a tree's shape, an ack count, a batch); the
 value must be built from the same plain data on every rank (nothing holding an address).
+``tree_state(tree)`` is that data for a radix tree and its pools.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["digest"]
+__all__ = ["digest", "tree_state"]
 
 _MASK = (1 << 62) - 1  # digests stay positive and far from int64's edges, so -d never overflows
 
@@ -56,3 +57,43 @@ def _feed(h: Any, v: Any) -> None:
             h.update(struct.pack("<q", d))
     else:
         raise ValueError(f"value of type {type(v).__name__} has no stable digest")
+
+
+def tree_state(tree: Any) -> list[Any]:
+    """What must be identical on every tensor-parallel rank of a radix tree (plain values and
+    tensors, for ``digest`` / ``TPGroup.assert_same``).
+
+    Nodes in depth-first order, children sorted by their first page, each as its key, device
+    and host slots, lock and host refs, hit count, access time, device-resident children, and
+    whether a backup or a load of it awaits its ack; then the tree's evictable / protected
+    sizes, both allocators' free slots and, with a host tier, the controller's queues and held
+    frees. Node ids are left out (a per-process counter). Works for ``RadixCache`` and
+    ``HiRadixCache``; O(tree size).
+    """
+    writing = getattr(tree, "ongoing_write_through", {})
+    loading = getattr(tree, "ongoing_load_back", {})
+    nodes: list[Any] = []
+    stack = [tree.root_node]
+    while stack:
+        x = stack.pop()
+        nodes.append(
+            (
+                x.key, x.value, x.host_value, x.lock_ref, x.host_ref, x.hit_count,
+                x.last_access_time, x.device_children, x.id in writing, x.id in loading,
+            )
+        )  # fmt: skip
+        stack.extend(x.children[k] for k in sorted(x.children, reverse=True))
+    out: list[Any] = [nodes, tree.evictable_size_, tree.protected_size_]
+    if tree.allocator is not None:
+        out.append(tree.allocator.available_size())
+    controller = getattr(tree, "controller", None)
+    if controller is not None:
+        out += [
+            controller.host_allocator.available_size(),
+            len(controller.ack_write_queue),
+            len(controller.ack_load_queue),
+            len(controller.load_queue),
+            controller.device_in_flight(),
+            controller.host_in_flight(),
+        ]
+    return out

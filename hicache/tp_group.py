@@ -6,7 +6,8 @@ finished, whether the host pool had room, how much device memory is free) can di
 ranks; the trees then diverge and a later collective hangs. A ``TPGroup`` turns such local
 values into one value every rank applies: ``agree_min`` / ``agree_max`` / ``agree_all`` /
 ``agree_any`` / ``agree_min_many`` (all_reduce), ``broadcast_object`` (rank ``src``'s decision),
-``assert_same`` (a digest check that names the ranks that differ) and ``barrier``.
+``all_gather_object`` (every rank's value, e.g. per-rank statistics), ``assert_same`` (a digest
+check that names the ranks that differ) and ``barrier``.
 
 Agreement travels on a CPU (gloo) process group on CPU and GPU alike, as SGLang's cache group
 does: the values are host integers, and a gloo collective never queues behind device kernels.
@@ -63,9 +64,10 @@ class RankDivergenceError(RuntimeError):
     """Ranks disagree on a value that must be identical (``assert_same``). Raised on every rank.
 
     ``tag``: the call site; ``digests``: one per rank (index = rank); ``differing``: ranks whose
-    digest differs from the most common one (rank 0's on a tie)."""
+    digest differs from the most common one (rank 0's on a tie); ``detail``: what the raising
+    site adds (e.g. the values themselves)."""
 
-    def __init__(self, tag: str, digests: list[int]) -> None:
+    def __init__(self, tag: str, digests: list[int], detail: str = "") -> None:
         self.tag = tag
         self.digests = digests
         counts: dict[int, int] = {}
@@ -75,8 +77,10 @@ class RankDivergenceError(RuntimeError):
         ref = max(counts, key=lambda d: counts[d])
         self.differing = [r for r, d in enumerate(digests) if d != ref]
         table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
+        self.detail = detail
         super().__init__(
             f"ranks diverged at {tag!r}: ranks {self.differing} differ from the others ({table})"
+            + (f"; {detail}" if detail else "")
         )
 
 
@@ -135,6 +139,11 @@ class TPGroup:
         """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
         raise NotImplementedError
 
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (per-rank statistics,
+        the earliest next event of every rank's decode side)."""
+        raise NotImplementedError
+
     def assert_same(self, tag: str, value: Any) -> None:
         """Raise ``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on
         all ranks."""
@@ -185,6 +194,9 @@ class SingleRankGroup(TPGroup):
             raise ValueError(f"src must be 0 in a single-rank group, got {src}")
         return obj
 
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        return [obj]
+
     def assert_same(self, tag: str, value: Any) -> None:
         return None
 
@@ -202,7 +214,8 @@ class DistTPGroup(TPGroup):
 
     Cost per call: one all_reduce of 4 int64 (``agree_*``, ``agree_min_many`` of up to two
     values, ``assert_same`` when equal, ``barrier``); two for ``agree_min_many`` of more values
-    and for ``broadcast_object`` (the second carries the pickled bytes).
+    and for ``broadcast_object`` (the second carries the pickled bytes); the header plus torch's
+    ``all_gather_object`` (two all_gathers) for ``all_gather_object``.
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -267,6 +280,12 @@ class DistTPGroup(TPGroup):
         )
         self._dist.broadcast(buf, src=self._global_rank(src), group=self.group)
         return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        self._header("all_gather_object", tag, 0, 0)
+        out: list[Any] = [None] * self.size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def assert_same(self, tag: str, value: Any) -> None:
         d = digest(value)

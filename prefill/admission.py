@@ -16,16 +16,22 @@ scheduler sees it, the optimistic-attempt policy and the metadata buffers.
   ``optimistic_prefill_attempts`` is (upstream's hook ignores the limit too).
 
 This file never touches KV: requests in both queues hold no slots and no lock.
+
+Peer states come from ``PeerPolls`` (``prefill.tp_sync``): under tensor parallelism each queue's
+polls are MIN-reduced over the ranks before any decision; with one rank it is a plain poll.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 
+from hicache.tp_group import SingleRankGroup
 from prefill.bootstrap import KVPoll
 from prefill.metadata_buffers import ReqToMetadataIdxAllocator
 from prefill.request import PrefillRequest, Stage
 from prefill.stats import ExecutorStats
+from prefill.tp_sync import PeerPolls
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +43,21 @@ class AdmissionQueue:
         max_attempts: ``optimistic_prefill_attempts`` after the gate (0 disables optimism).
         stats: the executor's counters (admissions, finalized, retries, fallbacks).
         metadata: the metadata buffer pool every admitted request takes one index from.
+        polls: how peer states are read (agreed over tensor-parallel ranks); a plain poll when
+            omitted.
     """
 
     def __init__(
-        self, max_attempts: int, stats: ExecutorStats, metadata: ReqToMetadataIdxAllocator
+        self,
+        max_attempts: int,
+        stats: ExecutorStats,
+        metadata: ReqToMetadataIdxAllocator,
+        polls: PeerPolls | None = None,
     ) -> None:
         self.max_attempts = max_attempts
         self.stats = stats
         self.metadata = metadata
+        self.polls = polls if polls is not None else PeerPolls(SingleRankGroup())
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
 
@@ -53,12 +66,20 @@ class AdmissionQueue:
         """Test hook: the peer looks not ready until the request's first attempt yielded."""
         return req.force_not_ready and not req.forced_yield_done
 
-    def poll(self, req: PrefillRequest) -> KVPoll:
-        """The peer's state, except that a forced pending request still sees ``Bootstrapping``."""
-        state = req.peer.poll()
+    def _hooked(self, req: PrefillRequest, state: KVPoll) -> KVPoll:
         if state == KVPoll.WaitingForInput and req.pending_bootstrap and self.forced(req):
             return KVPoll.Bootstrapping
         return state
+
+    def poll(self, req: PrefillRequest) -> KVPoll:
+        """The peer's state, except that a forced pending request still sees ``Bootstrapping``."""
+        return self._hooked(req, self.polls.one(req))
+
+    def poll_each(
+        self, reqs: Sequence[PrefillRequest]
+    ) -> Iterable[tuple[PrefillRequest, KVPoll]]:
+        """``(req, poll(req))`` for a whole queue, in order (agreed once for the queue)."""
+        return ((r, self._hooked(r, s)) for r, s in self.polls.each(reqs))
 
     def ensure_metadata_buffer(self, req: PrefillRequest) -> bool:
         """Give ``req`` a metadata buffer unless it holds one; False when none is free."""
@@ -107,8 +128,7 @@ class AdmissionQueue:
         buffer; without a free buffer a request stays. Returns the requests whose peer failed,
         removed from the queue, for the caller to abort."""
         keep, failed = [], []
-        for req in self.bootstrap_queue:
-            state = req.peer.poll()
+        for req, state in self.polls.each(self.bootstrap_queue):
             if state == KVPoll.Failed:
                 failed.append(req)
             elif state == KVPoll.Bootstrapping:
@@ -138,8 +158,7 @@ class AdmissionQueue:
         """Finalize waiting requests whose peer became ready. Returns the ones whose peer
         failed, removed from the queue, for the caller to abort."""
         keep, failed = [], []
-        for req in self.waiting_queue:
-            state = self.poll(req)
+        for req, state in self.poll_each(self.waiting_queue):
             if state == KVPoll.Failed:
                 failed.append(req)
                 continue

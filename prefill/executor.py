@@ -49,6 +49,16 @@ at its chunk boundaries and at the end of its prefill, including yield. The rest
 ``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
 finalize, requeue after a yield), ``prefill.batch`` (step 5), ``prefill.inflight`` (sends, step
 7, abort, results) and ``prefill.req_kv`` (a request's slots and lock).
+
+**Tensor parallelism** (``--tp-size N``, the cache's ``group``): every rank runs this executor
+over its shard of the KV heads, with the tensor-parallel model and its own decode side (each
+rank sends its own shard). Only rank 0 accepts ``submit``; each step starts with rank 0's
+broadcast of new requests, decode-side releases and its clock reading (``prefill.tp_sync``), so
+every rank schedules the same batches from the same inputs; peer polls are MIN-reduced and cache
+decisions agreed, and each batch is checked against rank 0's. Every rank calls ``step`` /
+``run_until_idle`` / ``drain_cache_events`` in the same order; a driver on rank 0 alone
+(submitting as requests arrive) pairs with ``follow()`` on the other ranks and ends with
+``stop_followers()``.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from typing import Any
 
 import torch
 
+from hicache.tp_group import SingleRankGroup, TPGroup
 from prefill.admission import AdmissionQueue
 from prefill.batch import Batch, BatchRunner, CostModel
 from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
@@ -77,6 +88,7 @@ from prefill.pending import PendingKV
 from prefill.req_kv import RequestKV
 from prefill.request import PrefillRequest, RequestResult
 from prefill.stats import ExecutorStats
+from prefill.tp_sync import AgreedClock, PeerPolls, RankZeroInputs, check_batch
 
 __all__ = ["CostModel", "OptimisticPrefillExecutor"]
 
@@ -97,9 +109,14 @@ class OptimisticPrefillExecutor:
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
         decode: the simulated decode instance; built from ``args`` when omitted.
         cost_model: seconds charged to the clock per forward (virtual clocks only).
+        group: the tensor-parallel cache group (``hicache.tp_group.new_cache_group()``) when
+            the cache is built here; otherwise the cache's. At more than one rank the clock is
+            wrapped in an ``AgreedClock`` (a given ``decode`` must use that same clock object)
+            and the model, when built here, is ``TPPagedTransformer``.
 
     Raises ``ValueError`` when ``args`` asks for optimistic attempts the gate would not keep for
-    the write policy the cache's tree declares.
+    the write policy the cache's tree declares, or for a ``group`` / ``decode`` that does not
+    match the cache.
     """
 
     def __init__(
@@ -111,12 +128,13 @@ class OptimisticPrefillExecutor:
         decode: DecodeSide | None = None,
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         max_attempts = resolved_attempts(args)
         if cache is None:
             from hicache.cache import build_kv_cache
 
-            built = build_kv_cache(args)
+            built = build_kv_cache(args, group=group)
             try:
                 check_gate(args, built, max_attempts)
             except ValueError:
@@ -124,6 +142,17 @@ class OptimisticPrefillExecutor:
                 raise
             cache = built
         check_gate(args, cache, max_attempts)
+        cache_group = getattr(cache, "group", None) or SingleRankGroup()
+        if group is not None and group is not cache_group:
+            raise ValueError("group: the cache was built on another group")
+        self.group: TPGroup = cache_group
+        tp = self.group.size > 1
+        if clock is None:
+            clock = WallClock()
+        if tp and not isinstance(clock, AgreedClock):
+            clock = AgreedClock(clock, self.group)
+        if tp and decode is not None and decode.clock is not clock:
+            raise ValueError("decode: under tensor parallelism it must use the executor's clock")
         if model is None:
             from prefill.model import build_model
 
@@ -134,7 +163,7 @@ class OptimisticPrefillExecutor:
         self.pool = cache.device_pool
         self.tree = cache.tree
         self.allocator = cache.allocator
-        self.clock: Clock = clock if clock is not None else WallClock()
+        self.clock: Clock = clock
         self.page_size = self.allocator.page_size
         if decode is not None:
             self.peer_config = decode.config
@@ -157,7 +186,10 @@ class OptimisticPrefillExecutor:
         self.requests: dict[str, PrefillRequest] = {}
         self.chunked_req: PrefillRequest | None = None
         self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
-        self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata)
+        self.polls = PeerPolls(self.group)
+        self.inputs = RankZeroInputs(self.group, clock) if tp else None
+        self._following = False
+        self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata, self.polls)
         self.batch_runner = BatchRunner(
             cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
         )
@@ -178,10 +210,20 @@ class OptimisticPrefillExecutor:
         Raises ``ValueError`` (nothing queued) for a ``rid`` in flight or whose result was not
         popped yet, empty or out-of-vocab ``token_ids``, or a prompt longer than the device pool
         (counted in ``stats.rejected``).
+
+        Under tensor parallelism only rank 0 accepts requests (others raise ``ValueError``) and
+        ``peer`` must be omitted (every rank creates its own); the request is queued at the
+        next step on every rank, with rank 0's submit time.
         """
+        tp_rank = self.group.rank if self.inputs is not None else None
+        if tp_rank:
+            raise ValueError(
+                f"submit: rank {tp_rank} of a tensor-parallel group takes requests only from "
+                "rank 0's broadcast"
+            )
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"rid must be a non-empty string, got {rid!r}")
-        if rid in self.requests:
+        if rid in self.requests or (self.inputs is not None and self.inputs.pending(rid)):
             raise ValueError(f"rid {rid!r} is already in flight")
         if rid in self.results:
             raise ValueError(f"rid {rid!r} has a result not popped yet (pop_results)")
@@ -196,21 +238,92 @@ class OptimisticPrefillExecutor:
             raise ValueError(
                 f"token_ids has {len(ids)} tokens; the device pool holds {self.allocator.size}"
             )
+        if peer is not None and peer.num_tokens != len(ids):
+            raise ValueError(f"peer expects {peer.num_tokens} tokens, token_ids has {len(ids)}")
+        if self.inputs is not None:
+            if peer is not None:
+                raise ValueError("peer: under tensor parallelism every rank creates its own")
+            self.inputs.submit(rid, ids, self.clock.live_now())
+            return
+        self._accept(rid, ids, peer, self.clock.now())
+
+    def _accept(
+        self, rid: str, ids: list[int], peer: DecodePeer | None, submit_time: float
+    ) -> None:
         if peer is None:
             peer = self.decode.create_peer(rid, len(ids), ids)
-        elif peer.num_tokens != len(ids):
-            raise ValueError(f"peer expects {peer.num_tokens} tokens, token_ids has {len(ids)}")
         req = PrefillRequest(
-            rid=rid, token_ids=ids, peer=peer, submit_time=self.clock.now(),
+            rid=rid, token_ids=ids, peer=peer, submit_time=submit_time,
             force_not_ready=force_not_ready(rid, self.peer_config.force_not_ready_prob),
         )  # fmt: skip
         self.requests[rid] = req
         self.admission.add(req)
         self.stats.submitted += 1
 
+    def release_received(self, rid: str) -> None:
+        """Free the decode side's kept KV of ``rid`` (``DecodeSide.release``); under tensor
+        parallelism rank 0 asks and every rank frees its own at the next step (on the other
+        ranks this call does nothing: rank 0's request reaches them)."""
+        if self.inputs is None:
+            self.decode.release(rid)
+        elif self.group.rank == 0:
+            self.inputs.release(rid)
+
     def step(self) -> bool:
         """One scheduler iteration (see the module docstring). Returns whether anything
-        changed. Blocks only for the forward pass (and for write_back eviction copies)."""
+        changed. Blocks only for the forward pass (and for write_back eviction copies; under
+        tensor parallelism for the group's collectives)."""
+        self._sync()
+        try:
+            return self._step()
+        finally:
+            self._release_clock()
+
+    def _release_clock(self) -> None:
+        if isinstance(self.clock, AgreedClock):
+            self.clock.release()
+
+    def _sync(self) -> bool:
+        """Tensor parallelism: rank 0's requests, releases and clock reading on every rank.
+        Returns ``False`` when rank 0 stopped its followers. A no-op with one rank."""
+        if self.inputs is None:
+            return True
+        keep = True
+        for op in self.inputs.sync():
+            if op[0] == "submit":
+                self._accept(op[1], op[2], None, op[3])
+            elif op[0] == "release":
+                self.decode.release(op[1])
+            elif op[0] == "stop":
+                keep = False
+        if self._following:
+            self.results.clear()  # rank 0 hands the results out
+        return keep
+
+    def follow(self, after_step: Any = None) -> None:
+        """Ranks other than 0 of a tensor-parallel group, while rank 0 alone drives (submits,
+        ``step``s): mirror rank 0's steps until it calls ``stop_followers``. ``after_step()``
+        runs after every step, matching what rank 0 does between steps (e.g.
+        ``drain_cache_events``). Results are rank 0's to hand out; a follower keeps none."""
+        if self.inputs is None or self.group.rank == 0:
+            raise ValueError("follow: only ranks other than 0 of a tensor-parallel group follow")
+        self._following = True
+        try:
+            while self._sync():
+                self._step()
+                if after_step is not None:
+                    after_step()
+        finally:
+            self._following = False
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' ``follow`` (one more broadcast, no step)."""
+        if self.inputs is None or self.group.rank != 0:
+            raise ValueError("stop_followers: only rank 0 of a tensor-parallel group stops them")
+        self.inputs.stop()
+        self._sync()
+
+    def _step(self) -> bool:
         before = self._progress_marker()
         self.tree.check_hicache_events()
         for req in self.admission.pop_bootstrapped():
@@ -231,18 +344,25 @@ class OptimisticPrefillExecutor:
         are in flight; never steps in place. ``check`` runs ``check_integrity`` after every
         step. Raises ``RuntimeError`` when nothing can change any more (no step progress, no
         peer event ahead, no copy in flight) or after ``max_steps``."""
+        try:
+            self._run_until_idle(max_steps, check)
+        finally:
+            self._release_clock()
+
+    def _run_until_idle(self, max_steps: int, check: bool) -> None:
         due_now = 0
         for _ in range(max_steps):
+            self._sync()
             if self.is_idle():
                 return
-            progressed = self.step()
+            progressed = self._step()
             if check:
                 self.check_integrity()
             if progressed:
                 due_now = 0
                 continue
             now = self.clock.now()
-            t = self.decode.next_event_time()
+            t = self.polls.next_event_time(self.decode)
             if t is not None and t > now:
                 self.clock.wait_until(t)
                 due_now = 0
@@ -262,14 +382,15 @@ class OptimisticPrefillExecutor:
 
     def drain_cache_events(self, timeout_s: float = 30.0) -> None:
         """Block until the cache has acked every backup and load it started (their locks are
-        released). For tests and shutdown; raises ``TimeoutError`` after ``timeout_s``."""
+        released). For tests and shutdown; raises ``TimeoutError`` after ``timeout_s`` (on every
+        rank once any rank's deadline passed: the loop's exit is agreed)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.tree.check_hicache_events()
             pending = self.cache_copies_in_flight()
             if pending == 0:
                 return
-            if time.monotonic() > deadline:
+            if self.group.agree_any(time.monotonic() > deadline, tag="drain_deadline"):
                 raise TimeoutError(f"{pending} cache operations not acked after {timeout_s} s")
             time.sleep(0.0005)
 
@@ -346,6 +467,7 @@ class OptimisticPrefillExecutor:
         for req, _ in batch:
             if req is not self.chunked_req:
                 self.admission.remove_started(req)
+        check_batch(self.group, batch)
         return batch
 
     def _run_batch(self, batch: Batch) -> None:

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefill.bootstrap import DEFAULT_SEND_LOG_SIZE, DecodeSide, PeerConfig
 from prefill.clock import Clock, VirtualClock
 from prefill.executor import CostModel, OptimisticPrefillExecutor
-from prefill.model import ModelConfig, PagedTransformer
+from prefill.model import PagedTransformer, build_model
+from prefill.tp_sync import AgreedClock
+
+if TYPE_CHECKING:
+    from hicache.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +25,15 @@ KV_ATOL = 1e-5
 """fp32 tolerance of decode-side KV vs a full recompute (matmul reduction order only)."""
 
 
-def build_cache(args: Any, copy_delay: float | Callable[[], float] = 0.0) -> Any:
-    """``hicache.cache.build_kv_cache(args)``; ``copy_delay`` (CPU only, seconds or a callable)
-    is slept before every copy on the controller's side streams, to widen race windows."""
+def build_cache(
+    args: Any, copy_delay: float | Callable[[], float] = 0.0, group: TPGroup | None = None
+) -> Any:
+    """``hicache.cache.build_kv_cache(args, group=group)``; ``copy_delay`` (CPU only, seconds or
+    a callable) is slept before every copy on the controller's side streams, to widen race
+    windows."""
     from hicache.cache import build_kv_cache
 
-    return build_kv_cache(args, copy_delay=copy_delay)
+    return build_kv_cache(args, copy_delay=copy_delay, group=group)
 
 
 def make_executor(
@@ -39,15 +46,21 @@ def make_executor(
     cache: Any = None,
     model: PagedTransformer | None = None,
     send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
+    group: TPGroup | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
     that keeps received KV (for ``assert_decode_kv_matches``; ``decode.release(rid)`` frees it)
     and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
-    (``None``: all)."""
+    (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
+    (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
+    the model, when not given, this rank's ``TPPagedTransformer``."""
     clock = clock if clock is not None else VirtualClock()
-    cache = cache if cache is not None else build_cache(args)
+    cache = cache if cache is not None else build_cache(args, group=group)
+    group = getattr(cache, "group", None)
+    if group is not None and group.size > 1 and not isinstance(clock, AgreedClock):
+        clock = AgreedClock(clock, group)
     if model is None:
-        model = PagedTransformer(ModelConfig.from_server_args(args), args.resolved_device())
+        model = build_model(args)
     peer_config = peer_config if peer_config is not None else PeerConfig.from_server_args(args)
     decode = DecodeSide(
         cache.device_pool, clock, peer_config, size=decode_pool_size,

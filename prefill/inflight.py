@@ -77,8 +77,9 @@ class InflightQueue:
         if end <= req.start_send_idx and not last:
             return
         start = req.start_send_idx
-        if not req.peer.send(req.attempt, start, end, req.slots[start:end], last=last):
-            return  # the peer failed: the request aborts at its queue's next poll
+        sent = req.peer.send(req.attempt, start, end, req.slots[start:end], last=last)
+        if not self.admission.polls.sent(req, sent):
+            return  # the peer failed (on some rank): the request aborts at its next poll
         req.start_send_idx = end
         self.stats.sends += 1
         self.stats.sent_tokens += end - start
@@ -106,8 +107,7 @@ class InflightQueue:
         parked request whose peer is still bootstrapping yields, one per freed slot."""
         queue, self.inflight_queue = self.inflight_queue, []
         holding = len(queue) + self.other_holders()
-        for req in queue:
-            state = self.admission.poll(req)
+        for req, state in self.admission.poll_each(queue):
             if state == KVPoll.Failed:
                 self.abort(req)
                 holding -= 1

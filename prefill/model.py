@@ -364,8 +364,24 @@ class PagedTransformer(torch.nn.Module):
 
 
 def build_model(args: ServerArgs) -> PagedTransformer:
-    """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed)."""
+    """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
+    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.tp_model``), its rank
+    and model group the initialized default process group's, which must have ``tp_size``
+    ranks."""
     config = ModelConfig.from_server_args(args)
+    tp_size = getattr(args, "tp_size", 1)
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        from prefill.tp_model import TPPagedTransformer
+
+        if not dist.is_initialized() or dist.get_world_size() != tp_size:
+            world = dist.get_world_size() if dist.is_initialized() else None
+            raise ValueError(
+                f"tp_size: --tp-size={tp_size} needs an initialized default process group of "
+                f"that many ranks (world size {world})"
+            )
+        return TPPagedTransformer(config, dist.get_rank(), tp_size, device=args.resolved_device())
     model = PagedTransformer(config, args.resolved_device())
     logger.info(
         "model %s: %d layers, %d/%d heads x %d, hidden %d, %s, seed %d",

@@ -38,6 +38,7 @@ class RequestKV:
     """Admission, allocation, chunk insertion and release of requests' device slots."""
 
     def __init__(self, cache: Any, stats: ExecutorStats | None = None) -> None:
+        self.cache = cache
         self.tree = cache.tree
         self.cache_stats = cache.stats
         self.stats = stats if stats is not None else ExecutorStats()
@@ -53,14 +54,9 @@ class RequestKV:
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
         short; ``None`` when even eviction cannot make room. May block while write_back backs
-        up an evicted leaf."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            self.tree.evict(n - self.allocator.available_size())
-            slots = self.allocator.alloc(n)
-        return slots
+        up an evicted leaf. Under tensor parallelism the room and the eviction are the cache
+        group's decisions (``KVCache.alloc_device``), so every rank gets slots or none."""
+        return self.cache.alloc_device(n)
 
     # ------------------------------------------------------------------ admission
     def match_and_lock(self, req: PrefillRequest) -> None:

@@ -18,6 +18,10 @@ API (all tensors 1-D int64 of equal length ``n``; ``tokens`` / ``positions`` may
 - ``write_host(host_pool, host_slots, tokens, positions)``: the same content into host slots.
 
 Empty slot lists are fine everywhere: writes do nothing and checks pass.
+
+Tensor parallelism: every function takes ``head_offset`` (default 0), the global index of the
+pool's first KV head, so a rank's pool of heads ``[h0, h0 + H)`` holds exactly that slice of
+what a pool of every head would hold (``TPShard.kv_heads[0]``).
 """
 
 from __future__ import annotations
@@ -58,15 +62,17 @@ def _hash(x: torch.Tensor) -> torch.Tensor:
 
 def expected_kv(
     pool: AnyPool, layer: int, tokens: torch.Tensor | list[int],
-    positions: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int], head_offset: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """The content every slot holding (token, position) must have in ``layer`` (CPU tensors)."""
+    """The content every slot holding (token, position) must have in ``layer`` (CPU tensors);
+    heads counted from ``head_offset``."""
     tok, pos = _as_i64(tokens), _as_i64(positions)
     if tok.numel() != pos.numel():
         raise ValueError(f"tokens ({tok.numel()}) and positions ({pos.numel()}) differ in length")
     parts, heads, dim, dtype, _ = _geometry(pool)
     base = _hash(tok * 1_000_003 + pos * 7_919 + layer * 104_729)[:, None, None]
-    hd = (torch.arange(heads)[:, None] * 4099 + torch.arange(dim)[None, :] * 131)[None]
+    head_ids = torch.arange(head_offset, head_offset + heads)
+    hd = (head_ids[:, None] * 4099 + torch.arange(dim)[None, :] * 131)[None]
     out = []
     for part in range(parts):
         h = _hash(base + hd + part * 15_485_863)
@@ -81,14 +87,14 @@ def _check_lengths(slots: torch.Tensor, tokens: torch.Tensor) -> None:
 
 def write_device(
     pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
 ) -> None:
     """Write the expected content of every layer into device ``slots`` (blocking)."""
     s = _as_i64(slots)
     _check_lengths(s, _as_i64(tokens))
     s_dev = s.to(pool.device)
     for layer in range(pool.layer_num):
-        parts = expected_kv(pool, layer, tokens, positions)
+        parts = expected_kv(pool, layer, tokens, positions, head_offset)
         if isinstance(pool, MHATokenToKVPool):
             pool.set_kv_buffer(layer, s_dev, parts[0].to(pool.device), parts[1].to(pool.device))
         else:
@@ -97,13 +103,15 @@ def write_device(
 
 def write_host(
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
 ) -> None:
     """Write the expected content of every layer into ``host_slots`` (blocking)."""
     s = _as_i64(host_slots)
     _check_lengths(s, _as_i64(tokens))
     for layer in range(host_pool.layer_num):
-        host_pool.set_kv_slots(layer, s, *expected_kv(host_pool, layer, tokens, positions))
+        host_pool.set_kv_slots(
+            layer, s, *expected_kv(host_pool, layer, tokens, positions, head_offset)
+        )
 
 
 def _compare(
@@ -125,7 +133,7 @@ def _compare(
 
 def check_device(
     pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
 ) -> None:
     """Assert device ``slots`` hold (tokens, positions) in every layer, bit for bit."""
     s = _as_i64(slots)
@@ -136,22 +144,23 @@ def check_device(
             got = (pool.k_buffer[layer][s_dev], pool.v_buffer[layer][s_dev])
         else:
             got = (pool.kv_buffer[layer][s_dev],)
-        _compare("device", s, layer, got, expected_kv(pool, layer, tokens, positions))
+        _compare("device", s, layer, got, expected_kv(pool, layer, tokens, positions, head_offset))
 
 
 def check_host(
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
 ) -> None:
     """Assert ``host_slots`` hold (tokens, positions) in every layer, bit for bit."""
     s = _as_i64(host_slots)
     _check_lengths(s, _as_i64(tokens))
     for layer in range(host_pool.layer_num):
         got = host_pool.get_kv_slots(layer, s)
-        _compare("host", s, layer, got, expected_kv(host_pool, layer, tokens, positions))
+        want = expected_kv(host_pool, layer, tokens, positions, head_offset)
+        _compare("host", s, layer, got, want)
 
 
-def check_tree_content(kv: Any) -> None:
+def check_tree_content(kv: Any, head_offset: int = 0) -> None:
     """Every readable slot of a ``HiRadixCache`` holds its tokens' KV: the device slots of every
     resident node not being loaded, and the host copy of every backed-up node whose write has
     been acked. ``kv`` is a ``hicache.cache.KVCache`` whose KV was written with ``write_device``
@@ -164,7 +173,7 @@ def check_tree_content(kv: Any) -> None:
         x, depth = stack.pop()
         pos = list(range(depth, depth + len(x.key)))
         if not x.evicted and id(x) not in loading:
-            check_device(kv.device_pool, x.value, x.key, pos)
+            check_device(kv.device_pool, x.value, x.key, pos, head_offset)
         if x.backuped and not bool(torch.isin(x.host_value, pending).any()):
-            check_host(kv.host_pool, x.host_value, x.key, pos)
+            check_host(kv.host_pool, x.host_value, x.key, pos, head_offset)
         stack.extend((c, depth + len(x.key)) for c in x.children.values())

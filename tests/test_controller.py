@@ -173,6 +173,28 @@ def test_write_acks_complete_in_launch_order() -> None:
     c.close()
 
 
+def test_acks_are_counted_then_popped_exactly_n() -> None:
+    """What the tensor-parallel tick agrees on: this rank's leading finished acks (0 for an
+    empty queue); ``writing_check(n)`` then pops exactly ``n``, ``n`` past the queue is
+    refused (nothing popped)."""
+    gates = Gates()
+    c = make(size=16, delay=gates)
+    assert (c.count_finished_writes(), c.count_finished_loads()) == (0, 0)
+    for i in range(3):
+        c.write(c.device_allocator.alloc(4), node_id=i)
+    gates.open("write", 0)
+    c.ack_write_queue[0].finish_event.synchronize()
+    assert c.count_finished_writes() == 1  # the next copy is held by its gate
+    assert c.writing_check(0) == [] and len(c.ack_write_queue) == 3
+    with pytest.raises(ValueError, match="n must be an int in \\[0, 3\\]"):
+        c.writing_check(4)
+    assert c.writing_check(1) == [0] and c.count_finished_writes() == 0
+    gates.open_all()
+    assert c.writing_check(2) == [1, 2]  # n beyond what had finished waits for those copies
+    assert c.count_finished_writes() == 0 and c.loading_check(0) == []
+    c.close()
+
+
 def test_layer_wait_blocks_only_until_that_layer_is_loaded() -> None:
     gates = Gates(gated=("load",))
     c = make(size=8, delay=gates)

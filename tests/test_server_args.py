@@ -281,6 +281,13 @@ def test_runtime_refuses_unimplemented_features():
             "--optimistic-prefill-attempts=-1 must be an integer",
         ),
         (dict(pp_size=0), "--pp-size=0 must be a positive integer"),
+        (dict(tp_size=0), "--tp-size=0 must be a positive integer"),
+        (dict(tp_size=3), "--tp-size: tp_size=3 must divide num_attention_heads=4"),
+        (
+            dict(tp_size=4, num_attention_heads=12, head_num=6),
+            "--tp-size: tp_size=4 must divide num_kv_heads=6 (heads split) or be a multiple",
+        ),
+        (dict(tp_size=4, intermediate_size=130), "--tp-size: tp_size=4 must divide intermediate"),
         (dict(load_back_threshold=-2), "--load-back-threshold=-2 must be an integer >= 0"),
         (dict(num_layers=0), "--num-layers=0 must be a positive integer"),
         (dict(num_attention_heads=6, head_num=4), "--num-attention-heads=6 must be a multiple"),
@@ -417,3 +424,16 @@ def test_cli_main_bad_flags_exit_nonzero_with_stderr():
     assert "--hicache-ratio=0.0 must be > 0" in bad.stderr and bad.stdout == ""
     unknown = _run_cli("--no-such-flag")
     assert unknown.returncode != 0 and "--no-such-flag" in unknown.stderr
+
+
+def test_tp_size_splits_or_replicates_kv_heads():
+    """The KV heads one rank's pools hold (the same arithmetic as ``TPShard.plan``, whose
+    messages the validation repeats)."""
+    assert ServerArgs().tp_size == 1
+    assert ServerArgs(tp_size=2).kv_heads_per_rank() == 1  # tiny: 2 KV heads, split
+    assert ServerArgs(tp_size=4).kv_heads_per_rank() == 1  # replicated on 2 ranks each
+    big = ServerArgs(model_preset="llama3-8b-shape", tp_size=2)
+    assert big.kv_heads_per_rank() == 4
+    assert ServerArgs(model_preset="llama3-8b-shape", tp_size=8).kv_heads_per_rank() == 1
+    args = prepare_server_args(["--tp-size", "2"])
+    assert args.tp_size == 2 and args.to_dict()["tp_size"] == 2
