@@ -11,6 +11,19 @@ CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: test bench lint clean sglang-check bench-vs-sglang
 
+# $(call cpu_torch,PIP): install $(CPU_TORCH) with PIP from $(CPU_INDEX), or from the default
+# index when that one is unreachable or its install fails (one shell line).
+cpu_torch = if $(PY) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=10)" \
+		>/dev/null 2>&1; then \
+	echo "[setup] $(CPU_TORCH) (CPU build) from $(CPU_INDEX)"; \
+	$(1) install -q --index-url $(CPU_INDEX) $(CPU_TORCH) || { \
+		echo "[setup] $(CPU_INDEX) failed: $(CPU_TORCH) from the default index"; \
+		$(1) install -q $(CPU_TORCH); }; \
+	else \
+	echo "[setup] $(CPU_INDEX) unreachable: $(CPU_TORCH) from the default index"; \
+	$(1) install -q $(CPU_TORCH); \
+	fi
+
 $(STAMP): pyproject.toml Makefile
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 		echo "[setup] CUDA torch found for $(PY): venv shares its site-packages"; \
@@ -20,15 +33,8 @@ $(STAMP): pyproject.toml Makefile
 		if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 			echo "[setup] NVIDIA GPU without a CUDA torch: installing torch (CUDA build)"; \
 			$(BIN)/pip install -q torch; \
-		elif $(PY) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=10)" \
-				>/dev/null 2>&1; then \
-			echo "[setup] no CUDA device: installing the CPU build ($(CPU_TORCH)) from $(CPU_INDEX)"; \
-			$(BIN)/pip install -q --index-url $(CPU_INDEX) $(CPU_TORCH) || { \
-				echo "[setup] $(CPU_INDEX) failed: $(CPU_TORCH) from the default index"; \
-				$(BIN)/pip install -q $(CPU_TORCH); }; \
 		else \
-			echo "[setup] no CUDA device; $(CPU_INDEX) unreachable: $(CPU_TORCH) from the default index"; \
-			$(BIN)/pip install -q $(CPU_TORCH); \
+			echo "[setup] no CUDA device"; $(call cpu_torch,$(BIN)/pip); \
 		fi; \
 	fi
 	$(BIN)/pip install -q -e '.[test,bench]'
@@ -51,7 +57,8 @@ SGLANG_VENV := .venv-sglang-check
 
 $(SGLANG_VENV)/.installed: Makefile
 	$(PY) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install -q $(CPU_TORCH) triton numpy psutil msgspec
+	$(call cpu_torch,$(SGLANG_VENV)/bin/pip)
+	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec
 	@touch $@
 
 sglang-check: $(SGLANG_VENV)/.installed

@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels import KVCACHEIO_OPS
 from kernels.sglang_rebind import Binding, plan_rebinding, required_names
 from kernels.sglang_warm_up import WarmUpReport, verify_pool_tables, warm_up
 
@@ -58,24 +59,8 @@ __all__ = [
     "provided_ops", "sglang_version", "verify_pool_tables", "warm_up",
 ]  # fmt: skip
 
-KVCACHEIO_NAMES: tuple[str, ...] = (
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "get_device_accessible_ptr",
-)
-"""The ``sgl_kernel.kvcacheio`` surface this module can supply (each where :mod:`kernels` has
-it)."""
+KVCACHEIO_NAMES: tuple[str, ...] = KVCACHEIO_OPS
+"""The ``sgl_kernel.kvcacheio`` surface this module supplies: every op :mod:`kernels` provides."""
 
 
 MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
