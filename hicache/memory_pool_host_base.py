@@ -1,7 +1,7 @@
 """What the MHA and MLA host pools share: layouts, construction, the allocator, slot addressing.
 
 A host pool is one buffer of ``T`` token slots (``P = T / page_size`` pages) in one of three
-layouts (DESIGN.md section 3), plus its own page allocator (no padding page: every host slot is
+layouts (docs/DESIGN.md section 3), plus its own page allocator (no padding page: every host slot is
 usable). Sizing, the RAM check and pinning come from ``host_memory``.
 
 The device pool is duck-typed on SGLang's attribute names (``page_size``, ``size``,

@@ -22,8 +22,8 @@ in a grid-stride loop and copy, per tile, every layer (K, then V): each program 
 block of loads in flight. Address math is 64-bit. Pairs with
 a negative index are skipped (as upstream), and so are indices past the end of a tensor side.
 
-Bytes in flight (DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5 moves
-about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
+Bytes in flight (docs/DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5
+moves about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
 64-128 KiB, of loads outstanding, with margin for the slower host-memory reads of a load-back. At
 the defaults (2 programs of 32 warps, SGLang's) a thread holds 8 vectors of 16 bytes (32 data
 registers of the 64 a 1024-thread program may use), so a 2 KiB-item tile is 64 rows x 2 KiB =

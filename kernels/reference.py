@@ -1,6 +1,6 @@
 """Plain torch reference of every ``sgl_kernel.kvcacheio`` op this package provides.
 
-Same names, argument order and meaning as SGLang (DESIGN.md section 4). Each op is
+Same names, argument order and meaning as SGLang (docs/DESIGN.md section 4). Each op is
 ``dst[dst_indices[i]] = src[src_indices[i]]`` in that op's byte addressing, for every layer it
 covers, K and V (or the single MLA buffer). Pairs where either index is negative are skipped, as
 the CUDA kernels upstream skip them.

@@ -1,4 +1,4 @@
-"""Optimistic prefill executor: one short story per path of DESIGN.md section 7.
+"""Optimistic prefill executor: one short story per path of docs/DESIGN.md section 7.
 
 Every story runs the real tiny model on a virtual clock, steps the executor by hand, and calls
 ``check_integrity`` after every step (no leaked slots or locks, queues consistent). Peers never

@@ -6,7 +6,7 @@ process with the interpreter off), at 2 KiB and 576-byte items, MHA and MLA twin
   the alignment is known (tables built by ``kernels.data_ptr_table``); a table of unknown
   alignment falls back to 8-byte loads on its side only.
 - No register spills, and registers within the budget of the program size (64 at 1024 threads).
-- The default grid keeps at least 256 KiB of loads in flight for 2 KiB items (DESIGN.md section
+- The default grid keeps at least 256 KiB of loads in flight for 2 KiB items (docs/DESIGN.md section
   8), with ``block_quota`` an upper bound on programs: this part needs no ptxas.
 
 Skipped only when Triton's ptxas for sm_90 is absent.

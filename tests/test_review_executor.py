@@ -39,7 +39,7 @@ def test_failed_earlier_chunk_transfer_aborts_instead_of_crashing_at_the_last_se
 
 
 def test_executor_never_runs_optimistically_under_write_through():
-    # DESIGN.md sections 1 and 7: optimistic prefill is only allowed with L2 under write_back.
+    # docs/DESIGN.md section 7: by default optimistic prefill runs with L2 only under write_back.
     # Forgetting --disaggregation-mode=prefill skips the gate (as upstream, where the flag is
     # then unused), but this executor still uses the attempts and speculates under write_through.
     args = executor_args(disaggregation_mode="null", enable_hierarchical_cache=True)

@@ -66,7 +66,7 @@ def test_upstream_matrix(kwargs, attempts, warning, caplog):
 
 # ---------------------------------------------------------------- the full cross product
 # The gate's expected behaviour as a table of (rule, warning), first match wins, written from
-# DESIGN.md section 7 rather than from the implementation.
+# docs/DESIGN.md section 7 rather than from the implementation.
 GATE_TABLE = [
     (lambda c: c["pp_size"] > 1, GATE_PP),
     (
