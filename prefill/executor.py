@@ -25,14 +25,13 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
    abort; parked + bootstrapping while every running slot is held and others wait -> yield;
    transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
-**Publishing a pending attempt's KV.** The tree declares whether its write policy backs up pages
-from an insert (``tree.backs_up_on_insert``: L2 ``write_through*``). If it does not (device only,
-L2 ``write_back``), a pending attempt inserts its computed pages at chunk boundaries, at the end
-of its prefill and at a yield, so a retry hits them. If it does, a pending attempt's KV stays
-request-owned (SGLang 0.5.23 ``advance_unpublished_req``): no insert until finalize, which
-inserts once (the policy backs up from there) before the first send; a yield or abort frees it
-unpublished and the retry recomputes what the tree does not hold. Either way no host page is
-ever written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
+**Publishing a pending attempt's KV** follows what the tree declares of its write policy
+(``tree.backs_up_on_insert``; ``prefill.pending``): without backups at insert (device only, L2
+``write_back``) a pending attempt inserts its computed pages at chunk boundaries, at the end of
+its prefill and at a yield, so a retry hits them; with them (L2 ``write_through*``) its KV stays
+request-owned until finalize inserts it once, before the first send (SGLang 0.5.23
+``advance_unpublished_req``), and a yield or abort frees it unpublished. No host page is ever
+written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
 ``check_integrity``). At build, optimism is refused (``ValueError`` naming the flags) unless the
 gate keeps it for the policy the tree declares, so ServerArgs changed after resolution, or a
 cache built from other flags, cannot run optimism the gate turned off.
