@@ -28,6 +28,7 @@ from typing import Any
 from bench.calibrate import Calibration, calibrate_run, describe
 from bench.e2e import (
     Driver,
+    TraceRun,
     cpu_note,
     free_memory,
     model_args,
@@ -137,19 +138,24 @@ def request_rate(opts: argparse.Namespace, cal: Calibration) -> float:
     return opts.load / mean_s
 
 
-def run_config(
-    name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
-    cal: Calibration | None,
-) -> dict[str, Any]:  # fmt: skip
-    args = server_args_for(name, device_tokens, opts)
-    conversations = conversations_for(opts, args.vocab_size, seed)
+def decode_tokens_for(conversations: list[Any], opts: argparse.Namespace) -> int:
+    """Decode-side pool: the sampled successes keep their KV until the audit; the others free
+    it."""
     total_requests = sum(c.num_rounds for c in conversations)
-    # Decode side: the sampled successes keep their KV until the audit; the others free it.
     longest = -(-max(working_set_tokens([c]) for c in conversations) // opts.page_size)
-    decode_tokens = (total_requests // opts.kv_sample_every + opts.max_parallel + 2) * (
+    return (total_requests // opts.kv_sample_every + opts.max_parallel + 2) * (
         longest * opts.page_size
     )
-    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal)
+
+
+def drive_trace(
+    ex: Any, cost: Any, conversations: list[Any], rate: float, seed: int, name: str,
+    opts: argparse.Namespace,
+) -> TraceRun:  # fmt: skip
+    """Submit the conversations' rounds to ``ex`` (rank 0's under tensor parallelism) at
+    Poisson times, each round once the previous one's result is back, at most
+    ``--max-parallel`` in flight, until every conversation is done."""
+    total_requests = sum(c.num_rounds for c in conversations)
     driver = Driver(ex, opts.max_parallel, opts.kv_sample_every, cost)
     ready: collections.deque[tuple[int, float]] = collections.deque(
         (c, 0.0) for c in range(len(conversations))
@@ -183,10 +189,21 @@ def run_config(
             print(f"    {name} seed {seed}: {n}/{total_requests} requests", flush=True)
             last[0] = n
 
-    run = driver.drive(
+    return driver.drive(
         next_due, pop_request, on_result,
         done=lambda: all(c.done for c in conversations), progress=progress,
     )  # fmt: skip
+
+
+def run_config(
+    name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
+    cal: Calibration | None,
+) -> dict[str, Any]:  # fmt: skip
+    args = server_args_for(name, device_tokens, opts)
+    conversations = conversations_for(opts, args.vocab_size, seed)
+    decode_tokens = decode_tokens_for(conversations, opts)
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal)
+    run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
     out = config_summary(run)
     out["integrity"] = audit(run)
     out["kv_max_rel_err"] = run.kv_max_rel_err

@@ -22,17 +22,27 @@ against the tensor-parallel model's recompute of its heads. Results: ``multiturn
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.bench_multiturn import (
+    HEADLINE_KEYS,
+    RATIO,
+    TABLE,
+    _ratios,
+    conversations_for,
+    decode_tokens_for,
+    drive_trace,
+    pool_sizes,
+    request_rate,
+    server_args_for,
+)
 from bench.calibrate import calibrate_run, describe
-from bench.e2e import Driver, TraceRun, cpu_note, free_memory, release_executor, time_left
+from bench.e2e import TraceRun, cpu_note, free_memory, release_executor, time_left
 from bench.e2e_audit import audit, config_summary
 from bench.e2e_report import (
     aggregate_seeds,
@@ -42,7 +52,6 @@ from bench.e2e_report import (
     write_result,
 )
 from bench.virtual_cost import CostAccountant, RecordingModel
-from bench.workload import working_set_tokens
 from hicache.tp_group import TPGroup, new_cache_group
 from prefill.bootstrap import PeerConfig
 from prefill.clock import VirtualClock, WallClock
@@ -79,16 +88,12 @@ def run_tp(opts: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
 
 
 def server_args_tp(name: str, device_tokens: int, opts: argparse.Namespace, tp: int) -> Any:
-    from bench.bench_multiturn import server_args_for
-
     return dataclasses.replace(server_args_for(name, device_tokens, opts), tp_size=tp)
 
 
 def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     """One rank's whole run: every configuration under every seed, in the same order on every
     rank. Rank 0 prints, writes the result and returns the summary (the others an empty one)."""
-    from bench.bench_multiturn import HEADLINE_KEYS, RATIO, TABLE, _ratios, pool_sizes
-
     group = new_cache_group()
     say = print if rank == 0 else (lambda *a, **k: None)
     working_set, device_tokens = pool_sizes(opts)
@@ -105,8 +110,6 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
     cal = calibrate_run(local, model, opts.chunked_prefill_size, longest)
     cal = group.broadcast_object(cal if rank == 0 else None, src=0, tag="calibration")
     say(f"[multiturn tp{world}] calibration (rank 0): {describe(cal)}", flush=True)
-    from bench.bench_multiturn import request_rate
-
     rate = request_rate(opts, cal)
     per_seed: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
@@ -175,20 +178,15 @@ def run_config_tp(
     name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
     cal: Any, group: TPGroup,
 ) -> dict[str, Any]:  # fmt: skip
-    """One configuration under one seed: rank 0 drives the trace (as ``run_config``), the others
-    follow; then the audit on every rank, and per-rank numbers gathered."""
-    from bench.bench_multiturn import conversations_for
-
+    """One configuration under one seed: rank 0 drives the trace (``drive_trace``, as
+    ``run_config``), the others follow; then the audit on every rank, and per-rank numbers
+    gathered."""
     args = server_args_tp(name, device_tokens, opts, group.size)
     conversations = conversations_for(opts, args.vocab_size, seed)
-    total_requests = sum(c.num_rounds for c in conversations)
-    longest = -(-max(working_set_tokens([c]) for c in conversations) // opts.page_size)
-    decode_tokens = (total_requests // opts.kv_sample_every + opts.max_parallel + 2) * (
-        longest * opts.page_size
-    )
+    decode_tokens = decode_tokens_for(conversations, opts)
     ex, cost = new_tp_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, group)
     if group.rank == 0:
-        run = _drive(ex, cost, conversations, total_requests, rate, seed, name, opts)
+        run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
         ex.stop_followers()
     else:
         ex.follow(after_step=ex.drain_cache_events if cal is not None else None)
@@ -212,46 +210,3 @@ def run_config_tp(
         out["server_args"] = args.to_dict()
     release_executor(ex)
     return out
-
-
-def _drive(
-    ex: Any, cost: Any, conversations: list[Any], total_requests: int, rate: float, seed: int,
-    name: str, opts: argparse.Namespace,
-) -> TraceRun:  # fmt: skip
-    """Rank 0: ``bench_multiturn.run_config``'s driver loop."""
-    driver = Driver(ex, opts.max_parallel, opts.kv_sample_every, cost)
-    ready: collections.deque[tuple[int, float]] = collections.deque(
-        (c, 0.0) for c in range(len(conversations))
-    )
-    prompts: dict[str, tuple[int, list[int]]] = {}
-    rng = random.Random(seed)
-    state = {"next_at": ex.clock.now()}
-
-    def next_due() -> float | None:
-        return max(state["next_at"], ready[0][1]) if ready else None
-
-    def pop_request() -> tuple[str, list[int]]:
-        c, _ = ready.popleft()
-        conv = conversations[c]
-        prompt = conv.next_prompt()
-        rid = f"c{c}-r{conv.round}"
-        prompts[rid] = (c, prompt)
-        state["next_at"] = max(state["next_at"], ex.clock.now()) + rng.expovariate(rate)
-        return rid, prompt
-
-    def on_result(res: Any) -> None:
-        c, prompt = prompts[res.rid]
-        conversations[c].complete_round(prompt)
-        if not conversations[c].done:
-            ready.append((c, res.finish_time))
-
-    last = [0]
-
-    def progress(n: int) -> None:
-        if n - last[0] >= max(1, total_requests // 2) or n == total_requests:
-            print(f"    {name} seed {seed}: {n}/{total_requests} requests", flush=True)
-            last[0] = n
-
-    return driver.drive(next_due, pop_request, on_result,
-                        done=lambda: all(c.done for c in conversations),
-                        progress=progress)  # fmt: skip

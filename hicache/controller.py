@@ -16,7 +16,20 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
 - A load whose host slots are still being written by a backup waits (on its stream) for that
   backup; a backup launched while loads are in flight waits for the latest load.
 
-Acks are ``HiCacheAck(start_event, finish_event, node_ids, ...)``, completed in launch order.
+One copy, step by step (who owns each step):
+
+1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
+   allocate fresh slots there and raise the busy counts (``_agreed_alloc`` here, ``BusyPages``);
+2. launch: a backup starts at once on the write stream (``controller_writes``); a load waits
+   in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
+   each layer with its event (``controller_loads``, ``LayerDoneCounter``);
+3. count: ``count_finished_writes`` / ``count_finished_loads``: this rank's leading finished
+   acks (``HiCacheAck``, completed in launch order; ``copy_acks``);
+4. pop: ``writing_check(n)`` / ``loading_check(n)`` / ``wait_write`` pop acks in launch order,
+   record bytes and copy time in ``stats`` and lower the busy counts (``_complete`` here);
+5. free: slots the tree freed while a copy still used them (``evict_device`` /
+   ``evict_host``, deferred) return to their allocator once no copy uses them
+   (``_release_deferred`` here, ``DeferredFrees``).
 
 Tensor parallelism: each rank has its own controller over its shard of the KV heads, and its
 copies finish at their own pace. Two things here are rank-local and are agreed on the
@@ -39,70 +52,41 @@ Whether a freed slot is still in use is answered by per-page busy counts (``Busy
 at launch or queueing, lowered when the ack is popped), so a free costs O(freed pages) whatever
 the number of copies in flight.
 
-This file owns the copy launches, the load queue and the ack queues. The slot accounting above
-(``BusyPages``, ``InflightSlots``, the deferred frees) is in ``inflight_slots``; the per-layer
-load events (``LayerDoneCounter``) are in ``layer_done_counter``. Both are re-exported here.
+This file owns the construction, the steps both directions share (1, 4 and 5), eviction and
+the accounting ``check_integrity`` verifies; ``controller_writes`` the D2H path,
+``controller_loads`` the load queue and the H2D path, ``copy_acks`` the ack record and its
+counting; ``inflight_slots`` the slot accounting (``BusyPages``, ``InflightSlots``,
+``DeferredFrees``); ``layer_done_counter`` the per-layer load events.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from hicache.allocator import TokenToKVPoolAllocator
-from hicache.inflight_slots import (
-    BusyPages,
-    CopyUsage,
-    DeferredFrees,
-    InflightSlots,
-    cat_cpu,
-    check_indices,
-)
-from hicache.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
+from hicache.controller_loads import CacheOperation, ControllerLoads
+from hicache.controller_writes import ControllerWrites
+from hicache.copy_acks import HiCacheAck
+from hicache.inflight_slots import BusyPages, DeferredFrees, InflightSlots, cat_cpu
+from hicache.layer_done_counter import LayerDoneCounter
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory_pool_host_base import SUPPORTED_LAYOUT_IO
 from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
 from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
-from hicache.streams import CpuStreams, CudaStreams, Delay, Event, make_streams
+from hicache.streams import CpuStreams, CudaStreams, Delay, make_streams
 from hicache.tp_group import SingleRankGroup, TPGroup
 
-__all__ = [
-    "HiCacheAck",
-    "HiCacheController",
-    "InflightSlots",
-    "LayerDoneCounter",
-    "LayerLoadingEvent",
-]
+__all__ = ["HiCacheController"]
 
 logger = logging.getLogger(__name__)
 
 
-class HiCacheAck(NamedTuple):
-    """One launched copy. The first three fields are SGLang's."""
-
-    start_event: Event
-    finish_event: Event
-    node_ids: list[int]
-    host_indices: torch.Tensor  # CPU int64, as allocated
-    device_indices: torch.Tensor  # int64 on the device allocator's device, as allocated
-    nbytes: int
-    producer_id: int = -1  # LayerDoneCounter producer (loads only)
-    usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
-
-
-class _CacheOperation(NamedTuple):
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-    node_id: int
-    usage: CopyUsage
-
-
-class HiCacheController:
+class HiCacheController(ControllerWrites, ControllerLoads):
     """Backups (D2H) and loads (H2D) between one device pool and one host pool.
 
     Args:
@@ -157,7 +141,7 @@ class HiCacheController:
         self.load_stream = self.streams.new_stream()
         self.layer_done_counter = LayerDoneCounter(self.layer_num, self.streams)
 
-        self.load_queue: list[_CacheOperation] = []
+        self.load_queue: list[CacheOperation] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
         # Copies per page, and slots the tree freed while a copy still uses them (held until
@@ -165,178 +149,6 @@ class HiCacheController:
         self._busy = BusyPages(device_allocator, self.host_allocator)
         self._deferred_device = DeferredFrees(device_allocator)
         self._deferred_host = DeferredFrees(self.host_allocator)
-
-    # ------------------------------------------------------------------ D2H
-    def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
-        """Back up device slots to freshly allocated host slots; launches at once.
-
-        Returns the host slots (CPU int64, same order as ``device_indices``) or ``None`` when the
-        host pool is short on any rank of the group (nothing changes). Raises ``ValueError`` for
-        malformed indices or slots that a queued, unstarted load will write (their content does
-        not exist yet). The copy starts on the write stream after an event recorded now on the
-        compute stream (so it reads what the forward wrote). Never blocks, except for the
-        group's agreement on room (a collective when ``tp_size > 1``).
-        The host copy is readable only after this write's ack (``writing_check``).
-        """
-        check_indices("device_indices", device_indices, self.page_size)
-        if self.load_queue and bool(
-            torch.isin(
-                device_indices.cpu(), cat_cpu([op.device_indices for op in self.load_queue])
-            ).any()
-        ):
-            raise ValueError(
-                "device_indices include slots of a queued load that has not started; "
-                "call start_loading() first"
-            )
-        n = device_indices.numel()
-        if not self.group.agree_all(self.host_allocator.can_alloc(n), tag="hicache_write_room"):
-            return None
-        host_indices = self._commit_alloc(self.host_allocator, n, "host")
-        if host_indices.numel() == 0:
-            return host_indices
-        start = self.streams.new_event(enable_timing=True)
-        start.record(self.streams.compute)
-        self.write_stream.wait_event(start)
-        if self.ack_load_queue:  # a backup may read slots a load is still writing
-            self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
-        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
-
-        def backup() -> None:  # index moves run on the write stream too, ordered before the copy
-            h, d = self._move_indices(host_indices, device_indices)
-            pool.backup_from_device_all_layer(dev, h, d, io)
-
-        self.write_stream.submit(backup)
-        finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
-        usage = CopyUsage(device_indices, host_indices, host_written=True)
-        self._busy.add(usage)
-        self.ack_write_queue.append(
-            HiCacheAck(
-                start,
-                finish,
-                [node_id],
-                host_indices,
-                device_indices,
-                self._nbytes(host_indices),
-                usages=(usage,),
-            )
-        )
-        return host_indices
-
-    def count_finished_writes(self) -> int:
-        """Leading backups (launch order) whose copy finished on this rank; 0 for an empty
-        queue. Never blocks. The tree agrees the minimum over ranks and pops that many."""
-        return _count_finished(self.ack_write_queue)
-
-    def writing_check(self, n: int | None = None) -> list[int]:
-        """Pop the first ``n`` backups in launch order (``None``: every leading finished one);
-        returns their node ids. Releases deferred frees that no copy uses any more. Never
-        blocks for an agreed ``n`` (at most ``count_finished_writes()``); a larger one waits for
-        those copies. ``ValueError`` when ``n`` exceeds the queue."""
-        count = self._check_count(n, self.ack_write_queue, self.count_finished_writes)
-        done: list[int] = []
-        for _ in range(count):
-            done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
-        self._release_deferred()
-        return done
-
-    def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
-        """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
-        acks, and return their node ids (``writing_check`` will not return them again)."""
-        wanted = None if node_ids is None else set(node_ids)
-        targets = [
-            a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
-        ]
-        for a in targets:
-            a.finish_event.synchronize()
-        done: list[int] = []
-        for a in targets:
-            self.ack_write_queue.remove(a)
-            done.extend(self._complete(a, "d2h"))
-        self._release_deferred()
-        return done
-
-    # ------------------------------------------------------------------ H2D
-    def load(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
-        """Allocate device slots for ``host_indices`` and queue their H2D copy.
-
-        Returns the device slots (int64 on the device, same order) or ``None`` when the device
-        pool is short on any rank of the group (nothing changes). Nothing moves until
-        ``start_loading()``. Never blocks, except for the group's agreement on room.
-        """
-        check_indices("host_indices", host_indices, self.page_size)
-        if host_indices.numel() and (
-            int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
-        ):
-            raise ValueError(f"host_indices out of range [0, {self.host_pool.size})")
-        n = host_indices.numel()
-        if not self.group.agree_all(self.device_allocator.can_alloc(n), tag="hicache_load_room"):
-            return None
-        device_indices = self._commit_alloc(self.device_allocator, n, "device")
-        host_indices = host_indices.cpu()
-        usage = CopyUsage(device_indices, host_indices, host_written=False)
-        self._busy.add(usage)
-        self.load_queue.append(_CacheOperation(host_indices, device_indices, node_id, usage))
-        return device_indices
-
-    def start_loading(self) -> int:
-        """Launch every queued load as one H2D per layer on the load stream, recording one event
-        per layer; returns the producer id (``-1`` when nothing was queued). Never blocks."""
-        if not self.load_queue:
-            return -1
-        ops, self.load_queue = self.load_queue, []
-        host_indices = torch.cat([op.host_indices for op in ops])
-        device_indices = torch.cat([op.device_indices for op in ops])
-        node_ids = [op.node_id for op in ops]
-        pid = self.layer_done_counter.update_producer()
-        lev = self.layer_done_counter.events[pid]
-        lev.start_event.record(self.streams.compute)
-        self.load_stream.wait_event(lev.start_event)
-        if self.ack_write_queue and self._busy.host_being_written(host_indices):
-            # Host slots still being written by a backup: backups finish in launch order, so
-            # waiting for the newest covers it.
-            self.load_stream.wait_event(self.ack_write_queue[-1].finish_event)
-        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
-        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def load_layer(layer: int) -> None:  # the first layer moves the indices, on this stream
-            if not moved:
-                moved.append(self._move_indices(host_indices, device_indices))
-            pool.load_to_device_per_layer(dev, *moved[0], layer, io)
-
-        for layer in range(self.layer_num):
-            self.load_stream.submit(lambda layer=layer: load_layer(layer))
-            lev.load_events[layer].record(self.load_stream)
-        self.ack_load_queue.append(
-            HiCacheAck(
-                lev.start_event,
-                lev.finish_event,
-                node_ids,
-                host_indices,
-                device_indices,
-                self._nbytes(host_indices),
-                pid,
-                tuple(op.usage for op in ops),
-            )
-        )
-        self.layer_done_counter.set_consumer(pid)
-        return pid
-
-    def count_finished_loads(self) -> int:
-        """Leading loads (launch order) whose copy finished on this rank; 0 for an empty queue.
-        Never blocks."""
-        return _count_finished(self.ack_load_queue)
-
-    def loading_check(self, n: int | None = None) -> list[int]:
-        """Pop the first ``n`` loads in launch order (``None``: every leading finished one);
-        returns their node ids. Never blocks for an agreed ``n`` (as ``writing_check``)."""
-        count = self._check_count(n, self.ack_load_queue, self.count_finished_loads)
-        done: list[int] = []
-        for _ in range(count):
-            ack = self.ack_load_queue.popleft()
-            done.extend(self._complete(ack, "h2d"))
-            self.layer_done_counter.release(ack.producer_id)
-        self._release_deferred()
-        return done
 
     # ------------------------------------------------------------------ both
     def wait_all(self) -> tuple[list[int], list[int]]:
@@ -426,16 +238,14 @@ class HiCacheController:
             self.load_stream.synchronize()
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _check_count(n: int | None, queue: deque[HiCacheAck], finished) -> int:
-        if n is None:
-            return finished()
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
-            raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
-        return n
-
-    def _commit_alloc(self, allocator: TokenToKVPoolAllocator, n: int, tier: str) -> torch.Tensor:
-        """The allocation every rank agreed there was room for."""
+    def _agreed_alloc(
+        self, allocator: TokenToKVPoolAllocator, n: int, tier: str, tag: str
+    ) -> torch.Tensor | None:
+        """``n`` slots of ``allocator`` if every rank of the group has room (agreed under
+        ``tag``), else ``None`` on every rank. Raises ``RuntimeError`` when this rank's
+        allocation fails after the group agreed there was room (the allocators diverged)."""
+        if not self.group.agree_all(allocator.can_alloc(n), tag=tag):
+            return None
         slots = allocator.alloc(n)
         if slots is None:
             raise RuntimeError(
@@ -476,12 +286,3 @@ class HiCacheController:
             self._deferred_device.release(self._busy.device_busy)
         if self._deferred_host.held:
             self._deferred_host.release(self._busy.host_busy)
-
-
-def _count_finished(queue: deque[HiCacheAck]) -> int:
-    n = 0
-    for ack in queue:
-        if not ack.finish_event.query():
-            break
-        n += 1
-    return n

@@ -4,6 +4,8 @@
 Queues: bootstrap -> waiting -> running (chunked prefill, one chunked request at a time) ->
 inflight (parked or transferring). One ``step()`` is one scheduler iteration:
 
+0. tensor parallelism only: rank 0's new requests, decode-side releases and clock reading
+   reach every rank (``TPDriver.sync``);
 1. poll cache acks (``check_hicache_events``);
 2. ``pop_bootstrapped``: peers that failed abort; ready peers are finalized and admitted;
    bootstrapping peers are admitted optimistically while ``optimistic_attempts < N`` (the
@@ -15,21 +17,21 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
    yield);
 5. build and run one extend batch of at most ``chunked_prefill_size`` tokens (the chunked
    request first, then waiting requests: bootstrapped ones before optimistic ones, queue order
-   within each) while fewer than ``max_running_requests`` requests hold KV;
+   within each) while fewer than ``max_running_requests`` requests hold KV; the host loads
+   its admissions queued are launched before its forward (``ready_to_load_host_cache``);
 6. for each request whose prefill finished: publish its pages; forced-not-ready -> yield;
    pending -> park; finalized -> send the rest (last chunk);
 7. ``process_inflight_queue``: parked + ready -> finalize, publish and send; parked + failed ->
    abort; parked + bootstrapping while every running slot is held and others wait -> yield;
    transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
-**Publishing a pending attempt's KV.** The tree declares whether its write policy backs up pages
-from an insert (``tree.backs_up_on_insert``: L2 ``write_through*``). If it does not (device only,
-L2 ``write_back``), a pending attempt inserts its computed pages at chunk boundaries, at the end
-of its prefill and at a yield, so a retry hits them. If it does, a pending attempt's KV stays
-request-owned (SGLang 0.5.23 ``advance_unpublished_req``): no insert until finalize, which
-inserts once (the policy backs up from there) before the first send; a yield or abort frees it
-unpublished and the retry recomputes what the tree does not hold. Either way no host page is
-ever written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
+**Publishing a pending attempt's KV** follows what the tree declares of its write policy
+(``tree.backs_up_on_insert``; ``prefill.pending``): without backups at insert (device only, L2
+``write_back``) a pending attempt inserts its computed pages at chunk boundaries, at the end of
+its prefill and at a yield, so a retry hits them; with them (L2 ``write_through*``) its KV stays
+request-owned until finalize inserts it once, before the first send (SGLang 0.5.23
+``advance_unpublished_req``), and a yield or abort frees it unpublished. No host page is ever
+written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
 ``check_integrity``). At build, optimism is refused (``ValueError`` naming the flags) unless the
 gate keeps it for the policy the tree declares, so ServerArgs changed after resolution, or a
 cache built from other flags, cannot run optimism the gate turned off.
@@ -44,21 +46,24 @@ until ``pop_results()`` hands them out (``result(rid)`` reads one not yet popped
 the rid may be submitted again. Memory and the cost of a step depend on the requests in flight,
 not on how many have finished.
 
-This file owns the public API, the step order, the running (chunked) request and the decisions
-at its chunk boundaries and at the end of its prefill, including yield. The rest is delegated:
+This file owns the public API, the step order and the wiring of its delegates:
 ``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
-finalize, requeue after a yield), ``prefill.batch`` (step 5), ``prefill.inflight`` (sends, step
-7, abort, results) and ``prefill.req_kv`` (a request's slots and lock).
+finalize, requeue after a yield), ``prefill.chunked`` (steps 4-6: the running (chunked)
+request, its chunk boundaries, the batch, the end of its prefill, yield), ``prefill.batch``
+(step 5's selection and forward pass), ``prefill.pending`` (what publish and yield do with a
+pending attempt's KV), ``prefill.inflight`` (sends, step 7, abort, results),
+``prefill.req_kv`` (a request's slots and lock) and ``prefill.tp_driver`` (rank 0's inputs
+and the follow protocol).
 
 **Tensor parallelism** (``--tp-size N``, the cache's ``group``): every rank runs this executor
 over its shard of the KV heads, with the tensor-parallel model and its own decode side (each
 rank sends its own shard). Only rank 0 accepts ``submit``; each step starts with rank 0's
-broadcast of new requests, decode-side releases and its clock reading (``prefill.tp_sync``), so
-every rank schedules the same batches from the same inputs; peer polls are MIN-reduced and cache
-decisions agreed, and each batch is checked against rank 0's. Every rank calls ``step`` /
-``run_until_idle`` / ``drain_cache_events`` in the same order; a driver on rank 0 alone
-(submitting as requests arrive) pairs with ``follow()`` on the other ranks and ends with
-``stop_followers()``.
+broadcast of new requests, decode-side releases and its clock reading (``prefill.tp_driver``
+over ``prefill.tp_sync``), so every rank schedules the same batches from the same inputs; peer
+polls are MIN-reduced and cache decisions agreed, and each batch is checked against rank 0's.
+Every rank calls ``step`` / ``run_until_idle`` / ``drain_cache_events`` in the same order; a
+driver on rank 0 alone (submitting as requests arrive) pairs with ``follow()`` on the other
+ranks and ends with ``stop_followers()``.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ import torch
 
 from hicache.tp_group import SingleRankGroup, TPGroup
 from prefill.admission import AdmissionQueue
-from prefill.batch import Batch, BatchRunner, CostModel
-from prefill.bootstrap import DecodePeer, DecodeSide, KVPoll, PeerConfig, force_not_ready
+from prefill.batch import BatchRunner, CostModel
+from prefill.bootstrap import DecodePeer, DecodeSide, PeerConfig, force_not_ready
+from prefill.chunked import ChunkedPrefill
 from prefill.clock import Clock, WallClock
 from prefill.gate import check_gate, log_gate_once, resolved_attempts
 from prefill.inflight import InflightQueue
@@ -88,7 +94,8 @@ from prefill.pending import PendingKV
 from prefill.req_kv import RequestKV
 from prefill.request import PrefillRequest, RequestResult
 from prefill.stats import ExecutorStats
-from prefill.tp_sync import AgreedClock, PeerPolls, RankZeroInputs, check_batch
+from prefill.tp_driver import TPDriver, agreed_clock
+from prefill.tp_sync import PeerPolls
 
 __all__ = ["CostModel", "OptimisticPrefillExecutor"]
 
@@ -146,13 +153,7 @@ class OptimisticPrefillExecutor:
         if group is not None and group is not cache_group:
             raise ValueError("group: the cache was built on another group")
         self.group: TPGroup = cache_group
-        tp = self.group.size > 1
-        if clock is None:
-            clock = WallClock()
-        if tp and not isinstance(clock, AgreedClock):
-            clock = AgreedClock(clock, self.group)
-        if tp and decode is not None and decode.clock is not clock:
-            raise ValueError("decode: under tensor parallelism it must use the executor's clock")
+        clock = agreed_clock(clock if clock is not None else WallClock(), self.group, decode)
         if model is None:
             from prefill.model import build_model
 
@@ -184,11 +185,12 @@ class OptimisticPrefillExecutor:
         self.stats = ExecutorStats()
         self.kv = RequestKV(cache, self.stats)
         self.requests: dict[str, PrefillRequest] = {}
-        self.chunked_req: PrefillRequest | None = None
         self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
         self.polls = PeerPolls(self.group)
-        self.inputs = RankZeroInputs(self.group, clock) if tp else None
-        self._following = False
+        self.driver = TPDriver(
+            self.group, self.clock, accept=self._accept, release=self.decode.release,
+            drop_results=lambda: self.results.clear(),
+        )  # fmt: skip
         self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata, self.polls)
         self.batch_runner = BatchRunner(
             cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
@@ -197,7 +199,11 @@ class OptimisticPrefillExecutor:
         self.inflight = InflightQueue(
             self.kv, self.admission, self.pending, self.clock, self.stats,
             on_done=self._forget, max_running_requests=self.max_running_requests,
-            other_holders=lambda: int(self.chunked_req is not None),
+            other_holders=lambda: int(self.chunked.chunked_req is not None),
+        )  # fmt: skip
+        self.chunked = ChunkedPrefill(
+            self.admission, self.pending, self.inflight, self.batch_runner, self.clock,
+            self.group, self.max_running_requests,
         )  # fmt: skip
         log_gate_once(args)
 
@@ -215,15 +221,10 @@ class OptimisticPrefillExecutor:
         ``peer`` must be omitted (every rank creates its own); the request is queued at the
         next step on every rank, with rank 0's submit time.
         """
-        tp_rank = self.group.rank if self.inputs is not None else None
-        if tp_rank:
-            raise ValueError(
-                f"submit: rank {tp_rank} of a tensor-parallel group takes requests only from "
-                "rank 0's broadcast"
-            )
+        self.driver.check_submit()
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"rid must be a non-empty string, got {rid!r}")
-        if rid in self.requests or (self.inputs is not None and self.inputs.pending(rid)):
+        if rid in self.requests or self.driver.pending(rid):
             raise ValueError(f"rid {rid!r} is already in flight")
         if rid in self.results:
             raise ValueError(f"rid {rid!r} has a result not popped yet (pop_results)")
@@ -240,12 +241,7 @@ class OptimisticPrefillExecutor:
             )
         if peer is not None and peer.num_tokens != len(ids):
             raise ValueError(f"peer expects {peer.num_tokens} tokens, token_ids has {len(ids)}")
-        if self.inputs is not None:
-            if peer is not None:
-                raise ValueError("peer: under tensor parallelism every rank creates its own")
-            self.inputs.submit(rid, ids, self.clock.live_now())
-            return
-        self._accept(rid, ids, peer, self.clock.now())
+        self.driver.submit(rid, ids, peer)
 
     def _accept(
         self, rid: str, ids: list[int], peer: DecodePeer | None, submit_time: float
@@ -264,78 +260,42 @@ class OptimisticPrefillExecutor:
         """Free the decode side's kept KV of ``rid`` (``DecodeSide.release``); under tensor
         parallelism rank 0 asks and every rank frees its own at the next step (on the other
         ranks this call does nothing: rank 0's request reaches them)."""
-        if self.inputs is None:
-            self.decode.release(rid)
-        elif self.group.rank == 0:
-            self.inputs.release(rid)
+        self.driver.release(rid)
 
     def step(self) -> bool:
         """One scheduler iteration (see the module docstring). Returns whether anything
         changed. Blocks only for the forward pass (and for write_back eviction copies; under
         tensor parallelism for the group's collectives)."""
-        self._sync()
+        self.driver.sync()
         try:
             return self._step()
         finally:
-            self._release_clock()
-
-    def _release_clock(self) -> None:
-        if isinstance(self.clock, AgreedClock):
-            self.clock.release()
-
-    def _sync(self) -> bool:
-        """Tensor parallelism: rank 0's requests, releases and clock reading on every rank.
-        Returns ``False`` when rank 0 stopped its followers. A no-op with one rank."""
-        if self.inputs is None:
-            return True
-        keep = True
-        for op in self.inputs.sync():
-            if op[0] == "submit":
-                self._accept(op[1], op[2], None, op[3])
-            elif op[0] == "release":
-                self.decode.release(op[1])
-            elif op[0] == "stop":
-                keep = False
-        if self._following:
-            self.results.clear()  # rank 0 hands the results out
-        return keep
+            self.driver.release_clock()
 
     def follow(self, after_step: Any = None) -> None:
         """Ranks other than 0 of a tensor-parallel group, while rank 0 alone drives (submits,
         ``step``s): mirror rank 0's steps until it calls ``stop_followers``. ``after_step()``
         runs after every step, matching what rank 0 does between steps (e.g.
         ``drain_cache_events``). Results are rank 0's to hand out; a follower keeps none."""
-        if self.inputs is None or self.group.rank == 0:
-            raise ValueError("follow: only ranks other than 0 of a tensor-parallel group follow")
-        self._following = True
-        try:
-            while self._sync():
-                self._step()
-                if after_step is not None:
-                    after_step()
-        finally:
-            self._following = False
+        self.driver.follow(self._step, after_step)
 
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' ``follow`` (one more broadcast, no step)."""
-        if self.inputs is None or self.group.rank != 0:
-            raise ValueError("stop_followers: only rank 0 of a tensor-parallel group stops them")
-        self.inputs.stop()
-        self._sync()
+        self.driver.stop_followers()
 
     def _step(self) -> bool:
         before = self._progress_marker()
-        self.tree.check_hicache_events()
-        for req in self.admission.pop_bootstrapped():
-            self._abort(req)
-        for req in self.admission.resolve_waiting_bootstrap():
-            self._abort(req)
-        self._process_chunked_req()
-        batch = self._get_new_batch()
+        self.tree.check_hicache_events()  # 1
+        for req in self.admission.pop_bootstrapped():  # 2
+            self.chunked.abort(req)
+        for req in self.admission.resolve_waiting_bootstrap():  # 3
+            self.chunked.abort(req)
+        self.chunked.process_chunked_req()  # 4
+        batch = self.chunked.get_new_batch()  # 5
         self.tree.ready_to_load_host_cache()  # loads queued by this step's admissions
         if batch:
-            self._run_batch(batch)
-        self.inflight.process_inflight_queue()
+            self.chunked.run_batch(batch)  # 5-6
+        self.inflight.process_inflight_queue()  # 7
         return bool(batch) or self._progress_marker() != before
 
     def run_until_idle(self, max_steps: int = 1_000_000, check: bool = False) -> None:
@@ -347,12 +307,12 @@ class OptimisticPrefillExecutor:
         try:
             self._run_until_idle(max_steps, check)
         finally:
-            self._release_clock()
+            self.driver.release_clock()
 
     def _run_until_idle(self, max_steps: int, check: bool) -> None:
         due_now = 0
         for _ in range(max_steps):
-            self._sync()
+            self.driver.sync()
             if self.is_idle():
                 return
             progressed = self._step()
@@ -428,6 +388,11 @@ class OptimisticPrefillExecutor:
         return self.admission.waiting_queue
 
     @property
+    def chunked_req(self) -> PrefillRequest | None:
+        """The running request whose prompt is not done yet (one at a time)."""
+        return self.chunked.chunked_req
+
+    @property
     def inflight_queue(self) -> list[PrefillRequest]:
         return self.inflight.inflight_queue
 
@@ -435,68 +400,6 @@ class OptimisticPrefillExecutor:
     def results(self) -> dict[str, RequestResult]:
         """Results not popped yet, by rid, in finish order."""
         return self.inflight.results
-
-    # ================================================================== chunk boundary
-    def _process_chunked_req(self) -> None:
-        req = self.chunked_req
-        if req is None:
-            return
-        self.pending.publish(req, chunked=True)
-        state = self.admission.poll(req)
-        if state == KVPoll.Failed:
-            self.chunked_req = None
-            self._abort(req)
-        elif req.pending_bootstrap:
-            if state == KVPoll.WaitingForInput:
-                self.admission.finalize(req)
-                self.pending.publish(req, chunked=True)  # once, now that it is final
-                self.inflight.send_kv_chunk(req, last=False)
-            elif self.admission.has_bootstrapped_waiting_req():
-                self.chunked_req = None
-                self.pending.yield_(req)
-            # else: still bootstrapping, nobody ready is waiting: keep computing, send nothing
-        else:
-            self.inflight.send_kv_chunk(req, last=False)
-
-    # ================================================================== batch
-    def _get_new_batch(self) -> Batch:
-        holding = len(self.inflight_queue) + int(self.chunked_req is not None)
-        batch = self.batch_runner.get_new_batch(
-            self.chunked_req, self.admission.candidates(), self.max_running_requests - holding
-        )
-        for req, _ in batch:
-            if req is not self.chunked_req:
-                self.admission.remove_started(req)
-        check_batch(self.group, batch)
-        return batch
-
-    def _run_batch(self, batch: Batch) -> None:
-        logits = self.batch_runner.forward(batch)
-        self.chunked_req = None
-        for (req, n), out in zip(batch, logits, strict=True):
-            req.computed_len += n
-            req.total_computed += n
-            if req.computed_len < req.num_tokens:
-                self.chunked_req = req
-                continue
-            req.first_token = int(out.argmax())
-            self._finish_prefill(req)
-
-    def _finish_prefill(self, req: PrefillRequest) -> None:
-        self.pending.publish(req, chunked=False)
-        req.prefill_done_time = self.clock.now()
-        if req.pending_bootstrap and self.admission.forced(req):
-            self.pending.yield_(req)
-            return
-        self.inflight.add(req)
-
-    # ================================================================== abort
-    def _abort(self, req: PrefillRequest) -> None:
-        """The peer failed: drop the request from the running slot (callers remove it from the
-        queue they iterate) and hand it to ``inflight.abort`` (release, error result)."""
-        if self.chunked_req is req:
-            self.chunked_req = None
-        self.inflight.abort(req)
 
     def _forget(self, req: PrefillRequest) -> None:
         """``req`` has its outcome: the executor keeps nothing of it but the result."""
