@@ -10,7 +10,9 @@ time, per step match (+ device indices), lock, insert, unlock and one pure-miss 
 tree has filled to N tokens (N = 10K, 100K, 1M), 1% of N is evicted after each 1% of N inserted,
 and every 10th step one leaf is evicted on its own (``evict_leaf``: the eviction curve against
 tree size, in the middle of the trace, where the least recently used leaf's memory is cold at
-1M tokens). At the end, up to 100 leaves are evicted one at a time back to back
+1M tokens). A second pass on this project's tree evicts the same number of tokens at every size
+(1% of the smallest tree), so eviction runs about as often at 1M as at 10K tokens and the
+single-leaf curve shows the cost of tree size alone. At the end, up to 100 leaves are evicted one at a time back to back
 (``evict_leaf_alone``: the queue's own cost). Page 1 and 16. Mean and p99 per op, microseconds
 per call. Run with ``OMP_NUM_THREADS=1``: torch's intra-op threads on a small shared CPU make
 every tree's numbers noisy (SGLang's Rust core most).
@@ -58,9 +60,15 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def run_trace(
-    capacity: int, page_size: int, steps: int, factories: list[Any], seed: int = 0
+    capacity: int,
+    page_size: int,
+    steps: int,
+    factories: list[Any],
+    seed: int = 0,
+    evict_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Fill every tree to ``capacity`` tokens with the trace, then time ``steps`` steps."""
+    """Fill every tree to ``capacity`` tokens with the trace, then time ``steps`` steps, evicting
+    ``evict_tokens`` (default 1% of ``capacity``) each time as many were inserted."""
     trace = iter(MultiTurnTrace(capacity, seed=seed))
     headroom = 16_384 + capacity // 50
     pool = (capacity + headroom + page_size - 1) // page_size * page_size
@@ -70,7 +78,8 @@ def run_trace(
         step = next(trace)
         for d in drivers:
             play_step(d, step, None)
-    chunk = max(page_size, capacity // 100 // page_size * page_size)
+    share = capacity // 100 if evict_tokens is None else evict_tokens
+    chunk = max(page_size, share // page_size * page_size)
     samples = {d.name: {op: [] for op in ALL_OPS} for d in drivers}
     balance = 0  # tokens the project's tree gained since the last eviction of 1%
     mismatches = 0
@@ -107,6 +116,7 @@ def run_trace(
         "tokens": capacity,
         "page_size": page_size,
         "steps": steps,
+        "evict_tokens": chunk,
         "nodes": nodes,
         "tree_tokens_after_steps": tokens_at_end,
         "trees": {d.name: {op: _stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
@@ -158,10 +168,13 @@ def _curve(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _targets(
+    rows: list[dict[str, Any]], fixed_rows: list[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """The tree's targets, checked on this run: at the largest size, every op's mean no slower
     than SGLang's Python tree and evicting 1% no slower than its Rust core (when compared); a
-    single-leaf eviction within 2x across sizes (in the trace and alone). Each line also gives
+    single-leaf eviction within 2x across sizes (in the trace, in the trace with the same
+    eviction amount at every size (``fixed_rows``), and alone). Each line also gives
     the median-based ratio, which a few scheduler preemptions on a shared CPU do not move."""
     out: list[dict[str, Any]] = []
     largest = max(r["tokens"] for r in rows)
@@ -196,15 +209,20 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 mine["evict_1pct"],
                 big["trees"]["sglang_rust"]["evict_1pct"],
             )
-        for op in ("evict_leaf", "evict_leaf_alone"):
+        fixed = [r for r in fixed_rows if r["page_size"] == ps]
+        for op, src, what in (
+            ("evict_leaf", page_rows, "evict_leaf"),
+            ("evict_leaf", fixed, "evict_leaf, fixed eviction amount,"),
+            ("evict_leaf_alone", page_rows, "evict_leaf_alone"),
+        ):
             # (a small tree has too few leaves for a mean of single evictions in a row)
-            costs = [r["trees"]["project"][op] for r in page_rows]
+            costs = [r["trees"]["project"][op] for r in src]
             costs = [c for c in costs if c["n"] >= 20]
             if len(costs) < 2:
                 continue
             hi = max(costs, key=lambda c: c["mean_us"])
             lo = min(costs, key=lambda c: c["mean_us"])
-            line(f"{op} largest / smallest across sizes", hi, lo, limit=2.0)
+            line(f"{what} largest / smallest across sizes", hi, lo, limit=2.0)
     return out
 
 
@@ -252,6 +270,16 @@ def run(
             ]
     n_steps = steps if steps is not None else (300 if quick else 3000)
     rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
+    # The same trace with the same eviction amount at every size (1% of the smallest tree), on
+    # the project's tree only: a 1% schedule evicts about every step at 10K tokens but every ~25
+    # steps at 1M, so the eviction code runs cold there; this pass separates the cost of tree
+    # size from the cost of eviction frequency.
+    fixed_tokens = max(1, min(sizes) // 100)
+    fixed_rows = [
+        run_trace(n, ps, n_steps, [ProjectDriver], evict_tokens=fixed_tokens)
+        for ps in pages
+        for n in sizes
+    ]
     stubs = sgl.stub_report() if sgl is not None else []
     rust_core = None
     if sgl is not None:
@@ -260,7 +288,7 @@ def run(
         rust_core = rust_core_file()
         print(f"[cache_ops] SGLang Rust TreeCore: {rust_core}")
     _print_rows(rows)
-    targets = _targets(rows)
+    targets = _targets(rows, fixed_rows)
     _print_targets(targets)
     if stubs:
         from bench.sglang_loader import stub_lines
@@ -276,6 +304,7 @@ def run(
         "sglang_stubs": stubs,
         "sglang_rust_core": rust_core,
         "rows": rows,
+        "fixed_eviction_rows": fixed_rows,
         "targets": targets,
         "eviction_curve": curve,
         "pressure": pressure,

@@ -19,6 +19,7 @@ the drivers for SGLang's trees (same interface).
 from __future__ import annotations
 
 import random
+from array import array
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,7 +102,10 @@ class ProjectDriver:
         self.tree = RadixCache(self.allocator, page_size)
 
     def prepare(self, key: list[int]) -> list[int]:
-        return key  # the scheduler already holds token ids as a list
+        # A fresh list of fresh int objects, as a scheduler gets token ids from a tokenizer: the
+        # trace builds each turn's key from the previous one, and sharing those int objects with
+        # the keys stored in the tree would let list comparison take its identity fast path.
+        return array("q", key).tolist()
 
     def match(self, key: Any) -> tuple[int, torch.Tensor, Any]:
         m = self.tree.match_prefix(key)
