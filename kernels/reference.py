@@ -118,23 +118,44 @@ def _flat_bytes(side: Side, ref: torch.Tensor, layer: int, extent: int) -> torch
     return ref.reshape(-1).view(torch.uint8)
 
 
+def _word(chunk: int, *sides: Side) -> int:
+    """The widest run of bytes that divides the chunk and every stride of both sides, so every
+    copied chunk is a whole number of such words at word-aligned offsets (from the side's
+    base): the copy then gathers words, not single bytes."""
+    g = chunk
+    for side in sides:
+        for stride in (side.page_stride, side.row_stride, side.head_stride, side.layer_stride):
+            g = math.gcd(g, stride)
+    return g
+
+
+def _words(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` (1-D uint8) as ``[n, width]`` rows, the tail shorter than a row dropped."""
+    return flat[: flat.numel() // width * width].view(-1, width)
+
+
 def copy_kv(call: KVCopy) -> None:
     """Every kernel-backend op: ``dst[d] = src[s]`` in ``call``'s addressing, for each layer it
     covers, K then V (or the MLA buffer), head by head for the page_head ops. A table side spans
-    the largest offset it is given."""
+    the largest offset it is given. Bytes move in words of the width :func:`_word` finds (the
+    whole chunk when every offset is a multiple of it)."""
     s, d = (t.cpu() for t in _valid_pairs(call.src_indices, call.dst_indices))
     if s.numel() == 0:
         return
     for part in call.parts():
-        cols = torch.arange(part.chunk_bytes)
+        w = _word(part.chunk_bytes, part.src, part.dst)
+        cols = torch.arange(part.chunk_bytes // w)
         for layer in range(call.layer_id, call.layer_id + call.num_layers):
             for head in range(part.heads):
-                so = byte_offsets(part.src, s, layer, head)[:, None] + cols
-                do = byte_offsets(part.dst, d, layer, head)[:, None] + cols
+                so = byte_offsets(part.src, s, layer, head)
+                do = byte_offsets(part.dst, d, layer, head)
+                si = ((so // w)[:, None] + cols).reshape(-1)
+                di = ((do // w)[:, None] + cols).reshape(-1)
+                s_end, d_end = int(so.max()) + part.chunk_bytes, int(do.max()) + part.chunk_bytes
                 for src_ref, dst_ref in zip(part.src.refs, part.dst.refs, strict=True):
-                    src = _flat_bytes(part.src, src_ref, layer, int(so.max()) + 1)
-                    dst = _flat_bytes(part.dst, dst_ref, layer, int(do.max()) + 1)
-                    dst[do.to(dst.device)] = src[so.to(src.device)].to(dst.device)
+                    src = _words(_flat_bytes(part.src, src_ref, layer, s_end), w)
+                    dst = _words(_flat_bytes(part.dst, dst_ref, layer, d_end), w)
+                    dst[di.to(dst.device)] = src[si.to(src.device)].to(dst.device)
 
 
 # ---------------------------------------------------------------------------------------------
