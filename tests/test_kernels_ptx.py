@@ -76,21 +76,25 @@ def test_no_spills_within_the_register_budget(report: dict, name: str) -> None:
 @pytest.mark.parametrize("kv", ["mha", "mla"])
 def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) -> None:
     """2 programs (SGLang's block_quota) of 32 warps, each with one 128 KiB block of loads
-    outstanding; fewer items than two blocks simply use fewer programs."""
+    outstanding; fewer items than two blocks simply use fewer programs. With Triton 3.6 a block
+    is half as big (``MAX_ROWS_PER_THREAD``: that compiler spills at two rows per thread), so
+    128 KiB are in flight there."""
     from kernels.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
-    from kernels.launch import plan_launch
+    from kernels.launch import MAX_ROWS_PER_THREAD, plan_launch
     from kernels.transfer import validate
 
     (call,) = [c for n, c, _ in calls() if n == f"{op}[{kv},2048B]"]
     call, (part,) = validate(call, DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS)
-    for n_items, programs in ((1024, 2), (128, 2), (64, 1), (1, 1)):
+    rows = 32 * MAX_ROWS_PER_THREAD  # one 2 KiB row per warp and repetition
+    for n_items in (1024, 2 * rows, rows, 1):
         idx = torch.arange(n_items) % 64
         launch = plan_launch(part, idx, idx, layer_begin=call.layer_id, num_layers=1,
                              block_quota=DEFAULT_BLOCK_QUOTA, num_warps=DEFAULT_NUM_WARPS,
                              cache_hints=False)  # fmt: skip
-        assert launch.grid == (programs,)
-        if n_items >= 128:
-            assert launch.grid[0] * launch.geometry.block_bytes >= 256 * 1024
+        assert launch.geometry.rows == rows
+        assert launch.grid == (min(DEFAULT_BLOCK_QUOTA, -(-n_items // rows)),)
+        if n_items >= 2 * rows:
+            assert launch.grid[0] * launch.geometry.block_bytes >= MAX_ROWS_PER_THREAD * 128 * 1024
 
 
 @pytest.mark.parametrize("block_quota", [1, 2, 3, 7, 64])
