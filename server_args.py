@@ -93,6 +93,25 @@ class Resolution(NamedTuple):
     reason: str
 
 
+def tp_geometry_errors(tp: int, hq: int | None, hkv: int | None, inter: int | None) -> list[str]:
+    """What keeps ``tp`` ranks from splitting a model (``prefill.tp_model.TPShard.plan`` and
+    ``--tp-size`` validation): query heads ``hq`` and ``inter`` (MLP intermediate size) divisible
+    by ``tp``; KV heads ``hkv`` divisible by it (split) or dividing it (each KV head replicated
+    on ``tp // hkv`` ranks). A ``None`` size is not checked (MLA's latent; a value validation
+    already refuses)."""
+    out = []
+    if hq is not None and hq % tp:
+        out.append(f"tp_size={tp} must divide num_attention_heads={hq}")
+    if inter is not None and inter % tp:
+        out.append(f"tp_size={tp} must divide intermediate_size={inter}")
+    if hkv is not None and hkv % tp and tp % hkv:
+        out.append(
+            f"tp_size={tp} must divide num_kv_heads={hkv} (heads split) or be a multiple of it "
+            "(heads replicated)"
+        )
+    return out
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field whose metadata drives its CLI flag."""
     return field(default=default, metadata={"help": help, **meta})
@@ -369,25 +388,21 @@ class ServerArgs:
         return errors
 
     def _tp_errors(self) -> list[str]:
-        """The geometry ``--tp-size`` must split (the same rules and words as
-        ``prefill.tp_model.TPShard.plan``): query heads and intermediate size divisible by it;
-        KV heads divisible by it (split) or dividing it (each KV head replicated on
-        ``tp_size // head_num`` ranks). An MLA latent is not split (every rank holds it)."""
+        """The geometry ``--tp-size`` must split (``tp_geometry_errors``, as
+        ``prefill.tp_model.TPShard.plan``). An MLA latent is not split (every rank holds it);
+        sizes that are not positive ints are left to their own validation."""
         tp = self.tp_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
             return []
-        out = []
-        hq, hkv, inter = self.num_attention_heads, self.head_num, self.intermediate_size
-        if isinstance(hq, int) and hq > 0 and hq % tp:
-            out.append(f"tp_size={tp} must divide num_attention_heads={hq}")
-        if isinstance(inter, int) and inter > 0 and inter % tp:
-            out.append(f"tp_size={tp} must divide intermediate_size={inter}")
-        if not self.use_mla and isinstance(hkv, int) and hkv > 0 and hkv % tp and tp % hkv:
-            out.append(
-                f"tp_size={tp} must divide num_kv_heads={hkv} (heads split) or be a multiple "
-                "of it (heads replicated)"
-            )
-        return [f"--tp-size: {e}" for e in out]
+
+        def size(v: Any) -> int | None:
+            return v if isinstance(v, int) and v > 0 else None
+
+        hkv = None if self.use_mla else size(self.head_num)
+        errors = tp_geometry_errors(
+            tp, size(self.num_attention_heads), hkv, size(self.intermediate_size)
+        )
+        return [f"--tp-size: {e}" for e in errors]
 
     def kv_heads_per_rank(self) -> int:
         """KV heads one tensor-parallel rank's pools hold: ``head_num / tp_size`` when the heads
@@ -420,16 +435,9 @@ class ServerArgs:
         reason = None
         if self.pp_size > 1:
             reason = GATE_PP
-        elif self.enable_hierarchical_cache and self.optimistic_prefill_write_through:
-            if self.hicache_storage_backend is not None or self.hicache_write_policy not in (
-                "write_back",
-                "write_through",
-            ):
-                reason = GATE_HICACHE_WRITE_THROUGH
-        elif self.enable_hierarchical_cache and (
-            self.hicache_storage_backend is not None or self.hicache_write_policy != "write_back"
-        ):
-            reason = GATE_HICACHE
+        elif self.enable_hierarchical_cache and not self._l2_gate_allows(self.hicache_write_policy):
+            gate = self.optimistic_prefill_write_through
+            reason = GATE_HICACHE_WRITE_THROUGH if gate else GATE_HICACHE
         if reason is None and self.uses_mamba_radix_cache:
             reason = GATE_MAMBA
         if reason is not None:
@@ -442,8 +450,11 @@ class ServerArgs:
         is caught."""
         if self.pp_size > 1 or self.uses_mamba_radix_cache:
             return False
-        if write_policy is None:
-            return True
+        return write_policy is None or self._l2_gate_allows(write_policy)
+
+    def _l2_gate_allows(self, write_policy: str) -> bool:
+        """The gate's L2 rule: no storage backend, and ``write_back`` (both generations) or
+        ``write_through`` (with ``optimistic_prefill_write_through``, SGLang 0.5.23's)."""
         if self.hicache_storage_backend is not None:
             return False
         if write_policy == "write_back":

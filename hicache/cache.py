@@ -23,7 +23,7 @@ from hicache.hiradix_cache import HiRadixCache
 from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.radix_cache import RadixCache
 from hicache.stats import CacheStats
-from hicache.tp_group import SingleRankGroup, TPGroup
+from hicache.tp_group import SingleRankGroup, TPGroup, agreed_alloc
 
 if TYPE_CHECKING:
     from hicache.controller import HiCacheController
@@ -76,17 +76,11 @@ class KVCache:
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
         g, alloc = self.group, self.allocator
-        if not g.agree_all(alloc.can_alloc(n), tag="alloc_device_room"):
+        slots = agreed_alloc(g, alloc, n, pool="device", tag="alloc_device_room")
+        if slots is None:
             need = g.agree_max(n - alloc.available_size(), tag="alloc_device_evict")
             self.tree.evict(need)
-            if not g.agree_all(alloc.can_alloc(n), tag="alloc_device_room_after_evict"):
-                return None
-        slots = alloc.alloc(n)
-        if slots is None:
-            raise RuntimeError(
-                f"rank {g.rank}: {alloc.available_size()} free device slots for {n} after the "
-                "group agreed there was room (allocators diverged)"
-            )
+            slots = agreed_alloc(g, alloc, n, pool="device", tag="alloc_device_room_after_evict")
         return slots
 
     def close(self) -> None:
@@ -130,7 +124,7 @@ def build_kv_cache(
     ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """
     args.check_runtime_supported()
-    tp_size = getattr(args, "tp_size", 1)
+    tp_size = args.tp_size
     if group is None:
         if tp_size > 1:
             raise ValueError(
@@ -142,15 +136,8 @@ def build_kv_cache(
         raise ValueError(f"group has {group.size} ranks, --tp-size={tp_size}")
     group.assert_same("server_args", {k: getattr(args, k, None) for k in SAME_ON_EVERY_RANK})
     device = args.resolved_device()
-    if args.use_mla:
-        device_pool = MLATokenToKVPool.from_server_args(args)
-    else:
-        device_pool = MHATokenToKVPool(
-            size=args.max_total_tokens, page_size=args.page_size, dtype=args.torch_dtype(),
-            head_num=args.kv_heads_per_rank() if tp_size > 1 else args.head_num,
-            head_dim=args.head_dim, layer_num=args.num_layers, device=device,
-            v_head_dim=getattr(args, "v_head_dim", None),
-        )  # fmt: skip
+    pool_cls = MLATokenToKVPool if args.use_mla else MHATokenToKVPool
+    device_pool = pool_cls.from_server_args(args)
     allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, device)
     stats = CacheStats()
     if not args.enable_hierarchical_cache:
@@ -196,15 +183,28 @@ def _agreed_host_pool(
     args: ServerArgs, device_pool: MHATokenToKVPool | MLATokenToKVPool, group: TPGroup
 ) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
     """This rank's host pool, of the token capacity every rank agreed on: the smallest any rank
-    built (from its own ``hicache_ratio`` / ``hicache_size`` and RAM). A rank whose pool could
-    not be built (RAM) makes every rank raise ``ValueError``, instead of leaving the others
-    waiting in the next collective."""
+    asks for (from its own ``hicache_ratio`` / ``hicache_size``), agreed before anything is
+    allocated. A rank whose pool could not be built (RAM) makes every rank raise ``ValueError``,
+    instead of leaving the others waiting in the next collective."""
+    from hicache.host_memory import host_pool_tokens
     from hicache.memory_pool_host import make_host_pool
 
-    layout = args.hicache_mem_layout
+    ratio, host_size = args.hicache_ratio, args.hicache_size
+    # The pool's own sizing (bytes per token as the device pool's), no allocation needed.
+    mine = host_pool_tokens(
+        device_pool.size, device_pool.get_size_per_token(), args.page_size, ratio, host_size
+    )
+    size = group.agree_min(mine, tag="host_pool_tokens")
+    if size != mine:
+        logger.warning(
+            "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
+            group.rank, mine, size,
+        )  # fmt: skip
+        # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
+        ratio, host_size = (size + 0.5) / device_pool.size, 0.0
     host_pool, error = None, None
     try:
-        host_pool = make_host_pool(device_pool, args.hicache_ratio, args.hicache_size, layout)
+        host_pool = make_host_pool(device_pool, ratio, host_size, args.hicache_mem_layout)
     except ValueError as exc:
         error = exc
     if not group.agree_all(error is None, tag="host_pool_built"):
@@ -213,15 +213,5 @@ def _agreed_host_pool(
         raise ValueError(
             f"host pool: {error if error is not None else 'another rank could not build its'}"
         ) from error
-    assert host_pool is not None
-    size = group.agree_min(host_pool.size, tag="host_pool_tokens")
-    if size != host_pool.size:
-        logger.warning(
-            "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
-            group.rank, host_pool.size, size,
-        )  # fmt: skip
-        host_pool.destroy()
-        # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
-        host_pool = make_host_pool(device_pool, (size + 0.5) / device_pool.size, 0.0, layout)
-        assert host_pool.size == size, (host_pool.size, size)
+    assert host_pool is not None and host_pool.size == size, (host_pool, size)
     return host_pool

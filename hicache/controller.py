@@ -19,7 +19,7 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
 One copy, step by step (who owns each step):
 
 1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
-   allocate fresh slots there and raise the busy counts (``_agreed_alloc`` here, ``BusyPages``);
+   allocate fresh slots there and raise the busy counts (``tp_group.agreed_alloc``, ``BusyPages``);
 2. launch: a backup starts at once on the write stream (``controller_writes``); a load waits
    in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
    each layer with its event (``controller_loads``, ``LayerDoneCounter``);
@@ -238,22 +238,6 @@ class HiCacheController(ControllerWrites, ControllerLoads):
             self.load_stream.synchronize()
 
     # ------------------------------------------------------------------ internals
-    def _agreed_alloc(
-        self, allocator: TokenToKVPoolAllocator, n: int, tier: str, tag: str
-    ) -> torch.Tensor | None:
-        """``n`` slots of ``allocator`` if every rank of the group has room (agreed under
-        ``tag``), else ``None`` on every rank. Raises ``RuntimeError`` when this rank's
-        allocation fails after the group agreed there was room (the allocators diverged)."""
-        if not self.group.agree_all(allocator.can_alloc(n), tag=tag):
-            return None
-        slots = allocator.alloc(n)
-        if slots is None:
-            raise RuntimeError(
-                f"rank {self.group.rank}: the {tier} pool has {allocator.available_size()} free "
-                f"slots for {n} after the group agreed there was room (allocators diverged)"
-            )
-        return slots
-
     def _nbytes(self, indices: torch.Tensor) -> int:
         return indices.numel() * self.host_pool.size_per_token
 

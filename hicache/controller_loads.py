@@ -12,7 +12,7 @@
   is agreed over tensor-parallel ranks by the tree) and releases their layer counters.
 
 ``ControllerLoads`` is a base of ``HiCacheController`` and is not built on its own: it uses
-the controller's attributes (declared below) and its ``_agreed_alloc``, ``_move_indices``,
+the controller's attributes (declared below) and its ``_move_indices``,
 ``_nbytes``, ``_complete`` and ``_release_deferred``.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from hicache.copy_acks import HiCacheAck, ack_count, count_finished
 from hicache.inflight_slots import BusyPages, CopyUsage, check_indices
+from hicache.tp_group import agreed_alloc
 
 if TYPE_CHECKING:
     from hicache.allocator import TokenToKVPoolAllocator
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
     from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
     from hicache.streams import Stream, Streams
+    from hicache.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class ControllerLoads:
     device_pool: MHATokenToKVPool | MLATokenToKVPool
     io_backend: str
     page_size: int
+    group: TPGroup
     layer_num: int
     streams: Streams
     load_stream: Stream
@@ -80,7 +83,9 @@ class ControllerLoads:
         ):
             raise ValueError(f"host_indices out of range [0, {self.host_pool.size})")
         n = host_indices.numel()
-        device_indices = self._agreed_alloc(self.device_allocator, n, "device", "hicache_load_room")
+        device_indices = agreed_alloc(
+            self.group, self.device_allocator, n, pool="device", tag="hicache_load_room"
+        )
         if device_indices is None:
             return None
         host_indices = host_indices.cpu()
@@ -140,7 +145,7 @@ class ControllerLoads:
     def loading_check(self, n: int | None = None) -> list[int]:
         """Pop the first ``n`` loads in launch order (``None``: every leading finished one);
         returns their node ids. Never blocks for an agreed ``n`` (as ``writing_check``)."""
-        count = ack_count(n, self.ack_load_queue, self.count_finished_loads)
+        count = ack_count(n, self.ack_load_queue)
         done: list[int] = []
         for _ in range(count):
             ack = self.ack_load_queue.popleft()

@@ -11,7 +11,7 @@ order.
   pops exactly those.
 
 ``ControllerWrites`` is a base of ``HiCacheController`` and is not built on its own: it uses
-the controller's attributes (declared below) and its ``_agreed_alloc``, ``_move_indices``,
+the controller's attributes (declared below) and its ``_move_indices``,
 ``_nbytes``, ``_complete`` and ``_release_deferred``.
 """
 
@@ -25,6 +25,7 @@ import torch
 
 from hicache.copy_acks import HiCacheAck, ack_count, count_finished
 from hicache.inflight_slots import BusyPages, CopyUsage, cat_cpu, check_indices
+from hicache.tp_group import agreed_alloc
 
 if TYPE_CHECKING:
     from hicache.allocator import TokenToKVPoolAllocator
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from hicache.memory_pool_host_mha import MHATokenToKVPoolHost
     from hicache.memory_pool_host_mla import MLATokenToKVPoolHost
     from hicache.streams import Stream, Streams
+    from hicache.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class ControllerWrites:
     device_pool: MHATokenToKVPool | MLATokenToKVPool
     io_backend: str
     page_size: int
+    group: TPGroup
     streams: Streams
     write_stream: Stream
     load_queue: list[CacheOperation]
@@ -77,7 +80,9 @@ class ControllerWrites:
                 "call start_loading() first"
             )
         n = device_indices.numel()
-        host_indices = self._agreed_alloc(self.host_allocator, n, "host", "hicache_write_room")
+        host_indices = agreed_alloc(
+            self.group, self.host_allocator, n, pool="host", tag="hicache_write_room"
+        )
         if host_indices is None:
             return None
         if host_indices.numel() == 0:
@@ -120,7 +125,7 @@ class ControllerWrites:
         returns their node ids. Releases deferred frees that no copy uses any more. Never
         blocks for an agreed ``n`` (at most ``count_finished_writes()``); a larger one waits for
         those copies. ``ValueError`` when ``n`` exceeds the queue."""
-        count = ack_count(n, self.ack_write_queue, self.count_finished_writes)
+        count = ack_count(n, self.ack_write_queue)
         done: list[int] = []
         for _ in range(count):
             done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -49,11 +48,12 @@ def count_finished(queue: deque[HiCacheAck]) -> int:
     return n
 
 
-def ack_count(n: int | None, queue: deque[HiCacheAck], finished: Callable[[], int]) -> int:
-    """How many acks of ``queue`` to pop: ``n`` (an agreed count), or ``finished()`` when
-    ``None``. Raises ``ValueError`` for an ``n`` that is not an int in ``[0, len(queue)]``."""
+def ack_count(n: int | None, queue: deque[HiCacheAck]) -> int:
+    """How many acks of ``queue`` to pop: ``n`` (an agreed count), or its leading finished ones
+    (``count_finished``) when ``None``. Raises ``ValueError`` for an ``n`` that is not an int in
+    ``[0, len(queue)]``."""
     if n is None:
-        return finished()
+        return count_finished(queue)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
         raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
     return n

@@ -159,16 +159,16 @@ class MHATokenToKVPool(_DevicePool):
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MHATokenToKVPool:
-        """Build from ``ServerArgs``; ``size`` defaults to ``args.max_total_tokens``."""
+        """Build from ``ServerArgs``; ``size`` defaults to ``args.max_total_tokens``. Holds this
+        tensor-parallel rank's KV heads (``args.kv_heads_per_rank()``: all of them at tp 1)."""
         return cls(
             size=args.max_total_tokens if size is None else size,
             page_size=args.page_size,
             dtype=args.torch_dtype(),
-            head_num=args.head_num,
+            head_num=args.kv_heads_per_rank(),
             head_dim=args.head_dim,
             layer_num=args.num_layers,
             device=args.resolved_device(),
-            v_head_dim=getattr(args, "v_head_dim", None),
         )
 
     @property

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from hicache.tp_group import SingleRankGroup
 from prefill.bootstrap import KVPoll
 from prefill.metadata_buffers import ReqToMetadataIdxAllocator
 from prefill.request import PrefillRequest, Stage
@@ -43,8 +42,7 @@ class AdmissionQueue:
         max_attempts: ``optimistic_prefill_attempts`` after the gate (0 disables optimism).
         stats: the executor's counters (admissions, finalized, retries, fallbacks).
         metadata: the metadata buffer pool every admitted request takes one index from.
-        polls: how peer states are read (agreed over tensor-parallel ranks); a plain poll when
-            omitted.
+        polls: how peer states are read (agreed over tensor-parallel ranks).
     """
 
     def __init__(
@@ -52,12 +50,12 @@ class AdmissionQueue:
         max_attempts: int,
         stats: ExecutorStats,
         metadata: ReqToMetadataIdxAllocator,
-        polls: PeerPolls | None = None,
+        polls: PeerPolls,
     ) -> None:
         self.max_attempts = max_attempts
         self.stats = stats
         self.metadata = metadata
-        self.polls = polls if polls is not None else PeerPolls(SingleRankGroup())
+        self.polls = polls
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
 
@@ -170,6 +168,13 @@ class AdmissionQueue:
 
     def has_bootstrapped_waiting_req(self) -> bool:
         return any(not r.pending_bootstrap for r in self.waiting_queue)
+
+    def someone_waits_for_a_slot(self) -> bool:
+        """A request waits for a running slot: the waiting queue is not empty, or the bootstrap
+        queue is not and no metadata buffer is free."""
+        return bool(self.waiting_queue) or (
+            bool(self.bootstrap_queue) and self.metadata.available_size() == 0
+        )
 
     def candidates(self) -> list[PrefillRequest]:
         """Waiting requests in batch order: bootstrapped (finalized) ones first, so a yield really

@@ -71,11 +71,11 @@ class BatchRunner:
         self,
         chunked_req: PrefillRequest | None,
         candidates: list[PrefillRequest],
-        free_request_slots: int | None = None,
+        free_request_slots: int,
     ) -> Batch:
         """Pick ``(request, new_tokens)`` pairs within the token budget and allocate their
         slots: ``chunked_req`` first, then at most ``free_request_slots`` of ``candidates`` in
-        order (``None``: no limit). Each candidate taken is ``RUNNING`` and holds its prefix lock
+        order. Each candidate taken is ``RUNNING`` and holds its prefix lock
         and slots (the caller removes it from the waiting queue); a candidate that does not fit
         is released again and ends the batch."""
         budget = self.chunk_budget
@@ -90,7 +90,7 @@ class BatchRunner:
         for req in candidates:
             if budget is not None and budget < self.page_size:
                 break
-            if free_request_slots is not None and free_request_slots <= 0:
+            if free_request_slots <= 0:
                 break
             self.kv.match_and_lock(req)
             n = self._chunk_len(req, budget)
@@ -106,8 +106,7 @@ class BatchRunner:
             if req.yielded_len:  # a retry: what its yielded attempt had computed, computed again
                 self.stats.yield_recomputed_tokens += max(0, req.yielded_len - req.computed_len)
                 req.yielded_len = 0
-            if free_request_slots is not None:
-                free_request_slots -= 1
+            free_request_slots -= 1
             batch.append((req, n))
             budget = None if budget is None else budget - n
             if req.computed_len + n < req.num_tokens:

@@ -85,7 +85,6 @@ class ChunkedPrefill:
         self.pending.publish(req, chunked=True)
         state = self.admission.poll(req)
         if state == KVPoll.Failed:
-            self.chunked_req = None
             self.abort(req)
         elif req.pending_bootstrap:
             if state == KVPoll.WaitingForInput:

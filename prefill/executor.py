@@ -148,7 +148,8 @@ class OptimisticPrefillExecutor:
                 built.close()
                 raise
             cache = built
-        check_gate(args, cache, max_attempts)
+        else:
+            check_gate(args, cache, max_attempts)
         cache_group = getattr(cache, "group", None) or SingleRankGroup()
         if group is not None and group is not cache_group:
             raise ValueError("group: the cache was built on another group")
@@ -199,7 +200,6 @@ class OptimisticPrefillExecutor:
         self.inflight = InflightQueue(
             self.kv, self.admission, self.pending, self.clock, self.stats,
             on_done=self._forget, max_running_requests=self.max_running_requests,
-            other_holders=lambda: int(self.chunked.chunked_req is not None),
         )  # fmt: skip
         self.chunked = ChunkedPrefill(
             self.admission, self.pending, self.inflight, self.batch_runner, self.clock,
@@ -295,7 +295,7 @@ class OptimisticPrefillExecutor:
         self.tree.ready_to_load_host_cache()  # loads queued by this step's admissions
         if batch:
             self.chunked.run_batch(batch)  # 5-6
-        self.inflight.process_inflight_queue()  # 7
+        self.inflight.process_inflight_queue(int(self.chunked.chunked_req is not None))  # 7
         return bool(batch) or self._progress_marker() != before
 
     def run_until_idle(self, max_steps: int = 1_000_000, check: bool = False) -> None:
@@ -318,22 +318,28 @@ class OptimisticPrefillExecutor:
             progressed = self._step()
             if check:
                 self.check_integrity()
-            if progressed:
-                due_now = 0
-                continue
-            now = self.clock.now()
-            t = self.polls.next_event_time(self.decode)
-            if t is not None and t > now:
-                self.clock.wait_until(t)
-                due_now = 0
-            elif self.cache_copies_in_flight():
-                time.sleep(0.0002)  # an ack comes from a side stream
-            elif t is not None and due_now < 2:
-                due_now += 1  # an event due now; the next step sees it
-            else:
-                raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; "
-                                   f"{self.describe()}")  # fmt: skip
+            due_now = 0 if progressed else self.wait_for_next_event(due_now)
         raise RuntimeError(f"not idle after {max_steps} steps: {self.describe()}")
+
+    def wait_for_next_event(self, due_now: int, also: float | None = None) -> int:
+        """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
+        among the next peer event (agreed over ranks) and ``also`` (a caller's own next event,
+        such as an arrival); else sleep briefly while the cache has copies in flight (an ack
+        comes from a side stream); else allow two more steps for an event due now. Never steps
+        in place. Returns the new count of steps taken for an event due now (``due_now``, 0
+        after a step that progressed). Raises ``RuntimeError`` when nothing can change."""
+        now = self.clock.now()
+        times = [t for t in (self.polls.next_event_time(self.decode), also) if t is not None]
+        ahead = [t for t in times if t > now]
+        if ahead:
+            self.clock.wait_until(min(ahead))
+            return 0
+        if self.cache_copies_in_flight():
+            time.sleep(0.0002)
+            return due_now
+        if times and due_now < 2:
+            return due_now + 1  # the next step sees it
+        raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; {self.describe()}")
 
     def cache_copies_in_flight(self) -> int:
         return len(getattr(self.tree, "ongoing_write_through", ())) + len(

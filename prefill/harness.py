@@ -14,7 +14,7 @@ from prefill.bootstrap import DEFAULT_SEND_LOG_SIZE, DecodeSide, PeerConfig
 from prefill.clock import Clock, VirtualClock
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model import PagedTransformer, build_model
-from prefill.tp_sync import AgreedClock
+from prefill.tp_driver import agreed_clock
 
 if TYPE_CHECKING:
     from hicache.tp_group import TPGroup
@@ -57,8 +57,8 @@ def make_executor(
     clock = clock if clock is not None else VirtualClock()
     cache = cache if cache is not None else build_cache(args, group=group)
     group = getattr(cache, "group", None)
-    if group is not None and group.size > 1 and not isinstance(clock, AgreedClock):
-        clock = AgreedClock(clock, group)
+    if group is not None:
+        clock = agreed_clock(clock, group, None)
     if model is None:
         model = build_model(args)
     peer_config = peer_config if peer_config is not None else PeerConfig.from_server_args(args)

@@ -41,7 +41,6 @@ class InflightQueue:
         stats: the executor's counters (sends, parks, aborts, successes, TTFT).
         on_done: told of each request that got its outcome.
         max_running_requests: requests that may hold KV at once (SGLang's request pool).
-        other_holders: how many requests outside the inflight queue hold KV (the chunked one).
     """
 
     def __init__(
@@ -53,7 +52,6 @@ class InflightQueue:
         stats: ExecutorStats,
         on_done: Callable[[PrefillRequest], None],
         max_running_requests: int,
-        other_holders: Callable[[], int],
     ) -> None:
         self.kv = kv
         self.admission = admission
@@ -62,7 +60,6 @@ class InflightQueue:
         self.stats = stats
         self.on_done = on_done
         self.max_running_requests = max_running_requests
-        self.other_holders = other_holders
         self.page_size = kv.page_size
         self.inflight_queue: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
@@ -96,17 +93,18 @@ class InflightQueue:
         else:
             self.send_kv_chunk(req, last=True)
 
-    def process_inflight_queue(self) -> None:
+    def process_inflight_queue(self, other_holders: int) -> None:
         """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
         bootstrapping -> yield when starved (below); transfer ``Success`` -> release and
-        report; ``Failed`` -> abort.
+        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight queue
+        that hold KV (the chunked one).
 
         Starved (SGLang's rule against a circular wait with the decode side): every running
         slot (``max_running_requests``) is held, and a request waits for one (the waiting queue
         is not empty, or the bootstrap queue is not and no metadata buffer is free). Then a
         parked request whose peer is still bootstrapping yields, one per freed slot."""
         queue, self.inflight_queue = self.inflight_queue, []
-        holding = len(queue) + self.other_holders()
+        holding = len(queue) + other_holders
         for req, state in self.admission.poll_each(queue):
             if state == KVPoll.Failed:
                 self.abort(req)
@@ -121,7 +119,7 @@ class InflightQueue:
                 elif (
                     state == KVPoll.Bootstrapping
                     and holding >= self.max_running_requests
-                    and self._someone_waits_for_a_slot()
+                    and self.admission.someone_waits_for_a_slot()
                 ):
                     req.parked = False
                     self.stats.parked_yields += 1
@@ -134,12 +132,6 @@ class InflightQueue:
                 holding -= 1
             else:
                 self.inflight_queue.append(req)
-
-    def _someone_waits_for_a_slot(self) -> bool:
-        adm = self.admission
-        return bool(adm.waiting_queue) or (
-            bool(adm.bootstrap_queue) and adm.metadata.available_size() == 0
-        )
 
     # ------------------------------------------------------------------ abort / done
     # Slot ownership at abort / completion (see prefill/req_kv.py for the ranges):

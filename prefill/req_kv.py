@@ -37,11 +37,11 @@ logger = logging.getLogger(__name__)
 class RequestKV:
     """Admission, allocation, chunk insertion and release of requests' device slots."""
 
-    def __init__(self, cache: Any, stats: ExecutorStats | None = None) -> None:
+    def __init__(self, cache: Any, stats: ExecutorStats) -> None:
         self.cache = cache
         self.tree = cache.tree
         self.cache_stats = cache.stats
-        self.stats = stats if stats is not None else ExecutorStats()
+        self.stats = stats
         self.allocator = cache.allocator
         self.page_size = cache.allocator.page_size
         self.device = cache.allocator.device

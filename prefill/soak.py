@@ -174,19 +174,8 @@ def run_soak(
             break
         if progressed:
             due_now = 0
-            continue
-        nxt_arrival = nxt[0] if nxt is not None else None
-        waits = [t for t in (ex.decode.next_event_time(), nxt_arrival) if t is not None]
-        ahead = [t for t in waits if t > now]
-        if ahead:
-            ex.clock.wait_until(min(ahead))
-            due_now = 0
-        elif ex.cache_copies_in_flight():
-            time.sleep(0.0002)  # an ack comes from a side stream
-        elif waits and due_now < 2:
-            due_now += 1  # an event due now; the next step sees it
         else:
-            raise RuntimeError(f"soak stalled at t={now}: {ex.describe()}")
+            due_now = ex.wait_for_next_event(due_now, also=nxt[0] if nxt is not None else None)
     else:
         raise RuntimeError(f"soak not finished after {cfg.max_steps} steps: {ex.describe()}")
     rep.virtual_s, rep.wall_s = ex.clock.now(), time.perf_counter() - start

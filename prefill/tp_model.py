@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from prefill.model import ModelConfig, PagedTransformer
+from server_args import tp_geometry_errors
 
 __all__ = ["TPPagedTransformer", "TPShard"]
 
@@ -70,15 +71,9 @@ class TPShard:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
         c = config
         hq, hkv, inter = c.num_attention_heads, c.num_kv_heads, c.intermediate_size
-        if hq % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide num_attention_heads={hq}")
-        if inter % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide intermediate_size={inter}")
-        if hkv % tp_size and tp_size % hkv:
-            raise ValueError(
-                f"tp_size={tp_size} must divide num_kv_heads={hkv} (heads split) or be a "
-                f"multiple of it (heads replicated)"
-            )
+        errors = tp_geometry_errors(tp_size, hq, hkv, inter)
+        if errors:
+            raise ValueError(errors[0])
         q_per = hq // tp_size
         if tp_size <= hkv:
             kv_per, replicas = hkv // tp_size, 1
