@@ -26,7 +26,6 @@ K and V may differ in bytes per token (K head 192, V head 128): the MHA ops take
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -134,7 +133,6 @@ class KVCopy:
     num_layers: int = 1
     page_size: int = 1
     head_num: int = 1
-    v_item_size: int | None = None
 
     @property
     def heads(self) -> int:
@@ -142,7 +140,7 @@ class KVCopy:
 
     def parts(self) -> list[Part]:
         """One :class:`Part` (K and V alike, or MLA), or two (K, then V of another size)."""
-        v_item = self.v_item_size or self.item_size
+        v_item = v_item_size(self) or self.item_size
         if len(self.src) == 1 or v_item == self.item_size:
             return [self._part(self.src, self.dst, self.item_size)]
         return [
@@ -194,8 +192,3 @@ def v_item_size(call: KVCopy) -> int | None:
         if layout != TABLE and len(refs) == 2:
             return token_bytes(layout, refs[1])
     return None
-
-
-def with_v_item_size(call: KVCopy) -> KVCopy:
-    """``call`` with ``v_item_size`` read from its V tensors (see :func:`v_item_size`)."""
-    return dataclasses.replace(call, v_item_size=v_item_size(call))

@@ -90,14 +90,18 @@ def _page_buffers(name: str, bufs: Sequence[object], page_size: int) -> list[tor
     return out
 
 
-def _layer_tensors(name: str, layers: Sequence[object], width: int | None) -> list[torch.Tensor]:
+def _layer_tensors(
+    name: str, layers: Sequence[object], widths: Sequence[int] | None
+) -> list[torch.Tensor]:
+    """``layers`` checked: contiguous tensors ``[T, ...]``, ``layers[i]`` with ``widths[i]``
+    bytes per slot when ``widths`` is given (the other side's)."""
     out = []
     for i, t in enumerate(layers):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not t.is_contiguous():
             raise ValueError(f"{name}[{i}] must be a contiguous tensor [T, ...]")
-        if width is not None and row_bytes(t) != width:
+        if widths is not None and row_bytes(t) != widths[i]:
             raise ValueError(
-                f"{name}[{i}] holds {row_bytes(t)} bytes per slot, the other side {width}"
+                f"{name}[{i}] holds {row_bytes(t)} bytes per slot, the other side {widths[i]}"
             )
         out.append(t)
     return out
@@ -123,9 +127,7 @@ def transfer_kv_direct(
             f"src_layers and dst_layers must pair up, got {len(src_layers)} and {len(dst_layers)}"
         )
     srcs = _layer_tensors("src_layers", src_layers, None)
-    dsts = [
-        _layer_tensors("dst_layers", [t], row_bytes(srcs[j]))[0] for j, t in enumerate(dst_layers)
-    ]
+    dsts = _layer_tensors("dst_layers", dst_layers, [row_bytes(s) for s in srcs])
     s, d = _host_indices(src_indices, dst_indices, page_size)
     _in_range("src_indices", s, min(t.shape[0] for t in srcs))
     _in_range("dst_indices", d, min(t.shape[0] for t in dsts))
@@ -165,10 +167,9 @@ def _page_copies(
     if to_host and n_layers != host_layers:
         raise ValueError(f"src_ptrs holds {n_layers} layers per buffer, dst_ptrs {host_layers}")
     widths = [row_bytes(h) // (host_layers * page_size) for h in hosts]
-    devs = [
-        _layer_tensors(f"{dev}_ptrs", [t], widths[i // n_layers])[0]
-        for i, t in enumerate(ptrs[dev])
-    ]
+    devs = _layer_tensors(
+        f"{dev}_ptrs", ptrs[dev], [widths[i // n_layers] for i in range(len(ptrs[dev]))]
+    )
     if not to_host:
         _checks.layer_id_in_range(layer_id, host_layers - n_layers + 1)
     s, d = _host_indices(src_indices, dst_indices, page_size)

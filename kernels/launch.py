@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import re
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import triton.language as tl
 from kernels._env import cuda_available
 from kernels.addressing import Part, Side
 from kernels.copy_kernel import kv_copy_kernel
+from kernels.ptr_tables import alignment, verified_alignment
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +51,9 @@ def _pow2_floor(x: int) -> int:
     return 1 << (x.bit_length() - 1)
 
 
-def _alignment(*values: int) -> int:
-    """Largest power of two (up to 16) dividing every value."""
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    return 16 if g == 0 else min(16, g & -g)
-
-
 def _table_alignment(side: Side, assumed: int) -> int:
     """Smallest known alignment of ``side``'s tables (from validation, else verified when the
     table was built); a table of unknown alignment counts as ``assumed``."""
-    from kernels.ptr_tables import verified_alignment
-
     known = side.table_align or tuple(verified_alignment(t) for t in side.refs)
     return min(a or assumed for a in known)
 
@@ -95,7 +85,7 @@ def plan_geometry(part: Part, num_warps: int) -> Geometry:
         sizes += side.strides()
         if not side.is_table:
             sizes += [t.data_ptr() for t in side.refs]
-    size_align = _alignment(*sizes)
+    size_align = alignment(*sizes)
     aligns = {}
     for name, side in (("src", part.src), ("dst", part.dst)):
         # An unverified table is assumed aligned to the sizes (the ops' contract), hint-free.

@@ -13,6 +13,7 @@ copied with the narrower word its item size allows (as upstream: 8 bytes).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,16 +24,18 @@ MAX_ALIGN = 16
 _ATTR = "_kvcacheio_verified_align"
 
 
+def alignment(*values: int) -> int:
+    """Largest power of two up to 16 (``MAX_ALIGN``) dividing every value (16 for none)."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    return MAX_ALIGN if g == 0 else min(MAX_ALIGN, g & -g)
+
+
 def pointer_alignment(ptrs: Sequence[int]) -> int:
     """Largest power of two up to 16 dividing every (nonzero) address; 0 if any is null."""
-    align = MAX_ALIGN
-    for p in ptrs:
-        p &= (1 << 64) - 1
-        if p == 0:
-            return 0
-        while p % align:
-            align //= 2
-    return align
+    masked = [p & ((1 << 64) - 1) for p in ptrs]
+    return 0 if 0 in masked else alignment(*masked)
 
 
 def _version(table: torch.Tensor) -> int | None:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.addressing import KVCopy, Side, with_v_item_size
+from kernels.addressing import KVCopy, Side
 from kernels.kernel_backend import KernelBackendOps
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def _word(chunk: int, *sides: Side) -> int:
     base): the copy then gathers words, not single bytes."""
     g = chunk
     for side in sides:
-        for stride in (side.page_stride, side.row_stride, side.head_stride, side.layer_stride):
+        for stride in side.strides():
             g = math.gcd(g, stride)
     return g
 
@@ -165,7 +165,7 @@ def copy_kv(call: KVCopy) -> None:
 
 def _run(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
     """The reference of one op call; the launch shape does not apply."""
-    copy_kv(with_v_item_size(call))
+    copy_kv(call)
 
 
 _ops = KernelBackendOps(_run)

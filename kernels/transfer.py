@@ -82,8 +82,9 @@ def _tensor_layers(call: KVCopy, side: str, layout: Layout, name: str, t: torch.
         )
 
 
-def _v_item_size(call: KVCopy, ends: list) -> int | None:
-    """V's bytes per token from the V tensors (MHA, tensor sides): one value on every side."""
+def _check_v_item_size(call: KVCopy, ends: list) -> None:
+    """V's bytes per token (MHA, tensor sides; ``KVCopy.parts`` reads them): one value on every
+    side, whole heads."""
     sizes = {
         names[1]: token_bytes(layout, refs[1])
         for _, layout, names, refs, _ in ends
@@ -94,12 +95,11 @@ def _v_item_size(call: KVCopy, ends: list) -> int | None:
     v_item = next(iter(sizes.values()), None)
     if v_item is not None and (v_item <= 0 or v_item % call.heads):
         raise ValueError(f"{next(iter(sizes))} holds {v_item} bytes per token, not whole heads")
-    return v_item
 
 
 def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[KVCopy, list]:
-    """Raise ``ValueError`` naming the first bad argument; else return the call (with V's size)
-    and the parts to launch."""
+    """Raise ``ValueError`` naming the first bad argument; else return the call and the parts to
+    launch."""
     device = _checks.index_pair(call.src_indices, call.dst_indices)
     _checks.positive_int("item_size", call.item_size)
     _checks.positive_int("block_quota", block_quota)
@@ -127,7 +127,7 @@ def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[
         if len(refs) == 2:
             _checks.same_slots(names[0], refs[0], names[1], refs[1], _SHARED_DIMS[layout])
         _tensor_layers(call, side, layout, names[0], refs[0])
-    call = dataclasses.replace(call, v_item_size=_v_item_size(call, ends))
+    _check_v_item_size(call, ends)
     aligns = {}
     for _, layout, names, refs, _ in ends:
         if layout == TABLE:
@@ -159,10 +159,10 @@ def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
     if call.src_indices.numel() == 0:
         return
     cache_hints = cache_hints_supported(call.src_indices.device)
+    num_warps = resolve_num_warps(num_warps_per_block)
     for part in parts:
         launch_kv_copy(plan_launch(
             part, call.src_indices, call.dst_indices,
             layer_begin=call.layer_id, num_layers=call.num_layers,
-            block_quota=block_quota, num_warps=resolve_num_warps(num_warps_per_block),
-            cache_hints=cache_hints,
+            block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints,
         ))  # fmt: skip
