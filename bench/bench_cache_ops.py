@@ -7,15 +7,15 @@ these numbers are compared with is a decode step (~10-30 ms on a GPU) and, with
 
 Trace (``bench/cache_ops_trace.py``): 4 shared system prompts, conversations continued 80% of the
 time, per step match (+ device indices), lock, insert, unlock and one pure-miss match; after the
-tree has filled to N tokens (N = 10K, 100K, 1M), 1% of N is evicted after each 1% of N inserted,
-and every 10th step one leaf is evicted on its own (``evict_leaf``: the eviction curve against
-tree size, in the middle of the trace, where the least recently used leaf's memory is cold at
-1M tokens). A second pass on this project's tree evicts the same number of tokens at every size
-(1% of the smallest tree), so eviction runs about as often at 1M as at 10K tokens and the
-single-leaf curve shows the cost of tree size alone. At the end, up to 100 leaves are evicted one at a time back to back
-(``evict_leaf_alone``: the queue's own cost). Page 1 and 16. Mean and p99 per op, microseconds
-per call. Run with ``OMP_NUM_THREADS=1``: torch's intra-op threads on a small shared CPU make
-every tree's numbers noisy (SGLang's Rust core most).
+tree has filled to N tokens (N = 10K, 100K, 1M), 1% of N is evicted after each 1% of N inserted, and
+every 10th step one leaf is evicted on its own (``evict_leaf``: the eviction curve against tree
+size, in the middle of the trace, where the least recently used leaf's memory is cold at 1M tokens).
+A second pass on this project's tree evicts the same number of tokens at every size (1% of the
+smallest tree), so eviction runs about as often at 1M as at 10K tokens and the single-leaf curve
+shows the cost of tree size alone. At the end, up to 100 leaves are evicted one at a time back to
+back (``evict_leaf_alone``: the queue's own cost). Page 1 and 16. Mean and p99 per op, microseconds
+per call. Run with ``OMP_NUM_THREADS=1``: torch's intra-op threads on a small shared CPU make every
+tree's numbers noisy (SGLang's Rust core most).
 
 With ``--against-sglang`` each step runs on every tree in turn (rotating which goes first):
 SGLang's Python ``RadixCache`` and its ``UnifiedRadixCache`` with the Rust TreeCore

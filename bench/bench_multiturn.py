@@ -21,13 +21,13 @@ import argparse
 import collections
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.calibrate import Calibration, calibrate_run, describe
 from bench.e2e import (
     Driver,
+    TimeBudget,
     TraceRun,
     cpu_note,
     free_memory,
@@ -117,6 +117,12 @@ def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> 
 def conversations_for(opts: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
     return make_conversations(opts.num_clients, opts.num_rounds, opts.request_length,
                               opts.sub_question_input_length, vocab, seed)  # fmt: skip
+
+
+def longest_prompt(opts: argparse.Namespace) -> int:
+    """Tokens of a conversation's last prompt: the first request, then each later round's
+    question and the one token answered before it."""
+    return opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
 
 
 def full_prefill_s(cal: Calibration, tokens: int, chunk: int) -> float:
@@ -219,7 +225,7 @@ def pool_sizes(opts: argparse.Namespace) -> tuple[int, int]:
     working_set = working_set_tokens(conversations_for(opts, 2, 0))
     page = opts.page_size
     device_tokens = max(page, (int(working_set / opts.working_set_ratio) // page) * page)
-    longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
+    longest = longest_prompt(opts)
     if device_tokens < 2 * longest:
         device_tokens = ((2 * longest + page - 1) // page) * page
     return working_set, device_tokens
@@ -244,25 +250,22 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         print(f"[multiturn] {note}")
     cal_args = server_args_for("write_back", device_tokens, opts)
     model = shared_model(cal_args)
-    longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
+    longest = longest_prompt(opts)
     cal = calibrate_run(cal_args, model, opts.chunked_prefill_size, longest)
     print(f"[multiturn] calibration: {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
     print(f"[multiturn] arrivals {rate:.2f}/s (load {opts.load:g} of device-only capacity)")
     per_seed: dict[int, dict[str, Any]] = {}
-    skipped: list[str] = []
-    slowest = 0.0
+    budget = TimeBudget()
     for seed in opts.seeds:
         results = per_seed.setdefault(seed, {})
         for name in opts.configs:
-            if time_left() < 1.5 * slowest + 5:
+            if not budget.allows(f"{name}/seed{seed}"):
                 print(f"[multiturn] {name} seed {seed}: skipped, {time_left():.0f} s left")
-                skipped.append(f"{name}/seed{seed}")
                 continue
-            t0 = time.perf_counter()
-            results[name] = run_config(name, seed, device_tokens, rate, opts, model,
-                                       cal if opts.clock == "virtual" else None)  # fmt: skip
-            slowest = max(slowest, time.perf_counter() - t0)
+            with budget.timed():
+                results[name] = run_config(name, seed, device_tokens, rate, opts, model,
+                                           cal if opts.clock == "virtual" else None)  # fmt: skip
             free_memory()
             _ratios(results)
             # Written after every configuration, so a run cut short still leaves its results.
@@ -285,7 +288,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         "calibration": cal.as_dict(),
         "integrity": sum_integrity(configs),
         "note": note,
-        "skipped_for_time": skipped,
+        "skipped_for_time": budget.skipped,
     }
     doc = {"workload": vars(opts), "note": note, "summary": summary, "per_seed": per_seed}
     path = write_result(out_dir, "multiturn", doc)

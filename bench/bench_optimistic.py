@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.calibrate import calibrate_run, describe
-from bench.e2e import cpu_note, free_memory, on_cuda, shared_model, time_left
+from bench.e2e import TimeBudget, cpu_note, free_memory, on_cuda, shared_model, time_left
 from bench.e2e_report import (
     add_common_args,
     aggregate_seeds,
@@ -123,8 +123,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         ("_forced_retry", 0.0, opts.utilization, opts.forced_retry_prob, policies),
     ] + [(f"_util_{u:g}", 0.0, u, 0.0, ["write_back"]) for u in opts.utilization_sweep]
     per_seed: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in policies}
-    skipped: list[str] = []
-    slowest = 0.0
+    budget = TimeBudget()
     for seed in opts.seeds:
         for suffix, failure_prob, util, forced, run_policies in variants:
             arrivals = poisson_arrivals(opts.num_requests, util / prefill_s, seed)
@@ -133,14 +132,14 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
                 results = per_seed[policy].setdefault(seed, {})
                 for attempts in ATTEMPTS:
                     key = f"attempts_{attempts}{suffix}"
-                    if time_left() < 1.5 * slowest + 5:
+                    if not budget.allows(f"{policy}/{key}/seed{seed}"):
                         print(f"[optimistic] {policy} {key} seed {seed}: skipped, "
                               f"{time_left():.0f} s left")  # fmt: skip
-                        skipped.append(f"{policy}/{key}/seed{seed}")
                         continue
                     t0 = time.perf_counter()
-                    results[key] = res = run_config(trace, attempts, policy, model, virtual_cal)
-                    slowest = max(slowest, time.perf_counter() - t0)
+                    with budget.timed():
+                        results[key] = res = run_config(trace, attempts, policy, model,
+                                                        virtual_cal)  # fmt: skip
                     print(f"    {policy} {key} seed {seed}: {res['successes']} ok, TTFT mean "
                           f"{res['ttft_mean_s'] * 1e3:.2f} ms, {res['yields']} yields "
                           f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
@@ -165,7 +164,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         print_spread(configs, RATIO, "mean TTFT vs 0 attempts")
         sections[SECTIONS[policy]] = {
             **configs, **common, "write_policy": policy, "integrity": sum_integrity(configs),
-            "skipped_for_time": [s for s in skipped if s.startswith(policy + "/")],
+            "skipped_for_time": [s for s in budget.skipped if s.startswith(policy + "/")],
         }  # fmt: skip
     summary = sections.get("optimistic", {})
     summary["calibration"] = cal.as_dict()

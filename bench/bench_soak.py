@@ -71,12 +71,12 @@ def build(config: str, seed: int) -> Any:
 def run_config(config: str, requests: int, window: int, warmup: int, seed: int) -> dict[str, Any]:
     ex = build(config, seed)
     windows: list[dict[str, Any]] = []
-    last = {"steps": 0, "wall": 0.0, "cpu": time.process_time()}
+    # Each window's costs count from the end of the previous sample (gc, probes, print excluded).
+    last = {"steps": 0, "wall": time.perf_counter(), "cpu": time.process_time()}
 
     def sample(rep: SoakReport) -> None:
-        cpu_now = time.process_time()
-        steps, wall = rep.steps - last["steps"], rep.wall_s - last["wall"]
-        cpu = cpu_now - last["cpu"]
+        cpu, wall = time.process_time() - last["cpu"], time.perf_counter() - last["wall"]
+        steps = rep.steps - last["steps"]
         gc.collect()
         t0 = time.perf_counter()
         for _ in range(100):
@@ -96,7 +96,7 @@ def run_config(config: str, requests: int, window: int, warmup: int, seed: int) 
             "tree_nodes": sum(1 for _ in ex.tree.all_nodes()),
         }
         windows.append(row)
-        last.update(steps=rep.steps, wall=rep.wall_s, cpu=time.process_time())
+        last.update(steps=rep.steps, wall=time.perf_counter(), cpu=time.process_time())
         print(
             f"  {config:13s} {row['finished']:>7d} done  RSS {row['rss_mb']:7.1f} MB  "
             f"step {row['step_us']:6.0f} us CPU ({row['step_wall_us']:6.0f} wall)  "

@@ -19,8 +19,8 @@ the drivers for SGLang's trees (same interface).
 from __future__ import annotations
 
 import random
-from array import array
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any

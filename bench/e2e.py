@@ -24,10 +24,11 @@ and what a configuration allocated is given back before the next one is built:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +37,14 @@ import torch
 from bench.calibrate import Calibration
 from bench.common import DEADLINE_ENV, time_left
 from bench.virtual_cost import CostAccountant, RecordingModel
+from hicache.tp_group import TPGroup
 from prefill.bootstrap import PeerConfig
 from prefill.clock import VirtualClock, WallClock
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.harness import make_executor
 from prefill.model import ModelConfig, PagedTransformer
 from prefill.request import Outcome, RequestResult
+from prefill.tp_driver import agreed_clock
 from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -128,24 +131,52 @@ def new_executor(
     decode_pool_tokens: int,
     model: PagedTransformer,
     calibration: Calibration | None = None,
+    group: TPGroup | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
     ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
-    ``CostAccountant`` (returned), else on wall time (``None`` returned)."""
+    ``CostAccountant`` (returned), else on wall time (``None`` returned). ``group``: the
+    tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
+    rank reads rank 0's time)."""
+    clock = WallClock() if calibration is None else VirtualClock()
+    if group is not None:
+        clock = agreed_clock(clock, group, None)
+    common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
+                  decode_pool_size=decode_pool_tokens, group=group)  # fmt: skip
     if calibration is None:
-        ex = make_executor(args, peer_config=peer, clock=WallClock(), keep_received=True,
-                           decode_pool_size=decode_pool_tokens, model=model,
-                           send_log_size=None)  # fmt: skip
-        return ex, None
-    clock = VirtualClock()
+        return make_executor(args, model=model, **common), None
     recording = RecordingModel(model)
     cost = CostAccountant(calibration, clock, recording)
-    ex = make_executor(args, peer_config=peer, clock=clock, cost_model=cost, keep_received=True,
-                       decode_pool_size=decode_pool_tokens, model=recording,
-                       send_log_size=None)  # fmt: skip
+    ex = make_executor(args, model=recording, cost_model=cost, **common)
     if ex.cache.controller is not None:
         cost.install(ex.cache.controller)
     return ex, cost
+
+
+class TimeBudget:
+    """Which configurations of a benchmark still fit its deadline (``time_left``): one runs
+    while at least 1.5x the slowest so far plus 5 s is left. ``agree``: makes the answer the
+    group's (tensor parallelism: every rank skips together). ``skipped``: labels not run."""
+
+    def __init__(self, agree: Callable[[bool], bool] | None = None) -> None:
+        self.slowest = 0.0
+        self.skipped: list[str] = []
+        self._agree = agree
+
+    def allows(self, label: str) -> bool:
+        ok = time_left() >= 1.5 * self.slowest + 5
+        if self._agree is not None:
+            ok = self._agree(ok)
+        if not ok:
+            self.skipped.append(label)
+        return ok
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Time one configuration (the slowest sets the margin)."""
+        t0 = time.perf_counter()
+        yield
+        self.slowest = max(self.slowest, time.perf_counter() - t0)
 
 
 def is_virtual(ex: OptimisticPrefillExecutor) -> bool:
@@ -162,29 +193,11 @@ def settle(ex: OptimisticPrefillExecutor) -> bool:
 
 
 def run_until_idle(ex: OptimisticPrefillExecutor) -> None:
-    """``settle`` until the executor is idle, jumping (virtual) or sleeping (wall) to the next
-    peer event when nothing progresses."""
-    stuck = 0
+    """``settle`` until the executor is idle; when nothing progresses, the executor's own wait
+    for its next event (``wait_for_next_event``: it raises when nothing can change)."""
+    due_now = 0
     while not ex.is_idle():
-        if settle(ex):
-            stuck = 0
-            continue
-        t = ex.decode.next_event_time()
-        now = ex.clock.now()
-        if t is not None and t > now:
-            ex.clock.wait_until(t)
-            stuck = 0
-        elif is_virtual(ex):
-            stuck += 1
-            if stuck > STUCK_STEPS:
-                raise RuntimeError(f"executor stuck: {ex.describe()}")
-        else:
-            time.sleep(0.0002)
-
-
-def pop_results(ex: OptimisticPrefillExecutor) -> list[RequestResult]:
-    """The executor's results not handed out yet, in finish order."""
-    return ex.pop_results()
+        due_now = 0 if settle(ex) else ex.wait_for_next_event(due_now)
 
 
 class Driver:
@@ -233,7 +246,7 @@ class Driver:
 
     def _collect(self, on_result: Callable[[RequestResult], None]) -> None:
         self._read_send_log()
-        for res in pop_results(self.ex):
+        for res in self.ex.pop_results():
             rid = res.rid
             if rid not in self.inflight:
                 continue
@@ -245,7 +258,7 @@ class Driver:
             if res.outcome == Outcome.SUCCESS:
                 self.run.ttft[rid] = res.finish_time - self.sent_at[rid]
                 self._successes += 1
-                if self._successes % self.kv_sample_every == 1 or self.kv_sample_every == 1:
+                if (self._successes - 1) % self.kv_sample_every == 0:
                     self.run.sampled.append(rid)
                 else:
                     self.ex.release_received(rid)  # (every rank's decode side under TP)

@@ -20,9 +20,6 @@ KV_REL_TOL = 0.2
 """bf16 / fp16 KV check: largest relative error of one (layer, token) row vs a full recompute.
 Rounding noise is a few percent (``prefill.harness.kv_max_rel_error``); corruption is ~1."""
 
-INTEGRITY_KEYS = ("leaked_slots", "kv_mismatches", "aborted_sends", "leaked_locks",
-                  "integrity_errors")  # fmt: skip
-
 
 def latency_stats(values: list[float]) -> dict[str, float | None]:
     """Mean / p50 / p90 / p99 in seconds (None when empty)."""
@@ -42,8 +39,8 @@ def audit(run: TraceRun) -> dict[str, int]:
     from a full recompute, and results whose sends name an attempt that was never finalized
     (``aborted_sends``, checked by the driver as results arrive); nodes still locked;
     ``integrity_errors`` counts failed ``check_integrity`` calls.
-    Where the executor counts them, ``speculative_l2_pages``: host pages written from an attempt
-    that was not finalized when the copy was issued.
+    ``speculative_l2_pages``: host pages written from an attempt that was not finalized when the
+    copy was issued.
 
     KV check: fp32 element-wise (``kv_tolerance``); bf16 / fp16 per (layer, token) row, relative
     error at most ``KV_REL_TOL`` (an element-wise bf16 tolerance fails on plain rounding noise of
@@ -82,19 +79,8 @@ def audit(run: TraceRun) -> dict[str, int]:
         "integrity_errors": errors,
         "kv_checked_requests": len(run.sampled),
     }
-    speculative = speculative_l2_pages(ex)
-    if speculative is not None:
-        out["speculative_l2_pages"] = speculative
+    out["speculative_l2_pages"] = ex.stats.speculative_l2_pages
     return out
-
-
-def speculative_l2_pages(ex: OptimisticPrefillExecutor) -> int | None:
-    """The executor's ``speculative_l2_pages`` integrity counter, where it has one."""
-    for owner in (ex, getattr(ex, "stats", None), getattr(ex, "integrity", None)):
-        value = getattr(owner, "speculative_l2_pages", None)
-        if value is not None:
-            return int(value() if callable(value) else value)
-    return None
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:

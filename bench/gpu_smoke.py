@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import kernels
+from bench.common import sync_device
 from kernels import reference
 
 L = 3  # layers of the small pools
@@ -36,11 +37,6 @@ H, D = 8, 128  # an 8B model's KV heads and head dim: 2 KiB per token-layer in b
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -96,7 +92,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
         kernels.transfer_kv_per_layer(
             host_lf[0, layer], dev[0, layer], host_lf[1, layer], dev[1, layer], s_host, s_dev, item
         )
-        _sync(device)
+        sync_device(device)
         want = before.clone()
         want[:, layer, sd] = host_lf[:, layer, sh]
         assert torch.equal(dev.cpu(), want), "transfer_kv_per_layer (H2D) differs"
@@ -107,7 +103,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
             host_pf[0], dev[0, layer], host_pf[1], dev[1, layer], s_host, s_dev,
             layer, item, item * L,
         )  # fmt: skip
-        _sync(device)
+        sync_device(device)
         want = before.clone()
         want[:, layer, sd] = host_pf[:, sh, layer]
         assert torch.equal(dev.cpu(), want), "transfer_kv_per_layer_pf_lf differs"
@@ -118,7 +114,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
         kernels.transfer_kv_all_layer(
             dev_tbl[0], lf_tbl[0], dev_tbl[1], lf_tbl[1], s_dev, s_host, item, L
         )
-        _sync(device)
+        sync_device(device)
         want = before.clone()
         want[:, :, sh] = dev.cpu()[:, :, sd]
         assert torch.equal(host_lf, want), "transfer_kv_all_layer (D2H) differs"
@@ -128,7 +124,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
         kernels.transfer_kv_all_layer_lf_pf(
             dev_tbl[0], host_pf[0], dev_tbl[1], host_pf[1], s_dev, s_host, item, item * L, L
         )
-        _sync(device)
+        sync_device(device)
         want = before.clone()
         want[:, sh] = dev.cpu()[:, :, sd].transpose(1, 2)
         assert torch.equal(host_pf, want), "transfer_kv_all_layer_lf_pf differs"
@@ -139,7 +135,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
                                       s_host, s_dev, item)  # fmt: skip
         reference.transfer_kv_per_layer(host_lf[0, 0], ref[0, 0], host_lf[1, 0], ref[1, 0],
                                         sh, sd, item)  # fmt: skip
-        _sync(device)
+        sync_device(device)
         assert torch.equal(got.cpu(), ref), "kernel and torch reference differ"
 
 

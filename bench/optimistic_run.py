@@ -154,8 +154,8 @@ def run_config(
         failed_requests=sum(1 for r in run.results if r.outcome == Outcome.ABORTED),
         recomputed_tokens=recomputed,
         recomputed_tokens_per_yield=recomputed / stats.yields if stats.yields else None,
-        executor_yield_recomputed_tokens=getattr(stats, "yield_recomputed_tokens", None),
-        unpublished_dropped_tokens=getattr(stats, "unpublished_dropped_tokens", None),
+        executor_yield_recomputed_tokens=stats.yield_recomputed_tokens,
+        unpublished_dropped_tokens=stats.unpublished_dropped_tokens,
         seed=trace.seed, write_policy=policy,
     )  # fmt: skip
     out["integrity"] = audit(run)

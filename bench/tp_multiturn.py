@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import datetime
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,20 @@ from bench.bench_multiturn import (
     conversations_for,
     decode_tokens_for,
     drive_trace,
+    longest_prompt,
     pool_sizes,
     request_rate,
     server_args_for,
 )
 from bench.calibrate import calibrate_run, describe
-from bench.e2e import TraceRun, cpu_note, free_memory, release_executor, time_left
+from bench.e2e import (
+    TimeBudget,
+    TraceRun,
+    cpu_note,
+    free_memory,
+    new_executor,
+    release_executor,
+)
 from bench.e2e_audit import audit, config_summary
 from bench.e2e_report import (
     aggregate_seeds,
@@ -51,13 +58,9 @@ from bench.e2e_report import (
     sum_integrity,
     write_result,
 )
-from bench.virtual_cost import CostAccountant, RecordingModel
 from hicache.tp_group import TPGroup, new_cache_group
 from prefill.bootstrap import PeerConfig
-from prefill.clock import VirtualClock, WallClock
-from prefill.harness import build_cache, make_executor
 from prefill.model import build_model
-from prefill.tp_sync import AgreedClock
 
 SUMMED = ("d2h_bytes", "h2d_bytes", "backed_up_tokens", "loaded_tokens",
           "evicted_device_tokens")  # fmt: skip
@@ -103,7 +106,7 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
         f"device; clock: {opts.clock}; seeds {opts.seeds}", flush=True)  # fmt: skip
     cal_args = server_args_tp("write_back", device_tokens, opts, world)
     model = build_model(cal_args)
-    longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
+    longest = longest_prompt(opts)
     # Forward passes are collective (every rank times the same grid); copies are this rank's
     # shard, timed on a single-rank cache of its geometry. Rank 0's calibration is everyone's.
     local = dataclasses.replace(cal_args, tp_size=1, head_num=cal_args.kv_heads_per_rank())
@@ -112,21 +115,17 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
     say(f"[multiturn tp{world}] calibration (rank 0): {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
     per_seed: dict[int, dict[str, Any]] = {}
-    skipped: list[str] = []
-    slowest = 0.0
+    budget = TimeBudget(agree=lambda ok: group.agree_all(ok, tag="time_left"))
     for seed in opts.seeds:
         results = per_seed.setdefault(seed, {})
         for name in opts.configs:
-            go = group.agree_all(time_left() >= 1.5 * slowest + 5, tag="time_left")
-            if not go:
+            if not budget.allows(f"{name}/seed{seed}"):
                 say(f"[multiturn tp{world}] {name} seed {seed}: skipped for time")
-                skipped.append(f"{name}/seed{seed}")
                 continue
-            t0 = time.perf_counter()
             virtual_cal = cal if opts.clock == "virtual" else None
-            results[name] = run_config_tp(name, seed, device_tokens, rate, opts, model,
-                                          virtual_cal, group)  # fmt: skip
-            slowest = max(slowest, time.perf_counter() - t0)
+            with budget.timed():
+                results[name] = run_config_tp(name, seed, device_tokens, rate, opts, model,
+                                              virtual_cal, group)  # fmt: skip
             free_memory()
             if rank == 0:
                 _ratios(results)
@@ -139,7 +138,8 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
         **configs, "mode": opts.clock, "seeds": opts.seeds, "tp_size": world,
         "request_rate_per_s": rate, "working_set_tokens": working_set,
         "device_pool_tokens_per_rank": device_tokens, "calibration": cal.as_dict(),
-        "integrity": sum_integrity(configs), "note": note, "skipped_for_time": skipped,
+        "integrity": sum_integrity(configs), "note": note,
+        "skipped_for_time": budget.skipped,
     }  # fmt: skip
     print(f"\n[multiturn tp{world}] mean over seeds {opts.seeds} ({opts.clock} clock), "
           f"{world} ranks; bytes and integrity summed over the ranks")  # fmt: skip
@@ -149,29 +149,6 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
     path = write_result(Path(out_dir), f"multiturn_tp{world}", doc)
     print(f"[multiturn tp{world}] wrote {path}")
     return summary
-
-
-def new_tp_executor(
-    args: Any, peer: PeerConfig, decode_tokens: int, model: Any, cal: Any, group: TPGroup
-) -> tuple[Any, CostAccountant | None]:
-    """``bench.e2e.new_executor`` on the group: this rank's cache and decode side, the clock
-    wrapped so every rank reads rank 0's time."""
-    cache = build_cache(args, group=group)
-    if cal is None:
-        clock = AgreedClock(WallClock(), group)
-        ex = make_executor(args, peer_config=peer, clock=clock, keep_received=True,
-                           decode_pool_size=decode_tokens, model=model, send_log_size=None,
-                           cache=cache)  # fmt: skip
-        return ex, None
-    clock = AgreedClock(VirtualClock(), group)
-    recording = RecordingModel(model)
-    cost = CostAccountant(cal, clock, recording)
-    ex = make_executor(args, peer_config=peer, clock=clock, cost_model=cost, keep_received=True,
-                       decode_pool_size=decode_tokens, model=recording, send_log_size=None,
-                       cache=cache)  # fmt: skip
-    if ex.cache.controller is not None:
-        cost.install(ex.cache.controller)
-    return ex, cost
 
 
 def run_config_tp(
@@ -184,7 +161,7 @@ def run_config_tp(
     args = server_args_tp(name, device_tokens, opts, group.size)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
-    ex, cost = new_tp_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, group)
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, group)
     if group.rank == 0:
         run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
         ex.stop_followers()

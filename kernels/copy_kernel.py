@@ -29,7 +29,8 @@ the defaults (2 programs of 32 warps, SGLang's) a thread holds 8 vectors of 16 b
 registers of the 64 a 1024-thread program may use), so a 2 KiB-item tile is 64 rows x 2 KiB =
 128 KiB per program and 256 KiB in flight for the grid, while only 2 SMs are taken from the
 forward pass (with Triton 3.7 and later; Triton 3.6 gets half, see
-``kernels.launch.MAX_ROWS_PER_THREAD``). ``block_quota`` stays an upper bound on programs, as upstream.
+``kernels.launch.MAX_ROWS_PER_THREAD``). ``block_quota`` stays an upper bound on programs, as
+upstream.
 
 This file holds the kernel; :mod:`kernels.launch` chooses its word, hints and tile shape and
 launches it.
