@@ -77,8 +77,8 @@ sglang-check: $(SGLANG_VENV)/.installed
 # UnifiedRadixCache with the Rust TreeCore shipped in the wheel) on the bench_cache_ops trace, CPU
 # only. Reuses the sglang-check venv and its pin directory; adds only `packaging` (called by
 # sglang.srt.utils at import) in bench-deps/. Unrelated imports are stubbed and listed in
-# bench/sglang_loader.py. BENCH_VS_ARGS: e.g. --quick, or --steps 2000 --sizes 10000 100000.
-# The stub list of bench/sglang_loader.py is made for this release.
+# bench/cache_ops/sglang_loader.py. BENCH_VS_ARGS: e.g. --quick, or --steps 2000 --sizes 10000 100000.
+# The stub list of bench/cache_ops/sglang_loader.py is made for this release.
 BENCH_VS_PIN := 0.5.23
 BENCH_VS_ARGS ?= --steps 2000
 BENCH_VS_SITE := $(SGLANG_VENV)/sglang-$(BENCH_VS_PIN)
@@ -94,7 +94,7 @@ $(SGLANG_VENV)/bench-deps/.done: | $(SGLANG_VENV)/.installed
 	@touch $@
 
 bench-vs-sglang: $(BENCH_VS_SITE)/.done $(SGLANG_VENV)/bench-deps/.done
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m bench.bench_cache_ops \
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m bench.cache_ops \
 		--against-sglang --sglang-site $(BENCH_VS_SITE) $(BENCH_VS_ARGS)
 
 clean:

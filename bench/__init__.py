@@ -15,7 +15,7 @@ import os
 def _prepare_cpu_run() -> None:
     try:
         import torch
-    except ImportError:  # bench.gpu_probe says so in one line
+    except ImportError:  # bench.gpu.probe says so in one line
         return
 
     if not torch.cuda.is_available():

@@ -28,10 +28,10 @@ ensure_triton_interpret()
 
 # (module, summary key), in the order they run.
 SUITE = [
-    ("bench.bench_transfer", "transfer"),
-    ("bench.bench_cache_ops", "cache_ops"),
-    ("bench.bench_multiturn", "multiturn"),
-    ("bench.bench_optimistic", "optimistic"),
+    ("bench.transfer.bench", "transfer"),
+    ("bench.cache_ops.bench", "cache_ops"),
+    ("bench.multiturn.bench", "multiturn"),
+    ("bench.optimistic.bench", "optimistic"),
 ]
 E2E = {"multiturn", "optimistic"}
 """Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One-shot check on a machine with an NVIDIA GPU, built so that a lent GPU is never wasted:
 #
-#   1. probe (python -m bench.gpu_probe): CUDA torch and a device, triton, a C compiler, Python.h,
+#   1. probe (python -m bench.gpu.probe): CUDA torch and a device, triton, a C compiler, Python.h,
 #      libcuda, the device attributes the kernels need (host pointers to registered memory), one
 #      trivial Triton launch and two reads of registered host memory. The first thing missing
 #      stops the run at once with ONE line "gpu_check: STOP: ..." (exit 3) before any test or
 #      benchmark spends GPU time. Without a CUDA torch this takes a few seconds.
-#   2. kernel tests in their own process (tests/test_kernels_gpu.py), then the other GPU-marked
-#      tests (without pytest: python -m bench.gpu_smoke);
+#   2. kernel tests in their own process (tests/kernels/test_kernels_gpu.py), then the other GPU-marked
+#      tests (without pytest: python -m bench.gpu.smoke);
 #   3. the block_quota sweep and GEMM co-run, printed line by line as measured;
 #   4. the transfer grid, then the two end-to-end benchmarks at quick size.
 #
@@ -67,7 +67,7 @@ step() {  # step NAME LIMIT_S live|tail COMMAND...
 }
 
 # 1. Probe: nothing else runs unless every prerequisite is there.
-timeout -k 5 120 "$PY" -m bench.gpu_probe 2>&1 | tee "$OUT/probe.log"
+timeout -k 5 120 "$PY" -m bench.gpu.probe 2>&1 | tee "$OUT/probe.log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ]; then
   if ! grep -q "^gpu_check: STOP:" "$OUT/probe.log"; then
@@ -94,25 +94,25 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   ignore=()
   if ! "$PY" -c "import hypothesis" 2>/dev/null; then
     # Modules that import hypothesis at the top hold no GPU-marked test; skip collecting them
-    # (tests/test_kernels_gpu.py still imports test_kernels' case tables through a stand-in).
+    # (tests/kernels/test_kernels_gpu.py still imports test_kernels' case tables through a stand-in).
     for f in $(grep -lE "^(from|import) hypothesis" tests/test_*.py); do ignore+=("--ignore=$f"); done
     echo "[gpu_check] hypothesis not installed: not collecting ${ignore[*]}"
   fi
   step kernel_tests "$(limit 60 160)" tail "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    --durations=10 tests/test_kernels_gpu.py
+    --durations=10 tests/kernels/test_kernels_gpu.py
   step gpu_tests "$(limit 45 120)" tail "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    --durations=10 --continue-on-collection-errors --ignore=tests/test_kernels_gpu.py \
+    --durations=10 --continue-on-collection-errors --ignore=tests/kernels/test_kernels_gpu.py \
     ${ignore[@]+"${ignore[@]}"} tests
 else
-  echo "[gpu_check] pytest not installed: bench/gpu_smoke.py instead of the GPU tests"
-  step gpu_smoke "$(limit 90 120)" tail "$PY" -m bench.gpu_smoke
+  echo "[gpu_check] pytest not installed: bench/gpu/smoke.py instead of the GPU tests"
+  step gpu_smoke "$(limit 90 120)" tail "$PY" -m bench.gpu.smoke
 fi
 
 # 3. block_quota sweep and GEMM co-run, line by line.
-step transfer_sweep "$(limit 25 95)" live "$PY" -m bench.bench_transfer --quick --part sweep \
+step transfer_sweep "$(limit 25 95)" live "$PY" -m bench.transfer --quick --part sweep \
   --out "$OUT"
 # 4. Benchmarks.
-step transfer_grid "$(limit 35 60)" live "$PY" -m bench.bench_transfer --quick --part grid \
+step transfer_grid "$(limit 35 60)" live "$PY" -m bench.transfer --quick --part grid \
   --out "$OUT"
 step bench_multiturn "$(limit 60 30)" live "$PY" -m bench --only multiturn --out "$OUT" \
   --summary summary_multiturn.json

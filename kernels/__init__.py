@@ -1,11 +1,11 @@
 """KV transfer kernels between the device pool and the host pool (SGLang ``kvcacheio`` ops).
 
 The whole ``sgl_kernel.kvcacheio`` surface, same names, argument order and meaning:
-``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.kvcacheio`.
+``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.ops.kvcacheio`.
 ``transfer_kv_direct``, the ``*_direct_*`` ops and ``transfer_embedding_ranges_direct`` (direct
-backend): plain copies, see :mod:`kernels.direct`. ``get_device_accessible_ptr`` and the pointer
-tables: :mod:`kernels.ptr_tables`. :mod:`kernels.reference` holds the torch reference of every
-op, and :mod:`kernels.addressing` the one description of how the kernel-backend ops address
+backend): plain copies, see :mod:`kernels.ops.direct`. ``get_device_accessible_ptr`` and the pointer
+tables: :mod:`kernels.layout.ptr_tables`. :mod:`kernels.ops.reference` holds the torch reference of every
+op, and :mod:`kernels.layout.addressing` the one description of how the kernel-backend ops address
 memory.
 """
 
@@ -16,14 +16,20 @@ from kernels._env import ensure_triton_interpret
 # Must run before anything imports triton (the kernels below do).
 TRITON_INTERPRETED = ensure_triton_interpret()
 
-from kernels._checks import debug_checks_enabled, set_debug_checks  # noqa: E402
-from kernels.direct import (  # noqa: E402
+from kernels.layout.ptr_tables import (  # noqa: E402
+    data_ptr_table,
+    get_device_accessible_ptr,
+    verified_alignment,
+    verify_ptr_table,
+)
+from kernels.ops.checks import debug_checks_enabled, set_debug_checks  # noqa: E402
+from kernels.ops.direct import (  # noqa: E402
     transfer_embedding_ranges_direct,
     transfer_kv_all_layer_direct_lf_pf,
     transfer_kv_direct,
     transfer_kv_per_layer_direct_pf_lf,
 )
-from kernels.kvcacheio import (  # noqa: E402
+from kernels.ops.kvcacheio import (  # noqa: E402
     transfer_kv_all_layer,
     transfer_kv_all_layer_lf_pf,
     transfer_kv_all_layer_lf_ph,
@@ -35,12 +41,6 @@ from kernels.kvcacheio import (  # noqa: E402
     transfer_kv_per_layer_mla_pf_lf,
     transfer_kv_per_layer_pf_lf,
     transfer_kv_per_layer_ph_lf,
-)
-from kernels.ptr_tables import (  # noqa: E402
-    data_ptr_table,
-    get_device_accessible_ptr,
-    verified_alignment,
-    verify_ptr_table,
 )
 
 __all__ = [

@@ -26,7 +26,7 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
    transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
 **Publishing a pending attempt's KV** follows what the tree declares of its write policy
-(``tree.backs_up_on_insert``; ``prefill.pending``): without backups at insert (device only, L2
+(``tree.backs_up_on_insert``; ``prefill.scheduler.pending_kv``): without backups at insert (device only, L2
 ``write_back``) a pending attempt inserts its computed pages at chunk boundaries, at the end of
 its prefill and at a yield, so a retry hits them; with them (L2 ``write_through*``) its KV stays
 request-owned until finalize inserts it once, before the first send (SGLang 0.5.23
@@ -47,19 +47,19 @@ the rid may be submitted again. Memory and the cost of a step depend on the requ
 not on how many have finished.
 
 This file owns the public API, the step order and the wiring of its delegates:
-``prefill.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
-finalize, requeue after a yield), ``prefill.chunked`` (steps 4-6: the running (chunked)
-request, its chunk boundaries, the batch, the end of its prefill, yield), ``prefill.batch``
-(step 5's selection and forward pass), ``prefill.pending`` (what publish and yield do with a
-pending attempt's KV), ``prefill.inflight`` (sends, step 7, abort, results),
-``prefill.req_kv`` (a request's slots and lock) and ``prefill.tp_driver`` (rank 0's inputs
+``prefill.scheduler.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
+finalize, requeue after a yield), ``prefill.scheduler.chunked`` (steps 4-6: the running (chunked)
+request, its chunk boundaries, the batch, the end of its prefill, yield), ``prefill.scheduler.batch``
+(step 5's selection and forward pass), ``prefill.scheduler.pending_kv`` (what publish and yield do with a
+pending attempt's KV), ``prefill.scheduler.sends`` (sends, step 7, abort, results),
+``prefill.request.state.kv`` (a request's slots and lock) and ``prefill.tp.driver`` (rank 0's inputs
 and the follow protocol).
 
 **Tensor parallelism** (``--tp-size N``, the cache's ``group``): every rank runs this executor
 over its shard of the KV heads, with the tensor-parallel model and its own decode side (each
 rank sends its own shard). Only rank 0 accepts ``submit``; each step starts with rank 0's
-broadcast of new requests, decode-side releases and its clock reading (``prefill.tp_driver``
-over ``prefill.tp_sync``), so every rank schedules the same batches from the same inputs; peer
+broadcast of new requests, decode-side releases and its clock reading (``prefill.tp.driver``
+over ``prefill.tp.sync``), so every rank schedules the same batches from the same inputs; peer
 polls are MIN-reduced and cache decisions agreed, and each batch is checked against rank 0's.
 Every rank calls ``step`` / ``run_until_idle`` / ``drain_cache_events`` in the same order; a
 driver on rank 0 alone (submitting as requests arrive) pairs with ``follow()`` on the other
@@ -75,27 +75,27 @@ from typing import Any
 
 import torch
 
-from hicache.tp_group import SingleRankGroup, TPGroup
-from prefill.admission import AdmissionQueue
-from prefill.batch import BatchRunner, CostModel
-from prefill.bootstrap import DecodePeer, DecodeSide, PeerConfig, force_not_ready
-from prefill.chunked import ChunkedPrefill
+from hicache.tp.group import SingleRankGroup, TPGroup
 from prefill.clock import Clock, WallClock
-from prefill.gate import check_gate, log_gate_once, resolved_attempts
-from prefill.inflight import InflightQueue
+from prefill.disagg.sim_side import DecodePeer, DecodeSide, PeerConfig, force_not_ready
 from prefill.integrity import check_executor
-from prefill.metadata_buffers import (
+from prefill.model.paged.paged import PagedTransformer
+from prefill.request.state.kv import RequestKV
+from prefill.request.state.state import PrefillRequest, RequestResult
+from prefill.scheduler.admission import AdmissionQueue
+from prefill.scheduler.batch import BatchRunner, CostModel
+from prefill.scheduler.chunked import ChunkedPrefill
+from prefill.scheduler.gate import check_gate, log_gate_once, resolved_attempts
+from prefill.scheduler.metadata_buffers import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     ReqToMetadataIdxAllocator,
     metadata_buffer_count,
 )
-from prefill.model import PagedTransformer
-from prefill.pending import PendingKV
-from prefill.req_kv import RequestKV
-from prefill.request import PrefillRequest, RequestResult
+from prefill.scheduler.pending_kv import PendingKV
+from prefill.scheduler.sends import InflightQueue
 from prefill.stats import ExecutorStats
-from prefill.tp_driver import TPDriver, agreed_clock
-from prefill.tp_sync import PeerPolls
+from prefill.tp.driver import TPDriver, agreed_clock
+from prefill.tp.sync import PeerPolls
 
 __all__ = ["CostModel", "OptimisticPrefillExecutor"]
 
@@ -110,13 +110,13 @@ class OptimisticPrefillExecutor:
             ``optimistic_prefill_write_through`` and the other gate fields (checked against the
             cache, see the module docstring), ``max_running_requests``,
             ``chunked_prefill_size``, ``page_size``, ``max_total_tokens`` and the failure hooks.
-        cache: ``hicache.cache.KVCache`` (``device_pool``, ``allocator``, ``tree``, ``stats``);
+        cache: ``hicache.builder.KVCache`` (``device_pool``, ``allocator``, ``tree``, ``stats``);
             built from ``args`` when omitted. Admission records prefix hits in ``cache.stats``.
         model: the paged model; built from ``args`` when omitted.
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
         decode: the simulated decode instance; built from ``args`` when omitted.
         cost_model: seconds charged to the clock per forward (virtual clocks only).
-        group: the tensor-parallel cache group (``hicache.tp_group.new_cache_group()``) when
+        group: the tensor-parallel cache group (``hicache.tp.group.new_cache_group()``) when
             the cache is built here; otherwise the cache's. At more than one rank the clock is
             wrapped in an ``AgreedClock`` (a given ``decode`` must use that same clock object)
             and the model, when built here, is ``TPPagedTransformer``.
@@ -139,7 +139,7 @@ class OptimisticPrefillExecutor:
     ) -> None:
         max_attempts = resolved_attempts(args)
         if cache is None:
-            from hicache.cache import build_kv_cache
+            from hicache.builder import build_kv_cache
 
             built = build_kv_cache(args, group=group)
             try:
@@ -156,7 +156,7 @@ class OptimisticPrefillExecutor:
         self.group: TPGroup = cache_group
         clock = agreed_clock(clock if clock is not None else WallClock(), self.group, decode)
         if model is None:
-            from prefill.model import build_model
+            from prefill.model.paged.paged import build_model
 
             model = build_model(args)
         self.args = args

@@ -3,7 +3,7 @@
 ``python -m tests.sglang_check.run_pin --site DIR --mode cpu|cuda-shaped --out FILE.json``
 
 - ``cpu``: SGLang imports as it does on this machine (no CUDA: its host-pool modules skip their
-  ``from sgl_kernel.kvcacheio import ...`` branch). :func:`kernels.sglang_compat.install` runs
+  ``from sgl_kernel.kvcacheio import ...`` branch). :func:`kernels.sglang.compat.install` runs
   after they are imported and binds this project's ops into their globals.
 - ``cuda-shaped``: SGLang's platform probe answers CUDA, so the host-pool modules run their CUDA
   import branch at import time. ``install(route_around_jit=True)`` runs first: it registers
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
-    from kernels import sglang_compat as compat
-    from kernels import sglang_rebind as rebind
+    from kernels.sglang import compat, rebind
     from tests.sglang_check import gate, stubs, transfers
 
     out: dict[str, Any] = {"mode": args.mode, "sglang_version": compat.sglang_version()}
@@ -154,7 +153,7 @@ def _import_time_bindings(compat: Any, handle: Any) -> dict[str, dict[str, int |
     """What the cuda-shaped modules hold without the compat rebinding: the ops they imported
     from the registered ``sgl_kernel.kvcacheio`` (this project's) and SGLang's own JIT predicates
     (here the stub's)."""
-    from kernels import sglang_rebind as rebind
+    from kernels.sglang import rebind
 
     ops = compat.provided_ops()
     jit = sys.modules["sglang.kernels.ops.kvcache.hicache"]

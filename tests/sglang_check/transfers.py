@@ -2,15 +2,15 @@
 
 For each case (MHA / asymmetric MHA (K head 192, V head 128) / MLA / MLA on SGLang's
 layer-sharded backup path x page size x layout x io backend) one of this project's device pools
-(``hicache.memory_pool``) and SGLang's host pool class over it are built; device and host are
+(``hicache.memory.device_pool``) and SGLang's host pool class over it are built; device and host are
 filled with random bytes; then SGLang's ``backup_from_device_all_layer`` and, layer by layer,
 ``load_to_device_per_layer`` (and the ``*_physical`` variants where the version has them) run
 with shuffled page-granular indices. After every call the whole destination is compared byte
 for byte with a plain torch copy of the same slots, and the source must be unchanged.
 
-Before the transfers, :func:`kernels.sglang_compat.warm_up` runs on the pair (kernel io backend).
+Before the transfers, :func:`kernels.sglang.compat.warm_up` runs on the pair (kernel io backend).
 Every kernel launch is recorded by the key Triton's own binder computes for an sm_90 target
-(``tests/triton_keys.py``): the key a CUDA launch looks its compiled kernel up by. A transfer
+(``tests/support/triton_keys.py``): the key a CUDA launch looks its compiled kernel up by. A transfer
 launch whose key the warm-up did not launch would be a compile on the scheduler thread on CUDA:
 counted as ``unwarmed_launches`` (must be 0). After the warm-up every pointer table of both
 pools must have a verified alignment (on CUDA the kernels read it instead of the table; here the
@@ -106,12 +106,12 @@ def cases(asymmetric: bool) -> list[Case]:
 
 
 class LaunchRecorder:
-    """Wraps the kernel where ``kernels.launch`` launches it, recording each launch's Triton
+    """Wraps the kernel where ``kernels.triton.launch`` launches it, recording each launch's Triton
     specialization key (sm_90)."""
 
     def __init__(self) -> None:
-        import kernels.launch as launch_module
-        from tests.triton_keys import launch_key
+        import kernels.triton.launch as launch_module
+        from tests.support.triton_keys import launch_key
 
         self._module = launch_module
         self._kernel = launch_module.kv_copy_kernel
@@ -141,7 +141,7 @@ class LaunchRecorder:
 
 def device_pool(kind: str, page_size: int) -> Any:
     """One of this project's device pools (CPU)."""
-    from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if kind.startswith("MLA"):
         pool = MLATokenToKVPool(
@@ -161,7 +161,7 @@ def device_pool(kind: str, page_size: int) -> Any:
 
 
 def supports_asymmetric() -> bool:
-    from hicache.memory_pool import MHATokenToKVPool
+    from hicache.memory.device_pool import MHATokenToKVPool
 
     return "v_head_dim" in inspect.signature(MHATokenToKVPool).parameters
 
@@ -181,7 +181,7 @@ def host_pool(sglang: dict[str, Any], case: Case, dev: Any) -> Any:
     )  # fmt: skip
     if not sglang["takes_buffer_info"]:
         return cls(dev, **common)
-    from kernels.sglang_pool_info import sglang_buffer_info
+    from kernels.sglang.pool_info import sglang_buffer_info
 
     kwargs = dict(
         device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer

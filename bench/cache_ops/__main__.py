@@ -1,0 +1,7 @@
+"""``python -m bench.cache_ops``: see :mod:`bench.cache_ops.bench`."""
+
+import sys
+
+from bench.cache_ops.bench import main
+
+sys.exit(main())

@@ -1,0 +1,207 @@
+"""SGLang's own radix trees as drivers of the ``bench_cache_ops`` trace (``--against-sglang``).
+
+Loads SGLang either as installed in this environment (nothing replaced) or, with ``site``, from a
+release installed without its dependency tree (``make bench-vs-sglang``: the pin directory of
+``make sglang-check``, with the unrelated imports stubbed as listed in ``bench/cache_ops/sglang_loader.py``),
+and wraps:
+
+- ``SGLangPythonDriver``: ``sglang.srt.mem_cache.radix_cache.RadixCache`` with SGLang's own
+  allocator (``TokenToKVPoolAllocator`` at page 1, ``PagedTokenToKVPoolAllocator`` otherwise)
+  over a one-layer, one-head ``MHATokenToKVPool`` on the CPU;
+- ``SGLangRustDriver``: ``UnifiedRadixCache`` (SGLang's default tree since 0.5.2x) with its
+  Rust TreeCore (``tree_core_backend="rust"``), same allocator.
+
+SGLang's tree, allocator and pool code runs as installed, unpatched (with ``site``, only modules
+unrelated to the trees are stubbed, and any stub called raises); if an import fails,
+``load_sglang`` says which and the benchmark runs without SGLang. Keys are handed to SGLang as
+``RadixKey(array("q", ...))`` built outside the timed region (SGLang's scheduler builds them per
+request, so SGLang's times here are a lower bound). "match" includes ``path_device_indices`` of
+the matched node, which is what the scheduler reads after a match in 0.5.23 (its
+``MatchResult`` carries a length, not indices). No ``ServerArgs`` is published: with HiCache and
+metrics off the trees read no runtime-context config (an unpublished config raises
+``ValueError`` in 0.5.23, so a read would stop the run), and publishing one resolves a model
+config (transformers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from array import array
+from typing import Any
+
+import torch
+
+SGLANG_NAMES = {
+    "sglang.srt.mem_cache.allocator": ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"),
+    "sglang.srt.mem_cache.memory_pool": ("MHATokenToKVPool",),
+    "sglang.srt.mem_cache.cache_init_params": ("CacheInitParams",),
+    "sglang.srt.mem_cache.radix_cache": ("RadixCache", "RadixKey"),
+    "sglang.srt.mem_cache.base_prefix_cache": ("MatchPrefixParams", "InsertParams", "EvictParams"),
+    "sglang.srt.mem_cache.unified_radix_cache": ("UnifiedRadixCache",),
+    "sglang.srt.mem_cache.unified_cache.component_type": ("ComponentType",),
+}
+"""The SGLang names the drivers use, by module (imported in this order)."""
+
+
+def load_sglang(site: str | None = None) -> tuple[Any, str]:
+    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``.
+
+    ``site``: a pin directory (``pip install --no-deps --target``); SGLang is then loaded through
+    :mod:`bench.cache_ops.sglang_loader`; the namespace's ``stub_report()`` lists every replacement used
+    so far (empty without ``site``)."""
+    finder = None
+    try:
+        if site is not None:
+            from bench.cache_ops import sglang_loader
+
+            finder = sglang_loader.install(site)
+        sglang = importlib.import_module("sglang")
+        ns: dict[str, Any] = {
+            name: getattr(importlib.import_module(module), name)
+            for module, names in SGLANG_NAMES.items()
+            for name in names
+        }
+        ns["stub_report"] = staticmethod(
+            (lambda: []) if finder is None else (lambda: sglang_loader.stub_report(finder))
+        )
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"SGLang is not importable here ({type(exc).__name__}: {exc})"
+    version = getattr(sglang, "__version__", None)  # a bare package has none
+    if version is None:
+        version = getattr(importlib.import_module("sglang.version"), "__version__", "unknown")
+    return type("SGLang", (), ns), version
+
+
+RUST_CORE_MODULE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
+
+
+def rust_core_file() -> str | None:
+    """The file of SGLang's compiled Rust TreeCore extension this process loaded (or None)."""
+    module = sys.modules.get(RUST_CORE_MODULE)
+    return getattr(module, "__file__", None)
+
+
+def _allocator(sgl: Any, pool_tokens: int, page_size: int) -> Any:
+    kv = sgl.MHATokenToKVPool(
+        size=pool_tokens,
+        page_size=page_size,
+        dtype=torch.float16,
+        head_num=1,
+        head_dim=1,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    if page_size == 1:
+        return sgl.TokenToKVPoolAllocator(
+            size=pool_tokens, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
+        )
+    return sgl.PagedTokenToKVPoolAllocator(
+        size=pool_tokens,
+        page_size=page_size,
+        dtype=torch.float16,
+        device="cpu",
+        kvcache=kv,
+        need_sort=False,
+    )
+
+
+class _SGLangDriver:
+    frees_duplicates = False
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        self.sgl = sgl
+        self.allocator = _allocator(sgl, pool_tokens, page_size)
+        self.page_size = page_size
+
+    def _cache_params(self, **extra: Any) -> Any:
+        """SGLang's ``CacheInitParams`` of a tree over :attr:`allocator`, plus ``extra``."""
+        return self.sgl.CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+            **extra,
+        )
+
+    def prepare(self, key: list[int]) -> Any:
+        return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
+
+    def match(self, params: Any) -> tuple[int, torch.Tensor, Any]:
+        r = self.tree.match_prefix(params)
+        return (
+            r.device_prefix_len,
+            self.tree.path_device_indices(r.last_device_node),
+            (r.last_device_node),
+        )
+
+    def miss(self, params: Any) -> int:
+        return self.tree.match_prefix(params).device_prefix_len
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
+        return self.tree.insert(self.sgl.InsertParams(key=params.key, value=slots)).prefix_len
+
+    def evict(self, n: int) -> int:
+        return self.tree.evict(self.sgl.EvictParams(num_tokens=n)).num_tokens_evicted
+
+    def available(self) -> int:
+        return self.allocator.available_size()
+
+    def check(self) -> None:
+        return None
+
+
+class SGLangPythonDriver(_SGLangDriver):
+    name = "sglang_python"
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        super().__init__(sgl, pool_tokens, page_size)
+        self.tree = sgl.RadixCache(self._cache_params())
+
+    def lock(self, node: Any) -> Any:
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def unlock(self, node: Any, token: Any) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def size(self) -> int:
+        return self.tree.total_size()
+
+
+class SGLangRustDriver(_SGLangDriver):
+    """``UnifiedRadixCache`` frees the duplicates of an insert itself (``value[prev_prefix_len:
+    prefix_len]``, inside the timed insert), so the caller does not."""
+
+    name = "sglang_rust"
+    frees_duplicates = True
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        super().__init__(sgl, pool_tokens, page_size)
+        params = self._cache_params(
+            tree_components=(sgl.ComponentType.FULL,), tree_core_backend="rust"
+        )
+        self.tree = sgl.UnifiedRadixCache(params=params)
+        if self.tree._tree_core_backend != "rust":
+            raise RuntimeError(f"SGLang fell back to the {self.tree._tree_core_backend} core")
+
+    def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
+        p = self.sgl.InsertParams(key=params.key, value=slots, prev_prefix_len=matched)
+        return self.tree.insert(p).prefix_len
+
+    def lock(self, node: Any) -> Any:
+        return self.tree.inc_lock_ref(node).to_dec_params()
+
+    def unlock(self, node: Any, token: Any) -> None:
+        self.tree.dec_lock_ref(node, token)
+
+    def size(self) -> int:
+        total = self.tree.total_size()
+        return total[0] if isinstance(total, tuple) else int(total)

@@ -1,0 +1,217 @@
+"""Wiring of the KV cache from ``ServerArgs``: pools, allocators, controller, tree, stats.
+
+``build_kv_cache(args)`` is the one place that turns flags into objects, so the executor, the
+benches and the tests all get the same cache for the same flags.
+
+With ``--tp-size N`` every rank calls ``build_kv_cache(args, group=...)`` with the cache group
+(``hicache.tp.group.new_cache_group()``): its pools hold its ``args.kv_heads_per_rank()`` KV
+heads (an MLA latent is held whole by every rank), the host pool's token capacity is agreed at
+start-up (the smallest any rank could build; a rank that cannot build one fails every rank), and
+the controller and tree agree every rank-local input on the group (``hiradix_transfers``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.stats import CacheStats
+from hicache.tp.group import SingleRankGroup, TPGroup, agreed_alloc
+from hicache.tree.hiradix_cache import HiRadixCache
+from hicache.tree.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
+    from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.transfer.controller import HiCacheController
+    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay
+    from server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCache:
+    """Everything the prefill side needs from the cache.
+
+    ``tree`` is a ``RadixCache`` when the hierarchical cache is off (``host_pool`` and
+    ``controller`` are then ``None``) and a ``HiRadixCache`` when it is on; both take the same
+    calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
+    when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
+    ``group``: the tensor-parallel cache group (``SingleRankGroup`` for one rank); ``stats``
+    are this rank's.
+    """
+
+    device_pool: MHATokenToKVPool | MLATokenToKVPool
+    allocator: TokenToKVPoolAllocator
+    tree: RadixCache | HiRadixCache
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None
+    controller: HiCacheController | None
+    stats: CacheStats
+    group: TPGroup = field(default_factory=SingleRankGroup)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.controller is not None
+
+    def check_integrity(self, request_owned: int = 0) -> None:
+        """Tree, allocators and controller together (``AssertionError`` on the first break);
+        the same check as ``tree.check_integrity``.
+
+        ``request_owned``: device slots that requests hold outside the tree right now.
+        """
+        self.tree.check_integrity(request_owned=request_owned)
+
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
+        short; ``None`` when even eviction cannot make room. Every decision is the group's:
+        room is ``agree_all`` of each rank's, the tokens to evict the largest any rank needs,
+        so every rank allocates or gives up together and evicts the same leaves. May block
+        while write_back backs up an evicted leaf (and on the group's collectives)."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        g, alloc = self.group, self.allocator
+        slots = agreed_alloc(g, alloc, n, pool="device", tag="alloc_device_room")
+        if slots is None:
+            need = g.agree_max(n - alloc.available_size(), tag="alloc_device_evict")
+            self.tree.evict(need)
+            slots = agreed_alloc(g, alloc, n, pool="device", tag="alloc_device_room_after_evict")
+        return slots
+
+    def close(self) -> None:
+        """Finish queued copies and stop the CPU stream threads (no-op when off or on CUDA)."""
+        if self.controller is not None:
+            self.controller.close()
+
+
+# Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
+# pool's size may differ: its capacity is agreed).
+SAME_ON_EVERY_RANK = (
+    "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
+    "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
+    "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
+    "kv_lora_rank", "qk_rope_head_dim", "dtype",
+)  # fmt: skip
+
+
+def build_kv_cache(
+    args: ServerArgs,
+    *,
+    copy_delay: Delay = 0.0,
+    streams: CudaStreams | CpuStreams | None = None,
+    group: TPGroup | None = None,
+) -> KVCache:
+    """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
+    with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
+    ``hicache_mem_layout``), the controller (``hicache_io_backend``) and a ``HiRadixCache``
+    (``hicache_write_policy``, ``load_back_threshold``, ``hicache_upstream_chunked_insert``).
+
+    ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
+    ``streams``: stream factory to use instead of the default for the device.
+    ``group``: the cache group of ``args.tp_size`` ranks (required when it is > 1; every rank
+    calls this, in the same order): pools of this rank's KV heads, the flags in
+    ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
+    capacity agreed (see the module docstring).
+
+    Raises ``ValueError`` for configurations the runtime cannot run (an L3 storage backend,
+    ``pp_size > 1``, mamba models, ``disable_radix_cache``), for a host pool larger than the RAM
+    that may be used (on every rank, when any rank's is), and for a group that does not match
+    ``tp_size``. Allocates everything up front; nothing blocks afterwards.
+    """
+    args.check_runtime_supported()
+    tp_size = args.tp_size
+    if group is None:
+        if tp_size > 1:
+            raise ValueError(
+                f"group: --tp-size={tp_size} needs the cache group of its ranks "
+                "(hicache.tp.group.new_cache_group())"
+            )
+        group = SingleRankGroup()
+    if group.size != tp_size:
+        raise ValueError(f"group has {group.size} ranks, --tp-size={tp_size}")
+    group.assert_same("server_args", {k: getattr(args, k, None) for k in SAME_ON_EVERY_RANK})
+    device = args.resolved_device()
+    pool_cls = MLATokenToKVPool if args.use_mla else MHATokenToKVPool
+    device_pool = pool_cls.from_server_args(args)
+    allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, device)
+    stats = CacheStats()
+    if not args.enable_hierarchical_cache:
+        tree = RadixCache(allocator, args.page_size, device)
+        logger.info("KV cache: device only, %d tokens, page %d", allocator.size, args.page_size)
+        return KVCache(device_pool, allocator, tree, None, None, stats, group)
+
+    from hicache.transfer.controller import HiCacheController
+
+    host_pool = _agreed_host_pool(args, device_pool, group)
+    controller = HiCacheController(
+        allocator,
+        device_pool,
+        host_pool,
+        io_backend=args.hicache_io_backend,
+        streams=streams,
+        copy_delay=copy_delay,
+        stats=stats,
+        group=group,
+    )
+    tree = HiRadixCache(
+        controller,
+        args.page_size,
+        write_policy=args.hicache_write_policy,
+        load_back_threshold=args.load_back_threshold,
+        upstream_chunked_insert=args.hicache_upstream_chunked_insert,
+        stats=stats,
+    )
+    logger.info(
+        "KV cache%s: device %d + host %d tokens, page %d, %s, %s/%s",
+        f" (tp rank {group.rank}/{group.size})" if group.size > 1 else "",
+        allocator.size,
+        host_pool.size,
+        args.page_size,
+        args.hicache_write_policy,
+        args.hicache_mem_layout,
+        args.hicache_io_backend,
+    )
+    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group)
+
+
+def _agreed_host_pool(
+    args: ServerArgs, device_pool: MHATokenToKVPool | MLATokenToKVPool, group: TPGroup
+) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
+    """This rank's host pool, of the token capacity every rank agreed on: the smallest any rank
+    asks for (from its own ``hicache_ratio`` / ``hicache_size``), agreed before anything is
+    allocated. A rank whose pool could not be built (RAM) makes every rank raise ``ValueError``,
+    instead of leaving the others waiting in the next collective."""
+    from hicache.memory.host_pool_factory import make_host_pool
+    from hicache.memory.host_ram import host_pool_tokens
+
+    ratio, host_size = args.hicache_ratio, args.hicache_size
+    # The pool's own sizing (bytes per token as the device pool's), no allocation needed.
+    mine = host_pool_tokens(
+        device_pool.size, device_pool.get_size_per_token(), args.page_size, ratio, host_size
+    )
+    size = group.agree_min(mine, tag="host_pool_tokens")
+    if size != mine:
+        logger.warning(
+            "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
+            group.rank, mine, size,
+        )  # fmt: skip
+        # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
+        ratio, host_size = (size + 0.5) / device_pool.size, 0.0
+    host_pool, error = None, None
+    try:
+        host_pool = make_host_pool(device_pool, ratio, host_size, args.hicache_mem_layout)
+    except ValueError as exc:
+        error = exc
+    if not group.agree_all(error is None, tag="host_pool_built"):
+        if host_pool is not None:
+            host_pool.destroy()
+        raise ValueError(
+            f"host pool: {error if error is not None else 'another rank could not build its'}"
+        ) from error
+    assert host_pool is not None and host_pool.size == size, (host_pool, size)
+    return host_pool

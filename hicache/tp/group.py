@@ -1,0 +1,380 @@
+"""Agreement between tensor-parallel ranks on cache decisions (SGLang's ``tp_cache_group``).
+
+Each TP rank owns its shard of the KV heads, its own pools, controller and copy streams, and
+polls its own copy events. Any cache decision taken from rank-local state (how many acks
+finished, whether the host pool had room, how much device memory is free) can differ between
+ranks; the trees then diverge and a later collective hangs. A ``TPGroup`` turns such local
+values into one value every rank applies: ``agree_min`` / ``agree_max`` / ``agree_all`` /
+``agree_any`` / ``agree_min_many`` (all_reduce), ``broadcast_object`` (rank ``src``'s decision),
+``all_gather_object`` (every rank's value, e.g. per-rank statistics), ``assert_same`` (a digest
+check that names the ranks that differ) and ``barrier``.
+
+Agreement travels on a CPU (gloo) process group on CPU and GPU alike, as SGLang's cache group
+does: the values are host integers, and a gloo collective never queues behind device kernels.
+The model's all_reduce uses its own group (NCCL on GPU); see ``prefill.model.paged.tp``.
+
+THE INVARIANT: every rank enters every primitive, in the same order, exactly once per call
+site, whatever its local state. No early return before a collective because a local queue is
+empty (SGLang #26921), no collective inside a loop whose exit depends on per-rank state (#30760),
+no ``if local_condition: agree(...)``. Compute the local value unconditionally (0 for an empty
+queue), agree, then act on the agreed value only. Call from one thread (the scheduler's); a call
+from another thread raises ``RuntimeError``.
+
+Each primitive opens with the same fixed-size all_reduce (int64[4], MIN): a hash of the call
+site (primitive kind and ``tag``, plus ``src`` for broadcasts) as ``[h, -h]`` next to two payload
+integers. MIN of ``[h, -h]`` is ``[min, -max]``: equal exactly when every rank is at the same
+call site. When they differ, every rank sees it and all of them enter one more collective to
+name who was where, then raise ``CollectiveMismatchError``; nobody hangs. A rank that never
+enters any collective (it skipped one and is blocked elsewhere, or exited) cannot be detected
+this way: the others block until that process exits or the group's timeout passes (the test
+harness's watchdog dumps every rank's stack instead). The check costs no extra collective.
+
+``SingleRankGroup`` (``tp_size == 1``) is the identity: no torch.distributed, no hashing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import operator
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.tp.digest import digest
+
+__all__ = [
+    "CollectiveMismatchError",
+    "DistTPGroup",
+    "RankDivergenceError",
+    "SingleRankGroup",
+    "TPGroup",
+    "new_cache_group",
+]
+
+logger = logging.getLogger(__name__)
+
+_LIMIT = (1 << 62) - 1  # payload ints stay far from int64's edges, so -v never overflows
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks disagree on a value that must be identical (``assert_same``). Raised on every rank.
+
+    ``tag``: the call site; ``digests``: one per rank (index = rank); ``differing``: ranks whose
+    digest differs from the most common one (rank 0's on a tie); ``detail``: what the raising
+    site adds (e.g. the values themselves)."""
+
+    def __init__(self, tag: str, digests: list[int], detail: str = "") -> None:
+        self.tag = tag
+        self.digests = digests
+        counts: dict[int, int] = {}
+        for d in digests:
+            counts[d] = counts.get(d, 0) + 1
+        # The most common digest; on a tie rank 0's (max keeps the first key, rank 0's).
+        ref = max(counts, key=lambda d: counts[d])
+        self.differing = [r for r, d in enumerate(digests) if d != ref]
+        table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
+        self.detail = detail
+        super().__init__(
+            f"ranks diverged at {tag!r}: ranks {self.differing} differ from the others ({table})"
+            + (f"; {detail}" if detail else "")
+        )
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks entered different collectives at the same point. Raised on every rank.
+
+    ``sites``: one ``(sequence number, kind, tag)`` per rank (index = rank); the sequence
+    number counts the collectives that rank entered on this group, this one included."""
+
+    def __init__(self, sites: list[tuple[int, str, str]]) -> None:
+        self.sites = sites
+        lines = "; ".join(
+            f"rank {r}: #{seq} {kind}({tag!r})" for r, (seq, kind, tag) in enumerate(sites)
+        )
+        super().__init__(f"ranks entered different collectives: {lines}")
+
+
+def _site_hash(kind: str, tag: str, extra: str = "") -> int:
+    return digest(f"{kind}\x00{tag}\x00{extra}")
+
+
+class TPGroup:
+    """The agreement primitives every cache rank calls (see the module docstring).
+
+    ``rank``: this rank's index in the group; ``size``: ranks in the group. ``tag`` names the
+    call site (it is checked across ranks by ``DistTPGroup``). All values are host ints/bools;
+    every method blocks until every rank of the group has entered it.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def agree_min(self, value: int, tag: str = "agree_min") -> int:
+        """The minimum of ``value`` over all ranks."""
+        raise NotImplementedError
+
+    def agree_max(self, value: int, tag: str = "agree_max") -> int:
+        """The maximum of ``value`` over all ranks."""
+        raise NotImplementedError
+
+    def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
+        """``True`` when ``flag`` is true on every rank."""
+        raise NotImplementedError
+
+    def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
+        """``True`` when ``flag`` is true on at least one rank."""
+        raise NotImplementedError
+
+    def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
+        """Element-wise minimum over ranks; every rank must pass the same number of values
+        (the count is checked with the call site). Up to two values cost one collective (the
+        tick's write and load ack counts)."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
+        raise NotImplementedError
+
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (per-rank statistics,
+        the earliest next event of every rank's decode side)."""
+        raise NotImplementedError
+
+    def assert_same(self, tag: str, value: Any) -> None:
+        """Raise ``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on
+        all ranks."""
+        raise NotImplementedError
+
+    def barrier(self, tag: str = "barrier") -> None:
+        """Return once every rank has entered."""
+        raise NotImplementedError
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+
+def agreed_alloc(
+    group: TPGroup, allocator: Any, n: int, *, pool: str, tag: str
+) -> torch.Tensor | None:
+    """``n`` slots of ``allocator`` (a ``TokenToKVPoolAllocator``) if every rank of ``group``
+    has room (``group.agree_all`` under ``tag``), else ``None`` on every rank. Raises
+    ``RuntimeError`` when this rank's allocation fails after the group agreed there was room
+    (the allocators of the ``pool`` tier diverged)."""
+    if not group.agree_all(allocator.can_alloc(n), tag=tag):
+        return None
+    slots = allocator.alloc(n)
+    if slots is None:
+        raise RuntimeError(
+            f"rank {group.rank}: the {pool} pool has {allocator.available_size()} free slots "
+            f"for {n} after the group agreed there was room (allocators diverged)"
+        )
+    return slots
+
+
+def _check_int(name: str, value: Any) -> int:
+    """``value`` as an int (ints and integer scalars; not bools), within +-2**62."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not -_LIMIT <= v <= _LIMIT:
+        raise ValueError(f"{name}={v} is outside +-2**62")
+    return v
+
+
+class SingleRankGroup(TPGroup):
+    """``tp_size == 1``: every primitive returns its own input; nothing is communicated."""
+
+    def agree_min(self, value: int, tag: str = "agree_min") -> int:
+        return _check_int("value", value)
+
+    def agree_max(self, value: int, tag: str = "agree_max") -> int:
+        return _check_int("value", value)
+
+    def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
+        return bool(flag)
+
+    def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
+        return bool(flag)
+
+    def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
+        return [_check_int(f"values[{i}]", v) for i, v in enumerate(values)]
+
+    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
+        if src != 0:
+            raise ValueError(f"src must be 0 in a single-rank group, got {src}")
+        return obj
+
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        return [obj]
+
+    def assert_same(self, tag: str, value: Any) -> None:
+        return None
+
+    def barrier(self, tag: str = "barrier") -> None:
+        return None
+
+
+class DistTPGroup(TPGroup):
+    """The primitives over a torch.distributed CPU process group (gloo).
+
+    Args:
+        group: a gloo ``ProcessGroup`` (``None``: the default group, which must then be gloo).
+            Every member rank must construct a ``DistTPGroup`` over it and call its methods in
+            the same order.
+
+    Cost per call: one all_reduce of 4 int64 (``agree_*``, ``agree_min_many`` of up to two
+    values, ``assert_same`` when equal, ``barrier``); two for ``agree_min_many`` of more values
+    and for ``broadcast_object`` (the second carries the pickled bytes); the header plus torch's
+    ``all_gather_object`` (two all_gathers) for ``all_gather_object``.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.seq = 0  # collectives entered through this object
+        self._thread: int | None = None
+
+    # ------------------------------------------------------------------ primitives
+    def agree_min(self, value: int, tag: str = "agree_min") -> int:
+        v = _check_int("value", value)
+        return self._header("agree_min", tag, v, 0)[0]
+
+    def agree_max(self, value: int, tag: str = "agree_max") -> int:
+        v = _check_int("value", value)
+        return -self._header("agree_max", tag, -v, 0)[0]
+
+    def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
+        return self._header("agree_all", tag, int(bool(flag)), 0)[0] == 1
+
+    def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
+        return self._header("agree_any", tag, -int(bool(flag)), 0)[0] == -1
+
+    def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
+        vals = [_check_int(f"values[{i}]", v) for i, v in enumerate(values)]
+        # The count is part of the call site: ranks passing different counts get
+        # CollectiveMismatchError. The first two values ride in the header.
+        head = (vals + [0, 0])[:2]
+        a, b = self._header(f"agree_min_many[{len(vals)}]", tag, head[0], head[1])
+        out = [a, b][: len(vals)]
+        if len(vals) > 2:
+            t = torch.tensor(vals[2:], dtype=torch.int64)
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+            out += [int(x) for x in t.tolist()]
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
+        if not 0 <= src < self.size:
+            raise ValueError(f"src must be in [0, {self.size}), got {src}")
+        payload, error = b"", None
+        if self.rank == src:
+            try:
+                payload = pickle.dumps(obj)
+            except Exception as exc:  # still enter the header, so that every rank raises
+                error = exc
+        neg_size, failed = self._header(
+            "broadcast_object", tag, -len(payload), -int(error is not None), extra=str(src)
+        )
+        if failed:
+            raise ValueError(f"obj: rank {src} could not pickle it at {tag!r}") from error
+        size = -neg_size
+        buf = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self.rank == src
+            else torch.empty(size, dtype=torch.uint8)
+        )
+        self._dist.broadcast(buf, src=self._global_rank(src), group=self.group)
+        return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        self._header("all_gather_object", tag, 0, 0)
+        out: list[Any] = [None] * self.size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def assert_same(self, tag: str, value: Any) -> None:
+        d = digest(value)
+        lo, neg_hi = self._header("assert_same", tag, d, -d)
+        if lo != -neg_hi:
+            raise RankDivergenceError(tag, self._gather_ints(d))
+
+    def barrier(self, tag: str = "barrier") -> None:
+        self._header("barrier", tag, 0, 0)
+
+    # ------------------------------------------------------------------ internals
+    def _header(self, kind: str, tag: str, a: int, b: int, extra: str = "") -> tuple[int, int]:
+        """The opening all_reduce (MIN) of ``[h, -h, a, b]``; checks the call site, returns the
+        reduced ``(a, b)``."""
+        self._check_thread()
+        self.seq += 1
+        h = _site_hash(kind, tag, extra)
+        t = torch.tensor([h, -h, a, b], dtype=torch.int64)
+        try:
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as exc:  # gloo timeout, or a peer that exited
+            raise RuntimeError(
+                f"cache group rank {self.rank}: collective #{self.seq} {kind}({tag!r}) failed: "
+                f"{exc}"
+            ) from exc
+        lo, neg_hi, ra, rb = (int(x) for x in t.tolist())
+        if lo != -neg_hi:
+            sites: list[Any] = [None] * self.size
+            self._dist.all_gather_object(sites, (self.seq, kind, tag), group=self.group)
+            raise CollectiveMismatchError([tuple(s) for s in sites])
+        return ra, rb
+
+    def _gather_ints(self, value: int) -> list[int]:
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
+        return [int(x) for x in out]
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return self._dist.get_global_rank(self.group, group_rank)
+
+    def _check_thread(self) -> None:
+        me = threading.get_ident()
+        if self._thread is None:
+            self._thread = me
+        elif self._thread != me:
+            raise RuntimeError(
+                "TPGroup collectives must be called from one thread (the scheduler's); "
+                "another thread would interleave with the other ranks' order"
+            )
+
+
+def new_cache_group(timeout_s: float | None = None) -> TPGroup:
+    """The cache's agreement group: a new gloo group over every rank of the initialized
+    default group (whatever its backend), or ``SingleRankGroup`` when torch.distributed is not
+    initialized or has one rank.
+
+    Like ``torch.distributed.new_group``, every rank must call this, in the same order.
+    ``timeout_s``: gloo's own limit for a blocked collective (it then raises ``RuntimeError``);
+    ``None`` keeps torch's default (30 minutes).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return SingleRankGroup()
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    kw: dict[str, Any] = {"backend": "gloo"}
+    if timeout_s is not None:
+        kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+    group = dist.new_group(**kw)
+    logger.info("cache group: %d ranks (gloo), rank %d", dist.get_world_size(), dist.get_rank())
+    return DistTPGroup(group)

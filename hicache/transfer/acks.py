@@ -1,0 +1,59 @@
+"""Acks of the controller's launched copies (SGLang ``HiCacheAck``) and how many to pop.
+
+Each launched copy (a backup, or one ``start_loading`` batch of loads) appends one
+``HiCacheAck`` to its direction's queue; copies on one stream finish in launch order, so only
+a queue's head is ever popped. Under tensor parallelism each rank's copies finish at their own
+pace: ``count_finished`` is this rank's number of leading finished acks, the tree agrees the
+minimum over the ranks (``hiradix_transfers``), and ``ack_count`` turns the agreed ``n`` (or
+``None``: this rank's own count) into how many acks to pop, refusing more than are queued.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from hicache.transfer.busy_pages import CopyUsage
+from hicache.transfer.streams import Event
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HiCacheAck", "ack_count", "count_finished"]
+
+
+class HiCacheAck(NamedTuple):
+    """One launched copy. The first three fields are SGLang's."""
+
+    start_event: Event
+    finish_event: Event
+    node_ids: list[int]
+    host_indices: torch.Tensor  # CPU int64, as allocated
+    device_indices: torch.Tensor  # int64 on the device allocator's device, as allocated
+    nbytes: int
+    producer_id: int = -1  # LayerDoneCounter producer (loads only)
+    usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
+
+
+def count_finished(queue: deque[HiCacheAck]) -> int:
+    """Leading acks of ``queue`` whose copy finished on this rank (0 for an empty queue).
+    Never blocks (queries the finish events)."""
+    n = 0
+    for ack in queue:
+        if not ack.finish_event.query():
+            break
+        n += 1
+    return n
+
+
+def ack_count(n: int | None, queue: deque[HiCacheAck]) -> int:
+    """How many acks of ``queue`` to pop: ``n`` (an agreed count), or its leading finished ones
+    (``count_finished``) when ``None``. Raises ``ValueError`` for an ``n`` that is not an int in
+    ``[0, len(queue)]``."""
+    if n is None:
+        return count_finished(queue)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
+        raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
+    return n

@@ -1,0 +1,212 @@
+"""Slots that copies in flight use, and the frees held back because of them.
+
+A backup reads device slots and writes host slots; a load writes device slots and reads host
+slots; each from its launch (or queueing) until its ack is popped. ``BusyPages`` counts, per page
+of one tier, the copies using it: raised when a copy is launched or queued, lowered when its ack
+is popped, so asking whether the pages of a free are busy costs O(freed pages) however many
+copies are in flight. ``CopyUsage`` is one copy's contribution. ``DeferredFrees`` (one per tier)
+owns the slots the tree evicted while a copy still uses them: they stay allocated, held here,
+until no copy uses them, then return to the allocator. Holding is page-granular: a page with any
+busy slot is held whole, so the allocator only ever sees whole pages. ``InflightSlots`` lists the
+slots of every copy; only ``check_integrity`` builds it (a walk over the copies).
+
+Device-side counts of slots on a GPU are raised lazily: reading them on the host is a sync, so
+``BusyPages.settle`` reads them only when a decision needs the counts (a free of device slots,
+which syncs for its own validation anyway), once per copy, never once per copy per free. Slots
+on the CPU are counted at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hicache.memory.allocator import TokenToKVPoolAllocator
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+# CopyUsage.state
+_UNCOUNTED = 0  # launched or queued; its device pages are not in the counts yet
+_COUNTED = 1
+_DONE = 2  # ack popped: no longer counted anywhere
+
+
+def check_indices(name: str, t: object, page_size: int) -> torch.Tensor:
+    """``t`` if it is a 1-D int64 tensor of whole pages; else ``ValueError``."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+        raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
+    if t.numel() % page_size != 0:
+        raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
+    return t
+
+
+def cat_cpu(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated on the CPU (an empty int64 tensor for none)."""
+    return torch.cat([t.cpu() for t in ts]) if ts else _EMPTY
+
+
+class CopyUsage:
+    """One copy's slots: ``device`` (int64 on the device) and ``host`` (int64 on the CPU), and
+    whether ``host_written`` (a backup) or read (a load). ``state``: see the constants above."""
+
+    __slots__ = ("device", "host", "host_written", "state", "_device_pages")
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor, host_written: bool) -> None:
+        self.device = device
+        self.host = host
+        self.host_written = host_written
+        self.state = _UNCOUNTED
+        self._device_pages: np.ndarray | None = None
+
+
+class BusyPages:
+    """Per-page counts of the copies that use each page of both tiers.
+
+    ``device[p]`` / ``host[p]``: copies (launched or queued, ack not popped) that read or write
+    page ``p``; ``host_written[p]``: backups writing host page ``p`` (a load of it must wait).
+    Counts are per slot of the copy (a page counts ``page_size`` times per copy): only "zero or
+    not" matters. Host counts move at ``add`` / ``remove``; device counts at ``settle``.
+    """
+
+    def __init__(
+        self, device_allocator: TokenToKVPoolAllocator, host_allocator: TokenToKVPoolAllocator
+    ) -> None:
+        self.device_page_size = device_allocator.page_size
+        self.host_page_size = host_allocator.page_size
+        self.device = np.zeros(device_allocator.page_table_size, dtype=np.int64)
+        self.host = np.zeros(host_allocator.page_table_size, dtype=np.int64)
+        self.host_written = np.zeros(host_allocator.page_table_size, dtype=np.int64)
+        self._uncounted: list[CopyUsage] = []
+
+    def add(self, usage: CopyUsage) -> None:
+        """A copy was launched or queued. O(its slots); device slots on a GPU wait for
+        ``settle``."""
+        pages = usage.host.numpy() // self.host_page_size
+        np.add.at(self.host, pages, 1)
+        if usage.host_written:
+            np.add.at(self.host_written, pages, 1)
+        if usage.device.device.type == "cpu":
+            self._count_device(usage)
+        else:
+            self._uncounted.append(usage)
+
+    def _count_device(self, usage: CopyUsage) -> None:
+        usage._device_pages = usage.device.cpu().numpy() // self.device_page_size
+        np.add.at(self.device, usage._device_pages, 1)
+        usage.state = _COUNTED
+
+    def remove(self, usage: CopyUsage) -> None:
+        """A copy's ack was popped. O(its slots)."""
+        if usage.state == _DONE:
+            return
+        pages = usage.host.numpy() // self.host_page_size
+        np.subtract.at(self.host, pages, 1)
+        if usage.host_written:
+            np.subtract.at(self.host_written, pages, 1)
+        if usage.state == _COUNTED:
+            np.subtract.at(self.device, usage._device_pages, 1)
+        usage.state = _DONE
+
+    def settle(self) -> None:
+        """Bring the device counts up to date: one host read of each copy launched since the
+        last call (a sync on CUDA, paid once per copy)."""
+        for usage in self._uncounted:
+            if usage.state == _UNCOUNTED:
+                self._count_device(usage)
+        self._uncounted.clear()
+
+    def device_busy(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot of ``slots`` (CPU int64): is its page used by a copy? (after ``settle``)"""
+        return self.device[slots // self.device_page_size] > 0
+
+    def host_busy(self, slots: np.ndarray) -> np.ndarray:
+        return self.host[slots // self.host_page_size] > 0
+
+    def host_being_written(self, slots: torch.Tensor) -> bool:
+        """Does a backup still write a host page of ``slots`` (CPU int64)?"""
+        if slots.numel() == 0:
+            return False
+        return bool((self.host_written[slots.numpy() // self.host_page_size] > 0).any())
+
+
+class InflightSlots(NamedTuple):
+    """Slots that launched or queued copies use now (CPU int64, may repeat across copies)."""
+
+    device_read: torch.Tensor  # by backups
+    device_written: torch.Tensor  # by loads
+    host_read: torch.Tensor  # by loads
+    host_written: torch.Tensor  # by backups
+
+    def device_slots(self) -> torch.Tensor:
+        """Device slots read or written by a copy."""
+        return torch.cat([self.device_read, self.device_written])
+
+    def host_slots(self) -> torch.Tensor:
+        """Host slots read or written by a copy."""
+        return torch.cat([self.host_read, self.host_written])
+
+
+class DeferredFrees:
+    """One tier's slots that the tree freed while a copy used them (``held``: CPU int64 chunks).
+
+    They count as allocated in ``allocator`` until ``release`` finds them unused. ``_held_pages``
+    marks their pages, so a second free of them is caught in O(freed pages).
+    """
+
+    def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
+        self.allocator = allocator
+        self.held: list[torch.Tensor] = []
+        self._held_pages = np.zeros(allocator.page_table_size, dtype=bool)
+        self._num_held = 0
+
+    def num_slots(self) -> int:
+        return self._num_held
+
+    def slots(self) -> torch.Tensor:
+        """Every held slot (CPU int64)."""
+        return cat_cpu(self.held)
+
+    def validate(self, indices: torch.Tensor, name: str) -> torch.Tensor:
+        """``indices`` on the CPU, or ``ValueError`` (nothing changes) unless they may be freed:
+        whole pages, allocated, and not already held here. O(len(indices))."""
+        check_indices(name, indices, self.allocator.page_size)
+        idx = indices.cpu()
+        self.allocator.check_free(idx)
+        if self._num_held and idx.numel():
+            if self._held_pages[idx.numpy() // self.allocator.page_size].any():
+                raise ValueError(f"{name}: slots already freed (held until a copy's ack)")
+        return idx
+
+    def free_or_defer(self, idx: torch.Tensor, busy: np.ndarray | None) -> None:
+        """Free the slots of ``idx`` (CPU int64, whole pages) whose page no copy uses; hold the
+        others. ``busy``: per slot, is its page in use (``None``: nothing is)."""
+        if idx.numel() == 0:
+            return
+        if busy is None or not busy.any():
+            self.allocator.free(idx)
+            return
+        mask = torch.from_numpy(busy)
+        held = idx[mask]
+        self.held.append(held)
+        self._num_held += held.numel()
+        self._held_pages[held.numpy() // self.allocator.page_size] = True
+        logger.debug("deferring the free of %d slots in use by a copy", held.numel())
+        if not bool(mask.all()):
+            self.allocator.free(idx[~mask])
+
+    def release(self, busy_of) -> None:
+        """Free the held pages that no copy uses any more; ``busy_of(slots)`` answers per slot.
+        O(held slots)."""
+        if not self.held:
+            return
+        pending, self.held = self.held, []
+        self._num_held = 0
+        for t in pending:
+            self._held_pages[t.numpy() // self.allocator.page_size] = False
+        for t in pending:
+            self.free_or_defer(t, busy_of(t.numpy()))

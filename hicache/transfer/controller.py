@@ -1,0 +1,272 @@
+"""Moves KV between the device and host pools asynchronously (SGLang ``HiCacheController``).
+
+Two side streams: ``write_stream`` (D2H backups) and ``load_stream`` (H2D loads). Everything runs
+on the scheduler thread and never blocks, except ``wait_write`` / ``wait_all`` (documented) and,
+on CPU streams, ``LayerDoneCounter.wait_until`` (a host wait is the only wait a CPU has).
+
+Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
+
+- ``write(d)``: device slots ``d`` are read, fresh host slots ``h`` written, from the call until
+  the write ack is popped (``writing_check`` / ``wait_write``).
+- ``load(h)``: fresh device slots ``d`` are written, host slots ``h`` read, from the call (queued)
+  until the load ack is popped (``loading_check``).
+- Neither tier's slots return to their allocator while a copy uses them: ``evict_device`` /
+  ``evict_host`` of such slots DEFER the free until the copy's ack is popped; the controller
+  holds them meanwhile (``device_in_flight()`` / ``host_in_flight()`` count them).
+- A load whose host slots are still being written by a backup waits (on its stream) for that
+  backup; a backup launched while loads are in flight waits for the latest load.
+
+One copy, step by step (who owns each step):
+
+1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
+   allocate fresh slots there and raise the busy counts (``tp_group.agreed_alloc``, ``BusyPages``);
+2. launch: a backup starts at once on the write stream (``controller_writes``); a load waits
+   in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
+   each layer with its event (``controller_loads``, ``LayerDoneCounter``);
+3. count: ``count_finished_writes`` / ``count_finished_loads``: this rank's leading finished
+   acks (``HiCacheAck``, completed in launch order; ``copy_acks``);
+4. pop: ``writing_check(n)`` / ``loading_check(n)`` / ``wait_write`` pop acks in launch order,
+   record bytes and copy time in ``stats`` and lower the busy counts (``_complete`` here);
+5. free: slots the tree freed while a copy still used them (``evict_device`` /
+   ``evict_host``, deferred) return to their allocator once no copy uses them
+   (``_release_deferred`` here, ``DeferredFrees``).
+
+Tensor parallelism: each rank has its own controller over its shard of the KV heads, and its
+copies finish at their own pace. Two things here are rank-local and are agreed on the
+controller's ``group`` (``hicache.tp.group``; ``SingleRankGroup`` at ``tp_size`` 1, where every
+agreement is the identity):
+
+- whether a pool has room: ``write`` reserves host space and ``load`` device space on every
+  rank (a capacity check that holds until the commit: nothing else allocates in between on the
+  one scheduler thread), agrees (``agree_all``), then commits everywhere (allocates, launches)
+  or aborts everywhere (returns ``None``). A commit whose allocation fails after the group
+  agreed there was room raises ``RuntimeError`` (the ranks' allocators diverged).
+- how many acks finished: ``count_finished_writes`` / ``count_finished_loads`` count this
+  rank's leading finished acks; the tree agrees the minimum over ranks and pops exactly that
+  many with ``writing_check(n)`` / ``loading_check(n)`` (``hiradix_transfers``).
+
+Everything else (which slots a free defers, which acks ``wait_write`` pops) follows from the
+same calls in the same order on every rank, so both allocators stay identical across ranks.
+
+Whether a freed slot is still in use is answered by per-page busy counts (``BusyPages``: raised
+at launch or queueing, lowered when the ack is popped), so a free costs O(freed pages) whatever
+the number of copies in flight.
+
+This file owns the construction, the steps both directions share (1, 4 and 5), eviction and
+the accounting ``check_integrity`` verifies; ``controller_writes`` the D2H path,
+``controller_loads`` the load queue and the H2D path, ``copy_acks`` the ack record and its
+counting; ``inflight_slots`` the slot accounting (``BusyPages``, ``InflightSlots``,
+``DeferredFrees``); ``layer_done_counter`` the per-layer load events.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import numpy as np
+import torch
+
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
+from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
+from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.stats import CacheStats
+from hicache.tp.group import SingleRankGroup, TPGroup
+from hicache.transfer.acks import HiCacheAck
+from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
+from hicache.transfer.layer_done_counter import LayerDoneCounter
+from hicache.transfer.loads import CacheOperation, ControllerLoads
+from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, make_streams
+from hicache.transfer.writes import ControllerWrites
+
+__all__ = ["HiCacheController"]
+
+logger = logging.getLogger(__name__)
+
+
+class HiCacheController(ControllerWrites, ControllerLoads):
+    """Backups (D2H) and loads (H2D) between one device pool and one host pool.
+
+    Args:
+        device_allocator: the device pool's allocator (load() allocates from it).
+        device_pool: ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
+        host_pool: the matching host pool; its ``allocator`` is ``host_allocator``.
+        io_backend: ``"kernel"`` (Triton ops) or ``"direct"`` (per-run copies); must suit the
+            host pool's layout (``SUPPORTED_LAYOUT_IO``).
+        streams: ``CudaStreams`` / ``CpuStreams``; default from the device pool's device.
+        copy_delay: CPU only, when ``streams`` is not given: seconds (or a callable) slept
+            before every copy on the side streams, to widen race windows in tests.
+        stats: receives bytes moved and copy time as acks complete.
+        group: the tensor-parallel cache group that agrees room in the pools (module doc);
+            ``None``: a single rank.
+    """
+
+    def __init__(
+        self,
+        device_allocator: TokenToKVPoolAllocator,
+        device_pool: MHATokenToKVPool | MLATokenToKVPool,
+        host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
+        io_backend: str = "kernel",
+        streams: CudaStreams | CpuStreams | None = None,
+        copy_delay: Delay = 0.0,
+        stats: CacheStats | None = None,
+        group: TPGroup | None = None,
+    ) -> None:
+        if (host_pool.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
+            raise ValueError(
+                f"io_backend={io_backend!r} cannot serve host layout {host_pool.layout!r}; "
+                f"supported pairs: {sorted(SUPPORTED_LAYOUT_IO)}"
+            )
+        if device_allocator.page_size != host_pool.page_size:
+            raise ValueError("device_allocator and host_pool page sizes differ")
+        if device_allocator.size != device_pool.size:
+            raise ValueError(
+                f"device_allocator size {device_allocator.size} != device_pool size "
+                f"{device_pool.size}"
+            )
+        self.device_allocator = device_allocator
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.host_allocator = host_pool.allocator
+        self.io_backend = io_backend
+        self.page_size = host_pool.page_size
+        self.layer_num = device_pool.layer_num
+        self.device = device_pool.device
+        self.group = group if group is not None else SingleRankGroup()
+        self.stats = stats if stats is not None else CacheStats()
+        self.streams = streams if streams is not None else make_streams(self.device, copy_delay)
+        self.write_stream = self.streams.new_stream()
+        self.load_stream = self.streams.new_stream()
+        self.layer_done_counter = LayerDoneCounter(self.layer_num, self.streams)
+
+        self.load_queue: list[CacheOperation] = []
+        self.ack_write_queue: deque[HiCacheAck] = deque()
+        self.ack_load_queue: deque[HiCacheAck] = deque()
+        # Copies per page, and slots the tree freed while a copy still uses them (held until
+        # the copy's ack).
+        self._busy = BusyPages(device_allocator, self.host_allocator)
+        self._deferred_device = DeferredFrees(device_allocator)
+        self._deferred_host = DeferredFrees(self.host_allocator)
+
+    # ------------------------------------------------------------------ both
+    def wait_all(self) -> tuple[list[int], list[int]]:
+        """Block until every launched copy finished; pop all acks. Returns (written node ids,
+        loaded node ids). Queued, unstarted loads stay queued."""
+        for a in list(self.ack_write_queue) + list(self.ack_load_queue):
+            a.finish_event.synchronize()
+        return self.writing_check(), self.loading_check()
+
+    # ------------------------------------------------------------------ eviction
+    def evict_device(self, device_indices: torch.Tensor) -> int:
+        """Return device slots to the allocator; slots a copy still uses are held until its ack
+        is popped. Raises ``ValueError`` (nothing changes) on a bad or double free.
+        O(freed slots), whatever the number of copies in flight."""
+        idx = self._deferred_device.validate(device_indices, "device_indices")
+        self._busy.settle()
+        self._deferred_device.free_or_defer(idx, self._busy.device_busy(idx.numpy()))
+        return device_indices.numel()
+
+    def evict_host(self, host_indices: torch.Tensor) -> int:
+        """Return host slots to the host allocator (deferred while a copy uses them, as
+        ``evict_device``)."""
+        idx = self._deferred_host.validate(host_indices, "host_indices")
+        self._deferred_host.free_or_defer(idx, self._busy.host_busy(idx.numpy()))
+        return host_indices.numel()
+
+    # ------------------------------------------------------------------ accounting
+    def inflight_slots(self) -> InflightSlots:
+        """Slots used by launched or queued copies whose acks are not popped (CPU int64)."""
+        writes = list(self.ack_write_queue)
+        loads = list(self.ack_load_queue)
+        return InflightSlots(
+            device_read=cat_cpu([a.device_indices for a in writes]),
+            device_written=cat_cpu(
+                [a.device_indices for a in loads] + [op.device_indices for op in self.load_queue]
+            ),
+            host_read=cat_cpu(
+                [a.host_indices for a in loads] + [op.host_indices for op in self.load_queue]
+            ),
+            host_written=cat_cpu([a.host_indices for a in writes]),
+        )
+
+    def device_in_flight(self) -> int:
+        """Device slots the tree freed that the controller holds until a copy's ack."""
+        return self._deferred_device.num_slots()
+
+    def host_in_flight(self) -> int:
+        """Host slots the tree freed that the controller holds until a copy's ack."""
+        return self._deferred_host.num_slots()
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless both allocators are consistent, every slot a copy
+        uses is allocated (none is free while a copy reads or writes it), the busy counts equal
+        a recount from the copies, and deferred frees are allocated and distinct."""
+        self.device_allocator.check_integrity()
+        self.host_allocator.check_integrity()
+        busy = self.inflight_slots()
+        self._busy.settle()
+        for name, idx, counts, ps in (
+            ("device", busy.device_slots(), self._busy.device, self.device_allocator.page_size),
+            ("host", busy.host_slots(), self._busy.host, self.host_allocator.page_size),
+            ("host written", busy.host_written, self._busy.host_written, self.page_size),
+        ):
+            recount = np.bincount(idx.numpy() // ps, minlength=counts.size)
+            if not np.array_equal(recount, counts):
+                raise AssertionError(f"controller: {name} busy counts disagree with the copies")
+        for name, idx, alloc in (
+            ("device", busy.device_slots(), self.device_allocator),
+            ("host", busy.host_slots(), self.host_allocator),
+            ("deferred device", self._deferred_device.slots(), self.device_allocator),
+            ("deferred host", self._deferred_host.slots(), self.host_allocator),
+        ):
+            if not alloc.is_allocated(idx):
+                raise AssertionError(f"controller: a {name} slot in use by a copy is free")
+        for name, deferred in (("device", self._deferred_device), ("host", self._deferred_host)):
+            d = deferred.slots()
+            if d.unique().numel() != d.numel():
+                raise AssertionError(f"controller: a {name} slot is deferred twice")
+
+    def close(self) -> None:
+        """Finish every launched copy: stop the CPU stream threads after their queued work, or
+        wait for the CUDA side streams. Acks are not popped (``wait_all`` does that)."""
+        if isinstance(self.streams, CpuStreams):
+            self.streams.close()
+        else:
+            self.write_stream.synchronize()
+            self.load_stream.synchronize()
+
+    # ------------------------------------------------------------------ internals
+    def _nbytes(self, indices: torch.Tensor) -> int:
+        return indices.numel() * self.host_pool.size_per_token
+
+    def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
+        ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
+        for usage in ack.usages:
+            self._busy.remove(usage)
+        stream = self.write_stream if direction == "d2h" else self.load_stream
+        stream.check_error()
+        secs = ack.start_event.elapsed_time(ack.finish_event) / 1e3
+        self.stats.record_copy(direction, ack.nbytes, secs)
+        return ack.node_ids
+
+    def _move_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices where the io backend wants them (as SGLang's ``move_indices``)."""
+        if self.io_backend == "kernel":
+            return host_indices.to(self.device, non_blocking=True), device_indices
+        device_indices = device_indices.cpu()
+        if self.host_pool.layout == "layer_first":  # sorted host side: longer contiguous runs
+            host_indices, order = host_indices.sort()
+            device_indices = device_indices.index_select(0, order)
+        return host_indices, device_indices
+
+    def _release_deferred(self) -> None:
+        """Free the held slots no copy uses any more. O(held slots)."""
+        if self._deferred_device.held:
+            self._busy.settle()
+            self._deferred_device.release(self._busy.device_busy)
+        if self._deferred_host.held:
+            self._deferred_host.release(self._busy.host_busy)

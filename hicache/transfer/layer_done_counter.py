@@ -1,0 +1,71 @@
+"""Per-layer load events (SGLang ``LayerDoneCounter`` / ``LayerLoadingEvent``).
+
+Owns the events of each ``start_loading`` call, so the forward pass can wait for layer ``i``'s
+load only, and which load the forward pass consumes. The controller records the events; the model
+waits on them through ``HiRadixCache.layer_wait``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hicache.transfer.streams import CpuStreams, CudaStreams, Event
+
+logger = logging.getLogger(__name__)
+
+
+class LayerLoadingEvent:
+    """Per-layer load events of one ``start_loading`` call (plus its start event)."""
+
+    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+        self.start_event = streams.new_event(enable_timing=True)
+        self.load_events = [
+            streams.new_event(enable_timing=(i == num_layers - 1)) for i in range(num_layers)
+        ]
+
+    @property
+    def finish_event(self) -> Event:
+        return self.load_events[-1]
+
+
+class LayerDoneCounter:
+    """Lets layer ``i``'s attention wait for layer ``i``'s load only (SGLang's name).
+
+    ``update_producer()`` makes the events of a new load and returns its id; ``set_consumer(id)``
+    picks the load the forward pass consumes (``start_loading`` sets it to the newest);
+    ``wait_until(layer)``: on CUDA the compute stream waits for the event (the host never blocks);
+    on CPU the caller blocks until that layer's copy has run. No-op when nothing was loaded or
+    the consumed load's ack was already popped.
+    """
+
+    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+        self.num_layers = num_layers
+        self.streams = streams
+        self.events: dict[int, LayerLoadingEvent] = {}
+        self._next_id = 0
+        self.consumer_index = -1
+
+    def update_producer(self) -> int:
+        pid = self._next_id
+        self._next_id += 1
+        self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams)
+        return pid
+
+    def set_consumer(self, index: int) -> None:
+        self.consumer_index = index
+
+    def wait_until(self, threshold: int) -> None:
+        if not 0 <= threshold < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {threshold}")
+        ev = self.events.get(self.consumer_index)
+        if ev is None:
+            return
+        self.streams.compute.wait_event(ev.load_events[threshold])
+
+    def release(self, index: int) -> None:
+        """Forget a producer whose load ack was popped (its events have all fired)."""
+        self.events.pop(index, None)
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.consumer_index = -1

@@ -1,0 +1,149 @@
+"""The controller's D2H path (SGLang ``HiCacheController.write`` / ``writing_check``): backups
+of device slots into fresh host slots, launched at once on the write stream, acked in launch
+order.
+
+- ``write(d)``: host room is agreed over the group, fresh host slots ``h`` are allocated, the
+  copy waits for the compute stream (it reads what the forward wrote) and, while loads are in
+  flight, for the newest load (a backup may read slots a load is still writing). ``d`` is read
+  and ``h`` written until the ack is popped; a host copy is readable only after it.
+- ``writing_check(n)`` pops the first ``n`` acks (``None``: the leading finished ones; ``n`` is
+  agreed over tensor-parallel ranks by the tree); ``wait_write`` blocks for chosen backups and
+  pops exactly those.
+
+``ControllerWrites`` is a base of ``HiCacheController`` and is not built on its own: it uses
+the controller's attributes (declared below) and its ``_move_indices``,
+``_nbytes``, ``_complete`` and ``_release_deferred``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.tp.group import agreed_alloc
+from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
+from hicache.transfer.busy_pages import BusyPages, CopyUsage, cat_cpu, check_indices
+
+if TYPE_CHECKING:
+    from hicache.memory.allocator import TokenToKVPoolAllocator
+    from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+    from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
+    from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.tp.group import TPGroup
+    from hicache.transfer.loads import CacheOperation
+    from hicache.transfer.streams import Stream, Streams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ControllerWrites"]
+
+
+class ControllerWrites:
+    """Backups (D2H) of ``HiCacheController`` (see the module docstring)."""
+
+    # Set by HiCacheController.__init__.
+    host_allocator: TokenToKVPoolAllocator
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost
+    device_pool: MHATokenToKVPool | MLATokenToKVPool
+    io_backend: str
+    page_size: int
+    group: TPGroup
+    streams: Streams
+    write_stream: Stream
+    load_queue: list[CacheOperation]
+    ack_write_queue: deque[HiCacheAck]
+    ack_load_queue: deque[HiCacheAck]
+    _busy: BusyPages
+
+    def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
+        """Back up device slots to freshly allocated host slots; launches at once.
+
+        Returns the host slots (CPU int64, same order as ``device_indices``) or ``None`` when the
+        host pool is short on any rank of the group (nothing changes). Raises ``ValueError`` for
+        malformed indices or slots that a queued, unstarted load will write (their content does
+        not exist yet). The copy starts on the write stream after an event recorded now on the
+        compute stream (so it reads what the forward wrote). Never blocks, except for the
+        group's agreement on room (a collective when ``tp_size > 1``).
+        The host copy is readable only after this write's ack (``writing_check``).
+        """
+        check_indices("device_indices", device_indices, self.page_size)
+        if self.load_queue and bool(
+            torch.isin(
+                device_indices.cpu(), cat_cpu([op.device_indices for op in self.load_queue])
+            ).any()
+        ):
+            raise ValueError(
+                "device_indices include slots of a queued load that has not started; "
+                "call start_loading() first"
+            )
+        n = device_indices.numel()
+        host_indices = agreed_alloc(
+            self.group, self.host_allocator, n, pool="host", tag="hicache_write_room"
+        )
+        if host_indices is None:
+            return None
+        if host_indices.numel() == 0:
+            return host_indices
+        start = self.streams.new_event(enable_timing=True)
+        start.record(self.streams.compute)
+        self.write_stream.wait_event(start)
+        if self.ack_load_queue:  # a backup may read slots a load is still writing
+            self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
+        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+
+        def backup() -> None:  # index moves run on the write stream too, ordered before the copy
+            h, d = self._move_indices(host_indices, device_indices)
+            pool.backup_from_device_all_layer(dev, h, d, io)
+
+        self.write_stream.submit(backup)
+        finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
+        usage = CopyUsage(device_indices, host_indices, host_written=True)
+        self._busy.add(usage)
+        self.ack_write_queue.append(
+            HiCacheAck(
+                start,
+                finish,
+                [node_id],
+                host_indices,
+                device_indices,
+                self._nbytes(host_indices),
+                usages=(usage,),
+            )
+        )
+        return host_indices
+
+    def count_finished_writes(self) -> int:
+        """Leading backups (launch order) whose copy finished on this rank; 0 for an empty
+        queue. Never blocks. The tree agrees the minimum over ranks and pops that many."""
+        return count_finished(self.ack_write_queue)
+
+    def writing_check(self, n: int | None = None) -> list[int]:
+        """Pop the first ``n`` backups in launch order (``None``: every leading finished one);
+        returns their node ids. Releases deferred frees that no copy uses any more. Never
+        blocks for an agreed ``n`` (at most ``count_finished_writes()``); a larger one waits for
+        those copies. ``ValueError`` when ``n`` exceeds the queue."""
+        count = ack_count(n, self.ack_write_queue)
+        done: list[int] = []
+        for _ in range(count):
+            done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
+        self._release_deferred()
+        return done
+
+    def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
+        """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
+        acks, and return their node ids (``writing_check`` will not return them again)."""
+        wanted = None if node_ids is None else set(node_ids)
+        targets = [
+            a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
+        ]
+        for a in targets:
+            a.finish_event.synchronize()
+        done: list[int] = []
+        for a in targets:
+            self.ack_write_queue.remove(a)
+            done.extend(self._complete(a, "d2h"))
+        self._release_deferred()
+        return done

@@ -1,0 +1,129 @@
+"""One device eviction of a ``HiRadixCache``: the order it takes leaves in and its write-backs.
+
+``HiRadixCache.evict`` pops least recently used device leaves from the tree's queue and hands
+each to ``DeviceEviction.evict_one``, which applies the write policy: a backed-up leaf becomes
+host-only; under write_back a leaf without a host copy gets a backup and is *pending* until the
+eviction waits for it; otherwise the leaf is deleted. A parent whose every device child is
+pending is a leaf for the rest of this eviction (``parents``, merged with the tree's queue by
+access time), as SGLang's write_back evicts it in the same pass.
+
+When a write_back backup finds no host room even after host eviction while this eviction's own
+earlier backups hold the host, those are finished first (their older nodes become host-only and
+host-evictable) and the backup is tried again, so the most recently used leaves keep a host copy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hicache.tree.hiradix_cache import HiRadixCache
+    from hicache.tree.node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceEviction:
+    """The state of one ``HiRadixCache.evict`` call (see this module's docstring).
+
+    ``pending``: nodes to move to the host at ``finish_pending`` (their write-back backups, if
+    any, are waited for first), in the order they were taken, children before parents.
+    ``parents``: parents whose every device child is pending; they are leaves for this call
+    (SGLang's write_back evicts them in the same pass), ordered with the tree's queue by access
+    time. ``frees``: device slots to give back at the end, in one call.
+    """
+
+    def __init__(self, tree: HiRadixCache) -> None:
+        self.tree = tree
+        self.freed = 0
+        self.pending: list[TreeNode] = []
+        self.pending_ids: set[int] = set()
+        self.backups: list[int] = []  # ids of the pending nodes with a backup in flight
+        self.pending_children: dict[int, int] = {}
+        self.parents: list[tuple[int, int, TreeNode]] = []
+        self.frees: list[torch.Tensor] = []
+
+    def _parent_ready(self, x: TreeNode) -> bool:
+        return (
+            x.parent is not None
+            and x.value is not None
+            and x.lock_ref == 0
+            and x.device_children == self.pending_children.get(x.id, 0)
+            and x.id not in self.pending_ids
+        )
+
+    def next_leaf(self) -> TreeNode | None:
+        """The least recently used device leaf of this call (tree queue or ``parents``)."""
+        queue = self.tree._device_queue
+        while True:
+            x = queue.peek()
+            while x is not None and x.id in self.pending_ids:
+                queue.pop()  # a pending node is no candidate until its backup is done
+                x = queue.peek()
+            parents = self.parents
+            while parents and not self._parent_ready(parents[0][2]):
+                heapq.heappop(parents)
+            if parents and (
+                x is None or (parents[0][0], parents[0][1]) < (x.last_access_time, x.id)
+            ):
+                return heapq.heappop(parents)[2]
+            return queue.pop() if x is not None else None
+
+    def evict_one(self, x: TreeNode) -> None:
+        tree = self.tree
+        if x.backuped:
+            if x.device_children:  # its children are pending: it follows them to the host
+                self._add_pending(x)
+            else:
+                self.freed += tree._evict_backuped(x, self.frees)
+            return
+        if tree.write_policy == "write_back":
+            ok = tree.write_backup(x, write_back=True)
+            if not ok and self.backups:
+                # Host full of this call's own backups: finish them (older leaves become
+                # host-only and host-evictable), then try again, so LRU order holds on the host.
+                self.finish_pending()
+                ok = x.parent is not None and tree.write_backup(x, write_back=True)
+            if ok:
+                self.backups.append(x.id)
+                self._add_pending(x)
+                return
+        if tree._droppable(x) and x.parent is not None:
+            self.freed += tree._evict_regular(x, self.frees)
+
+    def _add_pending(self, x: TreeNode) -> None:
+        self.pending.append(x)
+        self.pending_ids.add(x.id)
+        self.freed += len(x.value)
+        parent = x.parent
+        if parent is self.tree.root_node:
+            return
+        count = self.pending_children.get(parent.id, 0) + 1
+        self.pending_children[parent.id] = count
+        if count == parent.device_children and parent.lock_ref == 0:
+            heapq.heappush(self.parents, (parent.last_access_time, parent.id, parent))
+
+    def finish_pending(self) -> None:
+        """Wait for this call's backups, ack them, and move every pending node to the host."""
+        if not self.pending:
+            return
+        tree = self.tree
+        if self.backups:
+            tree.controller.wait_write(self.backups)
+            for node_id in self.backups:
+                tree._ack_write(node_id)
+        for x in self.pending:
+            tree._evict_backuped(x, self.frees)
+        self.pending = []
+        self.pending_ids.clear()
+        self.backups = []
+        self.pending_children.clear()
+
+    def give_back(self) -> None:
+        if self.frees:
+            frees, self.frees = self.frees, []
+            self.tree.controller.evict_device(frees[0] if len(frees) == 1 else torch.cat(frees))

@@ -1,0 +1,240 @@
+"""Radix tree across two tiers with SGLang's write policies (SGLang ``HiRadixCache``).
+
+A node's KV can live on the device (``value``), on the host (``host_value``), or both. The
+controller moves bytes (D2H backups on its write stream, H2D loads on its load stream) and acks
+them by node id; this file decides what to move and when, and keeps the tree consistent with the
+acks:
+
+============================  ==========================================================
+policy                        D2H backup happens
+============================  ==========================================================
+``write_through``             at the first insert that creates or touches the node
+``write_through_selective``   when the node's insert count reaches 2
+``write_back``                never on insert; when device eviction picks the node
+============================  ==========================================================
+
+Evicting a device leaf: backed up -> free its device slots, keep it host-only; not backed up ->
+delete it under ``write_through*`` (KV lost), back it up and wait for the copy under
+``write_back``. Host eviction takes host-only, unlocked, ``host_ref == 0`` leaves only.
+
+Chunked inserts (unfinished, chunk-prefilled requests): SGLang skips them in the hit count and
+therefore never backs up a long chunk-prefilled prompt under write-through. By default this
+cache keeps them out of the hit count (no self-inflation) but still backs up the pages they cover
+under ``write_through``; ``upstream_chunked_insert=True`` reproduces SGLang.
+
+Under write_back with a full host pool, eviction keeps LRU order across both tiers: when a
+backup finds no host room even after host eviction, the backups this eviction already launched
+are finished first (their older nodes become host-only and host-evictable), so the most recently
+used leaves keep a host copy and the oldest lose theirs.
+
+This file owns the policies: when an insert starts a backup and what device and host eviction
+do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree; one
+device eviction's state, its pending write-backs, is ``hiradix_evict.py``'s).
+Starting a backup or a load back, the in-flight state until its ack and the acks live in
+``hiradix_transfers.py``, the base class.
+
+Everything here runs on the scheduler thread and never blocks, except device eviction under
+``write_back`` (it waits for its own backups before freeing the slots they read).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.tree.device_eviction import DeviceEviction
+from hicache.tree.hiradix_transfers import HiRadixTransfers
+from hicache.tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.stats import CacheStats
+    from hicache.transfer.controller import HiCacheController
+
+__all__ = ["WRITE_POLICIES", "HiRadixCache"]
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class HiRadixCache(HiRadixTransfers):
+    """Device + host prefix cache.
+
+    Args:
+        controller: the ``HiCacheController`` that owns both allocators and the copy streams.
+        page_size: tokens per page (same for both tiers).
+        write_policy: one of ``WRITE_POLICIES``.
+        load_back_threshold: host hits shorter than this many tokens are recomputed.
+        upstream_chunked_insert: reproduce SGLang's chunked-insert behaviour (see module doc).
+        stats: optional stats object fed with backups, loads and evictions (prefix hits are
+            recorded by the admitting executor, not by ``match_prefix``).
+    """
+
+    def __init__(
+        self,
+        controller: HiCacheController,
+        page_size: int,
+        write_policy: str = "write_through",
+        load_back_threshold: int = 10,
+        upstream_chunked_insert: bool = False,
+        stats: CacheStats | None = None,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if load_back_threshold < 0:
+            raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
+        self.controller = controller
+        self.host_allocator = controller.host_allocator
+        self.write_policy = write_policy
+        self.write_through_threshold = 1 if write_policy == "write_through" else 2
+        # Write-through backups hold a lock until their ack; write-back ones are waited for.
+        self.write_locks = write_policy != "write_back"
+        self.load_back_threshold = load_back_threshold
+        self.upstream_chunked_insert = upstream_chunked_insert
+        self.stats = stats
+        super().__init__(controller.device_allocator, page_size)
+
+    @property
+    def backs_up_on_insert(self) -> bool:
+        """``write_through`` and ``write_through_selective`` back up from ``insert`` (the first
+        or second insert touching a node); ``write_back`` only when eviction picks a node."""
+        return self.write_policy != "write_back"
+
+    # ------------------------------------------------------------------ insert hooks
+
+    def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
+        """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""
+        node.value = value
+        node.parent.device_children += 1
+        self._add_device_tokens(node, len(value))
+        self._device_queue.push_if_candidate(node)
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
+        """Count the hit, then back ``node`` up when the write policy says so. Chunked inserts
+        are not counted; with ``upstream_chunked_insert`` they do not back up either."""
+        super()._inc_hit_count(node, chunked)
+        if chunked and self.upstream_chunked_insert:
+            return
+        self._maybe_backup(node, chunked)
+
+    def _maybe_backup(self, node: TreeNode, chunked: bool) -> None:
+        if self.write_policy == "write_back" or node.backuped:
+            return
+        if node.hit_count >= self.write_through_threshold or (
+            chunked and self.write_policy == "write_through"
+        ):
+            self.write_backup(node)
+
+    # ------------------------------------------------------------------ device eviction
+
+    # Slot ownership during evict: an unlocked device leaf either keeps its KV on the host
+    # (backed up: device slots go back to the allocator, host slots stay with the node) or loses
+    # it (deleted: device slots, and host slots of any host-only descendants, go back). Under
+    # write_back a leaf that is not backed up first gets host slots and a D2H copy; its device
+    # slots are freed only after that copy's ack, so no slot is free while a copy reads it.
+    # Device slots are given back in one call at the end.
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens (LRU unlocked leaves), or all evictable.
+        Returns the device tokens freed. O(k log n) for k leaves; blocks only under write_back,
+        on the backups it launched."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        run = DeviceEviction(self)
+        try:
+            while run.freed < num_tokens:
+                x = run.next_leaf()
+                if x is None:
+                    if not run.pending:
+                        break
+                    run.finish_pending()  # parents of the backed-up leaves may be leaves now
+                    continue
+                run.evict_one(x)
+            run.finish_pending()
+        finally:
+            run.give_back()
+        return run.freed
+
+    def _droppable(self, node: TreeNode) -> bool:
+        """A device leaf may be deleted with its host-only subtree unless a host copy below it is
+        protected or a child is still device-resident (a write-back copy in this evict)."""
+        return node.host_ref == 0 and node.device_children == 0
+
+    def _evict_backuped(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
+        """Drop the device copy of a backed-up node (its slots go to ``frees``)."""
+        n = len(node.value)
+        frees.append(node.value)
+        self.evictable_size_ -= n
+        node.value = None
+        parent = node.parent
+        parent.device_children -= 1
+        if parent is not self.root_node:
+            self._device_queue.push_if_candidate(parent)
+        self._host_queue.push_if_candidate(node)
+        if self.stats is not None:
+            self.stats.record_evict_device(n)
+        return n
+
+    def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
+        """Delete a device leaf that has no host copy (KV lost), with its host-only subtree
+        (whose host slots go back at once)."""
+        n = len(node.value)
+        frees.append(node.value)
+        self.evictable_size_ -= n
+        host_frees: list[torch.Tensor] = []
+        stack = list(node.children.values())
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            host_frees.append(x.host_value)
+            x.parent = None  # deleted with the subtree
+            if x.queued:
+                self._note_stale()
+        if node.host_value is not None:  # not reached: backed-up leaves are never deleted
+            host_frees.append(node.host_value)
+        self._free_host(host_frees)
+        parent = node.parent
+        self._delete_leaf(node)
+        parent.device_children -= 1
+        if parent is not self.root_node:
+            self._device_queue.push_if_candidate(parent)
+        if self.stats is not None:
+            self.stats.record_evict_device(n)
+        return n
+
+    # ------------------------------------------------------------------ host eviction
+
+    # Slot ownership during evict_host: only host-only leaves lose their host slots (and their
+    # node); the host copy of a device-resident node is a mirror and is never freed alone.
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens from host-only, unprotected leaves in LRU
+        order, or as many as there are. Returns the host tokens freed. O(k log n) for k leaves;
+        never blocks."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        queue = self._host_queue
+        root = self.root_node
+        freed = 0
+        frees: list[torch.Tensor] = []
+        while freed < num_tokens:
+            x = queue.pop()
+            if x is None:
+                break
+            parent = x.parent
+            frees.append(x.host_value)
+            freed += len(x.host_value)
+            self._delete_leaf(x)
+            if parent is not root:
+                queue.push_if_candidate(parent)
+        self._free_host(frees)
+        return freed
+
+    def _free_host(self, slots: list[torch.Tensor]) -> None:
+        """Give host slots of deleted nodes back to the controller, in one call."""
+        if not slots:
+            return
+        host = slots[0] if len(slots) == 1 else torch.cat(slots)
+        self.controller.evict_host(host)
+        if self.stats is not None:
+            self.stats.record_evict_host(host.numel())

@@ -1,0 +1,187 @@
+"""Structural and accounting checks of a radix tree and the pools it indexes.
+
+``check_tree(tree, request_owned)`` raises ``AssertionError`` naming the first broken invariant:
+
+- every node: key non-empty and page-aligned, reachable from its parent under its first page;
+  ``value`` / ``host_value`` (when present) int64 of the key's length;
+- lock and host refs never negative; a node's count is at least the sum of its children's
+  (path counts); a locked node is device-resident;
+- every evicted node is backed up, and its children are evicted too (device-resident nodes form
+  a prefix of every root-to-leaf path); ``device_children`` equals the device-resident children;
+- every eviction candidate of a tier (``eviction.is_device_candidate`` / ``is_host_candidate``)
+  holds exactly one entry in that tier's queue, no entry is later than its node's access time,
+  and no node is in a queue twice (eviction may pop without walking the tree);
+- ``evictable_size + protected_size`` equals the device tokens in the tree, split by lock state;
+- no device slot and no host slot appears twice in the tree; every one is allocated;
+- device ledger: free + freed in an open free group + in tree + request-owned + in flight ==
+  total; host ledger: free + in tree + in flight == total (HiRadixCache);
+- a host copy whose D2H write has not been acked belongs to a device-resident node (it is not
+  matchable as a host hit), and every node waiting for a write or a load ack is still in the tree.
+
+plus the allocators' own checks and, with a host tier, the controller's (no slot a launched or
+queued copy reads or writes is free).
+
+Cost: O(tree size) tensor work; meant for tests and idle-time checks, not the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.tree.lru_queues import DEVICE, is_device_candidate, is_host_candidate
+
+if TYPE_CHECKING:
+    from hicache.tree.node import TreeNode
+    from hicache.tree.radix_cache import RadixCache
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"tree integrity: {msg}")
+
+
+def _check_node(tree: RadixCache, x: TreeNode) -> None:
+    ps = tree.page_size
+    if not x.key or len(x.key) % ps:
+        _fail(f"{x!r} key length {len(x.key)} is empty or not a multiple of page_size {ps}")
+    if x.parent is None or x.parent.children.get(tree._child_key(x.key)) is not x:
+        _fail(f"{x!r} is not reachable from its parent under its first page")
+    for name in ("value", "host_value"):
+        v = getattr(x, name)
+        if v is not None and (v.dtype != torch.int64 or v.dim() != 1 or v.numel() != len(x.key)):
+            _fail(f"{x!r}.{name} is not int64 [{len(x.key)}]")
+    if x.lock_ref < 0 or x.host_ref < 0:
+        _fail(f"{x!r} has a negative ref (lock {x.lock_ref}, host {x.host_ref})")
+    child_locks = sum(c.lock_ref for c in x.children.values())
+    child_host = sum(c.host_ref for c in x.children.values())
+    if x.lock_ref < child_locks or x.host_ref < child_host:
+        _fail(f"{x!r} path counts below its children's ({child_locks} locks, {child_host} host)")
+    if x.device_children != sum(1 for c in x.children.values() if c.value is not None):
+        _fail(f"{x!r} counts {x.device_children} device-resident children")
+    if x.lock_ref > 0 and x.evicted:
+        _fail(f"{x!r} is locked but evicted")
+    if x.evicted:
+        if not x.backuped:
+            _fail(f"{x!r} is evicted but has no host copy (KV lost while indexed)")
+        if any(not c.evicted for c in x.children.values()):
+            _fail(f"{x!r} is evicted but has a device-resident child")
+
+
+def _check_unique_allocated(slots: list[torch.Tensor], allocator, tier: str) -> int:
+    if not slots:
+        return 0
+    allv = torch.cat([s.cpu() for s in slots])
+    if torch.unique(allv).numel() != allv.numel():
+        _fail(f"a {tier} slot is owned by two nodes")
+    if allocator is not None and not allocator.is_allocated(allv):
+        _fail(f"a {tier} slot in the tree is free in its allocator")
+    return allv.numel()
+
+
+def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
+    """Check ``tree`` (a ``RadixCache`` or ``HiRadixCache``); see the module docstring."""
+    if request_owned < 0:
+        raise ValueError(f"request_owned must be >= 0, got {request_owned}")
+    controller = getattr(tree, "controller", None)
+    if controller is not None:
+        controller.check_integrity()  # both allocators; no slot free while a copy uses it
+    elif tree.allocator is not None:
+        tree.allocator.check_integrity()
+    nodes = tree.all_nodes()
+    root = tree.root_node
+    if root.device_children != sum(1 for c in root.children.values() if c.value is not None):
+        _fail(f"the root counts {root.device_children} device-resident children")
+    _check_queues(tree, nodes)
+    evictable = protected = 0
+    device_slots: list[torch.Tensor] = []
+    host_slots: list[torch.Tensor] = []
+    for x in nodes:
+        _check_node(tree, x)
+        if not x.evicted:
+            device_slots.append(x.value)
+            if x.lock_ref > 0:
+                protected += len(x.value)
+            else:
+                evictable += len(x.value)
+        if x.backuped:
+            host_slots.append(x.host_value)
+    if (evictable, protected) != (tree.evictable_size_, tree.protected_size_):
+        _fail(
+            f"evictable/protected {tree.evictable_size_}/{tree.protected_size_} != "
+            f"recount {evictable}/{protected}"
+        )
+    if tree.root_node.lock_ref != 1 or tree.root_node.value is None:
+        _fail("the root lost its sentinel lock or its (empty) device value")
+
+    if tree.allocator is None:  # a simulated tree: no pool to balance
+        return
+    n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
+    in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
+    pending = tree.allocator.pending_size()
+    allocated = tree.allocator.size - tree.allocator.available_size() - pending
+    if allocated != n_dev + request_owned + in_flight:
+        _fail(
+            f"device ledger: allocated {allocated} != in tree {n_dev} + request-owned "
+            f"{request_owned} + in flight {in_flight} (free {tree.allocator.available_size()}, "
+            f"freed in the open group {pending}, total {tree.allocator.size})"
+        )
+    host_alloc = getattr(tree, "host_allocator", None)
+    if host_alloc is None:
+        if host_slots:
+            _fail("a device-only tree holds host slots")
+        return
+
+    n_host = _check_unique_allocated(host_slots, host_alloc, "host")
+    host_in_flight = tree.host_in_flight()
+    host_allocated = host_alloc.size - host_alloc.available_size()
+    if host_allocated != n_host + host_in_flight:
+        _fail(
+            f"host ledger: allocated {host_allocated} != in tree {n_host} + in flight "
+            f"{host_in_flight} (free {host_alloc.available_size()}, total {host_alloc.size})"
+        )
+    _check_pending(tree, nodes)
+
+
+def _check_queues(tree: RadixCache, nodes: list[TreeNode]) -> None:
+    """Each tier's candidates are all queued once, with entries no later than their nodes."""
+    for queue in tree._queues():
+        seen: set[int] = set()
+        for t, node_id, x in queue.heap:
+            if node_id in seen:
+                _fail(f"{x!r} has two entries in queue {queue.mask}")
+            seen.add(node_id)
+            if not x.queued & queue.mask:
+                _fail(f"{x!r} is in queue {queue.mask} without its bit")
+            if node_id != x.id or t > x.last_access_time:
+                _fail(f"{x!r} has an entry ({t}, {node_id}) later than its node")
+        flagged = sum(1 for x in nodes if x.queued & queue.mask)
+        flagged += sum(1 for x in queue.nodes() if x.parent is None and x.queued & queue.mask)
+        if flagged != len(seen):
+            _fail(f"queue {queue.mask}: {flagged} nodes carry its bit, {len(seen)} entries")
+        test = is_device_candidate if queue.mask == DEVICE else is_host_candidate
+        for x in nodes:
+            if test(x) and not x.queued & queue.mask:
+                _fail(f"{x!r} is an eviction candidate missing from queue {queue.mask}")
+    if tree.root_node.queued:
+        _fail("the root is in an eviction queue")
+
+
+def _check_pending(tree, nodes: list[TreeNode]) -> None:
+    """Writes not yet acked are not host hits; nodes awaiting acks are in the tree and held."""
+    pending = tree.pending_write_host_slots()
+    if pending.numel():
+        evicted = [x.host_value for x in nodes if x.evicted]
+        if evicted and bool(torch.isin(torch.cat(evicted).cpu(), pending.cpu()).any()):
+            _fail("an evicted (host-only, matchable) node's host copy has not been acked yet")
+    if not tree.write_locks and tree.ongoing_write_through:
+        _fail("write_back backups outlived the eviction that waits for them")
+    live = {x.id for x in nodes}
+    for what, waiting in (("write", tree.ongoing_write_through), ("load", tree.ongoing_load_back)):
+        for node_id, x in waiting.items():
+            if node_id not in live:
+                _fail(f"node {node_id} awaiting a {what} ack was removed from the tree")
+            if x.evicted:
+                _fail(f"{x!r} awaiting a {what} ack is evicted")
+            if x.lock_ref <= 0 and (what == "load" or tree.write_locks):
+                _fail(f"{x!r} awaiting a {what} ack is not locked")

@@ -1,0 +1,194 @@
+"""How the kernel-backend KV copy ops address their buffers, as plain data.
+
+Every ``transfer_kv_*`` op of the kernel backend is ``dst[dst_indices[i]] = src[src_indices[i]]``
+for each layer it covers, K and V (MHA) or the one latent buffer (MLA). The ops differ only in
+how each side is laid out, which an :class:`Addressing` names (one constant per SGLang op pair,
+shared by the MHA and MLA twins). A call's arguments by role form a :class:`KVCopy`
+(:mod:`kernels.ops.kernel_backend` builds one per op call); the validator and launcher
+(:mod:`kernels.ops.dispatch`) and the torch reference (:mod:`kernels.ops.reference`) all read that one
+description.
+
+Byte address of token slot ``t``, layer ``l`` (``item_size`` = one token, one layer, K or V;
+``layout_dim = item_size * L``), which a :class:`Side` records as strides:
+
+- layer_first tensor (one layer ``[T, ...]``): ``base + t * item_size``
+- page_first tensor ``[T, L, ...]``: ``base + t * layout_dim + l * item_size``
+- pointer table (``data_ptr()`` per layer, SGLang's ``k_data_ptrs``): ``table[l] + t * item_size``
+- page_head tensor ``[T / P, H, P, L, D]`` (``P`` = page_size, ``H`` = head_num): one token's
+  heads are not adjacent, so the page_head ops copy head by head (``item_size / H`` bytes each);
+  head ``h`` of slot ``t`` sits at ``base + (t // P) * P * layout_dim + h * P * layout_dim / H
+  + (t % P) * layout_dim / H + l * item_size / H``, and on the other side at the slot's address
+  plus ``h * item_size / H``.
+
+K and V may differ in bytes per token (K head 192, V head 128): the MHA ops take ``item_size``
+(and ``layout_dim``) of K, as upstream, and V's come from the V tensors (:meth:`KVCopy.parts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Layout = Literal["layer_first", "page_first", "page_head", "table"]
+LAYER_FIRST: Layout = "layer_first"
+PAGE_FIRST: Layout = "page_first"
+PAGE_HEAD: Layout = "page_head"
+TABLE: Layout = "table"
+
+NO_BOUND = 1 << 62
+"""``n_slots`` of a table side: its extent is unknown to the kernel."""
+
+
+@dataclass(frozen=True)
+class Addressing:
+    """The layout of each side of an op, and whether it covers all layers or one."""
+
+    src: Layout
+    dst: Layout
+    all_layers: bool  # num_layers layers from 0 (pointer tables); else the one layer layer_id
+
+    @property
+    def per_head(self) -> bool:
+        """The page_head ops copy one head (``item_size / head_num`` bytes) at a time."""
+        return PAGE_HEAD in (self.src, self.dst)
+
+
+LF_TO_LF = Addressing(LAYER_FIRST, LAYER_FIRST, all_layers=False)  # transfer_kv_per_layer
+PF_TO_LF = Addressing(PAGE_FIRST, LAYER_FIRST, all_layers=False)  # ..._per_layer_pf_lf
+LF_TO_PF = Addressing(LAYER_FIRST, PAGE_FIRST, all_layers=False)  # ..._per_layer_mla_lf_pf
+PH_TO_LF = Addressing(PAGE_HEAD, LAYER_FIRST, all_layers=False)  # ..._per_layer_ph_lf
+TABLE_TO_TABLE = Addressing(TABLE, TABLE, all_layers=True)  # transfer_kv_all_layer
+TABLE_TO_PF = Addressing(TABLE, PAGE_FIRST, all_layers=True)  # ..._all_layer_lf_pf
+TABLE_TO_PH = Addressing(TABLE, PAGE_HEAD, all_layers=True)  # ..._all_layer_lf_ph
+
+
+@dataclass(frozen=True)
+class Side:
+    """How one side of a copy is addressed (all sizes in bytes).
+
+    Slot ``t`` of layer ``l``, head ``h`` starts at
+    ``(t // page_size) * page_stride + (t % page_size) * row_stride + l * layer_stride
+    + h * head_stride`` from the buffer base, or from ``table[l]`` when ``is_table`` (then
+    ``layer_stride`` is 0). With ``page_size == 1``, ``page_stride`` is the token stride.
+    ``refs`` holds the K (and V) data tensors, or their per-layer ``data_ptr()`` tables.
+    ``n_slots`` bounds the slot index (``NO_BOUND`` for tables). ``table_align``: what the
+    validator learned of each table's entries (empty: ask :mod:`kernels.layout.ptr_tables`).
+    """
+
+    refs: tuple[torch.Tensor, ...]
+    is_table: bool
+    page_stride: int
+    layer_stride: int
+    n_slots: int
+    page_size: int = 1
+    row_stride: int = 0
+    head_stride: int = 0
+    table_align: tuple[int, ...] = ()  # per table: entries' known alignment in bytes (0: unknown)
+
+    def strides(self) -> tuple[int, ...]:
+        return (self.page_stride, self.row_stride, self.layer_stride, self.head_stride)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one kernel launch copies: K and V together when they share a geometry, else each
+    alone (``src.refs`` and ``dst.refs`` of equal length: 1 or 2)."""
+
+    src: Side
+    dst: Side
+    item_size: int  # bytes of one token of one layer of this part
+    heads: int  # pieces per token (head_num for the page_head ops, else 1)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes copied per (slot, layer, head)."""
+        return self.item_size // self.heads
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """The arguments of one kernel-backend op call, by role.
+
+    ``src`` / ``dst``: ``(K, V)`` (MHA) or ``(buffer,)`` (MLA), tensors or ``data_ptr()`` tables
+    as ``how`` says. ``item_size`` / ``layout_dim``: K's bytes of one token of one layer / of all
+    layers of the page_first or page_head side; ``v_item_size``: V's (``None``: as K).
+    Layers copied: ``layer_id`` (one) for a per-layer op, ``0 .. num_layers - 1`` for an
+    all-layer op. ``page_size`` and ``head_num``: the page_head ops' geometry.
+    """
+
+    how: Addressing
+    src: tuple[torch.Tensor, ...]
+    dst: tuple[torch.Tensor, ...]
+    src_indices: torch.Tensor
+    dst_indices: torch.Tensor
+    item_size: int
+    layout_dim: int = 0
+    layer_id: int = 0
+    num_layers: int = 1
+    page_size: int = 1
+    head_num: int = 1
+
+    @property
+    def heads(self) -> int:
+        return self.head_num if self.how.per_head else 1
+
+    def parts(self) -> list[Part]:
+        """One :class:`Part` (K and V alike, or MLA), or two (K, then V of another size)."""
+        v_item = v_item_size(self) or self.item_size
+        if len(self.src) == 1 or v_item == self.item_size:
+            return [self._part(self.src, self.dst, self.item_size)]
+        return [
+            self._part(self.src[:1], self.dst[:1], self.item_size),
+            self._part(self.src[1:], self.dst[1:], v_item),
+        ]
+
+    def _part(self, src: tuple, dst: tuple, item_size: int) -> Part:
+        layout_dim = self.layout_dim * item_size // self.item_size
+        return Part(
+            self._side(self.how.src, src, item_size, layout_dim),
+            self._side(self.how.dst, dst, item_size, layout_dim),
+            item_size,
+            self.heads,
+        )
+
+    def _side(self, layout: Layout, refs: tuple, item_size: int, layout_dim: int) -> Side:
+        h = self.heads
+        if layout == TABLE:
+            return Side(refs, True, item_size, 0, NO_BOUND, head_stride=item_size // h)
+        if layout == PAGE_FIRST:
+            return Side(refs, False, layout_dim, item_size, refs[0].shape[0],
+                        head_stride=item_size // h)  # fmt: skip
+        if layout == PAGE_HEAD:
+            p = self.page_size
+            return Side(
+                refs, False, p * layout_dim, item_size // h, refs[0].shape[0] * p,
+                page_size=p, row_stride=layout_dim // h, head_stride=p * layout_dim // h,
+            )  # fmt: skip
+        # One layer tensor: layer stride 0, whatever layer the op copies.
+        return Side(refs, False, item_size, 0, refs[0].shape[0], head_stride=item_size // h)
+
+
+def token_bytes(layout: Layout, t: torch.Tensor) -> int:
+    """Bytes of one token of one layer held by tensor ``t`` laid out as ``layout``:
+    ``[T, ...]`` (layer_first), ``[T, L, ...]`` (page_first), ``[T / P, H, P, L, D]``
+    (page_head)."""
+    elem = t.element_size()
+    if layout == PAGE_HEAD:
+        return t.shape[1] * t.shape[4] * elem
+    first = 2 if layout == PAGE_FIRST else 1
+    return math.prod(t.shape[first:]) * elem
+
+
+def v_item_size(call: KVCopy) -> int | None:
+    """V's bytes of one token of one layer, read from the V tensor of the first tensor side of
+    an MHA op; ``None`` for MLA or when both sides are tables (then V is as K)."""
+    for layout, refs in ((call.how.src, call.src), (call.how.dst, call.dst)):
+        if layout != TABLE and len(refs) == 2:
+            return token_bytes(layout, refs[1])
+    return None

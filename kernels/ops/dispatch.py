@@ -1,0 +1,168 @@
+"""Validate one kernel-backend op call (a :class:`kernels.layout.addressing.KVCopy`) and run it: the
+Triton kernel (one launch for K and V, or one each when their sizes differ), or, off the Triton
+path, the torch reference.
+
+Every failure is a ``ValueError`` naming the argument, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from kernels.layout.addressing import (
+    LAYER_FIRST,
+    PAGE_FIRST,
+    PAGE_HEAD,
+    TABLE,
+    KVCopy,
+    Layout,
+    Part,
+    token_bytes,
+)
+from kernels.ops import checks, reference
+from kernels.triton.launch import (
+    cache_hints_supported,
+    launch_kv_copy,
+    plan_launch,
+    resolve_num_warps,
+)
+
+logger = logging.getLogger(__name__)
+
+_fallback_logged = False
+
+
+def _runs_triton(device: torch.device) -> bool:
+    """Triton runs compiled on CUDA tensors, interpreted on CPU tensors; else the reference."""
+    from kernels import TRITON_INTERPRETED
+
+    global _fallback_logged
+    if (device.type == "cuda") != TRITON_INTERPRETED and device.type in ("cuda", "cpu"):
+        return True
+    if not _fallback_logged:
+        logger.info(
+            "kvcacheio ops on %s tensors with TRITON_INTERPRET=%d: using the torch reference",
+            device, int(TRITON_INTERPRETED),
+        )  # fmt: skip
+        _fallback_logged = True
+    return False
+
+
+def _arg_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
+    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
+    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
+    suffix = "_layers" if layout == TABLE else ""
+    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
+
+
+# Leading dimensions K and V of one tensor side must share: slots (and layers, and pages' heads).
+_SHARED_DIMS = {LAYER_FIRST: 1, PAGE_FIRST: 2, PAGE_HEAD: 4}
+
+
+def _tensor_layers(call: KVCopy, side: str, layout: Layout, name: str, t: torch.Tensor) -> None:
+    """The K tensor of a side has ``item_size`` bytes per token and holds the layers copied."""
+    if layout == LAYER_FIRST:
+        checks.layer_first(name, t, call.item_size)
+        return
+    dim_name = f"{side}_layout_dim"
+    if layout == PAGE_FIRST:
+        _, n_layers = checks.page_first(name, t, call.item_size, call.layout_dim, dim_name)
+    else:
+        _, n_layers = checks.page_head(
+            name, t, call.item_size, call.layout_dim, dim_name, call.page_size, call.head_num
+        )
+    if not call.how.all_layers:
+        checks.layer_id_in_range(call.layer_id, n_layers)
+    elif call.num_layers != n_layers:
+        raise ValueError(
+            f"num_layers={call.num_layers} does not match {name}: it holds {n_layers} layers"
+        )
+
+
+def _check_v_item_size(call: KVCopy, ends: list) -> None:
+    """V's bytes per token (MHA, tensor sides; ``KVCopy.parts`` reads them): one value on every
+    side, whole heads."""
+    sizes = {
+        names[1]: token_bytes(layout, refs[1])
+        for _, layout, names, refs, _ in ends
+        if layout != TABLE and len(refs) == 2
+    }
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"V tensors differ in bytes per token: {sizes}")
+    v_item = next(iter(sizes.values()), None)
+    if v_item is not None and (v_item <= 0 or v_item % call.heads):
+        raise ValueError(f"{next(iter(sizes))} holds {v_item} bytes per token, not whole heads")
+
+
+def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[KVCopy, list]:
+    """Raise ``ValueError`` naming the first bad argument; else return the call and the parts to
+    launch."""
+    device = checks.index_pair(call.src_indices, call.dst_indices)
+    checks.positive_int("item_size", call.item_size)
+    checks.positive_int("block_quota", block_quota)
+    checks.positive_int("num_warps_per_block", num_warps_per_block)
+    if call.how.per_head:
+        checks.positive_int("page_size", call.page_size)
+        checks.positive_int("head_num", call.head_num)
+    ends = [  # (side, layout, argument names, buffers or tables, indices)
+        (side, layout, _arg_names(side, layout, len(refs)), refs, idx)
+        for side, layout, refs, idx in (
+            ("src", call.how.src, call.src, call.src_indices),
+            ("dst", call.how.dst, call.dst, call.dst_indices),
+        )
+    ]
+    for side, layout, *_ in ends:
+        if layout in (PAGE_FIRST, PAGE_HEAD):
+            checks.positive_int(f"{side}_layout_dim", call.layout_dim)
+    if call.how.all_layers:
+        checks.positive_int("num_layers", call.num_layers)
+    for side, layout, names, refs, _ in ends:
+        if layout == TABLE:
+            continue
+        for name, t in zip(names, refs, strict=True):
+            checks.data_tensor(name, t, device)
+        if len(refs) == 2:
+            checks.same_slots(names[0], refs[0], names[1], refs[1], _SHARED_DIMS[layout])
+        _tensor_layers(call, side, layout, names[0], refs[0])
+    _check_v_item_size(call, ends)
+    aligns = {}
+    for _, layout, names, refs, _ in ends:
+        if layout == TABLE:
+            for name, table in zip(names, refs, strict=True):
+                aligns[id(table)] = checks.ptr_table(name, table, call.num_layers, device)
+    parts = [_with_table_aligns(p, aligns) for p in call.parts()]
+    for (side, *_, idx), addressed in zip(ends, (parts[0].src, parts[0].dst), strict=True):
+        if not addressed.is_table:
+            checks.indices_in_range(f"{side}_indices", idx, addressed.n_slots)
+    return call, parts
+
+
+def _with_table_aligns(part: Part, aligns: dict[int, int]) -> Part:
+    def side(s):  # noqa: ANN001, ANN202
+        if not s.is_table:
+            return s
+        return dataclasses.replace(s, table_align=tuple(aligns[id(t)] for t in s.refs))
+
+    return dataclasses.replace(part, src=side(part.src), dst=side(part.dst))
+
+
+def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
+    """Validate ``call``, then queue the kernel (or, off the Triton path, run the reference):
+    one launch for K and V, or one each when their sizes differ."""
+    call, parts = validate(call, block_quota, num_warps_per_block)
+    if not _runs_triton(call.src_indices.device):
+        reference.copy_kv(call)
+        return
+    if call.src_indices.numel() == 0:
+        return
+    cache_hints = cache_hints_supported(call.src_indices.device)
+    num_warps = resolve_num_warps(num_warps_per_block)
+    for part in parts:
+        launch_kv_copy(plan_launch(
+            part, call.src_indices, call.dst_indices,
+            layer_begin=call.layer_id, num_layers=call.num_layers,
+            block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints,
+        ))  # fmt: skip

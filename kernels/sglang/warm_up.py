@@ -1,0 +1,108 @@
+"""Warm-up for SGLang host pools running this project's kernels (:mod:`kernels.sglang.compat`).
+
+:func:`warm_up` makes every Triton kernel variant a host pool / device pool pair will launch
+compile before the scheduler loop (on CUDA a first launch of a new variant compiles on the
+launching thread), and :func:`verify_pool_tables` records the alignment of the pointer tables
+SGLang built, so the kernels copy their rows with 16-byte words.
+
+Imports nothing of SGLang, and nothing of this project outside :mod:`kernels`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmUpReport:
+    """What :func:`warm_up` ran: ``(host pool class, layout, call)`` rows, what it skipped, and
+    the pointer tables it verified: ``(owner class, attribute, alignment in bytes)``."""
+
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    verified_tables: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
+    """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes.
+
+    First verifies the pointer tables the two pools hold (:func:`verify_pool_tables`): a table
+    SGLang built itself (``torch.tensor([... data_ptr() ...])``) is otherwise copied with 8-byte
+    words, since its entries cannot be read per copy without a synchronization. Then drives
+    SGLang's own dispatch (``load_to_device_per_layer`` for every layer,
+    ``backup_from_device_all_layer``) with the ``kernel`` io backend and index tensors of ``-1``:
+    the kernels skip pairs with a negative index, so each launch compiles (on CUDA) exactly the
+    variant the real call with these buffers, strides, dtype, item size and tables will use, and
+    writes nothing. The index tensors' own alignment does not matter (the kernel is not
+    specialized on it). Blocks until those launches are queued (compilation happens in the
+    calling thread; the table reads synchronize on CUDA). Skipped: layouts the ``kernel``
+    backend does not serve (``page_first_direct``: the direct backend launches no kernel), and
+    host pools that will take SGLang's JIT kernels (``can_use_jit`` true: install with
+    ``route_around_jit=True`` first).
+    """
+    report = WarmUpReport()
+    pool_name = type(host_pool).__name__
+    layout = str(getattr(host_pool, "layout", "?"))
+    if getattr(host_pool, "can_use_jit", False) or getattr(
+        host_pool, "can_use_write_back_jit", False
+    ):
+        report.skipped.append((pool_name, layout, "SGLang JIT kernels in use (can_use_jit)"))
+        return report
+    if layout not in ("layer_first", "page_first", "page_head"):
+        report.skipped.append((pool_name, layout, "no kernel-backend ops for this layout"))
+        return report
+    report.verified_tables += verify_pool_tables(host_pool, device_pool)
+    device = _device_of(device_pool)
+    page = int(getattr(host_pool, "page_size", 1))
+    layers = int(getattr(device_pool, "layer_num", getattr(host_pool, "layer_num", 0)))
+    src = torch.full((page,), -1, dtype=torch.int64, device=device)
+    dst = torch.full((page,), -1, dtype=torch.int64, device=device)
+    for layer_id in range(layers):
+        host_pool.load_to_device_per_layer(device_pool, src, dst, layer_id, "kernel")
+    host_pool.backup_from_device_all_layer(device_pool, dst, src, "kernel")
+    report.calls.append((pool_name, layout, f"load_to_device_per_layer x {layers} layers"))
+    report.calls.append((pool_name, layout, "backup_from_device_all_layer"))
+    return report
+
+
+def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
+    """Verify (:func:`kernels.verify_ptr_table`) every pointer table the given pools hold that
+    no one verified yet: attributes whose name ends in ``ptrs`` holding a 1-D int64 / uint64
+    tensor (SGLang's ``k_data_ptrs``, ``v_data_ptrs``, ``data_ptrs``, 0.5.23's
+    ``device_k_data_ptrs``, ...). Tables this project built are verified already. Reads each
+    table once (a synchronization on CUDA): call at pool build time, before the scheduler loop.
+    Returns ``(owner class, attribute, alignment in bytes)`` per table verified now.
+    """
+    from kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
+
+    out: list[tuple[str, str, int]] = []
+    seen: set[int] = set()
+    for pool in pools:
+        for name, value in sorted(getattr(pool, "__dict__", {}).items()):
+            if not (name.endswith("ptrs") and _is_ptr_table(value)) or id(value) in seen:
+                continue
+            seen.add(id(value))
+            if verified_alignment(value) == 0:
+                out.append((type(pool).__name__, name, verify_ptr_table(value)))
+    return out
+
+
+def _is_ptr_table(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and value.dtype in (torch.int64, torch.uint64)
+    )
+
+
+def _device_of(device_pool: Any) -> torch.device:
+    device = getattr(device_pool, "device", None)
+    if device is None:
+        raise ValueError("device_pool has no .device")
+    return torch.device(device)

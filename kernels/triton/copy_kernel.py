@@ -1,0 +1,176 @@
+"""One Triton gather/scatter kernel for every kernel-backend KV copy.
+
+Each side of a copy (a :class:`kernels.layout.addressing.Side`) is a tensor or a table of per-layer
+``data_ptr()``s; slot ``t``, layer ``l``, head ``h`` lies at ``(t // P) * page_stride +
+(t % P) * row_stride + l * layer_stride + h * head_stride`` bytes from the base (``table[l]`` for
+a table, whose layer stride is 0). A row is one (slot, head) pair; it moves ``chunk`` bytes per
+layer (the whole item, or one head of it for the page_head ops).
+
+Words: the kernel moves raw words, the widest of 8/4/2/1 bytes dividing every size, stride, tensor
+base and (verified) table entry, so every dtype works. When all of those are multiples of 16
+bytes, offsets carry a 16-byte divisibility hint (and so do table entries whose alignment was
+verified when the table was built, see :mod:`kernels.layout.ptr_tables`), and the compiled loads and
+stores are 16 bytes wide on both sides (checked ahead of time for sm_90 by
+``tests/kernels/test_kernels_ptx.py``).
+
+Work split: a block is ``[NCHUNK, ROWS, COLS]`` words, ``ROWS`` rows of ``NCHUNK * COLS`` words
+(``COLS`` at most one warp of 16-byte vectors, 512 bytes; a longer row takes ``GROUPS`` blocks).
+Triton spreads a warp's lanes along ``COLS`` and the warps along ``ROWS``, so each thread holds
+``NCHUNK`` vectors of ONE row (one address register per row per side, the chunks at immediate
+offsets) times a couple of rows. At most ``block_quota`` programs walk the tiles of ``ROWS`` rows
+in a grid-stride loop and copy, per tile, every layer (K, then V): each program keeps one whole
+block of loads in flight. Address math is 64-bit. Pairs with
+a negative index are skipped (as upstream), and so are indices past the end of a tensor side.
+
+Bytes in flight (docs/DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5
+moves about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
+64-128 KiB, of loads outstanding, with margin for the slower host-memory reads of a load-back. At
+the defaults (2 programs of 32 warps, SGLang's) a thread holds 8 vectors of 16 bytes (32 data
+registers of the 64 a 1024-thread program may use), so a 2 KiB-item tile is 64 rows x 2 KiB =
+128 KiB per program and 256 KiB in flight for the grid, while only 2 SMs are taken from the
+forward pass (with Triton 3.7 and later; Triton 3.6 gets half, see
+``kernels.triton.launch.MAX_ROWS_PER_THREAD``). ``block_quota`` stays an upper bound on programs, as
+upstream.
+
+This file holds the kernel; :mod:`kernels.triton.launch` chooses its word, hints and tile shape and
+launches it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+
+@triton.jit
+def _slot_offsets(idx, head, PAGE: tl.constexpr, page_stride, row_stride, head_stride,
+                  HEADS: tl.constexpr):  # fmt: skip
+    """Word offset of slot ``idx`` (int64), head ``head``, layer 0, from the side's base."""
+    if PAGE == 1:
+        off = idx * page_stride
+    else:
+        off = (idx // PAGE) * page_stride + (idx % PAGE) * row_stride
+    if HEADS > 1:
+        off += head * head_stride
+    return off
+
+
+@triton.jit
+def _row_pointers(ref, layer, off, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr,
+                  ALIGN: tl.constexpr):  # fmt: skip
+    """Word pointers to the rows at word offsets ``off`` of layer ``layer`` of one side.
+
+    ``ALIGN``: 16 when every row starts on 16 bytes (offsets and the base, which for a table
+    means its entries were verified): the hint that lets the accesses be 16 bytes wide. It goes
+    on the row pointers themselves (a hint on an integer does not survive the int-to-pointer
+    cast of a table entry, nor every rewrite of the offset arithmetic).
+    """
+    if IS_TABLE:
+        rows = tl.load(ref + layer).to(tl.pointer_type(WORD)) + off
+    else:
+        rows = ref + (off + layer * layer_stride)
+    if ALIGN > 1:
+        rows = tl.multiple_of(rows, ALIGN)
+    return rows
+
+
+@triton.jit
+def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
+                SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, SRC_ALIGN: tl.constexpr,
+                DST_ALIGN: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+                NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
+                CACHE_HINTS: tl.constexpr):  # fmt: skip
+    """Copy ``CHUNK_WORDS`` words of every row where ``ok``, for one layer of one buffer, as
+    ``GROUPS`` blocks of ``[NCHUNK, ROWS, COLS]`` words."""
+    src_rows = _row_pointers(src, layer, s_off, src_layer_stride, SRC_TABLE, WORD, SRC_ALIGN)
+    dst_rows = _row_pointers(dst, layer, d_off, dst_layer_stride, DST_TABLE, WORD, DST_ALIGN)
+    block = tl.arange(0, NCHUNK)[:, None, None] * COLS + tl.arange(0, COLS)[None, None, :]
+    for g in tl.static_range(GROUPS):
+        col = block + g * NCHUNK * COLS
+        if GROUPS * NCHUNK * COLS == CHUNK_WORDS:
+            mask = ok[None, :, None] & (col >= 0)
+        else:
+            mask = ok[None, :, None] & (col < CHUNK_WORDS)
+        src_ptrs = src_rows[None, :, None] + col
+        dst_ptrs = dst_rows[None, :, None] + col
+        if CACHE_HINTS:
+            # Streamed once: cache in L2 only (.cg). ptxas rejects .cg combined with an
+            # .evict_first eviction policy, so none is given.
+            x = tl.load(src_ptrs, mask=mask, cache_modifier=".cg")
+            tl.store(dst_ptrs, x, mask=mask, cache_modifier=".cg")
+        else:
+            x = tl.load(src_ptrs, mask=mask)
+            tl.store(dst_ptrs, x, mask=mask)
+
+
+# Per-call sizes are not specialized on (value 1, multiple of 16): that would compile a new
+# variant per call shape; strides stay specialized, their alignment feeds vectorization.
+# The index tensors are not specialized on 16-byte alignment either: an allocator's index slices
+# start at any multiple of 8 bytes, and each alignment would compile (on CUDA, on the thread that
+# launches) a variant of its own. Only the small index loads could use that hint; the data
+# accesses take theirs from the row pointers (``_row_pointers``).
+@triton.jit(
+    do_not_specialize=[
+        "src_idx_ptr", "dst_idx_ptr", "n_items", "layer_begin", "src_slots", "dst_slots",
+    ]
+)  # fmt: skip
+def kv_copy_kernel(
+    src_k, dst_k, src_v, dst_v, src_idx_ptr, dst_idx_ptr,
+    n_items, layer_begin, n_layers,
+    src_page_stride, src_row_stride, src_layer_stride, src_head_stride,
+    dst_page_stride, dst_row_stride, dst_layer_stride, dst_head_stride,
+    src_slots, dst_slots,
+    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr,
+    SRC_PAGE: tl.constexpr, DST_PAGE: tl.constexpr,
+    SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
+    HEADS: tl.constexpr, HAS_V: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr, NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
+    CACHE_HINTS: tl.constexpr,
+):  # fmt: skip
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``n_layers`` layers from ``layer_begin``,
+    ``HEADS`` chunks of ``CHUNK_WORDS`` words per slot.
+
+    Strides are in words of type ``WORD``; ``src_*``/``dst_*`` are word-typed data pointers, or
+    int64/uint64 ``data_ptr()`` tables when ``*_TABLE``. ``*_ALIGN`` (16 or 0) says every row of
+    that side starts on 16 bytes (see :func:`_row_pointers`).
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_items * HEADS, ROWS)
+    rows = tl.arange(0, ROWS).to(tl.int64)  # 64-bit row numbers: ``n_items * HEADS`` may be big
+    for tile in range(pid, n_tiles, n_programs):
+        row = tile * ROWS + rows
+        if HEADS == 1:
+            item = row
+            head = row  # unused
+        else:
+            item = row // HEADS
+            head = row % HEADS
+        in_range = item < n_items
+        s = tl.load(src_idx_ptr + item, mask=in_range, other=-1)
+        d = tl.load(dst_idx_ptr + item, mask=in_range, other=-1)
+        ok = in_range & (s >= 0) & (d >= 0) & (s < src_slots) & (d < dst_slots)
+        s_off = _slot_offsets(s.to(tl.int64), head, SRC_PAGE, src_page_stride, src_row_stride,
+                              src_head_stride, HEADS)  # fmt: skip
+        d_off = _slot_offsets(d.to(tl.int64), head, DST_PAGE, dst_page_stride, dst_row_stride,
+                              dst_head_stride, HEADS)  # fmt: skip
+        for j in range(n_layers):
+            layer = (layer_begin + j).to(tl.int64)
+            _copy_layer(
+                src_k, dst_k, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
+                SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
+                COLS, CACHE_HINTS,
+            )  # fmt: skip
+            if HAS_V:
+                _copy_layer(
+                    src_v, dst_v, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
+                    SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
+                    COLS, CACHE_HINTS,
+                )  # fmt: skip
+
+
+__all__ = ["kv_copy_kernel"]

@@ -1,0 +1,208 @@
+"""How :func:`kernels.triton.copy_kernel.kv_copy_kernel` is launched for one :class:`Part`: the copy
+word, the 16-byte alignment hints, the tile shape (see the kernel's module for the reasoning
+behind the sizes), the grid (at most ``block_quota`` programs), and the launch itself on the
+indices' device and current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._env import cuda_available
+from kernels.layout.addressing import Part, Side
+from kernels.layout.ptr_tables import alignment, verified_alignment
+from kernels.triton.copy_kernel import kv_copy_kernel
+
+logger = logging.getLogger(__name__)
+
+VECTOR_BYTES = 16
+"""Widest access one thread makes (``ld.global.v2.b64``)."""
+VECTORS_PER_THREAD = 8
+"""Loads (16-byte vectors, or single narrow words) each thread keeps in flight per tile."""
+
+
+def _triton_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+MAX_ROWS_PER_THREAD = 2 if _triton_version() >= (3, 7) else 1
+"""Rows a thread spans per tile: each costs a 64-bit offset per side in registers. Measured with
+``tests/kernels/ptx_variants.py`` (sm_90, 1024 threads): at 4, the 576-byte tiles (two 512-byte chunks,
+the second mostly masked) spill; at 2 no variant spills with Triton 3.7, 3.8 and 3.9, but Triton
+3.6 keeps one predicate per 16-byte vector instead of one per row, and the 2 KiB tiles spill
+136-448 bytes per thread; at 1 nothing spills with 3.6. So with Triton older than 3.7 a 2 KiB
+tile is 32 rows, 64 KiB per program (128 KiB in flight at the default 2 programs instead of 256
+KiB): fewer bytes in flight rather than local-memory traffic in every tile. Neither choice has
+been timed on a GPU."""
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+def _table_alignment(side: Side, assumed: int) -> int:
+    """Smallest known alignment of ``side``'s tables (from validation, else verified when the
+    table was built); a table of unknown alignment counts as ``assumed``."""
+    known = side.table_align or tuple(verified_alignment(t) for t in side.refs)
+    return min(a or assumed for a in known)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one :class:`Part` is launched: word size, hints and tile shape (all constexprs)."""
+
+    word: int
+    src_align: int  # 16: every source row starts on 16 bytes (the kernel's hint); else 0
+    dst_align: int
+    chunk_words: int
+    cols: int
+    nchunk: int  # column chunks per block
+    groups: int  # blocks per row (a static loop; loads of one block are in flight at a time)
+    rows: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block actually copied: the loads a program keeps in flight."""
+        return self.rows * min(self.chunk_words, self.nchunk * self.cols) * self.word
+
+
+def plan_geometry(part: Part, num_warps: int) -> Geometry:
+    """Word, hints and tile shape for ``part`` at ``num_warps`` warps per program."""
+    chunk = part.chunk_bytes
+    sizes = [chunk]
+    for side in (part.src, part.dst):
+        sizes += side.strides()
+        if not side.is_table:
+            sizes += [t.data_ptr() for t in side.refs]
+    size_align = alignment(*sizes)
+    aligns = {}
+    for name, side in (("src", part.src), ("dst", part.dst)):
+        # An unverified table is assumed aligned to the sizes (the ops' contract), hint-free.
+        aligns[name] = _table_alignment(side, min(8, size_align)) if side.is_table else 16
+    word = min(8, size_align, aligns["src"], aligns["dst"])
+    vec = VECTOR_BYTES // word if size_align == VECTOR_BYTES else 1
+    chunk_words = chunk // word
+    cols = min(triton.next_power_of_2(chunk_words), 32 * vec)  # at most one warp of vectors
+    chunks = triton.cdiv(chunk_words, cols)
+    nchunk = min(triton.next_power_of_2(chunks), VECTORS_PER_THREAD)
+    groups = triton.cdiv(chunks, nchunk)
+    rows_per_warp = 32 * vec // cols  # rows one warp covers per repetition
+    reps = max(1, min(MAX_ROWS_PER_THREAD, VECTORS_PER_THREAD // nchunk))
+    rows = num_warps * rows_per_warp * reps
+    # A side's rows start on 16 bytes when the sizes, strides and tensor bases allow it and, for
+    # a table, its entries were verified so (an assumed alignment is at most 8): the hint.
+    src_hint = VECTOR_BYTES if vec > 1 and aligns["src"] >= VECTOR_BYTES else 0
+    dst_hint = VECTOR_BYTES if vec > 1 and aligns["dst"] >= VECTOR_BYTES else 0
+    return Geometry(word, src_hint, dst_hint, chunk_words, cols, nchunk, groups, rows)
+
+
+def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
+    """1-D view of contiguous ``t``'s bytes as words of ``word`` bytes (no copy)."""
+    return t.reshape(-1).view(torch.uint8).view(_WORD_DTYPES[word])
+
+
+def cache_hints_supported(device: torch.device) -> bool:
+    """PTX cache modifiers apply to compiled NVIDIA kernels only (not the interpreter, not HIP)."""
+    from kernels import TRITON_INTERPRETED
+
+    return (
+        device.type == "cuda"
+        and not TRITON_INTERPRETED
+        and torch.version.hip is None
+        and cuda_available()
+    )
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything :func:`kv_copy_kernel` is launched with (also compiled ahead of time by the
+    PTX test)."""
+
+    grid: tuple[int]
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    geometry: Geometry
+    device: torch.device  # the indices'
+
+
+def plan_launch(
+    part: Part,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    layer_begin: int,
+    num_layers: int,
+    block_quota: int,
+    num_warps: int,
+    cache_hints: bool,
+) -> Launch:
+    """The launch of one part (arguments assumed validated, see :mod:`kernels.ops.dispatch`), which
+    :func:`launch_kv_copy` queues. ``cache_hints``: :func:`cache_hints_supported` of the
+    indices' device (the PTX tests compile with them on)."""
+    g = plan_geometry(part, num_warps)
+    src, dst = part.src, part.dst
+    n_items = src_indices.numel()
+    n_tiles = triton.cdiv(n_items * part.heads, g.rows)
+
+    def arg(side: Side, i: int) -> torch.Tensor:
+        t = side.refs[min(i, len(side.refs) - 1)]  # one buffer: the V slot repeats K, unused
+        return t if side.is_table else _word_view(t, g.word)
+
+    args = (
+        arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1),
+        src_indices, dst_indices,
+        n_items, layer_begin, num_layers,
+        *(s // g.word for s in src.strides()),
+        *(s // g.word for s in dst.strides()),
+        src.n_slots, dst.n_slots,
+    )  # fmt: skip
+    constexprs = dict(
+        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table,
+        SRC_PAGE=src.page_size, DST_PAGE=dst.page_size,
+        SRC_ALIGN=g.src_align, DST_ALIGN=g.dst_align,
+        HEADS=part.heads, HAS_V=len(src.refs) == 2, WORD=_TL_WORDS[g.word],
+        CHUNK_WORDS=g.chunk_words, ROWS=g.rows, NCHUNK=g.nchunk, GROUPS=g.groups, COLS=g.cols,
+        CACHE_HINTS=cache_hints,
+    )  # fmt: skip
+    grid = (max(1, min(block_quota, n_tiles)),)
+    return Launch(grid, args, constexprs, num_warps, g, src_indices.device)
+
+
+def launch_kv_copy(launch: Launch) -> None:
+    """Launch a planned :func:`kv_copy_kernel` on the indices' device (whatever the current
+    device is) and that device's current stream; never synchronizes."""
+    device = launch.device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kv_copy_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
+
+
+def resolve_num_warps(num_warps_per_block: int) -> int:
+    """``num_warps_per_block`` as Triton accepts it: a power of two, at most 32 (16 on HIP)."""
+    cap = 16 if torch.version.hip is not None else 32
+    warps = min(cap, _pow2_floor(num_warps_per_block))
+    if warps != num_warps_per_block:
+        logger.debug("num_warps_per_block=%d runs as %d warps", num_warps_per_block, warps)
+    return warps
+
+
+__all__ = [
+    "Geometry",
+    "Launch",
+    "cache_hints_supported",
+    "launch_kv_copy",
+    "plan_geometry",
+    "plan_launch",
+    "resolve_num_warps",
+]

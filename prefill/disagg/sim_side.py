@@ -1,0 +1,179 @@
+"""A simulated decode peer for PD disaggregation (SGLang ``KVPoll``, sender / receiver pair).
+
+One ``DecodePeer`` per request (SGLang's bootstrap room). Its life, driven by a clock:
+
+``Bootstrapping`` --(delay from ``PeerConfig.bootstrap_delay``)--> ``WaitingForInput``, having
+preallocated decode-side slots for tokens ``[decode_prefix_len, n)``; or ``Failed`` with
+probability ``bootstrap_failure_prob``. A peer whose delay has passed but whose decode pool is
+full stays ``Bootstrapping`` and retries at every poll; a peer still ``Bootstrapping``
+``bootstrap_timeout_s`` after its creation turns ``Failed`` (SGLang's
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``). The prefill side calls ``init`` (finalize;
+SGLang's ``sender.init``) and then ``send`` page-aligned ranges; the peer is ``Transferring``
+while sends are in flight. A send completes after ``transfer_latency_s + bytes /
+transfer_bandwidth``; only then are the source slots read and copied into the decode pool with
+the project's copy ops (``kernels.transfer_kv_all_layer``), like an RDMA read, so a prefill side
+that frees or reuses a slot of a live peer's send before the ack is caught by comparing
+decode-side KV with a recompute. Sends of a failed peer are never read (the decode side
+discards them). A send fails with probability ``transfer_failure_prob`` (the peer turns
+``Failed``). ``Success`` once the last range is acked. Tests can also force ``set_ready`` /
+``fail`` at any moment.
+
+Failure draws come from ``random.Random(f"{seed}:{rid}")`` so reruns repeat. The "force not
+ready on the first attempt" hook (``force_not_ready``) hashes the rid alone, as upstream's
+``should_force_retry`` does. ``DecodePeer`` and ``KVPoll`` live in ``prefill.disagg.sim_peer``,
+``PeerConfig`` and the delay distributions in ``prefill.disagg.sim_config``; all are re-exported here.
+
+``DecodeSide`` owns the decode KV pool, its allocator and the peers, and keeps a bounded log of
+the latest sends (keyed by ``(rid, attempt)``) so tests can check that nothing was sent for an
+attempt that was not finalized. Memory stays bounded over any number of requests: a peer is
+dropped when it fails or succeeds (with ``keep_received``, a successful one stays until
+``release(rid)``), an acked send drops its copy of the source slots, and ``next_event_time``
+looks at live peers only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.device_pool import MHATokenToKVPool
+from prefill.clock import Clock
+from prefill.disagg.sim_config import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    FORCE_RETRY_ENV,
+    DelayDistribution,
+    PeerConfig,
+    force_not_ready,
+)
+from prefill.disagg.sim_peer import TERMINAL, DecodePeer, KVPoll, SendRecord, Transfer
+
+__all__ = [
+    "BOOTSTRAP_TIMEOUT_ENV",
+    "DEFAULT_SEND_LOG_SIZE",
+    "FORCE_RETRY_ENV",
+    "TERMINAL",
+    "DecodePeer",
+    "DecodeSide",
+    "DelayDistribution",
+    "KVPoll",
+    "PeerConfig",
+    "SendRecord",
+    "Transfer",
+    "force_not_ready",
+]
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_SEND_LOG_SIZE = 10_000
+"""Sends ``DecodeSide.send_log`` remembers by default (the latest ones)."""
+
+
+class DecodeSide:
+    """The decode instance: a KV pool like the prefill one, an allocator, and one peer per rid.
+
+    ``src_pool`` is the prefill device pool the peers read from. With ``keep_received``, a
+    successful request's decode slots (and its peer) stay until ``release(rid)`` so tests can
+    read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
+    slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
+    all of them, for tests).
+    """
+
+    def __init__(
+        self,
+        src_pool: MHATokenToKVPool,
+        clock: Clock,
+        config: PeerConfig,
+        size: int,
+        keep_received: bool = True,
+        send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
+    ) -> None:
+        self.src_pool = src_pool
+        self.clock = clock
+        self.config = config
+        self.page_size = src_pool.page_size
+        self.pool = MHATokenToKVPool(
+            size, src_pool.page_size, src_pool.dtype, src_pool.head_num, src_pool.head_dim,
+            src_pool.layer_num, src_pool.device,
+        )
+        self.allocator = TokenToKVPoolAllocator(size, src_pool.page_size, src_pool.device)
+        dev = src_pool.device
+        # Programs of the simulated transfer's copy kernel: two 32-warp blocks per SM on CUDA.
+        self.copy_block_quota = (
+            2 * torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda"
+            else 2
+        )
+        self.keep_received = keep_received
+        self.peers: dict[str, DecodePeer] = {}  # live peers, and kept successful ones
+        self._live: dict[str, DecodePeer] = {}  # peers that may still produce an event
+        self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
+
+    def create_peer(
+        self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> DecodePeer:
+        """A new peer for ``rid``. A finished peer kept under the same rid (its KV not yet
+        released) is released first; a live one raises ``ValueError``."""
+        old = self.peers.get(rid)
+        if old is not None:
+            if old.live:
+                raise ValueError(f"rid {rid!r} already has a live decode peer")
+            self.retire(old)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} entries, num_tokens is {num_tokens}")
+        keep_ids = token_ids if self.keep_received else None
+        peer = DecodePeer(self, rid, num_tokens, self.clock.now(), keep_ids)
+        self.peers[rid] = peer
+        self._live[rid] = peer
+        return peer
+
+    def next_event_time(self) -> float | None:
+        """Earliest ``next_event_time`` of the live peers; O(live peers)."""
+        best = None
+        for p in self._live.values():
+            t = p.next_event_time()
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
+
+    def on_success(self, peer: DecodePeer) -> None:
+        if self._live.get(peer.rid) is peer:
+            del self._live[peer.rid]
+        if not self.keep_received:
+            self.retire(peer)
+
+    def retire(self, peer: DecodePeer) -> None:
+        """Free ``peer``'s decode slots and forget it (idempotent; a newer peer under the same
+        rid is left alone)."""
+        if peer.decode_slots is not None:
+            self.allocator.free(peer.decode_slots)
+            peer.decode_slots = None
+        if self.peers.get(peer.rid) is peer:
+            del self.peers[peer.rid]
+        if self._live.get(peer.rid) is peer and not peer.live:
+            del self._live[peer.rid]
+
+    def release(self, rid: str) -> None:
+        """Free the decode slots of ``rid`` and forget its peer (idempotent)."""
+        peer = self.peers.get(rid)
+        if peer is not None:
+            self.retire(peer)
+
+    def received_kv(self, rid: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``(decode_prefix_len, k, v)`` with ``k``/``v`` ``[L, n - decode_prefix_len, H, D]``:
+        what decode holds for the tokens prefill sent (valid after ``Success``, until
+        ``release(rid)``)."""
+        peer = self.peers.get(rid)
+        if peer is None or peer.state != KVPoll.Success or peer.decode_slots is None:
+            state = "released" if peer is None else peer.state.name
+            raise ValueError(f"rid {rid!r} has no received KV ({state})")
+        slots = peer.decode_slots[: peer.num_tokens - peer.decode_prefix_len]
+        k = torch.stack([self.pool.k_buffer[i][slots] for i in range(self.pool.layer_num)])
+        v = torch.stack([self.pool.v_buffer[i][slots] for i in range(self.pool.layer_num)])
+        return peer.decode_prefix_len, k, v

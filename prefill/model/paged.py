@@ -1,0 +1,391 @@
+"""A small decoder-only transformer with paged attention over a KV pool (random weights).
+
+Llama-style blocks: RMSNorm, rotary position embeddings, grouped-query attention and a gated
+(SwiGLU) MLP. Weights are drawn from ``random_seed`` (nothing is downloaded), so two models built
+from the same config on the same device are identical.
+
+Attention is paged as in SGLang's extend path: each layer writes the new tokens' K (after rotary)
+and V into the device pool at ``out_loc`` via ``set_kv_buffer``, then reads the request's whole
+K/V (cached prefix + new tokens) back from the pool by slot. A ``layer_wait(layer_id)`` hook runs
+before each layer touches the pool, so an H2D load-back of layer ``i + 1`` overlaps the compute
+of layer ``i`` (the hook is the radix tree's ``layer_wait``).
+
+Numerics: projections and MLP in the model dtype; RMSNorm and rotary in fp32; attention in
+fp32 on CPU and in the model dtype on CUDA (flash / memory-efficient SDPA). A prefix read back
+from the pool equals what a full recompute would produce up to matmul reduction order, so
+logits match a full recompute to ~1e-5 in fp32 (see tests/prefill/test_model.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+if TYPE_CHECKING:
+    from hicache.memory.device_pool import MHATokenToKVPool
+    from server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+LayerWait = Callable[[int], None]
+
+# SDPA's enable_gqa exists from torch 2.5; cleared at the first kernel path that rejects it.
+_GQA_OK = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, **kw: bool
+) -> torch.Tensor:
+    """SDPA with a causal mask: top-left (``mask is None``, square) or a ``CausalBias``."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry and numerics of the model. ``num_kv_heads``/``head_dim`` must match the pool."""
+
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
+            "intermediate_size", "vocab_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even (rotary), got {self.head_dim}")
+
+    @classmethod
+    def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelConfig:
+        """The CPU test default: 4 layers, 4 query / 2 KV heads of dim 16, hidden 64, fp32."""
+        return cls(seed=seed, dtype=dtype)
+
+    @classmethod
+    def llama3_8b_shape(cls, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ModelConfig:
+        """Llama-3-8B's shape: 32 layers, 32 query / 8 KV heads of dim 128, hidden 4096,
+        intermediate 14336, bf16. The vocabulary is reduced to 32000 (Llama-3: 128256) to keep
+        the random embedding and LM head affordable; the KV geometry is exact (~7.0 B params,
+        ~14 GB in bf16)."""
+        return cls(
+            num_layers=32, num_attention_heads=32, num_kv_heads=8, head_dim=128,
+            hidden_size=4096, intermediate_size=14336, vocab_size=32000, dtype=dtype, seed=seed,
+        )
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> ModelConfig:
+        """Geometry from the resolved ``ServerArgs`` (preset already filled in)."""
+        return cls(
+            num_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads,
+            num_kv_heads=args.head_num,
+            head_dim=args.head_dim,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            vocab_size=args.vocab_size,
+            dtype=args.torch_dtype(),
+            seed=args.random_seed,
+        )
+
+
+@dataclass(frozen=True)
+class ExtendInput:
+    """One request's part of an extend batch.
+
+    ``input_ids``: int64 ``[n]`` new tokens. ``slots``: int64 ``[prefix_len + n]`` device-pool
+    slots of the request's whole sequence so far (cached prefix first, then the slots the new
+    tokens' K/V are written to). ``prefix_len``: tokens whose K/V are already in the pool.
+    Positions are ``prefix_len .. prefix_len + n - 1``.
+    """
+
+    input_ids: torch.Tensor
+    slots: torch.Tensor
+    prefix_len: int
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class PagedTransformer(torch.nn.Module):
+    """Decoder-only transformer whose attention reads and writes a paged KV pool.
+
+    Parameters live on ``device`` in ``config.dtype``; built under ``torch.no_grad``.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(c.seed)
+
+        def w(out_f: int, in_f: int) -> torch.nn.Parameter:
+            t = torch.randn(out_f, in_f, generator=gen, device=self.device, dtype=torch.float32)
+            return torch.nn.Parameter((t / math.sqrt(in_f)).to(c.dtype), requires_grad=False)
+
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_kv_heads * c.head_dim
+        emb = torch.randn(c.vocab_size, c.hidden_size, generator=gen, device=self.device)
+        self.embed = torch.nn.Parameter(emb.to(c.dtype), requires_grad=False)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(c.num_layers):
+            layer = torch.nn.Module()
+            layer.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
+            layer.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
+            layer.qkv = w(q_dim + 2 * kv_dim, c.hidden_size)
+            layer.o = w(c.hidden_size, q_dim)
+            layer.gate_up = w(2 * c.intermediate_size, c.hidden_size)
+            layer.down = w(c.hidden_size, c.intermediate_size)
+            self.layers.append(layer)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
+        self.lm_head = w(c.vocab_size, c.hidden_size)
+        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device)
+        inv_freq = 1.0 / (c.rope_theta ** (exponents / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ helpers
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x`` ``[n, heads, D]`` at int64 ``positions`` ``[n]``; fp32 math."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel projection (``o``, ``down``) summed over tensor-parallel
+        ranks; the identity here (one rank holds every column). ``prefill.model.paged.tp`` all-reduces.
+        """
+        return partial
+
+    def _check_pool(self, pool: MHATokenToKVPool) -> None:
+        c = self.config
+        if pool.layer_num != c.num_layers or pool.head_num != c.num_kv_heads:
+            raise ValueError(
+                f"pool geometry (L={pool.layer_num}, H={pool.head_num}) does not match the model "
+                f"(L={c.num_layers}, H={c.num_kv_heads})"
+            )
+        if pool.head_dim != c.head_dim:
+            raise ValueError(f"pool head_dim={pool.head_dim} != model head_dim={c.head_dim}")
+
+    def _check_inputs(self, batch: Sequence[ExtendInput]) -> None:
+        if len(batch) == 0:
+            raise ValueError("batch must hold at least one request")
+        for i, r in enumerate(batch):
+            for name in ("input_ids", "slots"):
+                t = getattr(r, name)
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                    raise ValueError(f"batch[{i}].{name} must be a 1-D torch.int64 tensor")
+            n = r.input_ids.numel()
+            if n == 0:
+                raise ValueError(f"batch[{i}].input_ids is empty")
+            if r.prefix_len < 0 or r.slots.numel() != r.prefix_len + n:
+                raise ValueError(
+                    f"batch[{i}].slots has {r.slots.numel()} entries, expected prefix_len "
+                    f"({r.prefix_len}) + len(input_ids) ({n})"
+                )
+            if r.input_ids.device.type == "cpu" and (
+                int(r.input_ids.min()) < 0 or int(r.input_ids.max()) >= self.config.vocab_size
+            ):
+                raise ValueError(f"batch[{i}].input_ids out of range [0, {self.config.vocab_size})")
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward_extend(
+        self,
+        pool: MHATokenToKVPool,
+        batch: Sequence[ExtendInput],
+        layer_wait: LayerWait | None = None,
+        return_all_logits: bool = False,
+    ) -> list[torch.Tensor]:
+        """Run one extend (prefill) pass over a small batch of requests.
+
+        For each request, the K/V of its new tokens is written into ``pool`` at
+        ``slots[prefix_len:]`` (every layer), and its prefix K/V is read from ``pool`` at
+        ``slots[:prefix_len]``; ``layer_wait(l)`` is called before layer ``l`` reads or writes the
+        pool. Tensors are on the model's device; slots index the pool's slot dimension.
+
+        Returns one fp32 tensor per request: logits of its last token ``[vocab]``, or of all its
+        new tokens ``[n, vocab]`` with ``return_all_logits``. Mutates the pool only at the new
+        tokens' slots. Does not synchronize the device (only argument checks touch CPU values).
+        """
+        self._check_pool(pool)
+        self._check_inputs(batch)
+        c = self.config
+        dev = self.device
+        lens = [r.input_ids.numel() for r in batch]
+        # Pageable host ids: the copy is staged at once, so non_blocking never races the source,
+        # and the host does not wait here for the previous forward to finish.
+        ids = torch.cat([r.input_ids for r in batch]).to(dev, non_blocking=True)
+        positions = torch.cat(
+            [
+                torch.arange(r.prefix_len, r.prefix_len + n, dtype=torch.int64, device=dev)
+                for r, n in zip(batch, lens, strict=True)
+            ]
+        )
+        slots = [r.slots.to(dev, non_blocking=True) for r in batch]
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_kv_heads * c.head_dim
+        h = self.embed[ids]
+        for layer_id, layer in enumerate(self.layers):
+            if layer_wait is not None:
+                layer_wait(layer_id)
+            x = layer.input_norm(h)
+            qkv = x @ layer.qkv.t()
+            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
+            k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            attn_out = []
+            start = 0
+            for r, n, s in zip(batch, lens, slots, strict=True):
+                new_k, new_v = k[start : start + n], v[start : start + n]
+                pool.set_kv_buffer(layer_id, s[r.prefix_len :], new_k, new_v)
+                k_all = pool.get_key_buffer(layer_id)[s]
+                v_all = pool.get_value_buffer(layer_id)[s]
+                attn_out.append(self._attention(q[start : start + n], k_all, v_all, r.prefix_len))
+                start += n
+            o = torch.cat(attn_out).to(c.dtype) @ layer.o.t()
+            h = h + self._reduce(o)
+            x = layer.post_norm(h)
+            gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
+            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
+        h = self.norm(h)
+        out = []
+        start = 0
+        for n in lens:
+            hs = h[start : start + n] if return_all_logits else h[start + n - 1]
+            out.append((hs @ self.lm_head.t()).float())
+            start += n
+        return out
+
+    def _attention(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix_len: int
+    ) -> torch.Tensor:
+        """Causal GQA attention of ``q`` ``[n, Hq, D]`` over ``k_all``/``v_all`` ``[T, H, D]``
+        with ``T = prefix_len + n``; query ``i`` sees keys ``0 .. prefix_len + i`` (causal mask
+        aligned to the bottom right, never materialized). fp32 math on CPU; the model dtype on
+        CUDA, so SDPA can pick a flash / memory-efficient kernel for long prompts."""
+        c = self.config
+        n, total = q.shape[0], k_all.shape[0]
+        dt = torch.float32 if q.device.type == "cpu" else q.dtype
+        # A batch dimension of 1: SDPA's fused kernels (flash, memory-efficient, cuDNN) take 4-D
+        # inputs only; 3-D ones fall back to the math kernel, which materializes the
+        # [Hq, n, T] fp32 score matrix (GBs per layer at long prompts).
+        qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        kf = k_all.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        vf = v_all.to(dt).transpose(0, 1).unsqueeze(0)
+        global _GQA_OK
+        group = c.num_attention_heads // c.num_kv_heads
+        mask = causal_lower_right(n, total) if prefix_len > 0 else None
+        out = None
+        if _GQA_OK and group > 1:
+            try:
+                out = _sdpa(qf, kf, vf, mask, enable_gqa=True)
+            except RuntimeError as exc:  # a kernel path without native GQA: expand instead
+                _GQA_OK = False
+                logger.warning("SDPA with enable_gqa failed (%s); expanding KV heads", exc)
+        if out is None:
+            if group > 1:
+                kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+            out = _sdpa(qf, kf, vf, mask)
+        return out[0].transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
+
+    @torch.no_grad()
+    def forward_reference(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+        """Full recompute without a pool (the oracle for tests).
+
+        ``input_ids``: int64 ``[n]``. Returns ``(logits [n, vocab] fp32, k [L, n, H, D],
+        v [L, n, H, D])`` with K after rotary, in the model dtype, as the pool would hold them.
+        """
+        c = self.config
+        ids = input_ids.to(self.device)
+        n = ids.numel()
+        positions = torch.arange(n, dtype=torch.int64, device=self.device)
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_kv_heads * c.head_dim
+        ks, vs = [], []
+        h = self.embed[ids]
+        for layer in self.layers:
+            x = layer.input_norm(h)
+            q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
+            k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            ks.append(k)
+            vs.append(v)
+            h = h + self._reduce(self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t())
+            x = layer.post_norm(h)
+            gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
+            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
+        logits = (self.norm(h) @ self.lm_head.t()).float()
+        return logits, torch.stack(ks), torch.stack(vs)
+
+
+def build_model(args: ServerArgs) -> PagedTransformer:
+    """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
+    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.model.paged.tp``), its rank
+    and model group the initialized default process group's, which must have ``tp_size``
+    ranks."""
+    config = ModelConfig.from_server_args(args)
+    tp_size = getattr(args, "tp_size", 1)
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        from prefill.model.paged.tp import TPPagedTransformer
+
+        if not dist.is_initialized() or dist.get_world_size() != tp_size:
+            world = dist.get_world_size() if dist.is_initialized() else None
+            raise ValueError(
+                f"tp_size: --tp-size={tp_size} needs an initialized default process group of "
+                f"that many ranks (world size {world})"
+            )
+        return TPPagedTransformer(config, dist.get_rank(), tp_size, device=args.resolved_device())
+    model = PagedTransformer(config, args.resolved_device())
+    logger.info(
+        "model %s: %d layers, %d/%d heads x %d, hidden %d, %s, seed %d",
+        getattr(args, "model_preset", "?"), config.num_layers, config.num_attention_heads,
+        config.num_kv_heads, config.head_dim, config.hidden_size, config.dtype, config.seed,
+    )
+    return model

@@ -1,0 +1,186 @@
+"""The paged transformer split across tensor-parallel ranks (Megatron-style, as SGLang's
+``QKVParallelLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear``).
+
+Rank ``r`` of ``tp_size`` holds:
+
+- column-parallel ``qkv``: its query heads and its KV heads (rows of ``q``, ``k`` and ``v``);
+- column-parallel ``gate_up``: its slice of the intermediate columns (of gate and of up);
+- row-parallel ``o`` and ``down``: the input columns matching its heads / intermediate slice;
+  their partial outputs are summed over the ranks by an all_reduce on the model group;
+- embedding, norms and LM head in full (replicated; the vocabulary is not split).
+
+Attention needs no communication: each rank attends with its query heads over its own KV heads,
+which are exactly the KV heads its pool holds. Its device pool (and so its host pool) is built
+with ``local_kv_heads`` heads, ``TPShard.kv_heads`` of the full model's.
+
+KV heads: with ``tp_size <= num_kv_heads`` the heads are split (``num_kv_heads % tp_size == 0``).
+With ``tp_size > num_kv_heads`` each KV head is replicated on ``tp_size // num_kv_heads``
+consecutive ranks, as SGLang does (``tp_size % num_kv_heads == 0``): every rank holds one KV head,
+and its query heads are among that head's group. Any other geometry raises ``ValueError``
+naming ``tp_size``; so does ``num_attention_heads`` or ``intermediate_size`` not divisible by it.
+
+Weights: every rank draws the full model from the seed (as ``PagedTransformer``) and keeps its
+slice, so the TP model computes the single-rank model's function; logits equal the single-rank
+logits up to the order of the partial sums (fp32: ~1e-6). The all_reduce leaves the same sum on
+every rank, so every rank's logits are identical to each other. The full draw is transient
+(on ``device``: the full model's size once, per rank, at construction).
+
+Model group: ``torch.distributed`` process group for the two all_reduces per layer (gloo on CPU,
+NCCL on GPU; the tensors' device decides). It is not the cache's agreement group
+(``hicache.tp.group``), which is always gloo and carries host integers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefill.model.paged.paged import ModelConfig, PagedTransformer
+from server_args import tp_geometry_errors
+
+__all__ = ["TPPagedTransformer", "TPShard"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What rank ``tp_rank`` of ``tp_size`` holds of a model; ranges are ``[start, end)``.
+
+    ``kv_replicas``: ranks holding each of its KV heads (1 unless ``tp_size > num_kv_heads``).
+    """
+
+    tp_rank: int
+    tp_size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    kv_replicas: int
+
+    @classmethod
+    def plan(cls, config: ModelConfig, tp_rank: int, tp_size: int) -> TPShard:
+        """The shard of rank ``tp_rank``; ``ValueError`` naming the argument for a geometry
+        that cannot be split ``tp_size`` ways (see the module docstring)."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        c = config
+        hq, hkv, inter = c.num_attention_heads, c.num_kv_heads, c.intermediate_size
+        errors = tp_geometry_errors(tp_size, hq, hkv, inter)
+        if errors:
+            raise ValueError(errors[0])
+        q_per = hq // tp_size
+        if tp_size <= hkv:
+            kv_per, replicas = hkv // tp_size, 1
+            kv0 = tp_rank * kv_per
+        else:
+            kv_per, replicas = 1, tp_size // hkv
+            kv0 = tp_rank // replicas
+        i_per = inter // tp_size
+        return cls(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            q_heads=(tp_rank * q_per, (tp_rank + 1) * q_per),
+            kv_heads=(kv0, kv0 + kv_per),
+            intermediate=(tp_rank * i_per, (tp_rank + 1) * i_per),
+            kv_replicas=replicas,
+        )
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """``config`` with this rank's head counts and intermediate size (the geometry its
+        attention, MLP and KV pool see)."""
+        return dataclasses.replace(
+            config,
+            num_attention_heads=self.q_heads[1] - self.q_heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.intermediate[1] - self.intermediate[0],
+        )
+
+
+class TPPagedTransformer(PagedTransformer):
+    """One rank's part of ``PagedTransformer(config)`` (see the module docstring).
+
+    Args:
+        config: the full model's config (the seed draws the full weights).
+        tp_rank, tp_size: this rank and the number of ranks.
+        group: the model's ``torch.distributed`` process group (``None``: the default group);
+            unused when ``tp_size == 1``.
+        device: where parameters live; the group's backend must serve it.
+
+    ``config`` (attribute) is the local geometry (``TPShard.local_config``), so the pool check
+    expects a pool of ``local_kv_heads`` heads; ``full_config`` is the whole model's.
+    ``forward_extend`` / ``forward_reference`` are collective: every rank of the group calls
+    them, in the same order, with the same token ids, positions and batch composition (slots
+    may differ: each rank indexes its own pool). Returned logits are the same on every rank.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int,
+        tp_size: int,
+        group: Any = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shard = TPShard.plan(config, tp_rank, tp_size)
+        super().__init__(config, device)
+        self.full_config = config
+        self.shard = shard
+        self.group = group
+        self._shard_weights()
+        self.config = shard.local_config(config)
+        logger.info(
+            "tp rank %d/%d: query heads %s, KV heads %s (x%d replicas), intermediate %s",
+            tp_rank,
+            tp_size,
+            shard.q_heads,
+            shard.kv_heads,
+            shard.kv_replicas,
+            shard.intermediate,
+        )
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank's pools hold."""
+        return self.shard.kv_heads[1] - self.shard.kv_heads[0]
+
+    def _shard_weights(self) -> None:
+        c, s = self.full_config, self.shard
+        d, hid = c.head_dim, c.hidden_size
+        q_dim, kv_dim, inter = c.num_attention_heads * d, c.num_kv_heads * d, c.intermediate_size
+        (q0, q1), (k0, k1), (i0, i1) = s.q_heads, s.kv_heads, s.intermediate
+
+        def keep(t: torch.Tensor) -> torch.nn.Parameter:
+            return torch.nn.Parameter(t.contiguous().clone(), requires_grad=False)
+
+        for layer in self.layers:
+            q, k, v = layer.qkv.split([q_dim, kv_dim, kv_dim], dim=0)
+            layer.qkv = keep(
+                torch.cat(
+                    [
+                        q.view(-1, d, hid)[q0:q1].reshape(-1, hid),
+                        k.view(-1, d, hid)[k0:k1].reshape(-1, hid),
+                        v.view(-1, d, hid)[k0:k1].reshape(-1, hid),
+                    ]
+                )
+            )
+            layer.o = keep(layer.o.view(hid, -1, d)[:, q0:q1].reshape(hid, -1))
+            gate, up = layer.gate_up.split([inter, inter], dim=0)
+            layer.gate_up = keep(torch.cat([gate[i0:i1], up[i0:i1]]))
+            layer.down = keep(layer.down[:, i0:i1])
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the row-parallel partial output over the model group, in place (blocks until
+        every rank contributed; on NCCL it is enqueued on the current stream)."""
+        if self.shard.tp_size == 1:
+            return partial
+        import torch.distributed as dist
+
+        partial = partial.contiguous()
+        dist.all_reduce(partial, group=self.group)
+        return partial

@@ -1,0 +1,149 @@
+"""A request's device KV through the cache's tree API (SGLang ``init_next_round_input``,
+``cache_unfinished_req``, ``release_kv_cache``), for the radix tree with or without a host tier.
+
+Slot ownership of one request's attempt (``PrefillRequest`` fields, token ranges half-open):
+
+- ``[0, tree_len)``: owned by the tree; this request holds ONE lock on ``last_node`` (which
+  covers exactly these tokens), so none of them can be evicted or freed while it runs, parks or
+  transfers. Includes device hits, host hits being loaded back (the tree also keeps its own
+  lock until the load ack) and pages this request inserted at chunk boundaries.
+- ``[tree_len, computed_len)``: KV computed by this request, owned by the request (the tail
+  that is not a whole page yet, or a chunk not yet inserted).
+- ``[computed_len, len(slots))``: allocated by the request for the rest of its last page (or the
+  chunk about to run), owned by the request.
+
+``release`` gives the lock back and frees ``slots[tree_len:]`` (whole pages); it must only run
+when no send to a live peer still reads those slots (a request is released at ``Success``, when
+every send was acked, or at abort, when its peer failed and reads nothing more).
+
+Every insert is measured: host backups the tree issues from inside an insert made for an attempt
+that is not finalized are counted in ``stats.speculative_l2_pages`` (the executor never makes
+such an insert into a tree that backs up at insert, so this stays 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from prefill.request.state.state import PrefillRequest
+from prefill.stats import ExecutorStats
+
+logger = logging.getLogger(__name__)
+
+
+class RequestKV:
+    """Admission, allocation, chunk insertion and release of requests' device slots."""
+
+    def __init__(self, cache: Any, stats: ExecutorStats) -> None:
+        self.cache = cache
+        self.tree = cache.tree
+        self.cache_stats = cache.stats
+        self.stats = stats
+        self.allocator = cache.allocator
+        self.page_size = cache.allocator.page_size
+        self.device = cache.allocator.device
+
+    def _pages(self, n: int) -> int:
+        """``n`` rounded up to whole pages."""
+        ps = self.page_size
+        return (n + ps - 1) // ps * ps
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
+        short; ``None`` when even eviction cannot make room. May block while write_back backs
+        up an evicted leaf. Under tensor parallelism the room and the eviction are the cache
+        group's decisions (``KVCache.alloc_device``), so every rank gets slots or none."""
+        return self.cache.alloc_device(n)
+
+    # ------------------------------------------------------------------ admission
+    def match_and_lock(self, req: PrefillRequest) -> None:
+        """Match the request's prefix (at most ``n - 1`` tokens, so one token is computed),
+        start a load-back of a host hit, and lock the deepest device node. Sets ``slots``,
+        ``tree_len``, ``computed_len``, ``last_node``, ``cached_device``, ``cached_host``."""
+        assert req.slots is None and req.last_node is None, "request already holds KV"
+        m = self.tree.match_prefix(req.token_ids[: req.num_tokens - 1])
+        prefix = m.device_indices
+        last = m.last_device_node
+        loaded = 0
+        if m.host_hit_length > 0:
+            host_indices, node = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
+            if host_indices is not None and host_indices.numel() > 0:
+                prefix = torch.cat([prefix, host_indices.to(prefix.device)])
+                last = node
+                loaded = host_indices.numel()
+        self.tree.inc_lock_ref(last)
+        req.slots = prefix.to(self.device, torch.int64)
+        req.tree_len = req.computed_len = prefix.numel()
+        req.last_node = last
+        req.cached_device = prefix.numel() - loaded
+        req.cached_host = loaded
+
+    def alloc_extend(self, req: PrefillRequest, n: int) -> bool:
+        """Make room for ``n`` more tokens after ``computed_len``; ``False`` (nothing changed)
+        when the pool is full even after eviction."""
+        assert req.slots is not None
+        need = self._pages(req.computed_len + n) - req.slots.numel()
+        if need <= 0:
+            return True
+        new = self.alloc(need)
+        if new is None:
+            return False
+        req.slots = torch.cat([req.slots, new])
+        return True
+
+    # ------------------------------------------------------------------ chunk boundaries
+    def cache_unfinished(self, req: PrefillRequest, chunked: bool) -> None:
+        """Insert the computed whole pages ``[0, computed_len // ps * ps)`` into the tree and
+        move the request's lock to the new deepest node.
+
+        Ownership: ``slots[tree_len:present]`` duplicate KV another request inserted meanwhile
+        and are freed (the request reads the tree's copy from now on); ``slots[present:end]``
+        become the tree's. No in-flight send reads them: sends only cover ``[.., tree_len)`` at
+        boundaries (checked).
+        """
+        assert req.slots is not None
+        end = req.computed_len // self.page_size * self.page_size
+        if end <= req.tree_len:
+            return
+        assert req.start_send_idx <= max(req.tree_len, req.peer.decode_prefix_len), (
+            f"{req.rid}: a send covers tokens not yet in the tree"
+        )
+        key = req.token_ids[:end]
+        backed_up = self.cache_stats.backed_up_tokens
+        present = self.tree.insert(key, req.slots[:end], chunked=chunked)
+        issued = self.cache_stats.backed_up_tokens - backed_up
+        if issued and req.pending_bootstrap:
+            self.stats.speculative_l2_pages += -(-issued // self.page_size)
+            logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
+        assert present >= req.tree_len, f"{req.rid}: locked prefix {req.tree_len} > {present}"
+        if present > req.tree_len:
+            self.allocator.free(req.slots[req.tree_len : present])
+        m = self.tree.match_prefix(key)
+        assert m.device_indices.numel() == end, (
+            f"{req.rid}: inserted {end} tokens, {m.device_indices.numel()} device-resident"
+        )
+        self.tree.inc_lock_ref(m.last_device_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = m.last_device_node
+        req.slots = torch.cat([m.device_indices.to(self.device), req.slots[end:]])
+        req.tree_len = end
+
+    # ------------------------------------------------------------------ release
+    def release(self, req: PrefillRequest) -> int:
+        """Unlock ``last_node`` and free ``slots[tree_len:]``; clears the request's slot state.
+        Returns the slots freed. Idempotent."""
+        freed = 0
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        if req.slots is not None and req.slots.numel() > req.tree_len:
+            owned = req.slots[req.tree_len :]
+            self.allocator.free(owned)
+            freed = owned.numel()
+        req.slots = None
+        req.last_node = None
+        req.tree_len = 0
+        req.computed_len = 0
+        return freed

@@ -1,0 +1,193 @@
+"""What the prefill executor agrees on across tensor-parallel ranks (SGLang's scheduler at
+``tp_size > 1``), on the cache group (``hicache.tp.group``).
+
+Every rank runs the same executor over its own shard of the KV heads: its own cache, its own
+decode side (it sends its own shard), the same scheduling code. The schedule is identical on
+every rank because every input to it is identical:
+
+- **Requests and time** (``RankZeroInputs``): only rank 0 accepts requests (SGLang's
+  ``_broadcast_reqs_across_ranks``). At the start of every step rank 0 broadcasts the requests
+  submitted since the last step (with their submit times), decode-side releases, and its clock
+  reading; every rank then reads that time for the whole step (``AgreedClock``).
+- **Decode peers** (``PeerPolls``): each rank polls its own peers; a queue's states are
+  MIN-reduced before anyone acts on them (SGLang's ``poll_and_all_reduce``; ``KVPoll`` order
+  makes MIN the most pessimistic: ``Failed`` < ``Bootstrapping`` < ``WaitingForInput`` <
+  ``Transferring`` < ``Success``). A peer that failed on one rank is failed on every rank,
+  locally too, so no rank's transfer reads slots the executor then frees. A send's success is
+  agreed the same way, and the earliest next peer event is the earliest of any rank's.
+- **Cache decisions** (allocations, acks, backups, loads, evictions): agreed in ``hicache``
+  (``KVCache.alloc_device``, ``hicache.tree.hiradix_transfers``).
+- **Check**: after building a batch rank 0 broadcasts its ``(rid, new tokens, computed)`` and
+  every rank checks its own against it (``check_batch``): a divergence is an error on every
+  rank before the model's collectives could hang.
+
+With one rank every helper here is the identity and communicates nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hicache.tp.group import RankDivergenceError, TPGroup
+from prefill.disagg.sim_peer import KVPoll
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgreedClock", "PeerPolls", "RankZeroInputs", "check_batch"]
+
+
+class AgreedClock:
+    """The executor's clock on every rank of a tensor-parallel group: rank 0's time.
+
+    ``set_base(t)`` (at every step's start, with the time rank 0 broadcast) fixes ``now()``
+    for the step on every rank. On a virtual inner clock, time then moves with the step's
+    ``advance`` calls (identical on every rank: the same cost model over the same batches); on
+    wall time ``now()`` stays at the step's start until ``release()`` (the executor calls it
+    when ``step`` returns to its caller), after which rank 0 reads its own clock again (a driver
+    on rank 0 sees live time; the other ranks keep the step's). ``live_now()`` is rank 0's own
+    reading (submit times, what it broadcasts). ``wait_until(t)``: a virtual clock jumps; on
+    wall time rank 0 sleeps (its clock defines the time) and the other ranks return at once
+    (they wait in the next step's broadcast).
+    """
+
+    def __init__(self, inner: Any, group: TPGroup) -> None:
+        self.inner = inner
+        self.group = group
+        self.is_virtual = bool(getattr(inner, "is_virtual", False))
+        self._base = float(inner.now())
+        self._inner_base = self._base
+        self._live = True
+
+    def set_base(self, t: float) -> None:
+        self._base = float(t)
+        self._inner_base = float(self.inner.now())
+        self._live = False
+
+    def release(self) -> None:
+        self._live = True
+
+    def now(self) -> float:
+        if self.is_virtual:
+            return self._base + (self.inner.now() - self._inner_base)
+        if self._live and self.group.rank == 0:
+            return float(self.inner.now())
+        return self._base
+
+    def live_now(self) -> float:
+        if self.group.rank == 0 and not self.is_virtual:
+            return float(self.inner.now())
+        return self.now()
+
+    def advance(self, dt: float) -> None:
+        self.inner.advance(dt)
+
+    def wait_until(self, t: float) -> None:
+        if self.is_virtual:
+            ahead = t - self.now()
+            if ahead > 0:
+                self.inner.wait_until(self.inner.now() + ahead)
+        elif self.group.rank == 0:
+            self.inner.wait_until(t)
+
+
+class RankZeroInputs:
+    """What rank 0 received since the last step, broadcast to every rank at the next one.
+
+    Operations (plain tuples, applied by the executor in order): ``("submit", rid, token_ids,
+    submit_time)``, ``("release", rid)`` (free the decode side's kept KV) and ``("stop",)``
+    (ends ``follow`` on the other ranks).
+    """
+
+    def __init__(self, group: TPGroup, clock: AgreedClock) -> None:
+        self.group = group
+        self.clock = clock
+        self.ops: list[tuple[Any, ...]] = []
+        self._rids: set[str] = set()
+
+    def pending(self, rid: str) -> bool:
+        """``rid`` is submitted and not broadcast yet."""
+        return rid in self._rids
+
+    def submit(self, rid: str, token_ids: list[int], submit_time: float) -> None:
+        self.ops.append(("submit", rid, token_ids, submit_time))
+        self._rids.add(rid)
+
+    def release(self, rid: str) -> None:
+        self.ops.append(("release", rid))
+
+    def stop(self) -> None:
+        self.ops.append(("stop",))
+
+    def sync(self) -> list[tuple[Any, ...]]:
+        """Collective: rank 0's queued operations and clock reading on every rank; sets the
+        step's time. Returns the operations."""
+        payload = (self.clock.live_now(), self.ops) if self.group.rank == 0 else None
+        t, ops = self.group.broadcast_object(payload, src=0, tag="step_inputs")
+        self.ops = []
+        self._rids.clear()
+        self.clock.set_base(t)
+        return ops
+
+
+class PeerPolls:
+    """Decode-peer states the executor acts on: this rank's polls, MIN-reduced over the group.
+
+    ``each(reqs)`` polls every request's peer (one queue at a time, in queue order) and returns
+    ``(req, state)`` pairs. With one rank it is lazy (each peer is polled as the caller reaches
+    it, as without TP); with more ranks it polls the whole queue and agrees before returning
+    (one collective per call, entered even for an empty queue).
+    """
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def each(self, reqs: Sequence[Any]) -> Iterable[tuple[Any, KVPoll]]:
+        if self.group.size == 1:
+            return ((r, r.peer.poll()) for r in reqs)
+        local = [int(r.peer.poll()) for r in reqs]
+        agreed = self.group.agree_min_many(local, tag="peer_polls")
+        out = []
+        for r, mine, state in zip(reqs, local, agreed, strict=True):
+            if state == KVPoll.Failed and mine != KVPoll.Failed:
+                r.peer.fail("decode peer failed on another tensor-parallel rank")
+            out.append((r, KVPoll(state)))
+        return out
+
+    def one(self, req: Any) -> KVPoll:
+        return next(iter(self.each([req])))[1]
+
+    def sent(self, req: Any, ok: bool) -> bool:
+        """Whether a send reached every rank's peer. A rank whose send went out while another
+        rank's failed fails its peer too (nothing it queued is read)."""
+        if self.group.size == 1:
+            return ok
+        agreed = self.group.agree_all(ok, tag="peer_send")
+        if ok and not agreed:
+            req.peer.fail("a KV send failed on another tensor-parallel rank")
+        return agreed
+
+    def next_event_time(self, decode: Any) -> float | None:
+        """The earliest ``next_event_time`` of every rank's decode side."""
+        t = decode.next_event_time()
+        if self.group.size == 1:
+            return t
+        times = [x for x in self.group.all_gather_object(t, tag="peer_next_event") if x is not None]
+        return min(times) if times else None
+
+
+def check_batch(group: TPGroup, batch: Sequence[tuple[Any, int]]) -> None:
+    """Rank 0 broadcasts its batch's ``(rid, new tokens, computed before)``; every rank checks
+    its own is the same and raises ``RankDivergenceError`` on every rank otherwise (naming the
+    ranks that differ, and this rank's batch next to rank 0's)."""
+    if group.size == 1:
+        return
+    mine = [(req.rid, int(n), int(req.computed_len)) for req, n in batch]
+    ref = group.broadcast_object(mine if group.rank == 0 else None, src=0, tag="batch")
+    try:
+        group.assert_same("batch", mine)
+    except RankDivergenceError as exc:
+        raise RankDivergenceError(
+            exc.tag, exc.digests, detail=f"rank 0 runs {ref}, rank {group.rank} runs {mine}"
+        ) from None

@@ -1,0 +1,358 @@
+"""The end-to-end benchmarks' deterministic mode and the suite's command line.
+
+- ``bench.clock.calibrate``: the forward table interpolates what it measured; the copy fit recovers a
+  per-call cost and a bandwidth.
+- ``bench.clock.virtual_cost``: what the virtual clock is charged for a forward that waits for layers
+  still loading, and for a wait on a backup.
+- A multi-turn and an optimistic configuration, each run twice on a virtual clock with the same
+  calibration: the same schedule to the last TTFT sample, integrity all zero.
+- ``python -m bench --only``: an unknown name is an error listing the valid ones; a partial run
+  merges its section into the summary file and keeps the others.
+- ``bench/gpu_check.sh`` without a CUDA torch stops at once with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from bench.e2e.driver.workload import poisson_arrivals
+
+from bench import __main__ as suite
+from bench.clock.calibrate import (
+    Calibration,
+    CopyFit,
+    ForwardTable,
+    fit_copy,
+    forward_grid,
+    table_from,
+)
+from bench.clock.virtual_cost import CostAccountant
+from bench.e2e.driver import driver as e2e
+from bench.multiturn import bench as bm
+from bench.optimistic import bench as bo
+from bench.optimistic import run as orun
+from bench.summary import git_commit, run_info
+from prefill.clock import VirtualClock
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(num_layers=2, num_attention_heads=4, head_num=2, head_dim=16, hidden_size=64,
+            intermediate_size=128, vocab_size=512, dtype="float32")  # fmt: skip
+
+
+def linear_calibration(layers: int = 2) -> Calibration:
+    """A made-up calibration: 1 ms + 10 us per new token + 0.1 us per (new x prefix) pair."""
+    ns, ps = [16, 64, 256], [0, 128, 512]
+    single = [[1e-3 + 1e-5 * n + 1e-7 * n * p for p in ps] for n in ns]
+    return Calibration(
+        ForwardTable(ns, ps, single, pair_saving_s=5e-4),
+        CopyFit("h2d", 1e-5, 1e9),
+        CopyFit("d2h", 2e-5, 5e8),
+        num_layers=layers,
+    )
+
+
+# ------------------------------------------------------------------------------ calibration
+def test_forward_table_interpolates_and_extrapolates_linearly() -> None:
+    cal = linear_calibration()
+    f = cal.forward
+    for n in (16, 40, 64, 100, 256):
+        for p in (0, 64, 128, 300, 512):
+            want = 1e-3 + 1e-5 * n + 1e-7 * n * p  # bilinear: exact for this function
+            assert f.one(n, p) == pytest.approx(want)
+    assert f.one(512, 1024) == pytest.approx(1e-3 + 1e-5 * 512 + 1e-7 * 512 * 1024)
+    assert f.one(1, 0) == f.one(16, 0)  # below the grid: the smallest n's time
+    two = f.cost([(64, 128), (16, 0)])
+    assert two == pytest.approx(f.one(64, 128) + f.one(16, 0) - 5e-4)
+    assert f.cost([]) == 0.0
+
+
+def test_table_from_medians_and_pair_saving() -> None:
+    grid = forward_grid(64, 256, 16)
+    assert [b for b in grid if len(b) == 1] == [[(n, p)] for n in (16, 32, 64)
+                                               for p in (0, 64, 128, 256)]  # fmt: skip
+    measured = []
+    for batch in grid:
+        t = sum(1e-3 + 1e-5 * n + 1e-8 * n * p for n, p in batch) - 2e-4 * (len(batch) - 1)
+        measured.append((batch, [t * 1.5, t, t * 0.9]))  # median is t
+    table = table_from(measured)
+    assert table.ns == [16, 32, 64] and table.ps == [0, 64, 128, 256]
+    assert table.one(32, 128) == pytest.approx(1e-3 + 3.2e-4 + 1e-8 * 32 * 128)
+    assert table.pair_saving_s == pytest.approx(2e-4)
+    assert all(pt["median_s"] == pytest.approx(pt["model_s"]) for pt in table.points)
+    with pytest.raises(ValueError, match="lacks single-request shapes"):
+        table_from([m for m in measured if m[0] != [(32, 64)]])
+
+
+def test_copy_fit_recovers_per_call_and_bandwidth() -> None:
+    points = [(b, 4, 4 * 3e-5 + b / 2e9) for b in (1 << 16, 1 << 20, 1 << 24)]
+    fit = fit_copy("h2d", points)
+    assert fit.per_call_s == pytest.approx(3e-5, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_copy("h2d", points[:1])
+
+
+# ------------------------------------------------------------------------------ virtual cost
+class _Op:
+    def __init__(self, n: int) -> None:
+        self.host_indices = torch.arange(n)
+
+
+class _Controller:
+    """Just what ``CostAccountant.install`` wraps."""
+
+    def __init__(self) -> None:
+        self.host_pool = types.SimpleNamespace(size_per_token=1000)
+        self.load_queue: list[_Op] = []
+        self.waited: list[Any] = []
+
+    def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
+        return device_indices.clone()
+
+    def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
+        self.waited.append(node_ids)
+        return list(node_ids or [])
+
+    def start_loading(self) -> int:
+        self.load_queue = []
+        return 0
+
+
+def test_forward_waits_for_layers_still_loading() -> None:
+    cal = linear_calibration(layers=2)
+    clock = VirtualClock()
+    model = types.SimpleNamespace(last_shapes=[(64, 0)])
+    acct = CostAccountant(cal, clock, model)  # type: ignore[arg-type]
+    ctl = _Controller()
+    acct.install(ctl)
+    compute = cal.forward.one(64, 0)  # 1.64 ms, 0.82 ms per layer
+    assert acct(64, 0) == pytest.approx(compute)
+    ctl.load_queue = [_Op(4000)]  # 4 MB: 2 MB per layer = 10 us + 2 ms each
+    ctl.start_loading()
+    per_layer_load = 1e-5 + 2e6 / 1e9
+    # layer 0 starts when loaded; layer 1 is loaded after 2 loads, later than layer 0's end
+    want = per_layer_load + max(compute / 2, per_layer_load) + compute / 2
+    assert acct(64, 0) == pytest.approx(want)
+    assert acct.load_wait_s == pytest.approx(want - compute)
+    assert acct(64, 0) == pytest.approx(compute)  # the next forward finds nothing loading
+
+
+def test_wait_for_a_backup_advances_the_clock_to_its_end() -> None:
+    clock = VirtualClock(start=1.0)
+    acct = CostAccountant(linear_calibration(), clock, types.SimpleNamespace(last_shapes=[]))
+    ctl = _Controller()
+    acct.install(ctl)
+    ctl.write(torch.arange(100), node_id=7)  # 100 KB at 0.5 GB/s + 20 us = 220 us
+    ctl.write(torch.arange(100), node_id=8)  # queued behind it: ends at 440 us
+    assert clock.now() == 1.0  # a backup alone does not block
+    assert ctl.wait_write([8]) == [8]
+    assert clock.now() == pytest.approx(1.0 + 2 * (2e-5 + 1e5 / 5e8))
+    assert acct.write_wait_s == pytest.approx(2 * (2e-5 + 1e5 / 5e8))
+    assert ctl.waited == [[8]]
+
+
+# ------------------------------------------------------------------------------ determinism
+@pytest.fixture
+def tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' CPU model shrunk to :data:`TINY`."""
+    monkeypatch.setattr(e2e, "CPU_MODEL", TINY)
+
+
+def _multiturn_opts() -> argparse.Namespace:
+    return bm.parse_args(
+        ["--num-clients", "4", "--num-rounds", "3", "--request-length", "64",
+         "--sub-question-input-length", "16", "--working-set-ratio", "3", "--chunked-prefill-size",
+         "64", "--kv-sample-every", "2", "--seeds", "5"], quick=True,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("tiny_model")
+@pytest.mark.parametrize("name", ["device_only", "write_back", "write_through"])
+def test_multiturn_on_the_virtual_clock_repeats_exactly(name: str) -> None:
+    opts = _multiturn_opts()
+    _, device_tokens = bm.pool_sizes(opts)
+    cal = linear_calibration()
+    rate = bm.request_rate(opts, cal)
+    model = bm.shared_model(bm.server_args_for(name, device_tokens, opts))
+    runs = [bm.run_config(name, 5, device_tokens, rate, opts, model, cal) for _ in range(2)]
+    a, b = runs
+    assert a["successes"] == 12
+    assert a["ttft_samples_s"] == b["ttft_samples_s"]
+    assert a["virtual_clock"] == b["virtual_clock"]
+    assert {k: v for k, v in a["integrity"].items() if k != "kv_checked_requests"} == dict.fromkeys(
+        ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends", "integrity_errors",
+         "speculative_l2_pages"), 0
+    )  # fmt: skip
+    assert a["integrity"]["kv_checked_requests"] == 6
+    if name != "device_only":
+        assert a["host_hit_tokens"] > 0 and a["virtual_clock"]["h2d_busy_s"] > 0
+
+
+def _optimistic_setup(
+    num_requests: int, kv_sample_every: int, seeds: int
+) -> tuple[argparse.Namespace, Calibration, Any]:
+    """bench_optimistic's options (prompts of 128 tokens, chunks of 16), the made-up calibration
+    and the shared model (build it under ``tiny_model``)."""
+    opts = bo.parse_args(
+        ["--num-requests", str(num_requests), "--input-len", "128", "--chunked-prefill-size",
+         "16", "--kv-sample-every", str(kv_sample_every), "--seeds", str(seeds)], quick=True,
+    )  # fmt: skip
+    model = bm.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
+    return opts, linear_calibration(), model
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_optimistic_on_the_virtual_clock_repeats_exactly() -> None:
+    opts, cal, model = _optimistic_setup(8, kv_sample_every=2, seeds=3)
+    prefill_s = orun.calibrate_prefill_s(opts, model, cal)
+    assert prefill_s == orun.calibrate_prefill_s(opts, model, cal)
+    delay = orun.DelayDistribution("uniform", 0.5 * prefill_s, 1.5 * prefill_s)
+    arrivals = poisson_arrivals(8, 0.5 / prefill_s, 3)
+    trace = orun.make_trace(opts, 3, arrivals, delay, 0.0)
+    a, b = (orun.run_config(trace, 2, "write_back", model, cal) for _ in range(2))
+    assert a["successes"] == 8 and a["ttft_samples_s"] == b["ttft_samples_s"]
+    assert a["optimistic_admissions"] > 0 and a["parks"] + a["yields"] > 0
+    assert a["recomputed_tokens"] == b["recomputed_tokens"]
+    assert not any(v for k, v in a["integrity"].items() if k != "kv_checked_requests")
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_write_through_retries_recompute_what_write_back_keeps() -> None:
+    """Forced retries on one trace: under write_back a retry recomputes only the last page (the
+    yield published the rest); under write_through it recomputes what the yield dropped."""
+    if "write_through" not in orun.available_policies():
+        pytest.skip("ServerArgs has no optimistic_prefill_write_through")
+    opts, cal, model = _optimistic_setup(6, kv_sample_every=1, seeds=1)
+    delay = orun.DelayDistribution("fixed", 1.0)  # peers ready long after any prefill
+    trace = orun.make_trace(opts, 1, [0.01 * i for i in range(6)], delay, 0.0, 1.0)
+    per_yield = {}
+    for policy in ("write_back", "write_through"):
+        res = orun.run_config(trace, 2, policy, model, cal)
+        assert res["successes"] == 6 and res["yields"] == 6  # every first attempt yields
+        assert not any(v for k, v in res["integrity"].items() if k != "kv_checked_requests")
+        assert res["integrity"]["speculative_l2_pages"] == 0
+        assert res["recomputed_tokens"] == res["executor_yield_recomputed_tokens"]
+        per_yield[policy] = res["recomputed_tokens_per_yield"]
+    assert per_yield["write_back"] == 16  # the last page: a match leaves one token to compute
+    uncached = 128 - int(128 * 0.8) // 16 * 16  # what each first attempt computed
+    assert per_yield["write_through"] == uncached == 32
+
+
+def test_compute_ledger_counts_positions_computed_twice() -> None:
+    ex = types.SimpleNamespace(batch_runner=types.SimpleNamespace(forward=lambda batch: batch))
+    ledger = orun.ComputeLedger(ex)
+
+    def req(rid: str, computed: int) -> Any:
+        return types.SimpleNamespace(rid=rid, computed_len=computed)
+
+    ex.batch_runner.forward([(req("a", 0), 32), (req("b", 0), 16)])
+    ex.batch_runner.forward([(req("a", 32), 16)])  # a yields; its retry starts at 16 (one page)
+    ex.batch_runner.forward([(req("a", 16), 48)])  # recomputes [16, 48)
+    assert ledger.recomputed("a") == 32
+    assert ledger.recomputed("b") == 0
+    assert ledger.total_recomputed(["a", "b", "c"]) == 32
+
+
+# ------------------------------------------------------------------------------ suite CLI
+def test_only_rejects_an_unknown_name_and_lists_the_valid_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        suite.main(["--only", "multiturn", "bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark bogus" in err
+    assert "valid names: transfer, cache_ops, multiturn, optimistic" in err
+
+
+def test_partial_run_merges_its_section_into_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = types.ModuleType("fake_bench")
+    fake.run = lambda quick, out_dir: {"value": 2, "integrity": {"leaked_slots": 0}}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setattr(suite, "SUITE", [("fake_bench", "cache_ops"), ("fake_bench", "transfer")])
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"cache_ops": {"value": 1}, "multiturn": {"kept": True},
+                                "integrity": {"leaked_slots": 5}}))  # fmt: skip
+    assert suite.main(["--only", "cache_ops", "--out", str(tmp_path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["cache_ops"] == {"value": 2, "integrity": {"leaked_slots": 0}}
+    assert data["multiturn"] == {"kept": True}
+    assert "transfer" not in data
+    assert data["integrity"]["leaked_slots"] == 0  # recomputed from the sections present
+    assert data["run"]["commit"] and "timestamp" in data["run"]
+
+
+def test_run_info_outside_a_repository(tmp_path: Path) -> None:
+    assert git_commit(tmp_path) == {"commit": "unknown", "dirty": None}
+    info = run_info()
+    assert len(info["loadavg_1_5_15"]) == 3 and info["timestamp"][:2] == "20"
+
+
+# ------------------------------------------------------------------------------ gpu_check.sh
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without a CUDA torch")
+def test_gpu_check_without_cuda_torch_stops_with_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 3
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: STOP: torch ")
+    assert "not a CUDA build" in lines[0]
+    assert (tmp_path / "out" / "status.txt").read_text() == "probe rc=3\n"
+
+
+def test_compare_reports_the_largest_ratio_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import compare
+
+    def summary(wb: float, a2: float) -> dict[str, Any]:
+        return {
+            "multiturn": {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
+                          "write_back": {"ttft_mean_speedup_vs_device_only": wb}},
+            "optimistic": {"attempts_0": {"ttft_mean_speedup_vs_0": 1.0},
+                           "attempts_0_with_failures": {"ttft_mean_speedup_vs_0": 1.0},
+                           "attempts_2": {"ttft_mean_speedup_vs_0": a2}, "seeds": [0]},
+        }  # fmt: skip
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(summary(3.0, 1.6)))
+    b.write_text(json.dumps(summary(3.06, 1.6)))
+    assert compare.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "multiturn/write_back" in out and "2.00%" in out and "attempts_0" not in out
+    assert compare.main([str(a), str(b), "--tolerance", "0.01"]) == 1
+    b.write_text(json.dumps({"transfer": {}}))
+    assert compare.main([str(a), str(b)]) == 2
+
+
+def test_aggregate_over_the_seeds_each_configuration_ran() -> None:
+    from bench.e2e.driver.report import aggregate_seeds
+
+    def row(ttft: float, ratio: float | None) -> dict[str, Any]:
+        return {"ttft_mean_s": ttft, "r": ratio, "yields": 2, "integrity": {"leaked_slots": 0}}
+
+    per_seed = {
+        0: {"base": row(2.0, 1.0), "fast": row(1.0, 2.0)},
+        1: {"base": row(3.0, 1.0), "fast": row(1.0, 3.0)},
+        2: {"base": row(4.0, 1.0)},  # cut short by a deadline
+    }
+    out = aggregate_seeds(per_seed, ("ttft_mean_s", "yields", "r"), "r")
+    assert out["base"]["seeds"] == [0, 1, 2] and out["fast"]["seeds"] == [0, 1]
+    assert out["fast"]["r"] == 2.5
+    assert out["fast"]["r_spread"] == {"mean": 2.5, "min": 2.0, "max": 3.0,
+                                       "stdev": pytest.approx(0.7071, abs=1e-4),
+                                       "per_seed": [2.0, 3.0]}  # fmt: skip
+    assert out["base"]["ttft_mean_s"] == 3.0 and out["base"]["yields"] == 2.0
+    assert out["base"]["integrity"] == {"leaked_slots": 0}

@@ -1,8 +1,0 @@
-"""The multi-process runner of the tensor-parallel tests: ``prefill.tp_launch`` (spawned ranks on
-a gloo group, a watchdog that fails a hang with every rank's stack), re-exported."""
-
-from __future__ import annotations
-
-from prefill.tp_launch import DEFAULT_TIMEOUT_S, RanksFailed, RanksHung, free_port, run_ranks
-
-__all__ = ["DEFAULT_TIMEOUT_S", "RanksFailed", "RanksHung", "free_port", "run_ranks"]
