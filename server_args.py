@@ -94,7 +94,7 @@ class Resolution(NamedTuple):
 
 
 def tp_geometry_errors(tp: int, hq: int | None, hkv: int | None, inter: int | None) -> list[str]:
-    """What keeps ``tp`` ranks from splitting a model (``prefill.model.paged.tp.TPShard.plan`` and
+    """What keeps ``tp`` ranks from splitting a model (``prefill.model.tp.TPShard.plan`` and
     ``--tp-size`` validation): query heads ``hq`` and ``inter`` (MLP intermediate size) divisible
     by ``tp``; KV heads ``hkv`` divisible by it (split) or dividing it (each KV head replicated
     on ``tp // hkv`` ranks). A ``None`` size is not checked (MLA's latent; a value validation
@@ -389,7 +389,7 @@ class ServerArgs:
 
     def _tp_errors(self) -> list[str]:
         """The geometry ``--tp-size`` must split (``tp_geometry_errors``, as
-        ``prefill.model.paged.tp.TPShard.plan``). An MLA latent is not split (every rank holds it);
+        ``prefill.model.tp.TPShard.plan``). An MLA latent is not split (every rank holds it);
         sizes that are not positive ints are left to their own validation."""
         tp = self.tp_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:

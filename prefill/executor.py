@@ -52,7 +52,7 @@ finalize, requeue after a yield), ``prefill.scheduler.chunked`` (steps 4-6: the 
 request, its chunk boundaries, the batch, the end of its prefill, yield), ``prefill.scheduler.batch``
 (step 5's selection and forward pass), ``prefill.scheduler.pending_kv`` (what publish and yield do with a
 pending attempt's KV), ``prefill.scheduler.sends`` (sends, step 7, abort, results),
-``prefill.request.state.kv`` (a request's slots and lock) and ``prefill.tp.driver`` (rank 0's inputs
+``prefill.request.kv`` (a request's slots and lock) and ``prefill.tp.driver`` (rank 0's inputs
 and the follow protocol).
 
 **Tensor parallelism** (``--tp-size N``, the cache's ``group``): every rank runs this executor
@@ -79,9 +79,9 @@ from hicache.tp.group import SingleRankGroup, TPGroup
 from prefill.clock import Clock, WallClock
 from prefill.disagg.sim_side import DecodePeer, DecodeSide, PeerConfig, force_not_ready
 from prefill.integrity import check_executor
-from prefill.model.paged.paged import PagedTransformer
-from prefill.request.state.kv import RequestKV
-from prefill.request.state.state import PrefillRequest, RequestResult
+from prefill.model.paged import PagedTransformer
+from prefill.request.kv import RequestKV
+from prefill.request.state import PrefillRequest, RequestResult
 from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.batch import BatchRunner, CostModel
 from prefill.scheduler.chunked import ChunkedPrefill
@@ -156,7 +156,7 @@ class OptimisticPrefillExecutor:
         self.group: TPGroup = cache_group
         clock = agreed_clock(clock if clock is not None else WallClock(), self.group, decode)
         if model is None:
-            from prefill.model.paged.paged import build_model
+            from prefill.model.paged import build_model
 
             model = build_model(args)
         self.args = args

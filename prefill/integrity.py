@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from prefill.request.state.state import Stage
+from prefill.request.state import Stage
 
 if TYPE_CHECKING:
     from prefill.executor import OptimisticPrefillExecutor

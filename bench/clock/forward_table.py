@@ -133,7 +133,7 @@ def calibrate_forward(
     and tabulate the medians (``table_from``). ``make_pool(num_slots)`` builds a device pool of
     the model's geometry (its slots are overwritten). Slots are scattered pages, as the
     allocator hands them out."""
-    from prefill.model.paged.paged import ExtendInput
+    from prefill.model.paged import ExtendInput
 
     need = max(sum(n + p for n, p in b) for b in grid)
     pool = make_pool(need)

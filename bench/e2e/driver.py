@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from prefill.model.paged.paged import ModelConfig, PagedTransformer
-from prefill.request.state.state import Outcome, RequestResult
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.request.state import Outcome, RequestResult
 
 from bench.clock.calibrate import Calibration
 from bench.clock.virtual_cost import CostAccountant, RecordingModel

@@ -10,7 +10,7 @@ is sized so the working set is ``--working-set-ratio`` times the pool, so histor
 
 Headline: mean TTFT of device-only / mean TTFT of each configuration, per seed, reported as
 mean and spread over ``--seeds``; on the default virtual clock it depends only on the seeds and
-the calibration measured at the start (``bench.e2e.driver.driver``, ``bench.clock.calibrate``).
+the calibration measured at the start (``bench.e2e.driver``, ``bench.clock.calibrate``).
 
     python -m bench.multiturn [--quick] [--out results] [--clock wall] [--seeds 0 1 2]
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.clock.calibrate import Calibration, calibrate_run, describe
-from bench.e2e.driver.audit import audit, config_summary
-from bench.e2e.driver.driver import (
+from bench.e2e.audit import audit, config_summary
+from bench.e2e.driver import (
     Driver,
     TimeBudget,
     TraceRun,
@@ -38,7 +38,7 @@ from bench.e2e.driver.driver import (
     shared_model,
     time_left,
 )
-from bench.e2e.driver.report import (
+from bench.e2e.report import (
     add_common_args,
     aggregate_seeds,
     plot_ttft,
@@ -47,7 +47,7 @@ from bench.e2e.driver.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.driver.workload import make_conversations, working_set_tokens
+from bench.e2e.workload import make_conversations, working_set_tokens
 from prefill.disagg.sim_side import PeerConfig
 from server_args import ServerArgs
 

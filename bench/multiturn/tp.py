@@ -28,11 +28,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefill.model.paged.paged import build_model
+from prefill.model.paged import build_model
 
 from bench.clock.calibrate import calibrate_run, describe
-from bench.e2e.driver.audit import audit, config_summary
-from bench.e2e.driver.driver import (
+from bench.e2e.audit import audit, config_summary
+from bench.e2e.driver import (
     TimeBudget,
     TraceRun,
     cpu_note,
@@ -40,7 +40,7 @@ from bench.e2e.driver.driver import (
     new_executor,
     release_executor,
 )
-from bench.e2e.driver.report import (
+from bench.e2e.report import (
     aggregate_seeds,
     print_config_table,
     print_spread,

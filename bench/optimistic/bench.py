@@ -17,7 +17,7 @@ base and forced-retry traces, the same traces (seed by seed) as the write_back r
 
 Headline: mean TTFT with 0 attempts / mean TTFT with N attempts, per seed, reported as mean and
 spread over ``--seeds``; on the default virtual clock it depends only on the seeds and the
-calibration measured at the start (``bench.e2e.driver.driver``, ``bench.clock.calibrate``).
+calibration measured at the start (``bench.e2e.driver``, ``bench.clock.calibrate``).
 
     python -m bench.optimistic [--quick] [--out results] [--clock wall] [--seeds 0 1 2]
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.clock.calibrate import calibrate_run, describe
-from bench.e2e.driver.driver import (
+from bench.e2e.driver import (
     TimeBudget,
     cpu_note,
     free_memory,
@@ -38,7 +38,7 @@ from bench.e2e.driver.driver import (
     shared_model,
     time_left,
 )
-from bench.e2e.driver.report import (
+from bench.e2e.report import (
     add_common_args,
     aggregate_seeds,
     plot_ttft,
@@ -47,7 +47,7 @@ from bench.e2e.driver.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.driver.workload import poisson_arrivals
+from bench.e2e.workload import poisson_arrivals
 from bench.optimistic.run import (
     POLICIES,
     Trace,

@@ -11,11 +11,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from prefill.request.state.state import Outcome
+from prefill.request.state import Outcome
 
 from bench.clock.calibrate import Calibration
-from bench.e2e.driver.audit import audit, config_summary
-from bench.e2e.driver.driver import (
+from bench.e2e.audit import audit, config_summary
+from bench.e2e.driver import (
     Driver,
     model_args,
     new_executor,
@@ -88,7 +88,7 @@ def make_trace(
     failure_prob: float,
     forced_retry_prob: float = 0.0,
 ) -> Trace:
-    from bench.e2e.driver.workload import cached_prompts
+    from bench.e2e.workload import cached_prompts
 
     vocab = model_args()["vocab_size"]
     prompts = cached_prompts(len(arrivals), opts.input_len, opts.cached_fraction,

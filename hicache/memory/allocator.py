@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # Page states in ``_state``.
 _ALLOCATED = 0
 _FREE = 1
-_PENDING = 2  # freed inside a free group, returned at free_group_end()
+_GROUP_FREED = 2  # freed inside a free group, returned at free_group_end()
 _PADDING = 3
 
 
@@ -97,7 +97,7 @@ class TokenToKVPoolAllocator:
         """Length of a per-page table indexed by page id (padding page included)."""
         return self._end_page
 
-    def pending_size(self) -> int:
+    def group_freed_size(self) -> int:
         """Slots freed inside the open free group (0 when none is open): no longer anyone's,
         not yet available."""
         return self._num_group * self.page_size
@@ -132,7 +132,7 @@ class TokenToKVPoolAllocator:
         if pages.size == 0:
             return
         if self._group is not None:
-            self._np_state[pages] = _PENDING
+            self._np_state[pages] = _GROUP_FREED
             self._group.append(torch.from_numpy(pages))
             self._num_group += pages.size
             return
@@ -164,7 +164,7 @@ class TokenToKVPoolAllocator:
 
     # --- integrity -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless free + pending + allocated == total, with no duplicate
+        """Raise ``AssertionError`` unless free + freed in an open group + allocated == total, with no duplicate
         or padding page in the free list and the free list agreeing with the page states."""
         free = torch.cat([self.free_pages, *self.release_pages])
         if free.numel() != torch.unique(free).numel():
@@ -176,10 +176,10 @@ class TokenToKVPoolAllocator:
         if not torch.equal(torch.sort(free).values, state_free):
             raise AssertionError("allocator: free list disagrees with page states")
         n_alloc = int((self._state == _ALLOCATED).sum())
-        n_pending = int((self._state == _PENDING).sum())
-        if free.numel() + n_alloc + n_pending != self.num_pages:
+        n_group_freed = int((self._state == _GROUP_FREED).sum())
+        if free.numel() + n_alloc + n_group_freed != self.num_pages:
             raise AssertionError(
-                f"allocator: free {free.numel()} + allocated {n_alloc} + pending {n_pending} "
+                f"allocator: free {free.numel()} + allocated {n_alloc} + freed in the open group {n_group_freed} "
                 f"!= {self.num_pages} pages"
             )
         if self.reserve_padding and int(self._state[0]) != _PADDING:

@@ -11,7 +11,7 @@ check that names the ranks that differ) and ``barrier``.
 
 Agreement travels on a CPU (gloo) process group on CPU and GPU alike, as SGLang's cache group
 does: the values are host integers, and a gloo collective never queues behind device kernels.
-The model's all_reduce uses its own group (NCCL on GPU); see ``prefill.model.paged.tp``.
+The model's all_reduce uses its own group (NCCL on GPU); see ``prefill.model.tp``.
 
 THE INVARIANT: every rank enters every primitive, in the same order, exactly once per call
 site, whatever its local state. No early return before a collective because a local queue is

@@ -1,11 +1,14 @@
-"""One device eviction of a ``HiRadixCache``: the order it takes leaves in and its write-backs.
+"""One device eviction of a hierarchical tree: the order it takes leaves in and its write-backs.
 
 ``HiRadixCache.evict`` pops least recently used device leaves from the tree's queue and hands
 each to ``DeviceEviction.evict_one``, which applies the write policy: a backed-up leaf becomes
-host-only; under write_back a leaf without a host copy gets a backup and is *pending* until the
-eviction waits for it; otherwise the leaf is deleted. A parent whose every device child is
-pending is a leaf for the rest of this eviction (``parents``, merged with the tree's queue by
+host-only; under write_back a leaf without a host copy gets a backup and is *host-bound* until
+the eviction waits for it; otherwise the leaf is deleted. A parent whose every device child is
+host-bound is a leaf for the rest of this eviction (``parents``, merged with the tree's queue by
 access time), as SGLang's write_back evicts it in the same pass.
+
+The tree is seen through :class:`EvictionTree`, the few calls this module needs of it (the tree
+imports this module, never the other way round).
 
 When a write_back backup finds no host room even after host eviction while this eviction's own
 earlier backups hold the host, those are finished first (their older nodes become host-only and
@@ -16,34 +19,59 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from hicache.tree.hiradix_cache import HiRadixCache
+    from hicache.tree.lru_queues import LRUQueue
     from hicache.tree.node import TreeNode
 
 logger = logging.getLogger(__name__)
 
 
+class _Controller(Protocol):
+    def wait_write(self, node_ids: list[int]) -> None: ...
+
+    def evict_device(self, device_indices: torch.Tensor) -> int: ...
+
+
+class EvictionTree(Protocol):
+    """What a device eviction reads and calls on its tree (``HiRadixCache`` provides it)."""
+
+    root_node: TreeNode
+    write_policy: str
+    controller: _Controller
+    _device_queue: LRUQueue
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int: ...
+
+    def _droppable(self, node: TreeNode) -> bool: ...
+
+    def _evict_backuped(self, node: TreeNode, frees: list[torch.Tensor]) -> int: ...
+
+    def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int: ...
+
+    def _ack_write(self, node_id: int) -> None: ...
+
+
 class DeviceEviction:
     """The state of one ``HiRadixCache.evict`` call (see this module's docstring).
 
-    ``pending``: nodes to move to the host at ``finish_pending`` (their write-back backups, if
+    ``host_bound``: nodes to move to the host at ``finish_host_bound`` (their write-back backups, if
     any, are waited for first), in the order they were taken, children before parents.
-    ``parents``: parents whose every device child is pending; they are leaves for this call
+    ``parents``: parents whose every device child is host-bound; they are leaves for this call
     (SGLang's write_back evicts them in the same pass), ordered with the tree's queue by access
     time. ``frees``: device slots to give back at the end, in one call.
     """
 
-    def __init__(self, tree: HiRadixCache) -> None:
+    def __init__(self, tree: EvictionTree) -> None:
         self.tree = tree
         self.freed = 0
-        self.pending: list[TreeNode] = []
-        self.pending_ids: set[int] = set()
-        self.backups: list[int] = []  # ids of the pending nodes with a backup in flight
-        self.pending_children: dict[int, int] = {}
+        self.host_bound: list[TreeNode] = []
+        self.host_bound_ids: set[int] = set()
+        self.backups: list[int] = []  # ids of the host-bound nodes with a backup in flight
+        self.host_bound_children: dict[int, int] = {}
         self.parents: list[tuple[int, int, TreeNode]] = []
         self.frees: list[torch.Tensor] = []
 
@@ -52,8 +80,8 @@ class DeviceEviction:
             x.parent is not None
             and x.value is not None
             and x.lock_ref == 0
-            and x.device_children == self.pending_children.get(x.id, 0)
-            and x.id not in self.pending_ids
+            and x.device_children == self.host_bound_children.get(x.id, 0)
+            and x.id not in self.host_bound_ids
         )
 
     def next_leaf(self) -> TreeNode | None:
@@ -61,8 +89,8 @@ class DeviceEviction:
         queue = self.tree._device_queue
         while True:
             x = queue.peek()
-            while x is not None and x.id in self.pending_ids:
-                queue.pop()  # a pending node is no candidate until its backup is done
+            while x is not None and x.id in self.host_bound_ids:
+                queue.pop()  # a host-bound node is no candidate until its backup is done
                 x = queue.peek()
             parents = self.parents
             while parents and not self._parent_ready(parents[0][2]):
@@ -76,8 +104,8 @@ class DeviceEviction:
     def evict_one(self, x: TreeNode) -> None:
         tree = self.tree
         if x.backuped:
-            if x.device_children:  # its children are pending: it follows them to the host
-                self._add_pending(x)
+            if x.device_children:  # its children are host-bound: it follows them to the host
+                self._add_host_bound(x)
             else:
                 self.freed += tree._evict_backuped(x, self.frees)
             return
@@ -86,42 +114,42 @@ class DeviceEviction:
             if not ok and self.backups:
                 # Host full of this call's own backups: finish them (older leaves become
                 # host-only and host-evictable), then try again, so LRU order holds on the host.
-                self.finish_pending()
+                self.finish_host_bound()
                 ok = x.parent is not None and tree.write_backup(x, write_back=True)
             if ok:
                 self.backups.append(x.id)
-                self._add_pending(x)
+                self._add_host_bound(x)
                 return
         if tree._droppable(x) and x.parent is not None:
             self.freed += tree._evict_regular(x, self.frees)
 
-    def _add_pending(self, x: TreeNode) -> None:
-        self.pending.append(x)
-        self.pending_ids.add(x.id)
+    def _add_host_bound(self, x: TreeNode) -> None:
+        self.host_bound.append(x)
+        self.host_bound_ids.add(x.id)
         self.freed += len(x.value)
         parent = x.parent
         if parent is self.tree.root_node:
             return
-        count = self.pending_children.get(parent.id, 0) + 1
-        self.pending_children[parent.id] = count
+        count = self.host_bound_children.get(parent.id, 0) + 1
+        self.host_bound_children[parent.id] = count
         if count == parent.device_children and parent.lock_ref == 0:
             heapq.heappush(self.parents, (parent.last_access_time, parent.id, parent))
 
-    def finish_pending(self) -> None:
-        """Wait for this call's backups, ack them, and move every pending node to the host."""
-        if not self.pending:
+    def finish_host_bound(self) -> None:
+        """Wait for this call's backups, ack them, and move every host-bound node to the host."""
+        if not self.host_bound:
             return
         tree = self.tree
         if self.backups:
             tree.controller.wait_write(self.backups)
             for node_id in self.backups:
                 tree._ack_write(node_id)
-        for x in self.pending:
+        for x in self.host_bound:
             tree._evict_backuped(x, self.frees)
-        self.pending = []
-        self.pending_ids.clear()
+        self.host_bound = []
+        self.host_bound_ids.clear()
         self.backups = []
-        self.pending_children.clear()
+        self.host_bound_children.clear()
 
     def give_back(self) -> None:
         if self.frees:

@@ -29,7 +29,7 @@ used leaves keep a host copy and the oldest lose theirs.
 
 This file owns the policies: when an insert starts a backup and what device and host eviction
 do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree; one
-device eviction's state, its pending write-backs, is ``hiradix_evict.py``'s).
+device eviction's state, its host-bound write-backs, is ``device_eviction.py``'s).
 Starting a backup or a load back, the in-flight state until its ack and the acks live in
 ``hiradix_transfers.py``, the base class.
 
@@ -146,12 +146,12 @@ class HiRadixCache(HiRadixTransfers):
             while run.freed < num_tokens:
                 x = run.next_leaf()
                 if x is None:
-                    if not run.pending:
+                    if not run.host_bound:
                         break
-                    run.finish_pending()  # parents of the backed-up leaves may be leaves now
+                    run.finish_host_bound()  # parents of the backed-up leaves may be leaves now
                     continue
                 run.evict_one(x)
-            run.finish_pending()
+            run.finish_host_bound()
         finally:
             run.give_back()
         return run.freed

@@ -75,7 +75,7 @@ class HiRadixTransfers(RadixCache):
         self.ongoing_write_through: dict[int, TreeNode] = {}  # node id -> node being backed up
         self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
         self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
-        self._pending_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
+        self._unacked_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
 
     def _queues(self) -> tuple[LRUQueue, ...]:
         return (self._device_queue, self._host_queue)
@@ -98,7 +98,7 @@ class HiRadixTransfers(RadixCache):
             return 0
         node.host_value = host_indices
         self.ongoing_write_through[node.id] = node
-        self._pending_write_slots[node.id] = host_indices
+        self._unacked_write_slots[node.id] = host_indices
         if not write_back:
             self.inc_lock_ref(node)
         if self.stats is not None:
@@ -120,7 +120,7 @@ class HiRadixTransfers(RadixCache):
 
     def _ack_write(self, node_id: int) -> None:
         node = self.ongoing_write_through.pop(node_id, None)
-        self._pending_write_slots.pop(node_id, None)
+        self._unacked_write_slots.pop(node_id, None)
         if node is not None and self.write_locks:
             self.dec_lock_ref(node)
 
@@ -237,11 +237,11 @@ class HiRadixTransfers(RadixCache):
 
     # ------------------------------------------------------------------ integrity hooks
 
-    def pending_write_host_slots(self) -> torch.Tensor:
+    def unacked_write_host_slots(self) -> torch.Tensor:
         """Host slots of backups not yet acked (int64, CPU)."""
-        if not self._pending_write_slots:
+        if not self._unacked_write_slots:
             return torch.empty((0,), dtype=torch.int64)
-        return torch.cat([s.cpu() for s in self._pending_write_slots.values()])
+        return torch.cat([s.cpu() for s in self._unacked_write_slots.values()])
 
     def loading_nodes(self) -> list[TreeNode]:
         """Nodes whose device slots an H2D load is still writing (not readable before

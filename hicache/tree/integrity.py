@@ -22,26 +22,60 @@ plus the allocators' own checks and, with a host tier, the controller's (no slot
 queued copy reads or writes is free).
 
 Cost: O(tree size) tensor work; meant for tests and idle-time checks, not the hot path.
+
+The tree is seen through :class:`TreeView` (and :class:`HiTreeView` for the host tier's part):
+the trees import this module, never the other way round.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hicache.tree.lru_queues import DEVICE, is_device_candidate, is_host_candidate
+from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate, is_host_candidate
 
 if TYPE_CHECKING:
     from hicache.tree.node import TreeNode
-    from hicache.tree.radix_cache import RadixCache
+
+
+class TreeView(Protocol):
+    """What the checks read of a device-only tree (``RadixCache`` provides it)."""
+
+    page_size: int
+    root_node: TreeNode
+    allocator: Any  # TokenToKVPoolAllocator, or None for a simulated tree
+    evictable_size_: int
+    protected_size_: int
+
+    def all_nodes(self) -> list[TreeNode]: ...
+
+    def _child_key(self, key: list[int], start: int = 0) -> int | tuple[int, ...]: ...
+
+    def _queues(self) -> tuple[LRUQueue, ...]: ...
+
+
+class HiTreeView(TreeView, Protocol):
+    """What the checks also read of a tree with a host tier (``HiRadixCache`` provides it)."""
+
+    controller: Any  # HiCacheController: its own check_integrity runs first
+    host_allocator: Any
+    write_locks: bool
+    ongoing_write_through: dict[int, TreeNode]
+    ongoing_load_back: dict[int, TreeNode]
+
+    def device_in_flight(self) -> int: ...
+
+    def host_in_flight(self) -> int: ...
+
+    def unacked_write_host_slots(self) -> torch.Tensor: ...
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"tree integrity: {msg}")
 
 
-def _check_node(tree: RadixCache, x: TreeNode) -> None:
+def _check_node(tree: TreeView, x: TreeNode) -> None:
     ps = tree.page_size
     if not x.key or len(x.key) % ps:
         _fail(f"{x!r} key length {len(x.key)} is empty or not a multiple of page_size {ps}")
@@ -79,7 +113,7 @@ def _check_unique_allocated(slots: list[torch.Tensor], allocator, tier: str) -> 
     return allv.numel()
 
 
-def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
+def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
     """Check ``tree`` (a ``RadixCache`` or ``HiRadixCache``); see the module docstring."""
     if request_owned < 0:
         raise ValueError(f"request_owned must be >= 0, got {request_owned}")
@@ -118,7 +152,7 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
         return
     n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
     in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
-    pending = tree.allocator.pending_size()
+    pending = tree.allocator.group_freed_size()
     allocated = tree.allocator.size - tree.allocator.available_size() - pending
     if allocated != n_dev + request_owned + in_flight:
         _fail(
@@ -140,10 +174,10 @@ def check_tree(tree: RadixCache, request_owned: int = 0) -> None:
             f"host ledger: allocated {host_allocated} != in tree {n_host} + in flight "
             f"{host_in_flight} (free {host_alloc.available_size()}, total {host_alloc.size})"
         )
-    _check_pending(tree, nodes)
+    _check_unacked(tree, nodes)
 
 
-def _check_queues(tree: RadixCache, nodes: list[TreeNode]) -> None:
+def _check_queues(tree: TreeView, nodes: list[TreeNode]) -> None:
     """Each tier's candidates are all queued once, with entries no later than their nodes."""
     for queue in tree._queues():
         seen: set[int] = set()
@@ -167,12 +201,12 @@ def _check_queues(tree: RadixCache, nodes: list[TreeNode]) -> None:
         _fail("the root is in an eviction queue")
 
 
-def _check_pending(tree, nodes: list[TreeNode]) -> None:
+def _check_unacked(tree: HiTreeView, nodes: list[TreeNode]) -> None:
     """Writes not yet acked are not host hits; nodes awaiting acks are in the tree and held."""
-    pending = tree.pending_write_host_slots()
-    if pending.numel():
+    unacked = tree.unacked_write_host_slots()
+    if unacked.numel():
         evicted = [x.host_value for x in nodes if x.evicted]
-        if evicted and bool(torch.isin(torch.cat(evicted).cpu(), pending.cpu()).any()):
+        if evicted and bool(torch.isin(torch.cat(evicted).cpu(), unacked.cpu()).any()):
             _fail("an evicted (host-only, matchable) node's host copy has not been acked yet")
     if not tree.write_locks and tree.ongoing_write_through:
         _fail("write_back backups outlived the eviction that waits for them")

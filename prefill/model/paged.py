@@ -194,7 +194,7 @@ class PagedTransformer(torch.nn.Module):
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The output of a row-parallel projection (``o``, ``down``) summed over tensor-parallel
-        ranks; the identity here (one rank holds every column). ``prefill.model.paged.tp`` all-reduces.
+        ranks; the identity here (one rank holds every column). ``prefill.model.tp`` all-reduces.
         """
         return partial
 
@@ -365,7 +365,7 @@ class PagedTransformer(torch.nn.Module):
 
 def build_model(args: ServerArgs) -> PagedTransformer:
     """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
-    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.model.paged.tp``), its rank
+    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.model.tp``), its rank
     and model group the initialized default process group's, which must have ``tp_size``
     ranks."""
     config = ModelConfig.from_server_args(args)
@@ -373,7 +373,7 @@ def build_model(args: ServerArgs) -> PagedTransformer:
     if tp_size > 1:
         import torch.distributed as dist
 
-        from prefill.model.paged.tp import TPPagedTransformer
+        from prefill.model.tp import TPPagedTransformer
 
         if not dist.is_initialized() or dist.get_world_size() != tp_size:
             world = dist.get_world_size() if dist.is_initialized() else None

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from prefill.model.paged.paged import ModelConfig, PagedTransformer
+from prefill.model.paged import ModelConfig, PagedTransformer
 from server_args import tp_geometry_errors
 
 __all__ = ["TPPagedTransformer", "TPShard"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from prefill.request.state.state import PrefillRequest
+from prefill.request.state import PrefillRequest
 from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from prefill.disagg.sim_side import KVPoll
-from prefill.request.state.state import PrefillRequest, Stage
+from prefill.request.state import PrefillRequest, Stage
 from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
 from prefill.stats import ExecutorStats
 from prefill.tp.sync import PeerPolls

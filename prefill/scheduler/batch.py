@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from prefill.clock import Clock
-from prefill.model.paged.paged import ExtendInput, PagedTransformer
-from prefill.request.state.kv import RequestKV
-from prefill.request.state.state import PrefillRequest, Stage
+from prefill.model.paged import ExtendInput, PagedTransformer
+from prefill.request.kv import RequestKV
+from prefill.request.state import PrefillRequest, Stage
 from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)

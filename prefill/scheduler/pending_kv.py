@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 
-from prefill.request.state.kv import RequestKV
-from prefill.request.state.state import PrefillRequest
+from prefill.request.kv import RequestKV
+from prefill.request.state import PrefillRequest
 from prefill.scheduler.admission import AdmissionQueue
 from prefill.stats import ExecutorStats
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from prefill.clock import Clock
 from prefill.disagg.sim_side import KVPoll
-from prefill.request.state.kv import RequestKV
-from prefill.request.state.state import Outcome, PrefillRequest, RequestResult, Stage
+from prefill.request.kv import RequestKV
+from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
 from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.pending_kv import PendingKV
 from prefill.stats import ExecutorStats

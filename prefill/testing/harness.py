@@ -13,7 +13,7 @@ import torch
 from prefill.clock import Clock, VirtualClock
 from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE, DecodeSide, PeerConfig
 from prefill.executor import CostModel, OptimisticPrefillExecutor
-from prefill.model.paged.paged import PagedTransformer, build_model
+from prefill.model.paged import PagedTransformer, build_model
 from prefill.tp.driver import agreed_clock
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from typing import Any
 
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state.state import Outcome, RequestResult
+from prefill.request.state import Outcome, RequestResult
 from prefill.testing.harness import (
     build_cache,
     decode_kv_and_reference,

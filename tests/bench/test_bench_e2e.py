@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from bench.e2e.driver.workload import poisson_arrivals
+from bench.e2e.workload import poisson_arrivals
 
 from bench import __main__ as suite
 from bench.clock.calibrate import (
@@ -36,7 +36,7 @@ from bench.clock.calibrate import (
     table_from,
 )
 from bench.clock.virtual_cost import CostAccountant
-from bench.e2e.driver import driver as e2e
+from bench.e2e import driver as e2e
 from bench.multiturn import bench as bm
 from bench.optimistic import bench as bo
 from bench.optimistic import run as orun
@@ -338,7 +338,7 @@ def test_compare_reports_the_largest_ratio_difference(
 
 
 def test_aggregate_over_the_seeds_each_configuration_ran() -> None:
-    from bench.e2e.driver.report import aggregate_seeds
+    from bench.e2e.report import aggregate_seeds
 
     def row(ttft: float, ratio: float | None) -> dict[str, Any]:
         return {"ttft_mean_s": ttft, "r": ratio, "yields": 2, "integrity": {"leaked_slots": 0}}

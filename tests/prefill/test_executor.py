@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prefill.request.state.state import Outcome, Stage
+from prefill.request.state import Outcome, Stage
 
 from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor

@@ -9,7 +9,7 @@ Virtual clock, tiny model, CPU. Every story checks integrity after every step.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state.state import Outcome, Stage
+from prefill.request.state import Outcome, Stage
 
 from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from prefill.model.paged.paged import ModelConfig, PagedTransformer
-from prefill.request.state.state import Outcome
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.request.state import Outcome
 
 from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor

@@ -10,7 +10,7 @@ then a soak of randomized traffic under write_through + 2 attempts.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state.state import Outcome
+from prefill.request.state import Outcome
 
 from prefill.disagg.sim_side import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor

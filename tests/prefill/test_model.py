@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefill.model.paged.paged import ExtendInput, ModelConfig, PagedTransformer
+from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
@@ -214,7 +214,7 @@ def test_bf16_prefix_matches_recompute_loosely():
 
 def test_expanded_kv_heads_path_equals_native_gqa(monkeypatch):
     """The fallback for SDPA kernels without native GQA gives the same logits."""
-    import prefill.model.paged.paged as pm
+    import prefill.model.paged as pm
 
     model, pool, alloc = make(1)
     ids = tokens(18, seed=11)

@@ -11,7 +11,7 @@ CPU only, tiny model, virtual clock.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state.state import Outcome
+from prefill.request.state import Outcome
 
 from prefill.disagg.sim_side import PeerConfig
 from prefill.testing.harness import make_executor

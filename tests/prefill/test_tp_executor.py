@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from prefill.model.paged.paged import ModelConfig, PagedTransformer
-from prefill.request.state.state import Outcome
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.request.state import Outcome
 
 from hicache.tp.digest import tree_state
 from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefill.model.paged.paged import ExtendInput, ModelConfig, PagedTransformer
-from prefill.model.paged.tp import TPPagedTransformer, TPShard
+from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+from prefill.model.tp import TPPagedTransformer, TPShard
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool

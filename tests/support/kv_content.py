@@ -167,7 +167,7 @@ def check_tree_content(kv: Any, head_offset: int = 0) -> None:
     at positions counted from the root."""
     tree = kv.tree
     loading = {id(x) for x in tree.loading_nodes()}
-    pending = tree.pending_write_host_slots()
+    pending = tree.unacked_write_host_slots()
     stack = [(c, 0) for c in tree.root_node.children.values()]
     while stack:
         x, depth = stack.pop()

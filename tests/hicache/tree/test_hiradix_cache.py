@@ -387,7 +387,7 @@ def test_host_copy_not_matchable_before_ack(caches) -> None:
     caches.append(kv)
     tree = kv.tree
     compute(kv, A)
-    assert tree.pending_write_host_slots().numel() == 8
+    assert tree.unacked_write_host_slots().numel() == 8
     assert tree.evict(8) == 0  # locked until the ack: it stays a device hit
     assert len(tree.match_prefix(A).device_indices) == 8
     tree.check_hicache_events()  # not finished: nothing changes
@@ -395,7 +395,7 @@ def test_host_copy_not_matchable_before_ack(caches) -> None:
     kv.check_integrity()
     gate.open()
     drain(kv)
-    assert tree.pending_write_host_slots().numel() == 0
+    assert tree.unacked_write_host_slots().numel() == 0
     assert tree.evict(8) == 8
     kv.check_integrity()
 
