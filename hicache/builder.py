@@ -21,7 +21,8 @@ import torch
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.stats import CacheStats
-from hicache.tp.group import SingleRankGroup, TPGroup, agreed_alloc
+from hicache.tp.agreed import agreed_alloc
+from hicache.tp.group import SingleRankGroup, TPGroup
 from hicache.tree.hiradix_cache import HiRadixCache
 from hicache.tree.radix_cache import RadixCache
 

@@ -6,10 +6,21 @@ On a machine without a CUDA device the same Triton kernels run on CPU tensors un
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
 logger = logging.getLogger(__name__)
+
+
+def version_tuple(text: str, parts: int = 2) -> tuple[int, ...]:
+    """The leading ``parts`` numbers of a version string (``"3.6.0+git"`` -> ``(3, 6)``), the
+    project's one version parser; missing or non-numeric parts read as 0."""
+    out = []
+    for piece in text.split(".")[:parts]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        out.append(int(digits) if digits else 0)
+    return tuple(out + [0] * (parts - len(out)))
 
 
 def cuda_available() -> bool:

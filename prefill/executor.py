@@ -70,14 +70,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from hicache.tp.group import SingleRankGroup, TPGroup
 from prefill.clock import Clock, WallClock
-from prefill.disagg.sim_side import DecodePeer, DecodeSide, PeerConfig, force_not_ready
+from prefill.disagg.protocol import DecodeBackend, DecodeLink, force_not_ready
+from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_side import DecodeSide
 from prefill.integrity import check_executor
 from prefill.model.paged import PagedTransformer
 from prefill.request.kv import RequestKV
@@ -103,7 +105,7 @@ logger = logging.getLogger(__name__)
 
 
 class OptimisticPrefillExecutor:
-    """Runs prefill for submitted requests against a KV cache and simulated decode peers.
+    """Runs prefill for submitted requests against a KV cache and decode peers.
 
     Args:
         args: resolved ``ServerArgs``; reads ``optimistic_prefill_attempts`` (after the gate),
@@ -114,7 +116,8 @@ class OptimisticPrefillExecutor:
             built from ``args`` when omitted. Admission records prefix hits in ``cache.stats``.
         model: the paged model; built from ``args`` when omitted.
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
-        decode: the simulated decode instance; built from ``args`` when omitted.
+        decode: the decode instance (a ``prefill.disagg.protocol.DecodeBackend``); the
+            in-process simulation (``DecodeSide``) built from ``args`` when omitted.
         cost_model: seconds charged to the clock per forward (virtual clocks only).
         group: the tensor-parallel cache group (``hicache.tp.group.new_cache_group()``) when
             the cache is built here; otherwise the cache's. At more than one rank the clock is
@@ -132,7 +135,7 @@ class OptimisticPrefillExecutor:
         cache: Any = None,
         model: PagedTransformer | None = None,
         clock: Clock | None = None,
-        decode: DecodeSide | None = None,
+        decode: DecodeBackend | None = None,
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
         group: TPGroup | None = None,
@@ -156,7 +159,7 @@ class OptimisticPrefillExecutor:
         self.group: TPGroup = cache_group
         clock = agreed_clock(clock if clock is not None else WallClock(), self.group, decode)
         if model is None:
-            from prefill.model.paged import build_model
+            from prefill.model.factory import build_model
 
             model = build_model(args)
         self.args = args
@@ -167,15 +170,12 @@ class OptimisticPrefillExecutor:
         self.allocator = cache.allocator
         self.clock: Clock = clock
         self.page_size = self.allocator.page_size
-        if decode is not None:
-            self.peer_config = decode.config
-        else:
-            self.peer_config = PeerConfig.from_server_args(args)
+        if decode is None:
             decode = DecodeSide(
-                self.pool, self.clock, self.peer_config,
+                self.pool, self.clock, PeerConfig.from_server_args(args),
                 size=decode_pool_size or self.allocator.size, keep_received=False,
             )  # fmt: skip
-        self.decode = decode
+        self.decode: DecodeBackend = decode
         self.max_attempts = max_attempts
         # A pending attempt's KV is never inserted into a tree that backs up at insert.
         self.unpublished_pending = bool(self.tree.backs_up_on_insert)
@@ -209,7 +209,7 @@ class OptimisticPrefillExecutor:
 
     # ================================================================== public API
     def submit(
-        self, rid: str, token_ids: Sequence[int] | torch.Tensor, peer: DecodePeer | None = None
+        self, rid: str, token_ids: Sequence[int] | torch.Tensor, peer: DecodeLink | None = None
     ) -> None:
         """Queue a request (bootstrap queue). Creates its decode peer unless ``peer`` is given.
 
@@ -244,13 +244,13 @@ class OptimisticPrefillExecutor:
         self.driver.submit(rid, ids, peer)
 
     def _accept(
-        self, rid: str, ids: list[int], peer: DecodePeer | None, submit_time: float
+        self, rid: str, ids: list[int], peer: DecodeLink | None, submit_time: float
     ) -> None:
         if peer is None:
             peer = self.decode.create_peer(rid, len(ids), ids)
         req = PrefillRequest(
             rid=rid, token_ids=ids, peer=peer, submit_time=submit_time,
-            force_not_ready=force_not_ready(rid, self.peer_config.force_not_ready_prob),
+            force_not_ready=force_not_ready(rid, self.decode.force_not_ready_prob),
         )  # fmt: skip
         self.requests[rid] = req
         self.admission.add(req)
@@ -298,43 +298,65 @@ class OptimisticPrefillExecutor:
         self.inflight.process_inflight_queue(int(self.chunked.chunked_req is not None))  # 7
         return bool(batch) or self._progress_marker() != before
 
-    def run_until_idle(self, max_steps: int = 1_000_000, check: bool = False) -> None:
+    def run_until_idle(
+        self,
+        max_steps: int = 1_000_000,
+        check: bool = False,
+        after_step: Callable[[], object] | None = None,
+    ) -> None:
         """Step until every request has its outcome. When a step changes nothing, waits
         (virtual clock: jumps) to the next peer event, or for the cache's next ack while copies
-        are in flight; never steps in place. ``check`` runs ``check_integrity`` after every
-        step. Raises ``RuntimeError`` when nothing can change any more (no step progress, no
-        peer event ahead, no copy in flight) or after ``max_steps``."""
+        are in flight (``wait_for_next_event``); never steps in place. ``check`` runs
+        ``check_integrity`` after every step, ``after_step()`` runs after every step (e.g.
+        ``drain_cache_events``, so a virtual-clock run does not depend on thread timing).
+        Raises ``RuntimeError`` when nothing can change any more (no step progress, no peer
+        event ahead, no copy in flight) or after ``max_steps``. This is the project's one
+        drive-until-idle loop; drivers that submit as they go call ``wait_for_next_event``."""
         try:
-            self._run_until_idle(max_steps, check)
+            self._run_until_idle(max_steps, check, after_step)
         finally:
             self.driver.release_clock()
 
-    def _run_until_idle(self, max_steps: int, check: bool) -> None:
+    def _run_until_idle(
+        self, max_steps: int, check: bool, after_step: Callable[[], object] | None
+    ) -> None:
         due_now = 0
         for _ in range(max_steps):
             self.driver.sync()
             if self.is_idle():
                 return
             progressed = self._step()
+            if after_step is not None:
+                after_step()
             if check:
                 self.check_integrity()
             due_now = 0 if progressed else self.wait_for_next_event(due_now)
         raise RuntimeError(f"not idle after {max_steps} steps: {self.describe()}")
 
-    def wait_for_next_event(self, due_now: int, also: float | None = None) -> int:
+    def wait_for_next_event(
+        self, due_now: int, also: float | None = None, local: bool = False
+    ) -> int:
         """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
         among the next peer event (agreed over ranks) and ``also`` (a caller's own next event,
         such as an arrival); else sleep briefly while the cache has copies in flight (an ack
         comes from a side stream); else allow two more steps for an event due now. Never steps
-        in place. Returns the new count of steps taken for an event due now (``due_now``, 0
-        after a step that progressed). Raises ``RuntimeError`` when nothing can change."""
+        in place. On a wall clock with copies in flight the wait is cut to 0.5 ms, so an ack is
+        seen as it lands. ``local``: this rank's peer events only, no collective (rank 0
+        driving alone while the other ranks ``follow``). Returns the new count of steps taken
+        for an event due now (``due_now``, 0 after a step that progressed). Raises
+        ``RuntimeError`` when nothing can change."""
         now = self.clock.now()
-        times = [t for t in (self.polls.next_event_time(self.decode), also) if t is not None]
+        peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
+        times = [t for t in (peer_t, also) if t is not None]
         ahead = [t for t in times if t > now]
+        copies = self.cache_copies_in_flight()
         if ahead:
-            self.clock.wait_until(min(ahead))
+            target = min(ahead)
+            if copies and not getattr(self.clock, "is_virtual", False):
+                target = min(target, now + 0.0005)
+            self.clock.wait_until(target)
             return 0
-        if self.cache_copies_in_flight():
+        if copies:
             time.sleep(0.0002)
             return due_now
         if times and due_now < 2:

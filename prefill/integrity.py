@@ -21,21 +21,40 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from prefill.request.state import Stage
-
-if TYPE_CHECKING:
-    from prefill.executor import OptimisticPrefillExecutor
+from prefill.request.state import PrefillRequest, Stage
 
 logger = logging.getLogger(__name__)
 
 
-def check_executor(ex: OptimisticPrefillExecutor) -> None:
+class ExecutorView(Protocol):
+    """What the checks read of the executor (``OptimisticPrefillExecutor`` provides it; it
+    imports this module, never the other way round)."""
+
+    stats: Any  # prefill.stats.ExecutorStats
+    requests: dict[str, PrefillRequest]
+    unpublished_pending: bool
+    tree: Any  # the cache's RadixCache or HiRadixCache
+    metadata: Any  # ReqToMetadataIdxAllocator
+    bootstrap_queue: list[PrefillRequest]
+    waiting_queue: list[PrefillRequest]
+    inflight_queue: list[PrefillRequest]
+    chunked_req: PrefillRequest | None
+
+    def request_owned_slots(self) -> int: ...
+
+
+def _require(ok: bool, msg: str) -> None:
+    """An explicit check (``assert`` statements vanish under ``python -O``)."""
+    if not ok:
+        raise AssertionError(f"executor integrity: {msg}")
+
+
+def check_executor(ex: ExecutorView) -> None:
     """See the module docstring. O(requests in flight + tree nodes); touches no device memory."""
-    assert ex.stats.speculative_l2_pages == 0, (
-        f"{ex.stats.speculative_l2_pages} host pages written from attempts not finalized"
-    )
+    spec = ex.stats.speculative_l2_pages
+    _require(spec == 0, f"{spec} host pages written from attempts not finalized")
     queues = {
         Stage.BOOTSTRAP: ex.bootstrap_queue,
         Stage.WAITING: ex.waiting_queue,
@@ -45,30 +64,33 @@ def check_executor(ex: OptimisticPrefillExecutor) -> None:
     seen: dict[str, Stage] = {}
     for stage, q in queues.items():
         for r in q:
-            assert r.rid not in seen, f"{r.rid} is in {seen[r.rid]} and {stage}"
-            assert r.stage == stage, f"{r.rid} has stage {r.stage}, is queued in {stage}"
-            assert ex.requests.get(r.rid) is r, f"{r.rid} is queued but not known"
+            _require(r.rid not in seen, f"{r.rid} is in {seen.get(r.rid)} and {stage}")
+            _require(r.stage == stage, f"{r.rid} has stage {r.stage}, is queued in {stage}")
+            _require(ex.requests.get(r.rid) is r, f"{r.rid} is queued but not known")
             seen[r.rid] = stage
-    assert len(seen) == len(ex.requests), (
-        f"requests known but in no queue: {sorted(set(ex.requests) - set(seen))}"
+    _require(
+        len(seen) == len(ex.requests),
+        f"requests known but in no queue: {sorted(set(ex.requests) - set(seen))}",
     )
     locks: dict[int, int] = {}
     held_buffers = 0
     for r in ex.requests.values():
         holds = r.slots is not None or r.last_node is not None
         if r.stage in (Stage.BOOTSTRAP, Stage.WAITING):
-            assert not holds, f"{r.rid} holds KV in stage {r.stage}"
+            _require(not holds, f"{r.rid} holds KV in stage {r.stage}")
         else:
-            assert holds and r.last_node is not None, f"{r.rid} runs without KV"
+            _require(holds and r.last_node is not None, f"{r.rid} runs without KV")
         has_buffer = r.metadata_buffer_index >= 0
-        assert has_buffer == (r.stage != Stage.BOOTSTRAP), (
-            f"{r.rid} in {r.stage} holds metadata buffer {r.metadata_buffer_index}"
+        _require(
+            has_buffer == (r.stage != Stage.BOOTSTRAP),
+            f"{r.rid} in {r.stage} holds metadata buffer {r.metadata_buffer_index}",
         )
         held_buffers += has_buffer
         if ex.unpublished_pending and r.pending_bootstrap and holds:
-            assert r.tree_len == r.cached_device + r.cached_host, (
+            _require(
+                r.tree_len == r.cached_device + r.cached_host,
                 f"{r.rid}: pending, yet {r.tree_len - r.cached_device - r.cached_host} computed "
-                "tokens were inserted into a tree that backs up at insert"
+                "tokens were inserted into a tree that backs up at insert",
             )
         if r.last_node is not None:
             x = r.last_node
@@ -76,10 +98,11 @@ def check_executor(ex: OptimisticPrefillExecutor) -> None:
                 locks[id(x)] = locks.get(id(x), 0) + 1
                 x = x.parent
     meta = ex.metadata
-    assert held_buffers + meta.available_size() == meta.size, (
-        f"metadata buffers: {held_buffers} held + {meta.available_size()} free != {meta.size}"
+    _require(
+        held_buffers + meta.available_size() == meta.size,
+        f"metadata buffers: {held_buffers} held + {meta.available_size()} free != {meta.size}",
     )
     for node in ex.tree.all_nodes():
         held = locks.get(id(node), 0)
-        assert node.lock_ref >= held, f"{node!r}: lock_ref {node.lock_ref} < {held} request locks"
+        _require(node.lock_ref >= held, f"{node!r}: lock_ref {node.lock_ref} < {held} requests")
     ex.tree.check_integrity(request_owned=ex.request_owned_slots())

@@ -41,6 +41,7 @@ from typing import Any
 
 from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step, timed_evict
 from bench.cache_ops.two_tier import run_pressure
+from hicache.memory.allocator import page_ceil
 
 ALL_OPS = OPS + ("evict_1pct", "evict_leaf", "evict_leaf_alone")
 SIZES = (10_000, 100_000, 1_000_000)
@@ -70,7 +71,7 @@ def run_trace(
     ``evict_tokens`` (default 1% of ``capacity``) each time as many were inserted."""
     trace = iter(MultiTurnTrace(capacity, seed=seed))
     headroom = 16_384 + capacity // 50
-    pool = (capacity + headroom + page_size - 1) // page_size * page_size
+    pool = page_ceil(capacity + headroom, page_size)
     drivers = [f(pool, page_size) for f in factories]
     project = drivers[0]
     while project.size() < capacity:

@@ -31,6 +31,7 @@ from bench.clock.forward_table import (
     table_from,
 )
 from bench.common import call_timer, sync_device
+from hicache.memory.allocator import page_ceil
 
 __all__ = [
     "Calibration",
@@ -171,7 +172,7 @@ def calibrate_run(
     page = args.page_size
 
     def make_pool(slots: int) -> Any:
-        return MHATokenToKVPool.from_server_args(args, size=(slots + page - 1) // page * page)
+        return MHATokenToKVPool.from_server_args(args, size=page_ceil(slots, page))
 
     fwd = calibrate_forward(model, make_pool, forward_grid(max_new, max_prefix, page), rounds)
     cache = build_kv_cache(args)

@@ -8,10 +8,10 @@ import statistics
 from typing import Any
 
 import torch
-from prefill.request.state import Outcome
 
 from bench.e2e.driver import TraceRun
 from prefill.executor import OptimisticPrefillExecutor
+from prefill.request.state import Outcome
 from prefill.testing.harness import decode_kv_and_reference, kv_max_rel_error
 
 logger = logging.getLogger(__name__)

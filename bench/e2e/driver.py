@@ -33,16 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from prefill.model.paged import ModelConfig, PagedTransformer
-from prefill.request.state import Outcome, RequestResult
 
 from bench.clock.calibrate import Calibration
 from bench.clock.virtual_cost import CostAccountant, RecordingModel
 from bench.common import DEADLINE_ENV, time_left
 from hicache.tp.group import TPGroup
 from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.sim_side import PeerConfig
+from prefill.disagg.sim_config import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.request.state import Outcome, RequestResult
 from prefill.testing.harness import make_executor
 from prefill.tp.driver import agreed_clock
 from server_args import ServerArgs
@@ -60,10 +60,6 @@ CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, h
 GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
 
 CLOCKS = ("virtual", "wall")
-
-STUCK_STEPS = 1000
-"""Virtual clock: consecutive steps without progress or a future event before giving up."""
-
 
 def model_args() -> dict[str, Any]:
     """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
@@ -193,11 +189,9 @@ def settle(ex: OptimisticPrefillExecutor) -> bool:
 
 
 def run_until_idle(ex: OptimisticPrefillExecutor) -> None:
-    """``settle`` until the executor is idle; when nothing progresses, the executor's own wait
-    for its next event (``wait_for_next_event``: it raises when nothing can change)."""
-    due_now = 0
-    while not ex.is_idle():
-        due_now = 0 if settle(ex) else ex.wait_for_next_event(due_now)
+    """The executor's own ``run_until_idle``; on a virtual clock every step is followed by the
+    wait for the cache's copies (as ``settle`` does)."""
+    ex.run_until_idle(after_step=ex.drain_cache_events if is_virtual(ex) else None)
 
 
 class Driver:
@@ -275,8 +269,7 @@ class Driver:
         """Run until ``done()`` and the executor is idle. ``next_due()`` is when the next
         request may be sent (None: nothing queued); ``pop_request()`` takes it."""
         start = time.perf_counter()
-        virtual = is_virtual(self.ex)
-        stuck = 0
+        due_now = 0
         while True:
             now = self.ex.clock.now()
             due = next_due()
@@ -293,21 +286,10 @@ class Driver:
             if done() and not self.inflight and self.ex.is_idle():
                 break
             if progressed:
-                stuck = 0
+                due_now = 0
                 continue
+            # Rank 0 drives alone under tensor parallelism (the others follow): local events.
             free = len(self.inflight) < self.max_parallel
-            waits = [t for t in ((due if free else None), self.ex.decode.next_event_time())
-                     if t is not None and t > now]  # fmt: skip
-            if virtual:
-                if waits:
-                    self.ex.clock.wait_until(min(waits))
-                    stuck = 0
-                else:
-                    stuck += 1
-                    if stuck > STUCK_STEPS:
-                        raise RuntimeError(f"executor stuck: {self.ex.describe()}")
-                continue
-            target = min(waits) if waits else now + 0.0005
-            self.ex.clock.wait_until(max(now + 1e-4, min(target, now + 0.01)))
+            due_now = self.ex.wait_for_next_event(due_now, also=due if free else None, local=True)
         self.run.wall_s = time.perf_counter() - start
         return self.run

@@ -60,20 +60,14 @@ def check_torch() -> Any:
     return torch
 
 
-def _version(text: str) -> tuple[int, ...]:
-    out = []
-    for part in text.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
-
-
 def check_triton() -> Any:
     try:
         import triton
     except Exception as exc:
         raise Stop(f"triton does not import ({exc}); pip install triton (the version torch "
                    "pins)") from exc  # fmt: skip
+    from kernels._env import version_tuple  # after triton imported: ``kernels`` imports it
+
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     try:
         import numpy
@@ -81,8 +75,8 @@ def check_triton() -> Any:
         np_version = numpy.__version__
     except ImportError:
         np_version = None
-    if (interpret and np_version and _version(triton.__version__)[:2] == (3, 6)
-            and _version(np_version)[:2] >= (2, 4)):  # fmt: skip
+    if (interpret and np_version and version_tuple(triton.__version__) == (3, 6)
+            and version_tuple(np_version) >= (2, 4)):  # fmt: skip
         raise Stop(f"TRITON_INTERPRET=1 with triton {triton.__version__} and numpy {np_version}: "
                    "numpy 2.4 breaks Triton 3.6's interpreter; pip install 'numpy<2.4' or unset "
                    "TRITON_INTERPRET")  # fmt: skip

@@ -255,10 +255,9 @@ def check_model_fused_attention(device: torch.device | None = None) -> float:
     """Chunked paged prefill (two chunks, the second over a cached prefix: the bottom-right
     causal mask) vs a full recompute, bf16 on CUDA (fp32 on CPU), GQA 4:1, head dim 128.
     Returns the largest relative error of a (layer, token) K/V row."""
-    from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-
     from hicache.memory.device_pool import MHATokenToKVPool
-    from prefill.model.paged import paged as model_mod
+    from prefill.model import paged as model_mod
+    from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
     from prefill.testing.harness import kv_max_rel_error
 
     device = device or _device()
@@ -293,9 +292,8 @@ def check_executor_l2(device: torch.device | None = None) -> None:
     """Write-back L2 end to end on ``device``: A is evicted to the host by B, C = A + more is a
     host hit loaded back layer by layer under its forward; integrity after every step; every
     request's decode-side KV equals a full recompute (fp32, tiny model)."""
+    from prefill.disagg.sim_config import DelayDistribution, PeerConfig
     from prefill.request.state import Outcome
-
-    from prefill.disagg.sim_side import DelayDistribution, PeerConfig
     from prefill.testing.harness import assert_decode_kv_matches, make_executor
     from server_args import ServerArgs
 

@@ -28,8 +28,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefill.model.paged import build_model
-
 from bench.clock.calibrate import calibrate_run, describe
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import (
@@ -47,11 +45,11 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
-from bench.multiturn.bench import (
+from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,
     TABLE,
-    _ratios,
+    add_ratios,
     conversations_for,
     decode_tokens_for,
     drive_trace,
@@ -61,7 +59,8 @@ from bench.multiturn.bench import (
     server_args_for,
 )
 from hicache.tp.group import TPGroup, new_cache_group
-from prefill.disagg.sim_side import PeerConfig
+from prefill.disagg.sim_config import PeerConfig
+from prefill.model.factory import build_model
 
 SUMMED = ("d2h_bytes", "h2d_bytes", "backed_up_tokens", "loaded_tokens",
           "evicted_device_tokens")  # fmt: skip
@@ -129,7 +128,7 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
                                               virtual_cal, group)  # fmt: skip
             free_memory()
             if rank == 0:
-                _ratios(results)
+                add_ratios(results)
     del model
     free_memory()
     if rank != 0:

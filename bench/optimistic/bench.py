@@ -56,7 +56,7 @@ from bench.optimistic.run import (
     make_trace,
     run_config,
 )
-from prefill.disagg.sim_side import DelayDistribution
+from prefill.disagg.sim_config import DelayDistribution
 
 ATTEMPTS = (0, 1, 2)
 RATIO = "ttft_mean_speedup_vs_0"

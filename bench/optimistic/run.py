@@ -11,8 +11,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from prefill.request.state import Outcome
-
 from bench.clock.calibrate import Calibration
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import (
@@ -22,7 +20,9 @@ from bench.e2e.driver import (
     release_executor,
     run_until_idle,
 )
-from prefill.disagg.sim_side import DelayDistribution, PeerConfig
+from hicache.memory.allocator import page_ceil
+from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.request.state import Outcome
 from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Trace:
         opts: argparse.Namespace, attempts: int, failure_prob: float, policy: str
     ) -> ServerArgs:
         page = opts.page_size
-        device_tokens = ((opts.device_pool_inputs * opts.input_len + page - 1) // page) * page
+        device_tokens = page_ceil(opts.device_pool_inputs * opts.input_len, page)
         extra = {WRITE_THROUGH_FLAG: True} if policy == "write_through" else {}
         return ServerArgs(
             **model_args(),

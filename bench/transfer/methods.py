@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 import kernels
+from hicache.memory.allocator import page_ceil
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def pool_slots(max_tokens: int) -> int:
 def random_slots(n: int, n_slots: int, page_size: int, first_page: int, seed: int) -> torch.Tensor:
     """``n`` slots made of random whole pages from ``[first_page, n_slots // page_size)``."""
     gen = torch.Generator().manual_seed(seed)
-    n_pages = math.ceil(n / page_size)
+    n_pages = page_ceil(n, page_size) // page_size
     pages = torch.randperm(n_slots // page_size - first_page, generator=gen)[:n_pages] + first_page
     slots = pages[:, None] * page_size + torch.arange(page_size)
     return slots.flatten()[:n].contiguous()

@@ -26,6 +26,12 @@ logger = logging.getLogger(__name__)
 _ALLOCATED = 0
 _FREE = 1
 _GROUP_FREED = 2  # freed inside a free group, returned at free_group_end()
+
+
+def page_ceil(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded up to whole pages of ``page_size`` tokens (the project's one
+    page-rounding rule; ``page_ceil(n, ps) // ps`` is the page count)."""
+    return -(-tokens // page_size) * page_size
 _PADDING = 3
 
 

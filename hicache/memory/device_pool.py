@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kernels
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from server_args import ServerArgs
@@ -42,18 +43,6 @@ def _check_geometry(size: int, page_size: int, layer_num: int, **dims: int) -> N
     for name, value in dims.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def _check_loc(loc: torch.Tensor, n_slots: int, device: torch.device) -> None:
-    """Validate a slot index tensor; the range check only runs for CPU tensors (no GPU sync)."""
-    if not isinstance(loc, torch.Tensor) or loc.dim() != 1 or loc.dtype != torch.int64:
-        raise ValueError("loc must be a 1-D torch.int64 tensor")
-    if loc.device.type != device.type:
-        raise ValueError(f"loc is on {loc.device}, pool is on {device}")
-    if loc.device.type == "cpu" and loc.numel() > 0:
-        lo, hi = int(loc.min()), int(loc.max())
-        if lo < 0 or hi >= n_slots:
-            raise ValueError(f"loc out of range [0, {n_slots}): min {lo}, max {hi}")
 
 
 class _DevicePool:
@@ -223,7 +212,7 @@ class MHATokenToKVPool(_DevicePool):
         (int64 ``[n]``). Runs on the current stream, does not synchronize. Values are cast to
         the pool dtype."""
         self._check_layer(layer_id)
-        _check_loc(loc, self.size + self.page_size, self.device)
+        slot_indices("loc", loc, n_slots=self.size + self.page_size, device=self.device)
         for name, t, width in (("cache_k", cache_k, self.head_dim),
                                ("cache_v", cache_v, self.v_head_dim)):  # fmt: skip
             want = (loc.numel(), self.head_num, width)
@@ -313,7 +302,7 @@ class MLATokenToKVPool(_DevicePool):
     def set_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_kv: torch.Tensor) -> None:
         """Write ``cache_kv`` (``[n, 1, C]``) into slots ``loc`` (int64 ``[n]``); no sync."""
         self._check_layer(layer_id)
-        _check_loc(loc, self.size + self.page_size, self.device)
+        slot_indices("loc", loc, n_slots=self.size + self.page_size, device=self.device)
         want = (loc.numel(), 1, self.kv_cache_dim)
         if tuple(cache_kv.shape) != want:
             raise ValueError(f"cache_kv must have shape {want}, got {tuple(cache_kv.shape)}")

@@ -2,7 +2,7 @@
 
 A host pool is one buffer of ``T`` token slots (``P = T / page_size`` pages) in one of three
 layouts (docs/DESIGN.md section 3), plus its own page allocator (no padding page: every host slot is
-usable). Sizing, the RAM check and pinning come from ``host_memory``.
+usable). Sizing, the RAM check and pinning come from ``host_ram``.
 
 The device pool is duck-typed on SGLang's attribute names (``page_size``, ``size``,
 ``layer_num``, ``device``, ``store_dtype`` or ``dtype``, and per model kind the head geometry and
@@ -19,8 +19,9 @@ and ``v_buffer`` (``kv_buffer`` is then that flat allocation).
 Supported (layout, io_backend) pairs, as upstream: ``layer_first`` with ``kernel`` or ``direct``,
 ``page_first`` with ``kernel``, ``page_first_direct`` with ``direct`` (``ServerArgs`` resolves the
 other two pairs the way SGLang does). The ``direct`` copies are the same for MHA and MLA (a list
-of per-layer device buffers per part: K and V, or the latent) and live here; each subclass keeps
-its ``kernel`` copies. Copies only launch work on the current stream (the controller calls them
+of per-layer device buffers per part: K and V, or the latent) and live in ``host_pool_direct``;
+each subclass keeps its ``kernel`` copies. Reading and writing single slots on the host (tests,
+debugging) is ``host_pool_slots``. Copies only launch work on the current stream (the controller calls them
 inside its side streams); they never synchronize.
 """
 
@@ -36,6 +37,9 @@ import torch
 import kernels
 from hicache.memory import host_ram
 from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache.memory.host_pool_direct import DirectCopies
+from hicache.memory.host_pool_slots import SlotAccess
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -72,7 +76,7 @@ def require_fields(device_pool: Any, names: Sequence[str], kind: str) -> None:
         )
 
 
-class _HostKVPoolBase:
+class _HostKVPoolBase(DirectCopies, SlotAccess):
     """Sizing, RAM check, allocation, pinning and the allocator shared by MHA and MLA.
 
     A subclass sets what ``_token_shapes()`` reads before calling ``__init__`` (one token shape
@@ -226,55 +230,7 @@ class _HostKVPoolBase:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    # --- direct copies (io_backend "direct": layer_first or page_first_direct) ------------------
-    def _backup_direct(
-        self,
-        device_parts: list[list[torch.Tensor]],
-        host_indices: torch.Tensor,
-        device_indices: torch.Tensor,
-    ) -> None:
-        """D2H, all layers, every part; ``device_parts``: per part, the per-layer device views."""
-        src = [b for part in device_parts for b in part]
-        if self.layout == "layer_first":
-            kernels.transfer_kv_direct(
-                src,
-                [hp[i] for hp in self._host_parts for i in range(self.layer_num)],
-                device_indices,
-                host_indices,
-                self.page_size,
-            )
-        else:  # page_first_direct
-            kernels.transfer_kv_all_layer_direct_lf_pf(
-                src, list(self._host_parts), device_indices, host_indices, self.page_size
-            )
-
-    def _load_direct(
-        self,
-        device_parts: list[torch.Tensor],
-        host_indices: torch.Tensor,
-        device_indices: torch.Tensor,
-        layer_id: int,
-    ) -> None:
-        """H2D of one layer, every part; ``device_parts``: that layer's view of each part."""
-        if self.layout == "layer_first":
-            kernels.transfer_kv_direct(
-                [hp[layer_id] for hp in self._host_parts],
-                device_parts,
-                host_indices,
-                device_indices,
-                self.page_size,
-            )
-        else:  # page_first_direct
-            kernels.transfer_kv_per_layer_direct_pf_lf(
-                list(self._host_parts),
-                device_parts,
-                host_indices,
-                device_indices,
-                layer_id,
-                self.page_size,
-            )
-
-    # --- checks and slot addressing ------------------------------------------------------------
+    # --- checks ---------------------------------------------------------------------------------
     def _check_copy_args(
         self,
         host_indices: torch.Tensor,
@@ -289,9 +245,8 @@ class _HostKVPoolBase:
                 f"io_backend={io_backend!r} is not supported with layout {self.layout!r}; "
                 f"supported pairs: {sorted(SUPPORTED_LAYOUT_IO)}"
             )
-        for name, t in (("host_indices", host_indices), ("device_indices", device_indices)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-                raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
+        slot_indices("host_indices", host_indices)
+        slot_indices("device_indices", device_indices)
         if host_indices.numel() != device_indices.numel():
             raise ValueError(
                 f"host_indices ({host_indices.numel()}) and device_indices "
@@ -303,49 +258,3 @@ class _HostKVPoolBase:
     def _check_layer(self, layer_id: int) -> None:
         if not 0 <= layer_id < self.layer_num:
             raise ValueError(f"layer_id must be in [0, {self.layer_num}), got {layer_id}")
-
-    def _check_slots(self, indices: torch.Tensor) -> torch.Tensor:
-        idx = indices.cpu()
-        if idx.dim() != 1 or idx.dtype != torch.int64:
-            raise ValueError("indices must be a 1-D torch.int64 tensor")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.size):
-            raise ValueError(f"indices out of range [0, {self.size})")
-        return idx
-
-    def _get_slots(self, layer_id: int, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A copy of host slots ``indices`` of a layer from each part, each ``[n, *token]``."""
-        idx = self._check_slots(indices)
-        return tuple(self._slot_view(part, layer_id, idx) for part in self._host_parts)
-
-    def _set_slots(
-        self, layer_id: int, indices: torch.Tensor, values: tuple[torch.Tensor, ...], names: str
-    ) -> None:
-        """Write one ``[n, *token]`` tensor per part into host slots ``indices`` of a layer."""
-        self._check_layer(layer_id)
-        idx = self._check_slots(indices)
-        want = [(idx.numel(), *tok) for tok in self._token_shapes()]
-        if len(values) != len(want) or any(
-            tuple(v.shape) != w for v, w in zip(values, want, strict=True)
-        ):
-            raise ValueError(f"{names} must have shapes {want}")
-        for part, value in zip(self._host_parts, values, strict=True):
-            self._slot_assign(part, layer_id, idx, value.to(self.dtype).cpu())
-
-    def _slot_view(self, part: torch.Tensor, layer_id: int, idx: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, ...]`` of ``part`` (K, V or the MLA buffer) for ``layer_id``; a copy."""
-        self._check_layer(layer_id)
-        if self.layout == "layer_first":
-            return part[layer_id][idx]
-        if self.layout == "page_first":
-            return part[idx, layer_id]
-        return part[idx // self.page_size, layer_id, idx % self.page_size]
-
-    def _slot_assign(
-        self, part: torch.Tensor, layer_id: int, idx: torch.Tensor, value: torch.Tensor
-    ) -> None:
-        if self.layout == "layer_first":
-            part[layer_id][idx] = value
-        elif self.layout == "page_first":
-            part[idx, layer_id] = value
-        else:
-            part[idx // self.page_size, layer_id, idx % self.page_size] = value

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 
 import torch
+
+from hicache.memory.allocator import page_ceil
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def host_pool_tokens(
         if host_to_device_ratio <= 0:
             raise ValueError(f"host_to_device_ratio must be > 0, got {host_to_device_ratio}")
         tokens = int(device_size * host_to_device_ratio)
-    return max(1, math.ceil(tokens / page_size)) * page_size
+    return page_ceil(max(1, tokens), page_size)
 
 
 def alloc_host_buffer(

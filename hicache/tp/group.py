@@ -158,24 +158,6 @@ class TPGroup:
         return self.rank == 0
 
 
-def agreed_alloc(
-    group: TPGroup, allocator: Any, n: int, *, pool: str, tag: str
-) -> torch.Tensor | None:
-    """``n`` slots of ``allocator`` (a ``TokenToKVPoolAllocator``) if every rank of ``group``
-    has room (``group.agree_all`` under ``tag``), else ``None`` on every rank. Raises
-    ``RuntimeError`` when this rank's allocation fails after the group agreed there was room
-    (the allocators of the ``pool`` tier diverged)."""
-    if not group.agree_all(allocator.can_alloc(n), tag=tag):
-        return None
-    slots = allocator.alloc(n)
-    if slots is None:
-        raise RuntimeError(
-            f"rank {group.rank}: the {pool} pool has {allocator.available_size()} free slots "
-            f"for {n} after the group agreed there was room (allocators diverged)"
-        )
-    return slots
-
-
 def _check_int(name: str, value: Any) -> int:
     """``value`` as an int (ints and integer scalars; not bools), within +-2**62."""
     if isinstance(value, bool):

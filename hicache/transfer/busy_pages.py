@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
+from kernels.ops.checks import slot_indices
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,6 @@ _EMPTY = torch.empty((0,), dtype=torch.int64)
 _UNCOUNTED = 0  # launched or queued; its device pages are not in the counts yet
 _COUNTED = 1
 _DONE = 2  # ack popped: no longer counted anywhere
-
-
-def check_indices(name: str, t: object, page_size: int) -> torch.Tensor:
-    """``t`` if it is a 1-D int64 tensor of whole pages; else ``ValueError``."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-        raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
-    if t.numel() % page_size != 0:
-        raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
-    return t
 
 
 def cat_cpu(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -174,7 +166,7 @@ class DeferredFrees:
     def validate(self, indices: torch.Tensor, name: str) -> torch.Tensor:
         """``indices`` on the CPU, or ``ValueError`` (nothing changes) unless they may be freed:
         whole pages, allocated, and not already held here. O(len(indices))."""
-        check_indices(name, indices, self.allocator.page_size)
+        slot_indices(name, indices, page_size=self.allocator.page_size)
         idx = indices.cpu()
         self.allocator.check_free(idx)
         if self._num_held and idx.numel():

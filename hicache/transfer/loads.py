@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from hicache.tp.group import agreed_alloc
+from hicache.tp.agreed import agreed_alloc
 from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
-from hicache.transfer.busy_pages import BusyPages, CopyUsage, check_indices
+from hicache.transfer.busy_pages import BusyPages, CopyUsage
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
@@ -77,7 +78,7 @@ class ControllerLoads:
         pool is short on any rank of the group (nothing changes). Nothing moves until
         ``start_loading()``. Never blocks, except for the group's agreement on room.
         """
-        check_indices("host_indices", host_indices, self.page_size)
+        slot_indices("host_indices", host_indices, page_size=self.page_size)
         if host_indices.numel() and (
             int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
         ):

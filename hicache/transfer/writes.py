@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tp.group import agreed_alloc
+from hicache.tp.agreed import agreed_alloc
 from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
-from hicache.transfer.busy_pages import BusyPages, CopyUsage, cat_cpu, check_indices
+from hicache.transfer.busy_pages import BusyPages, CopyUsage, cat_cpu
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
@@ -69,7 +70,7 @@ class ControllerWrites:
         group's agreement on room (a collective when ``tp_size > 1``).
         The host copy is readable only after this write's ack (``writing_check``).
         """
-        check_indices("device_indices", device_indices, self.page_size)
+        slot_indices("device_indices", device_indices, page_size=self.page_size)
         if self.load_queue and bool(
             torch.isin(
                 device_indices.cpu(), cat_cpu([op.device_indices for op in self.load_queue])

@@ -45,6 +45,32 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
+def slot_indices(
+    name: str,
+    t: object,
+    *,
+    n_slots: int | None = None,
+    page_size: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The project's one slot-index validator: ``t`` if it is a 1-D ``torch.int64`` tensor,
+    with ``page_size`` a whole number of pages, with ``device`` on that device type, and with
+    ``n_slots`` every entry in ``[0, n_slots)``; else ``ValueError`` naming ``name``. The range
+    is read only where it costs no host synchronization (CPU tensors; CUDA ones with debug
+    checks on)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+        raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
+    if page_size is not None and t.numel() % page_size:
+        raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
+    if device is not None and t.device.type != device.type:
+        raise ValueError(f"{name} is on {t.device}, the pool is on {device}")
+    if n_slots is not None and t.numel() and _content_checks(t):
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= n_slots:
+            raise ValueError(f"{name} out of range [0, {n_slots}): min {lo}, max {hi}")
+    return t
+
+
 def index_pair(src_indices: object, dst_indices: object) -> torch.device:
     """Both int64, 1-D, same length, same device. Returns that device (where the op runs)."""
     for name, idx in (("src_indices", src_indices), ("dst_indices", dst_indices)):

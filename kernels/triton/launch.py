@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._env import cuda_available
+from kernels._env import cuda_available, version_tuple
 from kernels.layout.addressing import Part, Side
 from kernels.layout.ptr_tables import alignment, verified_alignment
 from kernels.triton.copy_kernel import kv_copy_kernel
@@ -28,12 +27,7 @@ VECTORS_PER_THREAD = 8
 """Loads (16-byte vectors, or single narrow words) each thread keeps in flight per tile."""
 
 
-def _triton_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-MAX_ROWS_PER_THREAD = 2 if _triton_version() >= (3, 7) else 1
+MAX_ROWS_PER_THREAD = 2 if version_tuple(triton.__version__) >= (3, 7) else 1
 """Rows a thread spans per tile: each costs a 64-bit offset per side in registers. Measured with
 ``tests/kernels/ptx_variants.py`` (sm_90, 1024 threads): at 4, the 576-byte tiles (two 512-byte chunks,
 the second mostly masked) spill; at 2 no variant spills with Triton 3.7, 3.8 and 3.9, but Triton

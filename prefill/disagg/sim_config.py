@@ -1,6 +1,6 @@
 """How simulated decode peers behave: bootstrap delay distribution, failure probabilities,
 transfer model, the bootstrap timeout and the force-not-ready test hook (SGLang's environment
-variables for the last two).
+variables for the last two, read through ``prefill.disagg.protocol``).
 
 ``PeerConfig.from_server_args(args)`` reads the failure hooks and the simulated transfer model
 from ``ServerArgs`` and the two SGLang environment variables:
@@ -13,7 +13,6 @@ from ``ServerArgs`` and the two SGLang environment variables:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -21,24 +20,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefill.disagg.protocol import (
+    DEFAULT_BOOTSTRAP_TIMEOUT_S,
+    FORCE_RETRY_ENV,
+    bootstrap_timeout_from_env,
+)
+
 logger = logging.getLogger(__name__)
-
-FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
-"""Upstream's environment variable for the force-not-ready test hook (read by ``PeerConfig``)."""
-
-BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
-"""Upstream's environment variable for the bootstrap timeout in seconds (read by ``PeerConfig``)."""
-
-DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
-"""Upstream's default bootstrap timeout."""
-
-
-def force_not_ready(rid: str, prob: float) -> bool:
-    """Deterministic per-rid coin of probability ``prob`` (upstream ``should_force_retry``)."""
-    if prob <= 0:
-        return False
-    digest = hashlib.sha256(str(rid).encode()).digest()
-    return int.from_bytes(digest[:8], "big") < prob * 2**64
 
 
 @dataclass(frozen=True)
@@ -135,18 +123,3 @@ class PeerConfig:
             bootstrap_timeout_s=bootstrap_timeout_from_env(),
         )
 
-
-def bootstrap_timeout_from_env() -> float:
-    """``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` in seconds (an integer, as upstream's
-    ``EnvInt``), or the default 300. Raises ``ValueError`` naming the variable when it is not a
-    positive integer."""
-    raw = os.environ.get(BOOTSTRAP_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_BOOTSTRAP_TIMEOUT_S
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{BOOTSTRAP_TIMEOUT_ENV}={raw!r} must be a positive integer (seconds)")
-    return float(value)

@@ -1,40 +1,44 @@
-"""One simulated decode peer (SGLang's bootstrap room, sender / receiver pair): ``KVPoll``, its
-sends and their acks. See ``prefill.disagg.sim_side`` for the peer's life and the ``DecodeSide`` that
-owns the decode pool and creates peers."""
+"""One simulated decode peer (SGLang's bootstrap room, sender / receiver pair): its life, its
+sends and their acks, as a :class:`prefill.disagg.protocol.DecodeLink`. ``prefill.disagg.sim_side``
+describes the peer's life and owns the decode pool; a peer sees its side through
+:class:`PeerSide` (the side imports this module, never the other way round)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 import kernels
+from hicache.memory.allocator import page_ceil
 from hicache.transfer.streams import CPU_COPY_LOCK
-from prefill.disagg.sim_config import BOOTSTRAP_TIMEOUT_ENV
-
-if TYPE_CHECKING:
-    from prefill.disagg.sim_side import DecodeSide
+from prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV, TERMINAL, KVPoll, SendRecord
+from prefill.disagg.sim_config import PeerConfig
 
 logger = logging.getLogger(__name__)
 
 
-class KVPoll(IntEnum):
-    """Decode-peer states, as SGLang's ``disaggregation.base.conn.KVPoll``."""
+class PeerSide(Protocol):
+    """What a simulated peer reads and calls on its decode side (``DecodeSide``)."""
 
-    Failed = 0
-    Bootstrapping = 1
-    WaitingForInput = 2
-    Transferring = 3
-    Success = 4
+    config: PeerConfig
+    clock: Any  # prefill.clock.Clock
+    page_size: int
+    src_pool: Any  # the prefill device pool the sends read
+    pool: Any  # the decode device pool they land in
+    allocator: Any  # the decode pool's allocator
+    copy_block_quota: int
+    send_log: deque[SendRecord]
 
+    def on_success(self, peer: DecodePeer) -> None: ...
 
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
+    def retire(self, peer: DecodePeer) -> None: ...
 
 
 @dataclass
@@ -52,27 +56,16 @@ class Transfer:
     acked: bool = False
 
 
-@dataclass(frozen=True)
-class SendRecord:
-    """Log entry of one ``send``: who sent what, when."""
-
-    rid: str
-    attempt: int
-    start: int
-    end: int
-    time: float
-    last: bool
-
-
 class DecodePeer:
-    """The decode side of one request. Create through ``DecodeSide.create_peer``.
+    """The decode side of one request (a ``DecodeLink``). Create through
+    ``DecodeSide.create_peer``.
 
     ``token_ids`` (kept only when the side keeps received KV): the prompt, which a real decode
     instance receives with the request; tests recompute the reference KV from it."""
 
     def __init__(
         self,
-        side: DecodeSide,
+        side: PeerSide,
         rid: str,
         num_tokens: int,
         now: float,
@@ -208,7 +201,7 @@ class DecodePeer:
     def _try_prealloc(self) -> None:
         n = self.num_tokens - self.decode_prefix_len
         ps = self.side.page_size
-        slots = self.side.allocator.alloc((n + ps - 1) // ps * ps)
+        slots = self.side.allocator.alloc(page_ceil(n, ps))
         if slots is None:
             return  # decode pool full: stay Bootstrapping, retry at the next poll
         self.decode_slots = slots
@@ -232,18 +225,24 @@ class DecodePeer:
             t.src = None
 
     def _copy_in(self, t: Transfer) -> None:
-        """Read the source slots now (the simulated RDMA read). On CUDA the copy is queued on the
-        current (compute) stream, so it reads the KV after the forward that wrote it and before
-        any later forward can reuse the slots; the last range's copy is waited for, so
-        ``Success`` (the end of TTFT) comes after the bytes landed. On CPU it is one indexed
-        copy of every layer's K and V (the interpreted Triton kernel would cost ~0.1 s a send;
-        the kernel is tested on its own)."""
-        assert self.decode_slots is not None and t.src is not None
+        """Read the source slots now (the simulated RDMA read), through the project's copy ops.
+        On CUDA the copy (``kernels.transfer_kv_all_layer``) is queued on the current (compute)
+        stream, so it reads the KV after the forward that wrote it and before any later forward
+        can reuse the slots; the last range's copy is waited for, so ``Success`` (the end of
+        TTFT) comes after the bytes landed. On CPU it is the direct backend
+        (``kernels.transfer_kv_direct``: one ``copy_`` per run of consecutive slots and layer;
+        the interpreted Triton kernel would cost ~0.1 s a send and is tested on its own)."""
+        if self.decode_slots is None or t.src is None:
+            raise RuntimeError(f"{self.rid}: copy of [{t.start}, {t.end}) without its slots")
         src_pool, dst_pool = self.side.src_pool, self.side.pool
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
         if src_pool.device.type == "cpu":
             with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
-                dst_pool.kv_buffer[:, :, dst] = src_pool.kv_buffer[:, :, t.src]
+                kernels.transfer_kv_direct(
+                    [*src_pool.k_buffer, *src_pool.v_buffer],
+                    [*dst_pool.k_buffer, *dst_pool.v_buffer],
+                    t.src, dst, page_size=1,
+                )  # fmt: skip
             return
         args = (
             src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,

@@ -1,4 +1,4 @@
-"""A simulated decode peer for PD disaggregation (SGLang ``KVPoll``, sender / receiver pair).
+"""The simulated decode instance of PD disaggregation: a ``DecodeBackend`` in this process.
 
 One ``DecodePeer`` per request (SGLang's bootstrap room). Its life, driven by a clock:
 
@@ -19,9 +19,10 @@ discards them). A send fails with probability ``transfer_failure_prob`` (the pee
 ``fail`` at any moment.
 
 Failure draws come from ``random.Random(f"{seed}:{rid}")`` so reruns repeat. The "force not
-ready on the first attempt" hook (``force_not_ready``) hashes the rid alone, as upstream's
-``should_force_retry`` does. ``DecodePeer`` and ``KVPoll`` live in ``prefill.disagg.sim_peer``,
-``PeerConfig`` and the delay distributions in ``prefill.disagg.sim_config``; all are re-exported here.
+ready on the first attempt" hook (``prefill.disagg.protocol.force_not_ready``) hashes the rid
+alone, as upstream's ``should_force_retry`` does. ``DecodePeer`` lives in
+``prefill.disagg.sim_peer``, ``PeerConfig`` and the delay distributions in
+``prefill.disagg.sim_config``, ``KVPoll`` and the protocol in ``prefill.disagg.protocol``.
 
 ``DecodeSide`` owns the decode KV pool, its allocator and the peers, and keeps a bounded log of
 the latest sends (keyed by ``(rid, attempt)``) so tests can check that nothing was sent for an
@@ -42,29 +43,9 @@ import torch
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
 from prefill.clock import Clock
-from prefill.disagg.sim_config import (
-    BOOTSTRAP_TIMEOUT_ENV,
-    FORCE_RETRY_ENV,
-    DelayDistribution,
-    PeerConfig,
-    force_not_ready,
-)
-from prefill.disagg.sim_peer import TERMINAL, DecodePeer, KVPoll, SendRecord, Transfer
-
-__all__ = [
-    "BOOTSTRAP_TIMEOUT_ENV",
-    "DEFAULT_SEND_LOG_SIZE",
-    "FORCE_RETRY_ENV",
-    "TERMINAL",
-    "DecodePeer",
-    "DecodeSide",
-    "DelayDistribution",
-    "KVPoll",
-    "PeerConfig",
-    "SendRecord",
-    "Transfer",
-    "force_not_ready",
-]
+from prefill.disagg.protocol import KVPoll, SendRecord
+from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_peer import DecodePeer
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +93,10 @@ class DecodeSide:
         self.peers: dict[str, DecodePeer] = {}  # live peers, and kept successful ones
         self._live: dict[str, DecodePeer] = {}  # peers that may still produce an event
         self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
+
+    @property
+    def force_not_ready_prob(self) -> float:
+        return self.config.force_not_ready_prob
 
     def create_peer(
         self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels._env import version_tuple
+
 if TYPE_CHECKING:
     from hicache.memory.device_pool import MHATokenToKVPool
     from server_args import ServerArgs
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 LayerWait = Callable[[int], None]
 
 # SDPA's enable_gqa exists from torch 2.5; cleared at the first kernel path that rejects it.
-_GQA_OK = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+_GQA_OK = version_tuple(torch.__version__) >= (2, 5)
 
 
 def _sdpa(
@@ -361,31 +363,3 @@ class PagedTransformer(torch.nn.Module):
             h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
         logits = (self.norm(h) @ self.lm_head.t()).float()
         return logits, torch.stack(ks), torch.stack(vs)
-
-
-def build_model(args: ServerArgs) -> PagedTransformer:
-    """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
-    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.model.tp``), its rank
-    and model group the initialized default process group's, which must have ``tp_size``
-    ranks."""
-    config = ModelConfig.from_server_args(args)
-    tp_size = getattr(args, "tp_size", 1)
-    if tp_size > 1:
-        import torch.distributed as dist
-
-        from prefill.model.tp import TPPagedTransformer
-
-        if not dist.is_initialized() or dist.get_world_size() != tp_size:
-            world = dist.get_world_size() if dist.is_initialized() else None
-            raise ValueError(
-                f"tp_size: --tp-size={tp_size} needs an initialized default process group of "
-                f"that many ranks (world size {world})"
-            )
-        return TPPagedTransformer(config, dist.get_rank(), tp_size, device=args.resolved_device())
-    model = PagedTransformer(config, args.resolved_device())
-    logger.info(
-        "model %s: %d layers, %d/%d heads x %d, hidden %d, %s, seed %d",
-        getattr(args, "model_preset", "?"), config.num_layers, config.num_attention_heads,
-        config.num_kv_heads, config.head_dim, config.hidden_size, config.dtype, config.seed,
-    )
-    return model

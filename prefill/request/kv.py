@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hicache.memory.allocator import page_ceil
 from prefill.request.state import PrefillRequest
 from prefill.stats import ExecutorStats
 
@@ -48,8 +49,7 @@ class RequestKV:
 
     def _pages(self, n: int) -> int:
         """``n`` rounded up to whole pages."""
-        ps = self.page_size
-        return (n + ps - 1) // ps * ps
+        return page_ceil(n, self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
@@ -116,7 +116,7 @@ class RequestKV:
         present = self.tree.insert(key, req.slots[:end], chunked=chunked)
         issued = self.cache_stats.backed_up_tokens - backed_up
         if issued and req.pending_bootstrap:
-            self.stats.speculative_l2_pages += -(-issued // self.page_size)
+            self.stats.speculative_l2_pages += page_ceil(issued, self.page_size) // self.page_size
             logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
         assert present >= req.tree_len, f"{req.rid}: locked prefix {req.tree_len} > {present}"
         if present > req.tree_len:

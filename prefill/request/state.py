@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from prefill.disagg.sim_side import DecodePeer
+    from prefill.disagg.protocol import DecodeLink
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PrefillRequest:
 
     rid: str
     token_ids: list[int]
-    peer: DecodePeer
+    peer: DecodeLink
     submit_time: float
     force_not_ready: bool = False
     stage: Stage = Stage.BOOTSTRAP

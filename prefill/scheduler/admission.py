@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from prefill.disagg.sim_side import KVPoll
+from prefill.disagg.protocol import KVPoll
 from prefill.request.state import PrefillRequest, Stage
 from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
 from prefill.stats import ExecutorStats

@@ -24,7 +24,7 @@ import logging
 
 from hicache.tp.group import TPGroup
 from prefill.clock import Clock
-from prefill.disagg.sim_side import KVPoll
+from prefill.disagg.protocol import KVPoll
 from prefill.request.state import PrefillRequest
 from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.batch import Batch, BatchRunner

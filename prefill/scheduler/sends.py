@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 
 from prefill.clock import Clock
-from prefill.disagg.sim_side import KVPoll
+from prefill.disagg.protocol import KVPoll
 from prefill.request.kv import RequestKV
 from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
 from prefill.scheduler.admission import AdmissionQueue

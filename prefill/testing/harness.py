@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefill.clock import Clock, VirtualClock
-from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE, DecodeSide, PeerConfig
+from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE, DecodeSide
 from prefill.executor import CostModel, OptimisticPrefillExecutor
-from prefill.model.paged import PagedTransformer, build_model
+from prefill.model.factory import build_model
+from prefill.model.paged import PagedTransformer
 from prefill.tp.driver import agreed_clock
 
 if TYPE_CHECKING:

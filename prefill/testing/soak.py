@@ -150,7 +150,7 @@ def run_soak(
     rng = random.Random(cfg.seed + 1)
     arrivals = workload(cfg)
     nxt = next(arrivals, None)
-    attempts_cap = max(ex.max_attempts, 1 if ex.peer_config.force_not_ready_prob > 0 else 0)
+    attempts_cap = max(ex.max_attempts, 1 if ex.decode.force_not_ready_prob > 0 else 0)
     start = time.perf_counter()
     next_progress = progress_every
     due_now = 0

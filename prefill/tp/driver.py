@@ -26,7 +26,7 @@ from typing import Any
 
 from hicache.tp.group import TPGroup
 from prefill.clock import Clock
-from prefill.disagg.sim_side import DecodePeer
+from prefill.disagg.protocol import DecodeLink
 from prefill.tp.sync import AgreedClock, RankZeroInputs
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class TPDriver:
         self,
         group: TPGroup,
         clock: Clock,
-        accept: Callable[[str, list[int], DecodePeer | None, float], None],
+        accept: Callable[[str, list[int], DecodeLink | None, float], None],
         release: Callable[[str], None],
         drop_results: Callable[[], None],
     ) -> None:
@@ -90,7 +90,7 @@ class TPDriver:
         """``rid`` was submitted on rank 0 and is not broadcast yet."""
         return self.inputs is not None and self.inputs.pending(rid)
 
-    def submit(self, rid: str, ids: list[int], peer: DecodePeer | None) -> None:
+    def submit(self, rid: str, ids: list[int], peer: DecodeLink | None) -> None:
         """A validated request: accepted now (one rank), or queued for the next step's
         broadcast with rank 0's live time (``peer`` must then be omitted: ``ValueError``)."""
         if self.inputs is None:

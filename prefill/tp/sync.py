@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hicache.tp.group import RankDivergenceError, TPGroup
-from prefill.disagg.sim_peer import KVPoll
+from prefill.disagg.protocol import KVPoll
 
 logger = logging.getLogger(__name__)
 

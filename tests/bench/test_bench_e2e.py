@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from bench.e2e.workload import poisson_arrivals
 
 from bench import __main__ as suite
 from bench.clock.calibrate import (
@@ -37,7 +36,9 @@ from bench.clock.calibrate import (
 )
 from bench.clock.virtual_cost import CostAccountant
 from bench.e2e import driver as e2e
-from bench.multiturn import bench as bm
+from bench.e2e.workload import poisson_arrivals
+from bench.multiturn import single as mt_single
+from bench.multiturn import trace as bm
 from bench.optimistic import bench as bo
 from bench.optimistic import run as orun
 from bench.summary import git_commit, run_info
@@ -182,8 +183,8 @@ def test_multiturn_on_the_virtual_clock_repeats_exactly(name: str) -> None:
     _, device_tokens = bm.pool_sizes(opts)
     cal = linear_calibration()
     rate = bm.request_rate(opts, cal)
-    model = bm.shared_model(bm.server_args_for(name, device_tokens, opts))
-    runs = [bm.run_config(name, 5, device_tokens, rate, opts, model, cal) for _ in range(2)]
+    model = e2e.shared_model(bm.server_args_for(name, device_tokens, opts))
+    runs = [mt_single.run_config(name, 5, device_tokens, rate, opts, model, cal) for _ in range(2)]
     a, b = runs
     assert a["successes"] == 12
     assert a["ttft_samples_s"] == b["ttft_samples_s"]
@@ -206,7 +207,7 @@ def _optimistic_setup(
         ["--num-requests", str(num_requests), "--input-len", "128", "--chunked-prefill-size",
          "16", "--kv-sample-every", str(kv_sample_every), "--seeds", str(seeds)], quick=True,
     )  # fmt: skip
-    model = bm.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
+    model = e2e.shared_model(orun.Trace.server_args(opts, 0, 0.0, "write_back"))
     return opts, linear_calibration(), model
 
 

@@ -44,6 +44,7 @@ try:
 except ImportError:
     _hypothesis_stand_in()
 
+import kernels  # noqa: E402
 from tests.kernels.test_kernels import (  # noqa: E402
     CASES,
     OPS,
@@ -53,8 +54,6 @@ from tests.kernels.test_kernels import (  # noqa: E402
     run_and_check,
     same_bytes,
 )
-
-import kernels  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prefill.request.state import Outcome, Stage
 
-from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
+from prefill.disagg.protocol import KVPoll
+from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
+from prefill.request.state import Outcome, Stage
 from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from tests.prefill.executor_helpers import BASE_ARGS, NEVER, executor_args, finish, prompt, step
 

@@ -9,10 +9,11 @@ Virtual clock, tiny model, CPU. Every story checks integrity after every step.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state import Outcome, Stage
 
-from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
+from prefill.disagg.protocol import KVPoll
+from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
+from prefill.request.state import Outcome, Stage
 from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from server_args import ServerArgs
 from tests.prefill.executor_helpers import NOW, assert_drained, executor_args, prompt

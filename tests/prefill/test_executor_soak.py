@@ -17,11 +17,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from prefill.disagg.protocol import KVPoll
+from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.paged import ModelConfig, PagedTransformer
 from prefill.request.state import Outcome
-
-from prefill.disagg.sim_side import DelayDistribution, KVPoll, PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
 from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor, workload
 from server_args import ServerArgs

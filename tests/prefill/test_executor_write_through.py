@@ -10,10 +10,10 @@ then a soak of randomized traffic under write_through + 2 attempts.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state import Outcome
 
-from prefill.disagg.sim_side import PeerConfig
+from prefill.disagg.sim_config import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
+from prefill.request.state import Outcome
 from prefill.testing.harness import assert_decode_kv_matches, build_cache, make_executor
 from prefill.testing.soak import SoakConfig, run_soak, soak_executor
 from server_args import ServerArgs

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
+from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

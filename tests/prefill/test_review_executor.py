@@ -11,9 +11,9 @@ CPU only, tiny model, virtual clock.
 from __future__ import annotations
 
 import pytest
-from prefill.request.state import Outcome
 
-from prefill.disagg.sim_side import PeerConfig
+from prefill.disagg.sim_config import PeerConfig
+from prefill.request.state import Outcome
 from prefill.testing.harness import make_executor
 from tests.prefill.executor_helpers import NEVER, NOW, executor_args, prompt
 

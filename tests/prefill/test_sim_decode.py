@@ -11,13 +11,9 @@ import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool
 from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.sim_side import (
-    DecodeSide,
-    DelayDistribution,
-    KVPoll,
-    PeerConfig,
-    force_not_ready,
-)
+from prefill.disagg.protocol import KVPoll, force_not_ready
+from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.sim_side import DecodeSide
 
 L, H, D = 2, 2, 4
 
@@ -217,7 +213,7 @@ def test_bootstrap_timeout_counts_from_creation_and_spares_a_ready_peer():
 
 
 def test_bootstrap_timeout_env_var(monkeypatch):
-    from prefill.disagg.sim_side import BOOTSTRAP_TIMEOUT_ENV
+    from prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV
 
     class Args:
         pass
@@ -304,7 +300,7 @@ def test_peer_config_validation_and_server_args():
 
 
 def test_upstream_env_var_overrides_force_probability(monkeypatch):
-    from prefill.disagg.sim_side import FORCE_RETRY_ENV
+    from prefill.disagg.protocol import FORCE_RETRY_ENV
 
     class Args:
         disaggregation_force_not_ready_prob = 0.0

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 import torch
-from prefill.model.paged import ModelConfig, PagedTransformer
-from prefill.request.state import Outcome
 
 from hicache.tp.digest import tree_state
 from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_side import PeerConfig
+from prefill.disagg.sim_config import PeerConfig
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.request.state import Outcome
 from prefill.testing.harness import KV_ATOL, build_cache, make_executor
 from server_args import ServerArgs
 from tests.support.tp_harness import run_ranks

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-from prefill.model.tp import TPPagedTransformer, TPShard
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
+from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+from prefill.model.tp import TPPagedTransformer, TPShard
 from prefill.testing.harness import single_torch_thread
 from tests.support.tp_harness import run_ranks
 

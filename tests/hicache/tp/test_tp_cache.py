@@ -23,8 +23,6 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from prefill.model.paged import ModelConfig
-from prefill.model.tp import TPShard
 
 from hicache.builder import build_kv_cache
 from hicache.tp.digest import tree_state
@@ -34,6 +32,8 @@ from hicache.tp.group import (
     SingleRankGroup,
     new_cache_group,
 )
+from prefill.model.paged import ModelConfig
+from prefill.model.tp import TPShard
 from server_args import ServerArgs
 from tests.support.kv_content import check_device, check_tree_content, write_device
 from tests.support.tp_harness import run_ranks
@@ -430,7 +430,7 @@ def test_injected_rank_local_decisions_are_caught():
 
 
 def test_tp_model_needs_the_process_group():
-    from prefill.model.paged import build_model
+    from prefill.model.factory import build_model
 
     with pytest.raises(ValueError, match="tp_size: --tp-size=2 needs an initialized default"):
         build_model(ServerArgs(device="cpu", tp_size=2))

@@ -1,0 +1,29 @@
+"""Decisions every tensor-parallel rank takes alike from an agreed input: an allocation that
+happens on every rank or on none (``agreed_alloc``), used by the controller's copies and the
+cache's device allocations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache.tp.group import TPGroup
+
+
+def agreed_alloc(
+    group: TPGroup, allocator: Any, n: int, *, pool: str, tag: str
+) -> torch.Tensor | None:
+    """``n`` slots of ``allocator`` (a ``TokenToKVPoolAllocator``) if every rank of ``group``
+    has room (``group.agree_all`` under ``tag``), else ``None`` on every rank. Raises
+    ``RuntimeError`` when this rank's allocation fails after the group agreed there was room
+    (the allocators of the ``pool`` tier diverged)."""
+    if not group.agree_all(allocator.can_alloc(n), tag=tag):
+        return None
+    slots = allocator.alloc(n)
+    if slots is None:
+        raise RuntimeError(
+            f"rank {group.rank}: the {pool} pool has {allocator.available_size()} free slots "
+            f"for {n} after the group agreed there was room (allocators diverged)"
+        )
+    return slots

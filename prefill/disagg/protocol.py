@@ -1,0 +1,152 @@
+"""The decode-peer protocol the prefill executor talks to, whatever transport is behind it.
+
+SGLang's prefill side sees one sender per request (``KVSender``: ``poll``, ``init``, ``send``)
+over a transport (Mooncake, NIXL, ...). Here that per-request end is a :class:`DecodeLink`
+and the decode instance behind all of them a :class:`DecodeBackend`; the executor, its
+scheduler delegates and the tensor-parallel agreement use nothing else. The in-process
+simulation (``prefill.disagg.sim_side``) is one implementation.
+
+Also here: ``KVPoll`` (SGLang's states, ordered so that a MIN over ranks is the most
+pessimistic), ``SendRecord`` (the log entry a backend keeps of each send, which tests read to
+prove nothing was sent for an attempt that was not finalized), and the environment knobs SGLang
+applies to every transport (the bootstrap timeout, the force-not-ready test hook).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+import torch
+
+
+class KVPoll(IntEnum):
+    """Decode-peer states, as SGLang's ``disaggregation.base.conn.KVPoll``."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass(frozen=True)
+class SendRecord:
+    """Log entry of one ``send``: who sent what, when."""
+
+    rid: str
+    attempt: int
+    start: int
+    end: int
+    time: float
+    last: bool
+
+
+class DecodeLink(Protocol):
+    """The prefill side's end of one request's link to its decode peer (SGLang's sender).
+
+    ``decode_prefix_len``: tokens decode already holds (page-aligned; sends start there).
+    ``failure``: why the link failed, once ``Failed``; ``timed_out``: it failed by the
+    bootstrap timeout. Calls never block."""
+
+    rid: str
+    num_tokens: int
+    decode_prefix_len: int
+    failure: str | None
+    timed_out: bool
+
+    def poll(self) -> KVPoll:
+        """The current state (advancing any time-driven change first)."""
+        ...
+
+    def init(self, attempt: int) -> None:
+        """Finalize: commit ``attempt`` as the one whose KV will be sent (SGLang's
+        ``sender.init``, which carries the metadata). Only in ``WaitingForInput``, once."""
+        ...
+
+    def send(self, attempt: int, start: int, end: int, src_slots: torch.Tensor, last: bool) -> bool:
+        """Queue the KV of tokens ``[start, end)`` held in prefill device slots ``src_slots``
+        (int64, ``end - start`` entries); ranges are contiguous from ``decode_prefix_len``.
+        The slots are read later, until the send's ack (``inflight_reads``). False, queueing
+        nothing, when the link has failed."""
+        ...
+
+    def inflight_reads(self) -> int:
+        """Sends whose source slots may still be read (0 once the link failed and no call
+        can read them any more)."""
+        ...
+
+    def next_event_time(self) -> float | None:
+        """When ``poll`` may next change on its own (``None``: no time-driven event ahead)."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """Fail the link now (a decision of the prefill side, e.g. another TP rank's)."""
+        ...
+
+    @property
+    def live(self) -> bool:
+        """Neither ``Success`` nor ``Failed``."""
+        ...
+
+
+class DecodeBackend(Protocol):
+    """The decode instance as the executor sees it: one link per request."""
+
+    clock: object  # the clock its links read (the executor's)
+    force_not_ready_prob: float  # SGLang's force-retry test hook, applied by the prefill side
+
+    def create_peer(
+        self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> DecodeLink:
+        """A new link for ``rid`` (``ValueError`` if ``rid`` still has a live one)."""
+        ...
+
+    def next_event_time(self) -> float | None:
+        """Earliest ``next_event_time`` of the live links."""
+        ...
+
+    def release(self, rid: str) -> None:
+        """Forget ``rid``'s received KV and link (idempotent)."""
+        ...
+
+
+BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
+"""Upstream's environment variable for the bootstrap timeout in seconds."""
+
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
+"""Upstream's default bootstrap timeout."""
+
+FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
+"""Upstream's environment variable for the force-not-ready test hook."""
+
+
+def bootstrap_timeout_from_env() -> float:
+    """``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` in seconds (an integer, as upstream's
+    ``EnvInt``), or the default 300. Raises ``ValueError`` naming the variable when it is not a
+    positive integer."""
+    raw = os.environ.get(BOOTSTRAP_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_BOOTSTRAP_TIMEOUT_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{BOOTSTRAP_TIMEOUT_ENV}={raw!r} must be a positive integer (seconds)")
+    return float(value)
+
+
+def force_not_ready(rid: str, prob: float) -> bool:
+    """Deterministic per-rid coin of probability ``prob`` (upstream ``should_force_retry``)."""
+    if prob <= 0:
+        return False
+    digest = hashlib.sha256(str(rid).encode()).digest()
+    return int.from_bytes(digest[:8], "big") < prob * 2**64
