@@ -3,8 +3,8 @@ does a step cost the same after 100k requests as after 10k?
 
 One executor (tiny model, L2 write_through with optimistic prefill and 2 attempts by default)
 serves a seeded stream of requests sharing prefixes, with bootstrap and transfer failures and
-peers killed at random moments (``prefill.testing.soak``). Results are popped as they come; the decode
-KV of every 1000th success is checked against a full recompute. Every ``--window`` finished
+peers killed at random moments (``prefill.testing.soak``). Results are popped as they come; the
+decode KV of every 1000th success is checked against a full recompute. Every ``--window`` finished
 requests the run records the process RSS (``/proc/self/status`` VmRSS, after ``gc.collect()``),
 the mean cost of a step in that window (process CPU time, ``time.process_time``, which other
 processes on a shared machine disturb less than wall time; wall time is recorded too), the cost

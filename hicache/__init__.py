@@ -1,1 +1,3 @@
-"""Hierarchical KV cache: device and host pools, allocators, streams, controller, radix tree."""
+"""Hierarchical KV cache: ``memory`` (pools, allocator), ``transfer`` (streams, controller),
+``tree`` (radix trees, write policies, eviction), ``tp`` (rank agreement), with the builder
+(``builder.build_kv_cache``) and the stats at the top. Never sees a request."""

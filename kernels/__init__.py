@@ -4,9 +4,9 @@ The whole ``sgl_kernel.kvcacheio`` surface, same names, argument order and meani
 ``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.ops.kvcacheio`.
 ``transfer_kv_direct``, the ``*_direct_*`` ops and ``transfer_embedding_ranges_direct`` (direct
 backend): plain copies, see :mod:`kernels.ops.direct`. ``get_device_accessible_ptr`` and the pointer
-tables: :mod:`kernels.layout.ptr_tables`. :mod:`kernels.ops.reference` holds the torch reference of every
-op, and :mod:`kernels.layout.addressing` the one description of how the kernel-backend ops address
-memory.
+tables: :mod:`kernels.layout.ptr_tables`. :mod:`kernels.ops.reference` holds the torch reference of
+every op, and :mod:`kernels.layout.addressing` the one description of how the kernel-backend ops
+address memory.
 """
 
 from __future__ import annotations

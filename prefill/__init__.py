@@ -1,1 +1,3 @@
-"""Prefill side of PD disaggregation: model, simulated decode peer, optimistic prefill executor."""
+"""Prefill side of PD disaggregation: the optimistic prefill executor (``executor``), its
+scheduler delegates, requests, the paged model, the decode-peer protocol and its simulation,
+tensor parallelism, and test support."""

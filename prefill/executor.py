@@ -26,10 +26,10 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
    transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
 **Publishing a pending attempt's KV** follows what the tree declares of its write policy
-(``tree.backs_up_on_insert``; ``prefill.scheduler.pending_kv``): without backups at insert (device only, L2
-``write_back``) a pending attempt inserts its computed pages at chunk boundaries, at the end of
-its prefill and at a yield, so a retry hits them; with them (L2 ``write_through*``) its KV stays
-request-owned until finalize inserts it once, before the first send (SGLang 0.5.23
+(``tree.backs_up_on_insert``; ``prefill.scheduler.pending_kv``): without backups at insert (device
+only, L2 ``write_back``) a pending attempt inserts its computed pages at chunk boundaries, at the
+end of its prefill and at a yield, so a retry hits them; with them (L2 ``write_through*``) its KV
+stays request-owned until finalize inserts it once, before the first send (SGLang 0.5.23
 ``advance_unpublished_req``), and a yield or abort frees it unpublished. No host page is ever
 written from an attempt that is not finalized (``stats.speculative_l2_pages``, checked by
 ``check_integrity``). At build, optimism is refused (``ValueError`` naming the flags) unless the
@@ -47,13 +47,13 @@ the rid may be submitted again. Memory and the cost of a step depend on the requ
 not on how many have finished.
 
 This file owns the public API, the step order and the wiring of its delegates:
-``prefill.scheduler.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata buffers,
-finalize, requeue after a yield), ``prefill.scheduler.chunked`` (steps 4-6: the running (chunked)
-request, its chunk boundaries, the batch, the end of its prefill, yield), ``prefill.scheduler.batch``
-(step 5's selection and forward pass), ``prefill.scheduler.pending_kv`` (what publish and yield do with a
-pending attempt's KV), ``prefill.scheduler.sends`` (sends, step 7, abort, results),
-``prefill.request.kv`` (a request's slots and lock) and ``prefill.tp.driver`` (rank 0's inputs
-and the follow protocol).
+``prefill.scheduler.admission`` (steps 2-3: bootstrap and waiting queues, attempts, metadata
+buffers, finalize, requeue after a yield), ``prefill.scheduler.chunked`` (steps 4-6: the running
+(chunked) request, its chunk boundaries, the batch, the end of its prefill, yield),
+``prefill.scheduler.batch`` (step 5's selection and forward pass), ``prefill.scheduler.pending_kv``
+(what publish and yield do with a pending attempt's KV), ``prefill.scheduler.sends`` (sends, step 7,
+abort, results), ``prefill.request.kv`` (a request's slots and lock) and ``prefill.tp.driver`` (rank
+0's inputs and the follow protocol).
 
 **Tensor parallelism** (``--tp-size N``, the cache's ``group``): every rank runs this executor
 over its shard of the KV heads, with the tensor-parallel model and its own decode side (each

@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
-    """One intra-op torch thread for the test (see ``prefill.testing.harness.single_torch_thread``)."""
+    """One intra-op torch thread for the test (see
+    ``prefill.testing.harness.single_torch_thread``)."""
     from prefill.testing.harness import single_torch_thread
 
     with single_torch_thread():

@@ -2,8 +2,8 @@
 
 Loads SGLang either as installed in this environment (nothing replaced) or, with ``site``, from a
 release installed without its dependency tree (``make bench-vs-sglang``: the pin directory of
-``make sglang-check``, with the unrelated imports stubbed as listed in ``bench/cache_ops/sglang_loader.py``),
-and wraps:
+``make sglang-check``, with the unrelated imports stubbed as listed in
+``bench/cache_ops/sglang_loader.py``), and wraps:
 
 - ``SGLangPythonDriver``: ``sglang.srt.mem_cache.radix_cache.RadixCache`` with SGLang's own
   allocator (``TokenToKVPoolAllocator`` at page 1, ``PagedTokenToKVPoolAllocator`` otherwise)
@@ -48,8 +48,8 @@ def load_sglang(site: str | None = None) -> tuple[Any, str]:
     """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``.
 
     ``site``: a pin directory (``pip install --no-deps --target``); SGLang is then loaded through
-    :mod:`bench.cache_ops.sglang_loader`; the namespace's ``stub_report()`` lists every replacement used
-    so far (empty without ``site``)."""
+    :mod:`bench.cache_ops.sglang_loader`; the namespace's ``stub_report()`` lists every replacement
+    used so far (empty without ``site``)."""
     finder = None
     try:
         if site is not None:

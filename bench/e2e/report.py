@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.e2e.driver import CLOCKS, cpu_note
+from bench.e2e.setup import CLOCKS, cpu_note
 
 logger = logging.getLogger(__name__)
 

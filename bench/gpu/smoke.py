@@ -1,7 +1,7 @@
 """CUDA-path checks that need neither pytest nor hypothesis: ``python -m bench.gpu.smoke``.
 
-``bench/gpu_check.sh`` runs this when pytest is missing; ``tests/bench/test_cuda_paths_gpu.py`` runs the
-same checks under pytest (on CPU too, where each one applies). Each check raises
+``bench/gpu_check.sh`` runs this when pytest is missing; ``tests/bench/test_cuda_paths_gpu.py`` runs
+the same checks under pytest (on CPU too, where each one applies). Each check raises
 ``AssertionError`` with what went wrong:
 
 - ``check_kernels_pinned``: every kernel-backend op between a device pool and pinned host pools

@@ -8,16 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.clock.calibrate import Calibration, calibrate_run, describe
+from bench.common import time_left
 from bench.e2e.audit import audit, config_summary
-from bench.e2e.driver import (
-    TimeBudget,
-    cpu_note,
-    free_memory,
-    new_executor,
-    release_executor,
-    shared_model,
-    time_left,
-)
+from bench.e2e.budget import TimeBudget
 from bench.e2e.report import (
     aggregate_seeds,
     plot_ttft,
@@ -26,6 +19,7 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
+from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor, shared_model
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,

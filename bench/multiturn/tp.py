@@ -1,6 +1,6 @@
-"""``bench_multiturn --tp N``: the same multi-turn trace and table, served by N tensor-parallel
-ranks (``--tp-size N``), each with its own shard of the KV heads, cache, controller and decode
-side, agreeing every cache and scheduling decision on a gloo group.
+"""``python -m bench.multiturn --tp N``: the same multi-turn trace and table, served by N
+tensor-parallel ranks (``--tp-size N``), each with its own shard of the KV heads, cache, controller
+and decode side, agreeing every cache and scheduling decision on a gloo group.
 
 Launch: on a CPU machine ``python -m bench.multiturn --tp 2`` spawns the ranks itself
 (``prefill.tp.launch.run_ranks``: gloo for the model's all_reduce and for the cache group); on
@@ -30,14 +30,8 @@ from typing import Any
 
 from bench.clock.calibrate import calibrate_run, describe
 from bench.e2e.audit import audit, config_summary
-from bench.e2e.driver import (
-    TimeBudget,
-    TraceRun,
-    cpu_note,
-    free_memory,
-    new_executor,
-    release_executor,
-)
+from bench.e2e.budget import TimeBudget
+from bench.e2e.driver import TraceRun
 from bench.e2e.report import (
     aggregate_seeds,
     print_config_table,
@@ -45,6 +39,7 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
+from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,

@@ -10,15 +10,11 @@ import random
 from typing import Any
 
 from bench.clock.calibrate import Calibration
-from bench.e2e.driver import (
-    Driver,
-    TraceRun,
-    model_args,
-    on_cuda,
-)
+from bench.e2e.driver import Driver, TraceRun
 from bench.e2e.report import (
     add_common_args,
 )
+from bench.e2e.setup import model_args, on_cuda
 from bench.e2e.workload import make_conversations, working_set_tokens
 from hicache.memory.allocator import page_ceil
 from server_args import ServerArgs

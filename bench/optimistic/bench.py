@@ -30,14 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.clock.calibrate import calibrate_run, describe
-from bench.e2e.driver import (
-    TimeBudget,
-    cpu_note,
-    free_memory,
-    on_cuda,
-    shared_model,
-    time_left,
-)
+from bench.common import time_left
+from bench.e2e.budget import TimeBudget
 from bench.e2e.report import (
     add_common_args,
     aggregate_seeds,
@@ -47,6 +41,7 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
+from bench.e2e.setup import cpu_note, free_memory, on_cuda, shared_model
 from bench.e2e.workload import poisson_arrivals
 from bench.optimistic.run import (
     POLICIES,

@@ -13,13 +13,8 @@ from typing import Any
 
 from bench.clock.calibrate import Calibration
 from bench.e2e.audit import audit, config_summary
-from bench.e2e.driver import (
-    Driver,
-    model_args,
-    new_executor,
-    release_executor,
-    run_until_idle,
-)
+from bench.e2e.driver import Driver, run_until_idle
+from bench.e2e.setup import model_args, new_executor, release_executor
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome

@@ -10,7 +10,8 @@
   copy, scatter). Host-bound ones synchronize the stream first so their CPU work is timed.
 - ``ceiling_method``: one contiguous copy of the same byte count (the link's ceiling).
 
-Nothing here times anything; ``tests/bench/test_bench_transfer.py`` checks every method byte for byte.
+Nothing here times anything; ``tests/bench/test_bench_transfer.py`` checks every method byte for
+byte.
 """
 
 from __future__ import annotations

@@ -170,8 +170,9 @@ class TokenToKVPoolAllocator:
 
     # --- integrity -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless free + freed in an open group + allocated == total, with no duplicate
-        or padding page in the free list and the free list agreeing with the page states."""
+        """Raise ``AssertionError`` unless free + freed in an open group + allocated == total,
+        with no duplicate or padding page in the free list and the free list agreeing with the
+        page states."""
         free = torch.cat([self.free_pages, *self.release_pages])
         if free.numel() != torch.unique(free).numel():
             raise AssertionError("allocator: duplicate page in the free list")
@@ -185,8 +186,8 @@ class TokenToKVPoolAllocator:
         n_group_freed = int((self._state == _GROUP_FREED).sum())
         if free.numel() + n_alloc + n_group_freed != self.num_pages:
             raise AssertionError(
-                f"allocator: free {free.numel()} + allocated {n_alloc} + freed in the open group {n_group_freed} "
-                f"!= {self.num_pages} pages"
+                f"allocator: free {free.numel()} + allocated {n_alloc} + freed in the open "
+                f"group {n_group_freed} != {self.num_pages} pages"
             )
         if self.reserve_padding and int(self._state[0]) != _PADDING:
             raise AssertionError("allocator: padding page 0 changed state")

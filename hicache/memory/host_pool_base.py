@@ -1,4 +1,4 @@
-"""What the MHA and MLA host pools share: layouts, construction, the allocator, slot addressing.
+"""What the MHA and MLA host pools share: layouts, construction and sizing, the allocator, checks.
 
 A host pool is one buffer of ``T`` token slots (``P = T / page_size`` pages) in one of three
 layouts (docs/DESIGN.md section 3), plus its own page allocator (no padding page: every host slot is
@@ -21,8 +21,8 @@ Supported (layout, io_backend) pairs, as upstream: ``layer_first`` with ``kernel
 other two pairs the way SGLang does). The ``direct`` copies are the same for MHA and MLA (a list
 of per-layer device buffers per part: K and V, or the latent) and live in ``host_pool_direct``;
 each subclass keeps its ``kernel`` copies. Reading and writing single slots on the host (tests,
-debugging) is ``host_pool_slots``. Copies only launch work on the current stream (the controller calls them
-inside its side streams); they never synchronize.
+debugging) is ``host_pool_slots``. Copies only launch work on the current stream (the controller
+calls them inside its side streams); they never synchronize.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
 One copy, step by step (who owns each step):
 
 1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
-   allocate fresh slots there and raise the busy counts (``hicache.tp.agreed.agreed_alloc``, ``BusyPages``);
+   allocate fresh slots there and raise the busy counts (``hicache.tp.agreed.agreed_alloc``,
+   ``BusyPages``);
 2. launch: a backup starts at once on the write stream (``controller_writes``); a load waits
    in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
    each layer with its event (``controller_loads``, ``LayerDoneCounter``);

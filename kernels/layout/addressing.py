@@ -5,8 +5,8 @@ for each layer it covers, K and V (MHA) or the one latent buffer (MLA). The ops 
 how each side is laid out, which an :class:`Addressing` names (one constant per SGLang op pair,
 shared by the MHA and MLA twins). A call's arguments by role form a :class:`KVCopy`
 (:mod:`kernels.ops.kernel_backend` builds one per op call); the validator and launcher
-(:mod:`kernels.ops.dispatch`) and the torch reference (:mod:`kernels.ops.reference`) all read that one
-description.
+(:mod:`kernels.ops.dispatch`) and the torch reference (:mod:`kernels.ops.reference`) all read that
+one description.
 
 Byte address of token slot ``t``, layer ``l`` (``item_size`` = one token, one layer, K or V;
 ``layout_dim = item_size * L``), which a :class:`Side` records as strides:

@@ -1,9 +1,9 @@
 """The signatures of SGLang's kernel-backend ``kvcacheio`` ops, written once.
 
 Each ``transfer_kv_*`` method of :class:`KernelBackendOps` takes upstream's arguments in
-upstream's order, names their roles in a :class:`kernels.layout.addressing.KVCopy`, and hands it (with
-``block_quota`` and ``num_warps_per_block``) to the instance's runner. Two instances exist, and
-their bound methods are the public ops: :mod:`kernels.ops.kvcacheio` runs the validating Triton
+upstream's order, names their roles in a :class:`kernels.layout.addressing.KVCopy`, and hands it
+(with ``block_quota`` and ``num_warps_per_block``) to the instance's runner. Two instances exist,
+and their bound methods are the public ops: :mod:`kernels.ops.kvcacheio` runs the validating Triton
 launcher (:func:`kernels.ops.dispatch.transfer`), :mod:`kernels.ops.reference` the torch reference.
 The contract of the ops (index, dtype, device, pinning and table rules) is
 :mod:`kernels.ops.kvcacheio`'s docstring.

@@ -11,9 +11,9 @@ tables are resolved on the host), and raise ``IndexError`` from torch on out-of-
 they do not do the argument validation of the real ops.
 
 The kernel-backend ops are one function, :func:`copy_kv`, over the addressing that
-:mod:`kernels.layout.addressing` describes (layer_first, page_first, page_head, pointer table), K and V
-each with its own bytes per token, behind the signatures :mod:`kernels.ops.kernel_backend` writes
-once for it and :mod:`kernels.ops.kvcacheio`. The direct-backend ops take lists of tensors; a
+:mod:`kernels.layout.addressing` describes (layer_first, page_first, page_head, pointer table), K
+and V each with its own bytes per token, behind the signatures :mod:`kernels.ops.kernel_backend`
+writes once for it and :mod:`kernels.ops.kvcacheio`. The direct-backend ops take lists of tensors; a
 page_first_direct tensor ``[P, L, page_size, ...]`` holds token slot ``t`` of layer ``l`` at page
 ``t // page_size``, layer ``l``, row ``t % page_size``.
 """
@@ -103,7 +103,8 @@ def _table_base(table: torch.Tensor, layer: int) -> int:
 
 def byte_offsets(side: Side, slots: torch.Tensor, layer: int, head: int) -> torch.Tensor:
     """Byte offset of ``slots`` (int64, CPU), ``head``, ``layer`` from the layer's base (a table
-    entry) or the buffer's base (a tensor), as :class:`kernels.layout.addressing.Side` defines it."""
+    entry) or the buffer's base (a tensor), as :class:`kernels.layout.addressing.Side`
+    defines it."""
     p = side.page_size
     off = (slots // p) * side.page_stride + (slots % p) * side.row_stride + head * side.head_stride
     return off if side.is_table else off + layer * side.layer_stride

@@ -14,8 +14,8 @@ end of its prefill, yield included (steps 4-6 of the executor's step order).
   (test hook) yields; any other joins the inflight queue (parked while pending, else its last
   chunk is sent there).
 
-What publishing and yield do with a pending attempt's KV is ``prefill.scheduler.pending_kv``'s; sends, the
-inflight queue and abort are ``prefill.scheduler.sends``'s.
+What publishing and yield do with a pending attempt's KV is ``prefill.scheduler.pending_kv``'s;
+sends, the inflight queue and abort are ``prefill.scheduler.sends``'s.
 """
 
 from __future__ import annotations

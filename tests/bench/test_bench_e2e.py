@@ -1,8 +1,10 @@
 """The end-to-end benchmarks' deterministic mode and the suite's command line.
 
-- ``bench.clock.calibrate``: the forward table interpolates what it measured; the copy fit recovers a
+- ``bench.clock.calibrate``: the forward table interpolates what it measured; the copy fit recovers
+a
   per-call cost and a bandwidth.
-- ``bench.clock.virtual_cost``: what the virtual clock is charged for a forward that waits for layers
+- ``bench.clock.virtual_cost``: what the virtual clock is charged for a forward that waits for
+layers
   still loading, and for a wait on a backup.
 - A multi-turn and an optimistic configuration, each run twice on a virtual clock with the same
   calibration: the same schedule to the last TTFT sample, integrity all zero.
@@ -35,7 +37,7 @@ from bench.clock.calibrate import (
     table_from,
 )
 from bench.clock.virtual_cost import CostAccountant
-from bench.e2e import driver as e2e
+from bench.e2e import setup as e2e
 from bench.e2e.workload import poisson_arrivals
 from bench.multiturn import single as mt_single
 from bench.multiturn import trace as bm

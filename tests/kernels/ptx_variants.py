@@ -12,7 +12,8 @@ own argument specialization (what a launch on the GPU would compile). For each v
 - the tile geometry and the bytes a program keeps in flight.
 
 Run as a script, with ``TRITON_INTERPRET=0`` so the kernels are JIT functions:
-``TRITON_INTERPRET=0 python tests/kernels/ptx_variants.py OUT.json``; ``tests/kernels/test_kernels_ptx.py`` does.
+``TRITON_INTERPRET=0 python tests/kernels/ptx_variants.py OUT.json``;
+``tests/kernels/test_kernels_ptx.py`` does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One compiled kernel per pool geometry: what Triton specializes ``kv_copy_kernel`` on.
 
-Keys are computed with Triton's own binder for an sm_90 target (``tests/support/triton_keys.py``), the
-key a CUDA launch looks its compiled kernel up by. Index tensors are slices of an allocator's
+Keys are computed with Triton's own binder for an sm_90 target (``tests/support/triton_keys.py``),
+the key a CUDA launch looks its compiled kernel up by. Index tensors are slices of an allocator's
 free list or of a request's slot list, so they start at any multiple of 8 bytes: the kernel must
 not be specialized on their alignment, or a misaligned slice would compile a new variant on the
 scheduler thread (and a warm-up would have to launch every alignment combination).

@@ -10,7 +10,8 @@ count too). An op runs on one copy of the world, its reference on another; then
   (checked against the snapshot directly, not through the reference).
 
 Runs on the kernel device: CUDA when present, else CPU with Triton interpreted. Host buffers are
-plain CPU tensors here; tests/kernels/test_kernels_gpu.py repeats the matrix with pinned host memory.
+plain CPU tensors here; tests/kernels/test_kernels_gpu.py repeats the matrix with pinned host
+memory.
 """
 
 from __future__ import annotations

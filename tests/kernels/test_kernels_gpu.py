@@ -10,9 +10,10 @@
 
 Sized to compile few kernel variants: each new (item size, addressing) pair is a compile.
 
-The case tables come from ``tests.kernels.test_kernels``, which imports hypothesis for one property test. A GPU
-machine may have pytest without hypothesis (``bench/gpu_check.sh`` allows it): then a stand-in
-module lets ``tests.kernels.test_kernels`` import, and its hypothesis test is skipped, not this module.
+The case tables come from ``tests.kernels.test_kernels``, which imports hypothesis for one property
+test. A GPU machine may have pytest without hypothesis (``bench/gpu_check.sh`` allows it): then a
+stand-in module lets ``tests.kernels.test_kernels`` import, and its hypothesis test is skipped, not
+this module.
 """
 
 from __future__ import annotations

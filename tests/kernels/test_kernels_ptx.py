@@ -1,6 +1,6 @@
 """The kernels as an H200 would run them, checked on the CPU: every kvcacheio op variant compiled
-ahead of time for sm_90 by Triton and its bundled ptxas (``tests/kernels/ptx_variants.py``, in a child
-process with the interpreter off), at 2 KiB and 576-byte items, MHA and MLA twins, page_head.
+ahead of time for sm_90 by Triton and its bundled ptxas (``tests/kernels/ptx_variants.py``, in a
+child process with the interpreter off), at 2 KiB and 576-byte items, MHA and MLA twins, page_head.
 
 - Data loads and stores are 16 bytes wide on both sides, pointer-table sides included, whenever
   the alignment is known (tables built by ``kernels.data_ptr_table``); a table of unknown

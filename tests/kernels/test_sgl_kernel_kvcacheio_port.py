@@ -22,7 +22,8 @@ Changes, all of them device, import or size changes; every test body is upstream
 Upstream has no asymmetric K/V case in this file (the sgl-kernel change that would have added
 K head 192 / V head 128 cases, sgl-project/sglang#27629, was closed unmerged; upstream copies
 such K and V one buffer at a time, sglang 0.5.23's ``AsymmetricMHATokenToKVPoolHost``). Those
-cases, in both upstream's per-buffer form and the MHA ops, are in ``tests/kernels/test_kernels_surface.py``.
+cases, in both upstream's per-buffer form and the MHA ops, are in
+``tests/kernels/test_kernels_surface.py``.
 """
 
 # ruff: noqa: B905  (upstream's zip calls, kept as they are)

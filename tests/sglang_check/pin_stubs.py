@@ -80,8 +80,8 @@ def stubs(cuda_shaped: bool) -> dict[str, Stub]:
             "mamba state JIT kernels, imported by memory_pool_host (cuda-shaped run only)"
         ),
         "sglang.srt.mem_cache.memory_pool": Stub(
-            "SGLang's device pools: replaced by this project's (hicache.memory.device_pool); the host "
-            "pools use these names as type annotations only"
+            "SGLang's device pools: replaced by this project's (hicache.memory.device_pool); the "
+            "host pools use these names as type annotations only"
         ),
         "sglang.srt.hardware_backend.mlx.runtime": Stub(
             "Apple MLX runtime probe (imports packaging), reached from the 0.5.23 gate module"

@@ -10,9 +10,9 @@ for byte with a plain torch copy of the same slots, and the source must be uncha
 
 Before the transfers, :func:`kernels.sglang.compat.warm_up` runs on the pair (kernel io backend).
 Every kernel launch is recorded by the key Triton's own binder computes for an sm_90 target
-(``tests/support/triton_keys.py``): the key a CUDA launch looks its compiled kernel up by. A transfer
-launch whose key the warm-up did not launch would be a compile on the scheduler thread on CUDA:
-counted as ``unwarmed_launches`` (must be 0). After the warm-up every pointer table of both
+(``tests/support/triton_keys.py``): the key a CUDA launch looks its compiled kernel up by. A
+transfer launch whose key the warm-up did not launch would be a compile on the scheduler thread on
+CUDA: counted as ``unwarmed_launches`` (must be 0). After the warm-up every pointer table of both
 pools must have a verified alignment (on CUDA the kernels read it instead of the table; here the
 tables are on the CPU and read directly, so both give the same launch).
 """

@@ -5,8 +5,8 @@ stays the group's.
 
 After every operation: all ranks' ``tree_state`` digests are equal (``assert_same``), each rank's
 ``check_integrity`` passes, and every readable device slot and acked host copy holds exactly its
-tokens' KV for this rank's KV heads (``tests/support/kv_content.py`` with the shard's head offset). The
-watchdog of ``run_ranks`` fails a hang with every rank's stack.
+tokens' KV for this rank's KV heads (``tests/support/kv_content.py`` with the shard's head offset).
+The watchdog of ``run_ranks`` fails a hang with every rank's stack.
 
 Then the same machinery with a rank-local decision injected on purpose: rank 1 applying its own
 ack count, rank 1 committing a backup from its own host room, rank 1 skipping the ack agreement
@@ -351,6 +351,10 @@ def _inject(r: Rank, how: str) -> None:
         c = tree.controller
 
         def local_acks() -> None:
+            # Every copy launched here has finished (rank 0's are held at its gate): rank 1's
+            # own count is ahead of the group's from the first backup on, whatever the timing.
+            for a in list(c.ack_write_queue) + list(c.ack_load_queue):
+                a.finish_event.synchronize()
             mine = [c.count_finished_writes(), c.count_finished_loads()]
             group.agree_min_many(mine, tag="hicache_acks")
             tree.writing_check(mine[0])
@@ -371,7 +375,8 @@ def _inject(r: Rank, how: str) -> None:
 
 
 INJECTIONS = {
-    # rank 0's copies are slow, rank 1's instant: rank 1 would pop acks the group has not
+    # rank 0's copies are held at its gate for the whole run, rank 1's finish before it counts:
+    # rank 1 pops acks the group has not
     "local_ack_count": Story("write_through", 1, "layer_first", "direct", 120, 7, (2.0,),
                              (4.0, 0.0)),  # fmt: skip
     # rank 1's host pool refuses on its own; the others back up
@@ -394,6 +399,8 @@ def _injected(rank: int, world: int) -> dict[str, tuple[str, str, int]]:
         r = Rank(story, rank, world, group)
         if rank == 1:
             _inject(r, how)
+        elif how == "local_ack_count":
+            r.gate.clear()
         rng = random.Random(story.seed)
         step = -1
         try:
@@ -403,6 +410,7 @@ def _injected(rank: int, world: int) -> dict[str, tuple[str, str, int]]:
             out[how] = ("none", "", step)
         except (RankDivergenceError, CollectiveMismatchError) as exc:
             out[how] = (type(exc).__name__, str(exc), step)
+        r.gate.set()
         r.tree.controller.close()
         group.barrier(tag=f"after {how}")  # every rank is in step again
     return out

@@ -4,8 +4,8 @@ A hypothesis state machine plays requests (match, optional load back, compute th
 insert, release), standalone locks and unlocks, device and host evictions, and ack polls, in any
 order. After every step: ``check_integrity`` of the tree, allocators and controller, and every
 readable device slot and acked host copy is compared bit for bit with the KV its tokens must
-have (``tests/support/kv_content.py``). Requests also read their whole prefix after ``layer_wait`` and
-check it, so a load back or a device hit that serves wrong KV is caught where it is used.
+have (``tests/support/kv_content.py``). Requests also read their whole prefix after ``layer_wait``
+and check it, so a load back or a device hit that serves wrong KV is caught where it is used.
 
 Configurations cover every pair of (layout + io backend, page size, MHA/MLA, write policy), plus
 SGLang's chunked-insert behaviour once and a host pool smaller than the device pool (failed

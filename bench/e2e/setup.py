@@ -1,0 +1,119 @@
+"""How the end-to-end benchmarks build and give back an executor: the model geometry per device
+(``model_args``, ``shared_model``), ``new_executor`` on a virtual or a wall clock, and between
+configurations ``release_executor`` then ``free_memory`` (on CUDA every configuration of a
+benchmark shares one model, the 8B-shaped model is ~14.5 GB, and what a configuration allocated
+is given back before the next one is built).
+
+Two clocks (``--clock``):
+
+- ``virtual`` (default, the headline mode): the executor's ``VirtualClock``, charged by
+  ``bench.clock.virtual_cost.CostAccountant`` from a calibration measured in the same run
+  (``bench.clock.calibrate``). The real model computes every forward and the cache moves every
+  byte; after each scheduler step the driver waits for the cache's real copies and pops their
+  acks (``drain_cache_events``), so what happens depends only on the trace's seed and the
+  calibration, never on thread timing or other jobs on the machine.
+- ``wall``: monotonic wall time; copies overlap for real, and results move with the machine's
+  load.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import torch
+
+from bench.clock.calibrate import Calibration
+from bench.clock.virtual_cost import CostAccountant, RecordingModel
+from hicache.tp.group import TPGroup
+from prefill.clock import VirtualClock, WallClock
+from prefill.disagg.sim_config import PeerConfig
+from prefill.executor import OptimisticPrefillExecutor
+from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.testing.harness import make_executor
+from prefill.tp.driver import agreed_clock
+from server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Model geometry of the CPU runs: small enough for minutes on 2 cores, heavy enough that a
+# prefill costs more than copying its KV back from host memory (as on a GPU with a real model:
+# on this CPU recomputing a token costs ~10x loading its 4 KiB of KV back, measured in the run).
+CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
+                 intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
+GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
+
+CLOCKS = ("virtual", "wall")
+
+def model_args() -> dict[str, Any]:
+    """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
+    in bf16 on CUDA, ``CPU_MODEL`` on a CPU. ``vocab_size`` is always present."""
+    if on_cuda():
+        return {**GPU_MODEL, "vocab_size": 32000}
+    return dict(CPU_MODEL)
+
+
+def shared_model(args: ServerArgs) -> PagedTransformer:
+    """The model every configuration of a benchmark runs (same geometry, dtype and seed)."""
+    return PagedTransformer(ModelConfig.from_server_args(args), args.resolved_device())
+
+
+def release_executor(ex: OptimisticPrefillExecutor) -> None:
+    """Finish the cache's copies and unregister its pinned host pool (the executor is unusable
+    afterwards). The memory itself returns once the last reference is gone: ``free_memory``."""
+    ex.cache.close()
+    if ex.cache.host_pool is not None:
+        ex.cache.host_pool.destroy()
+
+
+def free_memory() -> None:
+    """Collect reference cycles (decode peers and their side point at each other, holding the
+    device and decode pools) and return cached CUDA blocks, between configurations."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def cpu_note() -> str | None:
+    """What a reader must know about CPU numbers, or None on CUDA."""
+    if on_cuda():
+        return None
+    return (
+        "CPU run: the model and all copies run on the CPU; the kernel io backend uses the torch "
+        "reference of the kvcacheio ops (Triton kernels are timed on CUDA only). Times are CPU "
+        "times, not GPU times."
+    )
+
+
+def new_executor(
+    args: ServerArgs,
+    peer: PeerConfig,
+    decode_pool_tokens: int,
+    model: PagedTransformer,
+    calibration: Calibration | None = None,
+    group: TPGroup | None = None,
+) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
+    """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
+    ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
+    ``CostAccountant`` (returned), else on wall time (``None`` returned). ``group``: the
+    tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
+    rank reads rank 0's time)."""
+    clock = WallClock() if calibration is None else VirtualClock()
+    if group is not None:
+        clock = agreed_clock(clock, group, None)
+    common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
+                  decode_pool_size=decode_pool_tokens, group=group)  # fmt: skip
+    if calibration is None:
+        return make_executor(args, model=model, **common), None
+    recording = RecordingModel(model)
+    cost = CostAccountant(calibration, clock, recording)
+    ex = make_executor(args, model=recording, cost_model=cost, **common)
+    if ex.cache.controller is not None:
+        cost.install(ex.cache.controller)
+    return ex, cost
