@@ -36,6 +36,7 @@ import torch
 import kernels
 from hicache import host_memory
 from hicache.allocator import TokenToKVPoolAllocator
+from hicache.memory_pool_host_pages import HostPoolPagesMixin
 
 if TYPE_CHECKING:
     from hicache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -72,12 +73,13 @@ def require_fields(device_pool: Any, names: Sequence[str], kind: str) -> None:
         )
 
 
-class _HostKVPoolBase:
+class _HostKVPoolBase(HostPoolPagesMixin):
     """Sizing, RAM check, allocation, pinning and the allocator shared by MHA and MLA.
 
     A subclass sets what ``_token_shapes()`` reads before calling ``__init__`` (one token shape
     per part: K and V, or the MLA latent); ``__init__`` allocates ``kv_buffer`` and the part
-    buffers ``_host_parts`` (each with the layout's axes).
+    buffers ``_host_parts`` (each with the layout's axes). Whole-page access for storage
+    backends comes from ``HostPoolPagesMixin`` (``memory_pool_host_pages``).
     """
 
     _host_parts: list[torch.Tensor]
