@@ -54,9 +54,8 @@ def bins(tmp_path) -> list[str]:
 # --- names and bytes ---------------------------------------------------------------------------
 def test_names_are_sglangs(tmp_path) -> None:
     def name(**fields) -> str:
-        cfg = HiCacheStorageConfig(**{"tp_rank": 0, "tp_size": 1, "model_name": "Qwen/Qwen3-8B",
-                                      "extra_config": {"file_storage_path": str(tmp_path)},
-                                      **fields})  # fmt: skip
+        base = {"tp_rank": 0, "tp_size": 1, "model_name": "Qwen/Qwen3-8B"}
+        cfg = HiCacheStorageConfig(**{**base, "extra_config": at(tmp_path), **fields})
         return os.path.basename(HiCacheFile(cfg).path_of(V1))
 
     assert name() == f"{V1}_Qwen-Qwen3-8B_0_1.bin"
