@@ -108,7 +108,7 @@ def test_a_full_disk_is_a_counted_false(tmp_path, monkeypatch: pytest.MonkeyPatc
 
     class FullDisk:
         def __init__(self, path, mode):
-            self.f = open(path, mode)  # noqa: SIM115 - closed in __exit__
+            self.f = open(path, mode)
 
         def __enter__(self):
             return self
@@ -171,10 +171,11 @@ def test_a_file_shrinking_while_read_is_a_miss(tmp_path, monkeypatch) -> None:
 
 
 # --- v1 over a real host pool -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("kind", ["mha", "mha_v", "mla"])
-def test_v1_round_trip_between_pools(tmp_path, kind: str, layout: str) -> None:
-    src, dst = host_pool(kind, layout), host_pool(kind, layout)
+def test_v1_round_trip_between_pools(tmp_path, kind: str, layout: str, dtype) -> None:
+    src, dst = host_pool(kind, layout, dtype=dtype), host_pool(kind, layout, dtype=dtype)
     fill_random(src, 4)
     writer, reader = backend_for(src, tmp_path), backend_for(dst, tmp_path)
     keys = pages(3)
