@@ -353,3 +353,17 @@ def test_bad_configs_raise() -> None:
         HiCacheStorageConfig(0, 1, extra_config="{}")
     with pytest.raises(ValueError, match="dcp"):
         HiCacheStorageConfig(0, 1, dcp_size=2)
+
+
+def test_a_write_in_flight_is_never_evicted(tmp_path) -> None:
+    evictor = LRUFileEvictor(str(tmp_path), owned_suffixes=("_r",), extra_config={"max_size": 20})
+    for key in ("a_r", "b_r"):
+        (tmp_path / f"{key}.bin").write_bytes(b"x" * 8)
+    assert evictor.reserve("a_r", 8) and evictor.reserve("b_r", 8)
+    evictor.commit("b_r")  # a_r is still being written
+    assert evictor.reserve("c_r", 8)  # 24 > 20: evicts to 18 - 8, skipping a_r
+    assert os.path.exists(tmp_path / "a_r.bin") and not os.path.exists(tmp_path / "b_r.bin")
+    evictor.abort("c_r")  # a failed write refunds its bytes
+    assert evictor.total_bytes == 8
+    assert not evictor.reserve("x_other", 1)  # another rank's key
+    assert evictor.refused_writes == 1

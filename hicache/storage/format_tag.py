@@ -41,17 +41,20 @@ AUTO = "auto"
 NO_TAG = "none"
 
 
-def storage_model_name(model_name: str | None, host_pool: Any) -> str | None:
-    """SGLang's ``storage_model_name``: ``model_name`` tagged with ``host_pool``'s
-    ``storage_format_tag`` when it has one (``None`` or absent: untouched)."""
-    tag = getattr(host_pool, "storage_format_tag", None)
+def _with_tag(model_name: str | None, tag: str | None) -> str | None:
     if tag is None:
         return model_name
     return f"{model_name}-{tag}" if model_name else tag
 
 
+def storage_model_name(model_name: str | None, host_pool: Any) -> str | None:
+    """SGLang's ``storage_model_name``: ``model_name`` tagged with ``host_pool``'s
+    ``storage_format_tag`` when it has one (``None`` or absent: untouched)."""
+    return _with_tag(model_name, getattr(host_pool, "storage_format_tag", None))
+
+
 def resolve_format_tag(setting: Any, host_pool: Any) -> str | None:
-    """The tag the extra-config ``storage_format_tag`` asks for (table in the module docstring);
+    """The tag the extra-config ``storage_format_tag`` asks for (list in the module docstring);
     ``ValueError`` naming the key for a non-string or empty value."""
     if setting is None or setting == AUTO:
         return getattr(host_pool, "storage_format_tag", None)
@@ -63,13 +66,6 @@ def resolve_format_tag(setting: Any, host_pool: Any) -> str | None:
     return None if setting == NO_TAG else setting
 
 
-class _Tagged:
-    """A stand-in carrying only a tag, for ``storage_model_name``."""
-
-    def __init__(self, tag: str | None) -> None:
-        self.storage_format_tag = tag
-
-
 def tagged_model_name(model_name: str | None, host_pool: Any, setting: Any = AUTO) -> str | None:
-    """``storage_model_name`` with the tag ``setting`` resolves to."""
-    return storage_model_name(model_name, _Tagged(resolve_format_tag(setting, host_pool)))
+    """``model_name`` with the tag ``setting`` resolves to."""
+    return _with_tag(model_name, resolve_format_tag(setting, host_pool))

@@ -58,7 +58,6 @@ class LRUFileEvictor:
         *,
         owned_suffixes: tuple[str, ...],
         extra_config: Mapping | None = None,
-        on_evict: Callable[[str], None] | None = None,
     ) -> None:
         extra = extra_config or {}
         self.directory = directory
@@ -68,7 +67,6 @@ class LRUFileEvictor:
             extra, "eviction_ratio", ENV_RATIO, DEFAULT_EVICTION_RATIO
         )
         self._owned = owned_suffixes
-        self._on_evict = on_evict
         self._lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes, oldest first
         self._in_flight: set[str] = set()
         self._total = 0
@@ -108,11 +106,6 @@ class LRUFileEvictor:
     def total_bytes(self) -> int:
         with self._lock:
             return self._total
-
-    def tracked(self) -> list[str]:
-        """Tracked keys, least recently used first."""
-        with self._lock:
-            return list(self._lru)
 
     def owns(self, key: str) -> bool:
         return key.endswith(self._owned)
@@ -178,13 +171,6 @@ class LRUFileEvictor:
                 self._lru[key] = size
                 self._total += size
 
-    def forget(self, key: str) -> None:
-        """Drop ``key`` (its file was removed by someone else)."""
-        if self.enabled:
-            with self._lock:
-                if key not in self._in_flight:
-                    self._total -= self._lru.pop(key, 0)
-
     def clear(self) -> None:
         """Forget everything (the backend removed the files)."""
         with self._lock:
@@ -237,8 +223,6 @@ class LRUFileEvictor:
             self._total -= size
             self.evicted_files += 1
             self.evicted_bytes += size
-            if self._on_evict is not None:
-                self._on_evict(key)
             skips_left = len(self._lru)
         return freed
 
