@@ -38,6 +38,7 @@ import kernels
 from hicache.memory import host_ram
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.host_pool_direct import DirectCopies
+from hicache.memory.host_pool_pages import HostPoolPagesMixin
 from hicache.memory.host_pool_slots import SlotAccess
 from kernels.ops.checks import slot_indices
 
@@ -76,12 +77,13 @@ def require_fields(device_pool: Any, names: Sequence[str], kind: str) -> None:
         )
 
 
-class _HostKVPoolBase(DirectCopies, SlotAccess):
+class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
     """Sizing, RAM check, allocation, pinning and the allocator shared by MHA and MLA.
 
     A subclass sets what ``_token_shapes()`` reads before calling ``__init__`` (one token shape
     per part: K and V, or the MLA latent); ``__init__`` allocates ``kv_buffer`` and the part
-    buffers ``_host_parts`` (each with the layout's axes).
+    buffers ``_host_parts`` (each with the layout's axes). Whole-page access for storage
+    backends comes from ``HostPoolPagesMixin`` (``host_pool_pages``).
     """
 
     _host_parts: list[torch.Tensor]

@@ -1,9 +1,9 @@
 """``make_host_pool``: the host pool class matching a device pool (SGLang builds its host pool
 the same way, by the device pool's kind).
 
-The host pools themselves live in ``memory_pool_host_mha`` / ``memory_pool_host_mla``; what they
+The host pools themselves live in ``host_pool_mha`` / ``host_pool_mla``; what they
 share (layouts, ``SUPPORTED_LAYOUT_IO``, construction, the allocator, the ``direct`` copies) in
-``memory_pool_host_base``; host RAM sizing and pinned allocation in ``host_memory``. Import each
+``host_pool_base``; host RAM sizing and pinned allocation in ``host_ram``. Import each
 name from its home module.
 """
 

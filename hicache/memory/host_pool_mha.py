@@ -1,6 +1,6 @@
 """The host copy of an MHA device pool (SGLang ``MHATokenToKVPoolHost``): K and V buffers, their
 ``kernel`` copies, and per-slot test access. Layouts, sizing and the ``direct`` copies are in
-``memory_pool_host_base``."""
+``host_pool_base``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MHA_FIELDS = ("head_num", "head_dim", "k_buffer", "v_buffer", "k_data_ptrs", "v_
 class MHATokenToKVPoolHost(_HostKVPoolBase):
     """Host copy of an MHA device pool: this project's ``MHATokenToKVPool`` or any pool with
     SGLang's attributes (:data:`MHA_FIELDS`), K heads ``head_dim`` and V heads ``v_head_dim``
-    wide (see ``memory_pool_host_base`` for layouts and ``host_memory`` for pinning).
+    wide (see ``host_pool_base`` for layouts and ``host_ram`` for pinning).
 
     ``k_buffer`` / ``v_buffer``: the K and V parts (``kv_buffer[0]`` / ``kv_buffer[1]`` when the
     heads agree). For ``layer_first`` the per-layer views' ``data_ptr()`` tables

@@ -1,6 +1,6 @@
 """The host copy of an MLA device pool (SGLang ``MLATokenToKVPoolHost``): the latent buffer, its
 ``kernel`` copies, and per-slot test access. Layouts, sizing and the ``direct`` copies are in
-``memory_pool_host_base``."""
+``host_pool_base``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ allocation itself.
 Owns no state. On CUDA a host buffer is plain host memory of the exact size registered with
 ``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to a
 pinned allocation if registration fails; without CUDA it is plain, zeroed memory. The host pools
-(``memory_pool_host_base``) call these through the module, so a test patches them here.
+(``host_pool_base``) call these through the module, so a test patches them here.
 """
 
 from __future__ import annotations

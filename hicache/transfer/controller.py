@@ -21,11 +21,11 @@ One copy, step by step (who owns each step):
 1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
    allocate fresh slots there and raise the busy counts (``hicache.tp.agreed.agreed_alloc``,
    ``BusyPages``);
-2. launch: a backup starts at once on the write stream (``controller_writes``); a load waits
+2. launch: a backup starts at once on the write stream (``writes``); a load waits
    in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
-   each layer with its event (``controller_loads``, ``LayerDoneCounter``);
+   each layer with its event (``loads``, ``LayerDoneCounter``);
 3. count: ``count_finished_writes`` / ``count_finished_loads``: this rank's leading finished
-   acks (``HiCacheAck``, completed in launch order; ``copy_acks``);
+   acks (``HiCacheAck``, completed in launch order; ``acks``);
 4. pop: ``writing_check(n)`` / ``loading_check(n)`` / ``wait_write`` pop acks in launch order,
    record bytes and copy time in ``stats`` and lower the busy counts (``_complete`` here);
 5. free: slots the tree freed while a copy still used them (``evict_device`` /
@@ -54,9 +54,9 @@ at launch or queueing, lowered when the ack is popped), so a free costs O(freed 
 the number of copies in flight.
 
 This file owns the construction, the steps both directions share (1, 4 and 5), eviction and
-the accounting ``check_integrity`` verifies; ``controller_writes`` the D2H path,
-``controller_loads`` the load queue and the H2D path, ``copy_acks`` the ack record and its
-counting; ``inflight_slots`` the slot accounting (``BusyPages``, ``InflightSlots``,
+the accounting ``check_integrity`` verifies; ``writes`` the D2H path,
+``loads`` the load queue and the H2D path, ``acks`` the ack record and its
+counting; ``busy_pages`` the slot accounting (``BusyPages``, ``InflightSlots``,
 ``DeferredFrees``); ``layer_done_counter`` the per-layer load events.
 """
 

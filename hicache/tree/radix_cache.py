@@ -6,9 +6,9 @@ tokens on its edge (``key``). The tree never knows requests: a request owns slot
 frees its duplicates of the prefix that was already present.
 
 This file owns the tree's walk (match, split, insert), its locks, its device accounting and the
-queue of device-eviction candidates it keeps up to date on every change (``eviction.LRUQueue``:
+queue of device-eviction candidates it keeps up to date on every change (``lru_queues.LRUQueue``:
 evicting k leaves pops k entries, no tree walk). ``TreeNode``, ``MatchResult`` and the key
-helpers live in ``tree_node.py`` (re-exported here). ``HiRadixCache`` (``hiradix_cache.py``)
+helpers live in ``node.py``. ``HiRadixCache`` (``hiradix_cache.py``)
 extends this with a host tier; the node fields it needs (``host_value``, ``host_ref``) are on
 the shared ``TreeNode`` so both trees share one node type and one walk.
 """
@@ -36,8 +36,6 @@ from hicache.tree.node import (
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
-
-__all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,200 @@
+"""Whole-page views of a host pool, for L3 storage backends (SGLang 0.5.23's host-pool calls).
+
+A storage backend moves one host page (``page_size`` token slots, every layer, every part) per
+key. SGLang's backends reach the host pool through four calls, offered here with SGLang's names
+and meaning; ``index`` is the host slot where the page starts (a multiple of ``page_size``):
+
+- ``get_page_buffer_meta(indices) -> (ptrs, sizes)``: the zero-copy view (Mooncake and the other
+  v1 backends). ``indices``: 1-D int host slots, ``len(keys) * page_size`` of them, whole pages.
+  Per page, in page order (``T`` host slots, ``L`` layers, ``b`` bytes per token and layer of a
+  part: ``H * D * itemsize`` for K, ``H * D_v * itemsize`` for V, ``C * itemsize`` for MLA):
+
+  | layout                          | pointers per page                | bytes each     |
+  |---------------------------------|----------------------------------|----------------|
+  | ``page_first``, ``page_first_direct`` | one per part (K, V / latent) | ``page * L * b`` |
+  | ``layer_first``                 | per layer, one per part (K, V / latent) | ``page * b`` |
+
+  For MHA with equal K and V widths and for MLA this is exactly SGLang's list (V's pointer is
+  K's plus the K part's bytes, as SGLang computes it). K and V of different widths, which
+  SGLang 0.5.23 supports only in ``page_first*`` (``AsymmetricMHATokenToKVPoolHost``), give the
+  same K, V pairs with each part's own size, and in ``layer_first`` too.
+- ``get_data_page(index, flat=True)``: the page in the pool's own byte order. ``flat=False``:
+  SGLang's view, MHA ``kv_buffer[:, :, index:index+page]`` (``layer_first``,
+  ``(2, L, page, H, D)``), ``kv_buffer[:, index:index+page]`` (``page_first``,
+  ``(2, page, L, H, D)``), ``kv_buffer[:, p:p+1]`` (``page_first_direct``,
+  ``(2, 1, L, page, H, D)``); MLA the same without the leading 2. ``flat=True``: that view
+  flattened (K's page, then V's); a view of the pool where the page is contiguous (MLA
+  ``page_first*``), else a copy. K and V of different widths: ``flat=True`` concatenates K's page
+  and V's; ``flat=False`` raises ``NotImplementedError`` (no single view exists; SGLang raises
+  for every flat-page call of such a pool).
+- ``get_dummy_flat_data_page()``: a zeroed 1-D buffer of one flat page (pool dtype, CPU, pinned
+  when the pool is); backends read a file into it.
+- ``set_from_flat_data_page(index, data_page)``: writes a flat page back (the inverse of
+  ``get_data_page(index, flat=True)``); blocking CPU copy.
+
+Byte order of a flat page. ``layer_first`` and ``page_first_direct`` both give
+``(part, layer, token, ...)`` ("layer-major"), ``page_first`` gives ``(part, token, layer, ...)``
+("token-major"): a page is interchangeable between two pools of the same geometry and dtype only
+when the byte orders agree. ``storage_format_tag`` names the order and the dtype
+(``"bfloat16-layer-major"``); ``hicache.storage.format_tag`` puts it in the storage keys, so a
+page stored in another format is a miss instead of wrong KV.
+
+The mixin reads what ``_HostKVPoolBase`` sets: ``layout``, ``page_size``, ``size``,
+``layer_num``, ``dtype``, ``pinned``, ``_host_parts`` (K and V, or the latent, each with the
+layout's slot axes) and ``_token_shapes()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LAYER_MAJOR = "layer-major"
+TOKEN_MAJOR = "token-major"
+
+
+def page_byte_order(layout: str) -> str:
+    """``"token-major"`` for ``page_first``, ``"layer-major"`` for ``layer_first`` and
+    ``page_first_direct`` (the byte order of their flat pages)."""
+    return TOKEN_MAJOR if layout == "page_first" else LAYER_MAJOR
+
+
+class HostPoolPagesMixin:
+    """Page-granular access for storage backends (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        layout: str
+        page_size: int
+        size: int
+        layer_num: int
+        dtype: torch.dtype
+        pinned: bool
+        kv_buffer: torch.Tensor
+        _host_parts: list[torch.Tensor]
+
+        def _token_shapes(self) -> list[tuple[int, ...]]: ...
+
+    @property
+    def storage_format_tag(self) -> str:
+        """The flat page's byte format: ``"{dtype}-{layer-major|token-major}"``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}-{page_byte_order(self.layout)}"
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one flat page (every part, every layer)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        tokens = sum(math.prod(shape) for shape in self._token_shapes())
+        return self.page_size * self.layer_num * tokens * elem
+
+    # --- SGLang's calls ------------------------------------------------------------------------
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``(ptrs, sizes)``: host addresses (ints) and byte counts of each page's pieces, in
+        page order (table in the module docstring). Reads nothing; the pointers stay valid as long
+        as the pool. ``ValueError`` unless ``indices`` are whole, aligned, in-range pages."""
+        starts = self._page_starts(indices)
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        widths = [math.prod(shape) * elem for shape in self._token_shapes()]  # bytes/token/layer
+        bases = [part.data_ptr() for part in self._host_parts]
+        page, n_l = self.page_size, self.layer_num
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for start in starts:
+            if self.layout == "layer_first":
+                for layer in range(n_l):
+                    for base, width in zip(bases, widths, strict=True):
+                        ptrs.append(base + (layer * self.size + start) * width)
+                        sizes.append(page * width)
+            else:  # page_first / page_first_direct: one run of page * L rows per part
+                for base, width in zip(bases, widths, strict=True):
+                    ptrs.append(base + start * n_l * width)
+                    sizes.append(page * n_l * width)
+        return ptrs, sizes
+
+    def get_data_page(self, index: int | torch.Tensor, flat: bool = True) -> torch.Tensor:
+        """The page starting at host slot ``index`` (see the module docstring for shapes)."""
+        sl = self._page_slice(self._check_page_start(index))
+        if not flat:
+            if len(self._host_parts) > 1 and not self._parts_share_buffer():
+                raise NotImplementedError(
+                    "get_data_page(flat=False) needs K and V of the same head width"
+                )
+            lead = (slice(None),) if len(self._host_parts) > 1 else ()
+            return self.kv_buffer[lead + sl]
+        views = [part[sl] for part in self._host_parts]
+        if len(views) == 1:
+            return views[0].flatten()
+        return torch.cat([v.flatten() for v in views])
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """A zeroed flat page: 1-D, ``page_nbytes / itemsize`` elements of the pool dtype, CPU,
+        pinned when the pool is."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return torch.zeros(
+            self.page_nbytes // elem, dtype=self.dtype, device="cpu", pin_memory=self.pinned
+        )
+
+    def set_from_flat_data_page(self, index: int | torch.Tensor, data_page: torch.Tensor) -> None:
+        """Write a flat page (as ``get_data_page(index, flat=True)`` returns it) into the page
+        starting at host slot ``index``. ``ValueError`` on a wrong element count or dtype."""
+        sl = self._page_slice(self._check_page_start(index))
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        want = self.page_nbytes // elem
+        if not isinstance(data_page, torch.Tensor) or data_page.dtype != self.dtype:
+            raise ValueError(f"data_page must be a {self.dtype} tensor")
+        if data_page.numel() != want:
+            raise ValueError(f"data_page has {data_page.numel()} elements, a page has {want}")
+        flat = data_page.reshape(-1).cpu()
+        offset = 0
+        for part in self._host_parts:
+            view = part[sl]
+            n = view.numel()
+            view.copy_(flat[offset : offset + n].view(view.shape))
+            offset += n
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _parts_share_buffer(self) -> bool:
+        """True when K and V are ``kv_buffer[0]`` / ``kv_buffer[1]`` (equal head widths)."""
+        return self.kv_buffer.dim() > 1 and self.kv_buffer.shape[0] == len(self._host_parts)
+
+    def _page_slice(self, start: int) -> tuple[slice, ...]:
+        """The slot-axis slices of one page in a part (``_host_parts`` axes)."""
+        page = self.page_size
+        if self.layout == "layer_first":
+            return (slice(None), slice(start, start + page))
+        if self.layout == "page_first":
+            return (slice(start, start + page),)
+        p = start // page
+        return (slice(p, p + 1),)
+
+    def _check_page_start(self, index: int | torch.Tensor) -> int:
+        start = int(index)
+        if not 0 <= start < self.size or start % self.page_size:
+            raise ValueError(
+                f"page start {start} must be a multiple of page_size={self.page_size} in "
+                f"[0, {self.size})"
+            )
+        return start
+
+    def _page_starts(self, indices: torch.Tensor) -> list[int]:
+        """First slot of each page of ``indices`` (whole, contiguous, aligned, in range)."""
+        idx = torch.as_tensor(indices).cpu()
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise ValueError("indices must be a 1-D integer tensor")
+        page = self.page_size
+        if idx.numel() % page:
+            raise ValueError(f"{idx.numel()} indices are not whole pages of {page}")
+        if idx.numel() == 0:
+            return []
+        rows = idx.to(torch.int64).view(-1, page)
+        starts = rows[:, 0]
+        if bool((rows - starts[:, None] != torch.arange(page)).any()):
+            raise ValueError("each page's indices must be consecutive slots")
+        for s in starts.tolist():
+            self._check_page_start(s)
+        return starts.tolist()

@@ -1,0 +1,181 @@
+"""``HiCacheStorage``: the interface every L3 backend implements (SGLang 0.5.23's names and return
+conventions), and ``HiCacheStorageExtraInfo``.
+
+A backend stores one object per KV page under its page key (``hash_keys``); what an object holds
+is the host pool's flat page (``hicache.memory.host_pool_pages``). Calls and what they return:
+
+| call | returns |
+|---|---|
+| ``get(key, target_location)`` | ``target_location`` filled, or ``None`` on a miss |
+| ``batch_get(keys, target_locations)`` | one tensor or ``None`` per key |
+| ``set(key, value)`` | ``True`` when stored (or already there) |
+| ``batch_set(keys, values)`` | ``True`` only if every page was stored |
+| ``exists(key)`` | ``bool`` |
+| ``batch_exists(keys)`` | how many keys exist consecutively from the start (``int``) |
+| ``batch_get_v1(keys, host_indices)`` | one ``bool`` per key: page read into the host pool |
+| ``batch_set_v1(keys, host_indices)`` | one ``bool`` per key: page stored from the host pool |
+| ``clear()`` / ``get_stats()`` / ``close()`` | backend-defined / stats or ``None`` / ``None`` |
+
+``host_indices`` (v1): 1-D int host slots, ``len(keys) * page_size`` of them; page ``i`` starts at
+``host_indices[i * page_size]``. Runtime failures (a missing or damaged object, a full disk, an
+unreachable server) are results (``None``, ``False``, a shorter count), never exceptions; bad
+arguments raise ``ValueError``. Calls may come from several threads at once (SGLang's prefetch IO
+and backup threads); each may block on IO.
+
+Where SGLang's base class leaves the v1 calls empty (returning ``None``), this one implements
+them over the registered host pool with ``get`` / ``set`` and the pool's flat pages (SGLang's
+generic, copying path), so every backend answers v1; zero-copy backends override them.
+SGLang's base has no ``close()`` (its failure injector calls one anyway); here it is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STORAGE_BATCH_SIZE = 128
+"""Pages per storage IO call (SGLang's constant; the controller slices batches by it)."""
+
+
+@dataclass
+class HiCacheStorageExtraInfo:
+    """Per-call context. ``prefix_keys``: the page keys before this call's keys, from the start of
+    the sequence (passed only when the extra config sets ``hicache_storage_pass_prefix_keys``);
+    ``extra_info``: backend-specific fields (Mooncake reads ``session_id``)."""
+
+    prefix_keys: list[str] | None = None
+    extra_info: dict | None = None
+
+
+class HiCacheStorage(ABC):
+    """A key-value store of KV pages (see the module docstring for the calls)."""
+
+    mem_pool_host: Any = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Remember the host pool the v1 calls address (zero-copy backends register its buffers
+        here). Called once, after construction, before any v1 call."""
+        self.mem_pool_host = mem_pool_host
+
+    @abstractmethod
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
+        """Read ``key`` into ``target_location``; that tensor, or ``None`` on a miss."""
+
+    @abstractmethod
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        """``get`` of each key into its target."""
+
+    @abstractmethod
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Store ``value`` under ``key``; ``True`` when stored or already present."""
+
+    @abstractmethod
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """``set`` of each page; ``True`` only if all succeeded."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (and, where the backend can tell, readable)."""
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys`` exist consecutively from the first."""
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read each page into the registered host pool at its slots; one ``bool`` per key. A
+        page is written into the pool only after it was read whole (a miss leaves it as it was).
+        """
+        pool = self._v1_pool()
+        starts = _page_starts_or_none(keys, host_indices, pool.page_size, "batch_get_v1")
+        if starts is None:
+            return [False] * len(keys)
+        results = []
+        for key, start in zip(keys, starts, strict=True):
+            page = self.get(key, pool.get_dummy_flat_data_page())
+            if page is not None:
+                pool.set_from_flat_data_page(start, page)
+            results.append(page is not None)
+        return results
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store each page of the registered host pool at its slots; one ``bool`` per key."""
+        pool = self._v1_pool()
+        starts = _page_starts_or_none(keys, host_indices, pool.page_size, "batch_set_v1")
+        if starts is None:
+            return [False] * len(keys)
+        return [
+            self.set(key, pool.get_data_page(start, flat=True))
+            for key, start in zip(keys, starts, strict=True)
+        ]
+
+    def clear(self) -> bool | None:
+        """Remove every stored page (what "every" covers is the backend's to say)."""
+        return None
+
+    def get_stats(self) -> Any | None:
+        """The backend's counters, or ``None``."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
+        """Release what the backend holds (files, connections); idempotent."""
+
+    def _v1_pool(self) -> Any:
+        if self.mem_pool_host is None:
+            raise ValueError(
+                f"{type(self).__name__}: register_mem_pool_host before calling the v1 interface"
+            )
+        return self.mem_pool_host
+
+
+def _page_starts_or_none(
+    keys: list[str], host_indices: torch.Tensor, page_size: int, call: str
+) -> list[int] | None:
+    """``host_indices[i * page_size]`` per key, or ``None`` (logged) when the count is wrong, as
+    SGLang's backends answer a mismatch (all ``False``)."""
+    n = int(host_indices.numel()) if isinstance(host_indices, torch.Tensor) else -1
+    if n != len(keys) * page_size:
+        logger.error(
+            "%s: %d keys need %d host indices, got %d", call, len(keys), len(keys) * page_size, n
+        )
+        return None
+    return host_indices.reshape(-1)[::page_size].tolist()

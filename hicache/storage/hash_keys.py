@@ -1,0 +1,175 @@
+"""Page keys for L3 storage: SGLang 0.5.23's SHA-256 chain, byte for byte.
+
+Page ``p``'s key is the lowercase hex SHA-256 of
+
+    [previous page's 32-byte digest] + the page's token ids as little-endian uint32
+
+where the first page has no previous digest unless a ``prior_hash`` (64 hex characters) or a
+namespace seed is given. A page holding a token above ``2**32 - 1`` is hashed instead as
+``[previous digest] + b"\\xff" + its token ids as little-endian uint64`` (SGLang's "wide" pages;
+the odd byte count keeps them apart from uint32 pages). Tokens must be non-negative and fit in
+int64 (``ValueError`` otherwise, as SGLang's native hash refuses them).
+
+- ``get_hash_str(token_ids, prior_hash=None, page_size=None)``: SGLang's function. With
+  ``page_size`` a list of one key per page (a final partial page is hashed too); without it one
+  key over all tokens. An empty ``prior_hash`` counts as none (SGLang tests ``if prior_hash``).
+- ``storage_namespace_seed(extra_key, cache_salt)``: the chain seed for requests of a LoRA
+  adapter / extra key or a cache salt: ``None`` when both are ``None``, else the hex SHA-256 of
+  ``b"sglang-cache-namespace-v1"`` followed, for each of the two, by ``b"\\x00"`` (absent) or
+  ``b"\\x01" + len(utf8).to_bytes(8, "little") + utf8``. An empty ``extra_key`` is a namespace of
+  its own; an empty ``cache_salt`` is no salt (SGLang's ``RadixKey`` turns ``""`` into ``None``).
+- ``get_storage_hash_str(key, prior_hash=None, page_size=None)``: SGLang's storage-side wrapper,
+  seeding a new chain (``prior_hash is None``) with the key's namespace (``key.extra_key``,
+  ``key.cache_salt`` where the key has them).
+- ``page_hashes(token_ids, page_size, ...)``: the keys of a page-aligned token list, one per
+  page, what a storage lookup or backup passes to a backend.
+
+TP rank, PP stage and model name are not hashed; backends add them to the name of the object.
+Pure CPU, no locks; hashing 1M tokens takes a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = 32
+NAMESPACE_DOMAIN = b"sglang-cache-namespace-v1"
+_U32_MAX = 2**32 - 1
+_I64_MAX = 2**63 - 1
+_WIDE_TAG = b"\xff"
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _as_tokens(token_ids: Any) -> np.ndarray:
+    """1-D uint64 array of the token ids; ``ValueError`` for anything else."""
+    raw = getattr(token_ids, "token_ids", token_ids)  # a key object carrying its tokens
+    if isinstance(raw, torch.Tensor):
+        if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got a {raw.dtype} tensor")
+        arr = raw.detach().cpu().numpy()
+    elif isinstance(raw, np.ndarray):
+        arr = raw
+    else:
+        seq = list(raw)
+        if not seq:
+            return np.zeros(0, dtype=np.uint64)
+        if any(isinstance(t, bool) or not isinstance(t, int | np.integer) for t in seq):
+            raise ValueError("token ids must be integers")
+        if any(t < 0 or t > _I64_MAX for t in seq):
+            raise ValueError("token ids must be non-negative and fit in int64")
+        return np.asarray(seq, dtype=np.uint64)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError("token ids must be non-negative")
+    if int(arr.max()) > _I64_MAX:
+        raise ValueError("token ids must fit in int64")
+    return arr.astype(np.uint64)
+
+
+def _prior_digest(prior_hash: str | None) -> bytes | None:
+    if not prior_hash:
+        return None
+    try:
+        digest = bytes.fromhex(prior_hash)
+    except (TypeError, ValueError):
+        raise ValueError(f"prior_hash must be {2 * DIGEST_BYTES} hex characters") from None
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"prior_hash must be {2 * DIGEST_BYTES} hex characters")
+    return digest
+
+
+def _hash_page(tokens: np.ndarray, prior: bytes | None) -> bytes:
+    h = hashlib.sha256()
+    if prior is not None:
+        h.update(prior)
+    if tokens.size and int(tokens.max()) > _U32_MAX:
+        h.update(_WIDE_TAG)
+        h.update(tokens.astype("<u8").tobytes())
+    else:
+        h.update(tokens.astype("<u4").tobytes())
+    return h.digest()
+
+
+def get_hash_str(
+    token_ids: TokenIds, prior_hash: str | None = None, page_size: int | None = None
+) -> str | list[str]:
+    """SGLang's ``get_hash_str``: one hex key per page (``page_size`` given) or one over all."""
+    tokens = _as_tokens(token_ids)
+    prior = _prior_digest(prior_hash)
+    if page_size is None:
+        return _hash_page(tokens, prior).hex()
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    keys: list[str] = []
+    for start in range(0, tokens.size, page_size):
+        prior = _hash_page(tokens[start : start + page_size], prior)
+        keys.append(prior.hex())
+    return keys
+
+
+def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The hex seed of a request namespace's chain, ``None`` for no namespace."""
+    if extra_key is None and cache_salt is None:
+        return None
+    h = hashlib.sha256(NAMESPACE_DOMAIN)
+    for part in (extra_key, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+            continue
+        if not isinstance(part, str):
+            raise ValueError(f"extra_key and cache_salt must be str or None, got {part!r}")
+        encoded = part.encode("utf-8")
+        h.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return h.hexdigest()
+
+
+def get_storage_hash_str(
+    key: Any, prior_hash: str | None = None, page_size: int | None = None
+) -> str | list[str]:
+    """SGLang's ``get_storage_hash_str``: ``get_hash_str`` seeded with ``key``'s namespace when
+    ``prior_hash`` is ``None``. ``key``: token ids, or an object with ``token_ids`` (and
+    optionally ``extra_key`` / ``cache_salt``)."""
+    if prior_hash is None:
+        prior_hash = storage_namespace_seed(
+            getattr(key, "extra_key", None), getattr(key, "cache_salt", None) or None
+        )
+    return get_hash_str(key, prior_hash, page_size=page_size)
+
+
+def page_hashes(
+    token_ids: TokenIds,
+    page_size: int,
+    prior_hash: str | None = None,
+    *,
+    extra_key: str | None = None,
+    cache_salt: str | None = None,
+) -> list[str]:
+    """One storage key per page of a page-aligned token list (``ValueError`` if it is not).
+
+    ``prior_hash``: the last key of the pages before these (a chain continued from a tree node);
+    ``None`` starts a new chain, seeded with the namespace of ``extra_key`` / ``cache_salt``.
+    """
+    tokens = _as_tokens(token_ids)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if tokens.size % page_size:
+        raise ValueError(f"{tokens.size} tokens are not whole pages of {page_size}")
+    if prior_hash is None:
+        prior_hash = storage_namespace_seed(extra_key, cache_salt or None)
+    keys = get_hash_str(tokens, prior_hash, page_size)
+    assert isinstance(keys, list)
+    return keys

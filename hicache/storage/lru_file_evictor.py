@@ -1,0 +1,253 @@
+"""``LRUFileEvictor``: the byte budget of a ``HiCacheFile`` directory (SGLang 0.5.23's semantics).
+
+Settings (extra-config key first, then the environment variable; ``extra_config`` module):
+
+- ``max_size`` / ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`` (default off): bytes this rank's page
+  files may hold;
+- ``min_free_space`` / ``SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`` (default ``"0"``, off): free
+  bytes to leave on the filesystem;
+- ``eviction_ratio`` / ``SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO`` (default 0.9): evict down to
+  this fraction of ``max_size``.
+
+With neither limit set the evictor is inert: every write is admitted, nothing is tracked. With
+one set:
+
+- ``max_size`` is clamped to the filesystem's size minus ``min_free_space`` (with a warning);
+- at start the LRU is seeded with this rank's existing page files, oldest ``mtime`` first, and
+  trimmed to the limits;
+- a write is admitted by ``reserve(key, nbytes)``: refused (``False``) for a key this rank does
+  not own (another TP rank's file, or an MLA page on a non-writer rank), for a page larger than
+  the cap, or when eviction cannot make room; when ``total + nbytes`` would exceed the cap, the
+  least recently used files are unlinked until ``total <= cap * eviction_ratio - nbytes``; then
+  files are unlinked while the free space (``statvfs``) after the write would fall below
+  ``min_free_space``. An admitted key sits at the most-recent end, marked in flight so that no
+  concurrent eviction removes it, until ``commit`` (the file is in place) or ``abort`` (it is
+  not; the bytes are refunded);
+- ``touch`` moves a key to the most-recent end (read hits, writes skipped because the page was
+  there), adopting a file it did not know;
+- an evicted file is unlinked; a reader that already opened it still reads it whole (POSIX).
+
+Thread-safe (one lock; ``statvfs`` and unlinks happen under it). Counters: ``evicted_files``,
+``evicted_bytes``, ``refused_writes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+from hicache.storage.extra_config import read_fraction, read_size
+
+logger = logging.getLogger(__name__)
+
+ENV_MAX_SIZE = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
+ENV_MIN_FREE = "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE"
+ENV_RATIO = "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"
+DEFAULT_EVICTION_RATIO = 0.9
+
+
+class LRUFileEvictor:
+    """LRU byte budget over ``{key}.bin`` files in ``directory`` (module docstring)."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        owned_suffixes: tuple[str, ...],
+        extra_config: Mapping | None = None,
+    ) -> None:
+        extra = extra_config or {}
+        self.directory = directory
+        self.max_size_bytes = read_size(extra, "max_size", ENV_MAX_SIZE)
+        self.min_free_bytes = read_size(extra, "min_free_space", ENV_MIN_FREE)
+        self.eviction_ratio = read_fraction(
+            extra, "eviction_ratio", ENV_RATIO, DEFAULT_EVICTION_RATIO
+        )
+        self._owned = owned_suffixes
+        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes, oldest first
+        self._in_flight: set[str] = set()
+        self._total = 0
+        self._lock = threading.Lock()
+        self.evicted_files = 0
+        self.evicted_bytes = 0
+        self.refused_writes = 0
+        self.enabled = self.max_size_bytes > 0 or self.min_free_bytes > 0
+        if not self.enabled:
+            return
+        fs = self._fs_stats()
+        if fs is not None and self.max_size_bytes > 0:
+            room = max(0, fs[0] - self.min_free_bytes)
+            if self.max_size_bytes > room:
+                logger.warning(
+                    "HiCacheFile max_size %d B exceeds the filesystem's %d B (minus min_free); "
+                    "clamped",
+                    self.max_size_bytes,
+                    room,
+                )
+                self.max_size_bytes = room
+        self._seed_from_disk()
+        with self._lock:
+            if self.max_size_bytes > 0 and self._total > self.max_size_bytes:
+                self._evict_to_ratio(0)
+            self._keep_free_space(0)
+        logger.info(
+            "HiCacheFile budget: cap %d B (evict to %.2f), min free %d B, %d files / %d B found",
+            self.max_size_bytes,
+            self.eviction_ratio,
+            self.min_free_bytes,
+            len(self._lru),
+            self._total,
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._total
+
+    def owns(self, key: str) -> bool:
+        return key.endswith(self._owned)
+
+    # --- the write lifecycle ------------------------------------------------------------------
+    def reserve(self, key: str, nbytes: int) -> bool:
+        """Admit a write of ``nbytes`` under ``key`` (evicting as needed); ``False`` refuses it
+        and reserves nothing. An admitted key must be ``commit``ted or ``abort``ed."""
+        if not self.enabled:
+            return True
+        with self._lock:
+            if not self.owns(key):
+                return self._refuse("HiCacheFile: key %s is not this rank's to write", key)
+            if self.max_size_bytes > 0 and nbytes > self.max_size_bytes:
+                return self._refuse("HiCacheFile: %s is larger than the cap", key)
+            previous = self._lru.pop(key, None)  # an overwrite replaces its own bytes
+            if previous is not None:
+                self._total -= previous
+            refusal = None
+            if self.max_size_bytes > 0 and self._total + nbytes > self.max_size_bytes:
+                self._evict_to_ratio(nbytes)
+                if self._total + nbytes > self.max_size_bytes:
+                    refusal = "HiCacheFile: no evictable room for %s"
+            if refusal is None and not self._keep_free_space(nbytes):
+                refusal = "HiCacheFile: writing %s would breach min_free_space"
+            if refusal is not None:
+                if previous is not None:  # the old file stays; keep counting it
+                    self._lru[key] = previous
+                    self._total += previous
+                return self._refuse(refusal, key)
+            self._lru[key] = nbytes
+            self._total += nbytes
+            self._in_flight.add(key)
+        return True
+
+    def commit(self, key: str) -> None:
+        if self.enabled:
+            with self._lock:
+                self._in_flight.discard(key)
+
+    def abort(self, key: str) -> None:
+        if self.enabled:
+            with self._lock:
+                self._in_flight.discard(key)
+                self._total -= self._lru.pop(key, 0)
+
+    def touch(self, key: str, path: str) -> None:
+        """Mark ``key`` most recently used, adopting its file (``path``) if untracked."""
+        if not self.enabled or not self.owns(key):
+            return
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                return
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+            else:
+                self._lru[key] = size
+                self._total += size
+
+    def clear(self) -> None:
+        """Forget everything (the backend removed the files)."""
+        with self._lock:
+            self._lru.clear()
+            self._in_flight.clear()
+            self._total = 0
+
+    # --- eviction (caller holds the lock) ------------------------------------------------------
+    def _refuse(self, message: str, key: str) -> bool:
+        self.refused_writes += 1
+        logger.warning(message, key)
+        return False
+
+    def _evict_to_ratio(self, nbytes: int) -> None:
+        target = max(0, int(self.max_size_bytes * self.eviction_ratio) - nbytes)
+        self._evict_while(lambda _freed: self._total > target)
+
+    def _keep_free_space(self, nbytes: int) -> bool:
+        """Evict until writing ``nbytes`` leaves ``min_free_bytes`` free; whether it does."""
+        if self.min_free_bytes <= 0:
+            return True
+        fs = self._fs_stats()
+        if fs is None:
+            return True  # cannot tell: the write itself will fail if the disk is full
+        free = fs[1]
+        self._evict_while(lambda freed: free + freed - nbytes < self.min_free_bytes)
+        fs = self._fs_stats()  # other writers may have changed it meanwhile
+        return fs is None or fs[1] - nbytes >= self.min_free_bytes
+
+    def _evict_while(self, more: Callable[[int], bool]) -> int:
+        """Unlink least recently used, not-in-flight files while ``more(bytes freed)``."""
+        freed = 0
+        skips_left = len(self._lru)
+        while self._lru and skips_left > 0 and more(freed):
+            key, size = self._lru.popitem(last=False)
+            if key in self._in_flight:
+                self._lru[key] = size  # a write in progress: keep it, try the next
+                skips_left -= 1
+                continue
+            try:
+                os.remove(os.path.join(self.directory, f"{key}.bin"))
+                freed += size
+            except FileNotFoundError:
+                pass  # already gone: drop the entry
+            except OSError as e:
+                logger.warning("HiCacheFile: could not evict %s: %s", key, e)
+                self._lru[key] = size
+                self._lru.move_to_end(key, last=False)
+                break
+            self._total -= size
+            self.evicted_files += 1
+            self.evicted_bytes += size
+            skips_left = len(self._lru)
+        return freed
+
+    def _fs_stats(self) -> tuple[int, int] | None:
+        """(size, available) bytes of the filesystem, ``None`` if unknown."""
+        try:
+            st = os.statvfs(self.directory)
+        except (OSError, AttributeError):
+            return None
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def _seed_from_disk(self) -> None:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        found = []
+        for name in names:
+            if not name.endswith(".bin") or not self.owns(name[:-4]):
+                continue
+            try:
+                st = os.stat(os.path.join(self.directory, name))
+            except OSError:
+                continue
+            found.append((st.st_mtime, name[:-4], st.st_size))
+        for _, key, size in sorted(found):
+            self._lru[key] = size
+            self._total += size
