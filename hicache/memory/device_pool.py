@@ -310,3 +310,21 @@ class MLATokenToKVPool(_DevicePool):
 
 
 KVPool = MHATokenToKVPool | MLATokenToKVPool
+
+
+def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> KVPool:
+    """The device pool ``args`` describe (``size`` tokens, default ``args.max_total_tokens``): an
+    ``MLATokenToKVPool`` with ``--use-mla``, else an ``MHATokenToKVPool`` of this rank's KV
+    heads. The one place the prefill side chooses between the two."""
+    cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
+    return cls.from_server_args(args, size=size)
+
+
+def empty_pool_like(pool: KVPool, size: int) -> KVPool:
+    """A zeroed pool of ``pool``'s kind and geometry (layers, heads or latent, dtype, page size,
+    device) with ``size`` slots: the simulated decode side's pool."""
+    if isinstance(pool, MLATokenToKVPool):
+        return MLATokenToKVPool(size, pool.page_size, pool.dtype, pool.kv_lora_rank,
+                                pool.qk_rope_head_dim, pool.layer_num, pool.device)  # fmt: skip
+    return MHATokenToKVPool(size, pool.page_size, pool.dtype, pool.head_num, pool.head_dim,
+                            pool.layer_num, pool.device, v_head_dim=pool.v_head_dim)  # fmt: skip
