@@ -129,21 +129,25 @@ def test_pending_attempt_yields_and_its_retry_matches_the_recompute(policy):
     ex.cache.close()
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_soak_with_two_optimistic_attempts(policy):
-    """100 requests: random bootstrap delays, bootstrap and transfer failures, forced retries,
+@pytest.mark.parametrize(
+    "policy, layout, io",
+    [("write_through", "page_first_direct", "direct"), ("write_back", "layer_first", "direct")],
+)
+def test_soak_with_two_optimistic_attempts(policy, layout, io):
+    """80 requests: random bootstrap delays, bootstrap and transfer failures, forced retries,
     peers killed at random, device and host eviction, copies racing the scheduler; every 4th
-    success's decode latent is checked."""
+    success's decode latent is checked. The direct io backend: the kernel one runs interpreted
+    Triton on a CPU (about 0.1 s a copy), covered by the layout test above."""
     args = mla_args(hicache_write_policy=policy, max_total_tokens=192, chunked_prefill_size=32,
-                    hicache_ratio=1.5, hicache_mem_layout="page_first", load_back_threshold=4,
-                    random_seed=3)  # fmt: skip
+                    hicache_ratio=1.5, hicache_mem_layout=layout, hicache_io_backend=io,
+                    load_back_threshold=4, random_seed=3)  # fmt: skip
     ex = soak_executor(args, seed=3, copy_delay_seed=3)
-    rep = run_soak(ex, SoakConfig(requests=100, seed=3, verify_every=4, max_prompt=96))
+    rep = run_soak(ex, SoakConfig(requests=80, seed=3, verify_every=4, max_prompt=96))
     assert_drained(ex)
-    assert rep.protocol_errors == [] and rep.kv_mismatches == 0 and rep.verified > 10
-    assert rep.max_attempts_used <= 2 and rep.successes > 50
+    assert rep.protocol_errors == [] and rep.kv_mismatches == 0 and rep.verified > 12
+    assert rep.max_attempts_used <= 2 and rep.successes > 55
     s, cs = ex.stats, ex.cache.stats
-    assert s.optimistic_admissions > 20 and s.yields > 0 and s.parks > 0
+    assert s.optimistic_admissions > 50 and s.yields > 0 and s.parks > 0
     assert cs.loaded_tokens > 0 and cs.evicted_device_tokens > 0 and s.cached_host_tokens > 0
     ex.cache.close()
 
