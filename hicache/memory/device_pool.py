@@ -319,12 +319,3 @@ def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> K
     cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
     return cls.from_server_args(args, size=size)
 
-
-def empty_pool_like(pool: KVPool, size: int) -> KVPool:
-    """A zeroed pool of ``pool``'s kind and geometry (layers, heads or latent, dtype, page size,
-    device) with ``size`` slots: the simulated decode side's pool."""
-    if isinstance(pool, MLATokenToKVPool):
-        return MLATokenToKVPool(size, pool.page_size, pool.dtype, pool.kv_lora_rank,
-                                pool.qk_rope_head_dim, pool.layer_num, pool.device)  # fmt: skip
-    return MHATokenToKVPool(size, pool.page_size, pool.dtype, pool.head_num, pool.head_dim,
-                            pool.layer_num, pool.device, v_head_dim=pool.v_head_dim)  # fmt: skip

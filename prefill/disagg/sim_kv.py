@@ -23,7 +23,7 @@ import logging
 import torch
 
 import kernels
-from hicache.memory.device_pool import KVPool, MLATokenToKVPool, empty_pool_like
+from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from hicache.transfer.streams import CPU_COPY_LOCK
 
 __all__ = ["copy_send", "decode_pool_like", "read_kv"]
@@ -32,8 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 def decode_pool_like(src_pool: KVPool, size: int) -> KVPool:
-    """The decode instance's pool: ``src_pool``'s kind and geometry, ``size`` slots, zeroed."""
-    return empty_pool_like(src_pool, size)
+    """The decode instance's pool: ``src_pool``'s kind and geometry (layers, KV heads and their
+    widths or the latent's, dtype, page size, device), ``size`` slots, zeroed."""
+    p = src_pool
+    if isinstance(p, MLATokenToKVPool):
+        return MLATokenToKVPool(size, p.page_size, p.dtype, p.kv_lora_rank, p.qk_rope_head_dim,
+                                p.layer_num, p.device)  # fmt: skip
+    return MHATokenToKVPool(size, p.page_size, p.dtype, p.head_num, p.head_dim, p.layer_num,
+                            p.device, v_head_dim=p.v_head_dim)  # fmt: skip
 
 
 def _buffers(pool: KVPool) -> list[list[torch.Tensor]]:
