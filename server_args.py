@@ -38,7 +38,7 @@ MEM_LAYOUT_CHOICES = ("layer_first", "page_first", "page_first_direct")
 DISAGGREGATION_MODE_CHOICES = ("null", "prefill", "decode")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape")
+MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape", "deepseek-v2-lite-shape", "deepseek-v3-shape")
 
 # Upstream warning texts of the optimistic-prefill gate (first match wins).
 GATE_PP = "Optimistic prefill does not support pp_size > 1"
@@ -82,6 +82,34 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 GEOMETRY_FIELDS = tuple(MODEL_PRESETS["tiny"])
+
+# Multi-head latent attention (``--use-mla``, DeepSeek-V2/V3's attention). Unset MLA fields take
+# the preset's values (an MLA preset) or these, DeepSeek's own: a 512-wide latent plus a 64-wide
+# rotary key shared by every head (576 values per token and layer in the pool), 128-wide
+# non-rotary query/key and value heads, and a full query projection (``q_lora_rank`` 0).
+MLA_DEFAULTS: dict[str, int] = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0
+)
+MLA_FIELDS = tuple(MLA_DEFAULTS)
+
+# The DeepSeek-shaped presets (random weights; MLA, so they need --use-mla). Layers, hidden size,
+# heads and the whole attention / KV geometry are DeepSeek-V2-Lite's and DeepSeek-V3's; every
+# layer's MLP is dense, as wide as the experts one token activates (V3: 8 routed + 1 shared of
+# 2048 = 18432, also its dense layers' width; V2-Lite: its dense layer's 10944, where 6 routed + 2
+# shared experts of 1408 make 11264); the vocabulary is cut to 32000 (102400 / 129280).
+MLA_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite-shape": dict(
+        num_layers=27, num_attention_heads=16, head_num=1, head_dim=192, hidden_size=2048,
+        intermediate_size=10944, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0,
+    ),
+    "deepseek-v3-shape": dict(
+        num_layers=61, num_attention_heads=128, head_num=1, head_dim=192, hidden_size=7168,
+        intermediate_size=18432, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+    ),
+}  # fmt: skip
+MODEL_PRESETS.update(MLA_PRESETS)
 
 
 class Resolution(NamedTuple):
@@ -139,10 +167,29 @@ class ServerArgs:
         "Model and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.",
         choices=DTYPE_CHOICES,
     )
-    use_mla: bool = _opt(False, "Use an MLA latent KV pool (one buffer per layer).")
-    kv_lora_rank: int | None = _opt(None, "MLA kv_lora_rank (required with --use-mla).", type=int)
+    use_mla: bool = _opt(
+        False,
+        "Multi-head latent attention (DeepSeek's): the model caches one latent per token and "
+        "layer in an MLA KV pool (one buffer per layer). The deepseek-* presets need it.",
+    )
+    kv_lora_rank: int | None = _opt(
+        None, "MLA: width of the cached latent (unset: the preset's, else 512).", type=int
+    )
     qk_rope_head_dim: int | None = _opt(
-        None, "MLA qk_rope_head_dim (required with --use-mla).", type=int
+        None, "MLA: width of the rotary key cached beside the latent (unset: preset's, else 64).",
+        type=int,
+    )
+    qk_nope_head_dim: int | None = _opt(
+        None, "MLA: per-head query/key width without rotary (unset: preset's, else 128).", type=int
+    )
+    v_head_dim: int | None = _opt(
+        None, "MLA: per-head value width (unset: the preset's, else 128).", type=int
+    )
+    q_lora_rank: int | None = _opt(
+        None,
+        "MLA: rank of the query's low-rank projection; 0 = a full query projection (unset: the "
+        "preset's, else 0; DeepSeek-V3: 1536).",
+        type=int,
     )
     uses_mamba_radix_cache: bool = _opt(
         False, "The model uses a mamba radix cache (derived from the model in SGLang)."
@@ -264,6 +311,10 @@ class ServerArgs:
         for name in GEOMETRY_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, preset[name])
+        if self.use_mla:
+            for name in MLA_FIELDS:
+                if getattr(self, name) is None:
+                    setattr(self, name, preset.get(name, MLA_DEFAULTS[name]))
 
     # ------------------------------------------------------------------ validation
     def _validation_errors(self) -> list[str]:
@@ -351,11 +402,16 @@ class ServerArgs:
             )
 
         if self.use_mla:
-            for name in ("kv_lora_rank", "qk_rope_head_dim"):
-                if getattr(self, name) is None:
-                    errors.append(f"--use-mla requires {_flag(name)}")
-                else:
-                    positive(name)
+            for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                positive(name)
+            non_negative_int("q_lora_rank")
+            rope = self.qk_rope_head_dim
+            if isinstance(rope, int) and not isinstance(rope, bool) and rope > 0 and rope % 2:
+                errors.append(f"--qk-rope-head-dim={rope} must be even (rotary pairs)")
+        elif self.model_preset in MLA_PRESETS:
+            errors.append(
+                f"--model-preset={self.model_preset} is an MLA model: it needs --use-mla"
+            )
 
         delay = self.disaggregation_bootstrap_delay
         kind, _, params = str(delay).partition(":")

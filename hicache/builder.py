@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory.device_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    device_pool_from_server_args,
+)
 from hicache.stats import CacheStats
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
@@ -137,8 +141,7 @@ def build_kv_cache(
         raise ValueError(f"group has {group.size} ranks, --tp-size={tp_size}")
     group.assert_same("server_args", {k: getattr(args, k, None) for k in SAME_ON_EVERY_RANK})
     device = args.resolved_device()
-    pool_cls = MLATokenToKVPool if args.use_mla else MHATokenToKVPool
-    device_pool = pool_cls.from_server_args(args)
+    device_pool = device_pool_from_server_args(args)
     allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, device)
     stats = CacheStats()
     if not args.enable_hierarchical_cache:

@@ -291,8 +291,14 @@ def test_runtime_refuses_unimplemented_features():
         (dict(load_back_threshold=-2), "--load-back-threshold=-2 must be an integer >= 0"),
         (dict(num_layers=0), "--num-layers=0 must be a positive integer"),
         (dict(num_attention_heads=6, head_num=4), "--num-attention-heads=6 must be a multiple"),
-        (dict(use_mla=True), "--use-mla requires --kv-lora-rank"),
-        (dict(use_mla=True, kv_lora_rank=512), "--use-mla requires --qk-rope-head-dim"),
+        (dict(use_mla=True, kv_lora_rank=0), "--kv-lora-rank=0 must be a positive integer"),
+        (dict(use_mla=True, qk_rope_head_dim=63), "--qk-rope-head-dim=63 must be even"),
+        (dict(use_mla=True, v_head_dim=-1), "--v-head-dim=-1 must be a positive integer"),
+        (dict(use_mla=True, q_lora_rank=-1), "--q-lora-rank=-1 must be an integer >= 0"),
+        (
+            dict(model_preset="deepseek-v2-lite-shape"),
+            "--model-preset=deepseek-v2-lite-shape is an MLA model: it needs --use-mla",
+        ),
         (
             dict(enable_hierarchical_cache=True, disable_radix_cache=True),
             "--enable-hierarchical-cache and --disable-radix-cache are mutually exclusive",
@@ -334,8 +340,26 @@ def test_all_problems_reported_together():
 
 
 def test_mla_with_dims_is_valid():
-    args = ServerArgs(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64)
-    assert args.kv_lora_rank == 512
+    args = ServerArgs(use_mla=True, kv_lora_rank=256, qk_rope_head_dim=32)
+    assert (args.kv_lora_rank, args.qk_rope_head_dim) == (256, 32)
+    assert (args.qk_nope_head_dim, args.v_head_dim, args.q_lora_rank) == (128, 128, 0)
+
+
+def test_mla_defaults_are_deepseeks_latent_and_presets_fill_the_rest():
+    plain = ServerArgs(use_mla=True)
+    assert (plain.kv_lora_rank, plain.qk_rope_head_dim) == (512, 64)  # DeepSeek's latent
+    assert (plain.num_layers, plain.num_attention_heads) == (4, 4)  # the tiny preset's
+    assert ServerArgs().kv_lora_rank is None  # untouched without --use-mla
+    v2 = ServerArgs(model_preset="deepseek-v2-lite-shape", use_mla=True)
+    assert (v2.num_layers, v2.num_attention_heads, v2.hidden_size, v2.q_lora_rank) == (
+        27, 16, 2048, 0)  # fmt: skip
+    v3 = ServerArgs(model_preset="deepseek-v3-shape", use_mla=True, q_lora_rank=0)
+    assert (v3.num_layers, v3.num_attention_heads, v3.hidden_size) == (61, 128, 7168)
+    assert v3.q_lora_rank == 0  # an explicit value wins over the preset's 1536
+    assert ServerArgs(model_preset="deepseek-v3-shape", use_mla=True).q_lora_rank == 1536
+    # MLA under tensor parallelism: the latent is whole on every rank, no KV-head condition.
+    assert ServerArgs(use_mla=True, tp_size=4, head_num=3, num_attention_heads=12,
+                      intermediate_size=128).tp_size == 4  # fmt: skip
 
 
 # ---------------------------------------------------------------- CLI

@@ -166,13 +166,13 @@ def calibrate_run(
     if rounds is None:
         rounds = 5 if torch.cuda.is_available() else 15
     from hicache.builder import build_kv_cache
-    from hicache.memory.device_pool import MHATokenToKVPool
+    from hicache.memory.device_pool import device_pool_from_server_args
 
     t0 = time.perf_counter()
     page = args.page_size
 
     def make_pool(slots: int) -> Any:
-        return MHATokenToKVPool.from_server_args(args, size=page_ceil(slots, page))
+        return device_pool_from_server_args(args, size=page_ceil(slots, page))
 
     fwd = calibrate_forward(model, make_pool, forward_grid(max_new, max_prefix, page), rounds)
     cache = build_kv_cache(args)

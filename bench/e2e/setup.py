@@ -30,7 +30,8 @@ from hicache.tp.group import TPGroup
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.sim_config import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.model.factory import build_model
+from prefill.model.paged import PagedTransformer
 from prefill.testing.harness import make_executor
 from prefill.tp.driver import agreed_clock
 from server_args import ServerArgs
@@ -43,20 +44,30 @@ logger = logging.getLogger(__name__)
 CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
                  intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
 GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
+# --use-mla: DeepSeek's latent (kv_lora_rank 512 + qk_rope_head_dim 64: the KV geometry the cache
+# and its copies see, 2304 B per token and layer in fp32) on the CPU model's layers, heads and
+# hidden size, with per-head widths narrowed as the hidden size is; on CUDA DeepSeek-V2-Lite's
+# shape (server_args.MLA_PRESETS).
+CPU_MLA = dict(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+               v_head_dim=32)  # fmt: skip
+GPU_MLA_MODEL = dict(model_preset="deepseek-v2-lite-shape", use_mla=True, dtype="bfloat16")
 
 CLOCKS = ("virtual", "wall")
 
-def model_args() -> dict[str, Any]:
+def model_args(use_mla: bool = False) -> dict[str, Any]:
     """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
-    in bf16 on CUDA, ``CPU_MODEL`` on a CPU. ``vocab_size`` is always present."""
+    in bf16 on CUDA, ``CPU_MODEL`` on a CPU; with ``use_mla`` (``--use-mla``) the DeepSeek-V2-
+    Lite-shaped preset on CUDA, ``CPU_MODEL`` with ``CPU_MLA``'s attention on a CPU.
+    ``vocab_size`` is always present."""
     if on_cuda():
-        return {**GPU_MODEL, "vocab_size": 32000}
-    return dict(CPU_MODEL)
+        return {**(GPU_MLA_MODEL if use_mla else GPU_MODEL), "vocab_size": 32000}
+    return {**CPU_MODEL, **CPU_MLA} if use_mla else dict(CPU_MODEL)
 
 
 def shared_model(args: ServerArgs) -> PagedTransformer:
-    """The model every configuration of a benchmark runs (same geometry, dtype and seed)."""
-    return PagedTransformer(ModelConfig.from_server_args(args), args.resolved_device())
+    """The model every configuration of a benchmark runs (same geometry, dtype and seed; MLA
+    with ``--use-mla``: ``prefill.model.factory.build_model``)."""
+    return build_model(args)
 
 
 def release_executor(ex: OptimisticPrefillExecutor) -> None:

@@ -67,7 +67,7 @@ HEADLINE_KEYS = (
 
 def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> ServerArgs:
     return ServerArgs(
-        **model_args(),
+        **model_args(opts.use_mla),
         **CONFIGS[name],
         page_size=opts.page_size,
         max_total_tokens=device_tokens,

@@ -53,7 +53,7 @@ class Trace:
         device_tokens = page_ceil(opts.device_pool_inputs * opts.input_len, page)
         extra = {WRITE_THROUGH_FLAG: True} if policy == "write_through" else {}
         return ServerArgs(
-            **model_args(),
+            **model_args(opts.use_mla),
             page_size=page,
             max_total_tokens=device_tokens,
             chunked_prefill_size=opts.chunk,
@@ -85,7 +85,7 @@ def make_trace(
 ) -> Trace:
     from bench.e2e.workload import cached_prompts
 
-    vocab = model_args()["vocab_size"]
+    vocab = model_args(opts.use_mla)["vocab_size"]
     prompts = cached_prompts(len(arrivals), opts.input_len, opts.cached_fraction,
                              opts.num_prefixes, vocab, seed)  # fmt: skip
     return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)

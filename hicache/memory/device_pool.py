@@ -310,3 +310,12 @@ class MLATokenToKVPool(_DevicePool):
 
 
 KVPool = MHATokenToKVPool | MLATokenToKVPool
+
+
+def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> KVPool:
+    """The device pool ``args`` describe (``size`` tokens, default ``args.max_total_tokens``): an
+    ``MLATokenToKVPool`` with ``--use-mla``, else an ``MHATokenToKVPool`` of this rank's KV
+    heads. The one place the prefill side chooses between the two."""
+    cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
+    return cls.from_server_args(args, size=size)
+
