@@ -27,6 +27,7 @@ from hicache.memory.device_pool import (
 from hicache.stats import CacheStats
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
+from hicache.transfer.streams import STREAM_MODES
 from hicache.tree.hiradix_cache import HiRadixCache
 from hicache.tree.radix_cache import RadixCache
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
     from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
     from hicache.transfer.controller import HiCacheController
-    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay
+    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def build_kv_cache(
     args: ServerArgs,
     *,
     copy_delay: Delay = 0.0,
-    streams: CudaStreams | CpuStreams | None = None,
+    streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
     group: TPGroup | None = None,
 ) -> KVCache:
     """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
@@ -117,7 +118,10 @@ def build_kv_cache(
     (``hicache_write_policy``, ``load_back_threshold``, ``hicache_upstream_chunked_insert``).
 
     ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
-    ``streams``: stream factory to use instead of the default for the device.
+    ``streams``: a stream factory to use instead of the default for the device, or a CPU mode
+    (``hicache.transfer.streams.make_streams``): ``"thread"`` (the default on a CPU: copies run
+    on worker threads, a copy's failure is reported by its ack) or ``"inline"`` (CUDA's launch
+    semantics: ``submit`` runs the copy on the caller's thread and a failure raises there).
     ``group``: the cache group of ``args.tp_size`` ranks (required when it is > 1; every rank
     calls this, in the same order): pools of this rank's KV heads, the flags in
     ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
@@ -129,6 +133,8 @@ def build_kv_cache(
     ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """
     args.check_runtime_supported()
+    if isinstance(streams, str) and streams not in STREAM_MODES:
+        raise ValueError(f"streams must be one of {STREAM_MODES} or a factory, got {streams!r}")
     tp_size = args.tp_size
     if group is None:
         if tp_size > 1:
@@ -217,5 +223,6 @@ def _agreed_host_pool(
         raise ValueError(
             f"host pool: {error if error is not None else 'another rank could not build its'}"
         ) from error
-    assert host_pool is not None and host_pool.size == size, (host_pool, size)
+    if host_pool is None or host_pool.size != size:
+        raise RuntimeError(f"host pool of {getattr(host_pool, 'size', None)} tokens, agreed {size}")
     return host_pool

@@ -18,7 +18,9 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
 5. build and run one extend batch of at most ``chunked_prefill_size`` tokens (the chunked
    request first, then waiting requests: bootstrapped ones before optimistic ones, queue order
    within each) while fewer than ``max_running_requests`` requests hold KV; the host loads
-   its admissions queued are launched before its forward (``ready_to_load_host_cache``);
+   its admissions queued are launched before its forward (``ready_to_load_host_cache``); a load
+   that fails (at its launch, or under the forward) sends its requests back to recompute their
+   host hits (``prefill.scheduler.batch``);
 6. for each request whose prefill finished: publish its pages; forced-not-ready -> yield;
    pending -> park; finalized -> send the rest (last chunk);
 7. ``process_inflight_queue``: parked + ready -> finalize, publish and send; parked + failed ->
@@ -291,8 +293,7 @@ class OptimisticPrefillExecutor:
         for req in self.admission.resolve_waiting_bootstrap():  # 3
             self.chunked.abort(req)
         self.chunked.process_chunked_req()  # 4
-        batch = self.chunked.get_new_batch()  # 5
-        self.tree.ready_to_load_host_cache()  # loads queued by this step's admissions
+        batch = self.chunked.get_new_batch()  # 5 (launches the loads its admissions queued)
         if batch:
             self.chunked.run_batch(batch)  # 5-6
         self.inflight.process_inflight_queue(int(self.chunked.chunked_req is not None))  # 7

@@ -36,6 +36,8 @@ class ExecutorStats:
     tokens a retry computed again that its yielded attempt had computed (both policies).
     ``speculative_l2_pages``: host pages whose backup was issued by an insert made for an
     attempt that was not finalized (must stay 0; ``check_integrity`` asserts it).
+    ``load_back_failures``: host loads that failed (at their launch or under the forward); the
+    requests they served recomputed their host hits.
 
     TTFT: ``ttft_count`` / ``ttft_sum`` / ``ttft_min`` / ``ttft_max`` are exact;
     ``ttft_samples`` is a uniform reservoir of at most ``TTFT_RESERVOIR_SIZE`` values.
@@ -63,6 +65,7 @@ class ExecutorStats:
     computed_tokens: int = 0
     cached_device_tokens: int = 0
     cached_host_tokens: int = 0
+    load_back_failures: int = 0
     sends: int = 0
     sent_tokens: int = 0
     unpublished_dropped_tokens: int = 0

@@ -39,3 +39,13 @@ def one_torch_thread() -> Iterator[None]:
 
     with single_torch_thread():
         yield
+
+
+@pytest.fixture(params=("thread", "inline"))
+def stream_mode(request: pytest.FixtureRequest) -> str:
+    """The CPU stream mode of the cache a test builds (``build_kv_cache(args, streams=...)``):
+    ``"thread"`` (copies on worker threads, acks arrive late) or ``"inline"`` (CUDA's launch
+    semantics: a copy runs, and fails, inside the call that launches it). The controller, tree
+    and executor stories take it; tests that hold copies at gates (which needs worker threads)
+    and the long property tests run on thread streams only."""
+    return str(request.param)

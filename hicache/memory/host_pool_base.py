@@ -233,7 +233,7 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
             pass
 
     # --- checks ---------------------------------------------------------------------------------
-    def _check_copy_args(
+    def check_copy_args(
         self,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
@@ -241,7 +241,9 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         layer_id: int | None = None,
     ) -> None:
         """Raise ``ValueError`` for an unsupported pair, malformed indices, or (when given) a
-        ``layer_id`` out of range; in that order."""
+        ``layer_id`` out of range; in that order. The copies run it first; a caller that checked
+        a copy's indices once (the controller, before launching every layer of a load) passes
+        ``validate=False`` to the per-layer calls."""
         if (self.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
             raise ValueError(
                 f"io_backend={io_backend!r} is not supported with layout {self.layout!r}; "

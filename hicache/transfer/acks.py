@@ -6,6 +6,8 @@ a queue's head is ever popped. Under tensor parallelism each rank's copies finis
 pace: ``count_finished`` is this rank's number of leading finished acks, the tree agrees the
 minimum over the ranks (``hiradix_transfers``), and ``ack_count`` turns the agreed ``n`` (or
 ``None``: this rank's own count) into how many acks to pop, refusing more than are queued.
+``ack_error`` is what failed while the copy ran (thread-backed CPU streams hand a callable's
+exception to the next event recorded on its stream), ``None`` for a copy that succeeded.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hicache.transfer.streams import Event
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HiCacheAck", "ack_count", "count_finished"]
+__all__ = ["HiCacheAck", "ack_count", "ack_error", "count_finished"]
 
 
 class HiCacheAck(NamedTuple):
@@ -35,6 +37,19 @@ class HiCacheAck(NamedTuple):
     nbytes: int
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
     usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
+    # Recorded on the side stream after its waits: copy time starts here, not behind the forward.
+    copy_start_event: Event | None = None
+    # Events whose ``error`` tells whether the copy failed (``(finish_event,)`` when empty).
+    step_events: tuple[Event, ...] = ()
+
+
+def ack_error(ack: HiCacheAck) -> BaseException | None:
+    """The first error of the copy's steps (``None``: it succeeded or has not finished)."""
+    for ev in ack.step_events or (ack.finish_event,):
+        error = getattr(ev, "error", None)
+        if error is not None:
+            return error
+    return None
 
 
 def count_finished(queue: deque[HiCacheAck]) -> int:

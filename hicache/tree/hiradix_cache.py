@@ -40,6 +40,7 @@ Everything here runs on the scheduler thread and never blocks, except device evi
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +48,7 @@ import torch
 from hicache.tree.device_eviction import DeviceEviction
 from hicache.tree.hiradix_transfers import HiRadixTransfers
 from hicache.tree.node import TreeNode
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.stats import CacheStats
@@ -103,6 +105,20 @@ class HiRadixCache(HiRadixTransfers):
         return self.write_policy != "write_back"
 
     # ------------------------------------------------------------------ insert hooks
+
+    def insert(
+        self,
+        key: Sequence[int] | torch.Tensor,
+        value: torch.Tensor | None = None,
+        chunked: bool = False,
+    ) -> int:
+        """``RadixCache.insert``; the slots are checked against the device pool first (the
+        backups an insert starts read them), so a bad slot raises ``ValueError`` before the
+        tree changes rather than from a backup halfway through the walk."""
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
+            alloc = self.controller.device_allocator
+            slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
+        return super().insert(key, value, chunked)
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""

@@ -62,6 +62,7 @@ class PrefillRequest:
     cached_host: int = 0
     start_send_idx: int = 0
     parked: bool = False
+    skip_load_back: bool = False  # a load back of this attempt failed: recompute host hits
     # history
     total_computed: int = 0
     yields: int = 0
@@ -117,6 +118,7 @@ class PrefillRequest:
         self.cached_host = 0
         self.start_send_idx = 0
         self.parked = False
+        self.skip_load_back = False
         self.pending_bootstrap = True
 
 

@@ -66,7 +66,8 @@ class PendingKV:
     def yield_(self, req: PrefillRequest) -> None:
         """Optimistic rollback: publish what the policy allows, release, reset, requeue (head of
         the waiting queue, or the bootstrap queue once attempts are used up)."""
-        assert req.pending_bootstrap and req.peer.inflight_reads() == 0
+        if not req.pending_bootstrap or req.peer.inflight_reads():
+            raise RuntimeError(f"{req.rid}: yield of a finalized request or one a peer still reads")
         self.publish(req, chunked=req.computed_len < req.num_tokens)
         self.drop(req)
         req.yielded_len = req.computed_len

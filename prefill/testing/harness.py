@@ -28,14 +28,18 @@ KV_ATOL = 1e-5
 
 
 def build_cache(
-    args: Any, copy_delay: float | Callable[[], float] = 0.0, group: TPGroup | None = None
+    args: Any,
+    copy_delay: float | Callable[[], float] = 0.0,
+    group: TPGroup | None = None,
+    streams: str | None = None,
 ) -> Any:
-    """``hicache.builder.build_kv_cache(args, group=group)``; ``copy_delay`` (CPU only, seconds or
-    a callable) is slept before every copy on the controller's side streams, to widen race
-    windows."""
+    """``hicache.builder.build_kv_cache(args, group=group, streams=streams)``; ``copy_delay``
+    (CPU only, seconds or a callable) is slept before every copy on the controller's side
+    streams, to widen race windows; ``streams``: a CPU stream mode (``"thread"``, ``"inline"``)
+    or ``None`` for the device's default."""
     from hicache.builder import build_kv_cache
 
-    return build_kv_cache(args, copy_delay=copy_delay, group=group)
+    return build_kv_cache(args, copy_delay=copy_delay, group=group, streams=streams)
 
 
 def make_executor(
@@ -49,15 +53,17 @@ def make_executor(
     model: PagedTransformer | None = None,
     send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
     group: TPGroup | None = None,
+    streams: str | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
     that keeps received KV (for ``assert_decode_kv_matches``; ``decode.release(rid)`` frees it)
     and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
-    the model, when not given, this rank's ``TPPagedTransformer``."""
+    the model, when not given, this rank's ``TPPagedTransformer``. ``streams``: the CPU stream
+    mode of the cache built here (``build_cache``)."""
     clock = clock if clock is not None else VirtualClock()
-    cache = cache if cache is not None else build_cache(args, group=group)
+    cache = cache if cache is not None else build_cache(args, group=group, streams=streams)
     group = getattr(cache, "group", None)
     if group is not None:
         clock = agreed_clock(clock, group, None)
