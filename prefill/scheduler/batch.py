@@ -24,6 +24,7 @@ from prefill.clock import Clock
 from prefill.model.paged import ExtendInput, PagedTransformer
 from prefill.request.kv import RequestKV
 from prefill.request.state import PrefillRequest, Stage
+from prefill.scheduler.storage_prefetch import StoragePrefetch
 from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class BatchRunner:
         chunk_budget: tokens per forward (``chunked_prefill_size``), ``None`` for no limit.
         clock, cost_model: a forward's cost is charged to ``clock`` when ``cost_model`` is set.
         stats: the executor's counters (forward passes, chunks, tokens computed and cached).
+        prefetch: the L3 prefetch admission check (``storage_prefetch.StoragePrefetch``); a
+            candidate whose prefetch the stop policy still waits for is skipped this step.
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class BatchRunner:
         clock: Clock,
         cost_model: CostModel | None,
         stats: ExecutorStats,
+        prefetch: StoragePrefetch | None = None,
     ) -> None:
         self.cache = cache
+        self.prefetch = prefetch
         self.kv = kv
         self.model = model
         self.chunk_budget = chunk_budget
@@ -92,17 +97,22 @@ class BatchRunner:
                 break
             if free_request_slots <= 0:
                 break
+            if self.prefetch is not None and not self.prefetch.ready(req):
+                continue  # its L3 prefetch is still wanted: the others go ahead
             self.kv.match_and_lock(req)
             n = self._chunk_len(req, budget)
             if n == 0 or not self.kv.alloc_extend(req, n):
                 self.kv.release(req)
                 break
             req.stage = Stage.RUNNING
+            if self.prefetch is not None:
+                self.prefetch.admitted(req)
             self.stats.cached_device_tokens += req.cached_device
             self.stats.cached_host_tokens += req.cached_host
+            self.stats.cached_storage_tokens += req.cached_storage
             # Prefix-hit accounting belongs to admission (SGLang's scheduler), once per attempt:
             # the tree's re-matches after chunk inserts are not hits.
-            self.cache.stats.record_match(req.cached_device, req.cached_host)
+            self.cache.stats.record_match(req.cached_device, req.cached_host, req.cached_storage)
             if req.yielded_len:  # a retry: what its yielded attempt had computed, computed again
                 self.stats.yield_recomputed_tokens += max(0, req.yielded_len - req.computed_len)
                 req.yielded_len = 0
