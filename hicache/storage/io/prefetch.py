@@ -260,7 +260,7 @@ class PrefetchBook:
                 and op.completed_tokens >= len(op.hash_value) * self.page_size
             )
             budget = self.settings.timeout_s(op.requested_tokens, self.page_size)
-            expired = not landed and now - op.wait_started > budget
+            expired = not landed and now - op.wait_started >= budget  # a virtual clock lands on it
         return self.tree.group.agree_any(expired, tag="storage_prefetch_timeout")
 
     def next_deadline(self) -> float | None:
