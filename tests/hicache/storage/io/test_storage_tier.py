@@ -6,7 +6,6 @@ threshold and capacity limit, attempt scoping, and ``buffer_only`` staging."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hicache.storage.hash_keys import page_hashes
 from hicache.storage.io.operations import CacheRequestHandle
