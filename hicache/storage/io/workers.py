@@ -40,6 +40,9 @@ ZERO_COPY_BACKENDS = frozenset(
     {"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast", "seaweedfs"}
 )
 JOIN_TIMEOUT_S = 10.0
+SCRATCH_BYTES = 64 << 20
+"""Each IO thread keeps up to this many bytes of flat page buffers for the generic path
+(reused by every batch that fits, so a batch does not fault in fresh memory)."""
 
 
 def uses_zero_copy(backend_name: str, extra_config: dict | None) -> bool:
@@ -79,6 +82,7 @@ class StorageWorkers:
         self.backup_queue: queue.Queue[StorageOperation | None] = queue.Queue()
         self.backup_ack_queue: queue.Queue[StorageOperation] = queue.Queue()
         self._stop = threading.Event()
+        self._scratch: dict[str, list[Any]] = {"io": [], "backup": []}
         self._threads = [
             threading.Thread(target=self._loop, args=(q, fn), name=f"hicache-storage-{name}",
                              daemon=True)
@@ -192,7 +196,7 @@ class StorageWorkers:
                     break
                 n += 1
             return n
-        targets = [pool.get_dummy_flat_data_page() for _ in keys]
+        targets = self._buffers("io", len(keys))
         pages = self.backend.batch_get(keys, targets)
         if pages is None:
             return 0
@@ -203,6 +207,17 @@ class StorageWorkers:
             pool.set_from_flat_data_page(int(slots[i * ps]), page)
             n += 1
         return n
+
+    def _buffers(self, thread: str, n: int) -> list[Any]:
+        """``n`` flat page buffers for one batch of ``thread``: reused ones while ``n`` pages fit
+        in ``SCRATCH_BYTES``, fresh ones otherwise (the backend may keep none of them)."""
+        pool = self.host_pool
+        if n * pool.page_nbytes > SCRATCH_BYTES:
+            return [pool.get_dummy_flat_data_page() for _ in range(n)]
+        scratch = self._scratch[thread]
+        while len(scratch) < n:
+            scratch.append(pool.get_dummy_flat_data_page())
+        return scratch[:n]
 
     def _backup(self, op: StorageOperation) -> None:
         """Store ``op``'s pages batch by batch; the first failed batch ends the backup."""
@@ -224,7 +239,9 @@ class StorageWorkers:
             if self.zero_copy:
                 ok = all(self.backend.batch_set_v1(batch, slots, extra))
             else:
-                data = [pool.get_data_page(int(slots[i * ps])) for i in range(len(batch))]
+                bufs = self._buffers("backup", len(batch))
+                data = [pool.get_data_page(int(slots[i * ps]), out=buf)
+                        for i, buf in enumerate(bufs)]  # fmt: skip
                 ok = bool(self.backend.batch_set(batch, data))
             if not ok:
                 logger.warning("storage backup: a batch of %d pages failed", len(batch))
