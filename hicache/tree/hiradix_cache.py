@@ -59,6 +59,7 @@ from hicache.tree.node import TreeNode
 from hicache.tree.storage_hooks import (
     StorageHooks,
     assign_hashes,
+    check_storage_tree,
     host_chain_tokens,
     insert_host,
 )
@@ -234,6 +235,13 @@ class HiRadixCache(HiRadixTransfers):
             x = x.parent
         if frees:
             self.controller.evict_host(torch.cat(frees))  # held until the H2D ack
+
+    def check_integrity(self, request_owned: int = 0) -> None:
+        """The tree's checks (``integrity.check_tree``), and with storage its page keys
+        (``storage_hooks.check_storage_tree``)."""
+        super().check_integrity(request_owned)
+        if self.storage is not None:
+            check_storage_tree(self, self.all_nodes(), self.storage.buffer_only)
 
     def host_in_flight(self) -> int:
         """Host slots outside the tree: the controller's deferred frees, buffer_only staging

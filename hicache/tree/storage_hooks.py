@@ -128,3 +128,19 @@ def host_chain_tokens(last_host_node: TreeNode) -> int:
         n += len(x.key)
         x = x.parent
     return n
+
+
+def check_storage_tree(tree: HostInsertTree, nodes: list[TreeNode], buffer_only: bool) -> None:
+    """``AssertionError`` unless every node carries one key per page (a chain continued from its
+    parent's last key, spot-checked at its first page) and, with ``buffer_only``, no node keeps
+    a host copy."""
+    ps = tree.page_size
+    for x in nodes:
+        if x.hash_value is None or len(x.hash_value) != len(x.key) // ps:
+            raise AssertionError(f"storage: {x!r} lacks one page key per page")
+        parent = x.parent
+        prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
+        if page_hashes(x.key[:ps], ps, prior)[0] != x.hash_value[0]:
+            raise AssertionError(f"storage: {x!r}'s first key does not continue its parent's")
+        if buffer_only and x.host_value is not None:
+            raise AssertionError(f"storage: buffer_only, yet {x!r} keeps a host copy")
