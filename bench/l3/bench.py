@@ -139,7 +139,8 @@ def measured_rate(fields: dict, model: Any, opts: argparse.Namespace) -> float:
     lengths = [len(c.first_prompt) + sum(len(q) + 1 for q in c.questions[:r])
                for c in convs for r in range(c.num_rounds)]  # fmt: skip
     mean_len = max(1, round(sum(lengths) / len(lengths)))
-    ex, _ = new_executor(args, PeerConfig(), 4 * mean_len, model, None)
+    decode_tokens = -(-4 * mean_len // args.page_size) * args.page_size
+    ex, _ = new_executor(args, PeerConfig(), decode_tokens, model, None)
     times = []
     for i in range(3):
         prompt = [(7 * i + 13 * t) % args.vocab_size for t in range(mean_len)]
