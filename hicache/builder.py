@@ -34,6 +34,7 @@ from hicache.tree.radix_cache import RadixCache
 if TYPE_CHECKING:
     from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
     from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.storage.io.controller import HiCacheStorageController
     from hicache.transfer.controller import HiCacheController
     from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
@@ -50,7 +51,7 @@ class KVCache:
     calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
     when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
     ``group``: the tensor-parallel cache group (``SingleRankGroup`` for one rank); ``stats``
-    are this rank's.
+    are this rank's. ``storage``: the L3 tier (``--hicache-storage-backend``), else ``None``.
     """
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool
@@ -60,6 +61,7 @@ class KVCache:
     controller: HiCacheController | None
     stats: CacheStats
     group: TPGroup = field(default_factory=SingleRankGroup)
+    storage: HiCacheStorageController | None = None
 
     @property
     def hierarchical(self) -> bool:
@@ -72,6 +74,8 @@ class KVCache:
         ``request_owned``: device slots that requests hold outside the tree right now.
         """
         self.tree.check_integrity(request_owned=request_owned)
+        if self.storage is not None:
+            self.storage.check_integrity()
 
     def alloc_device(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
@@ -90,9 +94,14 @@ class KVCache:
         return slots
 
     def close(self) -> None:
-        """Finish queued copies and stop the CPU stream threads (no-op when off or on CUDA)."""
-        if self.controller is not None:
-            self.controller.close()
+        """Stop the storage threads (after the work they hold), finish queued copies and stop
+        the CPU stream threads (no-op when off or on CUDA)."""
+        try:
+            if self.storage is not None:
+                self.storage.close()
+        finally:
+            if self.controller is not None:
+                self.controller.close()
 
 
 # Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
@@ -101,7 +110,9 @@ SAME_ON_EVERY_RANK = (
     "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
     "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
     "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
-    "kv_lora_rank", "qk_rope_head_dim", "dtype",
+    "kv_lora_rank", "qk_rope_head_dim", "dtype", "hicache_storage_backend",
+    "hicache_storage_backend_extra_config", "hicache_storage_prefetch_policy",
+    "hicache_host_memory_mode", "served_model_name",
 )  # fmt: skip
 
 
@@ -127,8 +138,12 @@ def build_kv_cache(
     ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
     capacity agreed (see the module docstring).
 
-    Raises ``ValueError`` for configurations the runtime cannot run (an L3 storage backend,
-    ``pp_size > 1``, mamba models, ``disable_radix_cache``), for a host pool larger than the RAM
+    With ``hicache_storage_backend`` the L3 tier too (``hicache.storage.io.setup``): its backend,
+    IO threads and controller, attached to the tree (``KVCache.storage``).
+
+    Raises ``ValueError`` for configurations the runtime cannot run (``pp_size > 1``, mamba
+    models, ``disable_radix_cache``, a storage backend that cannot be built, named with its
+    flag or key), for a host pool larger than the RAM
     that may be used (on every rank, when any rank's is), and for a group that does not match
     ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """
@@ -176,6 +191,16 @@ def build_kv_cache(
         upstream_chunked_insert=args.hicache_upstream_chunked_insert,
         stats=stats,
     )
+    storage = None
+    if args.hicache_storage_backend is not None:
+        from hicache.storage.io.setup import build_storage_controller
+
+        try:
+            storage = build_storage_controller(args, tree, host_pool, group)
+        except ValueError:
+            controller.close()
+            host_pool.destroy()
+            raise
     logger.info(
         "KV cache%s: device %d + host %d tokens, page %d, %s, %s/%s",
         f" (tp rank {group.rank}/{group.size})" if group.size > 1 else "",
@@ -186,7 +211,7 @@ def build_kv_cache(
         args.hicache_mem_layout,
         args.hicache_io_backend,
     )
-    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group)
+    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group, storage)
 
 
 def _agreed_host_pool(

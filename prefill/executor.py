@@ -90,6 +90,7 @@ from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.batch import BatchRunner, CostModel
 from prefill.scheduler.chunked import ChunkedPrefill
 from prefill.scheduler.gate import check_gate, log_gate_once, resolved_attempts
+from prefill.scheduler.l3_provenance import SpeculativeL3Pages
 from prefill.scheduler.metadata_buffers import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     ReqToMetadataIdxAllocator,
@@ -97,6 +98,7 @@ from prefill.scheduler.metadata_buffers import (
 )
 from prefill.scheduler.pending_kv import PendingKV
 from prefill.scheduler.sends import InflightQueue
+from prefill.scheduler.storage_prefetch import StoragePrefetch
 from prefill.stats import ExecutorStats
 from prefill.tp.driver import TPDriver, agreed_clock
 from prefill.tp.sync import PeerPolls
@@ -187,6 +189,7 @@ class OptimisticPrefillExecutor:
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
         self.kv = RequestKV(cache, self.stats)
+        self.storage_prefetch = StoragePrefetch(cache, self.clock)
         self.requests: dict[str, PrefillRequest] = {}
         self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
         self.polls = PeerPolls(self.group)
@@ -196,9 +199,20 @@ class OptimisticPrefillExecutor:
         )  # fmt: skip
         self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata, self.polls)
         self.batch_runner = BatchRunner(
-            cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
-        )
-        self.pending = PendingKV(self.kv, self.admission, self.stats, self.unpublished_pending)
+            cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats,
+            prefetch=self.storage_prefetch,
+        )  # fmt: skip
+        self.pending = PendingKV(
+            self.kv, self.admission, self.stats, self.unpublished_pending,
+            prefetch=self.storage_prefetch,
+        )  # fmt: skip
+        self.l3_provenance: SpeculativeL3Pages | None = None
+        storage = getattr(cache, "storage", None)
+        if storage is not None:  # pages of attempts not finalized must not reach L3
+            self.l3_provenance = SpeculativeL3Pages(self.page_size, self.stats)
+            self.kv.on_pending_insert = self.l3_provenance.record
+            self.admission.on_finalize.append(self.l3_provenance.finalized)
+            storage.add_write_observer(self.l3_provenance.observe)
         self.inflight = InflightQueue(
             self.kv, self.admission, self.pending, self.clock, self.stats,
             on_done=self._forget, max_running_requests=self.max_running_requests,
@@ -256,6 +270,7 @@ class OptimisticPrefillExecutor:
         )  # fmt: skip
         self.requests[rid] = req
         self.admission.add(req)
+        self.storage_prefetch.on_arrival(req)  # the L3 lookup overlaps the bootstrap
         self.stats.submitted += 1
 
     def release_received(self, rid: str) -> None:
@@ -348,7 +363,9 @@ class OptimisticPrefillExecutor:
         ``RuntimeError`` when nothing can change."""
         now = self.clock.now()
         peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
-        times = [t for t in (peer_t, also) if t is not None]
+        storage = getattr(self.cache, "storage", None)
+        deadline = storage.next_deadline() if storage is not None else None
+        times = [t for t in (peer_t, also, deadline) if t is not None]
         ahead = [t for t in times if t > now]
         copies = self.cache_copies_in_flight()
         if ahead:
@@ -365,8 +382,12 @@ class OptimisticPrefillExecutor:
         raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; {self.describe()}")
 
     def cache_copies_in_flight(self) -> int:
-        return len(getattr(self.tree, "ongoing_write_through", ())) + len(
-            getattr(self.tree, "ongoing_load_back", ())
+        """Cache copies whose acks are not in: D2H backups, H2D loads and L3 operations."""
+        storage = getattr(self.cache, "storage", None)
+        return (
+            len(getattr(self.tree, "ongoing_write_through", ()))
+            + len(getattr(self.tree, "ongoing_load_back", ()))
+            + (storage.ops_in_flight() if storage is not None else 0)
         )
 
     def drain_cache_events(self, timeout_s: float = 30.0) -> None:
@@ -432,6 +453,9 @@ class OptimisticPrefillExecutor:
 
     def _forget(self, req: PrefillRequest) -> None:
         """``req`` has its outcome: the executor keeps nothing of it but the result."""
+        self.storage_prefetch.on_outcome(req)
+        if self.l3_provenance is not None:
+            self.l3_provenance.forget(req)
         del self.requests[req.rid]
 
     # ================================================================== integrity

@@ -46,6 +46,9 @@ class RequestKV:
         self.allocator = cache.allocator
         self.page_size = cache.allocator.page_size
         self.device = cache.allocator.device
+        # Told of every insert made for a pending attempt: (req, key, present, end); set by the
+        # executor when the cache has an L3 tier (prefill.scheduler.l3_provenance).
+        self.on_pending_insert: Any = None
 
     def _pages(self, n: int) -> int:
         """``n`` rounded up to whole pages."""
@@ -121,6 +124,8 @@ class RequestKV:
         if issued and req.pending_bootstrap:
             self.stats.speculative_l2_pages += page_ceil(issued, self.page_size) // self.page_size
             logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
+        if req.pending_bootstrap and self.on_pending_insert is not None and present < end:
+            self.on_pending_insert(req, key, present, end)
         if present < req.tree_len:  # before the free below: it would free tree-owned slots
             raise RuntimeError(f"{req.rid}: locked prefix {req.tree_len} > present {present}")
         if present > req.tree_len:

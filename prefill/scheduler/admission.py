@@ -58,6 +58,7 @@ class AdmissionQueue:
         self.polls = polls
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
+        self.on_finalize: list = []  # told of each finalized request (L3 provenance)
 
     # ------------------------------------------------------------------ bootstrap state
     def forced(self, req: PrefillRequest) -> bool:
@@ -104,6 +105,8 @@ class AdmissionQueue:
         req.pending_bootstrap = False
         req.start_send_idx = req.peer.decode_prefix_len
         self.stats.finalized += 1
+        for hook in self.on_finalize:
+            hook(req)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: PrefillRequest) -> None:

@@ -28,6 +28,7 @@ from prefill.clock import Clock
 from prefill.model.paged import ExtendInput, PagedTransformer
 from prefill.request.kv import RequestKV
 from prefill.request.state import PrefillRequest, Stage
+from prefill.scheduler.storage_prefetch import StoragePrefetch
 from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class BatchRunner:
         chunk_budget: tokens per forward (``chunked_prefill_size``), ``None`` for no limit.
         clock, cost_model: a forward's cost is charged to ``clock`` when ``cost_model`` is set.
         stats: the executor's counters (forward passes, chunks, tokens computed and cached).
+        prefetch: the L3 prefetch admission check (``storage_prefetch.StoragePrefetch``); a
+            candidate whose prefetch the stop policy still waits for is skipped this step.
     """
 
     def __init__(
@@ -61,8 +64,10 @@ class BatchRunner:
         clock: Clock,
         cost_model: CostModel | None,
         stats: ExecutorStats,
+        prefetch: StoragePrefetch | None = None,
     ) -> None:
         self.cache = cache
+        self.prefetch = prefetch
         self.kv = kv
         self.model = model
         self.chunk_budget = chunk_budget
@@ -124,6 +129,8 @@ class BatchRunner:
                 break
             if free_request_slots <= 0:
                 break
+            if self.prefetch is not None and not self.prefetch.ready(req):
+                continue  # its L3 prefetch is still wanted: the others go ahead
             self.kv.match_and_lock(req)
             examined.append(req)
             n = self._chunk_len(req, budget)
@@ -131,6 +138,8 @@ class BatchRunner:
                 self.kv.release(req)
                 break
             req.stage = Stage.RUNNING
+            if self.prefetch is not None:
+                self.prefetch.admitted(req)
             free_request_slots -= 1
             batch.append((req, n))
             budget = None if budget is None else budget - n
@@ -145,7 +154,8 @@ class BatchRunner:
         for req in reqs:
             self.stats.cached_device_tokens += req.cached_device
             self.stats.cached_host_tokens += req.cached_host
-            self.cache.stats.record_match(req.cached_device, req.cached_host)
+            self.stats.cached_storage_tokens += req.cached_storage
+            self.cache.stats.record_match(req.cached_device, req.cached_host, req.cached_storage)
             if req.yielded_len:  # a retry: what its yielded attempt had computed, computed again
                 self.stats.yield_recomputed_tokens += max(0, req.yielded_len - req.computed_len)
                 req.yielded_len = 0
@@ -159,7 +169,7 @@ class BatchRunner:
         loaded nodes host-only again (``cancel_load_back``). Single rank only."""
         for req in reversed(admitted):
             self.kv.release(req)
-            req.cached_device = req.cached_host = 0
+            req.cached_device = req.cached_host = req.cached_storage = 0
             req.stage = Stage.WAITING
         for req in [*admitted, *(examined or ())]:
             req.skip_load_back = True

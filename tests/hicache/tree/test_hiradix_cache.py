@@ -486,7 +486,7 @@ def test_device_only_when_off() -> None:
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (dict(hicache_storage_backend="file"), "storage"),
+        (dict(hicache_storage_backend="nosuch"), "--hicache-storage-backend=nosuch"),
         (dict(pp_size=2), "pp-size"),
     ],
 )
