@@ -196,3 +196,27 @@ def test_a_page_missing_in_storage_ends_the_hit_there_never_wrong_kv():
     assert kv.storage.take_loaded(H) == 12  # pages 0..2
     kv.check_integrity()
     kv.close()
+
+
+@pytest.mark.parametrize("mode", ["cache", "buffer_only"])
+def test_a_failed_l2_backup_sends_nothing_to_storage_and_the_tier_keeps_working(mode):
+    """The D2H copy of a backup fails while it runs (thread streams): the node stays device-only,
+    its host slots (or staging) are freed, no page of it reaches storage; the next insert of
+    other tokens is stored as usual."""
+    from tests.support.faults import CopyFaults
+
+    kv, store = build(f"failed-{mode}", mode=mode)
+    with CopyFaults().fail_calls("backup_from_device_all_layer", {0}) as faults:
+        compute(kv, A)
+        drain(kv)
+        assert faults.failures == ["backup_from_device_all_layer"]
+    assert _stored(store, page_hashes(A, 4)) == 0
+    assert all(x.host_value is None for x in kv.tree.all_nodes())
+    assert kv.tree.host_allocator.available_size() == kv.tree.host_allocator.size
+    kv.check_integrity()
+    other = list(range(300, 332))
+    compute(kv, other)
+    drain(kv)
+    assert _stored(store, page_hashes(other, 4)) == 8
+    kv.check_integrity()
+    kv.close()
