@@ -69,7 +69,10 @@ class KernelBackendOps:
         Mutates ``dst_k`` and ``dst_v`` at ``dst_indices``.
         """
         self._run(
-            KVCopy(LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size),
+            KVCopy(
+                LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+                op="transfer_kv_per_layer",
+            ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
 
@@ -97,6 +100,7 @@ class KernelBackendOps:
             KVCopy(
                 PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_pf_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -129,6 +133,7 @@ class KernelBackendOps:
                 PH_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id, page_size=page_size,
                 head_num=head_num,
+                op="transfer_kv_per_layer_ph_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -157,6 +162,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
                 src_indices, dst_indices, item_size, num_layers=num_layers,
+                op="transfer_kv_all_layer",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -185,6 +191,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices,
                 dst_indices, item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
+                op="transfer_kv_all_layer_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -216,6 +223,7 @@ class KernelBackendOps:
                 TABLE_TO_PH, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices,
                 dst_indices, item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
                 page_size=page_size, head_num=head_num,
+                op="transfer_kv_all_layer_lf_ph",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -239,7 +247,10 @@ class KernelBackendOps:
         Either side may be pinned host memory. Mutates ``dst`` at ``dst_indices``.
         """
         self._run(
-            KVCopy(LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size),
+            KVCopy(
+                LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
+                op="transfer_kv_per_layer_mla",
+            ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
 
@@ -261,6 +272,7 @@ class KernelBackendOps:
             KVCopy(
                 PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_mla_pf_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -284,6 +296,7 @@ class KernelBackendOps:
             KVCopy(
                 LF_TO_PF, (src,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=dst_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_mla_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -308,6 +321,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_TABLE, (src_layers,), (dst_layers,), src_indices, dst_indices,
                 item_size, num_layers=num_layers,
+                op="transfer_kv_all_layer_mla",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -333,6 +347,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_PF, (src_layers,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=dst_layout_dim, num_layers=num_layers,
+                op="transfer_kv_all_layer_mla_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
