@@ -223,6 +223,7 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         host memory the GPU can no longer address."""
         if self._registered:
             torch.cuda.synchronize(self.device)
+            kernels.clear_plans()  # cached launch plans assume the buffer stays registered
             torch.cuda.cudart().cudaHostUnregister(self.kv_buffer.data_ptr())
             self._registered = False
 

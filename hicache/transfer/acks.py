@@ -6,6 +6,11 @@ a queue's head is ever popped. Under tensor parallelism each rank's copies finis
 pace: ``count_finished`` is this rank's number of leading finished acks, the tree agrees the
 minimum over the ranks (``hiradix_transfers``), and ``ack_count`` turns the agreed ``n`` (or
 ``None``: this rank's own count) into how many acks to pop, refusing more than are queued.
+
+Each ack carries the ``kernels.CopyWatch`` its copy's ops ran under: when the ack is completed
+(after its finish event), ``check_indices`` raises ``kernels.KVIndexError`` naming the op and the
+argument if the kernel skipped a pair for an out-of-range index (CUDA without debug checks:
+nothing reads the indices on the host, the kernel records the bad pair on the device).
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import torch
 
 from hicache.transfer.busy_pages import CopyUsage
 from hicache.transfer.streams import Event
+from kernels.triton.index_record import CopyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HiCacheAck", "ack_count", "count_finished"]
+__all__ = ["HiCacheAck", "ack_count", "check_indices", "count_finished"]
 
 
 class HiCacheAck(NamedTuple):
@@ -35,6 +41,15 @@ class HiCacheAck(NamedTuple):
     nbytes: int
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
     usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
+    watch: CopyWatch | None = None  # the copy's launches (bad indices found on the device)
+
+
+def check_indices(ack: HiCacheAck) -> None:
+    """Raise ``kernels.KVIndexError`` if a launch of ``ack``'s copy skipped a pair for an
+    out-of-range index. Call once the copy finished (its finish event synchronized). Reads
+    host memory only."""
+    if ack.watch is not None:
+        ack.watch.check()
 
 
 def count_finished(queue: deque[HiCacheAck]) -> int:

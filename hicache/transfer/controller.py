@@ -75,7 +75,7 @@ from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.acks import HiCacheAck
+from hicache.transfer.acks import HiCacheAck, check_indices
 from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
 from hicache.transfer.layer_done_counter import LayerDoneCounter
 from hicache.transfer.loads import CacheOperation, ControllerLoads
@@ -248,6 +248,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
             self._busy.remove(usage)
         stream = self.write_stream if direction == "d2h" else self.load_stream
         stream.check_error()
+        check_indices(ack)  # issue 19: an index the kernel found out of range raises here
         secs = ack.start_event.elapsed_time(ack.finish_event) / 1e3
         self.stats.record_copy(direction, ack.nbytes, secs)
         return ack.node_ids

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+import kernels
 from hicache.tp.agreed import agreed_alloc
 from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
 from hicache.transfer.busy_pages import BusyPages, CopyUsage
@@ -114,11 +115,13 @@ class ControllerLoads:
             self.load_stream.wait_event(self.ack_write_queue[-1].finish_event)
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
         moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        watch = kernels.watch_copies(self.device_pool.device)  # issue 19: bad indices, at the ack
 
         def load_layer(layer: int) -> None:  # the first layer moves the indices, on this stream
             if not moved:
                 moved.append(self._move_indices(host_indices, device_indices))
-            pool.load_to_device_per_layer(dev, *moved[0], layer, io)
+            with watch:
+                pool.load_to_device_per_layer(dev, *moved[0], layer, io)
 
         for layer in range(self.layer_num):
             self.load_stream.submit(lambda layer=layer: load_layer(layer))
@@ -133,6 +136,7 @@ class ControllerLoads:
                 self._nbytes(host_indices),
                 pid,
                 tuple(op.usage for op in ops),
+                watch,
             )
         )
         self.layer_done_counter.set_consumer(pid)

@@ -113,7 +113,7 @@ def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[
     :func:`kernels.ops.checks.content_checks` reads them); else return the call and the parts to
     launch."""
     parts = validate_buffers(call, block_quota, num_warps_per_block)
-    check_index_ranges(call, parts)
+    check_index_ranges(call, _bounds(parts))
     return call, parts
 
 
@@ -156,13 +156,17 @@ def validate_buffers(call: KVCopy, block_quota: int, num_warps_per_block: int) -
     return [_with_table_aligns(p, aligns) for p in call.parts()]
 
 
-def check_index_ranges(call: KVCopy, parts: list[Part], force: bool = False) -> None:
-    """Every index below its side's slot count (tables: their recorded bound), read where that
-    is free or when ``force``; else :class:`kernels.errors.KVIndexError`."""
-    for name, idx, side in (("src_indices", call.src_indices, parts[0].src),
-                            ("dst_indices", call.dst_indices, parts[0].dst)):  # fmt: skip
-        if side.n_slots < NO_BOUND:
-            checks.indices_in_range(name, idx, side.n_slots, call.op, force)
+def _bounds(parts: list[Part]) -> tuple[int, int]:
+    return parts[0].src.n_slots, parts[0].dst.n_slots
+
+
+def check_index_ranges(call: KVCopy, bounds: tuple[int, int], force: bool = False) -> None:
+    """Every index below its side's slot count (``bounds``; tables: their recorded bound), read
+    where that is free or when ``force``; else :class:`kernels.errors.KVIndexError`."""
+    for name, idx, n_slots in (("src_indices", call.src_indices, bounds[0]),
+                               ("dst_indices", call.dst_indices, bounds[1])):  # fmt: skip
+        if n_slots < NO_BOUND:
+            checks.indices_in_range(name, idx, n_slots, call.op, force)
 
 
 def _with_table_aligns(part: Part, aligns: dict[int, int]) -> Part:
@@ -182,12 +186,12 @@ def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
         device = checks.index_pair(call.src_indices, call.dst_indices)
         if not _runs_triton(device):
             parts = validate_buffers(call, block_quota, num_warps_per_block)
-            check_index_ranges(call, parts, force=True)  # the reference indexes with them
+            check_index_ranges(call, _bounds(parts), force=True)  # the reference indexes with them
             reference.copy_kv(call)
             return
         plan = cached_plan(call, block_quota, num_warps_per_block,
                            lambda: _plan(call, block_quota, num_warps_per_block))  # fmt: skip
-        check_index_ranges(call, list(plan.parts))
+        check_index_ranges(call, plan.bounds)
     except KVIndexError:
         raise
     except ValueError as exc:
@@ -210,4 +214,6 @@ def _plan(call: KVCopy, block_quota: int, num_warps_per_block: int) -> Plan:
                   block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints)
         for part in parts
     )  # fmt: skip
-    return Plan(tuple(parts), launches)
+    layouts = [call.how.src] * len(call.src) + [call.how.dst] * len(call.dst)
+    tables = frozenset(i for i, layout in enumerate(layouts) if layout == TABLE)
+    return Plan(_bounds(parts), launches, tables)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout.addressing import KVCopy, Part
+from kernels.layout.addressing import KVCopy
 from kernels.layout.ptr_tables import table_record
 from kernels.triton.launch import PartPlan
 
@@ -54,10 +54,13 @@ MAX_PLANS = 4096
 
 @dataclass(frozen=True)
 class Plan:
-    """One op call's validated parts and their launch plans (index-independent)."""
+    """One op call's launch plans (index-independent) and its sides' slot bounds. Holds no
+    reference to the call's tensor objects (only word views of their memory, and the tables),
+    so a cached plan never keeps them alive."""
 
-    parts: tuple[Part, ...]
+    bounds: tuple[int, int]  # (src, dst) slots; NO_BOUND: a table side without a recorded bound
     launches: tuple[PartPlan, ...]
+    tables: frozenset[int]  # positions in (*src, *dst) of the pointer tables
 
 
 @dataclass
@@ -68,7 +71,7 @@ class _Entry:
 
 
 _cache: OrderedDict[tuple, _Entry] = OrderedDict()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a weak-reference callback may run while it is held
 
 
 def _identity(t: object) -> tuple[object, torch.Tensor] | None:
@@ -89,25 +92,30 @@ def _table_state(t: torch.Tensor) -> tuple:
     return version, table_record(t)
 
 
-def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple | None:
+def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:
+    """The call's cache key and the tensor each buffer's identity names (``None``: not
+    cacheable)."""
     scalars = (call.item_size, call.layout_dim, call.layer_id, call.num_layers, call.page_size,
                call.head_num, block_quota, num_warps)  # fmt: skip
-    if any(type(v) is not int for v in scalars):
-        return None
-    idents = []
+    for v in scalars:
+        if type(v) is not int:
+            return None
+    idents, bases = [], []
     for t in (*call.src, *call.dst):
         ident = _identity(t)
         if ident is None:
             return None
         idents.append(ident[0])
-    return (call.how, call.op, len(call.src), len(call.dst), scalars, call.src_indices.device,
-            *idents)  # fmt: skip
+        bases.append(ident[1])
+    key = (call.how, call.op, len(call.src), len(call.dst), scalars, call.src_indices.device,
+           *idents)  # fmt: skip
+    return key, bases
 
 
-def _guards_hold(entry: _Entry, call: KVCopy) -> bool:
-    for (ref, ptr, state), t in zip(entry.guards, (*call.src, *call.dst), strict=True):
-        ident = _identity(t)
-        if ident is None or ref() is not ident[1] or t.data_ptr() != ptr:
+def _guards_hold(entry: _Entry, call: KVCopy, bases: list) -> bool:
+    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases,
+                                          strict=True):  # fmt: skip
+        if ref() is not base or t.data_ptr() != ptr:
             return False
         if state is not None and _table_state(t) != state:
             return False
@@ -118,27 +126,24 @@ def cached_plan(call: KVCopy, block_quota: int, num_warps: int, make: Callable[[
     """The plan of ``call``: the cached one when its key is known and its guards hold, else
     ``make()`` (which validates and plans, raising ``ValueError`` for bad arguments), cached
     when the call's buffers can be keyed."""
-    key = _key(call, block_quota, num_warps)
-    if key is not None:
-        entry = _cache.get(key)
-        if entry is not None and _guards_hold(entry, call):
+    keyed = _key(call, block_quota, num_warps)
+    if keyed is not None:
+        entry = _cache.get(keyed[0])
+        if entry is not None and _guards_hold(entry, call, keyed[1]):
             return entry.plan
     plan = make()
-    if key is not None:
-        _store(key, call, plan)
+    if keyed is not None:
+        _store(keyed[0], call, keyed[1], plan)
     return plan
 
 
-def _store(key: tuple, call: KVCopy, plan: Plan) -> None:
+def _store(key: tuple, call: KVCopy, bases: list, plan: Plan) -> None:
     guards, refs = [], []
     drop = _dropper(key)
-    tables = {id(t) for p in plan.parts for side in (p.src, p.dst) if side.is_table
-              for t in side.refs}  # fmt: skip
-    for t in (*call.src, *call.dst):
-        _, base = _identity(t)  # type: ignore[misc]
+    for i, (t, base) in enumerate(zip((*call.src, *call.dst), bases, strict=True)):
         ref = weakref.ref(base, drop)
         refs.append(ref)
-        state = _table_state(t) if id(t) in tables else None
+        state = _table_state(t) if i in plan.tables else None
         guards.append((ref, t.data_ptr(), state))
     entry = _Entry(plan, tuple(guards), refs)
     with _lock:

@@ -197,7 +197,7 @@ def launch_for(
 ) -> Launch:
     """The launch of ``plan`` over these indices, recording bad ones in ``record``."""
     n_items = src_indices.numel()
-    n_tiles = triton.cdiv(n_items * plan.heads, plan.geometry.rows)
+    n_tiles = -(-n_items * plan.heads // plan.geometry.rows)  # (triton.cdiv: a slow JIT call)
     args = (*plan.refs, src_indices, dst_indices, n_items, *plan.shape_args,
             record.buffer, record.slot, record.code)  # fmt: skip
     grid = (max(1, min(plan.block_quota, n_tiles)),)
