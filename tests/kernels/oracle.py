@@ -60,7 +60,8 @@ class Oracle:
             db[d].copy_(sb[s])
 
     def transfer_kv_per_layer(self, src_k, dst_k, src_v, dst_v, src_indices, dst_indices,
-                              item_size, block_quota=2, num_warps_per_block=32) -> None:  # fmt: skip
+                              item_size, block_quota=2,
+                              num_warps_per_block=32) -> None:  # fmt: skip
         pairs = _pairs(src_indices, dst_indices)
         self._lf_lf(src_k, dst_k, pairs)
         self._lf_lf(src_v, dst_v, pairs)

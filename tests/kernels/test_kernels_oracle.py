@@ -1,6 +1,6 @@
-"""Every op of ``kernels.KVCACHEIO_OPS`` against the independent oracle (``tests/kernels/oracle.py``,
-which shares no code with the kernels), MHA, MLA and asymmetric K/V (K head 8, V head 4) wherever
-the op takes them, byte for byte over every buffer of a small world.
+"""Every op of ``kernels.KVCACHEIO_OPS`` against the independent oracle
+(``tests/kernels/oracle.py``, which shares no code with the kernels), MHA, MLA and asymmetric K/V
+(K head 8, V head 4) wherever the op takes them, byte for byte over every buffer of a small world.
 
 A world is one device pool and a host pool in each layout (layer_first, page_first, page_head,
 page_first_direct), filled with random bytes; each case calls one op on one copy of the world and
