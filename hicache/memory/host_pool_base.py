@@ -171,6 +171,10 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         """What ``_token_shapes`` would be for a host pool of ``device_pool``."""
         raise NotImplementedError
 
+    def _same_kind(self, device_pool: Any) -> bool:
+        """``device_pool`` is of the kind this pool serves (MLA pools have a latent)."""
+        return hasattr(device_pool, "kv_lora_rank") == hasattr(self, "kv_cache_dim")
+
     def reuse_for(
         self, device_pool: Any, host_to_device_ratio: float, host_size: float, layout: str
     ) -> None:
@@ -185,7 +189,8 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
             "layout": layout, "device": torch.device(device_pool.device),
             "page_size": device_pool.page_size, "dtype": dtype,
             "layer_num": device_pool.layer_num,
-            "token shapes": self._token_shapes_of(device_pool),
+            "token shapes": self._token_shapes_of(device_pool) if self._same_kind(device_pool)
+            else "another kind of device pool (MHA / MLA)",
         }  # fmt: skip
         have = {
             "layout": self.layout, "device": self.device, "page_size": self.page_size,

@@ -154,9 +154,10 @@ class KernelBackendOps:
         """All layers, layer_first -> layer_first, both sides as ``data_ptr()`` tables ``[L]``.
 
         Each table entry points at one layer ``[T, H, D]`` (device or pinned host memory); K and
-        V rows are ``item_size`` bytes each (tables carry no shape to read V's from). The kernel
-        cannot bound slots through a table: indices must be valid for every layer they address.
-        Mutates the destination layers at ``dst_indices``.
+        V rows are ``item_size`` bytes each (tables carry no shape to read V's from). Indices are
+        bounded by the slots recorded with each table (:func:`kernels.data_ptr_table`); a table
+        without a recorded bound cannot be bounded. Mutates the destination layers at
+        ``dst_indices``.
         """
         self._run(
             KVCopy(
@@ -314,8 +315,8 @@ class KernelBackendOps:
     ) -> None:
         """MLA ``transfer_kv_all_layer``: ``data_ptr()`` tables ``[L]`` on both sides.
 
-        Mutates the destination layers at ``dst_indices``; indices must be valid for every
-        layer.
+        Mutates the destination layers at ``dst_indices``; indices are bounded by the tables'
+        recorded bounds.
         """
         self._run(
             KVCopy(
