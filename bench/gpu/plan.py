@@ -126,7 +126,7 @@ def steps() -> list[Step]:
              "equal bytes in flight, the other block_quota values",
              [f"sweep tokens {tq.sweep_tokens}, item 2048 B, block_quota {list(tq.block_quotas)}",
               f"co-run: bf16 GEMM 8192^3 x10; (warps, programs) {warp_points(tq.warps)}",
-              "launch cost: 32 layers x 1024 tokens, 2 KiB items, 3200 calls x 7"]),
+              "launch cost: 32 layers x 16 tokens, 2 KiB items, 3200 calls x 7 rounds"]),
         Step("bench_optimistic", 52, "optimistic prefill on the wall clock, one pinned host "
              "pool for the calibrations and every configuration; headline first",
              [f"model {model}",

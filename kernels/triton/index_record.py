@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,8 +47,7 @@ CHUNK_SLOTS = 1024
 _SIDES = (("src_indices", 0, 2), ("dst_indices", 1, 3))  # argument, code word, value word
 
 
-@dataclass(frozen=True)
-class LaunchSlot:
+class LaunchSlot(NamedTuple):
     """What one launch passes the kernel: the record buffer, its slot, the launch's code."""
 
     buffer: torch.Tensor  # int64 [CHUNK_SLOTS * WORDS], pinned host memory on CUDA
@@ -68,7 +68,7 @@ class _DeviceRecord:
     device: torch.device
     chunks: list[_Chunk] = field(default_factory=list)
     free: list[tuple[int, int]] = field(default_factory=list)  # (chunk, slot)
-    unwatched: dict[tuple[str, int, int], int] = field(default_factory=dict)  # -> code
+    unwatched: dict[tuple[str, int, int], LaunchSlot] = field(default_factory=dict)
     unwatched_by_code: list[tuple[str, int, int]] = field(default_factory=list)
 
     def grow(self) -> None:
@@ -188,15 +188,16 @@ def launch_slot(device: torch.device, op: str, src_slots: int, dst_slots: int) -
             return watch.add(op, src_slots, dst_slots)
     rec = _record(device)
     key = (op, src_slots, dst_slots)
-    code = rec.unwatched.get(key)
-    if code is None:
+    launch = rec.unwatched.get(key)
+    if launch is None:
         with _lock:
             if len(rec.unwatched_by_code) < MAX_UNWATCHED_CODES:
                 rec.unwatched_by_code.append(key)
-                code = rec.unwatched[key] = len(rec.unwatched_by_code)
-            else:
-                code = MAX_UNWATCHED_CODES + 1  # described without its bounds
-    return LaunchSlot(rec.chunks[0].buffer, 0, code)
+                launch = LaunchSlot(rec.chunks[0].buffer, 0, len(rec.unwatched_by_code))
+                rec.unwatched[key] = launch
+            else:  # described without its bounds
+                launch = LaunchSlot(rec.chunks[0].buffer, 0, MAX_UNWATCHED_CODES + 1)
+    return launch
 
 
 def check_unwatched_index_errors(device: torch.device | str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -124,8 +125,7 @@ def cache_hints_supported(device: torch.device) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """Everything :func:`kv_copy_kernel` is launched with (also compiled ahead of time by the
     PTX test)."""
 

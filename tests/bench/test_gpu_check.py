@@ -137,3 +137,20 @@ def test_fidelity_is_the_virtual_over_the_wall_ratio(tmp_path: Path) -> None:
     entry = json.loads(out.read_text())["fidelity"]["multiturn/write_through"]
     assert entry == {"virtual": 2.5, "wall": 2.0, "gap": pytest.approx(0.25)}
     assert fidelity.main([str(wall), str(tmp_path / "missing.json"), str(out)]) == 1
+
+
+def test_the_short_runs_flags_are_the_benchmarks_own() -> None:
+    """The MLA runs' and the virtual point's flags parse in the benchmarks' parsers (``--use-mla``
+    only where the MLA work added it: the script skips those runs otherwise)."""
+    from bench.multiturn.trace import parse_args as multiturn_args
+    from bench.optimistic.bench import parse_args as optimistic_args
+
+    for parse, flags, module in (
+        (optimistic_args, plan.MLA_OPTIMISTIC_ARGS, "bench.optimistic.bench"),
+        (multiturn_args, plan.MLA_MULTITURN_ARGS, "bench.multiturn.trace"),
+        (multiturn_args, plan.VIRTUAL_ARGS, "bench.multiturn.trace"),
+    ):
+        argv = flags.split()
+        if not plan.has_flag(module, "--use-mla"):
+            argv = [a for a in argv if a != "--use-mla"]
+        parse(argv, True)
