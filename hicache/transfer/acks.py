@@ -23,7 +23,7 @@ import torch
 
 from hicache.transfer.busy_pages import CopyUsage
 from hicache.transfer.streams import Event
-from kernels.triton.index_record import CopyWatch
+from kernels import CopyWatch
 
 logger = logging.getLogger(__name__)
 
