@@ -51,7 +51,7 @@ ENV = {
     "MC_TCP_PROGRESS_TIMEOUT_SEC": "3",
     "MC_TCP_STATUS_TIMEOUT_SEC": "3",
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "6",
     "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "2",
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
     "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "0.5",
@@ -151,7 +151,12 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
     decode: MooncakeDecode = ex.decode
     # A second prefill instance of another geometry (K/V heads of 32, not 16).
     other = make_executor(mk_args(head_dim=32), decode_workers=[steady])
+    # A third one that goes away while decode waits for its KV: decode's heartbeat fails it.
+    gone = make_executor(mk_args(), decode_workers=[steady])
     try:
+        hb = gone.decode.create_peer("hb", 40)
+        assert wait_for(lambda: hb.poll() == KVPoll.WaitingForInput, 30)
+        gone.decode.close()
         # decode's waiting timeout: a link whose room reached WaitingForInput, nothing sent.
         idle_link = decode.create_peer("waits", 40)
         # An unreachable bootstrap endpoint, on the decode side.
@@ -195,6 +200,9 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
         assert "aborted" in idle_link.failure  # decode's ABORT after its waiting timeout
         assert "WaitingForInput" in decode.state("waits")["failure"]
         decode.release("waits")
+        assert wait_for(lambda: "heartbeat" in str(steady.call("state", rid="hb")[0]["failure"]),
+                        30)  # fmt: skip
+        steady.call("release", rid="hb")  # held (its pages were exposed), freed after the hold
 
         pids = {os.getpid(), *decode.worker_pids}
         listeners = loopback.tcp_listeners(pids)
@@ -262,6 +270,14 @@ def _fail_one(ex: object, victim: DecodeWorker, point: str, action: str, seed: i
         drive(ex, lambda: decode.state("V")["state"] == "Bootstrapping")
         stop_victim()
     drive(ex, stopped.is_set)
+    if action == "freeze" and point == "before_chunk":
+        # the prefill side gives up while V's call is blocked: V drains (keeps its slots) until
+        # the call returns
+        link = decode.peers["V"]
+        link.fail("given up by the prefill side during a blocked call (test)")
+        drive(ex, lambda: bool(ex.draining_queue))
+        (req,) = ex.draining_queue
+        assert req.rid == "V" and req.slots is not None and link.inflight_reads() > 0
     ex.submit("N", prompt(177 + seed, 150))
     drive(ex, lambda: "V" in ex.results and "N" in ex.results)
     results = {r.rid: r for r in ex.pop_results()}
