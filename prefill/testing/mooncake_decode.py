@@ -58,7 +58,8 @@ class DecodeWorkerError(RuntimeError):
     """A decode worker did not answer, answered an error, or is gone."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child that must not outlive this process (``PR_SET_PDEATHSIG``)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -102,7 +103,7 @@ class DecodeWorker:
                                                 delete=False)  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=_REPO,
-            env=full_env, preexec_fn=_die_with_parent,
+            env=full_env, preexec_fn=die_with_parent,
         )  # fmt: skip
         self.pid = self.proc.pid
         self.log_path = Path(self._log.name)
