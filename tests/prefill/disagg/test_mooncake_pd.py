@@ -33,8 +33,11 @@ if _REASON is None and not loopback.shim_loaded():
 if _REASON is not None:
     pytest.skip(f"Mooncake transport tests: {_REASON}", allow_module_level=True)
 
+from prefill.clock import WallClock  # noqa: E402
+from prefill.disagg.mooncake.layout import KVGeometry  # noqa: E402
+from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa: E402
 from prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
-from prefill.disagg.protocol import KVPoll  # noqa: E402
+from prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
 from prefill.disagg.sim_config import PeerConfig  # noqa: E402
 from prefill.request.state import Outcome  # noqa: E402
 from prefill.testing.harness import assert_decode_kv_matches, make_executor  # noqa: E402
@@ -58,6 +61,7 @@ ENV = {
     "GLOG_minloglevel": "2",
 }
 PAGE = 16
+MLA = KVGeometry("mla", 2, PAGE, "bfloat16", kv_lora_rank=32, qk_rope_head_dim=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,6 +82,7 @@ def workers(env: object) -> object:
         "kill_before_chunk": dict(pool_tokens=512),
         "kill_before_aux": dict(pool_tokens=512),
         "frozen": dict(pool_tokens=256),  # 16 pages: a new request must reuse a failed one's
+        "mla": dict(pool_tokens=512, expect_geometry=MLA),
     }
     started = {name: DecodeWorker(env=ENV, **kw) for name, kw in spec.items()}
     try:
@@ -137,6 +142,11 @@ def assert_no_leaks(ex: object, *workers: DecodeWorker) -> None:
         stats = w.call("stats")[0]
         assert ok, f"decode worker {w.pid} still holds memory: {stats}"
         assert stats["late_writes"] == 0
+
+
+def assert_idle(worker: DecodeWorker) -> None:
+    assert wait_for(lambda: _idle(worker.call("stats")[0]), timeout_s=15)
+    assert worker.call("stats")[0]["late_writes"] == 0
 
 
 def _idle(s: dict) -> bool:
@@ -348,5 +358,44 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
             assert_no_leaks(ex, steady, victim)
         stats = victim.call("stats")[0]
         assert stats["timeout_releases"] == 2 and stats["acked_releases"] >= 1, stats
+    finally:
+        decode.close()
+
+
+def test_mla_latent_over_the_transport_and_expected_geometry(workers: dict) -> None:
+    """The geometry message carries MLA: a worker started to expect an MLA geometry refuses an
+    MHA prefill (naming the field), then receives an MLA prefill's latent KV byte for byte,
+    written from scattered pages with a partial last page."""
+    worker = workers["mla"]
+    mha = make_executor(mk_args(), decode_workers=[worker])
+    try:
+        mha.submit("mha", prompt(5, 30))
+        mha.run_until_idle(check=True)
+        (res,) = mha.pop_results()
+        assert res.outcome == Outcome.ABORTED
+        failure = mha.decode.state("mha")["failure"]
+        assert "expects" in failure and "kind: 'mla' vs 'mha'" in failure
+        mha.decode.release("mha")
+    finally:
+        mha.decode.close()
+    pool = MLA.make_pool(256)
+    for layer in pool.kv_buffer:
+        layer.copy_(torch.randn(layer.shape).to(layer.dtype))
+    backend = MooncakeBackend(pool, WallClock(), MooncakeConfig(bootstrap_port=0), 8)
+    decode = MooncakeDecode(backend, [worker], owned=[])
+    try:
+        link = decode.create_peer("m", 40)
+        assert wait_for(lambda: link.poll() == KVPoll.WaitingForInput, 30)
+        link.init(1)
+        pages = torch.tensor([9, 3, 4])  # scattered prefill pages; 40 tokens end mid-page
+        slots = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:40]
+        assert link.send(1, 0, 32, slots[:32], last=False)
+        assert link.send(1, 32, 40, slots[32:], last=True, metadata=MetadataRow(0, 123, 0))
+        assert wait_for(lambda: link.poll() == KVPoll.Success, 30)
+        dpl, kv = decode.received_kv("m")
+        want = torch.stack([layer[slots] for layer in pool.kv_buffer])
+        assert dpl == 0 and torch.equal(kv, want) and decode.first_tokens["m"] == 123
+        decode.release("m")
+        assert_idle(worker)
     finally:
         decode.close()
