@@ -316,7 +316,11 @@ class MooncakeBackend:
         return self.clock.now() + self.config.poll_interval_s if busy else None
 
     def unwatch(self, link: MooncakeLink) -> None:
+        """``link`` ended and the executor saw it: no event ahead; without ``keep_token_ids``
+        it is forgotten too (a long run's memory stays flat)."""
         self._watch.discard(link)
+        if not self.keep_token_ids and self.peers.get(link.rid) is link:
+            del self.peers[link.rid]
 
     def release(self, rid: str) -> None:
         """Forget ``rid``'s link (idempotent)."""

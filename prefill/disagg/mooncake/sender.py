@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +52,10 @@ from prefill.disagg.mooncake.wire import (
 from prefill.disagg.protocol import KVPoll
 
 logger = logging.getLogger(__name__)
+
+SESSION_IDLE_S = 600.0
+"""A blacklisted session no request used for this long is dropped (SGLang's idle timeout: a
+restarted decode comes back under a new session id)."""
 
 POISONED_MEMORY = 4096
 """Poisoned rooms remembered after they are dropped (a late ABORT of one is never acked)."""
@@ -271,10 +276,20 @@ class PrefillTransport:
                 worker.reg = reg
                 worker.unblacklist()
                 return
+            self._drop_idle_sessions()
             self.sessions[reg.session] = SessionWorker(
                 reg, self.source, self.host, self.room_failed, self._on_done, self.hook,
                 self.probe_interval_s,
             )  # fmt: skip
+
+    def _drop_idle_sessions(self) -> None:
+        now = time.monotonic()
+        busy = {r.meta.session for r in self.rooms.values() if r.meta is not None}
+        for session, w in list(self.sessions.items()):
+            if w.blacklisted and session not in busy and now - w.last_used > SESSION_IDLE_S:
+                if w.close(timeout_s=0.1):
+                    del self.sessions[session]
+                    logger.info("dropped blacklisted decode session %s (idle)", session)
 
     def _on_meta(self, meta: Meta) -> None:
         endpoint = (meta.decode_ip, meta.decode_port)

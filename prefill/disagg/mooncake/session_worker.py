@@ -148,6 +148,7 @@ class SessionWorker:
         self.probe_interval_s = probe_interval_s
         self.max_items = max_items
         self.blacklisted: str | None = None  # why, while blacklisted
+        self.last_used = time.monotonic()
         self.calls = 0
         self.items = 0
         self.bytes = 0
@@ -161,6 +162,7 @@ class SessionWorker:
 
     # ------------------------------------------------------------------ caller side
     def put(self, job: Job) -> None:
+        self.last_used = time.monotonic()
         self._queue.put(job)
 
     def blacklist(self, reason: str) -> None:
@@ -208,7 +210,12 @@ class SessionWorker:
             job = self._queue.get()
             if job is None:
                 return
-            self.on_done(job, self._process(job))
+            try:
+                rc = self._process(job)
+            except Exception:  # the worker must go on: the job fails, its room with it
+                logger.exception("transfer job of room %d failed", job.room)
+                rc = -1
+            self.on_done(job, rc)
 
     def _process(self, job: Job) -> int | None:
         if self.room_failed(job.room):
