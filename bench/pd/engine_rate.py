@@ -6,8 +6,8 @@ process to scattered places in a receiver process's registered buffer (``bench.p
 with ``batch_transfer_sync_write`` calls of at most 1024 items (the project's limit,
 ``prefill.disagg.mooncake.engine.MAX_ITEMS_PER_CALL``). Every size is checked once: the sha256 of
 the receiver's items equals the source's. Ceilings of the same run: a contiguous single-thread
-copy of ``total`` bytes, and the same scattered items copied in memory (numpy row gather and
-scatter) in this process.
+copy of ``total`` bytes (``np.copyto``), and the same scattered items copied in memory (numpy
+row gather and scatter) in this process.
 
 Cost model: a least-squares fit of ``seconds per item = latency_per_item + item_bytes /
 bandwidth`` over the item sizes (each size's median) gives the per-item latency and the
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
 from prefill.disagg.mooncake.loopback import preload_env
@@ -79,14 +78,15 @@ class Receiver:
 
 
 def _memcpy_gbps(nbytes: int, reps: int) -> float:
-    """Contiguous single-thread copy of ``nbytes`` (median of ``reps``), GB/s."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    """Contiguous copy of ``nbytes`` (``np.copyto``: one thread, no OpenMP threads spinning on
+    shared cores), median of ``reps``, GB/s."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9
 
