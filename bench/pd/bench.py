@@ -29,11 +29,14 @@ logger = logging.getLogger(__name__)
 
 RATE_COLUMNS = [Column("item_bytes", "item B", 9), Column("items", "items", 7),
                 Column("calls", "calls", 6), Column("us_per_item", "us/item", 9, ".1f"),
-                Column("gbps", "GB/s", 8, ".3f"), Column("memcpy_gbps", "memcpy", 8, ".2f"),
+                Column("gbps", "GB/s", 8, ".3f"), Column("best_gbps", "best", 8, ".3f"),
+                Column("memcpy_gbps", "memcpy", 8, ".2f"),
                 Column("scattered_memcpy_gbps", "scat.cp", 8, ".2f"),
                 Column("vs_memcpy", "x memcpy", 9, ".3f")]  # fmt: skip
-TTFT_COLUMNS = [Column("config", "config", 26), Column("succeeded", "ok", 4),
+TTFT_COLUMNS = [Column("config", "config", 26), Column("succeeded", "ok", 5),
                 Column("ttft_mean_ms", "mean ms", 9, ".1f"),
+                Column("ttft_mean_min_ms", "min", 7, ".1f"),
+                Column("ttft_mean_max_ms", "max", 7, ".1f"),
                 Column("ttft_p50_ms", "p50 ms", 9, ".1f"),
                 Column("ttft_p90_ms", "p90 ms", 9, ".1f"),
                 Column("ttft_speedup_vs_0", "x vs 0", 8, ".2f")]  # fmt: skip

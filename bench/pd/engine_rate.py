@@ -10,7 +10,8 @@ copy of ``total`` bytes (``np.copyto``), and the same scattered items copied in 
 row gather and scatter) in this process.
 
 Cost model: a least-squares fit of ``seconds per item = latency_per_item + item_bytes /
-bandwidth`` over the item sizes (each size's median) gives the per-item latency and the
+bandwidth`` over the item sizes (each size's best repeat; the fit of the medians beside it)
+gives the per-item latency and the
 bandwidth the virtual clock's transfer model can use (a send of ``k`` page runs of a
 ``2L``-buffer MHA pool is ``2L * k`` items: ``2L * k * latency_per_item + bytes / bandwidth``).
 """
@@ -104,13 +105,14 @@ def _scattered_copy_gbps(src: np.ndarray, size: int, si: np.ndarray, di: np.ndar
     return len(si) * size / statistics.median(times) / 1e9
 
 
-def fit_cost(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+def fit_cost(rows: list[dict[str, Any]], key: str = "best_us_per_item") -> dict[str, float | None]:
     """Least squares of ``seconds per item = latency_per_item + item_bytes / bandwidth`` over the
-    rows (one point per item size: each size's median, so one noisy call weighs little).
+    rows (one point per item size: each size's best repeat by default, the engine's cost with
+    the least interference from other jobs on the machine; ``key="us_per_item"`` for medians).
     ``None`` for a coefficient the fit does not find positive (then the other is refitted
     alone)."""
     x = np.array([[1.0, r["item_bytes"]] for r in rows])
-    y = np.array([r["us_per_item"] * 1e-6 for r in rows])
+    y = np.array([r[key] * 1e-6 for r in rows])
     (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
     if b <= 0:
         a, b = float(np.mean(y)), 0.0
@@ -164,11 +166,12 @@ def measure(quick: bool) -> dict[str, Any]:
                         raise RuntimeError(f"batch_transfer_sync_write rc={rc}")
                     t_rep += dt
                 rep_times.append(t_rep)
-            t = statistics.median(rep_times)
+            t, best = statistics.median(rep_times), min(rep_times)
             scattered = _scattered_copy_gbps(src, size, si, di, reps)
             rows.append({
                 "item_bytes": size, "items": n, "calls": -(-n // MAX_ITEMS_PER_CALL),
                 "ms": t * 1e3, "us_per_item": t / n * 1e6, "gbps": total / t / 1e9,
+                "best_us_per_item": best / n * 1e6, "best_gbps": total / best / 1e9,
                 "memcpy_gbps": memcpy, "scattered_memcpy_gbps": scattered,
                 "vs_memcpy": total / t / 1e9 / memcpy, "checked": True,
             })  # fmt: skip
@@ -176,6 +179,7 @@ def measure(quick: bool) -> dict[str, Any]:
         engine.close()
         receiver.stop()
     model = fit_cost(rows)
+    model["from_medians"] = fit_cost(rows, "us_per_item")
     model.update(max_items_per_call=MAX_ITEMS_PER_CALL,
                  note="seconds of a call = items * latency_per_item_s + bytes / bandwidth_Bps")
     return {"rows": rows, "total_bytes": total, "repeats": reps, "transfer_model": model,

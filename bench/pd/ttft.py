@@ -11,7 +11,10 @@ Mooncake on loopback, every handshake (bootstrap route, REGISTER, META, STATUS) 
   the previous one's KV arrived; no injected delay; 1 and 2 workers.
 
 TTFT is from the request's send time to the prefill side's transfer ``Success`` (the last
-chunk's KV and metadata row written into decode memory). Every run ends with the end-to-end
+chunk's KV and metadata row written into decode memory). Each configuration runs ``repeats``
+times, interleaved with the others (the machine is shared: a burst of load falls on different
+configurations); a row gives the median of the runs' mean TTFT, their min..max, and p50 / p90
+over every request. Every run ends with the end-to-end
 audit (``bench.e2e.audit``: leaked slots and locks, sampled decode KV against a recompute, sends
 of attempts never finalized) and the workers' own counters (pages held, late writes).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from typing import Any
 
@@ -58,9 +62,8 @@ def _finish(run: Any, ex: Any, workers: list[DecodeWorker], label: str) -> dict[
     ttfts = [run.ttft[r.rid] for r in run.results if r.outcome == Outcome.SUCCESS]
     sessions = decode.backend.transport.stats()["sessions"]
     ok = sum(1 for r in run.results if r.outcome == Outcome.SUCCESS)
-    out: dict[str, Any] = {"config": label, "requests": len(run.results), "succeeded": ok}
-    out.update({f"ttft_{k}_ms": (v * 1e3 if v is not None else None)
-                for k, v in latency_stats(ttfts).items()})  # fmt: skip
+    out: dict[str, Any] = {"config": label, "requests": len(run.results), "succeeded": ok,
+                           "ttfts_ms": [t * 1e3 for t in ttfts]}  # fmt: skip
     out["transfer"] = {
         "calls": sum(s["calls"] for s in sessions.values()),
         "items": sum(s["items"] for s in sessions.values()),
@@ -155,9 +158,45 @@ def _drive_rounds(ex: Any, convs: list[Any]) -> Any:
     )  # fmt: skip
 
 
+def aggregate(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration over its repeats: the median of the runs' mean TTFT (with min..max),
+    p50 / p90 over every request of every repeat, counters and integrity summed."""
+    means = sorted(statistics.fmean(r["ttfts_ms"]) for r in runs if r["ttfts_ms"])
+    pooled = latency_stats([t for r in runs for t in r["ttfts_ms"]])
+    integrity: dict[str, int] = {}
+    for r in runs:
+        for k, v in r["integrity"].items():
+            integrity[k] = integrity.get(k, 0) + int(v)
+    return {
+        "config": label, "repeats": len(runs),
+        "requests": sum(r["requests"] for r in runs),
+        "succeeded": sum(r["succeeded"] for r in runs),
+        "ttft_mean_ms": statistics.median(means) if means else None,
+        "ttft_mean_min_ms": means[0] if means else None,
+        "ttft_mean_max_ms": means[-1] if means else None,
+        "ttft_p50_ms": pooled["p50"], "ttft_p90_ms": pooled["p90"],
+        "transfer_items_per_request": statistics.fmean(r["transfer"]["items_per_request"]
+                                                       for r in runs),
+        "transfer_bytes_per_run": runs[0]["transfer"]["bytes"],
+        "stats": runs[-1]["stats"], "integrity": integrity,
+    }  # fmt: skip
+
+
+def _interleaved(configs: list[Any], repeats: int, run_one: Any) -> list[list[dict[str, Any]]]:
+    """``run_one(config)`` ``repeats`` times per configuration, the order rotated every round
+    (a burst of load on the shared machine then falls on different configurations)."""
+    out: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for r in range(repeats):
+        order = list(range(len(configs)))
+        order = order[r % len(order):] + order[: r % len(order)]
+        for i in order:
+            out[i].append(run_one(configs[i]))
+    return out
+
+
 def optimistic_rows(quick: bool, workers: list[DecodeWorker]) -> dict[str, Any]:
     """Attempts 0 and 2, with 1 and 2 workers (module docstring)."""
-    n = 40 if quick else 160
+    n, repeats = (40, 3) if quick else (160, 5)
     vocab = model_args()["vocab_size"]
     prompts = cached_prompts(n + 5, 256, 0.8, 4, vocab, seed=1)
     prefixes = [p[: int(256 * 0.8)] for p in prompts[:4]]
@@ -166,34 +205,41 @@ def optimistic_rows(quick: bool, workers: list[DecodeWorker]) -> dict[str, Any]:
     rng = random.Random(2)
     delays = [rng.uniform(0.5 * prefill_s, 1.5 * prefill_s) for _ in range(n)]
     arrivals = poisson_arrivals(n, 0.5 / prefill_s, seed=3)
-    rows = []
-    for k in (1, 2):
-        for attempts in (0, 2):
-            ex = _executor(server_args(attempts, 8192), model, workers[:k])
-            decode: MooncakeDecode = ex.decode
-            _warm(ex, prefixes)
-            decode.delay_s = lambda rid: delays[int(rid[4:])] if rid.startswith("req-") else 0.0
-            run = _drive_arrivals(ex, prompts[:n], arrivals)
-            rows.append(_finish(run, ex, workers[:k], f"{k} worker(s), attempts {attempts}")
-                        | {"workers": k, "attempts": attempts})  # fmt: skip
+
+    def run_one(cfg: tuple[int, int]) -> dict[str, Any]:
+        k, attempts = cfg
+        ex = _executor(server_args(attempts, 8192), model, workers[:k])
+        decode: MooncakeDecode = ex.decode
+        _warm(ex, prefixes)
+        decode.delay_s = lambda rid: delays[int(rid[4:])] if rid.startswith("req-") else 0.0
+        run = _drive_arrivals(ex, prompts[:n], arrivals)
+        return _finish(run, ex, workers[:k], f"{k} worker(s), attempts {attempts}")
+
+    configs = [(1, 0), (1, 2), (2, 0), (2, 2)]
+    runs = _interleaved(configs, repeats, run_one)
+    rows = [aggregate(f"{k} worker(s), attempts {a}", rs) | {"workers": k, "attempts": a}
+            for (k, a), rs in zip(configs, runs, strict=True)]  # fmt: skip
     by = {(r["workers"], r["attempts"]): r for r in rows}
     for k in (1, 2):
         base, opt = by[(k, 0)]["ttft_mean_ms"], by[(k, 2)]["ttft_mean_ms"]
         by[(k, 2)]["ttft_speedup_vs_0"] = base / opt if base and opt else None
     return {"rows": rows, "prefill_ms": prefill_s * 1e3,
             "decode_delay_ms": [0.5 * prefill_s * 1e3, 1.5 * prefill_s * 1e3],
-            "arrival_rate_per_s": 0.5 / prefill_s, "requests": n}  # fmt: skip
+            "arrival_rate_per_s": 0.5 / prefill_s, "requests": n, "repeats": repeats}  # fmt: skip
 
 
 def multiturn_rows(quick: bool, workers: list[DecodeWorker]) -> dict[str, Any]:
     """1 and 2 workers, no injected delay (module docstring)."""
-    clients, rounds = (6, 3) if quick else (16, 5)
+    clients, rounds, repeats = (6, 3, 3) if quick else (16, 5, 5)
     vocab = model_args()["vocab_size"]
     model = shared_model(server_args(0, 16384))
-    rows = []
-    for k in (1, 2):
+
+    def run_one(k: int) -> dict[str, Any]:
         convs = make_conversations(clients, rounds, 192, 48, vocab, seed=4)
         ex = _executor(server_args(0, 16384), model, workers[:k])
-        run = _drive_rounds(ex, convs)
-        rows.append(_finish(run, ex, workers[:k], f"{k} worker(s)") | {"workers": k})
-    return {"rows": rows, "clients": clients, "rounds": rounds}
+        return _finish(_drive_rounds(ex, convs), ex, workers[:k], f"{k} worker(s)")
+
+    runs = _interleaved([1, 2], repeats, run_one)
+    rows = [aggregate(f"{k} worker(s)", rs) | {"workers": k}
+            for k, rs in zip([1, 2], runs, strict=True)]  # fmt: skip
+    return {"rows": rows, "clients": clients, "rounds": rounds, "repeats": repeats}
