@@ -77,11 +77,28 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
                 integrity[k] = integrity.get(k, 0) + v
     payload = {"quick": quick, "engine_rate": rate, "optimistic": opt, "multiturn": multi,
                "transfer_model": rate["transfer_model"], "integrity": integrity,
+               "virtual_clock_transfer": virtual_clock_fields(rate["transfer_model"],
+                                                              opt["rows"][0]),
                "torch_threads": torch.get_num_threads(),
                "command": "python -m bench.pd" + ("" if quick else " --full")}  # fmt: skip
     path = write_json("bench_pd", payload, out_dir)
     print(f"[bench_pd] wrote {path}")
     return payload
+
+
+def virtual_clock_fields(model: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The simulated decode peer's transfer model (``PeerConfig``: one latency per send plus
+    bytes over a bandwidth) from the fitted per-item cost and the items a send of this run's
+    workload carried: ``disaggregation_transfer_latency_s = items_per_send *
+    latency_per_item_s``, ``disaggregation_transfer_bandwidth_gbps = bandwidth / 1e9``."""
+    lat, bw = model["latency_per_item_s"], model["bandwidth_Bps"]
+    items = row["transfer_items_per_send"]
+    return {
+        "disaggregation_transfer_latency_s": None if lat is None else items * lat,
+        "disaggregation_transfer_bandwidth_gbps": None if bw is None else bw / 1e9,
+        "items_per_send": items, "bytes_per_send": row["sent_bytes_per_send"],
+        "from": f"bench.pd optimistic row {row['config']!r} and the fitted transfer_model",
+    }  # fmt: skip
 
 
 def _us(x: float | None) -> str:
@@ -97,6 +114,7 @@ def summary_of(payload: dict[str, Any]) -> dict[str, Any]:
     rows = {(r["workers"], r["attempts"]): r for r in payload["optimistic"]["rows"]}
     return {
         "transfer_model": payload["transfer_model"],
+        "virtual_clock_transfer": payload["virtual_clock_transfer"],
         "gbps_by_item_bytes": {r["item_bytes"]: r["gbps"] for r in payload["engine_rate"]["rows"]},
         "optimistic_ttft_mean_ms": {f"{k}w_{a}att": r["ttft_mean_ms"]
                                     for (k, a), r in rows.items()},

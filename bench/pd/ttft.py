@@ -89,7 +89,9 @@ def _finish(run: Any, ex: Any, workers: list[DecodeWorker], label: str) -> dict[
         out["integrity"]["decode_leaked_slots"] = held
         out["integrity"]["decode_late_writes"] = late
     out["stats"] = {k: getattr(ex.stats, k) for k in ("yields", "parks", "aborts",
-                                                       "optimistic_admissions", "finalized")}
+                                                       "optimistic_admissions", "finalized",
+                                                       "sends")}  # fmt: skip
+    out["transfer"]["items_per_send"] = out["transfer"]["items"] / max(ex.stats.sends, 1)
     return out
 
 
@@ -178,6 +180,8 @@ def aggregate(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer_items_per_request": statistics.fmean(r["transfer"]["items_per_request"]
                                                        for r in runs),
         "transfer_bytes_per_run": runs[0]["transfer"]["bytes"],
+        "transfer_items_per_send": statistics.fmean(r["transfer"]["items_per_send"] for r in runs),
+        "sent_bytes_per_send": runs[0]["transfer"]["bytes"] / max(runs[0]["stats"]["sends"], 1),
         "stats": runs[-1]["stats"], "integrity": integrity,
     }  # fmt: skip
 
