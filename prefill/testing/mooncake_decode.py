@@ -340,6 +340,12 @@ class MooncakeDecode:
         self._next += 1
         return worker
 
+    def pages_kv(self, rid: str) -> tuple[Any, ...]:
+        """``(decode_prefix_len, *kv)`` of whatever ``rid``'s decode pages hold now, in any state
+        (a failed request's held pages: the late bytes of a call that reported failure)."""
+        head, payload = self.worker_of[rid].call("received_kv", rid=rid, any_state=True)
+        return (head["decode_prefix_len"], *_tensors(head, payload))
+
     def received_kv(self, rid: str) -> tuple[Any, ...]:
         """``(decode_prefix_len, *kv)``: what rid's worker holds for the tokens prefill sent,
         one ``[L, n - decode_prefix_len, ...]`` tensor per pool buffer (MHA ``k, v``). Also
@@ -355,11 +361,7 @@ class MooncakeDecode:
         except DecodeWorkerError as e:
             raise ValueError(f"rid {rid!r} has no received KV ({e})") from None
         self.first_tokens[rid] = head["first_token"]
-        bufs = []
-        for spec, raw in zip(head["tensors"], payload, strict=True):
-            arr = np.frombuffer(raw, dtype=np.uint8).copy()
-            bufs.append(torch.from_numpy(arr).view(_DTYPES[spec["dtype"]]).view(spec["shape"]))
-        return (head["decode_prefix_len"], *bufs)
+        return (head["decode_prefix_len"], *_tensors(head, payload))
 
     def state(self, rid: str) -> dict[str, Any]:
         """The worker's view of ``rid`` (``state``, ``failure``, ``held``, ``first_token``)."""
@@ -395,6 +397,14 @@ class MooncakeDecode:
         stuck = self.backend.close()
         if stuck:
             logger.warning("transfer workers still blocked in a call: %s", stuck)
+
+
+def _tensors(head: dict[str, Any], payload: list[bytes]) -> list[torch.Tensor]:
+    out = []
+    for spec, raw in zip(head["tensors"], payload, strict=True):
+        arr = np.frombuffer(raw, dtype=np.uint8).copy()
+        out.append(torch.from_numpy(arr).view(_DTYPES[spec["dtype"]]).view(spec["shape"]))
+    return out
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.01) -> bool:

@@ -10,9 +10,9 @@ command is one framed message (``wire.encode_frames``) whose first frame is JSON
 ``received_kv``.
 
 Commands: ``add`` (rid, room, bootstrap_addr, num_tokens, decode_prefix_len, keep, hold,
-delay_s), ``unhold``, ``abort``, ``release``, ``state`` (rid), ``received_kv`` (rid), ``stats``,
-``quit``. The first message on stdout is ``{"ready": true, "pid", "session", "control_port"}``.
-The worker exits when stdin closes.
+delay_s), ``unhold``, ``abort``, ``release``, ``state`` (rid), ``received_kv`` (rid,
+any_state), ``stats``, ``quit``. The first message on stdout is ``{"ready": true, "pid",
+"session", "control_port"}``. The worker exits when stdin closes.
 
 Flags: ``--host`` (default 127.0.0.1; a loopback host needs the loopback shim preloaded),
 ``--max-total-tokens`` (pool size), ``--max-running-requests`` (metadata rows: twice this),
@@ -71,7 +71,7 @@ def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
     elif op == "state":
         out.update(rx.state(rid))
     elif op == "received_kv":
-        dpl, first, bufs = rx.received_kv(rid)
+        dpl, first, bufs = rx.received_kv(rid, bool(cmd.get("any_state", False)))
         out.update(decode_prefix_len=dpl, first_token=first,
                    tensors=[{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                             for t in bufs])  # fmt: skip

@@ -242,12 +242,17 @@ class DecodeReceiver:
             return {"state": req.state.name, "failure": req.failure, "held": req.held_until is
                     not None, "first_token": req.first_token, "room": req.room}  # fmt: skip
 
-    def received_kv(self, rid: str) -> tuple[int, int | None, list[torch.Tensor]]:
+    def received_kv(
+        self, rid: str, any_state: bool = False
+    ) -> tuple[int, int | None, list[torch.Tensor]]:
         """``(decode_prefix_len, first_token, buffers)``: what this worker holds for the tokens
-        the prefill side sent, one ``[L, n - dpl, ...]`` tensor per buffer kind."""
+        the prefill side sent, one ``[L, n - dpl, ...]`` tensor per buffer kind. After
+        ``Success``; with ``any_state`` whatever its pages hold now (a held failed request's
+        pages show the late bytes of a failed call)."""
         with self.lock:
             req = self.requests.get(rid)
-            if req is None or req.state != KVPoll.Success or req.slots is None:
+            ok = req is not None and (any_state or req.state == KVPoll.Success)
+            if req is None or not ok or req.slots is None:
                 state = "unknown" if req is None else req.state.name
                 raise ValueError(f"rid {rid!r} has no received KV ({state})")
             slots = req.slots[: req.num_tokens - req.decode_prefix_len]

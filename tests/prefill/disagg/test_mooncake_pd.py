@@ -343,6 +343,15 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
         for i, point in enumerate(("bootstrapping", "before_chunk", "before_aux")):
             results = _fail_one(ex, victim, point, "freeze", seed=i)
             victim.resume()
+            if point == "before_chunk":  # chunk 1 = tokens [64, 128): its failed call lands now
+                _, ref_k, _ = ex.model.forward_reference(torch.tensor(prompt(77 + i, 200)))
+                want = ref_k[:, 64:128]
+
+                def landed(want: torch.Tensor = want) -> bool:
+                    return decode.state("V")["held"] and torch.allclose(
+                        decode.pages_kv("V")[1][:, 64:128], want, atol=1e-5)
+
+                assert wait_for(landed, 10), "the failed call's bytes did not land (held pages)"
             if point == "bootstrapping":
                 decode.unhold("V")  # META for a failed room: STATUS Failed, ABORT, ack
                 assert wait_for(lambda: decode.state("V")["state"] == "Failed", 30)
