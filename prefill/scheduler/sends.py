@@ -107,8 +107,8 @@ class InflightQueue:
     def process_inflight_queue(self, other_holders: int) -> None:
         """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
         bootstrapping -> yield when starved (below); transfer ``Success`` -> release and
-        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight queue
-        that hold KV (the chunked one).
+        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight and
+        draining queues that hold KV (the chunked one).
 
         Starved (SGLang's rule against a circular wait with the decode side): every running
         slot (``max_running_requests``) is held, and a request waits for one (the waiting queue
@@ -116,7 +116,7 @@ class InflightQueue:
         parked request whose peer is still bootstrapping yields, one per freed slot."""
         self.process_draining()
         queue, self.inflight_queue = self.inflight_queue, []
-        holding = len(queue) + other_holders
+        holding = len(queue) + len(self.draining_queue) + other_holders
         for req, state in self.admission.poll_each(queue):
             if state == KVPoll.Failed:
                 self.abort(req)
