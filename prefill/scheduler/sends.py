@@ -73,7 +73,8 @@ class InflightQueue:
         """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
         ``last``. Only after finalize. The source slots stay owned (tree-locked or request-owned)
         until the request's release, which comes after every ack (or after its peer failed)."""
-        assert not req.pending_bootstrap and req.slots is not None
+        if req.pending_bootstrap or req.slots is None:
+            raise RuntimeError(f"{req.rid}: a send before finalize or without slots")
         end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
         if end <= req.start_send_idx and not last:
             return

@@ -7,4 +7,4 @@ and engine per decode session), ``bootstrap``. Decode side: ``receiver`` (its re
 ``decode_worker`` (the process, ``python -m prefill.disagg.mooncake.decode_worker``). Both:
 ``wire`` (control messages), ``layout`` (geometry, layer buffers, metadata rows), ``engine``
 (the transfer engine), ``loopback`` (the LD_PRELOAD shim that keeps engines on loopback).
-See docs/DESIGN.md section 11."""
+See docs/DESIGN.md section 12."""
