@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Column, print_table, write_json
-from prefill.disagg.mooncake import loopback
-from prefill.disagg.mooncake.engine import unavailable_reason
+from hicache.mooncake import loopback
+from hicache.mooncake.availability import module_reason
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def summary_of(payload: dict[str, Any]) -> dict[str, Any]:
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
     """The suite's entry (``python -m bench``): in a child process under the loopback shim
     unless this one has it. Without Mooncake: ``{"skipped": reason}``."""
-    reason = unavailable_reason()
+    reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")
         return {"skipped": reason}
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
+    reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")
         return 0

@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
+from hicache.mooncake.loopback import require_loopback_engines
 from prefill.disagg.mooncake.engine import KVTransferEngine
-from prefill.disagg.mooncake.loopback import require_loopback_engines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,5 +6,6 @@ Prefill side: ``link`` (``MooncakeBackend`` / ``MooncakeLink``, what the executo
 and engine per decode session), ``bootstrap``. Decode side: ``receiver`` (its request queues),
 ``decode_worker`` (the process, ``python -m prefill.disagg.mooncake.decode_worker``). Both:
 ``wire`` (control messages), ``layout`` (geometry, layer buffers, metadata rows), ``engine``
-(the transfer engine), ``loopback`` (the LD_PRELOAD shim that keeps engines on loopback).
+(the transfer engine). The availability checks and the loopback shim are shared with the
+Mooncake Store: ``hicache.mooncake``.
 See docs/DESIGN.md section 12."""

@@ -32,8 +32,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from hicache.mooncake.loopback import require_loopback_engines
 from prefill.disagg.mooncake.layout import KVGeometry
-from prefill.disagg.mooncake.loopback import require_loopback_engines
 from prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
 from prefill.disagg.mooncake.wire import read_stream, write_stream
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from functools import cache
+
+from hicache.mooncake.availability import module_reason
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +44,13 @@ class EngineError(RuntimeError):
     """A Mooncake call the caller cannot go on without failed (message names it and its rc)."""
 
 
-@cache
-def unavailable_reason() -> str | None:
-    """Why Mooncake's transfer engine cannot be used here, or ``None`` when it can."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as e:  # not installed, or libibverbs.so.1 missing
-        return f"mooncake.engine does not import ({e})"
-    return None
-
-
 class KVTransferEngine:
     """A TCP transfer engine on ``host``. ``session_id`` is what peers pass to reach it.
 
     Raises ``EngineError`` when Mooncake is unavailable or ``initialize`` fails."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        reason = unavailable_reason()
+        reason = module_reason("engine")
         if reason is not None:
             raise EngineError(reason)
         from mooncake.engine import TransferEngine

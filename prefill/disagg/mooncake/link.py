@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from hicache.memory.device_pool import KVPool
+from hicache.mooncake.loopback import require_loopback_engines
 from prefill.disagg.mooncake.layout import MetadataBuffers
-from prefill.disagg.mooncake.loopback import require_loopback_engines
 from prefill.disagg.mooncake.sender import PrefillTransport, Room
 from prefill.disagg.mooncake.session_worker import Job, TransferHook
 from prefill.disagg.protocol import (
@@ -242,7 +242,7 @@ class MooncakeBackend:
         hook: test hook before each engine call (``session_worker.TransferHook``).
 
     Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool) and ``RuntimeError``
-    (a loopback host in a process without the loopback shim, ``prefill.disagg.mooncake.loopback``).
+    (a loopback host in a process without the loopback shim, ``hicache.mooncake.loopback``).
     """
 
     def __init__(

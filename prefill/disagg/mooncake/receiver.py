@@ -277,6 +277,7 @@ class DecodeReceiver:
                 "late_writes": self.late_writes,
                 "geometry": self.geometry.to_json() if self.geometry else None,
                 "malformed_messages": self.listener.malformed,
+                "last_control_error": self.listener.last_error,
                 "session": self.engine.session_id,
                 "control_port": self.listener.port,
                 **self.counts,

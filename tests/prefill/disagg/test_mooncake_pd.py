@@ -24,18 +24,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from prefill.disagg.mooncake import loopback
-from prefill.disagg.mooncake.engine import unavailable_reason
+from hicache.mooncake import loopback
+from hicache.mooncake.availability import skip_reason
 
-_REASON = unavailable_reason()
-if _REASON is None and not loopback.shim_loaded():
-    _REASON = "this process does not preload the loopback shim (HICACHE_LOOPBACK_REEXEC=0?)"
+_REASON = skip_reason("engine", shim_in_process=True)
 if _REASON is not None:
     pytest.skip(f"Mooncake transport tests: {_REASON}", allow_module_level=True)
 
 from prefill.clock import WallClock  # noqa: E402
 from prefill.disagg.mooncake.layout import KVGeometry  # noqa: E402
 from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa: E402
+from prefill.disagg.mooncake.receiver import POISON  # noqa: E402
 from prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
 from prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
 from prefill.disagg.sim_config import PeerConfig  # noqa: E402
@@ -164,6 +163,12 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
     # A third one that goes away while decode waits for its KV: decode's heartbeat fails it.
     gone = make_executor(mk_args(), decode_workers=[steady])
     try:
+        # A bootstrap port in use: one error naming the flag, nothing left listening.
+        port = decode.backend.transport.bootstrap.port
+        listening = set(loopback.tcp_listeners([os.getpid()]))
+        with pytest.raises(ValueError, match=f"--disaggregation-bootstrap-port {port}"):
+            make_executor(mk_args(disaggregation_bootstrap_port=port), decode_workers=[steady])
+        assert set(loopback.tcp_listeners([os.getpid()])) == listening
         hb = gone.decode.create_peer("hb", 40)
         assert wait_for(lambda: hb.poll() == KVPoll.WaitingForInput, 30)
         gone.decode.close()
@@ -174,11 +179,14 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
             s.bind(("127.0.0.1", 0))
             dead = f"127.0.0.1:{s.getsockname()[1]}"
         steady.call("add", rid="nowhere", room=7, bootstrap_addr=dead, num_tokens=20)
-        # A malformed control message to the prefill side's listener.
+        # A malformed control message to the prefill side's listener, and one to decode's.
         ctrl = ("127.0.0.1", decode.backend.transport.listener.port)
         with socket.create_connection(ctrl) as c:
             c.sendall(encode_frames([b"12", b"127.0.0.1", b"not-a-port", b"s", b"", b"0", b"",
                                      b"1", b"0"]))  # fmt: skip
+        malformed_before = steady.call("stats")[0]["malformed_messages"]
+        with socket.create_connection(("127.0.0.1", steady.info["control_port"])) as c:
+            c.sendall(encode_frames([b"1", b"9", b"0"]))  # STATUS of no KVPoll value
         lengths = [1, 15, 16, 17, 100, 200, 333]
         for i, n in enumerate(lengths):
             ex.submit(f"r{i}", prompt(i, n))
@@ -206,6 +214,9 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
         stats = decode.backend.transport.stats()
         assert stats["malformed_messages"] == 1
         assert any("META: port must be an integer" in e for e in stats["errors"])
+        worker_stats = steady.call("stats")[0]  # decode names it too, and served on
+        assert worker_stats["malformed_messages"] == malformed_before + 1
+        assert "status 9 is not a KVPoll value" in worker_stats["last_control_error"]
         assert wait_for(lambda: idle_link.poll() == KVPoll.Failed, 30)
         assert "aborted" in idle_link.failure  # decode's ABORT after its waiting timeout
         assert "WaitingForInput" in decode.state("waits")["failure"]
@@ -235,6 +246,17 @@ def test_optimistic_attempts_send_nothing_before_finalize(workers: dict) -> None
         for i in range(4):
             ex.submit(f"p{i}", prompt(10 + i, 120))
         rooms = {rid: link.room for rid, link in decode.peers.items()}
+        # At each finalize the request's decode pages (exposed by META: p2, p3 long before,
+        # their first attempts computed while forced not ready) still hold the free-page
+        # pattern: nothing of an attempt that was not finalized was written.
+        untouched: dict[str, bool] = {}
+        for rid, link in decode.peers.items():
+            def init(attempt: int, rid: str = rid, inner: Callable = link.init) -> None:
+                _, *kv = decode.pages_kv(rid)
+                untouched[rid] = all(bool((t.view(torch.uint8) == POISON).all()) for t in kv)
+                inner(attempt)
+
+            link.init = init  # type: ignore[method-assign]
         # p0, p1: computed optimistically (forced yield, then a second attempt) and parked.
         parked = lambda: {r.rid for r in ex.inflight_queue if r.parked} >= {"p0", "p1"}  # noqa: E731
         drive(ex, parked)
@@ -249,6 +271,7 @@ def test_optimistic_attempts_send_nothing_before_finalize(workers: dict) -> None
         finalized = {r.rid: r.passes for r in results}
         assert decode.send_log and all(s.attempt == finalized[s.rid] for s in decode.send_log)
         assert {rid: link.room for rid, link in decode.peers.items()} == rooms
+        assert untouched == {f"p{i}": True for i in range(4)}
         check_results(ex, results)
         assert_no_leaks(ex, steady)
     finally:

@@ -1,27 +1,31 @@
-"""Keeping every Mooncake listener on loopback in tests and benchmarks.
+"""Keeping every Mooncake listener on loopback in tests and benchmarks (shared by the PD
+transport, ``prefill.disagg.mooncake``, and the Mooncake Store backend).
 
-Which listeners exist (checked with ``ss -ltnp`` by pid, ``tests/prefill/disagg/``):
+Which listeners exist (checked with ``ss -ltnp`` by pid in the tests):
 
-- the prefill side's bootstrap HTTP server and control listener, and the decode worker's control
-  listener: this project's own sockets, bound to the configured host (``--host``, default
+- this project's own sockets (the prefill side's bootstrap HTTP server and control listener, the
+  decode worker's control listener) bind the configured host (``--host``, default
   ``127.0.0.1``);
-- every Mooncake ``TransferEngine``: a handshake (RPC) port bound to ``0.0.0.0`` and a TCP data
-  port bound to the IPv6 wildcard ``::``, **whatever hostname it is given** (no environment
-  variable of Mooncake 0.3.13 changes this; ``MC_TCP_BIND_ADDRESS`` does not).
+- every Mooncake ``TransferEngine``, also the one each store client embeds: a handshake (RPC)
+  port bound to ``0.0.0.0`` and a TCP data port bound to the IPv6 wildcard ``::``, **whatever
+  hostname it is given** (no environment variable of Mooncake 0.3.13 changes this;
+  ``MC_TCP_BIND_ADDRESS`` does not).
 
 The engines are restricted by an ``LD_PRELOAD`` shim built from ``bind_loopback.c`` (beside this
 file): it rewrites a ``bind()`` to ``0.0.0.0`` into ``127.0.0.1`` and one to ``::`` into
 ``::ffff:127.0.0.1``; every other ``bind()`` is unchanged. ``make test`` / ``make bench`` build
-it into ``build/loopback/bind_loopback.so`` (``HICACHE_LOOPBACK_SHIM`` names another path);
-``build_shim`` builds it on first use when a C compiler exists.
+it into ``build/loopback/bind_loopback.so`` (``mk/mooncake.mk``; ``HICACHE_LOOPBACK_SHIM`` names
+another path); ``build_shim`` builds it on first use when a C compiler exists.
 
 Every process with an engine must have the shim preloaded when its host is loopback:
 
-- decode worker processes are started with ``preload_env()`` (``prefill.testing.mooncake_decode``);
-- the prefill side's engines live in the executor's process: ``require_loopback_engines(host)``
+- child processes (decode workers, store clients, benchmark receivers) are started with
+  ``preload_env()``;
+- an engine in the driver's own process (the PD prefill side): ``require_loopback_engines(host)``
   refuses to start one on a loopback host in a process without the shim, and the drivers that
-  host it (pytest through ``tests/conftest.py``, ``python -m bench.pd``) re-execute themselves
-  under it first (``reexec_under_shim``).
+  host one (pytest through ``tests/conftest.py``, ``python -m bench.pd``) re-execute themselves
+  under it first (``reexec_under_shim``), where Mooncake is installed
+  (``hicache.mooncake.availability``).
 
 On a real multi-host deployment (``--host`` a routable address) the shim is not used and the
 engines listen on all interfaces, as SGLang's do.
@@ -29,7 +33,6 @@ engines listen on all interfaces, as SGLang's do.
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import logging
 import os
@@ -49,7 +52,7 @@ SHIM_ENV = "HICACHE_LOOPBACK_SHIM"
 REEXEC_ENV = "HICACHE_LOOPBACK_REEXEC"
 """Set to ``0`` to keep ``reexec_under_shim`` from re-executing; set to ``done`` by it."""
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 class ShimUnavailable(RuntimeError):
@@ -121,17 +124,16 @@ def require_loopback_engines(host: str) -> None:
         raise RuntimeError(
             f"a Mooncake engine for host {host} would listen on 0.0.0.0 and ::; start this "
             f"process with LD_PRELOAD={shim_path()} (built by make test, or by "
-            "prefill.disagg.mooncake.loopback.build_shim) to keep it on loopback"
+            "hicache.mooncake.loopback.build_shim) to keep it on loopback"
         )
 
 
 def reexec_env() -> dict[str, str] | None:
     """The environment ``reexec_under_shim`` would re-execute with, or ``None`` when it would
-    not: the shim is already loaded, ``HICACHE_LOOPBACK_REEXEC`` is ``0`` or ``done``,
-    Mooncake's engine is not installed, or the shim cannot be built (logged)."""
+    not: the shim is already loaded, ``HICACHE_LOOPBACK_REEXEC`` is ``0`` or ``done``, or the
+    shim cannot be built (logged). Callers re-execute only where Mooncake is installed
+    (``hicache.mooncake.availability.installed``)."""
     if shim_loaded() or os.environ.get(REEXEC_ENV) in ("0", "done"):
-        return None
-    if not mooncake_installed():
         return None
     try:
         env = preload_env()
@@ -165,20 +167,6 @@ def forget_preload() -> None:
             os.environ["LD_PRELOAD"] = prior
         else:
             os.environ.pop("LD_PRELOAD", None)
-
-
-def mooncake_installed() -> bool:
-    """Mooncake's engine module is installed and its one system library loads (cheap: the
-    engine itself is not imported)."""
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("mooncake") is None:
-            return False
-        ctypes.CDLL("libibverbs.so.1")
-    except (ImportError, OSError, ValueError):
-        return False
-    return True
 
 
 def tcp_listeners(pids: set[int] | list[int]) -> list[tuple[str, int]]:
