@@ -32,6 +32,7 @@ SUITE = [
     ("bench.cache_ops.bench", "cache_ops"),
     ("bench.multiturn.bench", "multiturn"),
     ("bench.optimistic.bench", "optimistic"),
+    ("bench.pd.bench", "pd"),  # wall clock, real decode processes over Mooncake (or skipped)
     ("bench.l3.bench", "l3"),
 ]
 E2E = {"multiturn", "optimistic"}
