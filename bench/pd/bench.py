@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Column, print_table, write_json
+from bench.pd.transfer_model import virtual_clock_fields
 from hicache.mooncake import loopback
 from hicache.mooncake.availability import module_reason
 
@@ -84,21 +85,6 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     path = write_json("bench_pd", payload, out_dir)
     print(f"[bench_pd] wrote {path}")
     return payload
-
-
-def virtual_clock_fields(model: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-    """The simulated decode peer's transfer model (``PeerConfig``: one latency per send plus
-    bytes over a bandwidth) from the fitted per-item cost and the items a send of this run's
-    workload carried: ``disaggregation_transfer_latency_s = items_per_send *
-    latency_per_item_s``, ``disaggregation_transfer_bandwidth_gbps = bandwidth / 1e9``."""
-    lat, bw = model["latency_per_item_s"], model["bandwidth_Bps"]
-    items = row["transfer_items_per_send"]
-    return {
-        "disaggregation_transfer_latency_s": None if lat is None else items * lat,
-        "disaggregation_transfer_bandwidth_gbps": None if bw is None else bw / 1e9,
-        "items_per_send": items, "bytes_per_send": row["sent_bytes_per_send"],
-        "from": f"bench.pd optimistic row {row['config']!r} and the fitted transfer_model",
-    }  # fmt: skip
 
 
 def _us(x: float | None) -> str:
