@@ -51,7 +51,6 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     from prefill.testing.harness import single_torch_thread
     from prefill.testing.mooncake_decode import start_workers
 
-    os.environ.setdefault("GLOG_minloglevel", "2")
     print("[bench_pd] transfer engine on loopback: GB/s per item size (wall clock) ...", flush=True)
     rate = engine_rate.measure(quick)
     print_table(rate["rows"], RATE_COLUMNS)
@@ -113,6 +112,7 @@ def summary_of(payload: dict[str, Any]) -> dict[str, Any]:
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
     """The suite's entry (``python -m bench``): in a child process under the loopback shim
     unless this one has it. Without Mooncake: ``{"skipped": reason}``."""
+    os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's glog starts (import)
     reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
+    os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's glog starts (import)
     reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")
