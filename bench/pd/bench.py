@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Column, print_table, write_json
+from bench.pd.transfer_model import virtual_clock_fields
 from hicache.mooncake import loopback
 from hicache.mooncake.availability import module_reason
 
@@ -50,7 +51,6 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     from prefill.testing.harness import single_torch_thread
     from prefill.testing.mooncake_decode import start_workers
 
-    os.environ.setdefault("GLOG_minloglevel", "2")
     print("[bench_pd] transfer engine on loopback: GB/s per item size (wall clock) ...", flush=True)
     rate = engine_rate.measure(quick)
     print_table(rate["rows"], RATE_COLUMNS)
@@ -86,21 +86,6 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     return payload
 
 
-def virtual_clock_fields(model: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
-    """The simulated decode peer's transfer model (``PeerConfig``: one latency per send plus
-    bytes over a bandwidth) from the fitted per-item cost and the items a send of this run's
-    workload carried: ``disaggregation_transfer_latency_s = items_per_send *
-    latency_per_item_s``, ``disaggregation_transfer_bandwidth_gbps = bandwidth / 1e9``."""
-    lat, bw = model["latency_per_item_s"], model["bandwidth_Bps"]
-    items = row["transfer_items_per_send"]
-    return {
-        "disaggregation_transfer_latency_s": None if lat is None else items * lat,
-        "disaggregation_transfer_bandwidth_gbps": None if bw is None else bw / 1e9,
-        "items_per_send": items, "bytes_per_send": row["sent_bytes_per_send"],
-        "from": f"bench.pd optimistic row {row['config']!r} and the fitted transfer_model",
-    }  # fmt: skip
-
-
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
 
@@ -127,6 +112,7 @@ def summary_of(payload: dict[str, Any]) -> dict[str, Any]:
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
     """The suite's entry (``python -m bench``): in a child process under the loopback shim
     unless this one has it. Without Mooncake: ``{"skipped": reason}``."""
+    os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's glog starts (import)
     reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")
@@ -148,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
+    os.environ.setdefault("GLOG_minloglevel", "2")  # before Mooncake's glog starts (import)
     reason = module_reason("engine")
     if reason is not None:
         print(f"[bench_pd] skipped: Mooncake is not usable here ({reason})")

@@ -4,11 +4,16 @@ aggregation over repeats."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench.pd.bench import virtual_clock_fields
+from bench.optimistic.bench import parse_args
 from bench.pd.engine_rate import fit_cost
+from bench.pd.transfer_model import peer_transfer_kwargs, virtual_clock_fields
 from bench.pd.ttft import aggregate
+from prefill.disagg.sim_config import PeerConfig
 
 
 def _rows(latency_s: float, bandwidth: float) -> list[dict]:
@@ -37,6 +42,26 @@ def test_virtual_clock_fields() -> None:
                                    "config": "c"})  # fmt: skip
     assert fields["disaggregation_transfer_latency_s"] == pytest.approx(400e-6)
     assert fields["disaggregation_transfer_bandwidth_gbps"] == pytest.approx(1.0)
+
+
+def test_the_measured_cost_feeds_the_simulated_peer(tmp_path: Path) -> None:
+    """``bench.optimistic --transfer-model``: the simulated peer charges a send the latency and
+    bandwidth of a bench_pd.json; bad files are refused naming the flag and the path."""
+    path = tmp_path / "bench_pd.json"
+    fields = virtual_clock_fields({"latency_per_item_s": 50e-6, "bandwidth_Bps": 2e9},
+                                  {"transfer_items_per_send": 8.0, "sent_bytes_per_send": 4096,
+                                   "config": "c"})  # fmt: skip
+    path.write_text(json.dumps({"virtual_clock_transfer": fields}))
+    peer = PeerConfig(**peer_transfer_kwargs(path))
+    assert peer.transfer_latency_s == pytest.approx(400e-6)
+    assert peer.transfer_bandwidth == pytest.approx(2e9)
+    opts = parse_args(["--transfer-model", str(path)], quick=True)
+    assert opts.transfer_model == path
+    (tmp_path / "other.json").write_text("{}")
+    for bad, match in ((tmp_path / "none.json", "not a readable"),
+                       (tmp_path / "other.json", "no virtual_clock_transfer")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"--transfer-model {bad}: {match}"):
+            peer_transfer_kwargs(bad)
 
 
 def test_aggregate_takes_the_median_of_the_runs_means() -> None:

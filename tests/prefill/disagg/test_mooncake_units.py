@@ -14,6 +14,7 @@ import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from prefill.disagg.mooncake.bootstrap import BootstrapServer, BootstrapUnreachable, fetch_route
+from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
 from prefill.disagg.mooncake.layout import (
     KVGeometry,
     MetadataBuffers,
@@ -224,3 +225,32 @@ def test_server_info_carries_the_geometry(transport) -> None:
     assert KVGeometry.from_json(info["kv_geometry"]) == transport.geometry
     assert rank == {"rank_ip": "127.0.0.1", "rank_port": transport.listener.port}
     assert json.loads(info["kv_geometry"])["head_dim"] == 16
+
+
+# ---------------------------------------------------------------- engine calls
+class _RecordingTE:
+    """Stands in for Mooncake's ``TransferEngine``: records each batch call; ``fail_at``
+    makes that call (0-based) return -1."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls: list[tuple[str, list[int], list[int], list[int]]] = []
+        self.fail_at = fail_at
+
+    def batch_transfer_sync_write(self, session, srcs, dsts, lens) -> int:  # noqa: ANN001
+        self.calls.append((session, srcs, dsts, lens))
+        return -1 if len(self.calls) - 1 == self.fail_at else 0
+
+
+def test_a_write_is_cut_into_calls_of_at_most_1024_items_and_stops_at_a_failure() -> None:
+    assert MAX_ITEMS_PER_CALL == 1024
+    n = 2 * MAX_ITEMS_PER_CALL + 452
+    srcs, dsts, lens = list(range(n)), list(range(10**6, 10**6 + n)), [64] * n
+    engine = KVTransferEngine.__new__(KVTransferEngine)  # no Mooncake engine behind it
+    engine._te = _RecordingTE()
+    assert engine.write("s", srcs, dsts, lens) == 0
+    assert [len(c[1]) for c in engine._te.calls] == [1024, 1024, 452]
+    assert [x for c in engine._te.calls for x in c[1]] == srcs  # in order, each item once
+    assert [x for c in engine._te.calls for x in c[2]] == dsts
+    engine._te = _RecordingTE(fail_at=1)
+    assert engine.write("s", srcs, dsts, lens) == -1
+    assert len(engine._te.calls) == 2  # nothing after the failed call
