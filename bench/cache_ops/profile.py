@@ -8,8 +8,7 @@ matched, the parts of its work are timed again one by one, so they are measured 
 without instrumenting the tree:
 
 - ``convert``: the key to packed bytes (``keys.key_bytes``: a buffer copy for ``array('q')``, one
-  ``struct.pack`` for a list; for a match on a list key, of the tokens its walk read: the match
-  and one page);
+  ``struct.pack`` for a list);
 - ``lookup``: the child lookups by first page, one per matched node;
 - ``compare``: the ``memcmp`` of each matched edge (``bytes.startswith``);
 - ``cat``: ``torch.cat`` of the matched nodes' device slots (match only);
@@ -119,14 +118,12 @@ def profile(tokens: int, page_size: int, steps: int, driver: type) -> dict[str, 
         total = (clock() - t0) / 1e3
         splits = next(TreeNode._ids) - ids - 1
         path = _path(tree, m.last_host_node)
-        # a list is converted as far as the walk read: the matched tokens and the next page
-        read = len(key) if d.name == "project" else m.device_indices.numel() + page_size
         rows["match"].append(
             {
                 "total": total,
                 "nodes": len(path),
                 "splits": splits,
-                **_parts(tree, key, read, path, None),
+                **_parts(tree, key, len(key), path, None),
             }
         )
         tree.inc_lock_ref(m.last_device_node)

@@ -74,9 +74,11 @@ def key_bytes(key: Sequence[int] | torch.Tensor | array | np.ndarray) -> bytes:
 
 def list_bytes(key: list[int], start: int, stop: int) -> bytes:
     """``key[start:stop]`` (a list of ints) as native int64 bytes; ``ValueError`` for items that
-    are not int64 token ids. ``match_prefix`` converts a list key this way as far as its walk
-    reads, so a miss or a short match does not pay for the whole key."""
+    are not int64 token ids. ``match_prefix`` reads a list key's first page this way before it
+    converts the rest, so a miss on a long key converts one page."""
     try:  # struct converts a list of ints faster than array() or numpy do (~1 compare each)
+        if start == 0 and stop == len(key):
+            return struct.pack(f"{stop}q", *key)  # no slice: the whole key, as insert needs it
         return struct.pack(f"{stop - start}q", *key[start:stop])
     except struct.error as exc:
         raise _not_token_ids(exc) from exc

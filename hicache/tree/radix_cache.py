@@ -124,19 +124,18 @@ class RadixCache:
         read-only). ``device_indices`` is a fresh tensor (one ``torch.cat`` of the matched
         device nodes' slots), never a view of the tree's.
 
-        Cost: a conversion of the key (a buffer copy for ``array('q')``; a list is converted
-        only as far as the walk reads it), then per matched node one dict lookup by first page
-        and one ``memcmp``; no Python work per token.
+        Cost: a conversion of the key (a buffer copy for ``array('q')``; one ``struct.pack`` for a
+        list, after a check of its first page so that a miss converts one page), then per
+        matched node one dict lookup by first page and one ``memcmp``; no Python work per token.
         """
         root = self.root_node
         pb = self.page_bytes
-        partial = type(key) is list  # converted as the walk goes
-        if partial:
-            end = (len(key) - len(key) % self.page_size) * TOKEN_BYTES
-            kb = list_bytes(key, 0, self.page_size) if end else b""
-        else:
-            kb = key_bytes(key)
-            end = len(kb) - len(kb) % pb
+        if type(key) is list and (
+            len(key) < self.page_size or list_bytes(key, 0, self.page_size) not in root.children
+        ):
+            return self._empty_match
+        kb = key_bytes(key)
+        end = len(kb) - len(kb) % pb
         child = root.children.get(kb[:pb]) if end else None
         if child is None:
             return self._empty_match
@@ -147,10 +146,6 @@ class RadixCache:
         host_hit_length = 0
         off = 0
         while child is not None:
-            if partial:  # a list key: converted as far as this node and the next page
-                need = min(end, off + len(child.tokens) + pb)
-                if len(kb) < need:
-                    kb += list_bytes(key, len(kb) // TOKEN_BYTES, need // TOKEN_BYTES)
             child, n, whole = descend(child, kb, off, end, now, pb)
             if child.value is None:
                 host_hit_length += n // TOKEN_BYTES
