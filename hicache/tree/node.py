@@ -150,21 +150,19 @@ def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
 
 def descend(
     child: TreeNode, key: bytes, start: int, end: int, now: int, page_bytes: int
-) -> tuple[TreeNode, int, bool]:
+) -> TreeNode:
     """One node of a walk: ``child`` was found under the page of ``key`` (packed bytes) at
     ``start``; stamp it with ``now`` and match as much of ``key[start:end]`` as it holds
-    (whole pages, at least the first). Returns ``(node, n, whole)``: ``n`` bytes matched and
-    ``node`` covering exactly them -- ``child`` itself when all of it matched (``whole``), else
-    the upper half of its split (refreshed before the split, as SGLang does, so both halves
-    carry ``now``). ``key`` must hold ``min(end, start + len(child.tokens))`` bytes at least.
-    One ``memcmp`` when the whole edge matches."""
+    (whole pages, at least the first). Returns the node covering exactly the match: ``child``
+    itself when all of it matched, else the upper half of its split (refreshed before the split,
+    as SGLang does, so both halves carry ``now``); the match is ``len(returned.tokens)`` bytes.
+    ``key`` must hold ``min(end, start + len(child.tokens))`` bytes at least. One ``memcmp``
+    when the whole edge matches; nothing allocated then."""
     tokens = child.tokens
-    n = len(tokens)
     child.last_access_time = now
-    if start + n <= end and key.startswith(tokens, start):
-        return child, n, True
-    n = match_bytes(tokens, key, start, end, page_bytes)
-    return split_node(child, n, page_bytes), n, False
+    if start + len(tokens) <= end and key.startswith(tokens, start):
+        return child
+    return split_node(child, match_bytes(tokens, key, start, end, page_bytes), page_bytes)
 
 
 def check_insert_args(

@@ -146,15 +146,15 @@ class RadixCache:
         host_hit_length = 0
         off = 0
         while child is not None:
-            child, n, whole = descend(child, kb, off, end, now, pb)
-            if child.value is None:
+            node = descend(child, kb, off, end, now, pb)
+            n = len(node.tokens)
+            if node.value is None:
                 host_hit_length += n // TOKEN_BYTES
             else:
-                values.append(child.value)
-                last_device = child
-            node = child
+                values.append(node.value)
+                last_device = node
             off += n
-            if not whole or off == end:
+            if node is not child or off == end:  # split (the match ends inside) or key done
                 break
             child = node.children.get(kb[off : off + pb])
         if not values:
@@ -206,16 +206,15 @@ class RadixCache:
         # The walk of match_prefix; each node is acted on before its children are looked up (a
         # backup started here may evict host-only leaves below it).
         while child is not None:
-            child, n, whole = descend(child, kb, off, end, now, pb)
+            node = descend(child, kb, off, end, now, pb)
             start = off // TOKEN_BYTES
-            off += n
-            if child.value is None:
-                self._revive(child, value[start : off // TOKEN_BYTES].clone())
+            off += len(node.tokens)
+            if node.value is None:
+                self._revive(node, value[start : off // TOKEN_BYTES].clone())
             else:
-                present += n // TOKEN_BYTES
-                self._inc_hit_count(child, chunked)
-            node = child
-            if not whole or off == end:
+                present += off // TOKEN_BYTES - start
+                self._inc_hit_count(node, chunked)
+            if node is not child or off == end:  # split (the match ends inside) or key done
                 break
             child = node.children.get(kb[off : off + pb])
         if off < end:
