@@ -210,7 +210,7 @@ class RadixCache:
             start = off // TOKEN_BYTES
             off += len(node.tokens)
             if node.value is None:
-                self._revive(node, value[start : off // TOKEN_BYTES].clone())
+                self._revive(node, value.narrow_copy(0, start, off // TOKEN_BYTES - start))
             else:
                 present += off // TOKEN_BYTES - start
                 self._inc_hit_count(node, chunked)
@@ -218,11 +218,13 @@ class RadixCache:
                 break
             child = node.children.get(kb[off : off + pb])
         if off < end:
-            start = off // TOKEN_BYTES
-            new = TreeNode(kb[off:] if off else kb, node, value[start:].clone(), now)
+            start, n = off // TOKEN_BYTES, (end - off) // TOKEN_BYTES
+            # narrow_copy: the new leaf's slots copied in one torch call (a slice and a clone
+            # are two, each costing microseconds when torch's code is cold)
+            new = TreeNode(kb[off:] if off else kb, node, value.narrow_copy(0, start, n), now)
             node.children[kb[off : off + pb]] = new
             node.device_children += 1
-            self._add_device_tokens(new, len(new.value))
+            self._add_device_tokens(new, n)
             self._inc_hit_count(new, chunked)  # may lock it (a write-through backup)
             if new.lock_ref == 0:
                 self._device_queue.push(new)
