@@ -21,7 +21,8 @@ Column = tuple[str, str, float, str]
 
 
 def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: int) -> None:
-    """``--clock``, ``--seeds`` and ``--kv-sample-every``, with this size's defaults."""
+    """``--clock``, ``--seeds``, ``--kv-sample-every`` and ``--use-mla``, with this size's
+    defaults."""
     p.add_argument("--clock", choices=CLOCKS, default="virtual",
                    help="virtual: scheduling on a clock charged from a calibration measured in "
                    "the run (deterministic given seed and calibration); wall: real time.")
@@ -29,6 +30,9 @@ def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: 
                    help="Trace seeds; each configuration runs once per seed.")
     p.add_argument("--kv-sample-every", type=int, default=kv_every,
                    help="Every N-th success is checked against a full recompute.")  # fmt: skip
+    p.add_argument("--use-mla", action="store_true",
+                   help="DeepSeek-shaped multi-head latent attention over MLA pools "
+                   "(CPU: bench.e2e.setup.CPU_MLA; CUDA: deepseek-v2-lite-shape).")  # fmt: skip
 
 
 def spread(values: Sequence[float | None]) -> dict[str, Any] | None:

@@ -35,6 +35,8 @@ class TreeNode:
     ``last_access_time``: logical clock of the last match or insert through the node (LRU key).
     ``device_children``: children that are device-resident (kept by the tree; O(1) leaf test).
     ``queued``: bit set of the eviction queues (``lru_queues.LRUQueue``) holding an entry for it.
+    ``hash_value``: the L3 storage key of each page of the edge (``hicache.storage.hash_keys``,
+    SGLang's field), ``None`` when no storage tier is attached; kept page-aligned by splits.
     ``children``: child nodes by the bytes of their first page.
 
     Built in two places only, both with every field in one call: ``RadixCache.insert`` (a new
@@ -55,6 +57,7 @@ class TreeNode:
         "last_access_time",
         "device_children",
         "queued",
+        "hash_value",
     )
     _ids = itertools.count()
 
@@ -77,6 +80,7 @@ class TreeNode:
         self.last_access_time = last_access_time
         self.device_children = 0
         self.queued = 0
+        self.hash_value: list[str] | None = None
 
     @property
     def key(self) -> list[int]:
@@ -141,6 +145,10 @@ def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
     if child.host_value is not None:
         new.host_value = child.host_value[:n]
         child.host_value = child.host_value[n:]
+    if child.hash_value is not None:  # page keys follow their pages (L3 storage)
+        pages = split // page_bytes
+        new.hash_value = child.hash_value[:pages]
+        child.hash_value = child.hash_value[pages:]
     child.tokens = tokens[split:]
     child.parent = new
     new.children[child.tokens[:page_bytes]] = child

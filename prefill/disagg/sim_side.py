@@ -11,7 +11,7 @@ full stays ``Bootstrapping`` and retries at every poll; a peer still ``Bootstrap
 SGLang's ``sender.init``) and then ``send`` page-aligned ranges; the peer is ``Transferring``
 while sends are in flight. A send completes after ``transfer_latency_s + bytes /
 transfer_bandwidth``; only then are the source slots read and copied into the decode pool with
-the project's copy ops (``kernels.transfer_kv_all_layer``), like an RDMA read, so a prefill side
+the project's copy ops (``prefill.disagg.sim_kv.copy_send``), like an RDMA read, so a prefill side
 that frees or reuses a slot of a live peer's send before the ack is caught by comparing
 decode-side KV with a recompute. Sends of a failed peer are never read (the decode side
 discards them). A send fails with probability ``transfer_failure_prob`` (the peer turns
@@ -37,14 +37,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.memory.device_pool import KVPool
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll, SendRecord
 from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_kv import decode_pool_like, read_kv
 from prefill.disagg.sim_peer import DecodePeer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ DEFAULT_SEND_LOG_SIZE = 10_000
 class DecodeSide:
     """The decode instance: a KV pool like the prefill one, an allocator, and one peer per rid.
 
-    ``src_pool`` is the prefill device pool the peers read from. With ``keep_received``, a
+    ``src_pool`` is the prefill device pool the peers read from (MHA or MLA; the decode pool is
+    of its kind, ``prefill.disagg.sim_kv``). With ``keep_received``, a
     successful request's decode slots (and its peer) stay until ``release(rid)`` so tests can
     read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
     slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
@@ -66,7 +69,7 @@ class DecodeSide:
 
     def __init__(
         self,
-        src_pool: MHATokenToKVPool,
+        src_pool: KVPool,
         clock: Clock,
         config: PeerConfig,
         size: int,
@@ -77,10 +80,7 @@ class DecodeSide:
         self.clock = clock
         self.config = config
         self.page_size = src_pool.page_size
-        self.pool = MHATokenToKVPool(
-            size, src_pool.page_size, src_pool.dtype, src_pool.head_num, src_pool.head_dim,
-            src_pool.layer_num, src_pool.device,
-        )
+        self.pool = decode_pool_like(src_pool, size)
         self.allocator = TokenToKVPoolAllocator(size, src_pool.page_size, src_pool.device)
         dev = src_pool.device
         # Programs of the simulated transfer's copy kernel: two 32-warp blocks per SM on CUDA.
@@ -150,15 +150,14 @@ class DecodeSide:
         if peer is not None:
             self.retire(peer)
 
-    def received_kv(self, rid: str) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """``(decode_prefix_len, k, v)`` with ``k``/``v`` ``[L, n - decode_prefix_len, H, D]``:
-        what decode holds for the tokens prefill sent (valid after ``Success``, until
-        ``release(rid)``)."""
+    def received_kv(self, rid: str) -> tuple[Any, ...]:
+        """``(decode_prefix_len, *kv)``: what decode holds for the tokens prefill sent, ``kv``
+        one ``[L, n - decode_prefix_len, ...]`` tensor per pool buffer (``sim_kv.read_kv``: MHA
+        ``k, v`` ``[L, n', H, D]``; MLA the latent ``[L, n', 1, C]``). Valid after ``Success``,
+        until ``release(rid)``."""
         peer = self.peers.get(rid)
         if peer is None or peer.state != KVPoll.Success or peer.decode_slots is None:
             state = "released" if peer is None else peer.state.name
             raise ValueError(f"rid {rid!r} has no received KV ({state})")
         slots = peer.decode_slots[: peer.num_tokens - peer.decode_prefix_len]
-        k = torch.stack([self.pool.k_buffer[i][slots] for i in range(self.pool.layer_num)])
-        v = torch.stack([self.pool.v_buffer[i][slots] for i in range(self.pool.layer_num)])
-        return peer.decode_prefix_len, k, v
+        return (peer.decode_prefix_len, *read_kv(self.pool, slots))

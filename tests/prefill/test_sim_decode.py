@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.protocol import KVPoll, force_not_ready
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.sim_kv import copy_send, read_kv
 from prefill.disagg.sim_side import DecodeSide
 
 L, H, D = 2, 2, 4
@@ -93,6 +94,38 @@ def test_bootstrap_ready_after_delay_then_send_and_ack():
     ]
     side.release("r")
     assert side.allocator.available_size() == side.allocator.size
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha_k192_v128"])
+def test_decode_side_of_an_mla_or_asymmetric_pool_receives_every_buffer(kind):
+    """The decode pool takes the prefill pool's kind and geometry (``sim_kv``); a send lands
+    every layer of every buffer: MLA's latent, or K and V of different widths."""
+    if kind == "mla":
+        src = MLATokenToKVPool(64, 2, torch.float32, 12, 4, L, "cpu")
+        src.kv_buffer_all.copy_(torch.randn_like(src.kv_buffer_all))
+    else:
+        src = MHATokenToKVPool(64, 2, torch.float32, H, 6, L, "cpu", v_head_dim=4)
+        for t in (src.k_buffer_all, src.v_buffer_all):
+            t.copy_(torch.randn_like(t))
+    side = DecodeSide(src, VirtualClock(), PeerConfig(), size=32)
+    assert type(side.pool) is type(src) and side.pool.get_size_per_token() == \
+        src.get_size_per_token()  # fmt: skip
+    peer = side.create_peer("r", 5)
+    peer.poll()
+    peer.init(attempt=1)
+    rows = torch.tensor([7, 3, 4, 20, 9])
+    peer.send(1, 0, 5, rows, last=True)
+    assert peer.poll() == KVPoll.Success
+    dpl, *got = side.received_kv("r")
+    want = read_kv(src, rows)
+    assert dpl == 0 and len(got) == len(want) == (1 if kind == "mla" else 2)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    wrong = (MHATokenToKVPool(32, 2, torch.float32, H, D, L, "cpu") if kind == "mla"
+             else MLATokenToKVPool(32, 2, torch.float32, 4, 4, L, "cpu"))  # fmt: skip
+    with pytest.raises(ValueError, match="dst_pool"):
+        copy_send(src, wrong, rows, rows, block_quota=2)
+    assert not any(t.any() for kind_ in read_kv(wrong, torch.arange(32)) for t in kind_)
 
 
 def test_decode_prefix_len_is_page_aligned_and_skips_the_prefix():
@@ -233,7 +266,7 @@ def test_bootstrap_timeout_env_var(monkeypatch):
 
 def test_finished_peers_are_forgotten_and_a_rid_can_come_back():
     side = make_side(keep=False, send_log_size=3)
-    for i in range(5):
+    for _ in range(5):
         peer = side.create_peer("r", 2)  # the same rid, again and again
         peer.poll()
         peer.init(0)
