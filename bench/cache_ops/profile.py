@@ -14,6 +14,10 @@ without instrumenting the tree:
 - ``cat``: ``torch.cat`` of the matched nodes' device slots (match only);
 - ``clone``: the copy of the new leaf's slots (insert only).
 
+``warm`` (match only): the same match run again right after it, on the same key and path (it
+splits nothing, and the stamps it writes stay the newest, so the trace's LRU order is kept): the
+walk's cost when its code and data are in cache.
+
 The parts run warm (just after the call), so they add up to less than the call; ``rest`` is the
 call less the parts: Python work per node (the walk's loop, ``descend``, the LRU refresh, the
 counts), the result, and the cache misses of a cold tree. Nodes per walk and splits per call are
@@ -117,10 +121,14 @@ def profile(tokens: int, page_size: int, steps: int, driver: type) -> dict[str, 
         m = tree.match_prefix(key)
         total = (clock() - t0) / 1e3
         splits = next(TreeNode._ids) - ids - 1
+        t0 = clock()
+        tree.match_prefix(key)  # the same walk again, warm (no split; stamps stay the newest)
+        warm = (clock() - t0) / 1e3
         path = _path(tree, m.last_host_node)
         rows["match"].append(
             {
                 "total": total,
+                "warm": warm,
                 "nodes": len(path),
                 "splits": splits,
                 **_parts(tree, key, len(key), path, None),
@@ -145,6 +153,7 @@ def profile(tokens: int, page_size: int, steps: int, driver: type) -> dict[str, 
         rows["insert"].append(
             {
                 "total": total,
+                "warm": 0.0,  # a second insert of the key would do other work (no new leaf)
                 "nodes": len(walked),
                 "splits": created - (leaf is not None),
                 **_parts(tree, key, len(key), walked, leaf),
@@ -161,7 +170,7 @@ def profile(tokens: int, page_size: int, steps: int, driver: type) -> dict[str, 
     d.check()
     out: dict[str, Any] = {"tokens": tokens, "page_size": page_size, "keys": driver.name}
     for op, samples in rows.items():
-        med = {k: statistics.median(r[k] for r in samples) for k in ("total", *PARTS)}
+        med = {k: statistics.median(r[k] for r in samples) for k in ("total", "warm", *PARTS)}
         med["rest"] = med["total"] - sum(med[p] for p in PARTS)
         med["nodes"] = statistics.fmean(r["nodes"] for r in samples)
         med["splits"] = statistics.fmean(r["splits"] for r in samples)
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     drivers = {"array": ProjectDriver, "list": ProjectListDriver}
     print("median microseconds per call; parts re-timed warm after the call; rest = total - parts")
-    head = f"{'tokens':>8} {'page':>4} {'keys':>6} {'op':>6} {'total':>7}"
+    head = f"{'tokens':>8} {'page':>4} {'keys':>6} {'op':>6} {'total':>7} {'warm':>6}"
     head += "".join(f"{p:>8}" for p in (*PARTS, "rest")) + f"{'nodes':>7}{'splits':>7}"
     print(head)
     for keys in args.keys:
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 for op in ("match", "insert"):
                     c = r[op]
                     line = f"{n:>8} {ps:>4} {keys:>6} {op:>6} {c['total']:>7.1f}"
+                    line += f" {c['warm']:>6.1f}" if op == "match" else f" {'-':>6}"
                     line += "".join(f"{c[p]:>8.1f}" for p in (*PARTS, "rest"))
                     print(line + f"{c['nodes']:>7.1f}{c['splits']:>7.3f}")
     return 0

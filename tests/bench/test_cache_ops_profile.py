@@ -13,5 +13,5 @@ def test_profile_splits_match_and_insert_into_parts(driver) -> None:
     r = profile(10_000, page_size=16, steps=20, driver=driver)
     for op in ("match", "insert"):
         assert r[op]["total"] > 0 and r[op]["nodes"] > 0
-        assert set(PARTS) | {"rest", "total", "nodes", "splits"} == set(r[op])
-    assert r["match"]["cat"] > 0 and r["insert"]["clone"] > 0
+        assert set(PARTS) | {"rest", "total", "warm", "nodes", "splits"} == set(r[op])
+    assert r["match"]["cat"] > 0 and r["insert"]["clone"] > 0 and r["match"]["warm"] > 0
