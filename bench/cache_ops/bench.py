@@ -17,17 +17,23 @@ back (``evict_leaf_alone``: the queue's own cost). Page 1 and 16. Mean and p99 p
 per call. Run with ``OMP_NUM_THREADS=1``: torch's intra-op threads on a small shared CPU make every
 tree's numbers noisy (SGLang's Rust core most).
 
-With ``--against-sglang`` each step runs on every tree in turn (rotating which goes first):
-SGLang's Python ``RadixCache`` and its ``UnifiedRadixCache`` with the Rust TreeCore
-(``bench/cache_ops/sglang_trees.py``), each with SGLang's own allocator. The table adds each tree's
-mean and the ratio project / SGLang; the steps where the project's match length differs from
-SGLang's Python tree are counted (LRU parity: both evict the same leaves).
+With ``--against-sglang`` each step and each eviction runs on every tree in turn (rotating which
+goes first; neither project tree ever runs right after the other): this
+project's tree with ``array('q')`` keys (``project``, the key type SGLang's trees get) and with
+list keys (``project_list``), SGLang's Python ``RadixCache`` and its ``UnifiedRadixCache`` with the
+Rust TreeCore (``bench/cache_ops/sglang_trees.py``), each with SGLang's own allocator. The table
+gives each tree's mean and median and the ratios project / SGLang; the steps where the project's
+match length differs from SGLang's Python tree are counted (LRU parity: both evict the same
+leaves), and so are those where list and array keys disagree. ``evict_leaf_tree`` is the project's
+single-leaf eviction less the time its allocator's ``free`` took inside it. ``--repeat R`` runs the
+whole measurement R times (fresh trees, same trace) and reports the median of each statistic over
+the runs, with every run's ratio beside the targets.
 
 Also (``bench/cache_ops/two_tier.py``): eviction with 0 / 1000 / 3000 copies in flight, and
 write_back eviction under host pressure against tree size.
 
-``python -m bench.cache_ops [--quick] [--against-sglang] [--out results]`` prints the tables
-and writes ``bench_cache_ops.json``.
+``python -m bench.cache_ops [--quick] [--against-sglang] [--repeat R] [--out results]`` prints the
+tables and writes ``bench_cache_ops.json``.
 """
 
 from __future__ import annotations
@@ -35,28 +41,24 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step, timed_evict
+from bench.cache_ops.report import combine, curve, print_rows, print_targets, stats, targets
+from bench.cache_ops.trace import (
+    OPS,
+    MultiTurnTrace,
+    ProjectDriver,
+    ProjectListDriver,
+    play_step,
+    timed_evict,
+)
 from bench.cache_ops.two_tier import run_pressure
 from hicache.memory.allocator import page_ceil
 
-ALL_OPS = OPS + ("evict_1pct", "evict_leaf", "evict_leaf_alone")
+EVICT_OPS = ("evict_1pct", "evict_leaf", "evict_leaf_alone")
+ALL_OPS = OPS + EVICT_OPS + ("evict_leaf_tree",)
 SIZES = (10_000, 100_000, 1_000_000)
-
-
-def _stats(samples: list[float]) -> dict[str, float]:
-    if not samples:
-        return {"mean_us": 0.0, "p99_us": 0.0, "n": 0}
-    s = sorted(samples)
-    return {
-        "mean_us": round(statistics.fmean(s), 2),
-        "median_us": round(statistics.median(s), 2),
-        "p99_us": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
-        "n": len(s),
-    }
 
 
 def run_trace(
@@ -82,7 +84,7 @@ def run_trace(
     chunk = max(page_size, share // page_size * page_size)
     samples = {d.name: {op: [] for op in ALL_OPS} for d in drivers}
     balance = 0  # tokens the project's tree gained since the last eviction of 1%
-    mismatches = 0
+    mismatches = list_mismatches = 0
     for s in range(steps):
         step = next(trace)
         lens = {}
@@ -93,16 +95,20 @@ def run_trace(
                 balance += need
         if "sglang_python" in lens and lens["sglang_python"] != lens["project"]:
             mismatches += 1
+        if "project_list" in lens and lens["project_list"] != lens["project"]:
+            list_mismatches += 1
         if balance >= chunk:
-            for d in drivers:
-                us, freed = timed_evict(d, chunk)
+            for d in drivers[k:] + drivers[:k]:
+                us, freed, _ = timed_evict(d, chunk)
                 samples[d.name]["evict_1pct"].append(us)
                 if d is project:
                     balance -= freed
         if s % 10 == 5:  # counted against the next 1%, so the tree stays at N tokens
-            for d in drivers:
-                us, freed = timed_evict(d, page_size)
+            for d in drivers[k:] + drivers[:k]:
+                us, freed, in_free = timed_evict(d, page_size)
                 samples[d.name]["evict_leaf"].append(us)
+                if in_free is not None:
+                    samples[d.name]["evict_leaf_tree"].append(us - in_free)
                 if d is project:
                     balance -= freed
     nodes = len(project.tree.all_nodes())
@@ -119,121 +125,13 @@ def run_trace(
         "evict_tokens": chunk,
         "nodes": nodes,
         "tree_tokens_after_steps": tokens_at_end,
-        "trees": {d.name: {op: _stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
+        "trees": {d.name: {op: stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
     }
-    if len(drivers) > 1:
+    if any(d.name == "sglang_python" for d in drivers):
         row["match_len_mismatch_steps_vs_sglang_python"] = mismatches
+    if any(d.name == "project_list" for d in drivers):
+        row["list_key_mismatch_steps"] = list_mismatches
     return row
-
-
-def _print_rows(rows: list[dict[str, Any]]) -> None:
-    names = list(rows[0]["trees"])
-    print("per-op cost on the multi-turn trace (mean / p99, microseconds per call)")
-    for r in rows:
-        extra = ""
-        if "match_len_mismatch_steps_vs_sglang_python" in r:
-            extra = ", match-length mismatches vs SGLang Python: "
-            extra += f"{r['match_len_mismatch_steps_vs_sglang_python']}/{r['steps']} steps"
-        print(
-            f"-- {r['tokens']} tokens (holding {r['tree_tokens_after_steps']} after the steps), "
-            f"page {r['page_size']}, {r['nodes']} nodes{extra}"
-        )
-        head = f"{'op':>16}" + "".join(f"{n:>24}" for n in names)
-        if len(names) > 1:
-            head += "".join(f"{'vs ' + n.split('_')[-1]:>12}" for n in names[1:])
-        print(head)
-        for op in ALL_OPS:
-            cells = ""
-            for n in names:
-                st = r["trees"][n][op]
-                cells += f"{st['mean_us']:>14.1f} /{st['p99_us']:>8.1f}"
-            mine = r["trees"]["project"][op]["mean_us"]
-            for n in names[1:]:
-                other = r["trees"][n][op]["mean_us"]
-                cells += f"{mine / other:>11.2f}x" if other else f"{'-':>12}"
-            print(f"{op:>16}" + cells)
-
-
-def _curve(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean cost of evicting one leaf / 1% of the tree against tree size, per page size."""
-    out: dict[str, Any] = {}
-    for r in rows:
-        key = f"page{r['page_size']}"
-        for name, tree in r["trees"].items():
-            c = out.setdefault(key, {}).setdefault(name, {})
-            c[str(r["tokens"])] = {
-                "evict_leaf_mean_us": tree["evict_leaf"]["mean_us"],
-                "evict_1pct_mean_us": tree["evict_1pct"]["mean_us"],
-            }
-    return out
-
-
-def _targets(
-    rows: list[dict[str, Any]], fixed_rows: list[dict[str, Any]] = ()
-) -> list[dict[str, Any]]:
-    """The tree's targets, checked on this run: at the largest size, every op's mean no slower
-    than SGLang's Python tree and evicting 1% no slower than its Rust core (when compared); a
-    single-leaf eviction within 2x across sizes (in the trace, in the trace with the same
-    eviction amount at every size (``fixed_rows``), and alone). Each line also gives
-    the median-based ratio, which a few scheduler preemptions on a shared CPU do not move."""
-    out: list[dict[str, Any]] = []
-    largest = max(r["tokens"] for r in rows)
-    for ps in sorted({r["page_size"] for r in rows}):
-        page_rows = sorted((r for r in rows if r["page_size"] == ps), key=lambda r: r["tokens"])
-        big = next(r for r in page_rows if r["tokens"] == largest)
-        mine = big["trees"]["project"]
-
-        def line(what: str, a: dict, b: dict, limit: float = 1.0, ps: int = ps) -> None:
-            mean = a["mean_us"] / b["mean_us"] if b["mean_us"] else float("inf")
-            med = a["median_us"] / b["median_us"] if b["median_us"] else float("inf")
-            out.append(
-                {
-                    "page": ps,
-                    "target": what,
-                    "mean_ratio": round(mean, 2),
-                    "median_ratio": round(med, 2),
-                    "limit": limit,
-                    "met_on_mean": mean <= limit,
-                }
-            )
-
-        if "sglang_python" in big["trees"]:
-            for op in OPS + ("evict_1pct", "evict_leaf"):
-                line(
-                    f"{op} vs SGLang Python @ {largest}",
-                    mine[op],
-                    big["trees"]["sglang_python"][op],
-                )
-            line(
-                f"evict_1pct vs SGLang Rust @ {largest}",
-                mine["evict_1pct"],
-                big["trees"]["sglang_rust"]["evict_1pct"],
-            )
-        fixed = [r for r in fixed_rows if r["page_size"] == ps]
-        for op, src, what in (
-            ("evict_leaf", page_rows, "evict_leaf"),
-            ("evict_leaf", fixed, "evict_leaf, fixed eviction amount,"),
-            ("evict_leaf_alone", page_rows, "evict_leaf_alone"),
-        ):
-            # (a small tree has too few leaves for a mean of single evictions in a row)
-            costs = [r["trees"]["project"][op] for r in src]
-            costs = [c for c in costs if c["n"] >= 20]
-            if len(costs) < 2:
-                continue
-            hi = max(costs, key=lambda c: c["mean_us"])
-            lo = min(costs, key=lambda c: c["mean_us"])
-            line(f"{what} largest / smallest across sizes", hi, lo, limit=2.0)
-    return out
-
-
-def _print_targets(targets: list[dict[str, Any]]) -> None:
-    print("targets (ratio of means; median ratio in brackets)")
-    for t in targets:
-        verdict = "met" if t["met_on_mean"] else "MISSED"
-        print(
-            f"  page {t['page']:>2}: {t['target']:<52} {t['mean_ratio']:>6.2f}x "
-            f"[{t['median_ratio']:>5.2f}x] limit {t['limit']:.1f}x  {verdict}"
-        )
 
 
 def run(
@@ -244,11 +142,15 @@ def run(
     pages: tuple[int, ...] = (1, 16),
     steps: int | None = None,
     sglang_site: str | None = None,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """Run the trace at every size and page size (quick: 300 steady steps, the pressure
-    measurements at smaller sizes; full: 3000 steps), print the tables and write
-    ``bench_cache_ops.json`` under ``out_dir``. Returns the summary dict. ``sglang_site``: load
-    SGLang from that pin directory through ``bench/cache_ops/sglang_loader.py`` (stubs listed)."""
+    measurements at smaller sizes; full: 3000 steps), ``repeat`` times, print the tables and
+    write ``bench_cache_ops.json`` under ``out_dir``. Returns the summary dict. ``sglang_site``:
+    load SGLang from that pin directory through ``bench/cache_ops/sglang_loader.py`` (stubs
+    listed)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     factories: list[Any] = [ProjectDriver]
     sglang_note = "not requested (--against-sglang)"
     sgl = None
@@ -264,22 +166,32 @@ def run(
         else:
             sglang_note = f"sglang {version}"
             print(f"[cache_ops] comparing with sglang {version} (Python tree, Rust core)")
+            # In this cyclic order neither project tree runs right after the other (the second
+            # would find the first's code warm).
             factories += [
                 lambda pool, ps: SGLangPythonDriver(sgl, pool, ps),
+                ProjectListDriver,
                 lambda pool, ps: SGLangRustDriver(sgl, pool, ps),
             ]
     n_steps = steps if steps is not None else (300 if quick else 3000)
-    rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
     # The same trace with the same eviction amount at every size (1% of the smallest tree), on
     # the project's tree only: a 1% schedule evicts about every step at 10K tokens but every ~25
     # steps at 1M, so the eviction code runs cold there; this pass separates the cost of tree
     # size from the cost of eviction frequency.
     fixed_tokens = max(1, min(sizes) // 100)
-    fixed_rows = [
-        run_trace(n, ps, n_steps, [ProjectDriver], evict_tokens=fixed_tokens)
-        for ps in pages
-        for n in sizes
-    ]
+    runs, fixed_runs = [], []
+    for i in range(repeat):
+        if repeat > 1:
+            print(f"[cache_ops] run {i + 1} of {repeat}")
+        runs.append([run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes])
+        fixed_runs.append(
+            [
+                run_trace(n, ps, n_steps, [ProjectDriver], evict_tokens=fixed_tokens)
+                for ps in pages
+                for n in sizes
+            ]
+        )
+    rows, fixed_rows = combine(runs), combine(fixed_runs)
     stubs = sgl.stub_report() if sgl is not None else []
     rust_core = None
     if sgl is not None:
@@ -287,15 +199,14 @@ def run(
 
         rust_core = rust_core_file()
         print(f"[cache_ops] SGLang Rust TreeCore: {rust_core}")
-    _print_rows(rows)
-    targets = _targets(rows, fixed_rows)
-    _print_targets(targets)
+    print_rows(rows, ALL_OPS)
+    found = targets(rows, fixed_rows, OPS + EVICT_OPS)
+    print_targets(found)
     if stubs:
         from bench.cache_ops.sglang_loader import stub_lines
 
         print("SGLang imports replaced (everything else is SGLang's installed code):")
         print("\n".join(stub_lines(stubs)))
-    curve = _curve(rows)
     pressure = run_pressure(quick)
     largest = [r for r in rows if r["tokens"] == max(sizes)]
     result = {
@@ -303,10 +214,12 @@ def run(
         "sglang": sglang_note,
         "sglang_stubs": stubs,
         "sglang_rust_core": rust_core,
+        "repeats": repeat,
         "rows": rows,
         "fixed_eviction_rows": fixed_rows,
-        "targets": targets,
-        "eviction_curve": curve,
+        "runs": runs if repeat > 1 else None,
+        "targets": found,
+        "eviction_curve": curve(rows),
         "pressure": pressure,
         "headline": {
             f"{op} @ {r['tokens']} tokens page {r['page_size']} (mean us)": r["trees"]["project"][
@@ -335,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     parser.add_argument(
+        "--repeat", type=int, default=1, help="Runs of the whole trace (medians over runs)."
+    )
+    parser.add_argument(
         "--sglang-site",
         default=None,
         help="Load SGLang from this pin directory (pip --no-deps --target), unrelated imports "
@@ -349,6 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         pages=tuple(args.pages),
         steps=args.steps,
         sglang_site=args.sglang_site,
+        repeat=args.repeat,
     )
     return 0
-

@@ -12,8 +12,14 @@ A step on a tree (``play_step``), each op timed alone with ``perf_counter_ns``:
 matched node, allocate the rest (not timed), ``insert``, free the duplicates (not timed),
 ``unlock``, then ``miss`` (the pure-miss match). ``evict`` is timed by the caller's schedule.
 
-``ProjectDriver`` plays it on this project's ``RadixCache``; ``bench/cache_ops/sglang_trees.py`` has
-the drivers for SGLang's trees (same interface).
+``ProjectDriver`` plays it on this project's ``RadixCache`` with keys as ``array('q')``, the key
+type SGLang 0.5.23 carries token ids in (its tokenizer manager converts ``input_ids`` to one) and
+the one SGLang's trees get here, built outside the timed region as theirs are;
+``ProjectListDriver`` plays the same steps with keys as lists of fresh ints (what this project's
+executor passes), so the table shows the price of converting a list key too. The project drivers
+also time the allocator's ``free`` inside every eviction (``free_ns``), so an eviction's cost
+splits into the tree's share and the allocator's. ``bench/cache_ops/sglang_trees.py`` has the
+drivers for SGLang's trees (same interface).
 """
 
 from __future__ import annotations
@@ -93,19 +99,30 @@ class MultiTurnTrace:
 
 
 class ProjectDriver:
-    """This project's device-only ``RadixCache`` with its own allocator."""
+    """This project's device-only ``RadixCache`` with its own allocator; keys as ``array('q')``.
+
+    ``free_ns``: nanoseconds spent in the allocator's ``free`` so far (the tree's evictions and
+    the caller's frees of duplicates), read around an eviction by ``timed_evict``."""
 
     name = "project"
 
     def __init__(self, pool_tokens: int, page_size: int) -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, page_size, "cpu")
         self.tree = RadixCache(self.allocator, page_size)
+        self.free_ns = 0
+        free = self.allocator.free
+        clock = time.perf_counter_ns
 
-    def prepare(self, key: list[int]) -> list[int]:
-        # A fresh list of fresh int objects, as a scheduler gets token ids from a tokenizer: the
-        # trace builds each turn's key from the previous one, and sharing those int objects with
-        # the keys stored in the tree would let list comparison take its identity fast path.
-        return array("q", key).tolist()
+        def timed_free(slots: torch.Tensor) -> None:
+            t0 = clock()
+            free(slots)
+            self.free_ns += clock() - t0
+
+        self.allocator.free = timed_free  # the tree frees through this instance attribute
+
+    def prepare(self, key: list[int]) -> Any:
+        # A fresh buffer per request, as SGLang's trees get theirs (RadixKey(array("q", ...))).
+        return array("q", key)
 
     def match(self, key: Any) -> tuple[int, torch.Tensor, Any]:
         m = self.tree.match_prefix(key)
@@ -143,6 +160,18 @@ class ProjectDriver:
 
     def check(self) -> None:
         self.tree.check_integrity()
+
+
+class ProjectListDriver(ProjectDriver):
+    """``ProjectDriver`` with keys as lists of ints (the tree converts them at each call)."""
+
+    name = "project_list"
+
+    def prepare(self, key: list[int]) -> Any:
+        # A fresh list of fresh int objects, as a scheduler gets token ids from a tokenizer: the
+        # trace builds each turn's key from the previous one, and sharing those int objects with
+        # the keys stored in the tree would make the conversion read warm objects only.
+        return array("q", key).tolist()
 
 
 OPS = ("match", "miss", "insert", "lock", "unlock")
@@ -184,8 +213,13 @@ def play_step(driver: Any, step: Step, samples: dict[str, list[float]] | None) -
     return matched, need
 
 
-def timed_evict(driver: Any, n: int) -> tuple[float, int]:
-    """``driver.evict(n)``: (microseconds, tokens freed)."""
+def timed_evict(driver: Any, n: int) -> tuple[float, int, float | None]:
+    """``driver.evict(n)``: (microseconds, tokens freed, microseconds of it in the allocator's
+    ``free``, or ``None`` for a driver that does not time its allocator)."""
+    before = getattr(driver, "free_ns", None)
     t0 = time.perf_counter_ns()
     freed = driver.evict(n)
-    return (time.perf_counter_ns() - t0) / 1e3, freed
+    us = (time.perf_counter_ns() - t0) / 1e3
+    if before is None:
+        return us, freed, None
+    return us, freed, (driver.free_ns - before) / 1e3

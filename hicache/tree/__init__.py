@@ -1,3 +1,3 @@
-"""The prefix index: nodes, the device-only radix tree, the hierarchical tree with SGLang's write
-policies, its two-phase copies, device eviction, the LRU candidate queues and the integrity
-checks."""
+"""The prefix index: nodes and their packed keys, the device-only radix tree, the hierarchical tree
+with SGLang's write policies, its two-phase copies, device eviction, the LRU candidate queues and
+the integrity checks."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hicache.tree.keys import TOKEN_BYTES
 from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate, is_host_candidate
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class TreeView(Protocol):
 
     def all_nodes(self) -> list[TreeNode]: ...
 
-    def _child_key(self, key: list[int], start: int = 0) -> int | tuple[int, ...]: ...
+    def _child_key(self, tokens: bytes, start: int = 0) -> bytes: ...
 
     def _queues(self) -> tuple[LRUQueue, ...]: ...
 
@@ -77,14 +78,15 @@ def _fail(msg: str) -> None:
 
 def _check_node(tree: TreeView, x: TreeNode) -> None:
     ps = tree.page_size
-    if not x.key or len(x.key) % ps:
-        _fail(f"{x!r} key length {len(x.key)} is empty or not a multiple of page_size {ps}")
-    if x.parent is None or x.parent.children.get(tree._child_key(x.key)) is not x:
+    n = x.num_tokens
+    if not n or n % ps or len(x.tokens) % TOKEN_BYTES:
+        _fail(f"{x!r} key length {n} is empty or not a multiple of page_size {ps}")
+    if x.parent is None or x.parent.children.get(tree._child_key(x.tokens)) is not x:
         _fail(f"{x!r} is not reachable from its parent under its first page")
     for name in ("value", "host_value"):
         v = getattr(x, name)
-        if v is not None and (v.dtype != torch.int64 or v.dim() != 1 or v.numel() != len(x.key)):
-            _fail(f"{x!r}.{name} is not int64 [{len(x.key)}]")
+        if v is not None and (v.dtype != torch.int64 or v.dim() != 1 or v.numel() != n):
+            _fail(f"{x!r}.{name} is not int64 [{n}]")
     if x.lock_ref < 0 or x.host_ref < 0:
         _fail(f"{x!r} has a negative ref (lock {x.lock_ref}, host {x.host_ref})")
     child_locks = sum(c.lock_ref for c in x.children.values())

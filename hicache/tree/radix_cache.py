@@ -17,22 +17,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.tree.integrity import check_tree
+from hicache.tree.keys import TOKEN_BYTES, key_bytes, list_bytes
 from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate
-from hicache.tree.node import (
-    MatchResult,
-    TreeNode,
-    as_key,
-    check_insert_args,
-    child_key,
-    match_len,
-    split_node,
-)
+from hicache.tree.node import MatchResult, TreeNode, check_insert_args, descend
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
@@ -64,6 +57,7 @@ class RadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self.page_bytes = page_size * TOKEN_BYTES  # a child's entry: its first page's bytes
         if device is None:
             device = getattr(allocator, "device", "cpu")
         self.device = torch.device(device)
@@ -94,8 +88,10 @@ class RadixCache:
     def _tick(self) -> int:
         return next(self._clock)
 
-    def _child_key(self, key: list[int], start: int = 0) -> int | tuple[int, ...]:
-        return child_key(key, self.page_size, start)
+    def _child_key(self, tokens: bytes, start: int = 0) -> bytes:
+        """The ``children`` entry of the edge that starts ``start`` bytes into ``tokens``: the
+        bytes of its first page."""
+        return tokens[start : start + self.page_bytes]
 
     def evictable_size(self) -> int:
         """Device tokens held by the tree in unlocked nodes (free to evict)."""
@@ -118,56 +114,54 @@ class RadixCache:
     # ------------------------------------------------------------------ match
 
     def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:
-        """Longest cached prefix of ``key`` (truncated to whole pages; a list is not copied).
+        """Longest cached prefix of ``key`` (truncated to whole pages; the key is not changed).
 
-        Splits a node when the match ends inside it, so ``last_*_node`` covers exactly the match;
-        the whole node is refreshed before the split (SGLang's order), so both halves carry the
-        access time. Refreshes ``last_access_time`` along the path; never changes ``hit_count``.
-        A miss returns one shared empty result (treat it as read-only).
+        ``key``: token ids as ``array('q')``, a list of ints, or a 1-D integer tensor
+        (``keys.key_bytes``). Splits a node when the match ends inside it, so ``last_*_node``
+        covers exactly the match; the whole node is refreshed before the split (SGLang's order),
+        so both halves carry the access time. Refreshes ``last_access_time`` along the path;
+        never changes ``hit_count``. A miss returns one shared empty result (treat it as
+        read-only). ``device_indices`` is a fresh tensor (one ``torch.cat`` of the matched
+        device nodes' slots), never a view of the tree's.
+
+        Cost: a conversion of the key (a buffer copy for ``array('q')``; one ``struct.pack`` for a
+        list, after a check of its first page so that a miss converts one page), then per
+        matched node one dict lookup by first page and one ``memcmp``; no Python work per token.
         """
-        key = as_key(key)
-        end = len(key) - len(key) % self.page_size
-        if end == 0 or self._child_key(key) not in self.root_node.children:
+        root = self.root_node
+        pb = self.page_bytes
+        if type(key) is list and (
+            len(key) < self.page_size or list_bytes(key, 0, self.page_size) not in root.children
+        ):
             return self._empty_match
+        kb = key_bytes(key)
+        end = len(kb) - len(kb) % pb
+        child = root.children.get(kb[:pb]) if end else None
+        if child is None:
+            return self._empty_match
+        now = self._tick()
+        root.last_access_time = now
         values: list[torch.Tensor] = []
-        last = last_device = self.root_node
+        node = last_device = root
         host_hit_length = 0
-        for last, _, n in self._walk(key, end, self._tick()):
-            if last.value is None:
-                host_hit_length += n
+        off = 0
+        while child is not None:
+            node = descend(child, kb, off, end, now, pb)
+            n = len(node.tokens)
+            if node.value is None:
+                host_hit_length += n // TOKEN_BYTES
             else:
-                values.append(last.value)
-                last_device = last
+                values.append(node.value)
+                last_device = node
+            off += n
+            if node is not child or off == end:  # split (the match ends inside) or key done
+                break
+            child = node.children.get(kb[off : off + pb])
         if not values:
             device_indices = self._empty_indices
         else:
             device_indices = torch.cat(values)
-        return MatchResult(device_indices, last_device, last, host_hit_length)
-
-    def _walk(self, key: list[int], end: int, now: int) -> Iterator[tuple[TreeNode, int, int]]:
-        """Yield ``(node, start, n)`` for each node on the longest page-aligned match of
-        ``key[:end]`` from the root, ``node.key == key[start : start + n]``: stamps ``now`` on
-        the root and every matched node, then splits a node where the match ends inside it (the
-        upper half is yielded). The caller acts on each node before the walk looks up that
-        node's children."""
-        node = self.root_node
-        node.last_access_time = now
-        ps = self.page_size
-        children_key = (lambda i: key[i]) if ps == 1 else (lambda i: tuple(key[i : i + ps]))
-        i = 0
-        while i < end:
-            child = node.children.get(children_key(i))
-            if child is None:
-                break
-            n = match_len(child.key, key, i, end, ps)
-            if n == 0:
-                break
-            child.last_access_time = now
-            if n < len(child.key):
-                child = split_node(child, n, ps)
-            yield child, i, n
-            node = child
-            i += n
+        return MatchResult(device_indices, last_device, node, host_hit_length)
 
     # ------------------------------------------------------------------ insert
 
@@ -197,29 +191,40 @@ class RadixCache:
         its own slots for that prefix. Raises ``ValueError`` (state unchanged) on mismatched
         lengths, a non-int64 value or a missing value in a tree with an allocator.
         """
-        key, value = check_insert_args(
+        kb, value = check_insert_args(
             key, value, self.device, self.page_size, self.allocator is None
         )
-        if not key:
+        if not kb:
             return 0
+        pb = self.page_bytes
+        end = len(kb)
         now = self._tick()
-        node, end, present = self.root_node, 0, 0
-        for node, start, n in self._walk(key, len(key), now):
-            end = start + n
+        node = self.root_node
+        node.last_access_time = now
+        present = off = 0
+        child = node.children.get(kb[:pb])
+        # The walk of match_prefix; each node is acted on before its children are looked up (a
+        # backup started here may evict host-only leaves below it).
+        while child is not None:
+            node = descend(child, kb, off, end, now, pb)
+            start = off // TOKEN_BYTES
+            off += len(node.tokens)
             if node.value is None:
-                self._revive(node, value[start:end].clone())
+                self._revive(node, value.narrow_copy(0, start, off // TOKEN_BYTES - start))
             else:
-                present += n
+                present += off // TOKEN_BYTES - start
                 self._inc_hit_count(node, chunked)
-        if end < len(key):
-            new = TreeNode()
-            new.parent = node
-            new.key = key[end:]
-            new.value = value[end:].clone()
-            new.last_access_time = now
-            node.children[self._child_key(new.key)] = new
+            if node is not child or off == end:  # split (the match ends inside) or key done
+                break
+            child = node.children.get(kb[off : off + pb])
+        if off < end:
+            start, n = off // TOKEN_BYTES, (end - off) // TOKEN_BYTES
+            # narrow_copy: the new leaf's slots copied in one torch call (a slice and a clone
+            # are two, each costing microseconds when torch's code is cold)
+            new = TreeNode(kb[off:] if off else kb, node, value.narrow_copy(0, start, n), now)
+            node.children[kb[off : off + pb]] = new
             node.device_children += 1
-            self._add_device_tokens(new, len(new.key))
+            self._add_device_tokens(new, n)
             self._inc_hit_count(new, chunked)  # may lock it (a write-through backup)
             if new.lock_ref == 0:
                 self._device_queue.push(new)
@@ -304,7 +309,7 @@ class RadixCache:
 
     def _delete_leaf(self, node: TreeNode) -> None:
         """Unlink ``node`` from its parent; ``parent is None`` marks it deleted."""
-        del node.parent.children[self._child_key(node.key)]
+        del node.parent.children[node.tokens[: self.page_bytes]]
         node.parent = None
         if node.queued:
             self._note_stale()

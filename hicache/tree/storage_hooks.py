@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from hicache.storage.hash_keys import page_hashes
-from hicache.tree.node import TreeNode, child_key, match_len, split_node
+from hicache.tree.keys import TOKEN_BYTES, key_bytes
+from hicache.tree.node import TreeNode, descend
 
 if TYPE_CHECKING:
     from hicache.tree.lru_queues import LRUQueue
@@ -75,7 +77,12 @@ def assign_hashes(node: TreeNode, page_size: int) -> None:
     """Give ``node`` the keys of its pages, chained from its parent's last key."""
     parent = node.parent
     prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
-    node.hash_value = page_hashes(node.key, page_size, prior)
+    node.hash_value = page_hashes(_token_array(node.tokens), page_size, prior)
+
+
+def _token_array(tokens: bytes) -> np.ndarray:
+    """A node's packed token bytes as an int64 numpy view (no copy)."""
+    return np.frombuffer(tokens, dtype=np.int64)
 
 
 def insert_host(
@@ -93,29 +100,24 @@ def insert_host(
             f"insert_host: {len(key)} tokens, {host_indices.numel()} host slots and "
             f"{len(hashes)} keys do not describe the same whole pages of {ps}"
         )
-    if anchor.parent is None and anchor.key:
+    if anchor.parent is None and anchor.tokens:
         raise ValueError(f"insert_host: anchor {anchor!r} is not in the tree")
+    kb = key_bytes(key)
     now = tree._tick()
-    node, i, n = anchor, 0, len(key)
-    while i < n:
-        child = node.children.get(child_key(key, ps, i))
+    pb = ps * TOKEN_BYTES
+    node, off, end = anchor, 0, len(kb)
+    while off < end:  # the walk of insert: stamp each node, split the last one (descend)
+        child = node.children.get(kb[off : off + pb])
         if child is None:
             break
-        m = match_len(child.key, key, i, n, ps)
-        if m == 0:
-            break
-        child.last_access_time = now
-        if m < len(child.key):
-            child = split_node(child, m, ps)
-        node, i = child, i + m
-    if i < n:
-        new = TreeNode()
-        new.parent = node
-        new.key = key[i:]
+        node = descend(child, kb, off, end, now, pb)
+        off += len(node.tokens)
+    i = off // TOKEN_BYTES
+    if off < end:
+        new = TreeNode(kb[off:], node, None, now)
         new.host_value = host_indices[i:].clone()
         new.hash_value = list(hashes[i // ps :])
-        new.last_access_time = now
-        node.children[child_key(new.key, ps)] = new
+        node.children[kb[off : off + pb]] = new
         tree._host_queue.push_if_candidate(new)
     return i
 
@@ -125,7 +127,7 @@ def host_chain_tokens(last_host_node: TreeNode) -> int:
     ancestor)."""
     n, x = 0, last_host_node
     while x.parent is not None and x.value is None:
-        n += len(x.key)
+        n += x.num_tokens
         x = x.parent
     return n
 
@@ -136,11 +138,12 @@ def check_storage_tree(tree: HostInsertTree, nodes: list[TreeNode], buffer_only:
     a host copy."""
     ps = tree.page_size
     for x in nodes:
-        if x.hash_value is None or len(x.hash_value) != len(x.key) // ps:
+        if x.hash_value is None or len(x.hash_value) != x.num_tokens // ps:
             raise AssertionError(f"storage: {x!r} lacks one page key per page")
         parent = x.parent
         prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
-        if page_hashes(x.key[:ps], ps, prior)[0] != x.hash_value[0]:
+        first = _token_array(x.tokens[: ps * TOKEN_BYTES])
+        if page_hashes(first, ps, prior)[0] != x.hash_value[0]:
             raise AssertionError(f"storage: {x!r}'s first key does not continue its parent's")
         if buffer_only and x.host_value is not None:
             raise AssertionError(f"storage: buffer_only, yet {x!r} keeps a host copy")
