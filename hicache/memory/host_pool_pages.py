@@ -92,6 +92,16 @@ class HostPoolPagesMixin:
         tokens = sum(math.prod(shape) for shape in self._token_shapes())
         return self.page_size * self.layer_num * tokens * elem
 
+    def page_regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each host allocation that ``get_page_buffer_meta``'s pointers
+        fall in (one when K and V share ``kv_buffer``, one per part otherwise): what a
+        zero-copy backend registers (Mooncake's ``register_buffer``)."""
+        regions: dict[int, int] = {}
+        for part in self._host_parts:
+            storage = part.untyped_storage()
+            regions[storage.data_ptr()] = storage.nbytes()
+        return list(regions.items())
+
     # --- SGLang's calls ------------------------------------------------------------------------
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """``(ptrs, sizes)``: host addresses (ints) and byte counts of each page's pieces, in
