@@ -60,7 +60,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def _check_free(port: int, name: str) -> None:
+    """``ValueError`` naming ``name`` when something listens on ``port`` (``SO_REUSEADDR``, as
+    a server binds: the TIME_WAIT connections a stopped master leaves do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((LOOPBACK, port))
         except OSError as e:

@@ -125,6 +125,7 @@ class MooncakeStore(HiCacheStorage):
         self.counters = MooncakeCounters()
         self._object_sizes: list[int] = []
         self._unhealthy_since: float | None = None
+        self._warned_size = False
         self._health_lock = threading.Lock()
         logger.info(
             "MooncakeStore rank %d/%d: master %s (%s), segment %d MiB, protocol %s, names "
@@ -273,6 +274,13 @@ class MooncakeStore(HiCacheStorage):
                 self.counters.add(wrong_size=1)
             else:
                 self.counters.error(error_name(rc))
+            if (rc > 0 or rc == -600) and not self._warned_size:
+                self._warned_size = True
+                logger.warning(
+                    "Mooncake objects of another size under this server's names (read %d "
+                    "bytes into %d): another TP size or geometry writes the same names; give "
+                    "it its own extra_backend_tag. Those pages are misses.", rc, size,
+                )  # fmt: skip
         pages = self._per_page(ok)
         good = sum(pages)
         self.counters.add(pages_read=good, pages_read_failed=len(pages) - good,
