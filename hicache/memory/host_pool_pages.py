@@ -27,6 +27,8 @@ and meaning; ``index`` is the host slot where the page starts (a multiple of ``p
   ``page_first*``), else a copy. K and V of different widths: ``flat=True`` concatenates K's page
   and V's; ``flat=False`` raises ``NotImplementedError`` (no single view exists; SGLang raises
   for every flat-page call of such a pool).
+- ``page_regions()`` (this project's): ``(address, bytes)`` of the allocations those pointers
+  fall in, what a zero-copy backend registers (Mooncake's ``register_buffer``).
 - ``get_dummy_flat_data_page()``: a zeroed 1-D buffer of one flat page (pool dtype, CPU, pinned
   when the pool is); backends read a file into it.
 - ``set_from_flat_data_page(index, data_page)``: writes a flat page back (the inverse of

@@ -17,9 +17,13 @@ untagged names. For tokens 1..16 at page 16, model ``Qwen/Qwen3-8B``, TP rank 0,
 ``Qwen-Qwen3-8B_77d735ce…9b07_0_k`` and ``…_0_v`` (MLA: ``Qwen-Qwen3-8B_77d735ce…9b07__k``).
 
 The order of a page's names is the order of ``get_page_buffer_meta``'s pointers for one page
-(K then V), which Mooncake zips with them. Names carry neither the TP size nor the head count:
-two servers of one model at different TP sizes write objects of different sizes under the same
-name, which a reader that checks every object's size (``MooncakeStore``) treats as a miss.
+(K then V), which Mooncake zips with them. MHA names carry neither the TP size nor the head
+count (SGLang's neither): two servers of one MHA model at different TP sizes write objects of
+different sizes under the same names. ``MooncakeStore`` checks every object's size, so a reader
+of the other TP size gets misses (counted, warned once), never wrong KV; but a writer finds the
+names taken and skips the put, so the two do not share. Give each TP size its own
+``extra_backend_tag`` (SGLang's advice for differing formats). MLA names need no TP size: the
+latent is the same on every rank and at every TP size.
 """
 
 from __future__ import annotations
