@@ -33,6 +33,7 @@ SUITE = [
     ("bench.multiturn.bench", "multiturn"),
     ("bench.optimistic.bench", "optimistic"),
     ("bench.l3.bench", "l3"),
+    ("bench.mooncake_store.bench", "mooncake_store"),  # skipped (with the reason) without Mooncake
 ]
 E2E = {"multiturn", "optimistic"}
 """Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""
