@@ -122,6 +122,7 @@ def build_kv_cache(
     copy_delay: Delay = 0.0,
     streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
     group: TPGroup | None = None,
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
 ) -> KVCache:
     """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
     with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
@@ -137,6 +138,10 @@ def build_kv_cache(
     calls this, in the same order): pools of this rank's KV heads, the flags in
     ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
     capacity agreed (see the module docstring).
+    ``host_pool``: an existing host pool to serve this cache instead of allocating one (a
+    benchmark's calibration and configurations share one pinned pool): it must match the flags
+    exactly (``reuse_for``), gets a fresh allocator, and the previous cache using it must be
+    closed. One rank only.
 
     With ``hicache_storage_backend`` the L3 tier too (``hicache.storage.io.setup``): its backend,
     IO threads and controller, attached to the tree (``KVCache.storage``).
@@ -172,7 +177,13 @@ def build_kv_cache(
 
     from hicache.transfer.controller import HiCacheController
 
-    host_pool = _agreed_host_pool(args, device_pool, group)
+    if host_pool is None:
+        host_pool = _agreed_host_pool(args, device_pool, group)
+    elif group.size > 1:
+        raise ValueError("host_pool: a shared host pool serves one rank (--tp-size 1) only")
+    else:
+        host_pool.reuse_for(device_pool, args.hicache_ratio, args.hicache_size,
+                            args.hicache_mem_layout)  # fmt: skip
     controller = HiCacheController(
         allocator,
         device_pool,

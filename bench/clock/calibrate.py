@@ -157,12 +157,15 @@ class Calibration:
 
 
 def calibrate_run(
-    args: Any, model: Any, max_new: int, max_prefix: int, rounds: int | None = None
-) -> Calibration:
+    args: Any, model: Any, max_new: int, max_prefix: int, rounds: int | None = None,
+    build_cache: Callable[[Any], Any] | None = None,
+) -> Calibration:  # fmt: skip
     """The calibration of one benchmark run: ``model``'s forward over ``forward_grid(max_new,
-    max_prefix)`` and the copies of a cache built from ``args`` (hierarchical; it is closed and
-    its host pool released before returning). ``rounds``: 5 on CUDA (GPU times repeat closely),
-    15 on a CPU (shared cores: the median needs more samples)."""
+    max_prefix)`` and the copies of a cache built from ``args`` (hierarchical; it is closed
+    before returning, and its host pool released unless ``build_cache`` built it: a benchmark's
+    shared host pool, ``bench.e2e.setup.SharedHostPool.build``, stays for the run). ``rounds``:
+    5 on CUDA (GPU times repeat closely), 15 on a CPU (shared cores: the median needs more
+    samples)."""
     if rounds is None:
         rounds = 5 if torch.cuda.is_available() else 15
     from hicache.builder import build_kv_cache
@@ -175,14 +178,15 @@ def calibrate_run(
         return device_pool_from_server_args(args, size=page_ceil(slots, page))
 
     fwd = calibrate_forward(model, make_pool, forward_grid(max_new, max_prefix, page), rounds)
-    cache = build_kv_cache(args)
+    cache = (build_cache or build_kv_cache)(args)
     try:
         slots = min(cache.device_pool.size, cache.host_pool.size)
         sizes = [s for s in (4 * page, 256, 1024, 4096) if s <= slots] or [page, slots]
         h2d, d2h = calibrate_copies(cache, sizes)
     finally:
         cache.close()
-        cache.host_pool.destroy()
+        if build_cache is None:
+            cache.host_pool.destroy()
     cal = Calibration(fwd, h2d, d2h, args.num_layers, time.perf_counter() - t0)
     logger.info("calibration: %s", cal.as_dict())
     return cal

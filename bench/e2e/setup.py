@@ -2,7 +2,9 @@
 (``model_args``, ``shared_model``), ``new_executor`` on a virtual or a wall clock, and between
 configurations ``release_executor`` then ``free_memory`` (on CUDA every configuration of a
 benchmark shares one model, the 8B-shaped model is ~14.5 GB, and what a configuration allocated
-is given back before the next one is built).
+is given back before the next one is built). Every cache of one benchmark (its calibrations and
+every configuration) takes its host pool from one ``SharedHostPool``: a pinned pool of the
+8B-shaped quick run is 12.9 GB, and registering it costs seconds each time.
 
 Two clocks (``--clock``):
 
@@ -70,12 +72,46 @@ def shared_model(args: ServerArgs) -> PagedTransformer:
     return build_model(args)
 
 
-def release_executor(ex: OptimisticPrefillExecutor) -> None:
-    """Finish the cache's copies and unregister its pinned host pool (the executor is unusable
-    afterwards). The memory itself returns once the last reference is gone: ``free_memory``."""
+class SharedHostPool:
+    """One host pool for every cache a benchmark builds: allocated (and on CUDA registered) by
+    the first hierarchical cache, handed to each later one with a fresh allocator
+    (``build_kv_cache(..., host_pool=...)``), destroyed by ``release``. Every configuration of a
+    benchmark asks for the same pool (same device pool, ratio and layout); one that asks for
+    another raises ``ValueError`` naming what differs. ``allocations``: pools allocated."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.allocations = 0
+
+    def build(self, args: ServerArgs) -> Any:
+        """``build_kv_cache(args)`` over the shared host pool (the previous cache must be
+        closed)."""
+        from hicache.builder import build_kv_cache
+
+        if not args.enable_hierarchical_cache:
+            return build_kv_cache(args)
+        if self.pool is not None:
+            return build_kv_cache(args, host_pool=self.pool)
+        cache = build_kv_cache(args)
+        self.pool = cache.host_pool
+        self.allocations += 1
+        return cache
+
+    def release(self) -> None:
+        """Unregister and drop the pool (its memory returns with ``free_memory``)."""
+        if self.pool is not None:
+            self.pool.destroy()
+            self.pool = None
+
+
+def release_executor(ex: OptimisticPrefillExecutor, host: SharedHostPool | None = None) -> None:
+    """Finish the cache's copies and unregister its pinned host pool, unless it is ``host``'s
+    shared one (the executor is unusable afterwards). The memory itself returns once the last
+    reference is gone: ``free_memory``."""
     ex.cache.close()
-    if ex.cache.host_pool is not None:
-        ex.cache.host_pool.destroy()
+    pool = ex.cache.host_pool
+    if pool is not None and (host is None or pool is not host.pool):
+        pool.destroy()
 
 
 def free_memory() -> None:
@@ -109,17 +145,19 @@ def new_executor(
     model: PagedTransformer,
     calibration: Calibration | None = None,
     group: TPGroup | None = None,
+    host: SharedHostPool | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
     ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
     ``CostAccountant`` (returned), else on wall time (``None`` returned). ``group``: the
     tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
-    rank reads rank 0's time)."""
+    rank reads rank 0's time). ``host``: the benchmark's ``SharedHostPool`` (one rank)."""
     clock = WallClock() if calibration is None else VirtualClock()
     if group is not None:
         clock = agreed_clock(clock, group, None)
     common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
-                  decode_pool_size=decode_pool_tokens, group=group)  # fmt: skip
+                  decode_pool_size=decode_pool_tokens, group=group,
+                  cache=None if host is None else host.build(args))  # fmt: skip
     if calibration is None:
         return make_executor(args, model=model, **common), None
     recording = RecordingModel(model)

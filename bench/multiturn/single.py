@@ -19,7 +19,14 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor, shared_model
+from bench.e2e.setup import (
+    SharedHostPool,
+    cpu_note,
+    free_memory,
+    new_executor,
+    release_executor,
+    shared_model,
+)
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,
@@ -38,19 +45,19 @@ from prefill.disagg.sim_config import PeerConfig
 
 def run_config(
     name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
-    cal: Calibration | None,
+    cal: Calibration | None, host: SharedHostPool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     args = server_args_for(name, device_tokens, opts)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
-    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal)
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, host=host)
     run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
     out = config_summary(run)
     out["integrity"] = audit(run)
     out["kv_max_rel_err"] = run.kv_max_rel_err
     out["seed"] = seed
     out["server_args"] = args.to_dict()
-    release_executor(ex)
+    release_executor(ex, host)
     return out
 
 
@@ -70,7 +77,9 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
     cal_args = server_args_for("write_back", device_tokens, opts)
     model = shared_model(cal_args)
     longest = longest_prompt(opts)
-    cal = calibrate_run(cal_args, model, opts.chunked_prefill_size, longest)
+    host = SharedHostPool()  # one pinned host pool: the calibration and every L2 configuration
+    cal = calibrate_run(cal_args, model, opts.chunked_prefill_size, longest,
+                        build_cache=host.build)  # fmt: skip
     print(f"[multiturn] calibration: {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
     print(f"[multiturn] arrivals {rate:.2f}/s (load {opts.load:g} of device-only capacity)")
@@ -82,14 +91,17 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
             if not budget.allows(f"{name}/seed{seed}"):
                 print(f"[multiturn] {name} seed {seed}: skipped, {time_left():.0f} s left")
                 continue
+            print(f"[multiturn] {name} seed {seed}: running", flush=True)
             with budget.timed():
                 results[name] = run_config(name, seed, device_tokens, rate, opts, model,
-                                           cal if opts.clock == "virtual" else None)  # fmt: skip
+                                           cal if opts.clock == "virtual" else None,
+                                           host)  # fmt: skip
             free_memory()
             add_ratios(results)
             # Written after every configuration, so a run cut short still leaves its results.
             write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
                                                 "partial": True, "per_seed": per_seed})  # fmt: skip
+    host.release()
     del model
     free_memory()
     configs = aggregate_seeds(per_seed, HEADLINE_KEYS, RATIO)
@@ -108,6 +120,7 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
         "integrity": sum_integrity(configs),
         "note": note,
         "skipped_for_time": budget.skipped,
+        "host_pool_allocations": host.allocations,
     }
     doc = {"workload": vars(opts), "note": note, "summary": summary, "per_seed": per_seed}
     path = write_result(out_dir, "multiturn", doc)

@@ -19,13 +19,13 @@ from bench.e2e.workload import make_conversations, working_set_tokens
 from hicache.memory.allocator import page_ceil
 from server_args import ServerArgs
 
-CONFIGS = {
+CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) first
     "device_only": dict(enable_hierarchical_cache=False),
     "write_through": dict(enable_hierarchical_cache=True, hicache_write_policy="write_through"),
+    "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
     "write_through_selective": dict(
         enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"
     ),
-    "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
 }
 
 SIZES = {

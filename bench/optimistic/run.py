@@ -14,7 +14,7 @@ from typing import Any
 from bench.clock.calibrate import Calibration
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
-from bench.e2e.setup import model_args, new_executor, release_executor
+from bench.e2e.setup import SharedHostPool, model_args, new_executor, release_executor
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
@@ -101,13 +101,16 @@ def _warm(ex: Any, prefixes: list[list[int]]) -> None:
         ex.decode.release(f"warm-{i}")
 
 
-def calibrate_prefill_s(opts: argparse.Namespace, model: Any, cal: Calibration | None) -> float:
+def calibrate_prefill_s(
+    opts: argparse.Namespace, model: Any, cal: Calibration | None,
+    host: SharedHostPool | None = None,
+) -> float:  # fmt: skip
     """Median prefill latency (on the benchmark's clock: virtual with ``cal``, else wall) of a
     request whose prefix is cached, peers ready at once, one at a time: the bootstrap delays
-    and arrival rates are set from it."""
+    and arrival rates are set from it. ``host``: the benchmark's shared host pool."""
     trace = make_trace(opts, 0, [0.0] * (opts.num_prefixes + 3), DelayDistribution(), 0.0)
     args = Trace.server_args(opts, 0, 0.0, "write_back")
-    ex, _ = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal)
+    ex, _ = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal, host=host)
     _warm(ex, trace.prefixes)
     times = []
     for i, p in enumerate(trace.prompts):
@@ -116,20 +119,21 @@ def calibrate_prefill_s(opts: argparse.Namespace, model: Any, cal: Calibration |
         (res,) = ex.pop_results()
         times.append(res.prefill_latency)
         ex.decode.release(f"cal-{i}")
-    release_executor(ex)
+    release_executor(ex, host)
     times.sort()
     return times[len(times) // 2]
 
 
 def run_config(
-    trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None
-) -> dict[str, Any]:
+    trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
+    host: SharedHostPool | None = None,
+) -> dict[str, Any]:  # fmt: skip
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
                       force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)  # fmt: skip
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
-    ex, cost = new_executor(args, peer, decode_tokens, model, cal)
+    ex, cost = new_executor(args, peer, decode_tokens, model, cal, host=host)
     _warm(ex, trace.prefixes)
     warm = dataclasses.replace(ex.stats)  # counters of the warm-up, not reported
     ledger = ComputeLedger(ex)
@@ -168,7 +172,7 @@ def run_config(
     if out["attempts_used_max"] > budget:
         out["integrity"]["attempt_budget_exceeded"] = 1
     out["server_args"] = args.to_dict()
-    release_executor(ex)
+    release_executor(ex, host)
     return out
 
 

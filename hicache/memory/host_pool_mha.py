@@ -54,6 +54,10 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
     def _token_shapes(self) -> list[tuple[int, ...]]:
         return [(self.head_num, self.head_dim), (self.head_num, self.v_head_dim)]
 
+    def _token_shapes_of(self, device_pool: Any) -> list[tuple[int, ...]]:
+        v_dim = getattr(device_pool, "v_head_dim", None) or device_pool.head_dim
+        return [(device_pool.head_num, device_pool.head_dim), (device_pool.head_num, v_dim)]
+
     # --- copies --------------------------------------------------------------------------------
     def backup_from_device_all_layer(
         self,

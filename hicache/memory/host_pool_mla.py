@@ -45,6 +45,12 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
     def _token_shapes(self) -> list[tuple[int, ...]]:
         return [(1, self.kv_cache_dim)]
 
+    def _token_shapes_of(self, device_pool: Any) -> list[tuple[int, ...]]:
+        dim = getattr(device_pool, "kv_cache_dim", None) or (
+            device_pool.kv_lora_rank + device_pool.qk_rope_head_dim
+        )
+        return [(1, dim)]
+
     def backup_from_device_all_layer(
         self,
         device_pool: Any,

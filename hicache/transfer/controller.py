@@ -76,6 +76,7 @@ from collections import deque
 import numpy as np
 import torch
 
+import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
@@ -83,7 +84,7 @@ from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.acks import HiCacheAck, ack_error
+from hicache.transfer.acks import HiCacheAck, ack_error, check_indices
 from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
 from hicache.transfer.errors import BackupError, CopyError, LoadBackError
 from hicache.transfer.layer_done_counter import LayerDoneCounter
@@ -273,6 +274,11 @@ class HiCacheController(ControllerWrites, ControllerLoads):
             self._busy.remove(usage)
         error = ack_error(ack)
         if error is None:
+            try:  # an index the kernel found out of range fails the copy (issue 19)
+                check_indices(ack)
+            except kernels.KVIndexError as exc:
+                error = exc
+        if error is None:
             start = ack.copy_start_event if ack.copy_start_event is not None else ack.start_event
             secs = start.elapsed_time(ack.finish_event) / 1e3
             self.stats.record_copy(direction, ack.nbytes, secs)
@@ -287,6 +293,15 @@ class HiCacheController(ControllerWrites, ControllerLoads):
     @staticmethod
     def _failure(ack: HiCacheAck, direction: str, error: BaseException) -> CopyError:
         ids = ack.node_ids
+        cls = BackupError if direction == "d2h" else LoadBackError
+        if isinstance(error, kernels.KVIndexError):  # the kernel skipped a pair: incomplete copy
+            return cls(
+                f"{error.op}({error.argument})",
+                f"the copy of node ids {ids} skipped slot {error.slot} (out of range for "
+                f"{error.n_slots} slots) and is incomplete",
+                ids,
+                error,
+            )
         if direction == "d2h":
             return BackupError(
                 f"backup_from_device_all_layer(device_indices=[{ack.device_indices.numel()} "

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+import kernels
 from hicache.tp.agreed import agreed_alloc
 from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
 from hicache.transfer.busy_pages import BusyPages, CopyUsage
@@ -124,8 +125,9 @@ class ControllerLoads:
         pid = counter.update_producer(node_ids)
         lev = counter.events[pid]
         progress = [-1]  # the layer being launched
+        watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
         try:
-            copy_start = self._launch_loads(lev, host_indices, device_indices, progress)
+            copy_start = self._launch_loads(lev, host_indices, device_indices, progress, watch)
         except Exception as exc:
             self._settle_after_failed_launch(self.load_stream)
             counter.release(pid)
@@ -153,6 +155,7 @@ class ControllerLoads:
                 tuple(op.usage for op in ops),
                 copy_start_event=copy_start,
                 step_events=tuple(lev.load_events),
+                watch=watch,
             )
         )
         counter.set_consumer(pid)
@@ -164,10 +167,12 @@ class ControllerLoads:
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         progress: list[int],
+        watch: kernels.CopyWatch,
     ) -> Event:
         """Queue one H2D per layer on the load stream (CUDA and inline streams run them here,
-        and raise here); ``progress[0]`` is the layer being launched. Returns the timing start
-        event, recorded on the load stream after its waits."""
+        and raise here); ``progress[0]`` is the layer being launched; every layer's ops run
+        under ``watch`` (bad indices the kernel skipped, read at the ack). Returns the timing
+        start event, recorded on the load stream after its waits."""
         lev.start_event.record(self.streams.compute)
         self.load_stream.wait_event(lev.start_event)
         if self.ack_write_queue and self._busy.host_being_written(host_indices):
@@ -181,7 +186,8 @@ class ControllerLoads:
         def load_layer(layer: int) -> None:  # the first layer moves the indices, on this stream
             if not moved:
                 moved.append(self._move_indices(host_indices, device_indices))
-            pool.load_to_device_per_layer(dev, *moved[0], layer, io, validate=False)
+            with watch:
+                pool.load_to_device_per_layer(dev, *moved[0], layer, io, validate=False)
 
         for layer in range(self.layer_num):
             progress[0] = layer

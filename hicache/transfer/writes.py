@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import kernels
 from hicache.tp.agreed import agreed_alloc
 from hicache.transfer.acks import HiCacheAck, ack_count, count_finished
 from hicache.transfer.busy_pages import BusyPages, CopyUsage, cat_cpu
@@ -136,10 +137,12 @@ class ControllerWrites:
         # Timed from the side stream's start, so copy time excludes the wait behind the forward.
         start = self.write_stream.record(self.streams.new_event(enable_timing=True))
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        watch = kernels.watch_copies(self.device_pool.device)  # issue 19: bad indices, at the ack
 
         def backup() -> None:  # index moves run on the write stream too, ordered before the copy
             h, d = self._move_indices(host_indices, device_indices)
-            pool.backup_from_device_all_layer(dev, h, d, io)
+            with watch:
+                pool.backup_from_device_all_layer(dev, h, d, io)
 
         self.write_stream.submit(backup)
         finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
@@ -153,6 +156,7 @@ class ControllerWrites:
             self._nbytes(host_indices),
             usages=(usage,),
             copy_start_event=start,
+            watch=watch,
         )
 
     def count_finished_writes(self) -> int:
