@@ -1,7 +1,8 @@
 """The L3 tier over ``MooncakeStore`` in this process, with the fake Mooncake (``fake_mooncake``):
 two executors share pages (KV equal to a recompute), every Mooncake call comes from a storage IO
 thread (never the scheduler's), a master that goes down costs storage, not service, and a full
-store leaves no host page behind, in ``cache`` and ``buffer_only`` host memory."""
+store or a failed read (-800, -704, an object of another size) is counted, recomputed and leaves
+no host page behind, in ``cache`` and ``buffer_only`` host memory."""
 
 from __future__ import annotations
 
@@ -121,4 +122,27 @@ def test_a_full_store_is_counted_and_leaves_no_host_page_behind(cluster, mode):
     assert r.cached_storage_tokens == 20  # the stored prefix, the rest recomputed
     assert host_free(reader)
     ex.cache.close()
+    reader.cache.close()
+
+
+@pytest.mark.parametrize("mode, code", [("cache", -800), ("buffer_only", -704),
+                                        ("cache", "smaller")])  # fmt: skip
+def test_a_failed_read_is_recomputed_counted_and_leaves_no_host_page_behind(cluster, mode, code):
+    p = prompt(40, seed=50)  # 10 pages
+    writer = make(mode)
+    serve(writer, {"a": p})
+    v4 = [n for n in cluster.put_names if n.endswith("_v")][4]  # page 4's V object
+    if code == "smaller":  # another geometry under the name: Mooncake returns its size
+        cluster.objects[v4] = cluster.objects[v4][:-4]
+    else:  # the owner died (-800), or left the store (-704), after B saw the page exist
+        cluster.get_codes[v4] = code
+    reader = make(mode)
+    r = serve(reader, {"b": p + [1]})["b"]  # KV checked against the decode side's recompute
+    assert (r.cached_storage_tokens, r.computed_tokens) == (16, 25)  # pages 0-3 read, 4 failed
+    st, bs = reader.cache.storage.stats, backend(reader).get_stats()
+    assert (st.prefetch_hit_tokens, st.prefetch_fetched_tokens) == (40, 16)  # agreed, then read
+    assert bs.pages_read_failed >= 1
+    assert (bs.wrong_size if code == "smaller" else sum(bs.errors.values())) >= 1
+    assert host_free(reader)
+    writer.cache.close()
     reader.cache.close()
