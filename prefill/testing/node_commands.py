@@ -15,7 +15,8 @@ Executors (one per name; under ``--world 2`` a ``tp_size=2`` executor spans both
   counters;
 - ``exists {name, prompts}``: per prompt, how many of its whole pages the backend finds
   (``batch_exists`` of SGLang's keys under this executor's model name);
-- ``evict {name}``: everything evictable leaves the device and the host pool;
+- ``evict {name}``: everything evictable leaves the device and the host pool; returns the
+  tree's device tokens left and ``host_free`` (every host slot free again: none leaked);
 - ``wait_health {name, healthy, timeout_s}``: polls the Mooncake client's ``health_check``
   until it is 0 (``healthy``) or not 0;
 - ``close {name}``.
@@ -175,7 +176,8 @@ def evict(node: Node, msg: dict) -> Any:
         ex.tree.evict_host(host.size)
     ex.drain_cache_events()
     ex.check_integrity()
-    return {"device_tokens": ex.tree.total_size()}
+    free = None if host is None else host.available_size() == host.size
+    return {"device_tokens": ex.tree.total_size(), "host_free": free}
 
 
 def wait_health(node: Node, msg: dict) -> Any:

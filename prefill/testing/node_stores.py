@@ -8,8 +8,10 @@
   are a pure function of the page number (``_pattern``), under keys of that number, one
   ``batch_set_v1`` per pool-full of pages; returns one ``bool`` per page. ``loop``: on a thread,
   from ``start`` upwards without end (``progress`` in ``store_stats``: pages put so far);
-- ``store_check {name, start, count}``: reads them back into the host pool and counts ``ok``
-  (the bytes written), ``miss`` and ``bad`` (read back wrong);
+- ``store_check {name, start, count, until_gap}``: reads them back into the host pool and counts
+  ``ok`` (the bytes written), ``miss`` and ``bad`` (read back wrong). ``until_gap``: stop after
+  the first pool-full of pages that all miss, once a page was found (a ``loop`` writer stores
+  one pool-full after the other, so nothing of it lies beyond such a gap);
 - ``store_stats {name}``: the backend's counters and the loop's ``progress``.
 
 Rank 0 only (other ranks answer ``None``).
@@ -110,6 +112,8 @@ def store_check(node: Node, msg: dict) -> Any:
                 continue
             data = pool.get_data_page(i * ps, flat=True).contiguous().view(torch.uint8)
             counts["ok" if torch.equal(data, _pattern(p, pool.page_nbytes)) else "bad"] += 1
+        if msg.get("until_gap") and not any(got) and counts["ok"] + counts["bad"]:
+            break
     return counts
 
 
