@@ -9,7 +9,11 @@ CPU_TORCH ?= torch==2.13.0
 # Linux torch wheel is the CUDA one). When it cannot be reached, the default index is used.
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: test bench lint clean sglang-check bench-vs-sglang
+.PHONY: test bench lint clean sglang-check bench-vs-sglang mooncake
+
+# Mooncake's transfer engine (the PD transport, bench.pd) and the loopback shim: optional,
+# installed by the stamp below; one line each, never failing the make.
+include mk/mooncake.mk
 
 # $(call cpu_torch,PIP): install $(CPU_TORCH) with PIP from $(CPU_INDEX), or from the default
 # index when that one is unreachable or its install fails (one shell line).
@@ -24,7 +28,7 @@ cpu_torch = if $(PY) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/tor
 	$(1) install -q $(CPU_TORCH); \
 	fi
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile mk/mooncake.mk $(LOOPBACK_SRC)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 		echo "[setup] CUDA torch found for $(PY): venv shares its site-packages"; \
 		$(PY) -m venv --system-site-packages $(VENV); \
@@ -38,7 +42,13 @@ $(STAMP): pyproject.toml Makefile
 		fi; \
 	fi
 	$(BIN)/pip install -q -e '.[test,bench]'
+	@$(call mooncake_install,$(VENV))
+	@$(call loopback_shim)
 	@touch $(STAMP)
+
+mooncake: $(STAMP)
+	@$(call mooncake_install,$(VENV))
+	@$(call loopback_shim)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

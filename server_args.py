@@ -37,6 +37,9 @@ WRITE_POLICY_CHOICES = ("write_through", "write_through_selective", "write_back"
 IO_BACKEND_CHOICES = ("kernel", "direct")
 MEM_LAYOUT_CHOICES = ("layer_first", "page_first", "page_first_direct")
 DISAGGREGATION_MODE_CHOICES = ("null", "prefill", "decode")
+# "simulated": the in-process decode simulation (this project's default, deterministic);
+# "mooncake": a real decode worker, KV over Mooncake's transfer engine (SGLang's default).
+TRANSFER_BACKEND_CHOICES = ("simulated", "mooncake")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape", "deepseek-v2-lite-shape", "deepseek-v3-shape")
@@ -294,6 +297,23 @@ class ServerArgs:
     optimistic_prefill_attempts: int = _opt(
         0, "Optimistic forward passes a request may run before its decode peer is ready; 0 = off."
     )
+    disaggregation_transfer_backend: str = _opt(
+        "simulated",
+        "The backend for disaggregation transfer: simulated = the in-process decode simulation "
+        "(deterministic; tests and the virtual-clock benchmarks); mooncake = decode worker "
+        "processes, KV written into their memory by Mooncake's transfer engine (SGLang's "
+        "default).",
+        choices=TRANSFER_BACKEND_CHOICES,
+    )
+    disaggregation_bootstrap_port: int = _opt(
+        8998, "Bootstrap server port on the prefill server (mooncake backend); 0 = a free port."
+    )
+    host: str = _opt(
+        "127.0.0.1",
+        "The host the prefill server's listeners bind (the mooncake backend's bootstrap server, "
+        "control socket and transfer engines).",
+        type=str,
+    )
     optimistic_prefill_write_through: bool = _opt(
         False,
         "Keep optimistic prefill under L2 write_through (SGLang 0.5.23's gate): a request whose "
@@ -401,6 +421,13 @@ class ServerArgs:
         choice("hicache_io_backend", IO_BACKEND_CHOICES)
         choice("hicache_mem_layout", MEM_LAYOUT_CHOICES)
         choice("disaggregation_mode", DISAGGREGATION_MODE_CHOICES)
+        choice("disaggregation_transfer_backend", TRANSFER_BACKEND_CHOICES)
+        port = self.disaggregation_bootstrap_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            errors.append(f"--disaggregation-bootstrap-port={port!r} must be an integer in "
+                          "[0, 65535]")  # fmt: skip
+        if not isinstance(self.host, str) or not self.host:
+            errors.append(f"--host={self.host!r} must be a host name or address")
         choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
         choice("hicache_host_memory_mode", HOST_MEMORY_MODE_CHOICES)
 
@@ -669,6 +696,11 @@ class ServerArgs:
             out.append("--uses-mamba-radix-cache: mamba models are not implemented")
         if self.disable_radix_cache:
             out.append("--disable-radix-cache: the runtime always uses a radix cache")
+        if self.disaggregation_transfer_backend == "mooncake" and self.tp_size > 1:
+            out.append(
+                f"--disaggregation-transfer-backend=mooncake with --tp-size={self.tp_size}: the "
+                "Mooncake transport serves one prefill rank"
+            )
         return out
 
     def check_runtime_supported(self) -> None:

@@ -32,6 +32,7 @@ SUITE = [
     ("bench.cache_ops.bench", "cache_ops"),
     ("bench.multiturn.bench", "multiturn"),
     ("bench.optimistic.bench", "optimistic"),
+    ("bench.pd.bench", "pd"),  # wall clock, real decode processes over Mooncake (or skipped)
     ("bench.l3.bench", "l3"),
     ("bench.mooncake_store.bench", "mooncake_store"),  # skipped (with the reason) without Mooncake
 ]

@@ -23,9 +23,10 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
    host hits (``prefill.scheduler.batch``);
 6. for each request whose prefill finished: publish its pages; forced-not-ready -> yield;
    pending -> park; finalized -> send the rest (last chunk);
-7. ``process_inflight_queue``: parked + ready -> finalize, publish and send; parked + failed ->
-   abort; parked + bootstrapping while every running slot is held and others wait -> yield;
-   transfer ``Success`` -> release and report; ``Failed`` -> abort.
+7. ``process_inflight_queue``: aborted requests whose transport reads none of their sends any
+   more are released and reported (draining); parked + ready -> finalize, publish and send;
+   parked + failed -> abort; parked + bootstrapping while every running slot is held and others
+   wait -> yield; transfer ``Success`` -> release and report; ``Failed`` -> abort.
 
 **Publishing a pending attempt's KV** follows what the tree declares of its write policy
 (``tree.backs_up_on_insert``; ``prefill.scheduler.pending_kv``): without backups at insert (device
@@ -40,8 +41,9 @@ cache built from other flags, cannot run optimism the gate turned off.
 
 Nothing is sent, and ``peer.init`` (the metadata) is not called, before finalize. Yield =
 publish what the policy allows, release slots and lock, reset, requeue at the head of waiting
-(another optimistic attempt) or at the tail of bootstrap once attempts are used up. Abort
-releases everything at once (a failed peer reads nothing more) and sends nothing more.
+(another optimistic attempt) or at the tail of bootstrap once attempts are used up. Abort sends
+nothing more and releases everything once the transport reads none of the request's sends (at
+once with the simulation; with a real transport after its running call returned).
 
 Long runs: a request is forgotten once its outcome is reported; results wait in ``results``
 until ``pop_results()`` hands them out (``result(rid)`` reads one not yet popped), after which
@@ -79,9 +81,8 @@ import torch
 
 from hicache.tp.group import SingleRankGroup, TPGroup
 from prefill.clock import Clock, WallClock
+from prefill.disagg.backends import make_decode_backend
 from prefill.disagg.protocol import DecodeBackend, DecodeLink, force_not_ready
-from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_side import DecodeSide
 from prefill.integrity import check_executor
 from prefill.model.paged import PagedTransformer
 from prefill.request.kv import RequestKV
@@ -120,8 +121,9 @@ class OptimisticPrefillExecutor:
             built from ``args`` when omitted. Admission records prefix hits in ``cache.stats``.
         model: the paged model; built from ``args`` when omitted.
         clock: time source (``VirtualClock`` for tests); ``WallClock`` when omitted.
-        decode: the decode instance (a ``prefill.disagg.protocol.DecodeBackend``); the
-            in-process simulation (``DecodeSide``) built from ``args`` when omitted.
+        decode: the decode instance (a ``prefill.disagg.protocol.DecodeBackend``); when
+            omitted, the one ``--disaggregation-transfer-backend`` names, built from ``args``
+            (``prefill.disagg.backends``; the in-process simulation by default).
         cost_model: seconds charged to the clock per forward (virtual clocks only).
         group: the tensor-parallel cache group (``hicache.tp.group.new_cache_group()``) when
             the cache is built here; otherwise the cache's. At more than one rank the clock is
@@ -174,24 +176,25 @@ class OptimisticPrefillExecutor:
         self.allocator = cache.allocator
         self.clock: Clock = clock
         self.page_size = self.allocator.page_size
+        mrr = getattr(args, "max_running_requests", None)
+        self.max_running_requests = int(mrr) if mrr else DEFAULT_MAX_RUNNING_REQUESTS
+        n_metadata = metadata_buffer_count(self.max_running_requests)
         if decode is None:
-            decode = DecodeSide(
-                self.pool, self.clock, PeerConfig.from_server_args(args),
-                size=decode_pool_size or self.allocator.size, keep_received=False,
+            decode = make_decode_backend(
+                args, self.pool, self.clock, n_metadata,
+                decode_pool_size=decode_pool_size or self.allocator.size,
             )  # fmt: skip
         self.decode: DecodeBackend = decode
         self.max_attempts = max_attempts
         # A pending attempt's KV is never inserted into a tree that backs up at insert.
         self.unpublished_pending = bool(self.tree.backs_up_on_insert)
-        mrr = getattr(args, "max_running_requests", None)
-        self.max_running_requests = int(mrr) if mrr else DEFAULT_MAX_RUNNING_REQUESTS
         cps = int(args.chunked_prefill_size)
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
         self.kv = RequestKV(cache, self.stats)
         self.storage_prefetch = StoragePrefetch(cache, self.clock)
         self.requests: dict[str, PrefillRequest] = {}
-        self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
+        self.metadata = ReqToMetadataIdxAllocator(n_metadata)
         self.polls = PeerPolls(self.group)
         self.driver = TPDriver(
             self.group, self.clock, accept=self._accept, release=self.decode.release,
@@ -274,7 +277,7 @@ class OptimisticPrefillExecutor:
         self.stats.submitted += 1
 
     def release_received(self, rid: str) -> None:
-        """Free the decode side's kept KV of ``rid`` (``DecodeSide.release``); under tensor
+        """Free the decode side's kept KV of ``rid`` (``decode.release``); under tensor
         parallelism rank 0 asks and every rank frees its own at the next step (on the other
         ranks this call does nothing: rank 0's request reaches them)."""
         self.driver.release(rid)
@@ -407,6 +410,7 @@ class OptimisticPrefillExecutor:
     def is_idle(self) -> bool:
         return not (
             self.bootstrap_queue or self.waiting_queue or self.chunked_req or self.inflight_queue
+            or self.draining_queue
         )
 
     def result(self, rid: str) -> RequestResult | None:
@@ -425,7 +429,8 @@ class OptimisticPrefillExecutor:
             f"bootstrap={[r.rid for r in self.bootstrap_queue]} "
             f"waiting={[r.rid for r in self.waiting_queue]} "
             f"chunked={self.chunked_req.rid if self.chunked_req else None} "
-            f"inflight={[r.rid for r in self.inflight_queue]}"
+            f"inflight={[r.rid for r in self.inflight_queue]} "
+            f"draining={[r.rid for r in self.draining_queue]}"
         )
 
     # ================================================================== queues (read-only views)
@@ -447,6 +452,11 @@ class OptimisticPrefillExecutor:
         return self.inflight.inflight_queue
 
     @property
+    def draining_queue(self) -> list[PrefillRequest]:
+        """Aborted requests that keep their KV until the transport reads none of their sends."""
+        return self.inflight.draining_queue
+
+    @property
     def results(self) -> dict[str, RequestResult]:
         """Results not popped yet, by rid, in finish order."""
         return self.inflight.results
@@ -463,7 +473,7 @@ class OptimisticPrefillExecutor:
         s = self.stats
         return (
             s.successes, s.aborts, s.sends, s.admissions, s.finalized, s.yields,
-            len(self.inflight_queue), len(self.bootstrap_queue),
+            len(self.inflight_queue), len(self.bootstrap_queue), len(self.draining_queue),
         )  # fmt: skip
 
     def request_owned_slots(self) -> int:

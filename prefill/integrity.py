@@ -4,8 +4,9 @@
 
 - every request in flight is in exactly one queue and its ``stage`` says which, and the
   executor knows no other request (a finished one is forgotten once its result is reported);
-- requests in the bootstrap or waiting queue hold no KV (no slots, no lock); running and
-  inflight ones hold a lock on their ``last_node``;
+- requests in the bootstrap or waiting queue hold no KV (no slots, no lock); running,
+  inflight and draining ones (aborted, waiting for the transport to stop reading their sends)
+  hold a lock on their ``last_node``;
 - metadata buffers: every admitted request (waiting, running, inflight) holds one, requests in
   the bootstrap queue hold none, and held + free == the pool;
 - under a tree that backs up at insert, a pending request owns all of its computed KV (nothing
@@ -41,6 +42,7 @@ class ExecutorView(Protocol):
     bootstrap_queue: list[PrefillRequest]
     waiting_queue: list[PrefillRequest]
     inflight_queue: list[PrefillRequest]
+    draining_queue: list[PrefillRequest]
     chunked_req: PrefillRequest | None
 
     def request_owned_slots(self) -> int: ...
@@ -63,6 +65,7 @@ def check_executor(ex: ExecutorView) -> None:
         Stage.BOOTSTRAP: ex.bootstrap_queue,
         Stage.WAITING: ex.waiting_queue,
         Stage.INFLIGHT: ex.inflight_queue,
+        Stage.DRAINING: ex.draining_queue,
         Stage.RUNNING: [ex.chunked_req] if ex.chunked_req else [],
     }
     seen: dict[str, Stage] = {}

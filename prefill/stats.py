@@ -28,8 +28,9 @@ class ExecutorStats:
     attempts were used up. ``parked_yields``: parked requests yielded because every running
     slot was taken while others waited (SGLang's rule). ``bootstrap_failures``: peers that
     failed before the request was finalized (``bootstrap_timeouts`` of them by timeout);
-    ``transfer_failures``: after. ``metadata_buffer_waits``: admissions put off for lack of a
-    metadata buffer (one per request and step).
+    ``transfer_failures``: after. ``abort_drains``: aborts that waited for the transport to stop
+    reading the request's sends before freeing its slots. ``metadata_buffer_waits``: admissions
+    put off for lack of a metadata buffer (one per request and step).
 
     ``unpublished_dropped_tokens``: KV computed by a pending attempt and freed unpublished (its
     yield or abort, under a policy that backs up at insert). ``yield_recomputed_tokens``:
@@ -62,6 +63,7 @@ class ExecutorStats:
     bootstrap_failures: int = 0
     bootstrap_timeouts: int = 0
     transfer_failures: int = 0
+    abort_drains: int = 0
     successes: int = 0
     metadata_buffer_waits: int = 0
     forward_passes: int = 0

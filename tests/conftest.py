@@ -1,7 +1,13 @@
 """Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path,
 sharding and per-test progress lines for ``bench/gpu_check.sh`` (``HICACHE_TEST_SHARD``,
-``HICACHE_TEST_PROGRESS``), and the ``one_torch_thread`` fixture (modules running the tiny
-model use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+``HICACHE_TEST_PROGRESS``), the ``one_torch_thread`` fixture (modules running the tiny model use
+it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``), and the loopback shim.
+
+Loopback shim: where Mooncake's engine is installed, a pytest run re-executes itself once under
+``LD_PRELOAD`` of the loopback shim (``hicache.mooncake.loopback``), because the Mooncake tests
+start transfer engines in this process and an engine's listeners would otherwise bind every
+interface. ``HICACHE_LOOPBACK_REEXEC=0`` turns this off (those tests then skip). Children of the
+test process do not inherit ``LD_PRELOAD``."""
 
 from __future__ import annotations
 
@@ -21,6 +27,25 @@ from kernels._env import cuda_available, ensure_triton_interpret  # noqa: E402
 ensure_triton_interpret()
 
 HAS_CUDA = cuda_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from hicache.mooncake import availability, loopback
+
+    if loopback.shim_loaded():
+        loopback.forget_preload()
+        return
+    if "pytest" not in os.path.basename(os.path.dirname(sys.argv[0])) + sys.argv[0]:
+        return  # pytest.main() inside another program: not re-executed
+    if not availability.installed():
+        return  # the Mooncake tests skip with their one line
+    env = loopback.reexec_env()
+    if env is None:
+        return
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.stop_global_capturing()  # the new process gets the terminal, not capture files
+    loopback.reexec_under_shim(env)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

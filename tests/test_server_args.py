@@ -288,6 +288,20 @@ def test_runtime_refuses_unimplemented_features():
         assert flag in str(err.value)
 
 
+def test_transfer_backend_flags():
+    args = ServerArgs()
+    assert args.disaggregation_transfer_backend == "simulated"  # SGLang's default is mooncake
+    assert (args.disaggregation_bootstrap_port, args.host) == (8998, "127.0.0.1")  # SGLang's
+    cli = prepare_server_args(["--disaggregation-transfer-backend", "mooncake",
+                               "--disaggregation-bootstrap-port", "0"])  # fmt: skip
+    assert cli.disaggregation_transfer_backend == "mooncake"
+    assert cli.disaggregation_bootstrap_port == 0
+    cli.check_runtime_supported()
+    tp = ServerArgs(disaggregation_transfer_backend="mooncake", tp_size=2)
+    with pytest.raises(ValueError, match="transfer-backend=mooncake with --tp-size=2"):
+        tp.check_runtime_supported()
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs, message",
@@ -361,6 +375,15 @@ def test_runtime_refuses_unimplemented_features():
             dict(disaggregation_transfer_failure_prob=1.5),
             "--disaggregation-transfer-failure-prob=1.5 must be a probability",
         ),
+        (
+            dict(disaggregation_transfer_backend="nixl"),
+            "--disaggregation-transfer-backend='nixl' is not one of simulated, mooncake",
+        ),
+        (
+            dict(disaggregation_bootstrap_port=70000),
+            "--disaggregation-bootstrap-port=70000 must be an integer in [0, 65535]",
+        ),
+        (dict(host=""), "--host='' must be a host name or address"),
     ],
 )
 def test_bad_input_names_flag_and_value(kwargs, message):

@@ -29,8 +29,7 @@ from bench.e2e.setup import cpu_note
 from bench.mooncake_store import bandwidth, cross
 from bench.multiturn.trace import longest_prompt
 from hicache.memory.allocator import page_ceil
-from hicache.storage.mooncake.client import unavailable_reason
-from hicache.storage.mooncake.loopback import ShimUnavailable, build_shim
+from hicache.mooncake.availability import skip_reason
 from hicache.storage.mooncake.master import MooncakeMaster
 from prefill.testing.node_process import StoreNode, stop_nodes
 
@@ -67,14 +66,8 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
 
 
 def missing() -> str | None:
-    reason = unavailable_reason()
-    if reason is not None:
-        return reason
-    try:
-        build_shim()
-    except ShimUnavailable as e:
-        return str(e)
-    return None
+    """Why the benchmark cannot run here (``mooncake.store`` or the loopback shim), or ``None``."""
+    return skip_reason("store")
 
 
 def _bandwidth(a: StoreNode, b: StoreNode, opts: argparse.Namespace) -> list[dict[str, Any]]:

@@ -51,6 +51,7 @@ from bench.optimistic.run import (
     make_trace,
     run_config,
 )
+from bench.pd.transfer_model import peer_transfer_kwargs
 from prefill.disagg.sim_config import DelayDistribution
 
 ATTEMPTS = (2, 0, 1)
@@ -98,6 +99,9 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     under every seed; returns the write_back summary (with the write_through one, where the
     flag exists, under ``extra_sections``)."""
     opts = parse_args(argv or [], quick)
+    if opts.transfer_model:  # refused before anything runs when unusable
+        transfer = peer_transfer_kwargs(opts.transfer_model)
+        print(f"[optimistic] simulated transfers cost {transfer} (from {opts.transfer_model})")
     note = cpu_note()
     if note:
         print(f"[optimistic] {note}")
@@ -241,6 +245,10 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
                    help="L2 write policies to run (write_through needs the executor's "
                    "optimistic_prefill_write_through flag; skipped without it).")
+    p.add_argument("--transfer-model", type=Path, default=None,
+                   help="A bench_pd.json (python -m bench.pd): the simulated decode peer charges "
+                   "each send the Mooncake transfer cost measured there (its "
+                   "virtual_clock_transfer section); default: transfers cost nothing.")
     add_common_args(p, size["seeds"], size["kv_sample_every"])
     return p.parse_args(argv)  # fmt: skip
 

@@ -15,6 +15,7 @@ from bench.clock.calibrate import Calibration
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
 from bench.e2e.setup import SharedHostPool, model_args, new_executor, release_executor
+from bench.pd.transfer_model import peer_transfer_kwargs
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
@@ -130,8 +131,10 @@ def run_config(
 ) -> dict[str, Any]:  # fmt: skip
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
+    transfer = peer_transfer_kwargs(opts.transfer_model) if opts.transfer_model else {}
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
-                      force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)  # fmt: skip
+                      force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed,
+                      **transfer)  # fmt: skip
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
     ex, cost = new_executor(args, peer, decode_tokens, model, cal, host=host)
     _warm(ex, trace.prefixes)

@@ -8,13 +8,19 @@ simulation (``prefill.disagg.sim_side``) is one implementation.
 
 Also here: ``KVPoll`` (SGLang's states, ordered so that a MIN over ranks is the most
 pessimistic), ``SendRecord`` (the log entry a backend keeps of each send, which tests read to
-prove nothing was sent for an attempt that was not finalized), and the environment knobs SGLang
-applies to every transport (the bootstrap timeout, the force-not-ready test hook).
+prove nothing was sent for an attempt that was not finalized), ``MetadataRow`` (what the last
+send carries besides KV), and the environment knobs SGLang applies to every transport (the
+bootstrap timeout, the force-not-ready test hook).
+
+Backends (``--disaggregation-transfer-backend``, ``prefill.disagg.backends``): ``simulated``
+(``prefill.disagg.sim_side``, the default) and ``mooncake`` (``prefill.disagg.mooncake``: a real
+decode worker process, KV over Mooncake's transfer engine).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +28,8 @@ from enum import IntEnum
 from typing import Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class KVPoll(IntEnum):
@@ -49,6 +57,17 @@ class SendRecord:
     last: bool
 
 
+@dataclass(frozen=True)
+class MetadataRow:
+    """The request's metadata row, carried by its last send (SGLang's ``MetadataBuffers`` row
+    at ``metadata_buffer_index``): the first output token and the prefix tokens prefill had
+    cached. The transport adds the bootstrap room decode checks it against."""
+
+    index: int
+    first_token: int
+    cached_tokens: int
+
+
 class DecodeLink(Protocol):
     """The prefill side's end of one request's link to its decode peer (SGLang's sender).
 
@@ -71,16 +90,25 @@ class DecodeLink(Protocol):
         ``sender.init``, which carries the metadata). Only in ``WaitingForInput``, once."""
         ...
 
-    def send(self, attempt: int, start: int, end: int, src_slots: torch.Tensor, last: bool) -> bool:
+    def send(
+        self,
+        attempt: int,
+        start: int,
+        end: int,
+        src_slots: torch.Tensor,
+        last: bool,
+        metadata: MetadataRow | None = None,
+    ) -> bool:
         """Queue the KV of tokens ``[start, end)`` held in prefill device slots ``src_slots``
-        (int64, ``end - start`` entries); ranges are contiguous from ``decode_prefix_len``.
-        The slots are read later, until the send's ack (``inflight_reads``). False, queueing
-        nothing, when the link has failed."""
+        (int64, ``end - start`` entries); ranges are contiguous from ``decode_prefix_len``, and
+        a non-last one ends on a page boundary. The last send carries ``metadata``. The slots
+        are read later, until the send's ack (``inflight_reads``). False, queueing nothing,
+        when the link has failed."""
         ...
 
     def inflight_reads(self) -> int:
-        """Sends whose source slots may still be read (0 once the link failed and no call
-        can read them any more)."""
+        """Sends whose source slots may still be read: queued, or in a call that has not
+        returned, also after the link failed (the executor frees their slots only at 0)."""
         ...
 
     def next_event_time(self) -> float | None:
@@ -142,6 +170,18 @@ def bootstrap_timeout_from_env() -> float:
     if value <= 0:
         raise ValueError(f"{BOOTSTRAP_TIMEOUT_ENV}={raw!r} must be a positive integer (seconds)")
     return float(value)
+
+
+def force_not_ready_prob(args: object) -> float:
+    """The force-not-ready probability: ``--disaggregation-force-not-ready-prob``, overridden by
+    ``SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB`` (upstream's test hook, with a trace)."""
+    prob = float(getattr(args, "disaggregation_force_not_ready_prob", 0) or 0)
+    env = os.environ.get(FORCE_RETRY_ENV)
+    if env is not None:
+        logger.warning("%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV,
+                       env, prob)  # fmt: skip
+        prob = float(env)
+    return prob
 
 
 def force_not_ready(rid: str, prob: float) -> bool:

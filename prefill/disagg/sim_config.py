@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefill.disagg.protocol import (
     DEFAULT_BOOTSTRAP_TIMEOUT_S,
-    FORCE_RETRY_ENV,
     bootstrap_timeout_from_env,
+    force_not_ready_prob,
 )
 
 logger = logging.getLogger(__name__)
@@ -103,12 +102,7 @@ class PeerConfig:
         ``disaggregation_transfer_bandwidth_gbps``, ``disaggregation_decode_prefix_len``); the
         bootstrap timeout from ``BOOTSTRAP_TIMEOUT_ENV`` (integer seconds, as upstream)."""
         bw_gbps = float(getattr(args, "disaggregation_transfer_bandwidth_gbps", 0.0) or 0.0)
-        force = float(getattr(args, "disaggregation_force_not_ready_prob", 0))
-        env_force = os.environ.get(FORCE_RETRY_ENV)
-        if env_force is not None:  # upstream's test hook spelling wins, with a trace
-            logger.warning("%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV,
-                           env_force, force)
-            force = float(env_force)
+        force = force_not_ready_prob(args)
         return cls(
             bootstrap_delay=DelayDistribution.parse(
                 getattr(args, "disaggregation_bootstrap_delay", "fixed:0")

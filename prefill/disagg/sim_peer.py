@@ -16,7 +16,13 @@ from typing import Any, Protocol
 import torch
 
 from hicache.memory.allocator import page_ceil
-from prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV, TERMINAL, KVPoll, SendRecord
+from prefill.disagg.protocol import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    TERMINAL,
+    KVPoll,
+    MetadataRow,
+    SendRecord,
+)
 from prefill.disagg.sim_config import PeerConfig
 from prefill.disagg.sim_kv import copy_send
 
@@ -90,6 +96,7 @@ class DecodePeer:
         self.received_end = self.decode_prefix_len  # tokens [dpl, received_end) landed
         self.failure: str | None = None
         self.timed_out = False
+        self.first_token: int | None = None
         self._forced_ready = False
 
     # ------------------------------------------------------------------ test controls
@@ -129,10 +136,19 @@ class DecodePeer:
             raise RuntimeError(f"{self.rid}: init called twice")
         self.finalized_attempt = attempt
 
-    def send(self, attempt: int, start: int, end: int, src_slots: torch.Tensor, last: bool) -> bool:
+    def send(
+        self,
+        attempt: int,
+        start: int,
+        end: int,
+        src_slots: torch.Tensor,
+        last: bool,
+        metadata: MetadataRow | None = None,
+    ) -> bool:
         """Queue the KV of tokens ``[start, end)`` held in prefill-pool slots ``src_slots``
         (int64, ``end - start`` entries). Ranges must be contiguous from ``decode_prefix_len``.
-        The source is read when the transfer completes, not now.
+        The source is read when the transfer completes, not now. The last send's ``metadata``
+        row (first token) is kept in ``first_token``.
 
         Returns False, queueing nothing, when the peer has failed (it may fail between the
         caller's last poll and this call, like a real transport); the caller aborts the request
@@ -163,6 +179,8 @@ class DecodePeer:
         transfer = Transfer(attempt, start, end, src_slots.clone(), done_at, fails, last)
         self.transfers.append(transfer)
         self.side.send_log.append(SendRecord(self.rid, attempt, start, end, now, last))
+        if metadata is not None:
+            self.first_token = metadata.first_token
         self.state = KVPoll.Transferring
         return True
 

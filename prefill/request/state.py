@@ -22,6 +22,7 @@ class Stage(enum.Enum):
     WAITING = "waiting"  # admitted, not yet running
     RUNNING = "running"  # holds slots; the chunked request between chunks
     INFLIGHT = "inflight"  # prefill done: parked (pending) or transferring (finalized)
+    DRAINING = "draining"  # aborted; holds its KV until no engine call reads its sends
     DONE = "done"  # has its outcome; holds nothing
 
 

@@ -103,7 +103,8 @@ class ChunkedPrefill:
     def get_new_batch(self) -> Batch:
         """The next extend batch (possibly empty); its new requests leave the waiting queue.
         Collective under tensor parallelism (``check_batch``)."""
-        holding = len(self.inflight.inflight_queue) + int(self.chunked_req is not None)
+        holding = (len(self.inflight.inflight_queue) + len(self.inflight.draining_queue)
+                   + int(self.chunked_req is not None))  # fmt: skip
         batch = self.batch_runner.get_new_batch(
             self.chunked_req, self.admission.candidates(), self.max_running_requests - holding
         )

@@ -7,8 +7,11 @@
   finalized, published and sent once the peer is ready, aborted if it fails, yielded when every
   running slot is taken while others wait) and **transferring** ones (released and reported at
   ``Success``, aborted at ``Failed``).
-- **Abort** (the peer failed at any stage): release everything at once (a failed peer reads
-  none of the sends still in flight), send nothing more, report the error.
+- **Abort** (the peer failed at any stage): send nothing more, release everything and report
+  the error; when the transport still has a call reading the request's sends
+  (``peer.inflight_reads() > 0``, a real transport whose call has not returned yet) the request
+  first **drains**: it keeps its slots, lock and metadata buffer in the draining queue until no
+  call reads them (agreed over ranks), then is released and reported.
 - Every finished request gets a ``RequestResult`` in ``results`` until the caller pops it; the
   request itself is handed to ``on_done`` (the executor forgets it).
 """
@@ -19,7 +22,7 @@ import logging
 from collections.abc import Callable
 
 from prefill.clock import Clock
-from prefill.disagg.protocol import KVPoll
+from prefill.disagg.protocol import KVPoll, MetadataRow
 from prefill.request.kv import RequestKV
 from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
 from prefill.scheduler.admission import AdmissionQueue
@@ -62,6 +65,7 @@ class InflightQueue:
         self.max_running_requests = max_running_requests
         self.page_size = kv.page_size
         self.inflight_queue: list[PrefillRequest] = []
+        self.draining_queue: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
 
     # ------------------------------------------------------------------ sends
@@ -75,7 +79,14 @@ class InflightQueue:
         if end <= req.start_send_idx and not last:
             return
         start = req.start_send_idx
-        sent = req.peer.send(req.attempt, start, end, req.slots[start:end], last=last)
+        metadata = None
+        if last:
+            assert req.first_token is not None
+            metadata = MetadataRow(req.metadata_buffer_index, req.first_token,
+                                   req.cached_device + req.cached_host)  # fmt: skip
+        sent = req.peer.send(
+            req.attempt, start, end, req.slots[start:end], last=last, metadata=metadata
+        )
         if not self.admission.polls.sent(req, sent):
             return  # the peer failed (on some rank): the request aborts at its next poll
         req.start_send_idx = end
@@ -97,15 +108,16 @@ class InflightQueue:
     def process_inflight_queue(self, other_holders: int) -> None:
         """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
         bootstrapping -> yield when starved (below); transfer ``Success`` -> release and
-        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight queue
-        that hold KV (the chunked one).
+        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight and
+        draining queues that hold KV (the chunked one).
 
         Starved (SGLang's rule against a circular wait with the decode side): every running
         slot (``max_running_requests``) is held, and a request waits for one (the waiting queue
         is not empty, or the bootstrap queue is not and no metadata buffer is free). Then a
         parked request whose peer is still bootstrapping yields, one per freed slot."""
+        self.process_draining()
         queue, self.inflight_queue = self.inflight_queue, []
-        holding = len(queue) + other_holders
+        holding = len(queue) + len(self.draining_queue) + other_holders
         for req, state in self.admission.poll_each(queue):
             if state == KVPoll.Failed:
                 self.abort(req)
@@ -138,13 +150,13 @@ class InflightQueue:
     # Slot ownership at abort / completion (see prefill/request/kv.py for the ranges):
     #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
     #   [tree_len, len(slots)) request-owned: freed.
-    #   sends in flight        none at Success (the last range acked last); at abort the peer
-    #                          has failed and reads none of them, so the slots are freed at once.
+    #   sends in flight        none at Success (the last range acked last); at abort the slots
+    #                          (and the metadata buffer the last send reads) are kept until
+    #                          the transport reads none of them (draining), then freed.
     def abort(self, req: PrefillRequest) -> None:
-        """The peer failed: release the request's KV and metadata buffer, report the error.
-        The caller has removed it from its queue (and cleared it as the chunked request)."""
-        if req.peer.inflight_reads():  # before anything changes: the release frees what it reads
-            raise RuntimeError(f"{req.rid}: a failed peer still reads")
+        """The peer failed: send nothing more; release the request's KV and metadata buffer
+        and report the error, after draining its reads (module docstring). The caller has
+        removed it from its queue (and cleared it as the chunked request)."""
         self.stats.aborts += 1
         if req.pending_bootstrap:
             self.stats.bootstrap_failures += 1
@@ -153,6 +165,24 @@ class InflightQueue:
         else:
             self.stats.transfer_failures += 1
         self.pending.drop(req)
+        if self.admission.polls.drained([req])[0]:
+            self._release_aborted(req)
+            return
+        req.stage = Stage.DRAINING
+        self.draining_queue.append(req)
+        self.stats.abort_drains += 1
+
+    def process_draining(self) -> None:
+        """Release and report the aborted requests whose transport reads none of their sends
+        any more (agreed over ranks)."""
+        queue, self.draining_queue = self.draining_queue, []
+        for req, done in zip(queue, self.admission.polls.drained(queue), strict=True):
+            if done:
+                self._release_aborted(req)
+            else:
+                self.draining_queue.append(req)
+
+    def _release_aborted(self, req: PrefillRequest) -> None:
         self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
 

@@ -1,21 +1,28 @@
 """Building blocks shared by the executor's tests and benchmarks: an executor wired to a
 virtual (or wall) clock and a decode side that keeps what it received, and the check that a
-request's decode-side KV equals a full recompute."""
+request's decode-side KV equals a full recompute.
+
+The decode side is the one ``--disaggregation-transfer-backend`` names: the in-process
+simulation (``simulated``, default), or decode worker processes reached over Mooncake
+(``mooncake``: ``prefill.testing.mooncake_decode.MooncakeDecode``, wall clock only; call
+``executor.decode.close()`` when done)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefill.clock import Clock, VirtualClock
+from prefill.clock import Clock, VirtualClock, WallClock
+from prefill.disagg.backends import make_decode_backend
 from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE, DecodeSide
+from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
+from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
 from prefill.tp.driver import agreed_clock
 
 if TYPE_CHECKING:
@@ -53,6 +60,8 @@ def make_executor(
     model: PagedTransformer | None = None,
     send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
     group: TPGroup | None = None,
+    decode_workers: int | Sequence[Any] = 1,
+    worker_options: dict[str, Any] | None = None,
     streams: str | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
@@ -61,8 +70,16 @@ def make_executor(
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
     the model, when not given, this rank's ``TPPagedTransformer``. ``streams``: the CPU stream
-    mode of the cache built here (``build_cache``)."""
-    clock = clock if clock is not None else VirtualClock()
+    mode of the cache built here (``build_cache``).
+
+    With ``--disaggregation-transfer-backend mooncake`` the clock defaults to a ``WallClock``
+    (a virtual one raises ``ValueError``) and ``decode_workers`` decode worker processes are
+    started (``worker_options``: ``DecodeWorker`` arguments such as ``pool_tokens``; their pool
+    defaults to ``decode_pool_size``), or the given ``DecodeWorker`` objects are used (not
+    stopped by ``decode.close()``); ``peer_config.decode_prefix_len`` applies to them too."""
+    mooncake = getattr(args, "disaggregation_transfer_backend", "simulated") == "mooncake"
+    if clock is None:
+        clock = WallClock() if mooncake else VirtualClock()
     cache = cache if cache is not None else build_cache(args, group=group, streams=streams)
     group = getattr(cache, "group", None)
     if group is not None:
@@ -70,10 +87,26 @@ def make_executor(
     if model is None:
         model = build_model(args)
     peer_config = peer_config if peer_config is not None else PeerConfig.from_server_args(args)
-    decode = DecodeSide(
-        cache.device_pool, clock, peer_config, size=decode_pool_size,
-        keep_received=keep_received, send_log_size=send_log_size,
+    mrr = getattr(args, "max_running_requests", None) or DEFAULT_MAX_RUNNING_REQUESTS
+    decode = make_decode_backend(
+        args, cache.device_pool, clock, metadata_buffer_count(mrr), decode_pool_size,
+        keep_received=keep_received, peer_config=peer_config, send_log_size=send_log_size,
     )  # fmt: skip
+    if mooncake:
+        from prefill.testing.mooncake_decode import MooncakeDecode, start_workers
+
+        if isinstance(decode_workers, int):
+            opts = {"pool_tokens": decode_pool_size, **(worker_options or {})}
+            try:
+                workers = start_workers(decode_workers, **opts)
+            except BaseException:
+                decode.close()
+                raise
+            owned = workers
+        else:
+            workers, owned = list(decode_workers), []
+        decode = MooncakeDecode(decode, workers, keep_received=keep_received,
+                                decode_prefix_len=peer_config.decode_prefix_len, owned=owned)
     return OptimisticPrefillExecutor(
         args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model
     )

@@ -16,13 +16,11 @@ agree among themselves as executors do. The process dies with its parent
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import traceback
@@ -30,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hicache.storage.mooncake.master import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def main(handlers: dict[str, Handler], argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--init", default=None)
     opts = p.parse_args(argv)
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    die_with_parent()
     logging.basicConfig(level=os.environ.get("NODE_LOG_LEVEL", "WARNING"),
                         format=f"[rank {opts.rank} %(asctime)s] %(name)s: %(message)s")  # fmt: skip
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ benchmarks in which several instances share one L3 store.
 ``StoreNode(world)`` opens a control listener on loopback, starts ``world`` processes of
 ``python -m prefill.testing.node_commands`` (``module``: another entry, ``node_stores`` for bare
 stores only or the benchmark's) under the loopback shim
-(``hicache.storage.mooncake.loopback.preload_env``: every Mooncake client binds loopback only)
+(``hicache.mooncake.loopback.preload_env``: every Mooncake client binds loopback only)
 with ``PR_SET_PDEATHSIG``, records their pids, and waits until each has connected.
 ``command(cmd, **fields)`` sends one command to every rank and
 returns their results in rank order (``NodeError`` with every rank's message when one failed,
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache.storage.mooncake.loopback import preload_env
+from hicache.mooncake.loopback import preload_env
 from hicache.storage.mooncake.master import free_port
 
 logger = logging.getLogger(__name__)

@@ -168,6 +168,15 @@ class PeerPolls:
             req.peer.fail("a KV send failed on another tensor-parallel rank")
         return agreed
 
+    def drained(self, reqs: Sequence[Any]) -> list[bool]:
+        """Whether each request's peer reads none of its sends any more
+        (``inflight_reads() == 0``), on every rank (one collective, entered for an empty list
+        too)."""
+        local = [int(r.peer.inflight_reads() == 0) for r in reqs]
+        if self.group.size == 1:
+            return [bool(x) for x in local]
+        return [bool(x) for x in self.group.agree_min_many(local, tag="peer_drained")]
+
     def next_event_time(self, decode: Any) -> float | None:
         """The earliest ``next_event_time`` of every rank's decode side."""
         t = decode.next_event_time()

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from hicache.storage.mooncake.loopback import non_loopback, tcp_listeners
+from hicache.mooncake.loopback import non_loopback, tcp_listeners
 from hicache.storage.mooncake.master import MooncakeMaster, free_port
 from prefill.testing.harness import KV_ATOL
 from prefill.testing.node_process import NodeError, StoreNode, stop_nodes

@@ -9,21 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.storage.mooncake.client import unavailable_reason
-from hicache.storage.mooncake.loopback import ShimUnavailable, build_shim
+from hicache.mooncake.availability import skip_reason
 from hicache.storage.mooncake.master import MooncakeMaster
 
 
 def missing() -> str | None:
-    """Why the real-Mooncake tests cannot run here, or ``None``."""
-    reason = unavailable_reason()
-    if reason is not None:
-        return f"Mooncake unavailable: {reason}"
-    try:
-        build_shim()
-    except ShimUnavailable as e:
-        return f"loopback shim unavailable: {e}"
-    return None
+    """Why the real-Mooncake tests cannot run here (``mooncake.store`` or the loopback shim),
+    or ``None``."""
+    return skip_reason("store")
 
 
 needs_mooncake = pytest.mark.skipif(missing() is not None, reason=missing() or "")

@@ -31,9 +31,9 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
+from hicache.mooncake import availability
 from hicache.storage.mooncake.config import MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
@@ -64,17 +64,6 @@ HEALTHY, CLOSED, MASTER_UNREACHABLE = 0, 1, 2
 def error_name(rc: int) -> str:
     """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
     return f"{rc} {ERROR_NAMES.get(rc, 'UNKNOWN')}"
-
-
-@cache
-def unavailable_reason() -> str | None:
-    """Why ``mooncake.store`` cannot be used here (not installed, ``libibverbs.so.1`` missing),
-    or ``None`` when it can."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as e:
-        return f"import mooncake.store failed ({e})"
-    return None
 
 
 def new_distributed_store() -> Any:
@@ -190,7 +179,7 @@ def open_client(
     that fails. Blocks for the probe (up to 2 s) and for ``setup`` (about 0.2 s on loopback)."""
     addr_name = config.source("master_server_address")
     if factory is None:
-        reason = unavailable_reason()
+        reason = availability.module_reason("store")
         if reason is not None:
             raise ValueError(
                 f"--hicache-storage-backend=mooncake needs Mooncake: {reason}; install "

@@ -84,7 +84,8 @@ def master_binary() -> str:
     raise ValueError("mooncake_master not found: install mooncake-transfer-engine-non-cuda")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Make this process die with its parent (``PR_SET_PDEATHSIG``; a child's ``preexec_fn``)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -183,7 +184,7 @@ class MooncakeMaster:
                *LOOPBACK_FLAGS, *flags]  # fmt: skip
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    preexec_fn=_die_with_parent)  # fmt: skip
+                                    preexec_fn=die_with_parent)  # fmt: skip
         return cls(f"{LOOPBACK}:{rpc_port}", metrics_port=metrics_port, process=proc,
                    log_path=log_path, flags=flags)  # fmt: skip
 

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from hicache.storage.mooncake.loopback import non_loopback, tcp_listeners
+from hicache.mooncake.loopback import non_loopback, tcp_listeners
 from hicache.storage.mooncake.master import MooncakeMaster, free_port
 from tests.support.mooncake import mooncake_master, needs_mooncake
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.mooncake import availability
 from hicache.storage.config import storage_config_for_pool
 from hicache.storage.hash_keys import get_hash_str, page_hashes
 from hicache.storage.mooncake import client as client_module
@@ -201,8 +202,9 @@ def test_bad_arguments_and_count_mismatches(cluster):
 
 
 def test_group_semantics_pass_sglangs_group_ids(cluster):
-    if client_module.unavailable_reason() is not None:  # ReplicateConfig is Mooncake's
-        pytest.skip(f"Mooncake unavailable: {client_module.unavailable_reason()}")
+    reason = availability.module_reason("store")  # ReplicateConfig is Mooncake's
+    if reason is not None:
+        pytest.skip(f"Mooncake unavailable: {reason}")
     pool = host_pool("mha", "page_first")
     store = make(pool, enable_group_semantics=True)
     if store._replicate_config is None:
@@ -226,7 +228,7 @@ def test_startup_errors_name_the_setting(cluster, monkeypatch):
     with pytest.raises(ValueError, match="setup failed.*'master_server_address'"):
         make(pool)
     monkeypatch.setattr(MooncakeStore, "store_factory", None)
-    monkeypatch.setattr(client_module, "unavailable_reason", lambda: "import failed (x)")
+    monkeypatch.setattr(availability, "module_reason", lambda module: "import failed (x)")
     with pytest.raises(ValueError, match="needs Mooncake: import failed"):
         make(pool)
 

@@ -1,0 +1,191 @@
+"""Keeping every Mooncake listener on loopback in tests and benchmarks (shared by the PD
+transport, ``prefill.disagg.mooncake``, and the Mooncake Store backend).
+
+Which listeners exist (checked with ``ss -ltnp`` by pid in the tests):
+
+- this project's own sockets (the prefill side's bootstrap HTTP server and control listener, the
+  decode worker's control listener) bind the configured host (``--host``, default
+  ``127.0.0.1``);
+- every Mooncake ``TransferEngine``, also the one each store client embeds: a handshake (RPC)
+  port bound to ``0.0.0.0`` and a TCP data port bound to the IPv6 wildcard ``::``, **whatever
+  hostname it is given** (no environment variable of Mooncake 0.3.13 changes this;
+  ``MC_TCP_BIND_ADDRESS`` does not).
+
+The engines are restricted by an ``LD_PRELOAD`` shim built from ``bind_loopback.c`` (beside this
+file): it rewrites a ``bind()`` to ``0.0.0.0`` into ``127.0.0.1`` and one to ``::`` into
+``::ffff:127.0.0.1``; every other ``bind()`` is unchanged. ``make test`` / ``make bench`` build
+it into ``build/loopback/bind_loopback.so`` (``mk/mooncake.mk``; ``HICACHE_LOOPBACK_SHIM`` names
+another path); ``build_shim`` builds it on first use when a C compiler exists.
+
+Every process with an engine must have the shim preloaded when its host is loopback:
+
+- child processes (decode workers, store clients, benchmark receivers) are started with
+  ``preload_env()``;
+- an engine in the driver's own process (the PD prefill side): ``require_loopback_engines(host)``
+  refuses to start one on a loopback host in a process without the shim, and the drivers that
+  host one (pytest through ``tests/conftest.py``, ``python -m bench.pd``) re-execute themselves
+  under it first (``reexec_under_shim``), where Mooncake is installed
+  (``hicache.mooncake.availability``).
+
+On a real multi-host deployment (``--host`` a routable address) the shim is not used and the
+engines listen on all interfaces, as SGLang's do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHIM_SOURCE = Path(__file__).with_name("bind_loopback.c")
+SHIM_ENV = "HICACHE_LOOPBACK_SHIM"
+"""Names the built shim (default ``<repo>/build/loopback/bind_loopback.so``)."""
+
+REEXEC_ENV = "HICACHE_LOOPBACK_REEXEC"
+"""Set to ``0`` to keep ``reexec_under_shim`` from re-executing; set to ``done`` by it."""
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+class ShimUnavailable(RuntimeError):
+    """The loopback shim cannot be built or loaded here (the reason is the message)."""
+
+
+def shim_path() -> Path:
+    """Where the shim library is (or will be built)."""
+    env = os.environ.get(SHIM_ENV)
+    return Path(env) if env else _REPO / "build" / "loopback" / "bind_loopback.so"
+
+
+def build_shim(path: Path | None = None) -> Path:
+    """The shim library at ``path`` (default ``shim_path()``), compiled from ``SHIM_SOURCE`` when
+    missing or older than the source. Raises ``ShimUnavailable`` without a C compiler or when
+    compiling fails. Safe to call from several processes at once (atomic rename)."""
+    path = Path(path) if path is not None else shim_path()
+    if path.exists() and path.stat().st_mtime >= SHIM_SOURCE.stat().st_mtime:
+        return path
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise ShimUnavailable("no C compiler (cc) to build the loopback shim")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cc, "-shared", "-fPIC", "-O2", "-o", tmp, str(SHIM_SOURCE), "-ldl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise ShimUnavailable(f"building the loopback shim failed: {proc.stderr.strip()}")
+    os.replace(tmp, path)
+    return path
+
+
+def shim_loaded() -> bool:
+    """Whether this process has a library named like the shim mapped (``/proc/self/maps``)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return shim_path().name in maps
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default ``os.environ``) whose ``LD_PRELOAD`` starts with the shim
+    (built if needed; ``ShimUnavailable`` otherwise), for a child process with an engine."""
+    out = dict(os.environ if env is None else env)
+    lib = str(build_shim())
+    rest = [p for p in out.get("LD_PRELOAD", "").split(":") if p and p != lib]
+    out["LD_PRELOAD"] = ":".join([lib, *rest])
+    out[SHIM_ENV] = lib
+    return out
+
+
+def require_loopback_engines(host: str) -> None:
+    """Refuse to start a Mooncake engine on a loopback ``host`` in a process without the shim
+    (its listeners would bind every interface). ``RuntimeError`` says how to run it."""
+    if is_loopback(host) and not shim_loaded():
+        raise RuntimeError(
+            f"a Mooncake engine for host {host} would listen on 0.0.0.0 and ::; start this "
+            f"process with LD_PRELOAD={shim_path()} (built by make test, or by "
+            "hicache.mooncake.loopback.build_shim) to keep it on loopback"
+        )
+
+
+def reexec_env() -> dict[str, str] | None:
+    """The environment ``reexec_under_shim`` would re-execute with, or ``None`` when it would
+    not: the shim is already loaded, ``HICACHE_LOOPBACK_REEXEC`` is ``0`` or ``done``, or the
+    shim cannot be built (logged). Callers re-execute only where Mooncake is installed
+    (``hicache.mooncake.availability.installed``)."""
+    if shim_loaded() or os.environ.get(REEXEC_ENV) in ("0", "done"):
+        return None
+    try:
+        env = preload_env()
+    except ShimUnavailable as e:
+        logger.warning("not re-executing under the loopback shim: %s", e)
+        return None
+    env[REEXEC_ENV] = "done"
+    env["HICACHE_LOOPBACK_PRIOR_PRELOAD"] = os.environ.get("LD_PRELOAD", "")
+    return env
+
+
+def reexec_under_shim(env: dict[str, str] | None = None) -> None:
+    """Re-execute this interpreter with the same command line (``sys.orig_argv``) under the
+    shim, once, when ``reexec_env()`` allows it (or with ``env``); returns, doing nothing,
+    otherwise. The re-executed process calls ``forget_preload()`` so that only the processes
+    this project starts with ``preload_env`` inherit ``LD_PRELOAD``."""
+    env = env if env is not None else reexec_env()
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def forget_preload() -> None:
+    """In a process re-executed by ``reexec_under_shim``: restore the ``LD_PRELOAD`` it had
+    before (the shim stays loaded in this process; children no longer inherit it)."""
+    if os.environ.get(REEXEC_ENV) == "done" and "HICACHE_LOOPBACK_PRIOR_PRELOAD" in os.environ:
+        prior = os.environ.pop("HICACHE_LOOPBACK_PRIOR_PRELOAD")
+        if prior:
+            os.environ["LD_PRELOAD"] = prior
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+
+
+def tcp_listeners(pids: set[int] | list[int]) -> list[tuple[str, int]]:
+    """``(local address, pid)`` of every TCP listener owned by one of ``pids`` (``ss -ltnpH``;
+    ``[]`` when ``ss`` is missing)."""
+    wanted = set(pids)
+    try:
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)} & wanted
+        for pid in owners:
+            found.append((line.split()[3], pid))
+    return found
+
+
+def non_loopback(listeners: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The listeners whose address is not loopback (``127.*``, ``[::1]``, ``[::ffff:127.*]``)."""
+    ok = ("127.", "[::1]", "[::ffff:127.")
+    return [(addr, pid) for addr, pid in listeners if not addr.startswith(ok)]

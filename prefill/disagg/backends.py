@@ -1,0 +1,56 @@
+"""``--disaggregation-transfer-backend``: the one place that picks the decode backend behind the
+executor's decode-peer protocol (``prefill.disagg.protocol``).
+
+- ``simulated`` (default): the in-process simulation (``prefill.disagg.sim_side.DecodeSide``),
+  deterministic on a virtual clock; what the tests and the deterministic benchmarks use.
+- ``mooncake``: the prefill side of the real transport (``prefill.disagg.mooncake.link``): a
+  bootstrap endpoint on ``--host``:``--disaggregation-bootstrap-port``, control messages, and KV
+  written into decode memory with Mooncake's transfer engine. Its requests reach decode through
+  whoever forwards each link's room with the request (SGLang's router;
+  ``prefill.testing.mooncake_decode`` in tests and benchmarks). Wall clock only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hicache.memory.device_pool import KVPool
+from prefill.disagg.protocol import DecodeBackend
+from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_side import DecodeSide
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_BACKENDS = ("simulated", "mooncake")
+
+
+def make_decode_backend(
+    args: Any,
+    pool: KVPool,
+    clock: Any,
+    metadata_size: int,
+    decode_pool_size: int,
+    keep_received: bool = False,
+    peer_config: PeerConfig | None = None,
+    send_log_size: int | None = 10_000,
+) -> DecodeBackend:
+    """The decode backend ``args.disaggregation_transfer_backend`` names, for prefill pool
+    ``pool`` and the executor's ``clock``. ``metadata_size``: the executor's metadata buffers
+    (the prefill rows the real transport registers); ``decode_pool_size``, ``peer_config``: the
+    simulation's decode pool and peer behaviour; ``keep_received``: keep what decode received
+    (the simulation) or the prompts (the real transport's links) for KV checks."""
+    name = getattr(args, "disaggregation_transfer_backend", "simulated")
+    if name == "simulated":
+        cfg = peer_config if peer_config is not None else PeerConfig.from_server_args(args)
+        return DecodeSide(pool, clock, cfg, size=decode_pool_size, keep_received=keep_received,
+                          send_log_size=send_log_size)  # fmt: skip
+    if name == "mooncake":
+        from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
+
+        cfg = MooncakeConfig.from_server_args(args)
+        return MooncakeBackend(pool, clock, cfg, metadata_size, keep_token_ids=keep_received,
+                               send_log_size=send_log_size)  # fmt: skip
+    raise ValueError(
+        f"--disaggregation-transfer-backend {name!r}: choose one of {', '.join(TRANSFER_BACKENDS)}"
+    )

@@ -1,0 +1,138 @@
+"""The decode worker process: ``python -m prefill.disagg.mooncake.decode_worker [flags]``.
+
+A decode instance without a model: its own KV pool and allocator (built with the geometry the
+first prefill announces at its bootstrap endpoint), metadata rows, a Mooncake engine, and
+SGLang's decode-side flow (``prefill.disagg.mooncake.receiver``). It is driven by its parent (the
+router of a test or benchmark, ``prefill.testing.mooncake_decode``) over stdin/stdout: each
+command is one framed message (``wire.encode_frames``) whose first frame is JSON
+``{"op": ..., ...}``; each answer is a JSON frame (``{"ok": true, ...}`` or
+``{"error": ...}``, echoing the command's ``seq``) followed by raw tensor frames for
+``received_kv``.
+
+Commands: ``add`` (rid, room, bootstrap_addr, num_tokens, decode_prefix_len, keep, hold,
+delay_s), ``unhold``, ``abort``, ``release``, ``state`` (rid), ``received_kv`` (rid,
+any_state), ``stats``, ``quit``. The first message on stdout is ``{"ready": true, "pid",
+"session", "control_port"}``. The worker exits when stdin closes.
+
+Flags: ``--host`` (default 127.0.0.1; a loopback host needs the loopback shim preloaded),
+``--max-total-tokens`` (pool size), ``--max-running-requests`` (metadata rows: twice this),
+``--device``, ``--expect-geometry JSON`` (refuse a prefill of another geometry),
+``--check-free-pages`` (the late-write detector). Timeouts come from SGLang's environment
+variables (``receiver``) and Mooncake's (``MC_TCP_PROGRESS_TIMEOUT_SEC``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, BinaryIO
+
+import torch
+
+from hicache.mooncake.loopback import require_loopback_engines
+from prefill.disagg.mooncake.layout import KVGeometry
+from prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
+from prefill.disagg.mooncake.wire import read_stream, write_stream
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m prefill.disagg.mooncake.decode_worker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--max-total-tokens", type=int, default=1 << 16)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--expect-geometry", default=None, help="KVGeometry JSON")
+    p.add_argument("--check-free-pages", action="store_true")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
+    """Run one command; the answer frames."""
+    op = cmd.get("op")
+    rid = cmd.get("rid")
+    extra: list[bytes] = []
+    out: dict[str, Any] = {"ok": True}
+    if op == "add":
+        rx.add(rid, int(cmd["room"]), cmd["bootstrap_addr"], int(cmd["num_tokens"]),
+               int(cmd.get("decode_prefix_len", 0)), bool(cmd.get("keep", True)),
+               bool(cmd.get("hold", False)), float(cmd.get("delay_s", 0.0)))  # fmt: skip
+    elif op == "unhold":
+        rx.unhold(rid)
+    elif op == "abort":
+        rx.abort(rid)
+    elif op == "release":
+        rx.release(rid)
+    elif op == "state":
+        out.update(rx.state(rid))
+    elif op == "received_kv":
+        dpl, first, bufs = rx.received_kv(rid, bool(cmd.get("any_state", False)))
+        out.update(decode_prefix_len=dpl, first_token=first,
+                   tensors=[{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                            for t in bufs])  # fmt: skip
+        extra = [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in bufs]
+    elif op == "stats":
+        out.update(rx.stats())
+    else:
+        raise ValueError(f"unknown command {op!r}")
+    return [json.dumps(out).encode(), *extra]
+
+
+def serve(rx: DecodeReceiver, inp: BinaryIO, out: BinaryIO, ready: dict[str, Any]) -> None:
+    write_stream(out, [json.dumps(ready).encode()])
+    while True:
+        try:
+            frames = read_stream(inp)
+        except EOFError:
+            return
+        seq = None
+        try:
+            cmd = json.loads(frames[0])
+            seq = cmd.get("seq")
+            if cmd.get("op") == "quit":
+                write_stream(out, [json.dumps({"ok": True, "seq": seq}).encode()])
+                return
+            reply = handle(rx, cmd)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            reply = [json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()]
+        head = json.loads(reply[0])
+        head["seq"] = seq
+        write_stream(out, [json.dumps(head).encode(), *reply[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s")
+    # The protocol owns the original stdout; anything else written to fd 1 goes to stderr.
+    proto_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:
+        expect = KVGeometry.from_json(args.expect_geometry) if args.expect_geometry else None
+        require_loopback_engines(args.host)
+        cfg = DecodeConfig.from_env(
+            host=args.host, pool_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests, device=args.device,
+            expect_geometry=expect, check_free_pages=args.check_free_pages,
+        )  # fmt: skip
+        rx = DecodeReceiver(cfg)
+    except (ValueError, RuntimeError) as e:
+        write_stream(proto_out, [json.dumps({"ready": False, "error": str(e)}).encode()])
+        logger.error("decode worker cannot start: %s", e)
+        return 2
+    ready = {"ready": True, "pid": os.getpid(), "session": rx.engine.session_id,
+             "control_port": rx.listener.port}  # fmt: skip
+    try:
+        serve(rx, sys.stdin.buffer, proto_out, ready)
+    finally:
+        rx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""What the two sides register with their engines and how a page is addressed in it: the KV
+geometry both sides must share, the per-layer buffers of a pool, and the metadata (aux) rows.
+
+**Geometry** (``KVGeometry``): MHA (``kind="mha"``: ``layer_num`` layers of K heads
+``head_num x head_dim`` and V heads ``head_num x v_head_dim``) or MLA (``kind="mla"``: one latent
+buffer per layer, ``kv_lora_rank + qk_rope_head_dim`` wide), ``page_size`` and ``dtype``. The
+prefill side publishes it in the bootstrap server's info; the decode worker builds its pool from
+it, refuses a prefill of another geometry (or one that differs from the geometry it was started
+to expect), and repeats it in REGISTER so the prefill side refuses a decode of another geometry
+too. ``mismatches`` names every differing field.
+
+**Addressing** (SGLang's ``kv_data_ptrs`` / ``kv_item_lens``): ``layer_buffers(pool)`` lists one
+contiguous ``[size + page_size, ...]`` tensor per layer buffer, K layers then V layers (MHA) or the
+latent layers (MLA); page ``p`` of buffer ``i`` starts at ``ptr[i] + p * item_len[i]`` with
+``item_len[i] = page_size * (bytes of one token of buffer i)``. A pool is one allocation
+(``pool_region``), registered once.
+
+**Metadata rows** (SGLang's ``MetadataBuffers``, the subset this project fills): per request one
+row of each buffer, every row 64 bytes: ``output_ids`` (int32 x 16, the first output token in
+``[0]``), ``cached_tokens`` (int32 x 16, prefix tokens the prefill side had cached) and
+``bootstrap_room`` (uint64 x 8, the room in ``[0]``). The last chunk of a request carries its row;
+decode accepts the request only when the row's room is the request's room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The KV layout both sides of a transfer must share (see the module docstring)."""
+
+    kind: str
+    layer_num: int
+    page_size: int
+    dtype: str
+    head_num: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"geometry kind must be 'mha' or 'mla', got {self.kind!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"geometry dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        need = ("head_num", "head_dim", "v_head_dim") if self.kind == "mha" else (
+            "kv_lora_rank", "qk_rope_head_dim")  # fmt: skip
+        for name in ("layer_num", "page_size", *need):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"geometry {name} must be a positive integer, "
+                                 f"got {getattr(self, name)!r}")  # fmt: skip
+
+    @classmethod
+    def from_pool(cls, pool: KVPool) -> KVGeometry:
+        dtype = str(pool.dtype).removeprefix("torch.")
+        if isinstance(pool, MLATokenToKVPool):
+            return cls("mla", pool.layer_num, pool.page_size, dtype,
+                       kv_lora_rank=pool.kv_lora_rank, qk_rope_head_dim=pool.qk_rope_head_dim)
+        return cls("mha", pool.layer_num, pool.page_size, dtype, head_num=pool.head_num,
+                   head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)  # fmt: skip
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> KVGeometry:
+        """Parse a geometry; ``ValueError`` naming what is missing or wrong."""
+        try:
+            data = json.loads(text) if isinstance(text, str) else dict(text)
+        except ValueError:
+            raise ValueError(f"geometry is not JSON: {str(text)[:80]!r}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown or "kind" not in data:
+            raise ValueError(f"geometry {data}: unknown fields {sorted(unknown)} or no kind")
+        return cls(**data)
+
+    def mismatches(self, other: KVGeometry) -> list[str]:
+        """``"field: this X, other Y"`` for every field that differs."""
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def token_bytes(self) -> list[int]:
+        """Bytes of one token of each layer buffer, in ``layer_buffers`` order."""
+        el = torch.empty((), dtype=self.torch_dtype).element_size()
+        if self.kind == "mla":
+            return [(self.kv_lora_rank + self.qk_rope_head_dim) * el] * self.layer_num
+        k, v = self.head_num * self.head_dim * el, self.head_num * self.v_head_dim * el
+        return [k] * self.layer_num + [v] * self.layer_num
+
+    def item_lens(self) -> list[int]:
+        """Bytes of one page of each layer buffer (SGLang's ``kv_item_lens``)."""
+        return [self.page_size * b for b in self.token_bytes()]
+
+    def make_pool(self, size: int, device: str | torch.device = "cpu") -> KVPool:
+        """A zeroed pool of this geometry with ``size`` slots (plus the padding page)."""
+        if self.kind == "mla":
+            return MLATokenToKVPool(size, self.page_size, self.torch_dtype, self.kv_lora_rank,
+                                    self.qk_rope_head_dim, self.layer_num, device)  # fmt: skip
+        return MHATokenToKVPool(size, self.page_size, self.torch_dtype, self.head_num,
+                                self.head_dim, self.layer_num, device,
+                                v_head_dim=self.v_head_dim)  # fmt: skip
+
+
+def layer_buffers(pool: KVPool) -> list[torch.Tensor]:
+    """One contiguous ``[size + page_size, ...]`` tensor per layer buffer: K layers then V layers
+    (MHA), or the latent layers (MLA)."""
+    if isinstance(pool, MLATokenToKVPool):
+        return list(pool.kv_buffer)
+    return [*pool.k_buffer, *pool.v_buffer]
+
+
+def pool_region(pool: KVPool) -> tuple[int, int]:
+    """``(address, bytes)`` of the pool's one allocation (every layer buffer lies inside it)."""
+    bufs = layer_buffers(pool)
+    start = min(b.data_ptr() for b in bufs)
+    end = max(b.data_ptr() + b.numel() * b.element_size() for b in bufs)
+    return start, end - start
+
+
+def read_pool(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of what ``pool`` holds at ``slots``, one ``[L, n, ...]`` tensor per buffer kind
+    (MHA ``k, v``; MLA the latent), the order ``PagedTransformer.forward_reference`` returns."""
+    if isinstance(pool, MLATokenToKVPool):
+        kinds = [pool.kv_buffer]
+    else:
+        kinds = [pool.k_buffer, pool.v_buffer]
+    return [torch.stack([layer[slots] for layer in kind]) for kind in kinds]
+
+
+class MetadataBuffers:
+    """``size`` metadata rows per buffer (module docstring), host memory, zeroed."""
+
+    NAMES = ("output_ids", "cached_tokens", "bootstrap_room")
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.output_ids = np.zeros((size, 16), dtype=np.int32)
+        self.cached_tokens = np.zeros((size, 16), dtype=np.int32)
+        self.bootstrap_room = np.zeros((size, 8), dtype=np.uint64)
+        self._bufs = [self.output_ids, self.cached_tokens, self.bootstrap_room]
+
+    @property
+    def ptrs(self) -> list[int]:
+        return [b.ctypes.data for b in self._bufs]
+
+    @property
+    def row_lens(self) -> list[int]:
+        return [b.shape[1] * b.itemsize for b in self._bufs]
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(b.ctypes.data, b.nbytes) for b in self._bufs]
+
+    def _check(self, index: int) -> None:
+        if not 0 <= index < self.size:
+            raise ValueError(f"metadata index {index} is not a row (size {self.size})")
+
+    def set_row(self, index: int, first_token: int, cached_tokens: int, room: int) -> None:
+        self._check(index)
+        self.output_ids[index, 0] = first_token
+        self.cached_tokens[index, 0] = cached_tokens
+        self.bootstrap_room[index, 0] = room
+
+    def get_row(self, index: int) -> tuple[int, int, int]:
+        """``(first_token, cached_tokens, room)``."""
+        self._check(index)
+        return (int(self.output_ids[index, 0]), int(self.cached_tokens[index, 0]),
+                int(self.bootstrap_room[index, 0]))  # fmt: skip
+
+    def clear_row(self, index: int) -> None:
+        """SGLang's ``clear_slot``: room 0 means "not written" to the next owner."""
+        self._check(index)
+        for b in self._bufs:
+            b[index] = 0

@@ -1,0 +1,341 @@
+"""The Mooncake transport behind the executor's decode-peer protocol: ``MooncakeLink`` (one
+request's ``DecodeLink``, SGLang's ``MooncakeKVSender``) and ``MooncakeBackend`` (the
+``DecodeBackend``: the prefill rank's ``PrefillTransport`` and the links).
+
+The executor's calls, mapped to SGLang's sender:
+
+- ``poll()``: the room's state, read under the transport's lock (never blocks). A room still
+  ``Bootstrapping`` ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` seconds after its creation fails
+  (SGLang counts it the same way under the "early" policy).
+- ``init(attempt)``: finalize (SGLang's ``sender.init``), only in ``WaitingForInput``, once.
+- ``send(attempt, start, end, src_slots, last, metadata)``: one chunk job on the session's
+  worker. A non-last chunk ends on a page boundary; the last carries the metadata row, written
+  into the prefill aux rows at ``metadata.index`` first. Returns at once.
+- ``inflight_reads()``: the room's jobs queued or running; a running call counts until it returns,
+  also after the room failed, so the executor frees the slots it reads only then.
+- ``fail(reason)``: the prefill side gives up (STATUS Failed to decode).
+
+Rooms are random 63-bit integers, one per request (``create_peer``), never per attempt, so a
+request keeps its room across optimistic attempts and decode sees one request. Nothing reaches
+decode memory before ``init``: sends before it raise.
+
+Who hands each request to a decode instance (SGLang's router) is not this module's business:
+the caller of ``create_peer`` forwards ``link.room`` with the request
+(``prefill.testing.mooncake_decode`` does, for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.memory.device_pool import KVPool
+from hicache.mooncake.loopback import require_loopback_engines
+from prefill.disagg.mooncake.layout import MetadataBuffers
+from prefill.disagg.mooncake.sender import PrefillTransport, Room
+from prefill.disagg.mooncake.session_worker import Job, TransferHook
+from prefill.disagg.protocol import (
+    BOOTSTRAP_TIMEOUT_ENV,
+    TERMINAL,
+    KVPoll,
+    MetadataRow,
+    SendRecord,
+    bootstrap_timeout_from_env,
+    force_not_ready_prob,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.001
+"""How often the executor's idle wait looks at live links again (wall clock)."""
+
+PROBE_INTERVAL_ENV = "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"
+"""SGLang's first delay before probing a blacklisted decode session (seconds, default 30)."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """Settings of the prefill side's transport (defaults as SGLang's)."""
+
+    host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    bootstrap_timeout_s: float = 300.0
+    poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
+    probe_interval_s: float = 30.0
+    force_not_ready_prob: float = 0.0
+
+    @classmethod
+    def from_server_args(cls, args: Any) -> MooncakeConfig:
+        """``--host``, ``--disaggregation-bootstrap-port``, the bootstrap timeout from
+        ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and the force-not-ready test hook."""
+        return cls(
+            host=str(getattr(args, "host", "127.0.0.1")),
+            bootstrap_port=int(getattr(args, "disaggregation_bootstrap_port", 8998)),
+            bootstrap_timeout_s=bootstrap_timeout_from_env(),
+            probe_interval_s=_env_seconds(PROBE_INTERVAL_ENV, 30.0),
+            force_not_ready_prob=force_not_ready_prob(args),
+        )
+
+
+class MooncakeLink:
+    """One request's link to its decode peer over Mooncake (module docstring)."""
+
+    def __init__(
+        self, backend: MooncakeBackend, room: Room, token_ids: Sequence[int] | None
+    ) -> None:
+        self.backend = backend
+        self._room = room
+        self.rid = room.rid
+        self.room = room.room
+        self.num_tokens = room.num_tokens
+        self.token_ids = list(token_ids) if token_ids is not None else None
+        self.created_at = backend.clock.now()
+        self.finalized_attempt: int | None = None
+        self._sent_end: int | None = None
+        self._chunks = 0
+
+    # ------------------------------------------------------------------ DecodeLink
+    @property
+    def decode_prefix_len(self) -> int:
+        meta = self._room.meta
+        return meta.decode_prefix_len if meta is not None else 0
+
+    @property
+    def failure(self) -> str | None:
+        return self._room.failure
+
+    @property
+    def timed_out(self) -> bool:
+        return self._room.timed_out
+
+    @property
+    def state(self) -> KVPoll:
+        return self._room.status
+
+    def poll(self) -> KVPoll:
+        r, t = self._room, self.backend
+        with t.transport.lock:
+            if r.status == KVPoll.Bootstrapping:
+                waited = t.clock.now() - self.created_at
+                if waited >= t.config.bootstrap_timeout_s:
+                    t.transport.fail_room(
+                        r, f"timed out after {waited:.1f}s in KVPoll.Bootstrapping "
+                        f"({BOOTSTRAP_TIMEOUT_ENV}={t.config.bootstrap_timeout_s:g})",
+                        timed_out=True,
+                    )  # fmt: skip
+            if r.status in TERMINAL and r.outstanding == 0:
+                t.unwatch(self)  # the executor has seen the end: no event ahead
+            return r.status
+
+    def init(self, attempt: int) -> None:
+        if self.poll() != KVPoll.WaitingForInput:
+            raise RuntimeError(f"{self.rid}: init in state {self._room.status.name}")
+        if self.finalized_attempt is not None:
+            raise RuntimeError(f"{self.rid}: init called twice")
+        self.finalized_attempt = attempt
+        self._sent_end = self.decode_prefix_len
+
+    def send(
+        self,
+        attempt: int,
+        start: int,
+        end: int,
+        src_slots: torch.Tensor,
+        last: bool,
+        metadata: MetadataRow | None = None,
+    ) -> bool:
+        state = self.poll()
+        if state == KVPoll.Failed:
+            return False
+        if self.finalized_attempt != attempt:
+            raise RuntimeError(
+                f"{self.rid}: send for attempt {attempt}, finalized {self.finalized_attempt}"
+            )
+        if state != KVPoll.WaitingForInput:
+            raise RuntimeError(f"{self.rid}: send in state {state.name}")
+        ps = self.backend.page_size
+        if start != self._sent_end or end < start or end > self.num_tokens:
+            raise ValueError(f"{self.rid}: send range [{start}, {end}), expected start "
+                             f"{self._sent_end}")  # fmt: skip
+        if last != (end == self.num_tokens) or (not last and end % ps):
+            raise ValueError(f"{self.rid}: send [{start}, {end}) last={last}: a non-last send "
+                             f"ends on a page boundary (page {ps}), the last at "
+                             f"{self.num_tokens}")  # fmt: skip
+        if src_slots.numel() != end - start:
+            raise ValueError(f"src_slots has {src_slots.numel()} entries for {end - start} tokens")
+        if last and metadata is None:
+            raise ValueError(f"{self.rid}: the last send carries the metadata row")
+        firsts = src_slots[::ps].to("cpu", torch.int64).numpy()
+        if np.any(firsts % ps):
+            raise ValueError(f"{self.rid}: src_slots of [{start}, {end}) are not whole pages")
+        src_pages = firsts // ps
+        lo = (start - self.decode_prefix_len) // ps
+        meta = self._room.meta
+        assert meta is not None
+        dst_pages = np.asarray(meta.dst_pages[lo : lo + len(src_pages)], dtype=np.int64)
+        job = Job(self.room, self.rid, self._chunks, src_pages, dst_pages, last)
+        if last:
+            assert metadata is not None
+            self.backend.aux.set_row(metadata.index, metadata.first_token,
+                                     metadata.cached_tokens, self.room)  # fmt: skip
+            job.aux_index, job.dst_aux_index = metadata.index, meta.dst_aux_index
+        if not self.backend.transport.enqueue(self._room, job):
+            return False
+        self._chunks += 1
+        self._sent_end = end
+        self.backend.record_send(SendRecord(self.rid, attempt, start, end,
+                                            self.backend.clock.now(), last))  # fmt: skip
+        return True
+
+    def inflight_reads(self) -> int:
+        with self.backend.transport.lock:
+            if self._room.status in TERMINAL and self._room.outstanding == 0:
+                self.backend.unwatch(self)
+            return self._room.outstanding
+
+    def next_event_time(self) -> float | None:
+        if self.live or self.inflight_reads():
+            return self.backend.clock.now() + self.backend.config.poll_interval_s
+        return None
+
+    def fail(self, reason: str) -> None:
+        self.backend.transport.fail_room(self._room, reason)
+
+    @property
+    def live(self) -> bool:
+        return self._room.status not in TERMINAL
+
+
+class MooncakeBackend:
+    """The prefill rank's Mooncake transport as a ``DecodeBackend`` (module docstring).
+
+    Args:
+        pool: the prefill device pool (host memory).
+        clock: the executor's clock; must be a wall clock.
+        config: ``MooncakeConfig``.
+        metadata_size: rows of the prefill metadata buffers (the executor's metadata index
+            pool, ``2 * max_running_requests``).
+        keep_token_ids: links keep their prompt (tests recompute the reference KV from it).
+        send_log_size: sends remembered in ``send_log`` (``None``: all).
+        hook: test hook before each engine call (``session_worker.TransferHook``).
+
+    Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool) and ``RuntimeError``
+    (a loopback host in a process without the loopback shim, ``hicache.mooncake.loopback``).
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        clock: Any,
+        config: MooncakeConfig,
+        metadata_size: int,
+        keep_token_ids: bool = True,
+        send_log_size: int | None = 10_000,
+        hook: TransferHook | None = None,
+    ) -> None:
+        if getattr(clock, "is_virtual", False):
+            raise ValueError("--disaggregation-transfer-backend mooncake runs on the wall clock, "
+                             "not a virtual one")  # fmt: skip
+        require_loopback_engines(config.host)
+        self.clock = clock
+        self.config = config
+        self.page_size = pool.page_size
+        self.aux = MetadataBuffers(metadata_size)
+        self.transport = PrefillTransport(
+            pool, self.aux, config.host, config.bootstrap_port, config.probe_interval_s, hook
+        )
+        self.keep_token_ids = keep_token_ids
+        self.peers: dict[str, MooncakeLink] = {}
+        self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
+        self._rng = random.Random()
+        self._log_lock = threading.Lock()
+        # Links whose end the executor has not seen yet (a poll or inflight_reads that found them
+        # terminal with nothing outstanding): while any is left an event may be due.
+        self._watch: set[MooncakeLink] = set()
+
+    @property
+    def force_not_ready_prob(self) -> float:
+        return self.config.force_not_ready_prob
+
+    @property
+    def bootstrap_addr(self) -> str:
+        """``host:port`` of this prefill's bootstrap endpoint (what a request carries to decode
+        as ``bootstrap_host`` / ``bootstrap_port``)."""
+        return self.transport.bootstrap.addr
+
+    def create_peer(
+        self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> MooncakeLink:
+        old = self.peers.get(rid)
+        if old is not None and old.live:
+            raise ValueError(f"rid {rid!r} already has a live decode peer")
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} entries, num_tokens is {num_tokens}")
+        while True:
+            room = self._rng.getrandbits(63) or 1
+            try:
+                r = self.transport.create_room(room, rid, num_tokens)
+                break
+            except ValueError:
+                continue
+        link = MooncakeLink(self, r, token_ids if self.keep_token_ids else None)
+        self.peers[rid] = link
+        with self.transport.lock:
+            self._watch.add(link)
+        return link
+
+    def next_event_time(self) -> float | None:
+        """``now + poll_interval`` while a link may still change in a way the executor has not
+        seen (the transport's threads move rooms at any time); ``None`` otherwise."""
+        with self.transport.lock:
+            busy = bool(self._watch)
+        return self.clock.now() + self.config.poll_interval_s if busy else None
+
+    def unwatch(self, link: MooncakeLink) -> None:
+        """``link`` ended and the executor saw it: no event ahead; without ``keep_token_ids``
+        it is forgotten too (a long run's memory stays flat)."""
+        self._watch.discard(link)
+        if not self.keep_token_ids and self.peers.get(link.rid) is link:
+            del self.peers[link.rid]
+
+    def release(self, rid: str) -> None:
+        """Forget ``rid``'s link (idempotent)."""
+        link = self.peers.pop(rid, None)
+        if link is not None:
+            with self.transport.lock:
+                self._watch.discard(link)
+
+    def record_send(self, rec: SendRecord) -> None:
+        with self._log_lock:
+            self.send_log.append(rec)
+
+    def set_hook(self, hook: TransferHook | None) -> None:
+        self.transport.set_hook(hook)
+
+    def close(self) -> list[str]:
+        """Stop the transport (see ``PrefillTransport.close``)."""
+        return self.transport.close()

@@ -1,0 +1,530 @@
+"""The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager`` with its
+``DecodePreallocQueue`` / ``DecodeTransferQueue``), run by the decode worker process.
+
+Decode is passive on the data plane: it registers its KV pool and metadata rows with its engine
+once, tells each prefill where they are (REGISTER) and, per request, which pages and row to
+write (META); only the prefill side calls the engine.
+
+One request's life (``KVPoll`` on this side; SGLang's "early" allocation policy):
+
+1. ``add``: ``Bootstrapping``. The prefill instance's bootstrap endpoint is asked once for its
+   server info and control endpoint (``GET /route``, on a side thread, cached per address). Its
+   KV geometry becomes this worker's pool geometry at the first contact; a prefill of another
+   geometry (or one differing from ``expect_geometry``) is refused with an error naming the
+   fields, and its requests fail (an ABORT tells the prefill side at once). REGISTER is sent once
+   per prefill.
+2. Preallocation: ``ceil((n - decode_prefix_len) / page_size)`` pages and a metadata row, when
+   both are free (else it retries every tick); held back while the request is on ``hold`` or
+   before its ``delay`` (test and benchmark hooks standing for a busy decode). Then META:
+   ``WaitingForInput``; the waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``) starts.
+3. STATUS ``Success``: the metadata row's room must be the request's room (else it fails:
+   corrupted or stale); ``Success``, with the first token from the row.
+4. ``Failed`` after META (STATUS Failed, waiting timeout, heartbeat loss, a bad row, ``abort``):
+   ABORT goes to the prefill side, and the pages and row are **held** (SGLang's deferred release)
+   until ABORT_ACK (nothing can write them any more) or
+   ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``; a call that failed may still
+   land bytes, and a prefill whose call failed never acks, so late bytes land in held pages,
+   never in pages given to another request. Before META nothing was exposed: released at once.
+
+Heartbeat: each prefill with live requests gets ``GET /health`` every
+``max(SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 2)`` seconds; after
+``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses its live requests fail and its bootstrap
+info is forgotten.
+
+Late-write detector (``check_free_pages``, tests): a freed page is filled with the byte 0xA5 in
+every layer buffer and checked when it is allocated again; a page that changed while free was
+written by a call nobody waited for (``stats()["late_writes"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
+from prefill.disagg.mooncake.bootstrap import BootstrapUnreachable, fetch_route, healthy
+from prefill.disagg.mooncake.engine import KVTransferEngine
+from prefill.disagg.mooncake.layout import (
+    KVGeometry,
+    MetadataBuffers,
+    layer_buffers,
+    pool_region,
+    read_pool,
+)
+from prefill.disagg.mooncake.wire import (
+    Abort,
+    AbortAck,
+    Listener,
+    Meta,
+    Pusher,
+    Register,
+    Status,
+    parse_to_decode,
+)
+from prefill.disagg.protocol import TERMINAL, KVPoll
+from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
+
+logger = logging.getLogger(__name__)
+
+POISON = 0xA5
+WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+HEARTBEAT_INTERVAL_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
+HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
+
+
+def _env(name: str, default: float, kind: type = float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive {kind.__name__}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Settings of a decode worker (timeouts from SGLang's environment variables)."""
+
+    host: str = "127.0.0.1"
+    pool_tokens: int = 1 << 16
+    max_running_requests: int = 256
+    device: str = "cpu"
+    expect_geometry: KVGeometry | None = None
+    check_free_pages: bool = False
+    waiting_timeout_s: float = 300.0
+    release_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failures: int = 2
+    tick_s: float = 0.0005
+
+    @classmethod
+    def from_env(cls, **kw: Any) -> DecodeConfig:
+        return cls(
+            waiting_timeout_s=_env(WAITING_TIMEOUT_ENV, 300, int),
+            release_timeout_s=_env(RELEASE_TIMEOUT_ENV, 30.0),
+            heartbeat_interval_s=max(_env(HEARTBEAT_INTERVAL_ENV, 5.0), 2.0),
+            heartbeat_max_failures=int(_env(HEARTBEAT_FAILURES_ENV, 2, int)),
+            **kw,
+        )
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One request on the decode side (module docstring)."""
+
+    rid: str
+    room: int
+    bootstrap_addr: str
+    num_tokens: int
+    decode_prefix_len: int
+    keep: bool
+    hold: bool
+    not_before: float
+    created: float
+    state: KVPoll = KVPoll.Bootstrapping
+    slots: torch.Tensor | None = None
+    aux_index: int = -1
+    meta_sent_at: float | None = None
+    failure: str | None = None
+    held_until: float | None = None  # deferred release deadline while held
+    acked: bool = False
+    forget: bool = False
+    first_token: int | None = None
+    cached_tokens: int | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class PrefillPeer:
+    """What this worker knows of one prefill instance."""
+
+    addr: str
+    state: str = "fetching"  # fetching | ready | error
+    error: str | None = None
+    endpoint: tuple[str, int] | None = None
+    registered: bool = False
+    misses: int = 0
+
+
+class DecodeReceiver:
+    """The decode side's transport and request queues (module docstring). Thread-safe; its
+    own threads: the scheduler tick, the heartbeat, the control listener, route fetches."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.cfg = cfg
+        self.lock = threading.RLock()
+        self.engine = KVTransferEngine(cfg.host)
+        self.listener = Listener(cfg.host, self._on_message, "mc-decode-ctrl")
+        self.pusher = Pusher()
+        self.geometry: KVGeometry | None = None
+        self.geometry_source: str | None = None
+        self.pool: Any = None
+        self.allocator: TokenToKVPoolAllocator | None = None
+        n_meta = 2 * cfg.max_running_requests
+        self.aux = MetadataBuffers(n_meta)
+        self.aux_alloc = ReqToMetadataIdxAllocator(n_meta)
+        self.engine.register(self.aux.regions())
+        self.requests: dict[str, DecodeRequest] = {}
+        self.by_room: dict[int, DecodeRequest] = {}
+        self.prefills: dict[str, PrefillPeer] = {}
+        self.late_writes = 0
+        self.counts = {"success": 0, "failed": 0, "acked_releases": 0, "timeout_releases": 0}
+        self._closed = threading.Event()
+        for target, name in ((self._tick_loop, "tick"), (self._heartbeat_loop, "heartbeat")):
+            threading.Thread(target=target, name=f"decode-{name}", daemon=True).start()
+
+    # ------------------------------------------------------------------ driver commands
+    def add(
+        self, rid: str, room: int, bootstrap_addr: str, num_tokens: int,
+        decode_prefix_len: int = 0, keep: bool = True, hold: bool = False, delay_s: float = 0.0,
+    ) -> None:  # fmt: skip
+        """A new request (the router hands it to this decode instance)."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        now = time.monotonic()
+        with self.lock:
+            old = self.requests.get(rid)
+            if old is not None and old.state not in TERMINAL:
+                raise ValueError(f"rid {rid!r} is already live on this decode worker")
+            if old is not None:
+                self._forget(old)
+            if room in self.by_room:
+                raise ValueError(f"bootstrap room {room} is already in use here")
+            req = DecodeRequest(rid, room, bootstrap_addr, num_tokens, decode_prefix_len, keep,
+                                hold, now + delay_s, now)  # fmt: skip
+            self.requests[rid] = req
+            self.by_room[room] = req
+            self._peer(bootstrap_addr)
+
+    def unhold(self, rid: str) -> None:
+        with self.lock:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.hold = False
+
+    def abort(self, rid: str, reason: str = "aborted by the client") -> None:
+        with self.lock:
+            req = self.requests.get(rid)
+            if req is not None and req.state not in TERMINAL:
+                self._fail(req, reason)
+
+    def release(self, rid: str) -> None:
+        """Free a finished request's pages (a held one is freed when its hold ends)."""
+        with self.lock:
+            req = self.requests.get(rid)
+            if req is None:
+                return
+            done = req.state == KVPoll.Failed and req.held_until is None
+            if req.state == KVPoll.Success or done:
+                self._free(req)
+                self._forget(req)
+            else:
+                req.forget = True  # live or held: forgotten when it ends
+                if req.state not in TERMINAL:
+                    self._fail(req, "released by the driver before it finished")
+
+    def state(self, rid: str) -> dict[str, Any]:
+        with self.lock:
+            req = self.requests.get(rid)
+            if req is None:
+                return {"state": None}
+            return {"state": req.state.name, "failure": req.failure, "held": req.held_until is
+                    not None, "first_token": req.first_token, "room": req.room}  # fmt: skip
+
+    def received_kv(
+        self, rid: str, any_state: bool = False
+    ) -> tuple[int, int | None, list[torch.Tensor]]:
+        """``(decode_prefix_len, first_token, buffers)``: what this worker holds for the tokens
+        the prefill side sent, one ``[L, n - dpl, ...]`` tensor per buffer kind. After
+        ``Success``; with ``any_state`` whatever its pages hold now (a held failed request's
+        pages show the late bytes of a failed call)."""
+        with self.lock:
+            req = self.requests.get(rid)
+            ok = req is not None and (any_state or req.state == KVPoll.Success)
+            if req is None or not ok or req.slots is None:
+                state = "unknown" if req is None else req.state.name
+                raise ValueError(f"rid {rid!r} has no received KV ({state})")
+            slots = req.slots[: req.num_tokens - req.decode_prefix_len]
+            return req.decode_prefix_len, req.first_token, read_pool(self.pool, slots)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            self._check_all_free_pages()
+            by_state: dict[str, int] = {}
+            for r in self.requests.values():
+                by_state[r.state.name] = by_state.get(r.state.name, 0) + 1
+            held = [r for r in self.requests.values() if r.held_until is not None]
+            alloc = self.allocator
+            return {
+                "pool_tokens": alloc.size if alloc else self.cfg.pool_tokens,
+                "free_tokens": alloc.available_size() if alloc else self.cfg.pool_tokens,
+                "metadata_free": self.aux_alloc.available_size(),
+                "metadata_total": self.aux_alloc.size,
+                "held": len(held),
+                "held_tokens": sum(r.slots.numel() for r in held if r.slots is not None),
+                "requests": by_state,
+                "late_writes": self.late_writes,
+                "geometry": self.geometry.to_json() if self.geometry else None,
+                "malformed_messages": self.listener.malformed,
+                "last_control_error": self.listener.last_error,
+                "session": self.engine.session_id,
+                "control_port": self.listener.port,
+                **self.counts,
+            }  # fmt: skip
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        self.pusher.close()
+
+    # ------------------------------------------------------------------ prefill peers
+    def _peer(self, addr: str) -> PrefillPeer:
+        peer = self.prefills.get(addr)
+        if peer is None:
+            peer = self.prefills[addr] = PrefillPeer(addr)
+            threading.Thread(target=self._fetch, args=(peer,), name="route", daemon=True).start()
+        return peer
+
+    def _fetch(self, peer: PrefillPeer) -> None:
+        error = None
+        for attempt in range(3):
+            try:
+                info, rank = fetch_route(peer.addr)
+                break
+            except BootstrapUnreachable as e:
+                error = f"bootstrap endpoint {peer.addr} unreachable: {e}"
+                time.sleep(0.2 * (attempt + 1))
+        else:
+            with self.lock:
+                peer.state, peer.error = "error", error
+            return
+        with self.lock:
+            peer.endpoint = (str(rank["rank_ip"]), int(rank["rank_port"]))
+            try:
+                self._adopt_geometry(peer.addr, KVGeometry.from_json(info.get("kv_geometry", "")))
+            except ValueError as e:
+                peer.state, peer.error = "error", str(e)
+                logger.error("%s", e)
+                return
+            peer.state = "ready"
+
+    def _adopt_geometry(self, addr: str, theirs: KVGeometry) -> None:
+        """The first prefill's geometry builds the pool; any other must match it."""
+        expect = self.cfg.expect_geometry
+        if expect is not None and expect.mismatches(theirs):
+            raise ValueError(f"prefill {addr} has another KV geometry than this decode worker "
+                             f"expects: {'; '.join(expect.mismatches(theirs))}")  # fmt: skip
+        if self.geometry is not None:
+            if self.geometry.mismatches(theirs):
+                raise ValueError(
+                    f"prefill {addr} has another KV geometry than this decode worker's pool "
+                    f"(built for {self.geometry_source}): "
+                    f"{'; '.join(self.geometry.mismatches(theirs))}"
+                )
+            return
+        pool = theirs.make_pool(self.cfg.pool_tokens, self.cfg.device)
+        self.engine.register([pool_region(pool)])
+        self.pool, self.geometry, self.geometry_source = pool, theirs, addr
+        self.allocator = TokenToKVPoolAllocator(self.cfg.pool_tokens, theirs.page_size,
+                                                self.cfg.device)  # fmt: skip
+        if self.cfg.check_free_pages:
+            every = torch.arange(theirs.page_size, self.cfg.pool_tokens + theirs.page_size)
+            self._poison(every)
+
+    def _register(self, peer: PrefillPeer) -> bool:
+        assert self.geometry is not None and peer.endpoint is not None
+        reg = Register(
+            self.cfg.host, self.listener.port, self.engine.session_id,
+            tuple(b.data_ptr() for b in layer_buffers(self.pool)), tuple(self.aux.ptrs),
+            tuple(self.geometry.item_lens()), tuple(self.aux.row_lens), self.geometry.to_json(),
+        )  # fmt: skip
+        peer.registered = self.pusher.push(peer.endpoint, reg.to_frames())
+        return peer.registered
+
+    # ------------------------------------------------------------------ scheduler tick
+    def _tick_loop(self) -> None:
+        while not self._closed.wait(self.cfg.tick_s):
+            try:
+                with self.lock:
+                    self._tick(time.monotonic())
+            except Exception:  # keep the worker alive; the error is in its log
+                logger.exception("decode tick failed")
+
+    def _tick(self, now: float) -> None:
+        for req in list(self.requests.values()):
+            if req.state == KVPoll.Bootstrapping:
+                self._advance(req, now)
+            elif req.state == KVPoll.WaitingForInput and req.meta_sent_at is not None:
+                waited = now - req.meta_sent_at
+                if waited >= self.cfg.waiting_timeout_s:
+                    self._fail(req, f"timed out after {waited:.1f}s in KVPoll.WaitingForInput "
+                                    f"({WAITING_TIMEOUT_ENV}={self.cfg.waiting_timeout_s:g})")
+            elif req.held_until is not None and (req.acked or now >= req.held_until):
+                self.counts["acked_releases" if req.acked else "timeout_releases"] += 1
+                req.held_until = None
+                self._free(req)
+                if req.forget:
+                    self._forget(req)
+
+    def _advance(self, req: DecodeRequest, now: float) -> None:
+        peer = self.prefills.get(req.bootstrap_addr) or self._peer(req.bootstrap_addr)
+        if peer.state == "fetching":
+            return
+        if peer.state == "error":
+            self._fail(req, peer.error or "bootstrap failed")
+            if not any(r.bootstrap_addr == peer.addr and r.state == KVPoll.Bootstrapping
+                       for r in self.requests.values()):  # fmt: skip
+                self.prefills.pop(peer.addr, None)  # a later request tries again
+            return
+        if not peer.registered and not self._register(peer):
+            self._fail(req, f"REGISTER to prefill {peer.addr} could not be sent")
+            return
+        if req.hold or now < req.not_before:
+            return
+        assert self.allocator is not None and self.geometry is not None
+        ps = self.geometry.page_size
+        dpl = min(req.decode_prefix_len // ps * ps, (req.num_tokens - 1) // ps * ps)
+        n = page_ceil(req.num_tokens - dpl, ps)
+        if self.aux_alloc.available_size() == 0 or not self.allocator.can_alloc(n):
+            return  # decode is full: stay Bootstrapping, retry at the next tick
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            return
+        if self.cfg.check_free_pages:
+            self._check_poison(slots)
+        req.slots, req.decode_prefix_len = slots, dpl
+        req.aux_index = self.aux_alloc.alloc()  # type: ignore[assignment]
+        self.aux.clear_row(req.aux_index)
+        pages = tuple(int(p) for p in (slots[::ps] // ps).tolist())
+        meta = Meta(req.room, self.cfg.host, self.listener.port, self.engine.session_id, pages,
+                    req.aux_index, dpl)  # fmt: skip
+        assert peer.endpoint is not None
+        req.state, req.meta_sent_at = KVPoll.WaitingForInput, now
+        req.timeline["meta"] = now - req.created
+        if not self.pusher.push(peer.endpoint, meta.to_frames()):
+            self._fail(req, f"META to prefill {peer.addr} could not be sent")
+
+    # ------------------------------------------------------------------ control messages
+    def _on_message(self, frames: list[bytes]) -> None:
+        msg = parse_to_decode(frames)
+        with self.lock:
+            req = self.by_room.get(msg.room)
+            if req is None:
+                return
+            if isinstance(msg, AbortAck):
+                req.acked = True
+                return
+            assert isinstance(msg, Status)
+            if req.state != KVPoll.WaitingForInput:
+                return
+            if msg.status == KVPoll.Failed:
+                self._fail(req, "the prefill side reported the transfer Failed")
+            elif msg.status == KVPoll.Success:
+                first, cached, room = self.aux.get_row(req.aux_index)
+                if room != req.room:
+                    self._fail(req, f"metadata row {req.aux_index} holds room {room}, expected "
+                                    f"{req.room} (stale or corrupted transfer)")  # fmt: skip
+                    return
+                req.state, req.first_token, req.cached_tokens = KVPoll.Success, first, cached
+                req.timeline["success"] = time.monotonic() - req.created
+                self.counts["success"] += 1
+                if not req.keep:
+                    self._free(req)
+                    self._forget(req)
+
+    # ------------------------------------------------------------------ failure and release
+    def _fail(self, req: DecodeRequest, reason: str) -> None:
+        """``Failed``; pages exposed by META are held (ABORT sent) until ack or timeout."""
+        if req.state in TERMINAL:
+            return
+        logger.info("decode request %s (room %d) failed: %s", req.rid, req.room, reason)
+        req.state, req.failure = KVPoll.Failed, reason
+        self.counts["failed"] += 1
+        peer = self.prefills.get(req.bootstrap_addr)
+        exposed = req.meta_sent_at is not None
+        if peer is not None and peer.endpoint is not None:
+            abort = Abort(req.room, self.cfg.host, self.listener.port)
+            self.pusher.push(peer.endpoint, abort.to_frames())
+        if exposed:
+            req.held_until = time.monotonic() + self.cfg.release_timeout_s
+        else:
+            self._free(req)
+            if req.forget:
+                self._forget(req)
+
+    def _free(self, req: DecodeRequest) -> None:
+        if req.slots is not None:
+            assert self.allocator is not None
+            if self.cfg.check_free_pages:
+                self._poison(req.slots)
+            self.allocator.free(req.slots)
+            req.slots = None
+        if req.aux_index >= 0:
+            self.aux.clear_row(req.aux_index)
+            self.aux_alloc.free(req.aux_index)
+            req.aux_index = -1
+
+    def _forget(self, req: DecodeRequest) -> None:
+        if self.requests.get(req.rid) is req:
+            del self.requests[req.rid]
+        if self.by_room.get(req.room) is req:
+            del self.by_room[req.room]
+
+    # ------------------------------------------------------------------ heartbeat
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.cfg.heartbeat_interval_s):
+            with self.lock:
+                addrs = {r.bootstrap_addr for r in self.requests.values()
+                         if r.state not in TERMINAL}  # fmt: skip
+                peers = [self.prefills[a] for a in addrs
+                         if a in self.prefills and self.prefills[a].state == "ready"]
+            for peer in peers:
+                ok = healthy(peer.addr)
+                with self.lock:
+                    peer.misses = 0 if ok else peer.misses + 1
+                    if peer.misses < self.cfg.heartbeat_max_failures:
+                        continue
+                    logger.error("prefill %s missed %d heartbeats", peer.addr, peer.misses)
+                    for r in list(self.requests.values()):
+                        if r.bootstrap_addr == peer.addr:
+                            self._fail(r, f"prefill {peer.addr} is unreachable (heartbeat)")
+                    self.prefills.pop(peer.addr, None)
+
+    # ------------------------------------------------------------------ late-write detector
+    def _poison(self, slots: torch.Tensor) -> None:
+        for b in layer_buffers(self.pool):
+            b.view(torch.uint8)[slots] = POISON
+
+    def _check_poison(self, slots: torch.Tensor) -> int:
+        """Count the slots of ``slots`` that changed since they were poisoned (and poison them
+        again, so each late write is counted once)."""
+        bad = torch.zeros(slots.numel(), dtype=torch.bool)
+        for b in layer_buffers(self.pool):
+            bad |= (b.view(torch.uint8)[slots] != POISON).flatten(1).any(dim=1)
+        n = int(bad.sum())
+        if n:
+            self.late_writes += n
+            logger.error("%d slots were written while free (late writes)", n)
+            self._poison(slots[bad])
+        return n
+
+    def _check_all_free_pages(self) -> None:
+        if not self.cfg.check_free_pages or self.allocator is None:
+            return
+        alloc = self.allocator
+        pages = torch.cat([alloc.free_pages, *alloc.release_pages])
+        if pages.numel():
+            ps = alloc.page_size
+            slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).flatten()
+            self._check_poison(slots)

@@ -1,0 +1,259 @@
+"""The prefill side's transfer worker of one decode session (SGLang's ``transfer_worker``, one per
+session instead of ``SGLANG_DISAGGREGATION_QUEUE_SIZE`` shared ones): a FIFO of chunk jobs, a
+thread, and its own ``TransferEngine``.
+
+One engine per decode session: the first contact with a receiver that is frozen before its
+handshake blocks every call of that engine for about 60 s (Mooncake 0.3.13), so a shared engine
+would let one frozen decode stall every other decode's transfers. Here it stalls only its own
+queue. The engine makes its first contact at once, with a 64-byte write into the decode pool's
+padding page (page 0, never handed out), so later transfers see the ordinary per-call timeouts
+(``MC_TCP_PROGRESS_TIMEOUT_SEC``).
+
+A job is one ``send`` of one request: page ids on both sides, paired by position (SGLang's
+``dst_kv_indices[index_slice]``), split into runs contiguous on both sides, one item per (layer
+buffer, run): ``(src_ptr[i] + s * item_len[i], dst_ptr[i] + d * item_len[i], n * item_len[i])``,
+written in calls of at most ``MAX_ITEMS_PER_CALL`` items. The last job of a request then writes
+its metadata row, one item per aux buffer, in a second call (SGLang's ``send_aux``).
+
+Before each call the worker checks the room (a failed room's jobs are skipped) and the session
+(a blacklisted one fails the job without a call), then calls the test hook. The result goes to
+``on_done(job, rc)``: ``None`` for a skipped job, the engine's rc otherwise. A session whose call
+failed is blacklisted until a new REGISTER or a successful ``send_probe`` (probed from its own
+thread every ``probe_interval_s``, backing off to 300 s: a probe of a frozen peer does not
+return until it resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, EngineError, KVTransferEngine
+from prefill.disagg.mooncake.wire import Register
+
+logger = logging.getLogger(__name__)
+
+PROBE_MAX_INTERVAL_S = 300.0
+"""SGLang's ``SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S`` default."""
+
+TransferHook = Callable[[str, int, bool, str], None]
+"""``hook(rid, chunk_index, last, phase)`` on the worker thread before a call; ``phase`` is
+``"before_kv"`` (the chunk's KV) or ``"before_aux"`` (the last chunk's metadata row)."""
+
+
+@dataclass(frozen=True)
+class SourceMemory:
+    """The prefill side's registered memory: the pool's layer buffers and the aux rows."""
+
+    layer_ptrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    aux_ptrs: tuple[int, ...]
+    aux_row_lens: tuple[int, ...]
+    regions: tuple[tuple[int, int], ...]
+
+
+@dataclass(eq=False)
+class Job:
+    """One send of one request: prefill pages ``src_pages`` to the request's destination pages
+    ``[dst_lo, dst_lo + len(src_pages))``; the last job also writes metadata row
+    ``aux_index`` to the decode row ``dst_aux_index``."""
+
+    room: int
+    rid: str
+    index: int
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    last: bool
+    aux_index: int = -1
+    dst_aux_index: int = -1
+    started: float = field(default=0.0)
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of page pairs contiguous (+1) on both sides: ``(src starts, dst starts, lengths)``."""
+    n = len(src)
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [n]])
+    return src[starts], dst[starts], ends - starts
+
+
+def kv_items(
+    src: SourceMemory, reg: Register, job: Job
+) -> tuple[list[int], list[int], list[int]]:
+    """``(srcs, dsts, lens)`` of the job's KV: one item per (layer buffer, run)."""
+    s0, d0, n = coalesce(job.src_pages, job.dst_pages)
+    lens = np.asarray(src.item_lens, dtype=np.int64)[:, None]
+    sp = np.asarray(src.layer_ptrs, dtype=np.int64)[:, None] + s0[None, :] * lens
+    dp = np.asarray(reg.kv_ptrs, dtype=np.int64)[:, None] + d0[None, :] * lens
+    nb = n[None, :] * lens
+    return sp.ravel().tolist(), dp.ravel().tolist(), nb.ravel().tolist()
+
+
+def aux_items(
+    src: SourceMemory, reg: Register, job: Job
+) -> tuple[list[int], list[int], list[int]]:
+    """One item per aux buffer: prefill row ``aux_index`` to decode row ``dst_aux_index``
+    (buffers pair by position; only the shorter list moves, as SGLang)."""
+    srcs, dsts, lens = [], [], []
+    pairs = zip(src.aux_ptrs, src.aux_row_lens, reg.aux_ptrs, reg.aux_row_lens, strict=False)
+    for sp, ln, dp, dln in pairs:
+        n = min(ln, dln)
+        srcs.append(sp + ln * job.aux_index)
+        dsts.append(dp + dln * job.dst_aux_index)
+        lens.append(n)
+    return srcs, dsts, lens
+
+
+class SessionWorker:
+    """The FIFO, thread and engine of one decode session (module docstring).
+
+    Args:
+        reg: the session's REGISTER (its pointers; replaced by a later REGISTER).
+        source: the prefill memory the jobs read.
+        host: the engine's hostname.
+        room_failed: ``room_failed(room)``, read before each call (under the caller's lock).
+        on_done: ``on_done(job, rc)`` after each job (``rc`` ``None`` when skipped).
+        hook: the test hook (``TransferHook``) or ``None``.
+        probe_interval_s: seconds between probes of a blacklisted session.
+    """
+
+    def __init__(
+        self,
+        reg: Register,
+        source: SourceMemory,
+        host: str,
+        room_failed: Callable[[int], bool],
+        on_done: Callable[[Job, int | None], None],
+        hook: TransferHook | None,
+        probe_interval_s: float,
+        max_items: int = MAX_ITEMS_PER_CALL,
+    ) -> None:
+        self.session = reg.session
+        self.reg = reg
+        self.source = source
+        self.host = host
+        self.room_failed = room_failed
+        self.on_done = on_done
+        self.hook = hook
+        self.probe_interval_s = probe_interval_s
+        self.max_items = max_items
+        self.blacklisted: str | None = None  # why, while blacklisted
+        self.last_used = time.monotonic()
+        self.calls = 0
+        self.items = 0
+        self.bytes = 0
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._engine: KVTransferEngine | None = None
+        self._busy = False
+        self._closed = threading.Event()
+        self._probing = False
+        self._thread = threading.Thread(target=self._run, name=f"mc-{reg.session}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def put(self, job: Job) -> None:
+        self.last_used = time.monotonic()
+        self._queue.put(job)
+
+    def blacklist(self, reason: str) -> None:
+        if self.blacklisted is None:
+            logger.error("decode session %s blacklisted: %s", self.session, reason)
+        self.blacklisted = reason
+        if not self._probing and not self._closed.is_set():
+            self._probing = True
+            threading.Thread(target=self._probe_loop, name=f"probe-{self.session}",
+                             daemon=True).start()  # fmt: skip
+
+    def unblacklist(self) -> None:
+        if self.blacklisted is not None:
+            logger.info("decode session %s usable again", self.session)
+        self.blacklisted = None
+
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Stop the thread after the jobs already queued; drop the engine if no call runs on
+        it. Returns whether the thread ended (a call to a frozen peer may still block it; its
+        engine is then left to the process)."""
+        self._closed.set()
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive() or self._probing:
+            return False
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        return True
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        try:
+            engine = KVTransferEngine(self.host)
+            engine.register(self.source.regions)
+            self._engine = engine
+            warm = min(64, self.source.item_lens[0], self.reg.kv_item_lens[0])
+            rc = engine.write(self.session, [self.source.layer_ptrs[0]], [self.reg.kv_ptrs[0]],
+                              [warm])  # fmt: skip
+            if rc != 0:
+                self.blacklist(f"first contact (a {warm}-byte write to the padding page) rc={rc}")
+        except EngineError as e:
+            self.blacklist(str(e))
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                rc = self._process(job)
+            except Exception:  # the worker must go on: the job fails, its room with it
+                logger.exception("transfer job of room %d failed", job.room)
+                rc = -1
+            self.on_done(job, rc)
+
+    def _process(self, job: Job) -> int | None:
+        if self.room_failed(job.room):
+            return None
+        if self.blacklisted is not None or self._engine is None:
+            return -1
+        job.started = time.monotonic()
+        srcs, dsts, lens = kv_items(self.source, self.reg, job)
+        if self.hook is not None:
+            self.hook(job.rid, job.index, job.last, "before_kv")
+        rc = self._write(srcs, dsts, lens)
+        if rc == 0 and job.last:
+            if self.hook is not None:
+                self.hook(job.rid, job.index, job.last, "before_aux")
+            rc = self._write(*aux_items(self.source, self.reg, job))
+        return rc
+
+    def _write(self, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        if not srcs:
+            return 0
+        assert self._engine is not None
+        rc = self._engine.write(self.session, srcs, dsts, lens, self.max_items)
+        self.calls += -(-len(srcs) // self.max_items)
+        self.items += len(srcs)
+        self.bytes += sum(lens)
+        return rc
+
+    def _probe_loop(self) -> None:
+        """Probe every ``probe_interval_s``, doubling after each failed probe up to
+        ``PROBE_MAX_INTERVAL_S`` (SGLang's backoff)."""
+        interval = self.probe_interval_s
+        try:
+            while not self._closed.wait(interval):
+                if self.blacklisted is None:
+                    return
+                if self._engine is not None and self._engine.probe(self.session) == 0:
+                    self.unblacklist()
+                    return
+                interval = min(2 * interval, PROBE_MAX_INTERVAL_S)
+        finally:
+            self._probing = False
