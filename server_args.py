@@ -69,6 +69,14 @@ LAYOUT_PAGE_FIRST_WITH_DIRECT_IO = (
     "switching to page first direct layout"
 )
 
+# Upstream's resolution of a layer_first host pool under the Mooncake backend (one object per
+# page part needs each part's page contiguous), with the layout it switches to.
+LAYOUT_MOONCAKE_LAYER_FIRST = (
+    "Mooncake/Ascend MemCache storage backend does not support layer_first layout, "
+    "switching to {layout} layout for {io} io backend"
+)
+STORAGE_BACKENDS_WITHOUT_LAYER_FIRST = ("mooncake",)
+
 # Geometry of the model presets. Weights are random (nothing is downloaded); the 8B-shaped preset
 # has Llama-3-8B's KV geometry (what the cache and copies see) with a smaller hidden/vocab so the
 # random weights stay affordable.
@@ -238,7 +246,9 @@ class ServerArgs:
     )
     hicache_storage_backend: str | None = _opt(
         None,
-        "L3 storage backend: file (one file per page, SGLang's HiCacheFile) or dynamic (a "
+        "L3 storage backend: file (one file per page, SGLang's HiCacheFile), mooncake (a "
+        "Mooncake Store shared by every instance on one master; settings in the extra config, "
+        "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_* variables) or dynamic (a "
         "HiCacheStorage class named by the extra config's backend_name, module_path, "
         "class_name); needs --enable-hierarchical-cache.",
         type=str,
@@ -248,7 +258,8 @@ class ServerArgs:
         "Settings of the storage backend and its prefetch: a JSON object, or @path to a .json, "
         ".toml or .yaml file (prefetch_threshold, prefetch_timeout_base, "
         "prefetch_timeout_per_ki_token, hicache_storage_pass_prefix_keys; the rest goes to the "
-        "backend, e.g. file_storage_path, max_size).",
+        "backend, e.g. file_storage_path, max_size; Mooncake: master_server_address, "
+        "global_segment_size, protocol, ...).",
         type=str,
     )
     hicache_storage_prefetch_policy: str = _opt(
@@ -352,6 +363,7 @@ class ServerArgs:
         if errors:
             raise ValueError("invalid server arguments:\n  - " + "\n  - ".join(errors))
         self._handle_hicache_layout()
+        self._handle_storage_layout()
         self._handle_host_memory_mode()
         self._handle_optimistic_prefill_gate()
 
@@ -592,6 +604,17 @@ class ServerArgs:
             )
         if self.hicache_mem_layout == "page_first_direct" and self.hicache_io_backend != "direct":
             self._resolve("hicache_io_backend", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
+
+    def _handle_storage_layout(self) -> None:
+        """SGLang's ``resolve_storage_layout_compatibility``: ``layer_first`` under the Mooncake
+        backend becomes ``page_first`` (kernel io) or ``page_first_direct`` (direct io)."""
+        if (
+            self.hicache_storage_backend in STORAGE_BACKENDS_WITHOUT_LAYER_FIRST
+            and self.hicache_mem_layout == "layer_first"
+        ):
+            new = "page_first_direct" if self.hicache_io_backend == "direct" else "page_first"
+            reason = LAYOUT_MOONCAKE_LAYER_FIRST.format(layout=new, io=self.hicache_io_backend)
+            self._resolve("hicache_mem_layout", new, reason)
 
     def _handle_host_memory_mode(self) -> None:
         """buffer_only has no host tier to write back to: ``write_back`` resolves to

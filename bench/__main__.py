@@ -34,6 +34,7 @@ SUITE = [
     ("bench.optimistic.bench", "optimistic"),
     ("bench.pd.bench", "pd"),  # wall clock, real decode processes over Mooncake (or skipped)
     ("bench.l3.bench", "l3"),
+    ("bench.mooncake_store.bench", "mooncake_store"),  # skipped (with the reason) without Mooncake
 ]
 E2E = {"multiturn", "optimistic"}
 """Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""

@@ -17,6 +17,7 @@ from server_args import (
     GATE_MAMBA,
     GATE_PP,
     LAYOUT_DIRECT_NEEDS_DIRECT_IO,
+    LAYOUT_MOONCAKE_LAYER_FIRST,
     LAYOUT_PAGE_FIRST_WITH_DIRECT_IO,
     Resolution,
     ServerArgs,
@@ -244,6 +245,17 @@ def test_compatible_layouts_untouched(layout, io):
     args = ServerArgs(hicache_mem_layout=layout, hicache_io_backend=io)
     assert (args.hicache_mem_layout, args.hicache_io_backend) == (layout, io)
     assert args.resolutions == []
+
+
+@pytest.mark.parametrize("io, layout", [("kernel", "page_first"), ("direct", "page_first_direct")])
+def test_mooncake_resolves_layer_first_as_sglang_does(io, layout):
+    args = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+                      hicache_mem_layout="layer_first", hicache_io_backend=io)  # fmt: skip
+    reason = LAYOUT_MOONCAKE_LAYER_FIRST.format(layout=layout, io=io)
+    assert args.resolutions == [Resolution("hicache_mem_layout", "layer_first", layout, reason)]
+    file = ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                      hicache_mem_layout="layer_first", hicache_io_backend=io)  # fmt: skip
+    assert file.hicache_mem_layout == "layer_first" and file.resolutions == []
 
 
 # ---------------------------------------------------------------- defaults and geometry

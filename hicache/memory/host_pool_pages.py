@@ -27,6 +27,8 @@ and meaning; ``index`` is the host slot where the page starts (a multiple of ``p
   ``page_first*``), else a copy. K and V of different widths: ``flat=True`` concatenates K's page
   and V's; ``flat=False`` raises ``NotImplementedError`` (no single view exists; SGLang raises
   for every flat-page call of such a pool).
+- ``page_regions()`` (this project's): ``(address, bytes)`` of the allocations those pointers
+  fall in, what a zero-copy backend registers (Mooncake's ``register_buffer``).
 - ``get_dummy_flat_data_page()``: a zeroed 1-D buffer of one flat page (pool dtype, CPU, pinned
   when the pool is); backends read a file into it.
 - ``set_from_flat_data_page(index, data_page)``: writes a flat page back (the inverse of
@@ -91,6 +93,16 @@ class HostPoolPagesMixin:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         tokens = sum(math.prod(shape) for shape in self._token_shapes())
         return self.page_size * self.layer_num * tokens * elem
+
+    def page_regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each host allocation that ``get_page_buffer_meta``'s pointers
+        fall in (one when K and V share ``kv_buffer``, one per part otherwise): what a
+        zero-copy backend registers (Mooncake's ``register_buffer``)."""
+        regions: dict[int, int] = {}
+        for part in self._host_parts:
+            storage = part.untyped_storage()
+            regions[storage.data_ptr()] = storage.nbytes()
+        return list(regions.items())
 
     # --- SGLang's calls ------------------------------------------------------------------------
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:

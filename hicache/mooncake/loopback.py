@@ -1,7 +1,7 @@
 """Keeping every Mooncake listener on loopback in tests and benchmarks (shared by the PD
 transport, ``prefill.disagg.mooncake``, and the Mooncake Store backend).
 
-Which listeners exist (checked with ``ss -ltnp`` by pid in the tests):
+Which listeners exist (checked by pid in the tests, ``tcp_listeners``):
 
 - this project's own sockets (the prefill side's bootstrap HTTP server and control listener, the
   decode worker's control listener) bind the configured host (``--host``, default
@@ -36,7 +36,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -170,19 +169,51 @@ def forget_preload() -> None:
 
 
 def tcp_listeners(pids: set[int] | list[int]) -> list[tuple[str, int]]:
-    """``(local address, pid)`` of every TCP listener owned by one of ``pids`` (``ss -ltnpH``;
-    ``[]`` when ``ss`` is missing)."""
-    wanted = set(pids)
-    try:
-        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    except OSError:
-        return []
+    """``(local address, pid)`` of every TCP listener owned by one of ``pids``, read from
+    ``/proc`` (no ``ss`` needed: a fresh CI image may lack iproute2). Addresses as ``ss -ltn``
+    writes them: ``127.0.0.1:P``, ``0.0.0.0:P``, ``[::ffff:127.0.0.1]:P``, ``[::1]:P``,
+    ``[::]:P``. A pid that is gone or not readable owns nothing."""
+    inodes: dict[str, set[int]] = {}
+    for pid in set(pids):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.setdefault(link[8:-1], set()).add(pid)
     found = []
-    for line in out.splitlines():
-        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)} & wanted
-        for pid in owners:
-            found.append((line.split()[3], pid))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10 or f[3] != "0A":  # 0A: LISTEN
+                continue
+            for pid in sorted(inodes.get(f[9], ())):
+                found.append((_proc_address(f[1]), pid))
     return found
+
+
+def _proc_address(field: str) -> str:
+    """``/proc/net/tcp{,6}``'s ``HEXADDR:HEXPORT`` (each 32-bit word of the address in host
+    byte order) as ``ss`` writes it."""
+    hexaddr, hexport = field.split(":")
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    port = int(hexport, 16)
+    if len(words) == 4:
+        return f"{ipaddress.IPv4Address(words)}:{port}"
+    addr = ipaddress.IPv6Address(words)
+    if addr.ipv4_mapped is not None:
+        return f"[::ffff:{addr.ipv4_mapped}]:{port}"
+    return f"[{addr.compressed}]:{port}"
 
 
 def non_loopback(listeners: list[tuple[str, int]]) -> list[tuple[str, int]]:

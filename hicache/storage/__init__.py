@@ -15,6 +15,8 @@ One module per concern (import each name from its home module):
 - ``fault_injector``: ``HiCacheStorageFailureInjector`` (random delays and failures).
 - ``backend_factory``: ``StorageBackendFactory`` (built-in names, ``register_backend``,
   ``dynamic``).
+- ``mooncake/``: ``MooncakeStore``, the Mooncake Store backend (several instances share one
+  distributed store), its settings, object names, master launcher and loopback shim.
 
 The host pools' page calls the backends use (``get_page_buffer_meta``, ``get_data_page``,
 ``get_dummy_flat_data_page``, ``set_from_flat_data_page``) live with the pools

@@ -3,9 +3,9 @@ registry and ``dynamic`` loading.
 
 Names:
 
-- built in: ``file`` (``HiCacheFile``, built as ``cls(storage_config)``); ``mooncake`` is reserved
-  for the Mooncake store (built as ``cls(storage_config, mem_pool_host)``, SGLang's shape) and is
-  registered when it exists;
+- built in: ``file`` (``HiCacheFile``, built as ``cls(storage_config)``) and ``mooncake``
+  (``hicache.storage.mooncake.store.MooncakeStore``, built as ``cls(storage_config,
+  mem_pool_host)``, SGLang's shape; its module imports Mooncake only when a store is built);
 - registered: ``register_backend(name, module_path_or_class, class_name=None)`` with a module path
   and class name (imported when first built) or a class. A name already registered is replaced,
   with a warning. A registered name that is not built in is built as a ``dynamic`` one is (below),
@@ -181,3 +181,6 @@ class StorageBackendFactory:
 
 
 StorageBackendFactory.register_backend("file", "hicache.storage.file_backend", "HiCacheFile")
+StorageBackendFactory.register_backend(
+    "mooncake", "hicache.storage.mooncake.store", "MooncakeStore"
+)

@@ -36,11 +36,13 @@ def test_file_is_built_in(tmp_path) -> None:
     assert isinstance(backend, HiCacheFile) and backend.file_path == str(tmp_path)
 
 
-def test_unknown_names_list_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"'nope'.*\['file', 'dynamic'\]"):
+def test_unknown_names_list_the_valid_ones(monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"'nope'.*\['file', 'mooncake', 'dynamic'\]"):
         StorageBackendFactory.create_backend("nope", cfg())
-    with pytest.raises(ValueError, match="mooncake"):
-        StorageBackendFactory.create_backend("mooncake", cfg())  # reserved, not yet registered
+    for var in ("MOONCAKE_MASTER", "MOONCAKE_CLIENT", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="no Mooncake master configured.*MOONCAKE_MASTER"):
+        StorageBackendFactory.create_backend("mooncake", cfg())  # built in, needs a master
 
 
 def test_dynamic_backend_from_the_extra_config() -> None:

@@ -1,0 +1,253 @@
+"""``MooncakeClient``: one process's ``mooncake.store.MooncakeDistributedStore``, set up against
+its master with clear startup errors, and guarded so that nothing touches it after ``close()``
+(Mooncake 0.3.13 segfaults on any call after ``close()``).
+
+Facts it follows (Mooncake 0.3.13.post1, measured on loopback):
+
+- ``setup`` with no master listening blocks about 90 s (20 internal retries) and returns -1;
+  with ``MC_STORE_CLIENT_SETUP_RETRIES=1`` about 4.4 s. An address where something else listens
+  blocks ``MC_STORE_CLIENT_SETUP_RETRIES`` times ``MC_RPC_TIMEOUT_MS`` (30 s each by default).
+  So ``open_client`` first connects to the master's TCP port (``probe_master``, 2 s), which
+  turns "nothing there" into an error at once;
+- a ``global_segment_size`` below 16 MiB (other than 0) makes ``setup`` fail with -600;
+- with segment 0 and no other client's segment mounted, every put fails with -200: the warm-up
+  put at startup says so;
+- calls return codes (never raise): a missing key -704, a buffer smaller than the object -600,
+  a full store -200, an owner process that died -800 (about 1 s per call until the master
+  expires it after ``client_ttl``, 10 s), a master that is down -900 (about 4.4 s per call once
+  it has been down for a few seconds), an object whose put has not ended -703;
+- ``health_check()`` is instant (cached heartbeat state): 0 healthy, 1 closed, 2 master
+  unreachable (within about 3 s of the master's death, back to 0 about 2 s after a master
+  restarts on the same address, which the client rejoins by itself).
+
+Every call blocks its thread (the binding releases the GIL). ``call`` returns ``None`` instead
+of calling once the client is closed, and when the binding raises (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from hicache.mooncake import availability
+from hicache.storage.mooncake.config import MooncakeStoreConfig
+
+logger = logging.getLogger(__name__)
+
+LOCAL_BUFFER_SIZE = 16 << 20
+"""The client's local buffer (SGLang's constant; the zero-copy calls do not use it)."""
+MIN_SEGMENT_SIZE = 16 << 20
+"""Mooncake's smallest non-zero segment (``setup`` refuses less with -600)."""
+PROBE_TIMEOUT_S = 2.0
+CLOSE_WAIT_S = 30.0
+
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -200: "NO_AVAILABLE_HANDLE",
+    -600: "INVALID_PARAMS",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
+HEALTHY, CLOSED, MASTER_UNREACHABLE = 0, 1, 2
+
+
+def error_name(rc: int) -> str:
+    """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
+    return f"{rc} {ERROR_NAMES.get(rc, 'UNKNOWN')}"
+
+
+def new_distributed_store() -> Any:
+    """A fresh, not yet set up ``MooncakeDistributedStore`` (tests substitute a fake)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeDistributedStore()
+
+
+def probe_master(host: str, port: int, source: str) -> None:
+    """``ValueError`` naming ``source`` unless something accepts TCP connections at
+    ``host:port`` within ``PROBE_TIMEOUT_S``."""
+    try:
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(
+            f"{source}={host}:{port}: no Mooncake master answers there ({e}); start one "
+            "(python -m hicache.storage.mooncake.master) or fix the address"
+        ) from None
+
+
+class MooncakeClient:
+    """A set-up ``MooncakeDistributedStore`` behind a close guard (module docstring)."""
+
+    def __init__(self, store: Any, description: str) -> None:
+        self._store = store
+        self.description = description
+        self._lock = threading.Condition()
+        self._busy = 0
+        self._closed = False
+        self._registered: list[int] = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def call(self, name: str, *args: Any) -> Any:
+        """``store.<name>(*args)``, or ``None`` when closed or when it raised (logged)."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._busy += 1
+        try:
+            return getattr(self._store, name)(*args)
+        except Exception:  # noqa: BLE001 - a failed call is a result, never an exception
+            logger.exception("Mooncake %s raised", name)
+            return None
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._lock.notify_all()
+
+    def health(self) -> int:
+        """``health_check()``: 0 healthy, 1 closed, 2 master unreachable (0 where the installed
+        Mooncake has no health check)."""
+        if not hasattr(self._store, "health_check"):
+            return CLOSED if self._closed else HEALTHY
+        rc = self.call("health_check")
+        return CLOSED if rc is None else int(rc)
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """``register_buffer`` each ``(address, bytes)`` region (zero-length ones skipped);
+        ``ValueError`` (the ones done so far undone) when Mooncake refuses one."""
+        for ptr, n in regions:
+            if n <= 0:
+                continue
+            rc = self.call("register_buffer", ptr, n)
+            if rc != 0:
+                self.unregister()
+                raise ValueError(
+                    f"Mooncake register_buffer of a {n}-byte host buffer failed "
+                    f"({error_name(rc) if isinstance(rc, int) else rc})"
+                )
+            self._registered.append(ptr)
+
+    def unregister(self) -> None:
+        while self._registered:
+            self.call("unregister_buffer", self._registered.pop())
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Unregister the buffers and close the store, once no call is in flight (waits up to
+        ``wait_s``; a call still running then means the store is left open, logged, rather than
+        closed under it). Idempotent; every later ``call`` returns ``None``."""
+        self.unregister()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._lock.wait_for(lambda: self._busy == 0, timeout=wait_s):
+                logger.error(
+                    "Mooncake client %s: %d calls still running after %.0f s; not closing it "
+                    "under them", self.description, self._busy, wait_s,
+                )  # fmt: skip
+                return
+        try:
+            self._store.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("Mooncake close raised")
+
+
+def open_client(
+    config: MooncakeStoreConfig,
+    *,
+    device_name: str,
+    segment_bytes: int,
+    ssd_offload_path: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> MooncakeClient:
+    """A client set up against ``config``'s master (``segment_bytes`` of this process's memory
+    mounted into the store, 0 for none), warmed up with one put and get. ``ValueError`` naming
+    the setting at fault: Mooncake not importable, no master at the address, a setup or warm-up
+    that fails. Blocks for the probe (up to 2 s) and for ``setup`` (about 0.2 s on loopback)."""
+    addr_name = config.source("master_server_address")
+    if factory is None:
+        reason = availability.module_reason("store")
+        if reason is not None:
+            raise ValueError(
+                f"--hicache-storage-backend=mooncake needs Mooncake: {reason}; install "
+                "mooncake-transfer-engine-non-cuda (make test does) and libibverbs1"
+            )
+        factory = new_distributed_store
+    if 0 < segment_bytes < MIN_SEGMENT_SIZE:
+        raise ValueError(
+            f"{config.source('global_segment_size')}: {segment_bytes} bytes per rank is below "
+            f"Mooncake's minimum segment of {MIN_SEGMENT_SIZE} bytes (use 0 for none)"
+        )
+    host_port = config.master_host_port()
+    if host_port is not None and factory is new_distributed_store:
+        probe_master(*host_port, addr_name)
+    kwargs: dict[str, Any] = {}
+    if config.enable_ssd_offload:
+        kwargs["enable_ssd_offload"] = True
+    if ssd_offload_path is not None:
+        kwargs["ssd_offload_path"] = ssd_offload_path
+    if config.tenant_id != "default":
+        kwargs["tenant_id"] = config.tenant_id
+    store = factory()
+    try:
+        rc = store.setup(
+            config.local_hostname, config.metadata_server, segment_bytes, LOCAL_BUFFER_SIZE,
+            config.protocol, device_name, config.master_server_address, None, **kwargs,
+        )  # fmt: skip
+    except TypeError as e:
+        raise ValueError(f"the installed Mooncake's setup() refuses {sorted(kwargs)}: {e}") from e
+    if rc != 0:
+        raise ValueError(
+            f"Mooncake setup failed ({error_name(rc)}) against {addr_name}="
+            f"{config.master_server_address} (local_hostname={config.local_hostname!r}, "
+            f"protocol={config.protocol!r}, metadata_server={config.metadata_server!r}): is a "
+            "Mooncake master serving there? (setup waits MC_STORE_CLIENT_SETUP_RETRIES times "
+            "MC_RPC_TIMEOUT_MS)"
+        )
+    client = MooncakeClient(store, f"{config.local_hostname} -> {config.master_server_address}")
+    try:
+        _warm_up(client, config, segment_bytes)
+    except ValueError:
+        client.close()
+        raise
+    return client
+
+
+def _warm_up(client: MooncakeClient, config: MooncakeStoreConfig, segment_bytes: int) -> None:
+    """Put, read back and remove one 4 KiB object (SGLang's warm-up, which also proves that the
+    store has a segment to put into)."""
+    key = f"hicache_mooncake_warmup_{uuid.uuid4().hex}"
+    value = uuid.uuid4().bytes * 256
+    rc = client.call("put", key, value)
+    if rc == -200:
+        where = "this client mounts none" if segment_bytes == 0 else "every segment is full"
+        raise ValueError(
+            f"{config.source('global_segment_size')}: no segment of the store has room for a "
+            f"4 KiB object ({where}; start a client with a segment, or raise the size)"
+        )
+    if rc != 0:
+        raise ValueError(
+            f"Mooncake warm-up put failed ({error_name(rc) if isinstance(rc, int) else rc}) "
+            f"against {config.source('master_server_address')}={config.master_server_address}"
+        )
+    got = client.call("get", key)
+    client.call("remove", key, True)
+    if got != value:
+        raise ValueError(
+            f"Mooncake warm-up read back {len(got or b'')} of 4096 bytes from "
+            f"{config.master_server_address} (protocol={config.protocol!r}, "
+            f"local_hostname={config.local_hostname!r}: can the peers reach this host?)"
+        )
