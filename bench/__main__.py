@@ -36,8 +36,8 @@ SUITE = [
 E2E = {"multiturn", "optimistic"}
 """Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""
 
-ALWAYS_REPORTED = ("leaked_slots", "kv_mismatches", "aborted_sends", "leaked_locks",
-                   "integrity_errors")  # fmt: skip
+ALWAYS_REPORTED = ("leaked_slots", "kv_mismatches", "kv_strict_mismatches", "aborted_sends",
+                   "leaked_locks", "integrity_errors")  # fmt: skip
 """Integrity counters the summary shows even when no section reported them (as 0)."""
 INTEGRITY_KEYS = (*ALWAYS_REPORTED, "speculative_l2_pages", "attempt_budget_exceeded")
 

@@ -6,18 +6,21 @@ is given back before the next one is built).
 
 Two clocks (``--clock``):
 
-- ``virtual`` (default, the headline mode): the executor's ``VirtualClock``, charged by
-  ``bench.clock.virtual_cost.CostAccountant`` from a calibration measured in the same run
-  (``bench.clock.calibrate``). The real model computes every forward and the cache moves every
-  byte; after each scheduler step the driver waits for the cache's real copies and pops their
-  acks (``drain_cache_events``), so what happens depends only on the trace's seed and the
-  calibration, never on thread timing or other jobs on the machine.
-- ``wall``: monotonic wall time; copies overlap for real, and results move with the machine's
-  load.
+- ``virtual`` (the default on a CPU): the executor's ``VirtualClock``, charged by
+  ``bench.clock.virtual_cost.CostAccountant`` (forward, copies, co-run slowdown, transfer) and
+  ``bench.clock.host_meter.HostMeter`` (host time) from a calibration measured in the same run
+  or replayed (``bench.clock.calibrate``). The real model computes every forward and the cache
+  moves every byte; after each scheduler step the driver waits for the cache's real copies
+  (``CostAccountant.settle``) and acks are popped at their modelled time, so what happens
+  depends only on the trace's seed and the calibration, never on thread timing or other jobs
+  on the machine.
+- ``wall`` (the default on CUDA): monotonic wall time; copies overlap for real, and results
+  move with the machine's load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Any
@@ -25,7 +28,9 @@ from typing import Any
 import torch
 
 from bench.clock.calibrate import Calibration
+from bench.clock.host_meter import HostMeter
 from bench.clock.virtual_cost import CostAccountant, RecordingModel
+from bench.common import call_timer
 from hicache.tp.group import TPGroup
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.sim_config import PeerConfig
@@ -98,22 +103,44 @@ def new_executor(
     model: PagedTransformer,
     calibration: Calibration | None = None,
     group: TPGroup | None = None,
+    virtual: bool | None = None,
+    host_mode: str = "model",
+    record_host: bool = False,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
-    ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
-    ``CostAccountant`` (returned), else on wall time (``None`` returned). ``group``: the
-    tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
-    rank reads rank 0's time)."""
-    clock = WallClock() if calibration is None else VirtualClock()
+    ``decode_pool_tokens``.
+
+    ``virtual`` (default: whether a ``calibration`` is given): on a ``VirtualClock`` charged by
+    a ``CostAccountant`` (returned) from ``calibration``, with the host phases measured and
+    charged by a ``HostMeter`` (``host_mode``: ``model`` (the calibration's host costs; ``off``
+    when it has none), ``measured`` or ``off``; ``record_host`` keeps the samples, for
+    ``fit_host_costs``); else on wall time (``None`` returned). On either clock the
+    calibration's transfer model sets the simulated peers' own wait (``TransferModel``).
+    ``group``: the tensor-parallel cache group (this rank's cache and decode side; the clock
+    wrapped so every rank reads rank 0's time)."""
+    virtual = calibration is not None if virtual is None else virtual
+    if virtual and calibration is None:
+        raise ValueError("calibration: a virtual clock needs one")
+    if calibration is not None:
+        peer = dataclasses.replace(peer, **calibration.transfer.peer_fields())
+    clock = VirtualClock() if virtual else WallClock()
     if group is not None:
         clock = agreed_clock(clock, group, None)
     common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
                   decode_pool_size=decode_pool_tokens, group=group)  # fmt: skip
-    if calibration is None:
+    if not virtual:
         return make_executor(args, model=model, **common), None
-    recording = RecordingModel(model)
-    cost = CostAccountant(calibration, clock, recording)
-    ex = make_executor(args, model=recording, cost_model=cost, **common)
+    assert calibration is not None
+    if host_mode == "model" and calibration.host is None:
+        host_mode = "off"
+    device = torch.device(args.resolved_device())
+    meter = HostMeter(clock, call_timer(device, calibration.timer), host_mode, calibration.host,
+                      record=record_host)  # fmt: skip
+    recording = RecordingModel(model, meter)
+    cost = CostAccountant(calibration, clock, recording, meter)
+    ex = make_executor(args, model=recording, cost_model=cost, modelled_copies=cost, **common)
     if ex.cache.controller is not None:
         cost.install(ex.cache.controller)
+    cost.install_decode(ex.decode)
+    meter.install(ex)
     return ex, cost

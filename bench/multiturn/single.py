@@ -1,5 +1,7 @@
-"""The multi-turn benchmark on one rank: every configuration under every seed, one executor
-per (configuration, seed), audited, aggregated and written to ``multiturn.json``."""
+"""The multi-turn benchmark on one rank: the calibration (measured, with its host calibration
+trace, or replayed), every configuration under every seed, one executor per (configuration,
+seed), audited, aggregated and written to ``multiturn.json``; then the sweeps
+(``bench.multiturn.sweep``)."""
 
 from __future__ import annotations
 
@@ -7,19 +9,24 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from bench.clock.calibrate import Calibration, calibrate_run, describe
+from bench.clock.calibrate import Calibration, describe, forward_curve
+from bench.clock.host_cost import HostCosts
+from bench.clock.host_meter import HostMeter, fit_meters
 from bench.common import time_left
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.budget import TimeBudget
+from bench.e2e.calibrated import obtain_calibration, without_host
 from bench.e2e.report import (
     aggregate_seeds,
     plot_ttft,
     print_config_table,
     print_spread,
+    sum_checks,
     sum_integrity,
     write_result,
 )
 from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor, shared_model
+from bench.multiturn.sweep import run_sweeps
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,
@@ -35,16 +42,29 @@ from bench.multiturn.trace import (
 )
 from prefill.disagg.sim_config import PeerConfig
 
+HOST_TRACE_REQUESTS = 40
+"""Requests of each configuration's host calibration trace (the first ones of the first seed)."""
+
 
 def run_config(
     name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
-    cal: Calibration | None,
+    cal: Calibration | None, virtual: bool | None = None, host_mode: str | None = None,
+    max_requests: int | None = None, meters: list[HostMeter] | None = None,
+    quiet: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
+    """One configuration under one seed (``virtual``: default whether ``cal`` is given;
+    ``host_mode``: default ``--host-time``). ``meters``: receives the run's host meter, which
+    then records its samples (the host calibration trace)."""
     args = server_args_for(name, device_tokens, opts)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
-    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal)
-    run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal,
+                            virtual=virtual, host_mode=host_mode or opts.host_time,
+                            record_host=meters is not None)  # fmt: skip
+    if meters is not None and cost is not None and cost.meter is not None:
+        meters.append(cost.meter)
+    run = drive_trace(ex, cost, conversations, rate, seed, name, opts, max_requests,
+                      quiet=quiet)  # fmt: skip
     out = config_summary(run)
     out["integrity"] = audit(run)
     out["kv_max_rel_err"] = run.kv_max_rel_err
@@ -52,6 +72,28 @@ def run_config(
     out["server_args"] = args.to_dict()
     release_executor(ex)
     return out
+
+
+def host_trace(
+    opts: argparse.Namespace, device_tokens: int, model: Any
+) -> Any:  # Callable[[Calibration], HostCosts]
+    """The host calibration trace: the first ``HOST_TRACE_REQUESTS`` requests of the first
+    seed under every configuration, host time measured (and charged as measured); the fit of
+    every call's samples."""
+
+    def trace(cal: Calibration) -> HostCosts:
+        meters: list[HostMeter] = []
+        bare = without_host(cal)
+        rate = request_rate(opts, bare)
+        for name in opts.configs:
+            run_config(name, opts.seeds[0], device_tokens, rate, opts, model, bare, True,
+                       "measured", HOST_TRACE_REQUESTS, meters, quiet=True)  # fmt: skip
+            free_memory()
+        info = {"benchmark": "multiturn", "configs": list(opts.configs),
+                "requests_each": HOST_TRACE_REQUESTS, "seed": opts.seeds[0]}  # fmt: skip
+        return fit_meters(meters, info, cal.timer)
+
+    return trace
 
 
 def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
@@ -70,10 +112,15 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
     cal_args = server_args_for("write_back", device_tokens, opts)
     model = shared_model(cal_args)
     longest = longest_prompt(opts)
-    cal = calibrate_run(cal_args, model, opts.chunked_prefill_size, longest)
+    # Host costs are calibrated for the virtual clock only (a wall-clock run measures them).
+    wanted = opts.clock == "virtual" and opts.host_time == "model"
+    trace = host_trace(opts, device_tokens, model) if wanted else None
+    cal = obtain_calibration("multiturn", opts, cal_args, model, opts.chunked_prefill_size,
+                             longest, out_dir, trace)  # fmt: skip
     print(f"[multiturn] calibration: {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
     print(f"[multiturn] arrivals {rate:.2f}/s (load {opts.load:g} of device-only capacity)")
+    virtual = opts.clock == "virtual"
     per_seed: dict[int, dict[str, Any]] = {}
     budget = TimeBudget()
     for seed in opts.seeds:
@@ -83,29 +130,38 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
                 print(f"[multiturn] {name} seed {seed}: skipped, {time_left():.0f} s left")
                 continue
             with budget.timed():
-                results[name] = run_config(name, seed, device_tokens, rate, opts, model,
-                                           cal if opts.clock == "virtual" else None)  # fmt: skip
+                results[name] = run_config(name, seed, device_tokens, rate, opts, model, cal,
+                                           virtual)  # fmt: skip
             free_memory()
             add_ratios(results)
             # Written after every configuration, so a run cut short still leaves its results.
             write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
                                                 "partial": True, "per_seed": per_seed})  # fmt: skip
-    del model
-    free_memory()
     configs = aggregate_seeds(per_seed, HEADLINE_KEYS, RATIO)
     print(f"\n[multiturn] mean over seeds {opts.seeds} ({opts.clock} clock)")
     print_config_table(configs, TABLE)
     print_spread(configs, RATIO, "mean TTFT vs device-only")
+    sweeps = None
+    if opts.sweeps and virtual:
+        sweeps = run_sweeps(opts, model, cal, out_dir, run_config)
+    del model
+    free_memory()
     summary = {
         **configs,
         "mode": opts.clock,
         "seeds": opts.seeds,
         "request_rate_per_s": rate,
+        "load": opts.load,
         "working_set_tokens": working_set,
         "device_pool_tokens": device_tokens,
         "working_set_over_device_pool": ratio,
+        "calibration_source": cal.source,
+        "forward_curve": forward_curve(cal.forward),
+        "h2d_gb_per_s": cal.h2d.bytes_per_s / 1e9,
         "calibration": cal.as_dict(),
         "integrity": sum_integrity(configs),
+        "checks": sum_checks(configs),
+        "sweeps": sweeps,
         "note": note,
         "skipped_for_time": budget.skipped,
     }
@@ -117,5 +173,3 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
               list(first))  # fmt: skip
     print(f"[multiturn] wrote {path}")
     return summary
-
-

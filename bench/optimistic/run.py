@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.clock.calibrate import Calibration
+from bench.clock.host_meter import HostMeter
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
 from bench.e2e.setup import model_args, new_executor, release_executor
@@ -91,28 +92,32 @@ def make_trace(
     return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)
 
 
-def _warm(ex: Any, prefixes: list[list[int]]) -> None:
+def _warm(ex: Any, prefixes: list[list[int]], cost: Any) -> None:
     """Put the shared prefixes in the cache (not measured)."""
     for i, p in enumerate(prefixes):
         ex.submit(f"warm-{i}", p)
-    run_until_idle(ex)
+    run_until_idle(ex, cost)
     ex.pop_results()
     for i in range(len(prefixes)):
         ex.decode.release(f"warm-{i}")
 
 
-def calibrate_prefill_s(opts: argparse.Namespace, model: Any, cal: Calibration | None) -> float:
-    """Median prefill latency (on the benchmark's clock: virtual with ``cal``, else wall) of a
-    request whose prefix is cached, peers ready at once, one at a time: the bootstrap delays
-    and arrival rates are set from it."""
+def calibrate_prefill_s(
+    opts: argparse.Namespace, model: Any, cal: Calibration | None, virtual: bool | None = None,
+    host_mode: str | None = None,
+) -> float:  # fmt: skip
+    """Median prefill latency (on the benchmark's clock: virtual with ``cal`` unless
+    ``virtual`` is False, else wall) of a request whose prefix is cached, peers ready at once,
+    one at a time: the bootstrap delays and arrival rates are set from it."""
     trace = make_trace(opts, 0, [0.0] * (opts.num_prefixes + 3), DelayDistribution(), 0.0)
     args = Trace.server_args(opts, 0, 0.0, "write_back")
-    ex, _ = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal)
-    _warm(ex, trace.prefixes)
+    ex, cost = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal,
+                            virtual=virtual, host_mode=host_mode or opts.host_time)  # fmt: skip
+    _warm(ex, trace.prefixes, cost)
     times = []
     for i, p in enumerate(trace.prompts):
         ex.submit(f"cal-{i}", p)
-        run_until_idle(ex)
+        run_until_idle(ex, cost)
         (res,) = ex.pop_results()
         times.append(res.prefill_latency)
         ex.decode.release(f"cal-{i}")
@@ -122,15 +127,24 @@ def calibrate_prefill_s(opts: argparse.Namespace, model: Any, cal: Calibration |
 
 
 def run_config(
-    trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None
-) -> dict[str, Any]:
+    trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
+    virtual: bool | None = None, host_mode: str | None = None,
+    meters: list[HostMeter] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One configuration on ``trace`` (``virtual``: default whether ``cal`` is given;
+    ``host_mode``: default ``--host-time``; ``meters`` receives the run's host meter, which
+    then records its samples)."""
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
                       force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)  # fmt: skip
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
-    ex, cost = new_executor(args, peer, decode_tokens, model, cal)
-    _warm(ex, trace.prefixes)
+    ex, cost = new_executor(args, peer, decode_tokens, model, cal, virtual=virtual,
+                            host_mode=host_mode or opts.host_time,
+                            record_host=meters is not None)  # fmt: skip
+    if meters is not None and cost is not None and cost.meter is not None:
+        meters.append(cost.meter)
+    _warm(ex, trace.prefixes, cost)
     warm = dataclasses.replace(ex.stats)  # counters of the warm-up, not reported
     ledger = ComputeLedger(ex)
     driver = Driver(ex, len(trace.prompts), opts.kv_sample_every, cost)

@@ -15,9 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-import kernels
 from hicache.memory.allocator import page_ceil
-from hicache.transfer.streams import CPU_COPY_LOCK
 from prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV, TERMINAL, KVPoll, SendRecord
 from prefill.disagg.sim_config import PeerConfig
 
@@ -33,8 +31,9 @@ class PeerSide(Protocol):
     src_pool: Any  # the prefill device pool the sends read
     pool: Any  # the decode device pool they land in
     allocator: Any  # the decode pool's allocator
-    copy_block_quota: int
     send_log: deque[SendRecord]
+
+    def read(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, last: bool) -> None: ...
 
     def on_success(self, peer: DecodePeer) -> None: ...
 
@@ -225,36 +224,14 @@ class DecodePeer:
             t.src = None
 
     def _copy_in(self, t: Transfer) -> None:
-        """Read the source slots now (the simulated RDMA read), through the project's copy ops.
-        On CUDA the copy (``kernels.transfer_kv_all_layer``) is queued on the current (compute)
-        stream, so it reads the KV after the forward that wrote it and before any later forward
-        can reuse the slots; the last range's copy is waited for, so ``Success`` (the end of
-        TTFT) comes after the bytes landed. On CPU it is the direct backend
-        (``kernels.transfer_kv_direct``: one ``copy_`` per run of consecutive slots and layer;
-        the interpreted Triton kernel would cost ~0.1 s a send and is tested on its own)."""
+        """Read the source slots now (the simulated RDMA read), through the decode side
+        (``PeerSide.read``: the project's copy ops, and the side's ``copy_hook`` when set); the
+        last range's copy is waited for, so ``Success`` (the end of TTFT) comes after the bytes
+        landed."""
         if self.decode_slots is None or t.src is None:
             raise RuntimeError(f"{self.rid}: copy of [{t.start}, {t.end}) without its slots")
-        src_pool, dst_pool = self.side.src_pool, self.side.pool
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
-        if src_pool.device.type == "cpu":
-            with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
-                kernels.transfer_kv_direct(
-                    [*src_pool.k_buffer, *src_pool.v_buffer],
-                    [*dst_pool.k_buffer, *dst_pool.v_buffer],
-                    t.src, dst, page_size=1,
-                )  # fmt: skip
-            return
-        args = (
-            src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,
-            dst_pool.v_data_ptrs, t.src.to(src_pool.device), dst.to(dst_pool.device),
-            src_pool.item_size, src_pool.layer_num,
-        )
-        # A device-to-device copy standing in for a network transfer, on the compute stream: give
-        # it the whole GPU, not HiCache's 2 blocks (a GB through 2 blocks would hold the stream
-        # for an estimated tens of ms, charged to every later forward).
-        kernels.transfer_kv_all_layer(*args, block_quota=self.side.copy_block_quota)
-        if t.last:
-            torch.cuda.current_stream(src_pool.device).synchronize()
+        self.side.read(t.src, dst, last=t.last)
 
     def _set_failed(self, reason: str) -> None:
         if self.state == KVPoll.Failed:

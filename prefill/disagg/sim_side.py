@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.transfer.streams import CPU_COPY_LOCK
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll, SendRecord
 from prefill.disagg.sim_config import PeerConfig
@@ -53,6 +55,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEND_LOG_SIZE = 10_000
 """Sends ``DecodeSide.send_log`` remembers by default (the latest ones)."""
 
+CopyHook = Callable[[int, Callable[[], None]], None]
+"""``hook(nbytes, copy)``: runs one read of a completed send; must call ``copy()`` once."""
+
 
 class DecodeSide:
     """The decode instance: a KV pool like the prefill one, an allocator, and one peer per rid.
@@ -62,6 +67,11 @@ class DecodeSide:
     read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
     slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
     all of them, for tests).
+
+    Reads of completed sends run on the caller's thread (the executor's, inside a poll): this
+    in-process stand-in for a transport copies the bytes itself (``copy_kv``). ``copy_hook``
+    (settable attribute, default ``None``) wraps each read, e.g. to time it or to charge its
+    modelled cost to a virtual clock.
     """
 
     def __init__(
@@ -93,6 +103,8 @@ class DecodeSide:
         self.peers: dict[str, DecodePeer] = {}  # live peers, and kept successful ones
         self._live: dict[str, DecodePeer] = {}  # peers that may still produce an event
         self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
+        self.copy_hook: CopyHook | None = None
+        self.read_tokens = 0  # tokens whose KV the reads copied (all peers, ever)
 
     @property
     def force_not_ready_prob(self) -> float:
@@ -117,6 +129,45 @@ class DecodeSide:
         self.peers[rid] = peer
         self._live[rid] = peer
         return peer
+
+    def read(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, last: bool) -> None:
+        """One read of a completed send: ``copy_kv``, through ``copy_hook`` when set."""
+        self.read_tokens += int(src_slots.numel())
+        if self.copy_hook is None:
+            self.copy_kv(src_slots, dst_slots, last)
+            return
+        nbytes = int(src_slots.numel()) * self.src_pool.get_size_per_token()
+        self.copy_hook(nbytes, lambda: self.copy_kv(src_slots, dst_slots, last))
+
+    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, wait: bool) -> None:
+        """Copy the KV of prefill-pool slots ``src_slots`` into decode-pool slots ``dst_slots``
+        (int64, same length; every layer, K and V) with the project's copy ops. On CUDA the copy
+        (``kernels.transfer_kv_all_layer``) is queued on the current (compute) stream, so it
+        reads the KV after the forward that wrote it and before any later forward can reuse
+        the slots; ``wait`` blocks until it finished. On CPU it is the direct backend
+        (``kernels.transfer_kv_direct``: one ``copy_`` per run of consecutive slots and layer;
+        the interpreted Triton kernel would cost ~0.1 s a send and is tested on its own), which
+        returns when the bytes are there."""
+        src_pool, dst_pool = self.src_pool, self.pool
+        if src_pool.device.type == "cpu":
+            with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
+                kernels.transfer_kv_direct(
+                    [*src_pool.k_buffer, *src_pool.v_buffer],
+                    [*dst_pool.k_buffer, *dst_pool.v_buffer],
+                    src_slots, dst_slots, page_size=1,
+                )  # fmt: skip
+            return
+        args = (
+            src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,
+            dst_pool.v_data_ptrs, src_slots.to(src_pool.device), dst_slots.to(dst_pool.device),
+            src_pool.item_size, src_pool.layer_num,
+        )  # fmt: skip
+        # A device-to-device copy standing in for a network transfer, on the compute stream: give
+        # it the whole GPU, not HiCache's 2 blocks (a GB through 2 blocks would hold the stream
+        # for an estimated tens of ms, charged to every later forward).
+        kernels.transfer_kv_all_layer(*args, block_quota=self.copy_block_quota)
+        if wait:
+            torch.cuda.current_stream(src_pool.device).synchronize()
 
     def next_event_time(self) -> float | None:
         """Earliest ``next_event_time`` of the live peers; O(live peers)."""

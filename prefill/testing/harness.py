@@ -13,7 +13,7 @@ import torch
 from prefill.clock import Clock, VirtualClock
 from prefill.disagg.sim_config import PeerConfig
 from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE, DecodeSide
-from prefill.executor import CostModel, OptimisticPrefillExecutor
+from prefill.executor import CostModel, ModelledCopies, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
 from prefill.tp.driver import agreed_clock
@@ -49,13 +49,15 @@ def make_executor(
     model: PagedTransformer | None = None,
     send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
     group: TPGroup | None = None,
+    modelled_copies: ModelledCopies | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
     that keeps received KV (for ``assert_decode_kv_matches``; ``decode.release(rid)`` frees it)
     and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
-    the model, when not given, this rank's ``TPPagedTransformer``."""
+    the model, when not given, this rank's ``TPPagedTransformer``. ``modelled_copies``: see
+    ``OptimisticPrefillExecutor``."""
     clock = clock if clock is not None else VirtualClock()
     cache = cache if cache is not None else build_cache(args, group=group)
     group = getattr(cache, "group", None)
@@ -69,7 +71,8 @@ def make_executor(
         keep_received=keep_received, send_log_size=send_log_size,
     )  # fmt: skip
     return OptimisticPrefillExecutor(
-        args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model
+        args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model,
+        modelled_copies=modelled_copies,
     )
 
 
