@@ -150,10 +150,12 @@ def forward_curve(f: ForwardTable) -> dict[str, float]:
     b * new_tokens`` (least squares; ``intercept_ms``, ``slope_us_per_token``), and the shape
     ratio the multi-turn headline moves with: a forward of the longest ``n`` over one of the
     shortest, both after the longest prefix of the table."""
-    ns = torch.tensor(f.ns, dtype=torch.float64)
-    ts = torch.tensor([row[0] for row in f.single], dtype=torch.float64)
-    a = torch.stack([torch.ones_like(ns), ns], dim=1)
-    b0, b1 = torch.linalg.lstsq(a, ts[:, None]).solution[:, 0].tolist()
+    ns, ts = [float(n) for n in f.ns], [row[0] for row in f.single]
+    mn, mt = sum(ns) / len(ns), sum(ts) / len(ts)  # closed form: the same bits every time
+    b1 = sum((n - mn) * (t - mt) for n, t in zip(ns, ts, strict=True)) / sum(
+        (n - mn) ** 2 for n in ns
+    )
+    b0 = mt - b1 * mn
     p = f.ps[-1]
     return {"intercept_ms": b0 * 1e3, "slope_us_per_token": b1 * 1e6,
             "long_over_short": f.one(f.ns[-1], p) / f.one(f.ns[0], p),

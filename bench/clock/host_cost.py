@@ -83,25 +83,41 @@ def fit_phase(features: Sequence[str], samples: Sequence[Sample]) -> PhaseFit:
 @dataclass
 class HostCosts:
     """The host cost of every phase (``PhaseFit``), the timer that measured the samples and
-    the trace they came from. ``seconds(phase, x)``: 0 for a phase without a fit."""
+    the trace they came from. ``seconds(phase, x)``: 0 for a phase without a fit.
+
+    ``phases`` is fitted on every sample; ``profiles`` holds one fit per configuration of the
+    calibration trace (a configuration's own mix of work: device-only has no copies, write_back
+    waits for its backups), and ``profile(name)`` is the costs a run of that configuration is
+    charged (the pooled fit for a configuration the trace did not run)."""
 
     phases: dict[str, PhaseFit]
     timer: str
     trace: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[str, dict[str, PhaseFit]] = field(default_factory=dict)
+    name: str = "pooled"
 
     def seconds(self, phase: str, x: dict[str, float]) -> float:
         fit = self.phases.get(phase)
         return 0.0 if fit is None else fit.seconds(x)
 
+    def profile(self, name: str | None) -> HostCosts:
+        if name is None or name not in self.profiles:
+            return self
+        return HostCosts(self.profiles[name], self.timer, self.trace, self.profiles, name)
+
     def as_dict(self) -> dict[str, Any]:
         return {"timer": self.timer, "trace": self.trace,
-                "phases": {k: v.as_dict() for k, v in self.phases.items()}}  # fmt: skip
+                "phases": {k: v.as_dict() for k, v in self.phases.items()},
+                "profiles": {p: {k: v.as_dict() for k, v in fits.items()}
+                             for p, fits in self.profiles.items()}}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HostCosts:
         try:
             phases = {k: PhaseFit.from_dict(v) for k, v in d["phases"].items()}
-            return cls(phases, str(d["timer"]), dict(d.get("trace") or {}))
+            profiles = {p: {k: PhaseFit.from_dict(v) for k, v in fits.items()}
+                        for p, fits in (d.get("profiles") or {}).items()}  # fmt: skip
+            return cls(phases, str(d["timer"]), dict(d.get("trace") or {}), profiles)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"host costs: missing or bad field ({exc!r})") from None
 
@@ -110,16 +126,13 @@ class HostCosts:
         top = sorted(self.phases.items(), key=lambda kv: -kv[1].total_s)[:3]
         parts = ", ".join(f"{k} {f.mean_s * 1e6:.0f} us/call" for k, f in top)
         steps = self.trace.get("steps", "?")
-        return f"host {total * 1e3:.0f} ms over {steps} steps ({parts})"
+        return (f"host {total * 1e3:.0f} ms over {steps} steps ({parts}; "
+                f"{len(self.profiles)} profiles)")  # fmt: skip
 
 
-def fit_host_costs(
-    samples: dict[str, list[Sample]],
-    features: dict[str, Sequence[str]],
-    timer: str,
-    trace: dict[str, Any],
-) -> HostCosts:
-    """One ``fit_phase`` per phase of ``features``."""
+def _fit_all(
+    samples: dict[str, list[Sample]], features: dict[str, Sequence[str]]
+) -> dict[str, PhaseFit]:
     phases = {name: fit_phase(features[name], samples.get(name, [])) for name in features}
     for name, fit in phases.items():
         if fit.samples:
@@ -127,4 +140,20 @@ def fit_host_costs(
                                     for x, _ in samples[name])  # fmt: skip
             logger.info("host phase %s: %d samples, mean %.1f us, fit mean %.1f us", name,
                         fit.samples, fit.mean_s * 1e6, pred * 1e6)  # fmt: skip
-    return HostCosts(phases, timer, trace)
+    return phases
+
+
+def fit_host_costs(
+    samples: dict[str, dict[str, list[Sample]]],
+    features: dict[str, Sequence[str]],
+    timer: str,
+    trace: dict[str, Any],
+) -> HostCosts:
+    """One ``fit_phase`` per phase of ``features``: per profile (``samples[profile][phase]``)
+    and over every profile's samples together."""
+    pooled: dict[str, list[Sample]] = {name: [] for name in features}
+    for by_phase in samples.values():
+        for name, rows in by_phase.items():
+            pooled[name].extend(rows)
+    profiles = {p: _fit_all(by_phase, features) for p, by_phase in samples.items()}
+    return HostCosts(_fit_all(pooled, features), timer, trace, profiles)

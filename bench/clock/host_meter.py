@@ -169,10 +169,6 @@ class HostMeter:
             self.clock.advance(charge)
 
     # ------------------------------------------------------------------ results
-    def fit(self, trace: dict[str, Any], timer_name: str) -> HostCosts:
-        """The host costs of the recorded samples (``record=True``)."""
-        return fit_host_costs(self.samples, FEATURES, timer_name, {**trace, "steps": self.steps})
-
     def as_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
@@ -228,12 +224,17 @@ def _features(name: str, ex: Any, args: tuple[Any, ...], result: Any, before: An
             "backed_up": delta[3]}  # fmt: skip
 
 
-def fit_meters(meters: list[HostMeter], trace: dict[str, Any], timer_name: str) -> HostCosts:
-    """The host costs of the samples several meters recorded (``record=True``), together."""
-    samples: dict[str, list[Sample]] = {p.name: [] for p in PHASES}
+def fit_meters(
+    meters: dict[str, list[HostMeter]], trace: dict[str, Any], timer_name: str
+) -> HostCosts:
+    """The host costs of the samples the meters recorded (``record=True``), one profile per
+    key of ``meters`` (a configuration) and pooled."""
+    samples: dict[str, dict[str, list[Sample]]] = {}
     steps = 0
-    for m in meters:
-        steps += m.steps
-        for k, v in m.samples.items():
-            samples[k].extend(v)
+    for profile, ms in meters.items():
+        by_phase = samples.setdefault(profile, {p.name: [] for p in PHASES})
+        for m in ms:
+            steps += m.steps
+            for k, v in m.samples.items():
+                by_phase[k].extend(v)
     return fit_host_costs(samples, FEATURES, timer_name, {**trace, "steps": steps})

@@ -2,12 +2,15 @@
 that overlaps a busy stream is slowed (the co-run slowdown, ``bench.clock.corun``).
 
 ``CopyTimeline`` keeps one FIFO per stream (``load``: H2D load backs, ``write``: D2H backups):
-``occupy(stream, now, seconds)`` books the next ``seconds`` of that stream from ``max(now,
-free_at)`` and returns ``(start, end)``. The union of the busy intervals of both streams is what
-compute overlaps; ``compute_end(start, work_s, factor)`` is when ``work_s`` seconds of compute
-that starts at ``start`` ends if it progresses at ``1 / factor`` while any stream is busy (a
-factor of 1: ``start + work_s``). Intervals that ended are dropped as the clock passes them
-(``trim``), so the state stays as small as the copies in flight.
+``occupy(stream, now, seconds, after)`` books the next ``seconds`` of that stream from
+``max(now, free_at, after)`` and returns ``(start, end)``. With ``shared=True`` both names are
+one FIFO: on a machine without CUDA the controller's two stream threads run their copies under
+one process-wide lock (``hicache.transfer.streams.CPU_COPY_LOCK``), so a load waits for the
+backups queued before it, and the other way round. The union of the busy intervals of both
+streams is what compute overlaps; ``compute_end(start, work_s, factor)`` is when ``work_s``
+seconds of compute that starts at ``start`` ends if it progresses at ``1 / factor`` while any
+stream is busy (a factor of 1: ``start + work_s``). Intervals that ended are dropped as the
+clock passes them (``trim``), so the state stays as small as the copies in flight.
 """
 
 from __future__ import annotations
@@ -25,20 +28,25 @@ STREAMS = ("load", "write")
 class CopyTimeline:
     """Busy intervals of the modelled copy streams (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
         self.free_at = dict.fromkeys(STREAMS, 0.0)
         self._starts: list[float] = []  # disjoint busy intervals, sorted
         self._ends: list[float] = []
 
-    def occupy(self, stream: str, now: float, seconds: float) -> tuple[float, float]:
-        """Book ``seconds`` of ``stream`` after its earlier work and not before ``now``."""
+    def occupy(
+        self, stream: str, now: float, seconds: float, after: float = 0.0
+    ) -> tuple[float, float]:
+        """Book ``seconds`` of ``stream`` after its earlier work, not before ``now`` nor
+        ``after`` (a dependency on the other stream)."""
         if stream not in self.free_at:
             raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
-        start = max(self.free_at[stream], now)
+        start = max(self.free_at[stream], now, after)
         end = start + seconds
-        self.free_at[stream] = end
+        for name in STREAMS if self.shared else (stream,):
+            self.free_at[name] = end
         if end > start:
             self._add(start, end)
         return start, end

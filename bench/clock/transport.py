@@ -65,7 +65,7 @@ class TransferModel:
         if latency_us is not None and latency_us < 0:
             raise ValueError(f"--transfer-latency-us must be >= 0, got {latency_us}")
         bw = gbps * 1e9 if gbps is not None else math.inf
-        return replace(self, latency_s=(latency_us or 0.0) * 1e-6, bytes_per_s=bw,
+        return replace(self, latency_s=(latency_us or 0.0) / 1e6, bytes_per_s=bw,
                        source="flag")  # fmt: skip
 
     def peer_fields(self) -> dict[str, float]:

@@ -11,8 +11,10 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   once layer ``i - 1`` computed and layer ``i`` loaded: the overlap the controller's per-layer
   events give.
 - **D2H backup** (write stream): each backup (``write``) occupies the write stream for
-  ``d2h.seconds(bytes)``, FIFO, beside compute; a wait for a backup (``wait_write``: write_back
-  eviction) advances the clock to that backup's end.
+  ``d2h.seconds(bytes)``, FIFO, beside compute, and starts after the newest load in flight (as
+  the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
+  advances the clock to that backup's end. On a machine without CUDA both streams are one FIFO
+  (the controller's CPU stream threads copy under one lock).
 - **Co-run slowdown**: compute that overlaps a busy copy stream runs ``corun.factor`` times
   slower (``bench.clock.streams_model``; the factor is measured, ``bench.clock.corun``).
 - **Acks at their modelled time**: a copy's ack is popped by the tree's ack poll only once the
@@ -40,6 +42,7 @@ from typing import Any
 from bench.clock.calibrate import Calibration, Shape
 from bench.clock.host_meter import HostMeter
 from bench.clock.streams_model import CopyTimeline
+from hicache.transfer.streams import CpuStreams
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class CostAccountant:
         self.layers = calibration.num_layers
         self.corun = calibration.corun.factor
         self.transfer = calibration.transfer
-        self.timeline = CopyTimeline()
+        self.timeline = CopyTimeline()  # replaced at install (shared on CPU streams)
         self.bytes_per_token = 0
         self.controller: Any = None
         self.gate_acks = True
@@ -178,6 +181,7 @@ class CostAccountant:
     def install(self, controller: Any) -> None:
         """Time ``controller``'s copies on the virtual streams (instance attributes only)."""
         self.controller = controller
+        self.timeline = CopyTimeline(shared=isinstance(controller.streams, CpuStreams))
         self.bytes_per_token = int(controller.host_pool.size_per_token)
         write, wait_write = controller.write, controller.wait_write
         start_loading = controller.start_loading
@@ -186,11 +190,12 @@ class CostAccountant:
 
         def timed_write(device_indices: Any, node_id: int = -1) -> Any:
             queued = len(controller.ack_write_queue)
+            loads = [self._end(a) for a in controller.ack_load_queue]  # the newest: the last
             host = write(device_indices, node_id=node_id)
             if host is not None and len(controller.ack_write_queue) > queued:
                 secs = self.cal.d2h.seconds(host.numel() * self.bytes_per_token)
                 now = self.clock.now()
-                _, end = self.timeline.occupy("write", now, secs)
+                _, end = self.timeline.occupy("write", now, secs, loads[-1] if loads else 0.0)
                 self._register(controller.ack_write_queue[-1], end)
                 self.d2h_busy_s += secs
                 self.write_backlog_max_s = max(self.write_backlog_max_s, end - now)

@@ -106,18 +106,23 @@ def new_executor(
     virtual: bool | None = None,
     host_mode: str = "model",
     record_host: bool = False,
+    acks_at_step_end: bool = False,
+    host_profile: str | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
     ``decode_pool_tokens``.
 
     ``virtual`` (default: whether a ``calibration`` is given): on a ``VirtualClock`` charged by
     a ``CostAccountant`` (returned) from ``calibration``, with the host phases measured and
-    charged by a ``HostMeter`` (``host_mode``: ``model`` (the calibration's host costs; ``off``
-    when it has none), ``measured`` or ``off``; ``record_host`` keeps the samples, for
-    ``fit_host_costs``); else on wall time (``None`` returned). On either clock the
-    calibration's transfer model sets the simulated peers' own wait (``TransferModel``).
-    ``group``: the tensor-parallel cache group (this rank's cache and decode side; the clock
-    wrapped so every rank reads rank 0's time)."""
+    charged by a ``HostMeter``; else on wall time (``None`` returned). ``host_mode``:
+    ``model`` (the calibration's host costs, the ``host_profile`` of this configuration;
+    ``off`` when it has none), ``measured`` or ``off``; ``record_host`` keeps the samples, for
+    ``fit_host_costs``; ``acks_at_step_end``: acks are not held to their modelled time but
+    popped once the real copy finished, i.e. at the next step after the driver's wait (what the
+    virtual clock did before acks were modelled). On either clock the calibration's transfer
+    model sets the simulated peers' own wait (``TransferModel``). ``group``: the
+    tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
+    rank reads rank 0's time)."""
     virtual = calibration is not None if virtual is None else virtual
     if virtual and calibration is None:
         raise ValueError("calibration: a virtual clock needs one")
@@ -134,7 +139,8 @@ def new_executor(
     if host_mode == "model" and calibration.host is None:
         host_mode = "off"
     device = torch.device(args.resolved_device())
-    meter = HostMeter(clock, call_timer(device, calibration.timer), host_mode, calibration.host,
+    costs = None if calibration.host is None else calibration.host.profile(host_profile)
+    meter = HostMeter(clock, call_timer(device, calibration.timer), host_mode, costs,
                       record=record_host)  # fmt: skip
     recording = RecordingModel(model, meter)
     cost = CostAccountant(calibration, clock, recording, meter)
@@ -143,4 +149,6 @@ def new_executor(
         cost.install(ex.cache.controller)
     cost.install_decode(ex.decode)
     meter.install(ex)
+    if acks_at_step_end:
+        cost.release_acks()
     return ex, cost

@@ -49,20 +49,23 @@ HOST_TRACE_REQUESTS = 40
 def run_config(
     name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
     cal: Calibration | None, virtual: bool | None = None, host_mode: str | None = None,
-    max_requests: int | None = None, meters: list[HostMeter] | None = None,
-    quiet: bool = False,
+    max_requests: int | None = None, meters: dict[str, list[HostMeter]] | None = None,
+    quiet: bool = False, acks_at_step_end: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration under one seed (``virtual``: default whether ``cal`` is given;
-    ``host_mode``: default ``--host-time``). ``meters``: receives the run's host meter, which
-    then records its samples (the host calibration trace)."""
+    ``host_mode``: default ``--host-time``; the host costs are this configuration's profile).
+    ``meters``: receives the run's host meter under ``name``, which then records its samples
+    (the host calibration trace). ``acks_at_step_end``: see
+    ``new_executor``."""
     args = server_args_for(name, device_tokens, opts)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
     ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal,
                             virtual=virtual, host_mode=host_mode or opts.host_time,
-                            record_host=meters is not None)  # fmt: skip
+                            record_host=meters is not None,
+                            acks_at_step_end=acks_at_step_end, host_profile=name)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
-        meters.append(cost.meter)
+        meters.setdefault(name, []).append(cost.meter)
     run = drive_trace(ex, cost, conversations, rate, seed, name, opts, max_requests,
                       quiet=quiet)  # fmt: skip
     out = config_summary(run)
@@ -82,7 +85,7 @@ def host_trace(
     every call's samples."""
 
     def trace(cal: Calibration) -> HostCosts:
-        meters: list[HostMeter] = []
+        meters: dict[str, list[HostMeter]] = {}
         bare = without_host(cal)
         rate = request_rate(opts, bare)
         for name in opts.configs:

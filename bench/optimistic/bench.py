@@ -110,7 +110,7 @@ def host_trace(opts: argparse.Namespace, model: Any, policies: list[str]) -> Any
         delay = delay_for(opts.delay_scale, prefill_s)
         arrivals = poisson_arrivals(HOST_TRACE_REQUESTS, opts.utilization / prefill_s,
                                     opts.seeds[0])  # fmt: skip
-        meters: list[HostMeter] = []
+        meters: dict[str, list[HostMeter]] = {}
         for policy in policies:
             for attempts, forced in ((0, 0.0), (2, 0.0), (2, opts.forced_retry_prob)):
                 t = make_trace(opts, opts.seeds[0], arrivals, delay, 0.0, forced)

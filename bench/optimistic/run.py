@@ -126,24 +126,33 @@ def calibrate_prefill_s(
     return times[len(times) // 2]
 
 
+def host_profile(policy: str, attempts: int, forced: bool) -> str:
+    """The host-cost profile of a configuration: its policy, with or without optimism (one
+    attempt or two: the same work), with or without forced retries."""
+    return f"{policy}/attempts_{0 if attempts == 0 else 2}" + ("_forced" if forced else "")
+
+
 def run_config(
     trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
     virtual: bool | None = None, host_mode: str | None = None,
-    meters: list[HostMeter] | None = None,
+    meters: dict[str, list[HostMeter]] | None = None, acks_at_step_end: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration on ``trace`` (``virtual``: default whether ``cal`` is given;
     ``host_mode``: default ``--host-time``; ``meters`` receives the run's host meter, which
-    then records its samples)."""
+    then records its samples, under its host profile ``host_profile(...)``;
+    ``acks_at_step_end``: see ``new_executor``)."""
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
                       force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)  # fmt: skip
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
+    profile = host_profile(policy, attempts, trace.forced_retry_prob > 0)
     ex, cost = new_executor(args, peer, decode_tokens, model, cal, virtual=virtual,
                             host_mode=host_mode or opts.host_time,
-                            record_host=meters is not None)  # fmt: skip
+                            record_host=meters is not None,
+                            acks_at_step_end=acks_at_step_end, host_profile=profile)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
-        meters.append(cost.meter)
+        meters.setdefault(profile, []).append(cost.meter)
     _warm(ex, trace.prefixes, cost)
     warm = dataclasses.replace(ex.stats)  # counters of the warm-up, not reported
     ledger = ComputeLedger(ex)

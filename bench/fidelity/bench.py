@@ -1,0 +1,211 @@
+"""Is the virtual clock right? One small trace of each end-to-end benchmark, run on the virtual
+clock and on wall time with the same workload, compared ratio by ratio.
+
+For each benchmark: a calibration measured now with the **wall** timer (``perf_counter``, what
+the wall-clock runs are timed with; the headline calibrations use the CPU time of the calling
+thread on a CPU), its host costs from the benchmark's own host calibration trace, and the
+workload fixed from it (multi-turn: the arrival rate at ``--load`` of capacity; optimistic: the
+prefill time on the virtual clock, which sets the bootstrap delays and the arrival rate). Then
+each configuration runs three times, one after the other, so the machine's load is alike:
+
+- ``virtual``: the virtual clock with everything it charges (forward, copies and their co-run
+  slowdown, host time, the transfer, acks at their modelled time);
+- ``wall``: real time;
+- ``virtual_uncharged``: the virtual clock as it was before host time, the transfer, the co-run
+  slowdown and modelled acks were charged (no host time, a free transfer, acks popped at the
+  end of the step), to show what each headline gained from the missing costs.
+
+Per headline ratio (``multiturn/<config>``: device-only / config; ``optimistic/attempts_2`` and
+``optimistic_write_through/attempts_2``: 0 attempts / 2) the entry holds ``virtual``, ``wall``,
+``gap = (virtual - wall) / wall``, and the uncharged ratio and its gap. Wall numbers move with
+the machine's load (the run's load average is recorded); the target is a gap within 15% on a
+CPU. Results: ``fidelity.json`` and the ``fidelity`` section of the suite summary.
+
+    python -m bench.fidelity [--out results] [--no-uncharged]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.clock.calibrate import Calibration, describe, forward_curve
+from bench.clock.corun import CorunSlowdown
+from bench.clock.transport import TransferModel
+from bench.e2e.calibrated import obtain_calibration
+from bench.e2e.report import sum_integrity, write_result
+from bench.e2e.setup import cpu_note, free_memory, shared_model
+from bench.e2e.workload import poisson_arrivals
+from bench.multiturn import single as mt
+from bench.multiturn import trace as mtt
+from bench.optimistic import bench as ob
+from bench.optimistic import run as orun
+from bench.optimistic.sweep import delay_for
+
+__all__ = ["GAP_TARGET", "run", "uncharged"]
+
+GAP_TARGET = 0.15
+MULTITURN = ["--num-clients", "16", "--num-rounds", "4", "--seeds", "0", "--kv-sample-every",
+             "16", "--configs", "device_only", "write_through", "write_back"]  # fmt: skip
+OPTIMISTIC = ["--num-requests", "80", "--seeds", "0", "--kv-sample-every", "20"]
+CAL_ROUNDS = 7
+
+
+def uncharged(cal: Calibration) -> Calibration:
+    """``cal`` charging what the virtual clock charged before: forward and copies only."""
+    return dataclasses.replace(cal, host=None, transfer=TransferModel(0.0, math.inf, "flag"),
+                               corun=CorunSlowdown(1.0, "flag"))  # fmt: skip
+
+
+def _entry(v: float, w: float, u: float | None) -> dict[str, float | None]:
+    gap_u = None if u is None else (u - w) / w
+    return {"virtual": v, "wall": w, "gap": (v - w) / w, "virtual_uncharged": u,
+            "gap_uncharged": gap_u}  # fmt: skip
+
+
+def _clocks(run_one: Any, with_uncharged: bool) -> dict[str, dict[str, Any]]:
+    out = {"virtual": run_one("virtual"), "wall": run_one("wall")}
+    if with_uncharged:
+        out["virtual_uncharged"] = run_one("virtual_uncharged")
+    return out
+
+
+def _brief(res: dict[str, Any]) -> dict[str, Any]:
+    vc = res.get("virtual_clock") or {}
+    host = vc.get("host") or {}
+    return {"ttft_mean_s": res["ttft_mean_s"], "successes": res["successes"],
+            "host_hit_tokens": res.get("host_hit_tokens"), "wall_s": res["wall_s"],
+            "clock_span_s": res["clock_span_s"], "compute_s": vc.get("compute_s"),
+            "host_charged_s": host.get("charged_s"), "host_measured_s": host.get("measured_s"),
+            "transfer_s": vc.get("transfer_s"), "corun_extra_s": vc.get("corun_extra_s"),
+            "acks_held": vc.get("acks_held")}  # fmt: skip
+
+
+def multiturn(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
+    opts = mtt.parse_args(MULTITURN + ["--no-sweeps"], quick=True)
+    _, device_tokens = mtt.pool_sizes(opts)
+    args = mtt.server_args_for("write_back", device_tokens, opts)
+    model = shared_model(args)
+    cal = obtain_calibration("multiturn", opts, args, model, opts.chunked_prefill_size,
+                             mtt.longest_prompt(opts), None,
+                             mt.host_trace(opts, device_tokens, model), timer="wall",
+                             rounds=CAL_ROUNDS)  # fmt: skip
+    print(f"[fidelity] multiturn calibration: {describe(cal)}", flush=True)
+    rate = mtt.request_rate(opts, cal)
+    seed = opts.seeds[0]
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in opts.configs:
+
+        def one(clock: str, name: str = name) -> dict[str, Any]:
+            c = uncharged(cal) if clock == "virtual_uncharged" else cal
+            res = mt.run_config(name, seed, device_tokens, rate, opts, model, c,
+                                clock != "wall", quiet=True,
+                                acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
+            free_memory()
+            print(f"    multiturn {name} {clock}: TTFT mean {res['ttft_mean_s'] * 1e3:.2f} ms",
+                  flush=True)  # fmt: skip
+            return res
+
+        runs[name] = _clocks(one, with_uncharged)
+    entries = {}
+    for name in opts.configs:
+        if name == "device_only":
+            continue
+        r = {c: runs["device_only"][c]["ttft_mean_s"] / runs[name][c]["ttft_mean_s"]
+             for c in runs[name]}  # fmt: skip
+        entries[f"multiturn/{name}"] = _entry(r["virtual"], r["wall"], r.get("virtual_uncharged"))
+    free_memory()
+    return {"entries": entries, "calibration": _cal_brief(cal), "request_rate_per_s": rate,
+            "trace": MULTITURN, "runs": {n: {c: _brief(x) for c, x in v.items()}
+                                          for n, v in runs.items()},
+            "integrity": sum_integrity({f"{n}/{c}": x for n, v in runs.items()
+                                        for c, x in v.items()})}  # fmt: skip
+
+
+def optimistic(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
+    opts = ob.parse_args(OPTIMISTIC + ["--no-sweeps"], quick=True)
+    policies = [p for p in orun.available_policies() if p in opts.policies]
+    args = orun.Trace.server_args(opts, 0, 0.0, "write_back")
+    model = shared_model(args)
+    cal = obtain_calibration("optimistic", opts, args, model, opts.chunk, opts.input_len, None,
+                             ob.host_trace(opts, model, policies), timer="wall",
+                             rounds=CAL_ROUNDS)  # fmt: skip
+    print(f"[fidelity] optimistic calibration: {describe(cal)}", flush=True)
+    prefill_s = orun.calibrate_prefill_s(opts, model, cal, True)
+    delay = delay_for(opts.delay_scale, prefill_s)
+    seed = opts.seeds[0]
+    arrivals = poisson_arrivals(opts.num_requests, opts.utilization / prefill_s, seed)
+    trace = orun.make_trace(opts, seed, arrivals, delay, 0.0)
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for policy in policies:
+        for attempts in (0, 2):
+
+            def one(clock: str, policy: str = policy, attempts: int = attempts) -> dict[str, Any]:
+                c = uncharged(cal) if clock == "virtual_uncharged" else cal
+                res = orun.run_config(trace, attempts, policy, model, c, clock != "wall",
+                                      acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
+                free_memory()
+                print(f"    optimistic {policy} attempts_{attempts} {clock}: TTFT mean "
+                      f"{res['ttft_mean_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
+                return res
+
+            runs[f"{policy}/attempts_{attempts}"] = _clocks(one, with_uncharged)
+    entries = {}
+    for policy in policies:
+        b, a = runs[f"{policy}/attempts_0"], runs[f"{policy}/attempts_2"]
+        r = {c: b[c]["ttft_mean_s"] / a[c]["ttft_mean_s"] for c in a}
+        name = f"{ob.SECTIONS[policy]}/attempts_2"
+        entries[name] = _entry(r["virtual"], r["wall"], r.get("virtual_uncharged"))
+    free_memory()
+    return {"entries": entries, "calibration": _cal_brief(cal), "prefill_s": prefill_s,
+            "bootstrap_delay": {"low_s": delay.a, "high_s": delay.b}, "trace": OPTIMISTIC,
+            "runs": {n: {c: _brief(x) for c, x in v.items()} for n, v in runs.items()},
+            "integrity": sum_integrity({f"{n}/{c}": x for n, v in runs.items()
+                                        for c, x in v.items()})}  # fmt: skip
+
+
+def _cal_brief(cal: Calibration) -> dict[str, Any]:
+    return {"timer": cal.timer, "forward_curve": forward_curve(cal.forward),
+            "h2d_gb_per_s": cal.h2d.bytes_per_s / 1e9, "transfer": cal.transfer.as_dict(),
+            "corun": cal.corun.as_dict(), "host": None if cal.host is None else
+            {k: v.as_dict() for k, v in cal.host.phases.items()}}  # fmt: skip
+
+
+def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
+    """Both benchmarks' fidelity; returns the ``fidelity`` summary section."""
+    p = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__)
+    p.add_argument("--uncharged", action=argparse.BooleanOptionalAction, default=True,
+                   help="Also run the virtual clock without the newly charged costs.")
+    opts = p.parse_args(argv or [])
+    note = cpu_note()
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    parts = {"multiturn": multiturn(out_dir, opts.uncharged),
+             "optimistic": optimistic(out_dir, opts.uncharged)}
+    entries = {k: v for part in parts.values() for k, v in part["entries"].items()}
+    summary = {
+        "entries": entries,
+        "gap_target": GAP_TARGET,
+        "within_target": all(abs(e["gap"]) <= GAP_TARGET for e in entries.values()),
+        "loadavg_before": [round(x, 2) for x in load0],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": time.perf_counter() - t0,
+        "integrity": sum_integrity(parts),
+        "note": note,
+    }
+    print("\n[fidelity] ratio                              virtual     wall      gap"
+          "  uncharged    gap")  # fmt: skip
+    for name, e in entries.items():
+        u = e["virtual_uncharged"]
+        print(f"  {name:<36} {e['virtual']:>7.3f}  {e['wall']:>7.3f}  {e['gap']:>+7.1%}  "
+              + ("" if u is None else f"{u:>9.3f}  {e['gap_uncharged']:>+6.1%}"))
+    print(f"[fidelity] every gap within {GAP_TARGET:.0%}: {summary['within_target']}; load "
+          f"average {summary['loadavg_before']} -> {summary['loadavg_after']}")  # fmt: skip
+    path = write_result(out_dir, "fidelity", {"summary": summary, **parts})
+    print(f"[fidelity] wrote {path}")
+    return summary
