@@ -244,6 +244,7 @@ def describe(cal: Calibration) -> str:
         f"{f.pair_saving_s * 1e3:.2f} ms; H2D {cal.h2d.bytes_per_s / 1e9:.2f} GB/s + "
         f"{cal.h2d.per_call_s * 1e6:.0f} us/call, D2H {cal.d2h.bytes_per_s / 1e9:.2f} GB/s + "
         f"{cal.d2h.per_call_s * 1e6:.0f} us/call; transfer ({tr.source}) {bw} GB/s + "
-        f"{tr.latency_s * 1e6:.0f} us; co-run x{cal.corun.factor:.3f} ({cal.corun.source})"
+        f"{tr.latency_s * 1e6:.0f} us; co-run compute x{cal.corun.factor:.3f}, copy "
+        f"x{cal.corun.copy_factor:.3f} ({cal.corun.source})"
         f"{host}; calibrated in {cal.wall_s:.1f} s"
     )

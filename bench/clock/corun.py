@@ -1,12 +1,15 @@
 """How much slower a forward pass runs while the cache copies beside it (the co-run slowdown).
 
 HiCache's copies here are kernels (SM-based on a GPU, a worker thread on a CPU), not copy
-engines, so compute that overlaps a copy may slow down. ``measure_corun`` times the benchmark's
-own model on one batch shape alone and while the cache's own H2D load op loops beside it (CUDA:
-on a side stream, enough copies queued to cover the forward; CPU: on a second thread, as the
-cache's stream worker runs it), in alternating rounds; the slowdown is the ratio of the medians.
-The virtual clock stretches compute that overlaps a modelled copy by ``CorunSlowdown.factor``
-(``bench.clock.streams_model``). A measurement below 1 (noise) is charged as 1.
+engines, so compute that overlaps a copy may slow down, and the copy with it. ``measure_corun``
+times the benchmark's own model on one batch shape alone and while the cache's own H2D load op
+loops beside it (CUDA: on a side stream, enough copies queued to cover the forward; CPU: on a
+second thread, as the cache's stream worker runs it), and the copy alone and while forwards
+loop beside it, in alternating rounds; each slowdown is the ratio of the medians. The virtual
+clock stretches compute that overlaps a modelled copy by ``CorunSlowdown.factor``
+(``bench.clock.streams_model``) and charges every copy at its co-run speed
+(``copy_factor``: in a busy server a copy runs beside the next forward). A measurement below 1
+(noise) is charged as 1.
 
 Other sources: ``--corun-slowdown X`` (``flag``), or ``--corun-from FILE``: the GPU check's
 GEMM co-run measurement (``bench_transfer_sweep.json``, row ``triton bq=<block_quota>``;
@@ -35,23 +38,28 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CorunSlowdown:
-    """``factor``: compute overlapping a copy takes ``factor`` times as long (>= 1)."""
+    """``factor``: compute overlapping a copy takes ``factor`` times as long; ``copy_factor``:
+    a copy beside compute takes that many times as long (both >= 1)."""
 
     factor: float
     source: str  # "measured", "flag" or "gpu_check"
     measured: dict[str, Any] = field(default_factory=dict)
+    copy_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.factor >= 1.0:
-            raise ValueError(f"co-run slowdown must be >= 1, got {self.factor}")
+        if not (self.factor >= 1.0 and self.copy_factor >= 1.0):
+            raise ValueError(f"co-run slowdowns must be >= 1, got {self.factor}, "
+                             f"{self.copy_factor}")  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "source": self.source, "measured": self.measured}
+        return {"factor": self.factor, "copy_factor": self.copy_factor, "source": self.source,
+                "measured": self.measured}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CorunSlowdown:
         try:
-            return cls(float(d["factor"]), str(d["source"]), dict(d.get("measured") or {}))
+            return cls(float(d["factor"]), str(d["source"]), dict(d.get("measured") or {}),
+                       float(d.get("copy_factor", 1.0)))  # fmt: skip
         except (KeyError, TypeError) as exc:
             raise ValueError(f"corun: missing or bad field ({exc!r}) in {sorted(d)}") from None
 
@@ -106,18 +114,42 @@ def measure_corun(
         model.forward_extend(pool, batch)
         return clock() - t0
 
+    def copy_once() -> float:
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            t0, t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            with torch.cuda.stream(side):
+                t0.record()
+                copy()
+                t1.record()
+            t1.synchronize()
+            return t0.elapsed_time(t1) / 1e3
+        t0 = clock()
+        copy()
+        return clock() - t0
+
+    def fwd_once() -> None:
+        model.forward_extend(pool, batch)
+
     forward()  # warm-up
+    copy_once()
     alone_s = statistics.median(forward() for _ in range(3))
-    alone, beside = [], []
+    copy_s = statistics.median(copy_once() for _ in range(3))
+    alone, beside, c_alone, c_beside = [], [], [], []
     for _ in range(rounds):
         alone.append(forward())
-        beside.append(_with_copies(forward, copy, device, alone_s))
+        beside.append(_beside(forward, copy, device, alone_s, copy_s))
+        c_alone.append(copy_once())
+        c_beside.append(_beside(copy_once, fwd_once, device, copy_s, alone_s))
     ratio = statistics.median(beside) / statistics.median(alone)
+    copy_ratio = statistics.median(c_beside) / statistics.median(c_alone)
     measured = {"alone_s": statistics.median(alone), "with_copy_s": statistics.median(beside),
-                "ratio": ratio, "rounds": rounds, "shape": list(shape),
+                "ratio": ratio, "copy_alone_s": statistics.median(c_alone),
+                "copy_with_forward_s": statistics.median(c_beside), "copy_ratio": copy_ratio,
+                "rounds": rounds, "shape": list(shape),
                 "timer": timer or ("wall" if device.type == "cuda" else "cpu"),
                 "copy": "cache H2D load_to_device_per_layer, every layer, in a loop"}  # fmt: skip
-    return CorunSlowdown(max(1.0, ratio), "measured", measured)
+    return CorunSlowdown(max(1.0, ratio), "measured", measured, max(1.0, copy_ratio))
 
 
 def _load_loop(cache: Any) -> Callable[[], None]:
@@ -137,25 +169,19 @@ def _load_loop(cache: Any) -> Callable[[], None]:
     return once
 
 
-def _with_copies(
-    forward: Callable[[], float], copy: Callable[[], None], device: torch.device, alone_s: float
-) -> float:
-    """``forward()`` while ``copy`` runs beside it: on CUDA queued on a side stream first
-    (enough passes to outlast the forward), on a CPU looping on a thread until it ends."""
+def _beside(
+    timed: Callable[[], float], background: Callable[[], None], device: torch.device,
+    timed_s: float, background_s: float,
+) -> float:  # fmt: skip
+    """``timed()`` while ``background`` runs beside it: on CUDA queued first on another stream
+    (enough passes to outlast ``timed``), on a CPU looping on a thread until it ends."""
     if device.type == "cuda":
-        side = torch.cuda.Stream(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            start.record()
-            copy()
-            end.record()
-        end.synchronize()
-        once_s = max(start.elapsed_time(end) / 1e3, 1e-6)
         torch.cuda.synchronize(device)
-        with torch.cuda.stream(side):
-            for _ in range(max(2, int(2 * alone_s / once_s) + 1)):
-                copy()
-        t = forward()
+        other = torch.cuda.Stream(device)
+        with torch.cuda.stream(other):
+            for _ in range(max(2, int(2 * timed_s / max(background_s, 1e-6)) + 1)):
+                background()
+        t = timed()
         torch.cuda.synchronize(device)
         return t
     stop = threading.Event()
@@ -163,14 +189,14 @@ def _with_copies(
 
     def loop() -> None:
         while not stop.is_set():
-            copy()
+            background()
             running.set()
 
-    worker = threading.Thread(target=loop, name="corun-copy", daemon=True)
+    worker = threading.Thread(target=loop, name="corun-background", daemon=True)
     worker.start()
     running.wait(timeout=5.0)
     try:
-        return forward()
+        return timed()
     finally:
         stop.set()
         worker.join()

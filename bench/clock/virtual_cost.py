@@ -16,7 +16,9 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   advances the clock to that backup's end. On a machine without CUDA both streams are one FIFO
   (the controller's CPU stream threads copy under one lock).
 - **Co-run slowdown**: compute that overlaps a busy copy stream runs ``corun.factor`` times
-  slower (``bench.clock.streams_model``; the factor is measured, ``bench.clock.corun``).
+  slower (``bench.clock.streams_model``), and every copy is charged ``corun.copy_factor`` times
+  its calibrated time (it runs beside the next forward; both factors are measured,
+  ``bench.clock.corun``).
 - **Acks at their modelled time**: a copy's ack is popped by the tree's ack poll only once the
   clock passed the copy's modelled end (``count_finished_writes`` / ``count_finished_loads``
   answer at most that many), and ``next_ack_time`` tells the executor when the next one ends
@@ -92,6 +94,7 @@ class CostAccountant:
         self.meter = meter
         self.layers = calibration.num_layers
         self.corun = calibration.corun.factor
+        self.copy_corun = calibration.corun.copy_factor
         self.transfer = calibration.transfer
         self.timeline = CopyTimeline()  # replaced at install (shared on CPU streams)
         self.bytes_per_token = 0
@@ -194,6 +197,7 @@ class CostAccountant:
             host = write(device_indices, node_id=node_id)
             if host is not None and len(controller.ack_write_queue) > queued:
                 secs = self.cal.d2h.seconds(host.numel() * self.bytes_per_token)
+                secs *= self.copy_corun
                 now = self.clock.now()
                 _, end = self.timeline.occupy("write", now, secs, loads[-1] if loads else 0.0)
                 self._register(controller.ack_write_queue[-1], end)
@@ -221,6 +225,7 @@ class CostAccountant:
             pid = start_loading()
             if tokens and len(controller.ack_load_queue) > queued:
                 per_layer = self.cal.h2d.seconds(tokens * self.bytes_per_token // self.layers)
+                per_layer *= self.copy_corun
                 t, end = self.timeline.occupy("load", self.clock.now(), per_layer * self.layers)
                 self._layer_ready = [t + (i + 1) * per_layer for i in range(self.layers)]
                 self._register(controller.ack_load_queue[-1], end)
@@ -261,6 +266,7 @@ class CostAccountant:
             "compute_s": self.compute_s,
             "corun_extra_s": self.corun_extra_s,
             "corun_factor": self.corun,
+            "copy_corun_factor": self.copy_corun,
             "load_wait_s": self.load_wait_s,
             "write_wait_s": self.write_wait_s,
             "h2d_busy_s": self.h2d_busy_s,

@@ -46,7 +46,8 @@ def add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-latency-us", type=float, default=None,
                    help="KV transfer to decode: latency per send, microseconds.")
     p.add_argument("--corun-slowdown", type=float, default=None,
-                   help="Compute slowdown while a copy runs beside it (default: measured).")
+                   help="Slowdown of compute and of a copy while they run beside each other "
+                   "(default: measured).")
     p.add_argument("--corun-from", type=Path, default=None, metavar="FILE",
                    help="The co-run slowdown from the GPU check's bench_transfer_sweep.json "
                    "(row 'triton bq=2').")  # fmt: skip
@@ -74,7 +75,8 @@ def obtain_calibration(
             cal.host = host_trace(cal)
     cal.transfer = cal.transfer.with_flags(opts.transfer_gbps, opts.transfer_latency_us)
     if opts.corun_slowdown is not None:
-        cal.corun = CorunSlowdown(opts.corun_slowdown, "flag", {"measured": cal.corun.as_dict()})
+        cal.corun = CorunSlowdown(opts.corun_slowdown, "flag", {"measured": cal.corun.as_dict()},
+                                  opts.corun_slowdown)  # fmt: skip
     elif opts.corun_from is not None:
         cal.corun = corun_from_gpu_check(opts.corun_from)
     if out_dir is not None:

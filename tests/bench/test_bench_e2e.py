@@ -521,3 +521,61 @@ def test_aggregate_over_the_seeds_each_configuration_ran() -> None:
                                        "per_seed": [2.0, 3.0]}  # fmt: skip
     assert out["base"]["ttft_mean_s"] == 3.0 and out["base"]["yields"] == 2.0
     assert out["base"]["integrity"] == {"leaked_slots": 0}
+
+
+def test_suite_passes_the_e2e_flags_and_runs_fidelity_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_run(key: str) -> Any:
+        def run(quick: bool, out_dir: Path, argv: list[str]) -> dict[str, Any]:
+            seen[key] = argv
+            return {"integrity": {}}
+
+        return run
+
+    for key in ("e2e", "fid"):
+        mod = types.ModuleType(f"fake_{key}")
+        mod.run = fake_run(key)  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, f"fake_{key}", mod)
+    monkeypatch.setattr(suite, "SUITE", [("fake_e2e", "multiturn"), ("fake_fid", "fidelity")])
+    cal = tmp_path / "calibration.json"
+    assert suite.main(["--out", str(tmp_path), "--calibration", str(cal), "--no-sweeps"]) == 0
+    assert seen == {"e2e": ["--calibration", str(cal), "--no-sweeps"], "fid": []}
+
+
+def test_end_to_end_benchmarks_default_to_the_wall_clock_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.e2e import report
+
+    assert bm.parse_args([], quick=True).clock == "virtual"  # this machine: no CUDA
+    for mod in (report, bm, bo):
+        monkeypatch.setattr(mod, "on_cuda", lambda: True)
+    for parse in (bm.parse_args, bo.parse_args):
+        opts = parse([], quick=True)
+        assert opts.clock == "wall" and not opts.sweeps
+        assert parse(["--clock", "virtual"], quick=True).clock == "virtual"
+
+
+def test_optimistic_ceiling_is_set_by_the_delay_distribution() -> None:
+    from bench.optimistic.sweep import ceiling, delay_for
+
+    p = 0.01
+    assert ceiling(delay_for(1.0, p), p) == pytest.approx(16 / 9)  # E[B+P] = 2P, E[max] = 9P/8
+    assert ceiling(delay_for(0.25, p), p) == pytest.approx(1.25)  # B < P always: E[max] = P
+    assert ceiling(delay_for(2.0, p), p) == pytest.approx(1.5)  # B > P always: E[max] = E[B]
+
+
+def test_compare_covers_the_sweeps() -> None:
+    from bench import compare
+
+    sweeps = {"load": [{"load": 0.5, "ratios": {"write_back": 2.0}}],
+              "working_set": [{"working_set_ratio": 8.0, "ratios": {"write_back": 3.0}}]}
+    summary = {"multiturn": {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
+                             "sweeps": sweeps}}  # fmt: skip
+    assert compare.headline_ratios(summary) == {
+        "multiturn/sweep/load=0.5/write_back": 2.0,
+        "multiturn/sweep/working_set=8.0/write_back": 3.0,
+    }
