@@ -7,11 +7,13 @@ A send of ``nbytes`` costs ``latency_s + nbytes / bytes_per_s``. Two sources:
   copies the bytes itself, on the executor's thread, when a send completes. The virtual clock
   charges that copy where it happens (``blocking``: the executor is held for it, as on wall
   time), and the simulated peer adds no wait of its own.
-- ``flag`` (``--transfer-gbps`` / ``--transfer-latency-us``, e.g. a real transport's measured
-  rate): the simulated peer reads a send ``latency_s + nbytes / bytes_per_s`` after it was
-  queued, on both clocks (``PeerConfig.transfer_latency_s`` / ``transfer_bandwidth``), and the
-  in-process copy is not charged (a transport does not use the executor's thread; on wall time
-  it still costs what it costs).
+- given (``--transfer-gbps`` / ``--transfer-latency-us``, source ``flag``; or a calibration
+  file whose ``transfer`` entry holds a real transport's measured rate under its own
+  ``source`` name, e.g. ``{"latency_s": 1.2e-05, "gb_per_s": 21.0, "source": "mooncake"}``):
+  the simulated peer reads a send ``latency_s + nbytes / bytes_per_s`` after it was queued, on
+  both clocks (``PeerConfig.transfer_latency_s`` / ``transfer_bandwidth``), and the in-process
+  copy is not charged (a transport does not use the executor's thread; on wall time it still
+  costs what it costs).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ class TransferModel:
 
     latency_s: float
     bytes_per_s: float
-    source: str  # "measured" (the in-process copy's fit) or "flag"
+    source: str  # "measured" (the in-process copy's fit), "flag", or a transport's name
     fit: CopyFit | None = None  # the measured fit (kept also when a flag overrides it)
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or not self.bytes_per_s > 0:
             raise ValueError("transfer: latency_s >= 0 and bytes_per_s > 0")
-        if self.source not in ("measured", "flag"):
-            raise ValueError(f"transfer source must be measured or flag, got {self.source!r}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"transfer source must be a non-empty name, got {self.source!r}")
 
     @property
     def blocking(self) -> bool:

@@ -36,8 +36,8 @@ def plot_sweeps(path: Path, title: str, panels: Sequence[Panel]) -> Path | None:
         for name in names:
             ax.plot(xs, [r["ratios"].get(name) for r in rows], marker="o", label=name)
         if ceiling is not None:
-            ax.plot(xs, [r[ceiling] for r in rows], linestyle="--", color="gray",
-                    label="ceiling E[B+P]/E[max(B,P)]")  # fmt: skip
+            ax.plot(xs, [r[ceiling] for r in rows], linestyle="--", marker="x", color="gray",
+                    label="zero-load ceiling E[B+P]/E[max(B,P)]")  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.6)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean TTFT ratio (x)")

@@ -85,6 +85,11 @@ def on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def device_kind() -> str:
+    """``cuda`` or ``cpu``: the key of per-device sizes."""
+    return "cuda" if on_cuda() else "cpu"
+
+
 def cpu_note() -> str | None:
     """What a reader must know about CPU numbers, or None on CUDA."""
     if on_cuda():

@@ -21,7 +21,8 @@ Per headline ratio (``multiturn/<config>``: device-only / config; ``optimistic/a
 the machine's load (the run's load average is recorded); the target is a gap within 15% on a
 CPU. Results: ``fidelity.json`` and the ``fidelity`` section of the suite summary.
 
-    python -m bench.fidelity [--out results] [--no-uncharged]
+    python -m bench.fidelity [--out results] [--no-uncharged] [--corun-from FILE]
+                             [--transfer-gbps G --transfer-latency-us L]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from bench.clock.corun import CorunSlowdown
 from bench.clock.transport import TransferModel
 from bench.e2e.calibrated import obtain_calibration
 from bench.e2e.report import sum_integrity, write_result
-from bench.e2e.setup import cpu_note, free_memory, shared_model
+from bench.e2e.setup import cpu_note, device_kind, free_memory, shared_model
 from bench.e2e.workload import poisson_arrivals
 from bench.multiturn import single as mt
 from bench.multiturn import trace as mtt
@@ -50,9 +51,12 @@ from bench.optimistic.sweep import delay_for
 __all__ = ["GAP_TARGET", "run", "uncharged"]
 
 GAP_TARGET = 0.15
-MULTITURN = ["--num-clients", "16", "--num-rounds", "4", "--seeds", "0", "--kv-sample-every",
-             "16", "--configs", "device_only", "write_through", "write_back"]  # fmt: skip
-OPTIMISTIC = ["--num-requests", "80", "--seeds", "0", "--kv-sample-every", "20"]
+CONFIGS = ["--seeds", "0", "--configs", "device_only", "write_through", "write_back"]
+MULTITURN = {"cpu": ["--num-clients", "16", "--num-rounds", "4", "--kv-sample-every", "16"],
+             "cuda": ["--num-clients", "6", "--num-rounds", "3", "--kv-sample-every", "6"]}
+OPTIMISTIC = {"cpu": ["--num-requests", "80", "--kv-sample-every", "20"],
+              "cuda": ["--num-requests", "16", "--kv-sample-every", "8"]}  # fmt: skip
+"""The small traces, per device (the GPU's model is Llama-3-8B-shaped, its prompts long)."""
 CAL_ROUNDS = 7
 
 
@@ -86,8 +90,9 @@ def _brief(res: dict[str, Any]) -> dict[str, Any]:
             "acks_held": vc.get("acks_held")}  # fmt: skip
 
 
-def multiturn(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
-    opts = mtt.parse_args(MULTITURN + ["--no-sweeps"], quick=True)
+def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
+    trace_args = MULTITURN[device_kind()] + CONFIGS
+    opts = mtt.parse_args(trace_args + ["--no-sweeps"] + flags, quick=True)
     _, device_tokens = mtt.pool_sizes(opts)
     args = mtt.server_args_for("write_back", device_tokens, opts)
     model = shared_model(args)
@@ -121,14 +126,15 @@ def multiturn(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
         entries[f"multiturn/{name}"] = _entry(r["virtual"], r["wall"], r.get("virtual_uncharged"))
     free_memory()
     return {"entries": entries, "calibration": _cal_brief(cal), "request_rate_per_s": rate,
-            "trace": MULTITURN, "runs": {n: {c: _brief(x) for c, x in v.items()}
+            "trace": trace_args, "runs": {n: {c: _brief(x) for c, x in v.items()}
                                           for n, v in runs.items()},
             "integrity": sum_integrity({f"{n}/{c}": x for n, v in runs.items()
                                         for c, x in v.items()})}  # fmt: skip
 
 
-def optimistic(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
-    opts = ob.parse_args(OPTIMISTIC + ["--no-sweeps"], quick=True)
+def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
+    trace_args = OPTIMISTIC[device_kind()] + ["--seeds", "0"]
+    opts = ob.parse_args(trace_args + ["--no-sweeps"] + flags, quick=True)
     policies = [p for p in orun.available_policies() if p in opts.policies]
     args = orun.Trace.server_args(opts, 0, 0.0, "write_back")
     model = shared_model(args)
@@ -163,7 +169,7 @@ def optimistic(out_dir: Path, with_uncharged: bool) -> dict[str, Any]:
         entries[name] = _entry(r["virtual"], r["wall"], r.get("virtual_uncharged"))
     free_memory()
     return {"entries": entries, "calibration": _cal_brief(cal), "prefill_s": prefill_s,
-            "bootstrap_delay": {"low_s": delay.a, "high_s": delay.b}, "trace": OPTIMISTIC,
+            "bootstrap_delay": {"low_s": delay.a, "high_s": delay.b}, "trace": trace_args,
             "runs": {n: {c: _brief(x) for c, x in v.items()} for n, v in runs.items()},
             "integrity": sum_integrity({f"{n}/{c}": x for n, v in runs.items()
                                         for c, x in v.items()})}  # fmt: skip
@@ -181,12 +187,21 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     p = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__)
     p.add_argument("--uncharged", action=argparse.BooleanOptionalAction, default=True,
                    help="Also run the virtual clock without the newly charged costs.")
+    p.add_argument("--corun-from", type=Path, default=None, metavar="FILE",
+                   help="Charge the co-run slowdown of the GPU check's bench_transfer_sweep.json "
+                   "instead of measuring it.")
+    p.add_argument("--transfer-gbps", type=float, default=None)
+    p.add_argument("--transfer-latency-us", type=float, default=None)
     opts = p.parse_args(argv or [])
+    flags = [] if opts.corun_from is None else ["--corun-from", str(opts.corun_from)]
+    for name in ("transfer_gbps", "transfer_latency_us"):
+        if getattr(opts, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     note = cpu_note()
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    parts = {"multiturn": multiturn(out_dir, opts.uncharged),
-             "optimistic": optimistic(out_dir, opts.uncharged)}
+    parts = {"multiturn": multiturn(flags, opts.uncharged),
+             "optimistic": optimistic(flags, opts.uncharged)}
     entries = {k: v for part in parts.values() for k, v in part["entries"].items()}
     summary = {
         "entries": entries,

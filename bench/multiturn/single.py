@@ -25,7 +25,14 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor, shared_model
+from bench.e2e.setup import (
+    cpu_note,
+    device_kind,
+    free_memory,
+    new_executor,
+    release_executor,
+    shared_model,
+)
 from bench.multiturn.sweep import run_sweeps
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
@@ -42,7 +49,7 @@ from bench.multiturn.trace import (
 )
 from prefill.disagg.sim_config import PeerConfig
 
-HOST_TRACE_REQUESTS = 40
+HOST_TRACE_REQUESTS = {"cpu": 40, "cuda": 12}
 """Requests of each configuration's host calibration trace (the first ones of the first seed)."""
 
 
@@ -84,16 +91,18 @@ def host_trace(
     seed under every configuration, host time measured (and charged as measured); the fit of
     every call's samples."""
 
+    host_requests = HOST_TRACE_REQUESTS[device_kind()]
+
     def trace(cal: Calibration) -> HostCosts:
         meters: dict[str, list[HostMeter]] = {}
         bare = without_host(cal)
         rate = request_rate(opts, bare)
         for name in opts.configs:
             run_config(name, opts.seeds[0], device_tokens, rate, opts, model, bare, True,
-                       "measured", HOST_TRACE_REQUESTS, meters, quiet=True)  # fmt: skip
+                       "measured", host_requests, meters, quiet=True)  # fmt: skip
             free_memory()
         info = {"benchmark": "multiturn", "configs": list(opts.configs),
-                "requests_each": HOST_TRACE_REQUESTS, "seed": opts.seeds[0]}  # fmt: skip
+                "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
         return fit_meters(meters, info, cal.timer)
 
     return trace

@@ -45,7 +45,7 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.setup import cpu_note, free_memory, on_cuda, shared_model
+from bench.e2e.setup import cpu_note, device_kind, free_memory, on_cuda, shared_model
 from bench.e2e.workload import poisson_arrivals
 from bench.optimistic.run import (
     POLICIES,
@@ -95,7 +95,7 @@ HEADLINE_KEYS = (
 )  # fmt: skip
 
 
-HOST_TRACE_REQUESTS = 40
+HOST_TRACE_REQUESTS = {"cpu": 40, "cuda": 12}
 """Requests of each configuration's host calibration trace (the first ones of the first seed)."""
 
 
@@ -104,12 +104,13 @@ def host_trace(opts: argparse.Namespace, model: Any, policies: list[str]) -> Any
     seed with 0 and 2 attempts (and 2 with forced retries) under every policy, host time
     measured (and charged as measured); the fit of every call's samples."""
 
+    host_requests = HOST_TRACE_REQUESTS[device_kind()]
+
     def trace(cal: Calibration) -> HostCosts:
         bare = without_host(cal)
         prefill_s = calibrate_prefill_s(opts, model, bare, True, "off")
         delay = delay_for(opts.delay_scale, prefill_s)
-        arrivals = poisson_arrivals(HOST_TRACE_REQUESTS, opts.utilization / prefill_s,
-                                    opts.seeds[0])  # fmt: skip
+        arrivals = poisson_arrivals(host_requests, opts.utilization / prefill_s, opts.seeds[0])
         meters: dict[str, list[HostMeter]] = {}
         for policy in policies:
             for attempts, forced in ((0, 0.0), (2, 0.0), (2, opts.forced_retry_prob)):
@@ -117,7 +118,7 @@ def host_trace(opts: argparse.Namespace, model: Any, policies: list[str]) -> Any
                 run_config(t, attempts, policy, model, bare, True, "measured", meters)
                 free_memory()
         info = {"benchmark": "optimistic", "policies": policies, "attempts": [0, 2],
-                "requests_each": HOST_TRACE_REQUESTS, "seed": opts.seeds[0]}  # fmt: skip
+                "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
         return fit_meters(meters, info, cal.timer)
 
     return trace
