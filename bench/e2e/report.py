@@ -101,6 +101,11 @@ def sum_integrity(results: dict[Any, Any]) -> dict[str, int]:
     return total
 
 
+def add_counters(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two sets of integrity counters, added key by key."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+
 def sum_checks(results: dict[Any, Any]) -> dict[str, int]:
     """How many requests the audits checked, over every configuration (``CHECK_COUNTS``)."""
     total = dict.fromkeys(CHECK_COUNTS, 0)

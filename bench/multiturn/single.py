@@ -17,6 +17,7 @@ from bench.e2e.audit import audit, config_summary
 from bench.e2e.budget import TimeBudget
 from bench.e2e.calibrated import obtain_calibration, without_host
 from bench.e2e.report import (
+    add_counters,
     aggregate_seeds,
     plot_ttft,
     print_config_table,
@@ -171,7 +172,8 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
         "forward_curve": forward_curve(cal.forward),
         "h2d_gb_per_s": cal.h2d.bytes_per_s / 1e9,
         "calibration": cal.as_dict(),
-        "integrity": sum_integrity(configs),
+        "integrity": add_counters(sum_integrity(configs),
+                                  {} if sweeps is None else sweeps["integrity"]),
         "checks": sum_checks(configs),
         "sweeps": sweeps,
         "note": note,

@@ -37,6 +37,7 @@ from bench.e2e.budget import TimeBudget
 from bench.e2e.calibrated import obtain_calibration, without_host
 from bench.e2e.report import (
     add_common_args,
+    add_counters,
     aggregate_seeds,
     plot_ttft,
     print_config_table,
@@ -212,7 +213,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     summary["calibration"] = cal.as_dict()
     summary["sweeps"] = sweeps
     if sweeps is not None:
-        summary["integrity"] = _add(summary["integrity"], sweeps["integrity"])
+        summary["integrity"] = add_counters(summary["integrity"], sweeps["integrity"])
     doc = {"workload": vars(opts), "note": note, "summary": sections, "per_seed": per_seed}
     path = write_result(out_dir, "optimistic", doc)
     first = {f"{p[:2]}:{k}": v for p in policies for k, v in per_seed[p][opts.seeds[0]].items()}
@@ -226,10 +227,6 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     if extra:
         summary["extra_sections"] = extra
     return summary
-
-
-def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
 
 
 def _ratios(results: dict[str, Any]) -> None:
