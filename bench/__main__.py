@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if key in E2E:
                 result = module.run(quick=quick, out_dir=args.out, argv=list(e2e_argv))
-            elif key == "fidelity":
-                result = module.run(quick=quick, out_dir=args.out, argv=[])
+            elif key == "fidelity":  # measures its own calibration, always
+                corun = [] if args.corun_from is None else ["--corun-from", str(args.corun_from)]
+                result = module.run(quick=quick, out_dir=args.out, argv=corun)
             else:
                 result = module.run(quick=quick, out_dir=args.out)
         except Exception:
