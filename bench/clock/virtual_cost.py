@@ -27,7 +27,9 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   on the clock only, never on thread timing. ``release_acks`` ends the gating (the audit
   drains every ack).
 - **KV transfer to decode**: ``bench.clock.transport.TransferModel``: by default the decode
-  side's own read of a send, charged where it happens (``install_decode``).
+  side's own read of a send, charged where it happens (``install_decode``); on a machine
+  without CUDA it takes the same lock as the stream copies, so it waits for the modelled FIFO
+  and occupies it.
 - **Host time**: ``bench.clock.host_meter.HostMeter`` (the scheduler thread's calls).
 
 Wrapping: ``install`` replaces five methods of one controller *instance* (``write``,
@@ -80,7 +82,8 @@ class CostAccountant:
     the clock still at the forward's start; it returns the seconds to charge (compute, slowed
     where it overlaps a copy, plus any wait for layers still loading). Counters (seconds):
     ``compute_s``, ``corun_extra_s``, ``load_wait_s``, ``write_wait_s``, ``h2d_busy_s``,
-    ``d2h_busy_s``, ``transfer_s``, ``write_backlog_max_s``; ``acks_held`` counts ack polls
+    ``d2h_busy_s``, ``transfer_s`` (of which ``transfer_wait_s`` waiting for the CPU copy lock),
+    ``write_backlog_max_s``; ``acks_held`` counts ack polls
     that left a finished copy unpopped because its modelled end was still ahead.
     """
 
@@ -109,6 +112,7 @@ class CostAccountant:
         self.h2d_busy_s = 0.0
         self.d2h_busy_s = 0.0
         self.transfer_s = 0.0
+        self.transfer_wait_s = 0.0
         self.write_backlog_max_s = 0.0
         self.acks_held = 0
         self.forwards = 0
@@ -255,6 +259,11 @@ class CostAccountant:
                     copy()
             if self.transfer.blocking:
                 secs = self.transfer.seconds(nbytes)
+                now = self.clock.now()
+                if self.timeline.shared:  # CPU: the read waits for the copy lock
+                    start, end = self.timeline.occupy("write", now, secs)
+                    self.transfer_wait_s += start - now
+                    secs = end - now
                 self.clock.advance(secs)
                 self.transfer_s += secs
 
@@ -272,6 +281,7 @@ class CostAccountant:
             "h2d_busy_s": self.h2d_busy_s,
             "d2h_busy_s": self.d2h_busy_s,
             "transfer_s": self.transfer_s,
+            "transfer_wait_s": self.transfer_wait_s,
             "transfer": self.transfer.as_dict(),
             "write_backlog_max_s": self.write_backlog_max_s,
             "acks_held": self.acks_held,

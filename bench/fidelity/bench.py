@@ -98,7 +98,7 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     model = shared_model(args)
     cal = obtain_calibration("multiturn", opts, args, model, opts.chunked_prefill_size,
                              mtt.longest_prompt(opts), None,
-                             mt.host_trace(opts, device_tokens, model), timer="wall",
+                             mt.host_trace(opts, model), timer="wall",
                              rounds=CAL_ROUNDS)  # fmt: skip
     print(f"[fidelity] multiturn calibration: {describe(cal)}", flush=True)
     rate = mtt.request_rate(opts, cal)

@@ -50,8 +50,9 @@ from bench.multiturn.trace import (
 )
 from prefill.disagg.sim_config import PeerConfig
 
-HOST_TRACE_REQUESTS = {"cpu": 40, "cuda": 12}
-"""Requests of each configuration's host calibration trace (the first ones of the first seed)."""
+HOST_TRACE_CLIENTS = {"cpu": 8, "cuda": 3}
+"""Clients of each configuration's host calibration trace: the benchmark's conversations (every
+round), fewer of them, the device pool sized for them at the same working-set ratio."""
 
 
 def run_config(
@@ -85,25 +86,25 @@ def run_config(
     return out
 
 
-def host_trace(
-    opts: argparse.Namespace, device_tokens: int, model: Any
-) -> Any:  # Callable[[Calibration], HostCosts]
-    """The host calibration trace: the first ``HOST_TRACE_REQUESTS`` requests of the first
-    seed under every configuration, host time measured (and charged as measured); the fit of
-    every call's samples."""
-
-    host_requests = HOST_TRACE_REQUESTS[device_kind()]
+def host_trace(opts: argparse.Namespace, model: Any) -> Any:  # Callable[[Calibration], HostCosts]
+    """The host calibration trace: ``HOST_TRACE_CLIENTS`` conversations of the first seed (all
+    their rounds: first prompts, hits, load backs and evictions alike) under every
+    configuration, host time measured (and charged as measured); the fit of every call's
+    samples, per configuration."""
+    small = argparse.Namespace(**{**vars(opts), "num_clients": HOST_TRACE_CLIENTS[device_kind()]})
+    _, device_tokens = pool_sizes(small)
 
     def trace(cal: Calibration) -> HostCosts:
         meters: dict[str, list[HostMeter]] = {}
         bare = without_host(cal)
-        rate = request_rate(opts, bare)
-        for name in opts.configs:
-            run_config(name, opts.seeds[0], device_tokens, rate, opts, model, bare, True,
-                       "measured", host_requests, meters, quiet=True)  # fmt: skip
+        rate = request_rate(small, bare)
+        for name in small.configs:
+            run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, True,
+                       "measured", None, meters, quiet=True)  # fmt: skip
             free_memory()
-        info = {"benchmark": "multiturn", "configs": list(opts.configs),
-                "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
+        info = {"benchmark": "multiturn", "configs": list(small.configs),
+                "clients": small.num_clients, "rounds": small.num_rounds,
+                "device_pool_tokens": device_tokens, "seed": small.seeds[0]}  # fmt: skip
         return fit_meters(meters, info, cal.timer)
 
     return trace
@@ -127,7 +128,7 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
     longest = longest_prompt(opts)
     # Host costs are calibrated for the virtual clock only (a wall-clock run measures them).
     wanted = opts.clock == "virtual" and opts.host_time == "model"
-    trace = host_trace(opts, device_tokens, model) if wanted else None
+    trace = host_trace(opts, model) if wanted else None
     cal = obtain_calibration("multiturn", opts, cal_args, model, opts.chunked_prefill_size,
                              longest, out_dir, trace)  # fmt: skip
     print(f"[multiturn] calibration: {describe(cal)}", flush=True)
