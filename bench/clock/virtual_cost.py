@@ -15,10 +15,9 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
   advances the clock to that backup's end. On a machine without CUDA both streams are one FIFO
   (the controller's CPU stream threads copy under one lock).
-- **Co-run slowdown**: compute that overlaps a busy copy stream runs ``corun.factor`` times
-  slower (``bench.clock.streams_model``), and every copy is charged ``corun.copy_factor`` times
-  its calibrated time (it runs beside the next forward; both factors are measured,
-  ``bench.clock.corun``).
+- **Co-run slowdown**: compute that overlaps a running copy is ``corun.factor`` times slower,
+  and a copy's overlap with compute ``corun.copy_factor`` times (``bench.clock.streams_model``;
+  both factors are measured, ``bench.clock.corun``); a slowed copy's ack comes later.
 - **Acks at their modelled time**: a copy's ack is popped by the tree's ack poll only once the
   clock passed the copy's modelled end (``count_finished_writes`` / ``count_finished_loads``
   answer at most that many), and ``next_ack_time`` tells the executor when the next one ends
@@ -45,7 +44,7 @@ from typing import Any
 
 from bench.clock.calibrate import Calibration, Shape
 from bench.clock.host_meter import HostMeter
-from bench.clock.streams_model import CopyTimeline
+from bench.clock.streams_model import Booking, CopyTimeline
 from hicache.transfer.streams import CpuStreams
 
 logger = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class CostAccountant:
         self.bytes_per_token = 0
         self.controller: Any = None
         self.gate_acks = True
-        self._done: dict[int, tuple[Any, float]] = {}  # id(ack) -> (ack, modelled end)
+        self._done: dict[int, tuple[Any, Booking]] = {}  # id(ack) -> (ack, its modelled copy)
         self._layer_ready: list[float] = []
         self.compute_s = 0.0
         self.corun_extra_s = 0.0
@@ -134,6 +133,7 @@ class CostAccountant:
                 waited += ready[layer] - end
                 end = ready[layer]
             end = self.timeline.compute_end(end, per_layer, self.corun)
+        self.timeline.stretch_copies(start, end, self.copy_corun)
         self._layer_ready = []
         self.compute_s += compute
         self.load_wait_s += waited
@@ -164,14 +164,14 @@ class CostAccountant:
     # ------------------------------------------------------------------ controller hooks
     def _end(self, ack: Any) -> float:
         entry = self._done.get(id(ack))
-        return entry[1] if entry is not None and entry[0] is ack else 0.0
+        return entry[1].end if entry is not None and entry[0] is ack else 0.0
 
-    def _register(self, ack: Any, end: float) -> None:
+    def _register(self, ack: Any, booking: Booking) -> None:
         if len(self._done) > 4096:  # drop popped acks
             c = self.controller
             live = {id(a) for a in (*c.ack_write_queue, *c.ack_load_queue)}
             self._done = {k: v for k, v in self._done.items() if k in live}
-        self._done[id(ack)] = (ack, end)
+        self._done[id(ack)] = (ack, booking)
 
     def _gated(self, queue: Any, real: int) -> int:
         if not self.gate_acks:
@@ -201,12 +201,11 @@ class CostAccountant:
             host = write(device_indices, node_id=node_id)
             if host is not None and len(controller.ack_write_queue) > queued:
                 secs = self.cal.d2h.seconds(host.numel() * self.bytes_per_token)
-                secs *= self.copy_corun
                 now = self.clock.now()
-                _, end = self.timeline.occupy("write", now, secs, loads[-1] if loads else 0.0)
-                self._register(controller.ack_write_queue[-1], end)
+                bk = self.timeline.occupy("write", now, secs, loads[-1] if loads else 0.0)
+                self._register(controller.ack_write_queue[-1], bk)
                 self.d2h_busy_s += secs
-                self.write_backlog_max_s = max(self.write_backlog_max_s, end - now)
+                self.write_backlog_max_s = max(self.write_backlog_max_s, bk.end - now)
             return host
 
         def timed_wait_write(node_ids: list[int] | None = None) -> list[int]:
@@ -229,10 +228,9 @@ class CostAccountant:
             pid = start_loading()
             if tokens and len(controller.ack_load_queue) > queued:
                 per_layer = self.cal.h2d.seconds(tokens * self.bytes_per_token // self.layers)
-                per_layer *= self.copy_corun
-                t, end = self.timeline.occupy("load", self.clock.now(), per_layer * self.layers)
-                self._layer_ready = [t + (i + 1) * per_layer for i in range(self.layers)]
-                self._register(controller.ack_load_queue[-1], end)
+                bk = self.timeline.occupy("load", self.clock.now(), per_layer * self.layers)
+                self._layer_ready = [bk.start + (i + 1) * per_layer for i in range(self.layers)]
+                self._register(controller.ack_load_queue[-1], bk)
                 self.h2d_busy_s += per_layer * self.layers
             return pid
 
@@ -261,9 +259,9 @@ class CostAccountant:
                 secs = self.transfer.seconds(nbytes)
                 now = self.clock.now()
                 if self.timeline.shared:  # CPU: the read waits for the copy lock
-                    start, end = self.timeline.occupy("write", now, secs)
-                    self.transfer_wait_s += start - now
-                    secs = end - now
+                    bk = self.timeline.occupy("write", now, secs)
+                    self.transfer_wait_s += bk.start - now
+                    secs = bk.end - now
                 self.clock.advance(secs)
                 self.transfer_s += secs
 

@@ -31,13 +31,17 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.clock.calibrate import Calibration, describe, forward_curve
 from bench.clock.corun import CorunSlowdown
 from bench.clock.transport import TransferModel
+from bench.common import call_timer, sync_device
 from bench.e2e.calibrated import obtain_calibration
 from bench.e2e.report import sum_integrity, write_result
 from bench.e2e.setup import cpu_note, device_kind, free_memory, shared_model
@@ -72,10 +76,47 @@ def _entry(v: float, w: float, u: float | None) -> dict[str, float | None]:
             "gap_uncharged": gap_u}  # fmt: skip
 
 
-def _clocks(run_one: Any, with_uncharged: bool) -> dict[str, dict[str, Any]]:
-    out = {"virtual": run_one("virtual"), "wall": run_one("wall")}
-    if with_uncharged:
-        out["virtual_uncharged"] = run_one("virtual_uncharged")
+class SpeedProbe:
+    """The machine's speed now against the calibration's: a forward of one mid-table shape,
+    timed as the calibration timed it (median of 3), over the table's value for it. Taken before
+    every run, so a reader sees how far the machine's load drifted (1.0: as calibrated; 2.0:
+    twice as slow); nothing is corrected by it."""
+
+    def __init__(self, cal: Calibration, model: Any, args: Any) -> None:
+        from hicache.memory.device_pool import MHATokenToKVPool
+        from prefill.model.paged import ExtendInput
+
+        f = cal.forward
+        self.n = f.ns[len(f.ns) // 2]
+        self.table_s = f.one(self.n, 0)
+        page = args.page_size
+        self.pool = MHATokenToKVPool.from_server_args(args, size=self.n + 2 * page)
+        ids = torch.arange(1, self.n + 1) % model.config.vocab_size
+        self.batch = [ExtendInput(ids, torch.arange(page, page + self.n), 0)]
+        self.model = model
+        self.clock = call_timer(self.pool.device, cal.timer)
+
+    def __call__(self) -> float:
+        times = []
+        for _ in range(3):
+            sync_device(self.pool.device)
+            t0 = self.clock()
+            self.model.forward_extend(self.pool, self.batch)
+            sync_device(self.pool.device)
+            times.append(self.clock() - t0)
+        return statistics.median(times) / self.table_s
+
+
+def _clocks(
+    label: str, run_one: Any, with_uncharged: bool, probe: SpeedProbe
+) -> dict[str, dict[str, Any]]:
+    out = {}
+    for clock in ("virtual", "wall") + (("virtual_uncharged",) if with_uncharged else ()):
+        speed = probe()
+        out[clock] = res = run_one(clock)
+        res["speed_vs_calibration"] = speed
+        print(f"    {label} {clock}: TTFT mean {res['ttft_mean_s'] * 1e3:.2f} ms (machine "
+              f"x{speed:.2f} as slow as calibrated before the run)", flush=True)  # fmt: skip
     return out
 
 
@@ -87,7 +128,8 @@ def _brief(res: dict[str, Any]) -> dict[str, Any]:
             "clock_span_s": res["clock_span_s"], "compute_s": vc.get("compute_s"),
             "host_charged_s": host.get("charged_s"), "host_measured_s": host.get("measured_s"),
             "transfer_s": vc.get("transfer_s"), "corun_extra_s": vc.get("corun_extra_s"),
-            "acks_held": vc.get("acks_held")}  # fmt: skip
+            "acks_held": vc.get("acks_held"),
+            "speed_vs_calibration": res.get("speed_vs_calibration")}  # fmt: skip
 
 
 def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
@@ -103,6 +145,7 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     print(f"[fidelity] multiturn calibration: {describe(cal)}", flush=True)
     rate = mtt.request_rate(opts, cal)
     seed = opts.seeds[0]
+    probe = SpeedProbe(cal, model, args)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name in opts.configs:
 
@@ -112,11 +155,9 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
                                 clock != "wall", quiet=True,
                                 acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
             free_memory()
-            print(f"    multiturn {name} {clock}: TTFT mean {res['ttft_mean_s'] * 1e3:.2f} ms",
-                  flush=True)  # fmt: skip
             return res
 
-        runs[name] = _clocks(one, with_uncharged)
+        runs[name] = _clocks(f"multiturn {name}", one, with_uncharged, probe)
     entries = {}
     for name in opts.configs:
         if name == "device_only":
@@ -147,6 +188,7 @@ def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     seed = opts.seeds[0]
     arrivals = poisson_arrivals(opts.num_requests, opts.utilization / prefill_s, seed)
     trace = orun.make_trace(opts, seed, arrivals, delay, 0.0)
+    probe = SpeedProbe(cal, model, args)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for policy in policies:
         for attempts in (0, 2):
@@ -156,11 +198,10 @@ def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
                 res = orun.run_config(trace, attempts, policy, model, c, clock != "wall",
                                       acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
                 free_memory()
-                print(f"    optimistic {policy} attempts_{attempts} {clock}: TTFT mean "
-                      f"{res['ttft_mean_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
                 return res
 
-            runs[f"{policy}/attempts_{attempts}"] = _clocks(one, with_uncharged)
+            key = f"{policy}/attempts_{attempts}"
+            runs[key] = _clocks(f"optimistic {key}", one, with_uncharged, probe)
     entries = {}
     for policy in policies:
         b, a = runs[f"{policy}/attempts_0"], runs[f"{policy}/attempts_2"]

@@ -222,11 +222,11 @@ def test_acks_are_popped_at_their_modelled_time() -> None:
     assert acct.next_ack_time() is None
 
 
-def test_compute_beside_a_copy_is_slowed_by_the_corun_factor() -> None:
+def test_compute_and_copies_beside_each_other_are_slowed() -> None:
     tl = CopyTimeline()
-    assert tl.occupy("write", 1.0, 2.0) == (1.0, 3.0)
-    assert tl.occupy("write", 0.0, 1.0) == (3.0, 4.0)  # FIFO behind the first
-    assert tl.occupy("load", 6.0, 1.0) == (6.0, 7.0)
+    assert _span(tl.occupy("write", 1.0, 2.0)) == (1.0, 3.0)
+    assert _span(tl.occupy("write", 0.0, 1.0)) == (3.0, 4.0)  # FIFO behind the first
+    assert _span(tl.occupy("load", 6.0, 1.0)) == (6.0, 7.0)
     assert tl.busy_intervals() == [(1.0, 4.0), (6.0, 7.0)]
     assert tl.compute_end(0.0, 5.0, 1.0) == 5.0
     # 1 s free, 3 s busy at half speed (1.5 s of work), then free until 6: 4.5 s done at 6
@@ -235,10 +235,20 @@ def test_compute_beside_a_copy_is_slowed_by_the_corun_factor() -> None:
     assert tl.compute_end(0.0, 5.0, 2.0) == pytest.approx(7.0)  # the last 0.5 s in (6, 7)
     tl.trim(4.0)
     assert tl.busy_intervals() == [(6.0, 7.0)]
+    # Compute over [1, 1.5) slows the first backup by 0.5 s x (3 - 1); the second starts later.
+    tl = CopyTimeline()
+    first, second = tl.occupy("write", 0.0, 2.0), tl.occupy("write", 0.0, 1.0)
+    tl.stretch_copies(1.0, 1.5, 3.0)
+    assert (_span(first), _span(second)) == ((0.0, 3.0), (3.0, 4.0))
+    assert tl.free_at("write") == 4.0 and tl.free_at("load") == 0.0
     shared = CopyTimeline(shared=True)  # CPU streams: one lock, one FIFO
     shared.occupy("write", 0.0, 2.0)
-    assert shared.occupy("load", 1.0, 1.0) == (2.0, 3.0)
-    assert CopyTimeline().occupy("load", 1.0, 1.0, after=2.5) == (2.5, 3.5)
+    assert _span(shared.occupy("load", 1.0, 1.0)) == (2.0, 3.0)
+    assert _span(CopyTimeline().occupy("load", 1.0, 1.0, after=2.5)) == (2.5, 3.5)
+
+
+def _span(b: Any) -> tuple[float, float]:
+    return (b.start, b.end)
 
 
 def test_host_cost_fit_recovers_a_linear_cost_and_drops_negative_slopes() -> None:
