@@ -45,6 +45,7 @@ class Booking:
     duration: float
     start: float = 0.0
     end: float = 0.0
+    stretchable: bool = True  # False: its overlap with compute is already in ``duration``
 
 
 class CopyTimeline:
@@ -66,13 +67,16 @@ class CopyTimeline:
         """When the last copy booked on ``stream``'s FIFO ends."""
         return self._free_at[self._key(stream)]
 
-    def occupy(self, stream: str, now: float, seconds: float, after: float = 0.0) -> Booking:
+    def occupy(
+        self, stream: str, now: float, seconds: float, after: float = 0.0,
+        stretchable: bool = True,
+    ) -> Booking:  # fmt: skip
         """Book ``seconds`` of ``stream`` after its earlier work, not before ``now`` nor
-        ``after``."""
+        ``after``; ``stretchable=False``: the caller already charged its co-run slowdown."""
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         key = self._key(stream)
-        b = Booking(stream, max(now, after), seconds)
+        b = Booking(stream, max(now, after), seconds, stretchable=stretchable)
         b.start = max(b.ready, self._free_at[key])
         b.end = b.start + seconds
         self._fifos[key].append(b)
@@ -129,7 +133,7 @@ class CopyTimeline:
                 bk.start = max(bk.ready, prev_end, bk.start)
                 bk.end = bk.start + bk.duration
                 overlap = max(0.0, min(bk.end, b) - max(bk.start, a))
-                if overlap > 0:
+                if overlap > 0 and bk.stretchable:
                     extra = overlap * (copy_factor - 1.0)
                     bk.duration += extra
                     bk.end += extra

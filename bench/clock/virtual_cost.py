@@ -9,7 +9,9 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   load stream for ``layers`` calls of ``h2d.seconds(T * bytes_per_token / layers)``; layer ``i``
   is ready when its copy ends (FIFO after earlier loads), and the forward's layer ``i`` starts
   once layer ``i - 1`` computed and layer ``i`` loaded: the overlap the controller's per-layer
-  events give.
+  events give. Layer 0's copy runs while the forward waits for it; every later layer's copy
+  runs beside the previous layer's compute and is charged its co-run slowdown
+  (``corun.copy_factor``).
 - **D2H backup** (write stream): each backup (``write``) occupies the write stream for
   ``d2h.seconds(bytes)``, FIFO, beside compute, and starts after the newest load in flight (as
   the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
@@ -228,10 +230,13 @@ class CostAccountant:
             pid = start_loading()
             if tokens and len(controller.ack_load_queue) > queued:
                 per_layer = self.cal.h2d.seconds(tokens * self.bytes_per_token // self.layers)
-                bk = self.timeline.occupy("load", self.clock.now(), per_layer * self.layers)
-                self._layer_ready = [bk.start + (i + 1) * per_layer for i in range(self.layers)]
+                beside = per_layer * self.copy_corun  # a layer copied beside compute
+                total = per_layer + (self.layers - 1) * beside
+                bk = self.timeline.occupy("load", self.clock.now(), total, stretchable=False)
+                self._layer_ready = [bk.start + per_layer + i * beside
+                                     for i in range(self.layers)]  # fmt: skip
                 self._register(controller.ack_load_queue[-1], bk)
-                self.h2d_busy_s += per_layer * self.layers
+                self.h2d_busy_s += total
             return pid
 
         controller.write = timed_write
