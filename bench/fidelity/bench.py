@@ -8,12 +8,15 @@ workload fixed from it (multi-turn: the arrival rate at ``--load`` of capacity; 
 prefill time on the virtual clock, which sets the bootstrap delays and the arrival rate). Then
 each configuration runs three times, one after the other, so the machine's load is alike:
 
+- ``wall``: real time, between two speed probes (``SpeedProbe``: a forward of one table shape
+  timed now over the table's value; a shared machine's other jobs change its speed by tens of
+  percent within minutes);
 - ``virtual``: the virtual clock with everything it charges (forward, copies and their co-run
-  slowdown, host time, the transfer, acks at their modelled time);
-- ``wall``: real time;
-- ``virtual_uncharged``: the virtual clock as it was before host time, the transfer, the co-run
-  slowdown and modelled acks were charged (no host time, a free transfer, acks popped at the
-  end of the step), to show what each headline gained from the missing costs.
+  slowdown, host time, the transfer, acks at their modelled time), on the calibration at the
+  speed the probes measured (``at_speed``: every measured time times their mean);
+- ``virtual_uncharged``: the same, as the virtual clock was before host time, the transfer, the
+  co-run slowdown and modelled acks were charged (no host time, a free transfer, acks popped at
+  the end of the step), to show what each headline gained from the missing costs.
 
 Per headline ratio (``multiturn/<config>``: device-only / config; ``optimistic/attempts_2`` and
 ``optimistic_write_through/attempts_2``: 0 attempts / 2) the entry holds ``virtual``, ``wall``,
@@ -38,8 +41,16 @@ from typing import Any
 
 import torch
 
-from bench.clock.calibrate import Calibration, describe, forward_curve
+from bench.clock.calibrate import (
+    Calibration,
+    CopyFit,
+    ForwardTable,
+    HostCosts,
+    describe,
+    forward_curve,
+)
 from bench.clock.corun import CorunSlowdown
+from bench.clock.host_cost import PhaseFit
 from bench.clock.transport import TransferModel
 from bench.common import call_timer, sync_device
 from bench.e2e.calibrated import obtain_calibration
@@ -62,6 +73,33 @@ OPTIMISTIC = {"cpu": ["--num-requests", "80", "--kv-sample-every", "20"],
               "cuda": ["--num-requests", "16", "--kv-sample-every", "8"]}  # fmt: skip
 """The small traces, per device (the GPU's model is Llama-3-8B-shaped, its prompts long)."""
 CAL_ROUNDS = 7
+
+
+def at_speed(cal: Calibration, k: float) -> Calibration:
+    """``cal`` with every measured time ``k`` times as long (forward, copies, the measured
+    transfer, host costs); the co-run factors are ratios and stay."""
+    f = cal.forward
+    table = ForwardTable(f.ns, f.ps, [[t * k for t in row] for row in f.single],
+                         f.pair_saving_s * k, f.points)  # fmt: skip
+
+    def fit(c: CopyFit) -> CopyFit:
+        return CopyFit(c.direction, c.per_call_s * k, c.bytes_per_s / k, c.points)
+
+    tr = cal.transfer
+    if tr.blocking:
+        tr = dataclasses.replace(tr, latency_s=tr.latency_s * k, bytes_per_s=tr.bytes_per_s / k)
+    host = cal.host
+    if host is not None:
+
+        def phases(p: dict[str, PhaseFit]) -> dict[str, PhaseFit]:
+            return {n: dataclasses.replace(x, intercept_s=x.intercept_s * k,
+                                           slopes={f: v * k for f, v in x.slopes.items()})
+                    for n, x in p.items()}  # fmt: skip
+
+        host = HostCosts(phases(host.phases), host.timer, host.trace,
+                         {n: phases(p) for n, p in host.profiles.items()})  # fmt: skip
+    return dataclasses.replace(cal, forward=table, h2d=fit(cal.h2d), d2h=fit(cal.d2h),
+                               transfer=tr, host=host)  # fmt: skip
 
 
 def uncharged(cal: Calibration) -> Calibration:
@@ -110,13 +148,20 @@ class SpeedProbe:
 def _clocks(
     label: str, run_one: Any, with_uncharged: bool, probe: SpeedProbe
 ) -> dict[str, dict[str, Any]]:
-    out = {}
-    for clock in ("virtual", "wall") + (("virtual_uncharged",) if with_uncharged else ()):
-        speed = probe()
-        out[clock] = res = run_one(clock)
-        res["speed_vs_calibration"] = speed
-        print(f"    {label} {clock}: TTFT mean {res['ttft_mean_s'] * 1e3:.2f} ms (machine "
-              f"x{speed:.2f} as slow as calibrated before the run)", flush=True)  # fmt: skip
+    """The wall run between two speed probes, then the virtual runs on the calibration at the
+    speed the machine had meanwhile (``at_speed``, the mean of the probes): a machine whose
+    other jobs made it slower or faster than at calibration time stays comparable."""
+    before = probe()
+    out = {"wall": run_one("wall", 1.0)}
+    after = probe()
+    k = (before + after) / 2
+    out["wall"]["speed_vs_calibration"] = k
+    for clock in ("virtual",) + (("virtual_uncharged",) if with_uncharged else ()):
+        out[clock] = run_one(clock, k)
+        out[clock]["speed_vs_calibration"] = k
+    line = ", ".join(f"{c} {r['ttft_mean_s'] * 1e3:.2f} ms" for c, r in out.items())
+    print(f"    {label}: TTFT mean {line} (machine x{before:.2f} / x{after:.2f} as slow as "
+          "calibrated before / after the wall run)", flush=True)  # fmt: skip
     return out
 
 
@@ -149,8 +194,8 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name in opts.configs:
 
-        def one(clock: str, name: str = name) -> dict[str, Any]:
-            c = uncharged(cal) if clock == "virtual_uncharged" else cal
+        def one(clock: str, k: float, name: str = name) -> dict[str, Any]:
+            c = at_speed(uncharged(cal) if clock == "virtual_uncharged" else cal, k)
             res = mt.run_config(name, seed, device_tokens, rate, opts, model, c,
                                 clock != "wall", quiet=True,
                                 acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
@@ -193,8 +238,9 @@ def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     for policy in policies:
         for attempts in (0, 2):
 
-            def one(clock: str, policy: str = policy, attempts: int = attempts) -> dict[str, Any]:
-                c = uncharged(cal) if clock == "virtual_uncharged" else cal
+            def one(clock: str, k: float, policy: str = policy,
+                    attempts: int = attempts) -> dict[str, Any]:  # fmt: skip
+                c = at_speed(uncharged(cal) if clock == "virtual_uncharged" else cal, k)
                 res = orun.run_config(trace, attempts, policy, model, c, clock != "wall",
                                       acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
                 free_memory()
