@@ -10,10 +10,9 @@ each configuration runs three times, one after the other, so the machine's load 
 
 - ``wall``: real time, between two speed probes (``SpeedProbe``: a forward of one table shape
   timed now over the table's value; a shared machine's other jobs change its speed by tens of
-  percent within minutes);
+  percent within minutes; recorded, not corrected for);
 - ``virtual``: the virtual clock with everything it charges (forward, copies and their co-run
-  slowdown, host time, the transfer, acks at their modelled time), on the calibration at the
-  speed the probes measured (``at_speed``: every measured time times their mean);
+  slowdown, host time, the transfer, acks at their modelled time);
 - ``virtual_uncharged``: the same, as the virtual clock was before host time, the transfer, the
   co-run slowdown and modelled acks were charged (no host time, a free transfer, acks popped at
   the end of the step), to show what each headline gained from the missing costs.
@@ -41,16 +40,8 @@ from typing import Any
 
 import torch
 
-from bench.clock.calibrate import (
-    Calibration,
-    CopyFit,
-    ForwardTable,
-    HostCosts,
-    describe,
-    forward_curve,
-)
+from bench.clock.calibrate import Calibration, describe, forward_curve
 from bench.clock.corun import CorunSlowdown
-from bench.clock.host_cost import PhaseFit
 from bench.clock.transport import TransferModel
 from bench.common import call_timer, sync_device
 from bench.e2e.calibrated import obtain_calibration
@@ -75,33 +66,6 @@ OPTIMISTIC = {"cpu": ["--num-requests", "80", "--kv-sample-every", "20"],
 CAL_ROUNDS = 7
 
 
-def at_speed(cal: Calibration, k: float) -> Calibration:
-    """``cal`` with every measured time ``k`` times as long (forward, copies, the measured
-    transfer, host costs); the co-run factors are ratios and stay."""
-    f = cal.forward
-    table = ForwardTable(f.ns, f.ps, [[t * k for t in row] for row in f.single],
-                         f.pair_saving_s * k, f.points)  # fmt: skip
-
-    def fit(c: CopyFit) -> CopyFit:
-        return CopyFit(c.direction, c.per_call_s * k, c.bytes_per_s / k, c.points)
-
-    tr = cal.transfer
-    if tr.blocking:
-        tr = dataclasses.replace(tr, latency_s=tr.latency_s * k, bytes_per_s=tr.bytes_per_s / k)
-    host = cal.host
-    if host is not None:
-
-        def phases(p: dict[str, PhaseFit]) -> dict[str, PhaseFit]:
-            return {n: dataclasses.replace(x, intercept_s=x.intercept_s * k,
-                                           slopes={f: v * k for f, v in x.slopes.items()})
-                    for n, x in p.items()}  # fmt: skip
-
-        host = HostCosts(phases(host.phases), host.timer, host.trace,
-                         {n: phases(p) for n, p in host.profiles.items()})  # fmt: skip
-    return dataclasses.replace(cal, forward=table, h2d=fit(cal.h2d), d2h=fit(cal.d2h),
-                               transfer=tr, host=host)  # fmt: skip
-
-
 def uncharged(cal: Calibration) -> Calibration:
     """``cal`` charging what the virtual clock charged before: forward and copies only."""
     return dataclasses.replace(cal, host=None, transfer=TransferModel(0.0, math.inf, "flag"),
@@ -116,9 +80,9 @@ def _entry(v: float, w: float, u: float | None) -> dict[str, float | None]:
 
 class SpeedProbe:
     """The machine's speed now against the calibration's: a forward of one mid-table shape,
-    timed as the calibration timed it (median of 3), over the table's value for it. Taken before
-    every run, so a reader sees how far the machine's load drifted (1.0: as calibrated; 2.0:
-    twice as slow); nothing is corrected by it."""
+    timed as the calibration timed it (median of 7), over the table's value for it. Taken before
+    and after every wall run, so a reader sees how far the machine's load drifted (1.0: as
+    calibrated; 2.0: twice as slow); nothing is corrected by it."""
 
     def __init__(self, cal: Calibration, model: Any, args: Any) -> None:
         from hicache.memory.device_pool import MHATokenToKVPool
@@ -136,7 +100,7 @@ class SpeedProbe:
 
     def __call__(self) -> float:
         times = []
-        for _ in range(3):
+        for _ in range(7):
             sync_device(self.pool.device)
             t0 = self.clock()
             self.model.forward_extend(self.pool, self.batch)
@@ -148,17 +112,14 @@ class SpeedProbe:
 def _clocks(
     label: str, run_one: Any, with_uncharged: bool, probe: SpeedProbe
 ) -> dict[str, dict[str, Any]]:
-    """The wall run between two speed probes, then the virtual runs on the calibration at the
-    speed the machine had meanwhile (``at_speed``, the mean of the probes): a machine whose
-    other jobs made it slower or faster than at calibration time stays comparable."""
+    """The wall run between two speed probes (recorded, not corrected for), then the virtual
+    runs on the calibration as measured."""
     before = probe()
-    out = {"wall": run_one("wall", 1.0)}
+    out = {"wall": run_one("wall")}
     after = probe()
-    k = (before + after) / 2
-    out["wall"]["speed_vs_calibration"] = k
+    out["wall"]["speed_vs_calibration"] = [before, after]
     for clock in ("virtual",) + (("virtual_uncharged",) if with_uncharged else ()):
-        out[clock] = run_one(clock, k)
-        out[clock]["speed_vs_calibration"] = k
+        out[clock] = run_one(clock)
     line = ", ".join(f"{c} {r['ttft_mean_s'] * 1e3:.2f} ms" for c, r in out.items())
     print(f"    {label}: TTFT mean {line} (machine x{before:.2f} / x{after:.2f} as slow as "
           "calibrated before / after the wall run)", flush=True)  # fmt: skip
@@ -194,8 +155,8 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for name in opts.configs:
 
-        def one(clock: str, k: float, name: str = name) -> dict[str, Any]:
-            c = at_speed(uncharged(cal) if clock == "virtual_uncharged" else cal, k)
+        def one(clock: str, name: str = name) -> dict[str, Any]:
+            c = uncharged(cal) if clock == "virtual_uncharged" else cal
             res = mt.run_config(name, seed, device_tokens, rate, opts, model, c,
                                 clock != "wall", quiet=True,
                                 acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
@@ -238,9 +199,8 @@ def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
     for policy in policies:
         for attempts in (0, 2):
 
-            def one(clock: str, k: float, policy: str = policy,
-                    attempts: int = attempts) -> dict[str, Any]:  # fmt: skip
-                c = at_speed(uncharged(cal) if clock == "virtual_uncharged" else cal, k)
+            def one(clock: str, policy: str = policy, attempts: int = attempts) -> dict[str, Any]:
+                c = uncharged(cal) if clock == "virtual_uncharged" else cal
                 res = orun.run_config(trace, attempts, policy, model, c, clock != "wall",
                                       acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
                 free_memory()
