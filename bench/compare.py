@@ -40,7 +40,7 @@ def headline_ratios(summary: dict[str, Any]) -> dict[str, float]:
                 continue
             out[f"{section}/{name}"] = float(res[key])
         for axis, points in (configs.get("sweeps") or {}).items():
-            if not isinstance(points, list):
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
                 continue
             x_key = {"working_set": "working_set_ratio"}.get(axis, axis)
             for pt in points:

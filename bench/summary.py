@@ -138,7 +138,7 @@ def print_summary_table(summary: dict[str, Any]) -> None:
                   + (f"; zero-load ceiling {configs['ceiling_zero_load']:.3f}"
                      if configs.get("ceiling_zero_load") else ""))  # fmt: skip
         for axis, points in (configs.get("sweeps") or {}).items():
-            if not isinstance(points, list):
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
                 continue
             cells = []
             for pt in points:

@@ -16,8 +16,12 @@ the retry hits them; under write_through a yield releases them and the retry rec
 base and forced-retry traces, the same traces (seed by seed) as the write_back rows.
 
 Headline: mean TTFT with 0 attempts / mean TTFT with N attempts, per seed, reported as mean and
-spread over ``--seeds``; on the default virtual clock it depends only on the seeds and the
-calibration measured at the start (``bench.e2e.driver``, ``bench.clock.calibrate``).
+spread over ``--seeds``; on the virtual clock (the default on a CPU) it depends only on the
+seeds and the calibration, measured at the start and written to ``calibration.json``, or
+replayed with ``--calibration FILE`` (``bench.e2e.driver``, ``bench.clock.calibrate``). Beside
+it, the zero-load ceiling ``E[B+P]/E[max(B,P)]`` that the delay distribution and the prefill
+time alone set (``bench.optimistic.sweep.ceiling``); with ``--sweeps`` (the default on a CPU)
+the ratio is also measured against the delay scale and the utilization.
 
     python -m bench.optimistic [--quick] [--out results] [--clock wall] [--seeds 0 1 2]
 """

@@ -581,7 +581,8 @@ def test_optimistic_ceiling_is_set_by_the_delay_distribution() -> None:
 def test_compare_covers_the_sweeps() -> None:
     from bench import compare
 
-    sweeps = {"load": [{"load": 0.5, "ratios": {"write_back": 2.0}}],
+    sweeps = {"configs": ["device_only", "write_back"],
+              "load": [{"load": 0.5, "ratios": {"write_back": 2.0}}],
               "working_set": [{"working_set_ratio": 8.0, "ratios": {"write_back": 3.0}}]}
     summary = {"multiturn": {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
                              "sweeps": sweeps}}  # fmt: skip
