@@ -11,9 +11,10 @@ Construction validates and resolves in one place (``__post_init__``), so ``Serve
   found are reported together.
 * Combinations SGLang resolves (layout vs io backend, the optimistic-prefill gate) are resolved the
   same way, never silently: each logs one warning and is recorded in ``args.resolutions``.
-* Features this prototype accepts for validation but does not run (pipeline parallelism, an L3
-  storage backend, mamba models) are refused by ``args.check_runtime_supported()``, which every
-  runtime builder calls.
+* Features this prototype accepts for validation but does not run (pipeline parallelism, mamba
+  models) are refused by ``args.check_runtime_supported()``, which every runtime builder calls.
+  An L3 storage backend runs (``--hicache-storage-backend``); a name no backend answers to is
+  refused when the cache is built, naming the flag and the valid names.
 
 ``python server_args.py [flags]`` prints the resolved configuration as JSON.
 
@@ -38,7 +39,14 @@ MEM_LAYOUT_CHOICES = ("layer_first", "page_first", "page_first_direct")
 DISAGGREGATION_MODE_CHOICES = ("null", "prefill", "decode")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape")
+MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape", "deepseek-v2-lite-shape", "deepseek-v3-shape")
+PREFETCH_POLICY_CHOICES = ("best_effort", "wait_complete", "timeout")
+HOST_MEMORY_MODE_CHOICES = ("cache", "buffer_only")
+EXTRA_CONFIG_FLAG = "--hicache-storage-backend-extra-config"
+BUFFER_ONLY_WRITE_BACK = (
+    "--hicache-host-memory-mode buffer_only resolves --hicache-write-policy write_back to "
+    "write_through"
+)
 
 # Upstream warning texts of the optimistic-prefill gate (first match wins).
 GATE_PP = "Optimistic prefill does not support pp_size > 1"
@@ -82,6 +90,34 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 GEOMETRY_FIELDS = tuple(MODEL_PRESETS["tiny"])
+
+# Multi-head latent attention (``--use-mla``, DeepSeek-V2/V3's attention). Unset MLA fields take
+# the preset's values (an MLA preset) or these, DeepSeek's own: a 512-wide latent plus a 64-wide
+# rotary key shared by every head (576 values per token and layer in the pool), 128-wide
+# non-rotary query/key and value heads, and a full query projection (``q_lora_rank`` 0).
+MLA_DEFAULTS: dict[str, int] = dict(
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0
+)
+MLA_FIELDS = tuple(MLA_DEFAULTS)
+
+# The DeepSeek-shaped presets (random weights; MLA, so they need --use-mla). Layers, hidden size,
+# heads and the whole attention / KV geometry are DeepSeek-V2-Lite's and DeepSeek-V3's; every
+# layer's MLP is dense, as wide as the experts one token activates (V3: 8 routed + 1 shared of
+# 2048 = 18432, also its dense layers' width; V2-Lite: its dense layer's 10944, where 6 routed + 2
+# shared experts of 1408 make 11264); the vocabulary is cut to 32000 (102400 / 129280).
+MLA_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite-shape": dict(
+        num_layers=27, num_attention_heads=16, head_num=1, head_dim=192, hidden_size=2048,
+        intermediate_size=10944, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0,
+    ),
+    "deepseek-v3-shape": dict(
+        num_layers=61, num_attention_heads=128, head_num=1, head_dim=192, hidden_size=7168,
+        intermediate_size=18432, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+    ),
+}  # fmt: skip
+MODEL_PRESETS.update(MLA_PRESETS)
 
 
 class Resolution(NamedTuple):
@@ -139,10 +175,29 @@ class ServerArgs:
         "Model and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.",
         choices=DTYPE_CHOICES,
     )
-    use_mla: bool = _opt(False, "Use an MLA latent KV pool (one buffer per layer).")
-    kv_lora_rank: int | None = _opt(None, "MLA kv_lora_rank (required with --use-mla).", type=int)
+    use_mla: bool = _opt(
+        False,
+        "Multi-head latent attention (DeepSeek's): the model caches one latent per token and "
+        "layer in an MLA KV pool (one buffer per layer). The deepseek-* presets need it.",
+    )
+    kv_lora_rank: int | None = _opt(
+        None, "MLA: width of the cached latent (unset: the preset's, else 512).", type=int
+    )
     qk_rope_head_dim: int | None = _opt(
-        None, "MLA qk_rope_head_dim (required with --use-mla).", type=int
+        None, "MLA: width of the rotary key cached beside the latent (unset: preset's, else 64).",
+        type=int,
+    )
+    qk_nope_head_dim: int | None = _opt(
+        None, "MLA: per-head query/key width without rotary (unset: preset's, else 128).", type=int
+    )
+    v_head_dim: int | None = _opt(
+        None, "MLA: per-head value width (unset: the preset's, else 128).", type=int
+    )
+    q_lora_rank: int | None = _opt(
+        None,
+        "MLA: rank of the query's low-rank projection; 0 = a full query projection (unset: the "
+        "preset's, else 0; DeepSeek-V3: 1536).",
+        type=int,
     )
     uses_mamba_radix_cache: bool = _opt(
         False, "The model uses a mamba radix cache (derived from the model in SGLang)."
@@ -179,7 +234,38 @@ class ServerArgs:
         "page_first", "Host pool memory layout.", choices=MEM_LAYOUT_CHOICES
     )
     hicache_storage_backend: str | None = _opt(
-        None, "L3 storage backend name (accepted for validation; not implemented).", type=str
+        None,
+        "L3 storage backend: file (one file per page, SGLang's HiCacheFile) or dynamic (a "
+        "HiCacheStorage class named by the extra config's backend_name, module_path, "
+        "class_name); needs --enable-hierarchical-cache.",
+        type=str,
+    )
+    hicache_storage_backend_extra_config: str | None = _opt(
+        None,
+        "Settings of the storage backend and its prefetch: a JSON object, or @path to a .json, "
+        ".toml or .yaml file (prefetch_threshold, prefetch_timeout_base, "
+        "prefetch_timeout_per_ki_token, hicache_storage_pass_prefix_keys; the rest goes to the "
+        "backend, e.g. file_storage_path, max_size).",
+        type=str,
+    )
+    hicache_storage_prefetch_policy: str = _opt(
+        "timeout",
+        "When a request stops waiting for its prefetch from storage: best_effort (never "
+        "waits), wait_complete (waits for it), timeout (waits up to prefetch_timeout_base + "
+        "prefetch_timeout_per_ki_token per 1024 tokens).",
+        choices=PREFETCH_POLICY_CHOICES,
+    )
+    hicache_host_memory_mode: str = _opt(
+        "cache",
+        "cache: the host pool is the L2 tier; buffer_only: host memory only stages L3 traffic "
+        "(needs a storage backend; write_back resolves to write_through).",
+        choices=HOST_MEMORY_MODE_CHOICES,
+    )
+    served_model_name: str | None = _opt(
+        None,
+        "The model name in L3 storage keys; unset: the preset, its geometry and the seed (the "
+        "random weights), so processes share pages only for the same weights.",
+        type=str,
     )
     load_back_threshold: int = _opt(
         10, "Host hits shorter than this many tokens are recomputed instead of loaded back."
@@ -246,6 +332,7 @@ class ServerArgs:
         if errors:
             raise ValueError("invalid server arguments:\n  - " + "\n  - ".join(errors))
         self._handle_hicache_layout()
+        self._handle_host_memory_mode()
         self._handle_optimistic_prefill_gate()
 
     # ------------------------------------------------------------------ resolution helpers
@@ -264,6 +351,10 @@ class ServerArgs:
         for name in GEOMETRY_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, preset[name])
+        if self.use_mla:
+            for name in MLA_FIELDS:
+                if getattr(self, name) is None:
+                    setattr(self, name, preset.get(name, MLA_DEFAULTS[name]))
 
     # ------------------------------------------------------------------ validation
     def _validation_errors(self) -> list[str]:
@@ -298,6 +389,8 @@ class ServerArgs:
         choice("hicache_io_backend", IO_BACKEND_CHOICES)
         choice("hicache_mem_layout", MEM_LAYOUT_CHOICES)
         choice("disaggregation_mode", DISAGGREGATION_MODE_CHOICES)
+        choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
+        choice("hicache_host_memory_mode", HOST_MEMORY_MODE_CHOICES)
 
         for name in GEOMETRY_FIELDS:
             positive(name, allow_none=True)
@@ -345,17 +438,23 @@ class ServerArgs:
                 f"--hicache-storage-backend={self.hicache_storage_backend!r} must be a backend "
                 "name or unset"
             )
+        errors.extend(self._storage_errors())
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             errors.append(
                 "--enable-hierarchical-cache and --disable-radix-cache are mutually exclusive"
             )
 
         if self.use_mla:
-            for name in ("kv_lora_rank", "qk_rope_head_dim"):
-                if getattr(self, name) is None:
-                    errors.append(f"--use-mla requires {_flag(name)}")
-                else:
-                    positive(name)
+            for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                positive(name)
+            non_negative_int("q_lora_rank")
+            rope = self.qk_rope_head_dim
+            if isinstance(rope, int) and not isinstance(rope, bool) and rope > 0 and rope % 2:
+                errors.append(f"--qk-rope-head-dim={rope} must be even (rotary pairs)")
+        elif self.model_preset in MLA_PRESETS:
+            errors.append(
+                f"--model-preset={self.model_preset} is an MLA model: it needs --use-mla"
+            )
 
         delay = self.disaggregation_bootstrap_delay
         kind, _, params = str(delay).partition(":")
@@ -386,6 +485,53 @@ class ServerArgs:
         ):
             probability(name)
         return errors
+
+    def _storage_errors(self) -> list[str]:
+        """The L3 flags: a readable extra config (JSON object or @file), a served model name
+        that is a string, and buffer_only's needs (SGLang's ``validate_hicache_host_memory_mode``,
+        checked with the hierarchical cache on)."""
+        errors = []
+        if self.hicache_storage_backend_extra_config is not None:
+            try:
+                self.storage_extra_config()
+            except ValueError as e:
+                errors.append(str(e))
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name
+        ):
+            errors.append(f"--served-model-name={self.served_model_name!r} must be a name")
+        if self.enable_hierarchical_cache and self.hicache_host_memory_mode == "buffer_only":
+            if self.hicache_storage_backend is None:
+                errors.append(
+                    "--hicache-host-memory-mode buffer_only requires a storage backend "
+                    "(--hicache-storage-backend): host memory only stages L3 traffic"
+                )
+            if self.disaggregation_mode == "decode":
+                errors.append(
+                    "--hicache-host-memory-mode buffer_only is not supported with "
+                    "--disaggregation-mode decode"
+                )
+        return errors
+
+    def storage_extra_config(self) -> dict[str, Any]:
+        """``--hicache-storage-backend-extra-config`` as a dict (``{}`` when unset): a JSON object,
+        or ``@path`` to a ``.json``, ``.toml`` or ``.yaml`` / ``.yml`` file. ``ValueError`` naming
+        the flag (and the file) for anything else."""
+        return parse_extra_config(self.hicache_storage_backend_extra_config)
+
+    def storage_model_name(self) -> str:
+        """The model part of L3 storage keys: ``--served-model-name``, else the preset with a
+        digest of the geometry and seed that make its random weights."""
+        if self.served_model_name:
+            return self.served_model_name
+        import hashlib
+
+        ident = json.dumps(
+            [self.model_preset, self.random_seed, self.use_mla, self.kv_lora_rank,
+             self.qk_rope_head_dim, *(getattr(self, f) for f in GEOMETRY_FIELDS)]
+        )  # fmt: skip
+        digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
+        return f"hicache-prefill/{self.model_preset}-{digest}"
 
     def _tp_errors(self) -> list[str]:
         """The geometry ``--tp-size`` must split (``tp_geometry_errors``, as
@@ -420,6 +566,16 @@ class ServerArgs:
         if self.hicache_mem_layout == "page_first_direct" and self.hicache_io_backend != "direct":
             self._resolve("hicache_io_backend", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
 
+    def _handle_host_memory_mode(self) -> None:
+        """buffer_only has no host tier to write back to: ``write_back`` resolves to
+        ``write_through`` (SGLang's ``validate_hicache_host_memory_mode``), before the gate."""
+        if (
+            self.enable_hierarchical_cache
+            and self.hicache_host_memory_mode == "buffer_only"
+            and self.hicache_write_policy == "write_back"
+        ):
+            self._resolve("hicache_write_policy", "write_through", BUFFER_ONLY_WRITE_BACK)
+
     def _handle_optimistic_prefill_gate(self) -> None:
         """The upstream gate, in one of two generations; the first matching rule resolves
         ``optimistic_prefill_attempts`` to 0 with a warning. Applied only when
@@ -427,8 +583,9 @@ class ServerArgs:
 
         Off (``optimistic_prefill_write_through=False``, SGLang 0.5.17): pp_size > 1; L2 with a
         storage backend or any policy but write_back; a mamba radix cache.
-        On (SGLang 0.5.23): pp_size > 1; L2 with a storage backend or write_through_selective
-        (write_back and write_through are kept); a mamba radix cache.
+        On (SGLang 0.5.23): pp_size > 1; L2 write_through_selective, or a storage backend other
+        than in ``buffer_only`` host memory under write_through (L2 write_back and
+        write_through without storage are kept); a mamba radix cache.
         """
         if self.optimistic_prefill_attempts <= 0 or self.disaggregation_mode != "prefill":
             return
@@ -443,23 +600,36 @@ class ServerArgs:
         if reason is not None:
             self._resolve("optimistic_prefill_attempts", 0, reason)
 
-    def optimistic_gate_allows(self, write_policy: str | None) -> bool:
+    def optimistic_gate_allows(
+        self,
+        write_policy: str | None,
+        storage: bool | None = None,
+        host_memory_mode: str | None = None,
+    ) -> bool:
         """Whether the gate keeps optimistic attempts for an L2 cache with ``write_policy``
         (``None``: no L2), given this object's other fields as they are now. The executor asks
-        this with the policy its cache declares, so a configuration changed after resolution
-        is caught."""
+        this with what its cache declares (the policy, whether it has a storage tier, its host
+        memory mode; ``None``: read the flags), so a configuration changed after resolution is
+        caught."""
         if self.pp_size > 1 or self.uses_mamba_radix_cache:
             return False
-        return write_policy is None or self._l2_gate_allows(write_policy)
+        return write_policy is None or self._l2_gate_allows(write_policy, storage, host_memory_mode)
 
-    def _l2_gate_allows(self, write_policy: str) -> bool:
-        """The gate's L2 rule: no storage backend, and ``write_back`` (both generations) or
-        ``write_through`` (with ``optimistic_prefill_write_through``, SGLang 0.5.23's)."""
-        if self.hicache_storage_backend is not None:
-            return False
+    def _l2_gate_allows(
+        self, write_policy: str, storage: bool | None = None, mode: str | None = None
+    ) -> bool:
+        """The gate's L2 rule. Without storage: ``write_back`` (both generations) or
+        ``write_through`` (with ``optimistic_prefill_write_through``, SGLang 0.5.23's). With
+        storage: only SGLang 0.5.23's "L3 buffer-only write-through" (the flag,
+        ``buffer_only`` host memory, ``write_through``)."""
+        storage = self.hicache_storage_backend is not None if storage is None else storage
+        mode = self.hicache_host_memory_mode if mode is None else mode
+        newer = bool(self.optimistic_prefill_write_through)
+        if storage:
+            return newer and mode == "buffer_only" and write_policy == "write_through"
         if write_policy == "write_back":
             return True
-        return write_policy == "write_through" and bool(self.optimistic_prefill_write_through)
+        return write_policy == "write_through" and newer
 
     # ------------------------------------------------------------------ runtime helpers
     def unsupported_runtime_features(self) -> list[str]:
@@ -467,10 +637,10 @@ class ServerArgs:
         out = []
         if self.pp_size > 1:
             out.append(f"--pp-size={self.pp_size}: pipeline parallelism is not implemented")
-        if self.hicache_storage_backend is not None:
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
             out.append(
-                f"--hicache-storage-backend={self.hicache_storage_backend}: no L3 storage "
-                "backend is implemented"
+                f"--hicache-storage-backend={self.hicache_storage_backend} needs "
+                "--enable-hierarchical-cache (L3 sits below the host tier)"
             )
         if self.uses_mamba_radix_cache:
             out.append("--uses-mamba-radix-cache: mamba models are not implemented")
@@ -537,6 +707,65 @@ class ServerArgs:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def parse_extra_config(value: Any) -> dict[str, Any]:
+    """``--hicache-storage-backend-extra-config``: ``None`` or ``""`` -> ``{}``; a dict as is; a
+    JSON object; ``@path`` to a ``.json``, ``.toml`` (Python 3.11+) or ``.yaml`` / ``.yml``
+    (needs PyYAML) file holding one. ``ValueError`` naming the flag (and the file) otherwise."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{EXTRA_CONFIG_FLAG} must be a JSON string or @file, got {value!r}")
+    source, text = "the JSON string", value
+    if value.startswith("@"):
+        path = value[1:]
+        source = f"the file {path!r}"
+        ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        if ext not in ("json", "toml", "yaml", "yml"):
+            raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: the file must be .json, .toml or .yaml")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: cannot read {source}: {e}") from None
+        try:
+            if ext == "toml":
+                try:
+                    import tomllib
+                except ImportError:
+                    raise ValueError(
+                        f"{EXTRA_CONFIG_FLAG}=@{path}: .toml needs Python 3.11 (tomllib)"
+                    ) from None
+                parsed = tomllib.loads(text)
+            elif ext in ("yaml", "yml"):
+                try:
+                    import yaml
+                except ImportError:
+                    raise ValueError(
+                        f"{EXTRA_CONFIG_FLAG}=@{path}: .yaml needs PyYAML (pip install pyyaml)"
+                    ) from None
+                parsed = yaml.safe_load(text)
+            else:
+                parsed = json.loads(text)
+        except ValueError as e:
+            if EXTRA_CONFIG_FLAG in str(e):
+                raise
+            raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} does not parse: {e}") from None
+        except Exception as e:  # noqa: BLE001 - yaml's own errors
+            raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} does not parse: {e}") from None
+    else:
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"{EXTRA_CONFIG_FLAG}: {source} must hold an object, got {type(parsed).__name__}"
+        )
+    return parsed
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

@@ -38,6 +38,7 @@ SUITE = [
     ("bench.cache_ops.bench", "cache_ops"),
     ("bench.multiturn.bench", "multiturn"),
     ("bench.optimistic.bench", "optimistic"),
+    ("bench.l3.bench", "l3"),
     ("bench.fidelity.bench", "fidelity"),
 ]
 E2E = {"multiturn", "optimistic"}
@@ -46,7 +47,8 @@ E2E = {"multiturn", "optimistic"}
 ALWAYS_REPORTED = ("leaked_slots", "kv_mismatches", "kv_strict_mismatches", "aborted_sends",
                    "leaked_locks", "integrity_errors")  # fmt: skip
 """Integrity counters the summary shows even when no section reported them (as 0)."""
-INTEGRITY_KEYS = (*ALWAYS_REPORTED, "speculative_l2_pages", "attempt_budget_exceeded")
+INTEGRITY_KEYS = (*ALWAYS_REPORTED, "speculative_l2_pages", "speculative_l3_pages",
+                  "attempt_budget_exceeded")
 
 
 def main(argv: list[str] | None = None) -> int:

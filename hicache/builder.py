@@ -19,18 +19,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory.device_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    device_pool_from_server_args,
+)
 from hicache.stats import CacheStats
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
+from hicache.transfer.streams import STREAM_MODES
 from hicache.tree.hiradix_cache import HiRadixCache
 from hicache.tree.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
     from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.storage.io.controller import HiCacheStorageController
     from hicache.transfer.controller import HiCacheController
-    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay
+    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -45,7 +51,7 @@ class KVCache:
     calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
     when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
     ``group``: the tensor-parallel cache group (``SingleRankGroup`` for one rank); ``stats``
-    are this rank's.
+    are this rank's. ``storage``: the L3 tier (``--hicache-storage-backend``), else ``None``.
     """
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool
@@ -55,6 +61,7 @@ class KVCache:
     controller: HiCacheController | None
     stats: CacheStats
     group: TPGroup = field(default_factory=SingleRankGroup)
+    storage: HiCacheStorageController | None = None
 
     @property
     def hierarchical(self) -> bool:
@@ -67,6 +74,8 @@ class KVCache:
         ``request_owned``: device slots that requests hold outside the tree right now.
         """
         self.tree.check_integrity(request_owned=request_owned)
+        if self.storage is not None:
+            self.storage.check_integrity()
 
     def alloc_device(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
@@ -85,9 +94,14 @@ class KVCache:
         return slots
 
     def close(self) -> None:
-        """Finish queued copies and stop the CPU stream threads (no-op when off or on CUDA)."""
-        if self.controller is not None:
-            self.controller.close()
+        """Stop the storage threads (after the work they hold), finish queued copies and stop
+        the CPU stream threads (no-op when off or on CUDA)."""
+        try:
+            if self.storage is not None:
+                self.storage.close()
+        finally:
+            if self.controller is not None:
+                self.controller.close()
 
 
 # Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
@@ -96,7 +110,9 @@ SAME_ON_EVERY_RANK = (
     "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
     "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
     "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
-    "kv_lora_rank", "qk_rope_head_dim", "dtype",
+    "kv_lora_rank", "qk_rope_head_dim", "dtype", "hicache_storage_backend",
+    "hicache_storage_backend_extra_config", "hicache_storage_prefetch_policy",
+    "hicache_host_memory_mode", "served_model_name",
 )  # fmt: skip
 
 
@@ -104,8 +120,9 @@ def build_kv_cache(
     args: ServerArgs,
     *,
     copy_delay: Delay = 0.0,
-    streams: CudaStreams | CpuStreams | None = None,
+    streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
     group: TPGroup | None = None,
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
 ) -> KVCache:
     """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
     with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
@@ -113,18 +130,31 @@ def build_kv_cache(
     (``hicache_write_policy``, ``load_back_threshold``, ``hicache_upstream_chunked_insert``).
 
     ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
-    ``streams``: stream factory to use instead of the default for the device.
+    ``streams``: a stream factory to use instead of the default for the device, or a CPU mode
+    (``hicache.transfer.streams.make_streams``): ``"thread"`` (the default on a CPU: copies run
+    on worker threads, a copy's failure is reported by its ack) or ``"inline"`` (CUDA's launch
+    semantics: ``submit`` runs the copy on the caller's thread and a failure raises there).
     ``group``: the cache group of ``args.tp_size`` ranks (required when it is > 1; every rank
     calls this, in the same order): pools of this rank's KV heads, the flags in
     ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
     capacity agreed (see the module docstring).
+    ``host_pool``: an existing host pool to serve this cache instead of allocating one (a
+    benchmark's calibration and configurations share one pinned pool): it must match the flags
+    exactly (``reuse_for``), gets a fresh allocator, and the previous cache using it must be
+    closed. One rank only.
 
-    Raises ``ValueError`` for configurations the runtime cannot run (an L3 storage backend,
-    ``pp_size > 1``, mamba models, ``disable_radix_cache``), for a host pool larger than the RAM
+    With ``hicache_storage_backend`` the L3 tier too (``hicache.storage.io.setup``): its backend,
+    IO threads and controller, attached to the tree (``KVCache.storage``).
+
+    Raises ``ValueError`` for configurations the runtime cannot run (``pp_size > 1``, mamba
+    models, ``disable_radix_cache``, a storage backend that cannot be built, named with its
+    flag or key), for a host pool larger than the RAM
     that may be used (on every rank, when any rank's is), and for a group that does not match
     ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """
     args.check_runtime_supported()
+    if isinstance(streams, str) and streams not in STREAM_MODES:
+        raise ValueError(f"streams must be one of {STREAM_MODES} or a factory, got {streams!r}")
     tp_size = args.tp_size
     if group is None:
         if tp_size > 1:
@@ -137,8 +167,7 @@ def build_kv_cache(
         raise ValueError(f"group has {group.size} ranks, --tp-size={tp_size}")
     group.assert_same("server_args", {k: getattr(args, k, None) for k in SAME_ON_EVERY_RANK})
     device = args.resolved_device()
-    pool_cls = MLATokenToKVPool if args.use_mla else MHATokenToKVPool
-    device_pool = pool_cls.from_server_args(args)
+    device_pool = device_pool_from_server_args(args)
     allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size, device)
     stats = CacheStats()
     if not args.enable_hierarchical_cache:
@@ -148,7 +177,13 @@ def build_kv_cache(
 
     from hicache.transfer.controller import HiCacheController
 
-    host_pool = _agreed_host_pool(args, device_pool, group)
+    if host_pool is None:
+        host_pool = _agreed_host_pool(args, device_pool, group)
+    elif group.size > 1:
+        raise ValueError("host_pool: a shared host pool serves one rank (--tp-size 1) only")
+    else:
+        host_pool.reuse_for(device_pool, args.hicache_ratio, args.hicache_size,
+                            args.hicache_mem_layout)  # fmt: skip
     controller = HiCacheController(
         allocator,
         device_pool,
@@ -167,6 +202,16 @@ def build_kv_cache(
         upstream_chunked_insert=args.hicache_upstream_chunked_insert,
         stats=stats,
     )
+    storage = None
+    if args.hicache_storage_backend is not None:
+        from hicache.storage.io.setup import build_storage_controller
+
+        try:
+            storage = build_storage_controller(args, tree, host_pool, group)
+        except ValueError:
+            controller.close()
+            host_pool.destroy()
+            raise
     logger.info(
         "KV cache%s: device %d + host %d tokens, page %d, %s, %s/%s",
         f" (tp rank {group.rank}/{group.size})" if group.size > 1 else "",
@@ -177,7 +222,7 @@ def build_kv_cache(
         args.hicache_mem_layout,
         args.hicache_io_backend,
     )
-    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group)
+    return KVCache(device_pool, allocator, tree, host_pool, controller, stats, group, storage)
 
 
 def _agreed_host_pool(
@@ -214,5 +259,6 @@ def _agreed_host_pool(
         raise ValueError(
             f"host pool: {error if error is not None else 'another rank could not build its'}"
         ) from error
-    assert host_pool is not None and host_pool.size == size, (host_pool, size)
+    if host_pool is None or host_pool.size != size:
+        raise RuntimeError(f"host pool of {getattr(host_pool, 'size', None)} tokens, agreed {size}")
     return host_pool

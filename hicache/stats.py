@@ -29,11 +29,14 @@ class CacheStats:
     request that yields and retries counts again, its retry hitting what it inserted).
     ``device_hit_tokens`` / ``host_hit_tokens``: tokens those attempts reused from the device and
     loaded back from the host (a host hit recomputed, e.g. below ``load_back_threshold``, is not
-    a hit)."""
+    a hit); ``storage_hit_tokens``: of the host hits, tokens fetched from L3 storage for that
+    attempt. ``d2h_failed_copies`` / ``h2d_failed_copies``: copies whose launch failed or that
+    failed while they ran (``hicache.transfer.errors``); they move no bytes and no time."""
 
     matched_attempts: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     backed_up_tokens: int = 0
     loaded_tokens: int = 0
     evicted_device_tokens: int = 0
@@ -44,13 +47,19 @@ class CacheStats:
     h2d_bytes: int = 0
     d2h_copy_time_s: float = 0.0
     h2d_copy_time_s: float = 0.0
+    d2h_failed_copies: int = 0
+    h2d_failed_copies: int = 0
 
     # --- recorders -----------------------------------------------------------------------------
-    def record_match(self, device_hit_tokens: int, host_hit_tokens: int) -> None:
-        """One admitted attempt's prefix: device-resident tokens reused, host tokens loaded back."""
+    def record_match(
+        self, device_hit_tokens: int, host_hit_tokens: int, storage_hit_tokens: int = 0
+    ) -> None:
+        """One admitted attempt's prefix: device-resident tokens reused, host tokens loaded back
+        (``storage_hit_tokens`` of them fetched from L3 storage)."""
         self.matched_attempts += 1
         self.device_hit_tokens += device_hit_tokens
         self.host_hit_tokens += host_hit_tokens
+        self.storage_hit_tokens += storage_hit_tokens
 
     def record_backup(self, tokens: int) -> None:
         self.backed_up_tokens += tokens
@@ -76,6 +85,13 @@ class CacheStats:
             self.h2d_copy_time_s += seconds
         else:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+
+    def record_copy_failure(self, direction: str) -> None:
+        """One copy that failed (at its launch or while it ran)."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        name = f"{direction}_failed_copies"
+        setattr(self, name, getattr(self, name) + 1)
 
     # --- readers -------------------------------------------------------------------------------
     def as_dict(self) -> dict[str, int | float]:

@@ -7,6 +7,11 @@ backend): plain copies, see :mod:`kernels.ops.direct`. ``get_device_accessible_p
 tables: :mod:`kernels.layout.ptr_tables`. :mod:`kernels.ops.reference` holds the torch reference of
 every op, and :mod:`kernels.layout.addressing` the one description of how the kernel-backend ops
 address memory.
+
+A bad slot index raises :class:`KVIndexError` naming the op and argument: at the call where the
+indices can be read for free (CPU tensors, debug checks, the reference and direct ops), else when
+the copy's completion is checked (:func:`watch_copies`, :func:`check_unwatched_index_errors`;
+:mod:`kernels.triton.index_record`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from kernels._env import ensure_triton_interpret
 # Must run before anything imports triton (the kernels below do).
 TRITON_INTERPRETED = ensure_triton_interpret()
 
+from kernels.errors import KVIndexError  # noqa: E402
 from kernels.layout.ptr_tables import (  # noqa: E402
     data_ptr_table,
     get_device_accessible_ptr,
+    table_bound,
     verified_alignment,
     verify_ptr_table,
 )
@@ -42,14 +49,25 @@ from kernels.ops.kvcacheio import (  # noqa: E402
     transfer_kv_per_layer_pf_lf,
     transfer_kv_per_layer_ph_lf,
 )
+from kernels.ops.plans import clear_plans  # noqa: E402
+from kernels.triton.index_record import (  # noqa: E402
+    CopyWatch,
+    check_unwatched_index_errors,
+    watch_copies,
+)
 
 __all__ = [
     "KVCACHEIO_OPS",
     "TRITON_INTERPRETED",
+    "CopyWatch",
+    "KVIndexError",
+    "check_unwatched_index_errors",
+    "clear_plans",
     "data_ptr_table",
     "debug_checks_enabled",
     "get_device_accessible_ptr",
     "set_debug_checks",
+    "table_bound",
     "transfer_embedding_ranges_direct",
     "transfer_kv_all_layer",
     "transfer_kv_all_layer_direct_lf_pf",
@@ -67,6 +85,7 @@ __all__ = [
     "transfer_kv_per_layer_ph_lf",
     "verified_alignment",
     "verify_ptr_table",
+    "watch_copies",
 ]
 
 KVCACHEIO_OPS = tuple(

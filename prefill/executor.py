@@ -18,7 +18,9 @@ inflight (parked or transferring). One ``step()`` is one scheduler iteration:
 5. build and run one extend batch of at most ``chunked_prefill_size`` tokens (the chunked
    request first, then waiting requests: bootstrapped ones before optimistic ones, queue order
    within each) while fewer than ``max_running_requests`` requests hold KV; the host loads
-   its admissions queued are launched before its forward (``ready_to_load_host_cache``);
+   its admissions queued are launched before its forward (``ready_to_load_host_cache``); a load
+   that fails (at its launch, or under the forward) sends its requests back to recompute their
+   host hits (``prefill.scheduler.batch``);
 6. for each request whose prefill finished: publish its pages; forced-not-ready -> yield;
    pending -> park; finalized -> send the rest (last chunk);
 7. ``process_inflight_queue``: parked + ready -> finalize, publish and send; parked + failed ->
@@ -88,6 +90,7 @@ from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.batch import BatchRunner, CostModel
 from prefill.scheduler.chunked import ChunkedPrefill
 from prefill.scheduler.gate import check_gate, log_gate_once, resolved_attempts
+from prefill.scheduler.l3_provenance import SpeculativeL3Pages
 from prefill.scheduler.metadata_buffers import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     ReqToMetadataIdxAllocator,
@@ -95,6 +98,7 @@ from prefill.scheduler.metadata_buffers import (
 )
 from prefill.scheduler.pending_kv import PendingKV
 from prefill.scheduler.sends import InflightQueue
+from prefill.scheduler.storage_prefetch import StoragePrefetch
 from prefill.stats import ExecutorStats
 from prefill.tp.driver import TPDriver, agreed_clock
 from prefill.tp.sync import PeerPolls
@@ -197,6 +201,7 @@ class OptimisticPrefillExecutor:
         self.chunk_budget = cps if cps > 0 else None
         self.stats = ExecutorStats()
         self.kv = RequestKV(cache, self.stats)
+        self.storage_prefetch = StoragePrefetch(cache, self.clock)
         self.requests: dict[str, PrefillRequest] = {}
         self.metadata = ReqToMetadataIdxAllocator(metadata_buffer_count(self.max_running_requests))
         self.polls = PeerPolls(self.group)
@@ -206,9 +211,20 @@ class OptimisticPrefillExecutor:
         )  # fmt: skip
         self.admission = AdmissionQueue(self.max_attempts, self.stats, self.metadata, self.polls)
         self.batch_runner = BatchRunner(
-            cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats
-        )
-        self.pending = PendingKV(self.kv, self.admission, self.stats, self.unpublished_pending)
+            cache, self.kv, model, self.chunk_budget, self.clock, cost_model, self.stats,
+            prefetch=self.storage_prefetch,
+        )  # fmt: skip
+        self.pending = PendingKV(
+            self.kv, self.admission, self.stats, self.unpublished_pending,
+            prefetch=self.storage_prefetch,
+        )  # fmt: skip
+        self.l3_provenance: SpeculativeL3Pages | None = None
+        storage = getattr(cache, "storage", None)
+        if storage is not None:  # pages of attempts not finalized must not reach L3
+            self.l3_provenance = SpeculativeL3Pages(self.page_size, self.stats)
+            self.kv.on_pending_insert = self.l3_provenance.record
+            self.admission.on_finalize.append(self.l3_provenance.finalized)
+            storage.add_write_observer(self.l3_provenance.observe)
         self.inflight = InflightQueue(
             self.kv, self.admission, self.pending, self.clock, self.stats,
             on_done=self._forget, max_running_requests=self.max_running_requests,
@@ -266,6 +282,7 @@ class OptimisticPrefillExecutor:
         )  # fmt: skip
         self.requests[rid] = req
         self.admission.add(req)
+        self.storage_prefetch.on_arrival(req)  # the L3 lookup overlaps the bootstrap
         self.stats.submitted += 1
 
     def release_received(self, rid: str) -> None:
@@ -303,8 +320,7 @@ class OptimisticPrefillExecutor:
         for req in self.admission.resolve_waiting_bootstrap():  # 3
             self.chunked.abort(req)
         self.chunked.process_chunked_req()  # 4
-        batch = self.chunked.get_new_batch()  # 5
-        self.tree.ready_to_load_host_cache()  # loads queued by this step's admissions
+        batch = self.chunked.get_new_batch()  # 5 (launches the loads its admissions queued)
         if batch:
             self.chunked.run_batch(batch)  # 5-6
         self.inflight.process_inflight_queue(int(self.chunked.chunked_req is not None))  # 7
@@ -350,7 +366,8 @@ class OptimisticPrefillExecutor:
     ) -> int:
         """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
         among the next peer event (agreed over ranks), ``also`` (a caller's own next event,
-        such as an arrival) and the next modelled copy's end (``modelled_copies``); else sleep
+        such as an arrival), the next modelled copy's end (``modelled_copies``) and the storage
+        tier's next deadline (``cache.storage``, when it has one); else sleep
         briefly while the cache has copies in flight (an ack comes from a side stream); else
         allow two more steps for an event due now. Never steps in place. On a wall clock with
         copies in flight the wait is cut to 0.5 ms, so an ack is seen as it lands. ``local``:
@@ -360,7 +377,9 @@ class OptimisticPrefillExecutor:
         now = self.clock.now()
         peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
         copy_t = None if self.modelled_copies is None else self.modelled_copies.next_ack_time()
-        times = [t for t in (peer_t, also, copy_t) if t is not None]
+        storage = getattr(self.cache, "storage", None)
+        deadline = storage.next_deadline() if storage is not None else None
+        times = [t for t in (peer_t, also, copy_t, deadline) if t is not None]
         ahead = [t for t in times if t > now]
         copies = self.cache_copies_in_flight()
         if ahead:
@@ -377,8 +396,12 @@ class OptimisticPrefillExecutor:
         raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; {self.describe()}")
 
     def cache_copies_in_flight(self) -> int:
-        return len(getattr(self.tree, "ongoing_write_through", ())) + len(
-            getattr(self.tree, "ongoing_load_back", ())
+        """Cache copies whose acks are not in: D2H backups, H2D loads and L3 operations."""
+        storage = getattr(self.cache, "storage", None)
+        return (
+            len(getattr(self.tree, "ongoing_write_through", ()))
+            + len(getattr(self.tree, "ongoing_load_back", ()))
+            + (storage.ops_in_flight() if storage is not None else 0)
         )
 
     def drain_cache_events(self, timeout_s: float = 30.0) -> None:
@@ -444,6 +467,9 @@ class OptimisticPrefillExecutor:
 
     def _forget(self, req: PrefillRequest) -> None:
         """``req`` has its outcome: the executor keeps nothing of it but the result."""
+        self.storage_prefetch.on_outcome(req)
+        if self.l3_provenance is not None:
+            self.l3_provenance.forget(req)
         del self.requests[req.rid]
 
     # ================================================================== integrity

@@ -11,7 +11,8 @@
 - under a tree that backs up at insert, a pending request owns all of its computed KV (nothing
   of it was inserted past its matched prefix);
 - no host page was ever written from an attempt that was not finalized
-  (``stats.speculative_l2_pages == 0``);
+  (``stats.speculative_l2_pages == 0``), and no L3 page stored from one
+  (``stats.speculative_l3_pages == 0``);
 - every tree node's ``lock_ref`` is at least the number of this executor's requests locking it
   or a descendant (the cache's own locks, for pending backups and loads, come on top);
 - the tree's ledger balances with the request-owned count: free + in tree + request-owned +
@@ -55,6 +56,9 @@ def check_executor(ex: ExecutorView) -> None:
     """See the module docstring. O(requests in flight + tree nodes); touches no device memory."""
     spec = ex.stats.speculative_l2_pages
     _require(spec == 0, f"{spec} host pages written from attempts not finalized")
+    spec3 = ex.stats.speculative_l3_pages
+    _require(spec3 == 0, f"speculative_l3_pages: {spec3} pages stored in L3 from attempts "
+             "not finalized")  # fmt: skip
     queues = {
         Stage.BOOTSTRAP: ex.bootstrap_queue,
         Stage.WAITING: ex.waiting_queue,

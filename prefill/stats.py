@@ -36,6 +36,12 @@ class ExecutorStats:
     tokens a retry computed again that its yielded attempt had computed (both policies).
     ``speculative_l2_pages``: host pages whose backup was issued by an insert made for an
     attempt that was not finalized (must stay 0; ``check_integrity`` asserts it).
+    ``load_back_failures``: host loads that failed (at their launch or under the forward); the
+    requests they served recomputed their host hits.
+    ``speculative_l3_pages``: pages stored in L3 from KV an attempt computed that was not
+    finalized when it was inserted and never was (must stay 0; ``check_integrity`` asserts it;
+    ``prefill.scheduler.l3_provenance``). ``cached_storage_tokens``: of ``cached_host_tokens``,
+    tokens admitted attempts had fetched from L3 storage.
 
     TTFT: ``ttft_count`` / ``ttft_sum`` / ``ttft_min`` / ``ttft_max`` are exact;
     ``ttft_samples`` is a uniform reservoir of at most ``TTFT_RESERVOIR_SIZE`` values.
@@ -63,11 +69,14 @@ class ExecutorStats:
     computed_tokens: int = 0
     cached_device_tokens: int = 0
     cached_host_tokens: int = 0
+    load_back_failures: int = 0
     sends: int = 0
     sent_tokens: int = 0
     unpublished_dropped_tokens: int = 0
     yield_recomputed_tokens: int = 0
     speculative_l2_pages: int = 0
+    speculative_l3_pages: int = 0
+    cached_storage_tokens: int = 0
     ttft_count: int = 0
     ttft_sum: float = 0.0
     ttft_min: float | None = None

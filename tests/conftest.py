@@ -1,6 +1,7 @@
-"""Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path, and
-the ``one_torch_thread`` fixture (modules running the tiny model use it with
-``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+"""Test configuration: CPU Triton interpretation, the ``gpu`` marker, repository on sys.path,
+sharding and per-test progress lines for ``bench/gpu_check.sh`` (``HICACHE_TEST_SHARD``,
+``HICACHE_TEST_PROGRESS``), and the ``one_torch_thread`` fixture (modules running the tiny
+model use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,32 @@ HAS_CUDA = cuda_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _keep_shard(config, items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``HICACHE_TEST_SHARD=i/n``: keep the ``i``-th of ``n`` contiguous blocks of the collected
+    tests (``bench/gpu/precompile.py`` runs the kernel tests in parallel shards)."""
+    shard = os.environ.get("HICACHE_TEST_SHARD")
+    if not shard:
+        return
+    i, n = (int(x) for x in shard.split("/"))
+    lo, hi = len(items) * i // n, len(items) * (i + 1) // n
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    """``HICACHE_TEST_PROGRESS=1``: one line per test as it starts, so a run cut short by a
+    time limit (``bench/gpu_check.sh``) names the test it was in."""
+    if os.environ.get("HICACHE_TEST_PROGRESS"):
+        print(f"[test] start {nodeid}", file=sys.stderr, flush=True)
 
 
 @pytest.fixture
@@ -39,3 +60,13 @@ def one_torch_thread() -> Iterator[None]:
 
     with single_torch_thread():
         yield
+
+
+@pytest.fixture(params=("thread", "inline"))
+def stream_mode(request: pytest.FixtureRequest) -> str:
+    """The CPU stream mode of the cache a test builds (``build_kv_cache(args, streams=...)``):
+    ``"thread"`` (copies on worker threads, acks arrive late) or ``"inline"`` (CUDA's launch
+    semantics: a copy runs, and fails, inside the call that launches it). The controller, tree
+    and executor stories take it; tests that hold copies at gates (which needs worker threads)
+    and the long property tests run on thread streams only."""
+    return str(request.param)

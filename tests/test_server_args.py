@@ -67,22 +67,37 @@ def test_upstream_matrix(kwargs, attempts, warning, caplog):
 # ---------------------------------------------------------------- the full cross product
 # The gate's expected behaviour as a table of (rule, warning), first match wins, written from
 # docs/DESIGN.md section 7 rather than from the implementation.
+def _policy(c: dict) -> str:
+    """The write policy after validation: buffer_only resolves write_back to write_through."""
+    if c["hicache"] and c["host_mode"] == "buffer_only" and c["policy"] == "write_back":
+        return "write_through"
+    return c["policy"]
+
+
 GATE_TABLE = [
     (lambda c: c["pp_size"] > 1, GATE_PP),
     (
-        lambda c: c["hicache"] and (c["storage"] is not None or c["policy"] != "write_back"),
+        lambda c: c["hicache"] and (c["storage"] is not None or _policy(c) != "write_back"),
         GATE_HICACHE,
     ),
     (lambda c: c["mamba"], GATE_MAMBA),
 ]
 
 # With --optimistic-prefill-write-through the hicache rule is SGLang 0.5.23's: L2 write_back and
-# write_through with no storage backend keep the attempts; the pp and mamba rules are unchanged.
+# write_through with no storage backend keep the attempts, and so does L3 in buffer_only host
+# memory under write_through; the pp and mamba rules are unchanged.
+def _l3_buffer_only_write_through(c: dict) -> bool:
+    return c["host_mode"] == "buffer_only" and _policy(c) == "write_through"
+
+
 GATE_TABLE_WRITE_THROUGH = [
     (lambda c: c["pp_size"] > 1, GATE_PP),
     (
         lambda c: c["hicache"]
-        and (c["storage"] is not None or c["policy"] not in ("write_back", "write_through")),
+        and (
+            (c["storage"] is not None and not _l3_buffer_only_write_through(c))
+            or (c["storage"] is None and _policy(c) not in ("write_back", "write_through"))
+        ),
         GATE_HICACHE_WRITE_THROUGH,
     ),
     (lambda c: c["mamba"], GATE_MAMBA),
@@ -97,6 +112,7 @@ AXES = dict(
     storage=[None, "file"],
     pp_size=[1, 2],
     mamba=[False, True],
+    host_mode=["cache", "buffer_only"],
 )
 CASES = [dict(zip(AXES, values, strict=True)) for values in itertools.product(*AXES.values())]
 
@@ -113,7 +129,7 @@ def _expected(case: dict, write_through_flag: bool) -> tuple[int, str | None]:
 @pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "write-through-flag"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_gate_cross_product(case, flag):
-    args = ServerArgs(
+    kwargs = dict(
         disaggregation_mode=case["mode"],
         optimistic_prefill_attempts=case["attempts"],
         optimistic_prefill_write_through=flag,
@@ -122,9 +138,18 @@ def test_gate_cross_product(case, flag):
         hicache_storage_backend=case["storage"],
         pp_size=case["pp_size"],
         uses_mamba_radix_cache=case["mamba"],
+        hicache_host_memory_mode=case["host_mode"],
     )
+    if case["hicache"] and case["host_mode"] == "buffer_only" and (
+        case["storage"] is None or case["mode"] == "decode"
+    ):  # SGLang's validate_hicache_host_memory_mode refuses these
+        with pytest.raises(ValueError, match="--hicache-host-memory-mode buffer_only"):
+            ServerArgs(**kwargs)
+        return
+    args = ServerArgs(**kwargs)
     attempts, warning = _expected(case, flag)
     assert args.optimistic_prefill_attempts == attempts
+    assert args.hicache_write_policy == _policy(case)
     gate = [r for r in args.resolutions if r.field == "optimistic_prefill_attempts"]
     if warning is None:
         assert gate == []
@@ -133,7 +158,7 @@ def test_gate_cross_product(case, flag):
         assert args.warnings.count(warning) == 1
     # The executor's build-time question agrees with the resolution for every L2 policy.
     if case["mode"] == "prefill" and case["attempts"] > 0:
-        policy = case["policy"] if case["hicache"] else None
+        policy = args.hicache_write_policy if case["hicache"] else None
         assert args.optimistic_gate_allows(policy) == (attempts > 0)
 
 
@@ -291,8 +316,14 @@ def test_runtime_refuses_unimplemented_features():
         (dict(load_back_threshold=-2), "--load-back-threshold=-2 must be an integer >= 0"),
         (dict(num_layers=0), "--num-layers=0 must be a positive integer"),
         (dict(num_attention_heads=6, head_num=4), "--num-attention-heads=6 must be a multiple"),
-        (dict(use_mla=True), "--use-mla requires --kv-lora-rank"),
-        (dict(use_mla=True, kv_lora_rank=512), "--use-mla requires --qk-rope-head-dim"),
+        (dict(use_mla=True, kv_lora_rank=0), "--kv-lora-rank=0 must be a positive integer"),
+        (dict(use_mla=True, qk_rope_head_dim=63), "--qk-rope-head-dim=63 must be even"),
+        (dict(use_mla=True, v_head_dim=-1), "--v-head-dim=-1 must be a positive integer"),
+        (dict(use_mla=True, q_lora_rank=-1), "--q-lora-rank=-1 must be an integer >= 0"),
+        (
+            dict(model_preset="deepseek-v2-lite-shape"),
+            "--model-preset=deepseek-v2-lite-shape is an MLA model: it needs --use-mla",
+        ),
         (
             dict(enable_hierarchical_cache=True, disable_radix_cache=True),
             "--enable-hierarchical-cache and --disable-radix-cache are mutually exclusive",
@@ -334,8 +365,26 @@ def test_all_problems_reported_together():
 
 
 def test_mla_with_dims_is_valid():
-    args = ServerArgs(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64)
-    assert args.kv_lora_rank == 512
+    args = ServerArgs(use_mla=True, kv_lora_rank=256, qk_rope_head_dim=32)
+    assert (args.kv_lora_rank, args.qk_rope_head_dim) == (256, 32)
+    assert (args.qk_nope_head_dim, args.v_head_dim, args.q_lora_rank) == (128, 128, 0)
+
+
+def test_mla_defaults_are_deepseeks_latent_and_presets_fill_the_rest():
+    plain = ServerArgs(use_mla=True)
+    assert (plain.kv_lora_rank, plain.qk_rope_head_dim) == (512, 64)  # DeepSeek's latent
+    assert (plain.num_layers, plain.num_attention_heads) == (4, 4)  # the tiny preset's
+    assert ServerArgs().kv_lora_rank is None  # untouched without --use-mla
+    v2 = ServerArgs(model_preset="deepseek-v2-lite-shape", use_mla=True)
+    assert (v2.num_layers, v2.num_attention_heads, v2.hidden_size, v2.q_lora_rank) == (
+        27, 16, 2048, 0)  # fmt: skip
+    v3 = ServerArgs(model_preset="deepseek-v3-shape", use_mla=True, q_lora_rank=0)
+    assert (v3.num_layers, v3.num_attention_heads, v3.hidden_size) == (61, 128, 7168)
+    assert v3.q_lora_rank == 0  # an explicit value wins over the preset's 1536
+    assert ServerArgs(model_preset="deepseek-v3-shape", use_mla=True).q_lora_rank == 1536
+    # MLA under tensor parallelism: the latent is whole on every rank, no KV-head condition.
+    assert ServerArgs(use_mla=True, tp_size=4, head_num=3, num_attention_heads=12,
+                      intermediate_size=128).tp_size == 4  # fmt: skip
 
 
 # ---------------------------------------------------------------- CLI
@@ -437,3 +486,72 @@ def test_tp_size_splits_or_replicates_kv_heads():
     assert ServerArgs(model_preset="llama3-8b-shape", tp_size=8).kv_heads_per_rank() == 1
     args = prepare_server_args(["--tp-size", "2"])
     assert args.tp_size == 2 and args.to_dict()["tp_size"] == 2
+
+
+# ---------------------------------------------------------------- L3 storage flags
+def test_storage_flags_have_sglangs_names_and_defaults():
+    args = ServerArgs()
+    assert args.hicache_storage_prefetch_policy == "timeout"
+    assert args.hicache_host_memory_mode == "cache"
+    assert args.hicache_storage_backend_extra_config is None and args.storage_extra_config() == {}
+    argv = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+            "--hicache-storage-prefetch-policy", "best_effort", "--hicache-host-memory-mode",
+            "buffer_only", "--hicache-storage-backend-extra-config",
+            '{"max_size": "1G"}']  # fmt: skip
+    args = prepare_server_args(argv)
+    assert args.hicache_storage_prefetch_policy == "best_effort"
+    assert args.storage_extra_config() == {"max_size": "1G"}
+    args.check_runtime_supported()  # a backend that exists runs
+
+
+def test_extra_config_reads_json_toml_and_yaml_files(tmp_path):
+    (tmp_path / "c.json").write_text('{"prefetch_threshold": 64}')
+    (tmp_path / "c.toml").write_text('prefetch_threshold = 64\nfile_storage_path = "/x"\n')
+    for name, want in (("c.json", {"prefetch_threshold": 64}),
+                       ("c.toml", {"prefetch_threshold": 64, "file_storage_path": "/x"})):
+        args = ServerArgs(hicache_storage_backend_extra_config=f"@{tmp_path / name}")
+        assert args.storage_extra_config() == want  # fmt: skip
+    (tmp_path / "c.yaml").write_text("prefetch_threshold: 64\n")
+    try:
+        import yaml  # noqa: F401
+
+        args = ServerArgs(hicache_storage_backend_extra_config=f"@{tmp_path / 'c.yaml'}")
+        assert args.storage_extra_config() == {"prefetch_threshold": 64}
+    except ImportError:
+        with pytest.raises(ValueError, match="PyYAML"):
+            ServerArgs(hicache_storage_backend_extra_config=f"@{tmp_path / 'c.yaml'}")
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{bad", "is not valid JSON"),
+        ("[1, 2]", "must hold an object, got list"),
+        ("@/no/such.json", "cannot read"),
+        ("@conf.ini", "must be .json, .toml or .yaml"),
+    ],
+)
+def test_bad_extra_config_names_the_flag(value, message):
+    with pytest.raises(ValueError, match=message) as err:
+        ServerArgs(hicache_storage_backend_extra_config=value)
+    assert "--hicache-storage-backend-extra-config" in str(err.value)
+
+
+def test_buffer_only_needs_storage_and_a_prefill_or_plain_server(caplog):
+    with pytest.raises(ValueError, match="requires a storage backend"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_host_memory_mode="buffer_only")
+    with pytest.raises(ValueError, match="not supported with --disaggregation-mode decode"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_host_memory_mode="buffer_only",
+                   hicache_storage_backend="file", disaggregation_mode="decode")  # fmt: skip
+    args = ServerArgs(enable_hierarchical_cache=True, hicache_host_memory_mode="buffer_only",
+                      hicache_storage_backend="file",
+                      hicache_write_policy="write_back")  # fmt: skip
+    assert args.hicache_write_policy == "write_through"
+    assert args.resolutions[0].field == "hicache_write_policy"
+
+
+def test_storage_model_name_follows_the_weights():
+    a, b = ServerArgs(), ServerArgs(random_seed=1)
+    assert a.storage_model_name() != b.storage_model_name()
+    assert a.storage_model_name() == ServerArgs().storage_model_name()
+    assert ServerArgs(served_model_name="Qwen/Qwen3-8B").storage_model_name() == "Qwen/Qwen3-8B"

@@ -160,6 +160,10 @@ class BookkeepingController:
         self._writes = [i for i in self._writes if i not in wanted]
         return list(wanted)
 
+    def take_failure(self, node_id: int) -> None:
+        """No copies, so none fails."""
+        return None
+
     def evict_device(self, indices: torch.Tensor) -> int:
         self.device_allocator.free(indices)
         return len(indices)

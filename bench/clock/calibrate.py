@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,15 +170,18 @@ def calibrate_run(
     max_prefix: int,
     rounds: int | None = None,
     timer: str | None = None,
+    build_cache: Callable[[Any], Any] | None = None,
 ) -> Calibration:
     """The calibration of one benchmark run, without host costs: ``model``'s forward over
     ``forward_grid(max_new, max_prefix)``, the copies of a cache built from ``args``
-    (hierarchical; it is closed and its host pool released before returning), the decode
-    side's read of a send, and the co-run slowdown. ``rounds``: 5 on CUDA (GPU times repeat
-    closely), 15 on a CPU (shared cores: the median needs more samples)."""
+    (hierarchical; it is closed before returning, and its host pool released unless
+    ``build_cache`` built it: a benchmark's shared host pool,
+    ``bench.e2e.setup.SharedHostPool.build``, stays for the run), the decode side's read of a
+    send, and the co-run slowdown. ``rounds``: 5 on CUDA (GPU times repeat closely), 15 on a
+    CPU (shared cores: the median needs more samples)."""
     from bench.summary import machine_info
     from hicache.builder import build_kv_cache
-    from hicache.memory.device_pool import MHATokenToKVPool
+    from hicache.memory.device_pool import device_pool_from_server_args
     from prefill.clock import VirtualClock
     from prefill.disagg.sim_config import PeerConfig
     from prefill.disagg.sim_side import DecodeSide
@@ -190,7 +194,7 @@ def calibrate_run(
     page = args.page_size
 
     def make_pool(slots: int) -> Any:
-        return MHATokenToKVPool.from_server_args(args, size=page_ceil(slots, page))
+        return device_pool_from_server_args(args, size=page_ceil(slots, page))
 
     grid = forward_grid(max_new, max_prefix, page)
     fwd = calibrate_forward(model, make_pool, grid, rounds, timer=timer)
@@ -200,7 +204,7 @@ def calibrate_run(
                       keep_received=False)  # fmt: skip
     transfer = calibrate_transfer_copy(side, sizes, timer=timer)
     del side
-    cache = build_kv_cache(args)
+    cache = (build_cache or build_kv_cache)(args)
     try:
         slots = min(cache.device_pool.size, cache.host_pool.size)
         copy_sizes = [s for s in sizes if s <= slots] or [page, slots]
@@ -210,7 +214,8 @@ def calibrate_run(
                               timer=timer)  # fmt: skip
     finally:
         cache.close()
-        cache.host_pool.destroy()
+        if build_cache is None:
+            cache.host_pool.destroy()
     geometry = model_geometry(args)
     cal = Calibration(fwd, h2d, d2h, args.num_layers, time.perf_counter() - t0,
                       transfer=TransferModel.measured(transfer), corun=corun, timer=timer,
@@ -220,7 +225,8 @@ def calibrate_run(
 
 
 GEOMETRY = ("num_layers", "hidden_size", "num_attention_heads", "head_num", "head_dim",
-            "intermediate_size", "dtype", "page_size", "tp_size")  # fmt: skip
+            "intermediate_size", "dtype", "page_size", "tp_size", "use_mla", "kv_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # fmt: skip
 
 
 def model_geometry(args: Any) -> dict[str, Any]:

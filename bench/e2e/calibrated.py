@@ -64,13 +64,16 @@ def obtain_calibration(
     host_trace: Callable[[Calibration], HostCosts] | None = None,
     timer: str | None = None,
     rounds: int | None = None,
+    build_cache: Callable[[Any], Any] | None = None,
 ) -> Calibration:
     """The calibration benchmark ``name`` runs on (module docstring); written to ``out_dir``
-    unless it is ``None``."""
+    unless it is ``None``. ``build_cache``: how the measured calibration builds its cache (a
+    benchmark's ``SharedHostPool.build``; ``calibrate_run``)."""
     if opts.calibration is not None:
         cal = load_calibration(opts.calibration, name, model_geometry(args))
     else:
-        cal = calibrate_run(args, model, max_new, max_prefix, rounds=rounds, timer=timer)
+        cal = calibrate_run(args, model, max_new, max_prefix, rounds=rounds, timer=timer,
+                            build_cache=build_cache)  # fmt: skip
         if host_trace is not None:
             cal.host = host_trace(cal)
     cal.transfer = cal.transfer.with_flags(opts.transfer_gbps, opts.transfer_latency_us)

@@ -22,8 +22,8 @@ Column = tuple[str, str, float, str]
 
 
 def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: int) -> None:
-    """``--clock``, ``--seeds``, ``--kv-sample-every``, ``--sweeps`` and the calibration's flags
-    (``bench.e2e.calibrated``), with this size's defaults."""
+    """``--clock``, ``--seeds``, ``--kv-sample-every``, ``--use-mla``, ``--sweeps`` and the
+    calibration's flags (``bench.e2e.calibrated``), with this size's defaults."""
     p.add_argument("--clock", choices=CLOCKS, default="wall" if on_cuda() else "virtual",
                    help="virtual (default on a CPU): scheduling on a clock charged from a "
                    "calibration measured in the run or replayed (deterministic given seed and "
@@ -35,6 +35,9 @@ def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: 
                    help="Trace seeds; each configuration runs once per seed.")
     p.add_argument("--kv-sample-every", type=int, default=kv_every,
                    help="Every N-th success is checked against a full recompute.")  # fmt: skip
+    p.add_argument("--use-mla", action="store_true",
+                   help="DeepSeek-shaped multi-head latent attention over MLA pools "
+                   "(CPU: bench.e2e.setup.CPU_MLA; CUDA: deepseek-v2-lite-shape).")  # fmt: skip
 
 
 def spread(values: Sequence[float | None]) -> dict[str, Any] | None:

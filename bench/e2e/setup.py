@@ -2,7 +2,9 @@
 (``model_args``, ``shared_model``), ``new_executor`` on a virtual or a wall clock, and between
 configurations ``release_executor`` then ``free_memory`` (on CUDA every configuration of a
 benchmark shares one model, the 8B-shaped model is ~14.5 GB, and what a configuration allocated
-is given back before the next one is built).
+is given back before the next one is built). Every cache of one benchmark (its calibrations and
+every configuration) takes its host pool from one ``SharedHostPool``: a pinned pool of the
+8B-shaped quick run is 12.9 GB, and registering it costs seconds each time.
 
 Two clocks (``--clock``):
 
@@ -35,7 +37,8 @@ from hicache.tp.group import TPGroup
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.sim_config import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
-from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.model.factory import build_model
+from prefill.model.paged import PagedTransformer
 from prefill.testing.harness import make_executor
 from prefill.tp.driver import agreed_clock
 from server_args import ServerArgs
@@ -48,28 +51,72 @@ logger = logging.getLogger(__name__)
 CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
                  intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
 GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16")
+# --use-mla: DeepSeek's latent (kv_lora_rank 512 + qk_rope_head_dim 64: the KV geometry the cache
+# and its copies see, 2304 B per token and layer in fp32) on the CPU model's layers, heads and
+# hidden size, with per-head widths narrowed as the hidden size is; on CUDA DeepSeek-V2-Lite's
+# shape (server_args.MLA_PRESETS).
+CPU_MLA = dict(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+               v_head_dim=32)  # fmt: skip
+GPU_MLA_MODEL = dict(model_preset="deepseek-v2-lite-shape", use_mla=True, dtype="bfloat16")
 
 CLOCKS = ("virtual", "wall")
 
-def model_args() -> dict[str, Any]:
+def model_args(use_mla: bool = False) -> dict[str, Any]:
     """``ServerArgs`` fields of the end-to-end benchmarks' model: the Llama-3-8B-shaped preset
-    in bf16 on CUDA, ``CPU_MODEL`` on a CPU. ``vocab_size`` is always present."""
+    in bf16 on CUDA, ``CPU_MODEL`` on a CPU; with ``use_mla`` (``--use-mla``) the DeepSeek-V2-
+    Lite-shaped preset on CUDA, ``CPU_MODEL`` with ``CPU_MLA``'s attention on a CPU.
+    ``vocab_size`` is always present."""
     if on_cuda():
-        return {**GPU_MODEL, "vocab_size": 32000}
-    return dict(CPU_MODEL)
+        return {**(GPU_MLA_MODEL if use_mla else GPU_MODEL), "vocab_size": 32000}
+    return {**CPU_MODEL, **CPU_MLA} if use_mla else dict(CPU_MODEL)
 
 
 def shared_model(args: ServerArgs) -> PagedTransformer:
-    """The model every configuration of a benchmark runs (same geometry, dtype and seed)."""
-    return PagedTransformer(ModelConfig.from_server_args(args), args.resolved_device())
+    """The model every configuration of a benchmark runs (same geometry, dtype and seed; MLA
+    with ``--use-mla``: ``prefill.model.factory.build_model``)."""
+    return build_model(args)
 
 
-def release_executor(ex: OptimisticPrefillExecutor) -> None:
-    """Finish the cache's copies and unregister its pinned host pool (the executor is unusable
-    afterwards). The memory itself returns once the last reference is gone: ``free_memory``."""
+class SharedHostPool:
+    """One host pool for every cache a benchmark builds: allocated (and on CUDA registered) by
+    the first hierarchical cache, handed to each later one with a fresh allocator
+    (``build_kv_cache(..., host_pool=...)``), destroyed by ``release``. Every configuration of a
+    benchmark asks for the same pool (same device pool, ratio and layout); one that asks for
+    another raises ``ValueError`` naming what differs. ``allocations``: pools allocated."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.allocations = 0
+
+    def build(self, args: ServerArgs) -> Any:
+        """``build_kv_cache(args)`` over the shared host pool (the previous cache must be
+        closed)."""
+        from hicache.builder import build_kv_cache
+
+        if not args.enable_hierarchical_cache:
+            return build_kv_cache(args)
+        if self.pool is not None:
+            return build_kv_cache(args, host_pool=self.pool)
+        cache = build_kv_cache(args)
+        self.pool = cache.host_pool
+        self.allocations += 1
+        return cache
+
+    def release(self) -> None:
+        """Unregister and drop the pool (its memory returns with ``free_memory``)."""
+        if self.pool is not None:
+            self.pool.destroy()
+            self.pool = None
+
+
+def release_executor(ex: OptimisticPrefillExecutor, host: SharedHostPool | None = None) -> None:
+    """Finish the cache's copies and unregister its pinned host pool, unless it is ``host``'s
+    shared one (the executor is unusable afterwards). The memory itself returns once the last
+    reference is gone: ``free_memory``."""
     ex.cache.close()
-    if ex.cache.host_pool is not None:
-        ex.cache.host_pool.destroy()
+    pool = ex.cache.host_pool
+    if pool is not None and (host is None or pool is not host.pool):
+        pool.destroy()
 
 
 def free_memory() -> None:
@@ -113,6 +160,7 @@ def new_executor(
     record_host: bool = False,
     acks_at_step_end: bool = False,
     host_profile: str | None = None,
+    host: SharedHostPool | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
     ``decode_pool_tokens``.
@@ -127,7 +175,7 @@ def new_executor(
     virtual clock did before acks were modelled). On either clock the calibration's transfer
     model sets the simulated peers' own wait (``TransferModel``). ``group``: the
     tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
-    rank reads rank 0's time)."""
+    rank reads rank 0's time). ``host``: the benchmark's ``SharedHostPool`` (one rank)."""
     virtual = calibration is not None if virtual is None else virtual
     if virtual and calibration is None:
         raise ValueError("calibration: a virtual clock needs one")
@@ -137,7 +185,8 @@ def new_executor(
     if group is not None:
         clock = agreed_clock(clock, group, None)
     common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
-                  decode_pool_size=decode_pool_tokens, group=group)  # fmt: skip
+                  decode_pool_size=decode_pool_tokens, group=group,
+                  cache=None if host is None else host.build(args))  # fmt: skip
     if not virtual:
         return make_executor(args, model=model, **common), None
     assert calibration is not None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hicache.memory.allocator import page_ceil
-from hicache.memory.device_pool import MHATokenToKVPool
+from prefill.disagg.sim_kv import decode_pool_like, read_kv, write_kv
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +73,15 @@ class ForwardLog:
 def replay_matches(ex: Any, rid: str, log: ForwardLog, seed: int = 0) -> bool | None:
     """Whether the decode-side KV of ``rid``'s computed tokens equals, bit for bit, a replay of
     its final attempt's forwards (see the module docstring). ``None`` when no replay is
-    possible: no record, a decode prefix that hides part of the attempt's cached prefix, or a
-    pool this replay cannot build. Valid after ``Success`` until the decode side releases it.
-    Collective under tensor parallelism (every rank replays the same forwards)."""
+    possible: no record, or a decode prefix that hides part of the attempt's cached prefix.
+    MHA and MLA pools alike (``prefill.disagg.sim_kv``). Valid after ``Success`` until the
+    decode side releases it. Collective under tensor parallelism (every rank replays the same
+    forwards)."""
     recs = log.chunks.get(rid)
     pool = ex.pool
-    if not recs or type(pool) is not MHATokenToKVPool:
+    if not recs:
         return None
-    dpl, k, v = ex.decode.received_kv(rid)
+    dpl, *got = ex.decode.received_kv(rid)
     token_ids = ex.decode.peers[rid].token_ids
     recs = sorted(recs, key=lambda r: r.lo)
     p0 = recs[0].lo  # the prefix the final attempt found cached
@@ -91,13 +92,11 @@ def replay_matches(ex: Any, rid: str, log: ForwardLog, seed: int = 0) -> bool | 
     page, dev = pool.page_size, pool.device
     own = page_ceil(len(token_ids), page)
     fill = max(sum(r.lens) - r.n for r in recs)
-    scratch = MHATokenToKVPool(own + page_ceil(fill, page) + page, page, pool.dtype,
-                               pool.head_num, pool.head_dim, pool.layer_num, dev)  # fmt: skip
+    scratch = decode_pool_like(pool, own + page_ceil(fill, page) + page)  # MHA or MLA
     slots = torch.arange(page, page + len(token_ids), device=dev)  # token t at slots[t]
     filler_slots = torch.arange(page + own, page + own + fill, device=dev)
     if p0:
-        for layer in range(pool.layer_num):
-            scratch.set_kv_buffer(layer, slots[:p0], k[layer, :p0].to(dev), v[layer, :p0].to(dev))
+        write_kv(scratch, slots[:p0], tuple(t[:, :p0] for t in got))
     gen = torch.Generator().manual_seed(seed)
     vocab = ex.model.config.vocab_size
     ids = torch.tensor(token_ids, dtype=torch.int64)
@@ -111,10 +110,5 @@ def replay_matches(ex: Any, rid: str, log: ForwardLog, seed: int = 0) -> bool | 
                                          filler_slots[at : at + n], 0))  # fmt: skip
                 at += n
         ex.model.forward_extend(scratch, batch)
-    computed = slots[p0:]
-    for layer in range(pool.layer_num):
-        ref_k = scratch.get_key_buffer(layer)[computed].to(k.device)
-        ref_v = scratch.get_value_buffer(layer)[computed].to(v.device)
-        if not (torch.equal(k[layer, p0:], ref_k) and torch.equal(v[layer, p0:], ref_v)):
-            return False
-    return True
+    ref = read_kv(scratch, slots[p0:])
+    return all(torch.equal(g[:, p0:], r.to(g.device)) for g, r in zip(got, ref, strict=True))

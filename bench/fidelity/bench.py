@@ -85,14 +85,14 @@ class SpeedProbe:
     calibrated; 2.0: twice as slow); nothing is corrected by it."""
 
     def __init__(self, cal: Calibration, model: Any, args: Any) -> None:
-        from hicache.memory.device_pool import MHATokenToKVPool
+        from hicache.memory.device_pool import device_pool_from_server_args
         from prefill.model.paged import ExtendInput
 
         f = cal.forward
         self.n = f.ns[len(f.ns) // 2]
         self.table_s = f.one(self.n, 0)
         page = args.page_size
-        self.pool = MHATokenToKVPool.from_server_args(args, size=self.n + 2 * page)
+        self.pool = device_pool_from_server_args(args, size=self.n + 2 * page)  # MHA or MLA
         ids = torch.arange(1, self.n + 1) % model.config.vocab_size
         self.batch = [ExtendInput(ids, torch.arange(page, page + self.n), 0)]
         self.model = model

@@ -14,9 +14,10 @@ Checks, in order (each prints one ``[probe] ok`` line; the first failure prints 
 6. the device attributes the kernels rely on, read through the driver API: unified addressing
    and ``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` (the kernels read and write
    ``cudaHostRegister``-ed host memory through its host pointer);
-7. one trivial Triton launch on device memory, then the two ways the kvcacheio kernels reach
+7. one trivial Triton launch on device memory, then the ways the kvcacheio kernels reach
    registered host memory: a host tensor passed as a kernel argument, and a host address loaded
-   from a device pointer table and cast to a pointer.
+   from a device pointer table and cast to a pointer, the table int64 and uint64 (the pools'
+   tables are ``kernels.data_ptr_table``'s uint64 ones).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def check_triton_launches(torch: Any) -> None:
         raise Stop(f"cudaHostRegister of 4 KB failed with cudaError {rc}: the host pool pins "
                    "its buffers this way")  # fmt: skip
     try:
-        for how in ("tensor", "table"):
+        for how in ("tensor", "int64 table", "uint64 table"):
             dst.zero_()
             try:
                 k.launch_read_host(host, dst, how)
@@ -196,7 +197,8 @@ def check_triton_launches(torch: Any) -> None:
     finally:
         torch.cuda.synchronize()
         cudart.cudaHostUnregister(host.data_ptr())
-    ok("Triton kernels read registered host memory (host tensor argument, pointer table)")
+    ok("Triton kernels read registered host memory (host tensor argument, int64 and uint64 "
+       "pointer tables)")
 
 
 def main() -> int:

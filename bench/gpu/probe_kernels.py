@@ -1,5 +1,6 @@
 """The probe's Triton kernels (``bench.gpu.probe``): one trivial add, and a read of registered host
-memory reached the two ways the kvcacheio kernels reach it. Imported only after the probe found a
+memory reached the ways the kvcacheio kernels reach it (a tensor argument; an int64 or uint64
+pointer table). Imported only after the probe found a
 CUDA torch and triton."""
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ def launch_add_one(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def launch_read_host(host: torch.Tensor, dst: torch.Tensor, how: str) -> None:
     """``dst = host + 1`` where ``host`` is registered host memory, passed as a tensor argument
-    (``how="tensor"``) or as its address in a device int64 table (``how="table"``)."""
+    (``how="tensor"``) or as its address in a device table: int64 (``how="int64 table"``, as
+    SGLang's older pools) or uint64 built by ``kernels.data_ptr_table`` (``how="uint64 table"``,
+    what this project's pools and SGLang's newer ones hold)."""
     if how == "tensor":
         launch_add_one(host, dst)
         return
-    table = torch.tensor([host.data_ptr()], dtype=torch.int64, device=dst.device)
+    if how == "uint64 table":
+        import kernels
+
+        table = kernels.data_ptr_table([host], dst.device)
+        assert table.dtype == torch.uint64
+    else:
+        table = torch.tensor([host.data_ptr()], dtype=torch.int64, device=dst.device)
     n = host.numel()
     _add_one_from_table[(triton.cdiv(n, BLOCK),)](table, dst, n, BLOCK=BLOCK)

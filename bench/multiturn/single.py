@@ -27,6 +27,7 @@ from bench.e2e.report import (
     write_result,
 )
 from bench.e2e.setup import (
+    SharedHostPool,
     cpu_note,
     device_kind,
     free_memory,
@@ -59,30 +60,33 @@ def run_config(
     name: str, seed: int, device_tokens: int, rate: float, opts: argparse.Namespace, model: Any,
     cal: Calibration | None, virtual: bool | None = None, host_mode: str | None = None,
     max_requests: int | None = None, meters: dict[str, list[HostMeter]] | None = None,
-    quiet: bool = False, acks_at_step_end: bool = False,
+    quiet: bool = False, acks_at_step_end: bool = False, host: SharedHostPool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration under one seed (``virtual``: default whether ``cal`` is given;
     ``host_mode``: default ``--host-time``; the host costs are this configuration's profile).
     ``meters``: receives the run's host meter under ``name``, which then records its samples
-    (the host calibration trace). ``acks_at_step_end``: see
-    ``new_executor``."""
+    (the host calibration trace). ``acks_at_step_end``: see ``new_executor``. ``host``: the
+    benchmark's shared host pool, for configurations of its pool size (the sweeps and the host
+    trace size theirs otherwise and build their own)."""
     args = server_args_for(name, device_tokens, opts)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
     ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal,
                             virtual=virtual, host_mode=host_mode or opts.host_time,
                             record_host=meters is not None,
-                            acks_at_step_end=acks_at_step_end, host_profile=name)  # fmt: skip
+                            acks_at_step_end=acks_at_step_end, host_profile=name,
+                            host=host)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
         meters.setdefault(name, []).append(cost.meter)
     run = drive_trace(ex, cost, conversations, rate, seed, name, opts, max_requests,
                       quiet=quiet)  # fmt: skip
+    integrity = audit(run)  # first: it pops the acks still ahead on the clock (copy stats)
     out = config_summary(run)
-    out["integrity"] = audit(run)
+    out["integrity"] = integrity
     out["kv_max_rel_err"] = run.kv_max_rel_err
     out["seed"] = seed
     out["server_args"] = args.to_dict()
-    release_executor(ex)
+    release_executor(ex, host)
     return out
 
 
@@ -129,8 +133,9 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
     # Host costs are calibrated for the virtual clock only (a wall-clock run measures them).
     wanted = opts.clock == "virtual" and opts.host_time == "model"
     trace = host_trace(opts, model) if wanted else None
+    host = SharedHostPool()  # one pinned host pool: the calibration and every L2 configuration
     cal = obtain_calibration("multiturn", opts, cal_args, model, opts.chunked_prefill_size,
-                             longest, out_dir, trace)  # fmt: skip
+                             longest, out_dir, trace, build_cache=host.build)  # fmt: skip
     print(f"[multiturn] calibration: {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
     print(f"[multiturn] arrivals {rate:.2f}/s (load {opts.load:g} of device-only capacity)")
@@ -143,14 +148,16 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
             if not budget.allows(f"{name}/seed{seed}"):
                 print(f"[multiturn] {name} seed {seed}: skipped, {time_left():.0f} s left")
                 continue
+            print(f"[multiturn] {name} seed {seed}: running", flush=True)
             with budget.timed():
                 results[name] = run_config(name, seed, device_tokens, rate, opts, model, cal,
-                                           virtual)  # fmt: skip
+                                           virtual, host=host)  # fmt: skip
             free_memory()
             add_ratios(results)
             # Written after every configuration, so a run cut short still leaves its results.
             write_result(out_dir, "multiturn", {"workload": vars(opts), "note": note,
                                                 "partial": True, "per_seed": per_seed})  # fmt: skip
+    host.release()
     configs = aggregate_seeds(per_seed, HEADLINE_KEYS, RATIO)
     print(f"\n[multiturn] mean over seeds {opts.seeds} ({opts.clock} clock)")
     print_config_table(configs, TABLE)
@@ -179,6 +186,7 @@ def run_single(opts: argparse.Namespace, out_dir: Path) -> dict:
         "sweeps": sweeps,
         "note": note,
         "skipped_for_time": budget.skipped,
+        "host_pool_allocations": host.allocations,
     }
     doc = {"workload": vars(opts), "note": note, "summary": summary, "per_seed": per_seed}
     path = write_result(out_dir, "multiturn", doc)

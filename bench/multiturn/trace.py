@@ -19,13 +19,13 @@ from bench.e2e.workload import make_conversations, working_set_tokens
 from hicache.memory.allocator import page_ceil
 from server_args import ServerArgs
 
-CONFIGS = {
+CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) first
     "device_only": dict(enable_hierarchical_cache=False),
     "write_through": dict(enable_hierarchical_cache=True, hicache_write_policy="write_through"),
+    "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
     "write_through_selective": dict(
         enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"
     ),
-    "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
 }
 
 SIZES = {
@@ -67,7 +67,7 @@ HEADLINE_KEYS = (
 
 def server_args_for(name: str, device_tokens: int, opts: argparse.Namespace) -> ServerArgs:
     return ServerArgs(
-        **model_args(),
+        **model_args(opts.use_mla),
         **CONFIGS[name],
         page_size=opts.page_size,
         max_total_tokens=device_tokens,

@@ -50,7 +50,14 @@ from bench.e2e.report import (
     sum_integrity,
     write_result,
 )
-from bench.e2e.setup import cpu_note, device_kind, free_memory, on_cuda, shared_model
+from bench.e2e.setup import (
+    SharedHostPool,
+    cpu_note,
+    device_kind,
+    free_memory,
+    on_cuda,
+    shared_model,
+)
 from bench.e2e.workload import poisson_arrivals
 from bench.optimistic.run import (
     POLICIES,
@@ -62,7 +69,9 @@ from bench.optimistic.run import (
 )
 from bench.optimistic.sweep import ceiling, delay_for, run_sweeps
 
-ATTEMPTS = (0, 1, 2)
+ATTEMPTS = (2, 0, 1)
+"""Run order within a variant: the headline pair (2 vs 0 attempts) first, so a run cut short by
+its deadline (``bench/gpu_check.sh``) loses ``attempts_1``, not the headline."""
 RATIO = "ttft_mean_speedup_vs_0"
 SECTIONS = {"write_back": "optimistic", "write_through": "optimistic_write_through"}
 
@@ -104,23 +113,27 @@ HOST_TRACE_REQUESTS = {"cpu": 40, "cuda": 12}
 """Requests of each configuration's host calibration trace (the first ones of the first seed)."""
 
 
-def host_trace(opts: argparse.Namespace, model: Any, policies: list[str]) -> Any:
+def host_trace(
+    opts: argparse.Namespace, model: Any, policies: list[str], host: SharedHostPool | None = None
+) -> Any:
     """The host calibration trace: the first ``HOST_TRACE_REQUESTS`` requests of the first
     seed with 0 and 2 attempts (and 2 with forced retries) under every policy, host time
-    measured (and charged as measured); the fit of every call's samples."""
+    measured (and charged as measured); the fit of every call's samples. ``host``: the
+    benchmark's shared host pool (same pool size as its configurations)."""
 
     host_requests = HOST_TRACE_REQUESTS[device_kind()]
 
     def trace(cal: Calibration) -> HostCosts:
         bare = without_host(cal)
-        prefill_s = calibrate_prefill_s(opts, model, bare, True, "off")
+        prefill_s = calibrate_prefill_s(opts, model, bare, True, "off", host=host)
         delay = delay_for(opts.delay_scale, prefill_s)
         arrivals = poisson_arrivals(host_requests, opts.utilization / prefill_s, opts.seeds[0])
         meters: dict[str, list[HostMeter]] = {}
         for policy in policies:
             for attempts, forced in ((0, 0.0), (2, 0.0), (2, opts.forced_retry_prob)):
                 t = make_trace(opts, opts.seeds[0], arrivals, delay, 0.0, forced)
-                run_config(t, attempts, policy, model, bare, True, "measured", meters)
+                run_config(t, attempts, policy, model, bare, True, "measured", meters,
+                           host=host)  # fmt: skip
                 free_memory()
         info = {"benchmark": "optimistic", "policies": policies, "attempts": [0, 2],
                 "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
@@ -141,11 +154,13 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     args0 = Trace.server_args(opts, 0, 0.0, "write_back")
     model = shared_model(args0)
     virtual = opts.clock == "virtual"
-    trace = host_trace(opts, model, policies) if virtual and opts.host_time == "model" else None
+    host = SharedHostPool()  # one pinned host pool: calibrations and every configuration
+    trace = (host_trace(opts, model, policies, host)
+             if virtual and opts.host_time == "model" else None)  # fmt: skip
     cal = obtain_calibration("optimistic", opts, args0, model, opts.chunk, opts.input_len,
-                             out_dir, trace)  # fmt: skip
+                             out_dir, trace, build_cache=host.build)  # fmt: skip
     print(f"[optimistic] calibration: {describe(cal)}", flush=True)
-    prefill_s = calibrate_prefill_s(opts, model, cal, virtual=virtual)
+    prefill_s = calibrate_prefill_s(opts, model, cal, virtual=virtual, host=host)
     free_memory()
     delay = delay_for(opts.delay_scale, prefill_s)
     rate = opts.utilization / prefill_s
@@ -165,31 +180,34 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     ] + [(f"_util_{u:g}", 0.0, u, 0.0, ["write_back"]) for u in opts.utilization_sweep]
     per_seed: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in policies}
     budget = TimeBudget()
-    for seed in opts.seeds:
-        for suffix, failure_prob, util, forced, run_policies in variants:
+    traces: dict[tuple[int, str], Trace] = {}
+    for seed, (suffix, failure_prob, util, forced, _), policy, attempts in run_order(
+        opts.seeds, variants
+    ):
+        if (seed, suffix) not in traces:
             arrivals = poisson_arrivals(opts.num_requests, util / prefill_s, seed)
-            trace = make_trace(opts, seed, arrivals, delay, failure_prob, forced)
-            for policy in run_policies:
-                results = per_seed[policy].setdefault(seed, {})
-                for attempts in ATTEMPTS:
-                    key = f"attempts_{attempts}{suffix}"
-                    if not budget.allows(f"{policy}/{key}/seed{seed}"):
-                        print(f"[optimistic] {policy} {key} seed {seed}: skipped, "
-                              f"{time_left():.0f} s left")  # fmt: skip
-                        continue
-                    t0 = time.perf_counter()
-                    with budget.timed():
-                        results[key] = res = run_config(trace, attempts, policy, model, cal,
-                                                        virtual)  # fmt: skip
-                    print(f"    {policy} {key} seed {seed}: {res['successes']} ok, TTFT mean "
-                          f"{res['ttft_mean_s'] * 1e3:.2f} ms, {res['yields']} yields "
-                          f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
-                    free_memory()
-                    _ratios(results)
-                    # Written after every configuration: a run cut short leaves its results.
-                    write_result(out_dir, "optimistic", {"workload": vars(opts), "note": note,
-                                                         "partial": True,
-                                                         "per_seed": per_seed})  # fmt: skip
+            traces[seed, suffix] = make_trace(opts, seed, arrivals, delay, failure_prob, forced)
+        trace = traces[seed, suffix]
+        results = per_seed[policy].setdefault(seed, {})
+        key = f"attempts_{attempts}{suffix}"
+        if not budget.allows(f"{policy}/{key}/seed{seed}"):
+            print(f"[optimistic] {policy} {key} seed {seed}: skipped, "
+                  f"{time_left():.0f} s left")  # fmt: skip
+            continue
+        print(f"    {policy} {key} seed {seed}: running", flush=True)  # names a step cut short
+        t0 = time.perf_counter()
+        with budget.timed():
+            results[key] = res = run_config(trace, attempts, policy, model, cal, virtual,
+                                            host=host)  # fmt: skip
+        print(f"    {policy} {key} seed {seed}: {res['successes']} ok, TTFT mean "
+              f"{res['ttft_mean_s'] * 1e3:.2f} ms, {res['yields']} yields "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+        free_memory()
+        _ratios(results)
+        # Written after every configuration: a run cut short leaves its results.
+        write_result(out_dir, "optimistic", {"workload": vars(opts), "note": note,
+                                             "partial": True, "per_seed": per_seed})  # fmt: skip
+    host.release()
     sweeps = None
     if opts.sweeps and virtual:
         sweeps = run_sweeps(opts, model, cal, prefill_s, out_dir, make_trace, run_config)
@@ -201,6 +219,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         delay_scale=opts.delay_scale, ceiling_zero_load=head_ceiling,
         arrival_rate_per_s=rate, utilization=opts.utilization, note=note,
         calibration_source=cal.source, forward_curve=forward_curve(cal.forward),
+        host_pool_allocations=host.allocations,
     )  # fmt: skip
     sections: dict[str, dict[str, Any]] = {}
     for policy in policies:
@@ -231,6 +250,20 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     if extra:
         summary["extra_sections"] = extra
     return summary
+
+
+def run_order(seeds: list[int], variants: list[tuple]) -> list[tuple]:
+    """``(seed, variant, policy, attempts)`` in the order they run: per seed, the first
+    (headline) variant's ``attempts_2`` and ``attempts_0`` under every policy, then its
+    ``attempts_1``, then each other variant in ``ATTEMPTS`` order under its policies."""
+    order = []
+    for seed in seeds:
+        base, *rest = variants
+        for group in (ATTEMPTS[:2], ATTEMPTS[2:]):
+            order += [(seed, base, policy, a) for policy in base[4] for a in group]
+        for variant in rest:
+            order += [(seed, variant, policy, a) for policy in variant[4] for a in ATTEMPTS]
+    return order
 
 
 def _ratios(results: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from bench.clock.calibrate import Calibration
 from bench.clock.host_meter import HostMeter
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
-from bench.e2e.setup import model_args, new_executor, release_executor
+from bench.e2e.setup import SharedHostPool, model_args, new_executor, release_executor
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
@@ -54,7 +54,7 @@ class Trace:
         device_tokens = page_ceil(opts.device_pool_inputs * opts.input_len, page)
         extra = {WRITE_THROUGH_FLAG: True} if policy == "write_through" else {}
         return ServerArgs(
-            **model_args(),
+            **model_args(opts.use_mla),
             page_size=page,
             max_total_tokens=device_tokens,
             chunked_prefill_size=opts.chunk,
@@ -86,7 +86,7 @@ def make_trace(
 ) -> Trace:
     from bench.e2e.workload import cached_prompts
 
-    vocab = model_args()["vocab_size"]
+    vocab = model_args(opts.use_mla)["vocab_size"]
     prompts = cached_prompts(len(arrivals), opts.input_len, opts.cached_fraction,
                              opts.num_prefixes, vocab, seed)  # fmt: skip
     return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)
@@ -104,15 +104,17 @@ def _warm(ex: Any, prefixes: list[list[int]], cost: Any) -> None:
 
 def calibrate_prefill_s(
     opts: argparse.Namespace, model: Any, cal: Calibration | None, virtual: bool | None = None,
-    host_mode: str | None = None,
+    host_mode: str | None = None, host: SharedHostPool | None = None,
 ) -> float:  # fmt: skip
     """Median prefill latency (on the benchmark's clock: virtual with ``cal`` unless
     ``virtual`` is False, else wall) of a request whose prefix is cached, peers ready at once,
-    one at a time: the bootstrap delays and arrival rates are set from it."""
+    one at a time: the bootstrap delays and arrival rates are set from it. ``host``: the
+    benchmark's shared host pool."""
     trace = make_trace(opts, 0, [0.0] * (opts.num_prefixes + 3), DelayDistribution(), 0.0)
     args = Trace.server_args(opts, 0, 0.0, "write_back")
     ex, cost = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal,
-                            virtual=virtual, host_mode=host_mode or opts.host_time)  # fmt: skip
+                            virtual=virtual, host_mode=host_mode or opts.host_time,
+                            host=host)  # fmt: skip
     _warm(ex, trace.prefixes, cost)
     times = []
     for i, p in enumerate(trace.prompts):
@@ -121,7 +123,7 @@ def calibrate_prefill_s(
         (res,) = ex.pop_results()
         times.append(res.prefill_latency)
         ex.decode.release(f"cal-{i}")
-    release_executor(ex)
+    release_executor(ex, host)
     times.sort()
     return times[len(times) // 2]
 
@@ -136,11 +138,13 @@ def run_config(
     trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
     virtual: bool | None = None, host_mode: str | None = None,
     meters: dict[str, list[HostMeter]] | None = None, acks_at_step_end: bool = False,
+    host: SharedHostPool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration on ``trace`` (``virtual``: default whether ``cal`` is given;
     ``host_mode``: default ``--host-time``; ``meters`` receives the run's host meter, which
     then records its samples, under its host profile ``host_profile(...)``;
-    ``acks_at_step_end``: see ``new_executor``)."""
+    ``acks_at_step_end``: see ``new_executor``; ``host``: the benchmark's shared host pool,
+    for configurations of its pool size)."""
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
@@ -150,7 +154,8 @@ def run_config(
     ex, cost = new_executor(args, peer, decode_tokens, model, cal, virtual=virtual,
                             host_mode=host_mode or opts.host_time,
                             record_host=meters is not None,
-                            acks_at_step_end=acks_at_step_end, host_profile=profile)  # fmt: skip
+                            acks_at_step_end=acks_at_step_end, host_profile=profile,
+                            host=host)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
         meters.setdefault(profile, []).append(cost.meter)
     _warm(ex, trace.prefixes, cost)
@@ -168,6 +173,7 @@ def run_config(
         return f"req-{i}", trace.prompts[i]
 
     run = driver.drive(next_due, pop_request, on_result=lambda r: None, done=lambda: not queue)
+    integrity = audit(run)  # first: it pops the acks still ahead on the clock (copy stats)
     out = config_summary(run)
     stats = _minus(ex.stats, warm)
     recomputed = ledger.total_recomputed([r.rid for r in run.results])
@@ -183,7 +189,7 @@ def run_config(
         unpublished_dropped_tokens=stats.unpublished_dropped_tokens,
         seed=trace.seed, write_policy=policy,
     )  # fmt: skip
-    out["integrity"] = audit(run)
+    out["integrity"] = integrity
     out["kv_max_rel_err"] = run.kv_max_rel_err
     # A forced-not-ready request is admitted optimistically once whatever the limit (the
     # upstream hook), so its budget is at least one attempt.
@@ -191,7 +197,7 @@ def run_config(
     if out["attempts_used_max"] > budget:
         out["integrity"]["attempt_budget_exceeded"] = 1
     out["server_args"] = args.to_dict()
-    release_executor(ex)
+    release_executor(ex, host)
     return out
 
 

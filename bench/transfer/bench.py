@@ -152,7 +152,9 @@ def run(
 SWEEP_COLUMNS = [Column("direction", "dir", 5), Column("tokens", "tokens", 8),
                  Column("block_quota", "bq", 5), Column("gbps", "GB/s", 9, ".2f"),
                  Column("ratio", "x ceil", 8, ".2f"), Column("median_ms", "ms", 10, ".3f")]
-GEMM_COLUMNS = [Column("copy", "copy", 24), Column("gemm_ms", "GEMM ms", 10, ".3f"),
+GEMM_COLUMNS = [Column("copy", "copy", 24), Column("copy_gbps", "copy GB/s", 10, ".2f"),
+                Column("in_flight_kib", "KiB fly", 8, ".0f"),
+                Column("gemm_ms", "GEMM ms", 10, ".3f"),
                 Column("slowdown", "slowdown", 10, ".3f"), Column("covered", "overlap", 9)]
 
 
@@ -221,6 +223,10 @@ def _run(
     }
     name = "bench_transfer_sweep" if part == "sweep" else "bench_transfer"
     rec = Recorder(payload, out_dir, name)
+    if part in ("all", "sweep") and not cuda:
+        payload["sweep_skipped"] = ("block_quota and warps sweeps and the GEMM co-run need CUDA: "
+                                    "interpreted Triton kernels cannot be timed")  # fmt: skip
+        print(f"[bench_transfer] skipped: {payload['sweep_skipped']}", flush=True)
     rows = rec.emitter("rows")
     for item in cfg.items:
         if not grid and not (sweep and item == 2048):

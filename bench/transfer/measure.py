@@ -4,7 +4,11 @@
   time and GB/s, also as a fraction of the ceiling measured on the same bytes.
 - ``sweep_block_quota``: the triton page_first copies at each ``block_quota``.
 - ``gemm_slowdown``: a bf16 GEMM on the compute stream alone, and while a copy loops on a side
-  stream (CUDA only).
+  stream (CUDA only): the copy engine, then the triton copy at each warps-per-program of
+  ``Config.warps`` at equal bytes in flight (``warp_points``: fewer warps, proportionally more
+  programs), then the other ``block_quota`` values at the default warps; each row has the
+  copy's GB/s alone and the GEMM's slowdown beside it, so the default warps can be chosen from
+  a measurement.
 
 Each returns plain row dicts for the report and hands every row to ``emit`` the moment it is
 measured (the caller prints it and rewrites its JSON, so a run cut short keeps what it measured).
@@ -68,6 +72,36 @@ class Config:
     max_direct_copies: int  # skip ``direct`` past this many copy_ calls per op (too slow)
     methods: tuple[str, ...]
     rep_ms: float
+    warps: tuple[int, ...] = (32, 16, 8)  # warps per program swept in the GEMM co-run
+
+
+BASE_WARPS, BASE_BLOCK_QUOTA = 32, 2
+"""SGLang's launch shape; the warps sweep keeps its bytes in flight."""
+
+
+def warp_points(warps: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(warps per program, block_quota)`` pairs with the bytes in flight of 32 warps x 2
+    programs (a program's tile is proportional to its warps): 32 -> 2, 16 -> 4, 8 -> 8."""
+    return [(w, max(1, BASE_BLOCK_QUOTA * BASE_WARPS // w)) for w in warps]
+
+
+def bytes_in_flight(pools: Pools, idx: Indices, layer: int, block_quota: int,
+                    num_warps: int) -> int:  # fmt: skip
+    """Bytes of loads the page_first H2D launch keeps outstanding: programs x one block each
+    (the planner's own numbers, :mod:`kernels.triton.launch`)."""
+    from kernels.layout.addressing import PF_TO_LF, KVCopy
+    from kernels.ops.dispatch import validate
+    from kernels.triton.launch import plan_launch, resolve_num_warps
+
+    buf, item = pools.host["page_first"], pools.item_size
+    call = KVCopy(PF_TO_LF, (buf[0], buf[1]), (pools.dev[0, layer], pools.dev[1, layer]),
+                  idx.host, idx.dev, item, layout_dim=item * NUM_LAYERS,
+                  layer_id=layer)  # fmt: skip
+    call, (part,) = validate(call, block_quota, num_warps)
+    launch = plan_launch(part, idx.host, idx.dev, layer_begin=layer, num_layers=1,
+                         block_quota=block_quota, num_warps=resolve_num_warps(num_warps),
+                         cache_hints=False)  # fmt: skip
+    return launch.grid[0] * launch.geometry.block_bytes
 
 
 def _direct_copies(direction: str, layout: str, n: int, page_size: int) -> int:
@@ -170,11 +204,17 @@ def gemm_slowdown(
         for _ in range(reps):
             torch.mm(a, b, out=c)
 
-    copies: dict[str, Callable[[], None]] = {"copy_engine (ceiling)": ceiling_method(
-        pools, "h2d", n * 2 * item)}  # fmt: skip
-    for bq in cfg.block_quotas:
-        fn = h2d_methods(pools, "page_first", idx, 1, NUM_LAYERS // 2, bq, None)["triton"]
-        copies[f"triton bq={bq}"] = fn
+    layer = NUM_LAYERS // 2
+    nbytes = n * 2 * item
+    # name -> (copy, warps, block_quota); headline first: the copy engine, the warps sweep at
+    # equal bytes in flight, then the rest of the block_quota sweep at the default warps.
+    copies: dict[str, tuple[Callable[[], None], int | None, int | None]] = {
+        "copy_engine (ceiling)": (ceiling_method(pools, "h2d", nbytes), None, None)}  # fmt: skip
+    points = warp_points(cfg.warps) + [(BASE_WARPS, bq) for bq in cfg.block_quotas
+                                        if bq != BASE_BLOCK_QUOTA]  # fmt: skip
+    for warps, bq in points:
+        fn = h2d_methods(pools, "page_first", idx, 1, layer, bq, None, warps)["triton"]
+        copies[f"triton {warps}w bq={bq}"] = (fn, warps, bq)
 
     def window(copy: Callable[[], None] | None, copy_ms: float, gemm_ms: float) -> tuple:
         side = torch.cuda.Stream(device)
@@ -200,13 +240,17 @@ def gemm_slowdown(
     alone = sorted(window(None, 0, 0)[0] for _ in range(5))[2]
     rows = [dict(copy="none", gemm_ms=alone, slowdown=1.0, covered=True)]
     emit(rows[-1])
-    for name, fn in copies.items():
+    for name, (fn, warps, bq) in copies.items():
         if not time_ok():
             return rows
         copy_ms = time_ms(fn, device, rep_ms=cfg.rep_ms).median
         runs = [window(fn, copy_ms, alone) for _ in range(3)]
         t = sorted(r[0] for r in runs)[1]
-        rows.append(dict(copy=name, gemm_ms=t, slowdown=t / alone,
-                         covered=all(r[1] for r in runs), copy_alone_ms=copy_ms))  # fmt: skip
+        in_flight = bytes_in_flight(pools, idx, layer, bq, warps) if warps else None
+        rows.append(dict(copy=name, warps=warps, block_quota=bq, gemm_ms=t, slowdown=t / alone,
+                         covered=all(r[1] for r in runs), copy_alone_ms=copy_ms,
+                         copy_gbps=nbytes / copy_ms / 1e6,
+                         in_flight_kib=None if in_flight is None
+                         else in_flight / 1024))  # fmt: skip
         emit(rows[-1])
     return rows

@@ -27,6 +27,7 @@ import torch
 
 import kernels
 from hicache.memory.allocator import page_ceil
+from kernels.ops.kernel_backend import DEFAULT_NUM_WARPS
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,10 @@ def _sync(device: torch.device) -> None:
 
 def h2d_methods(
     p: Pools, layout: str, idx: Indices, page_size: int, layer: int, block_quota: int,
-    sgl: ModuleType | None,
+    sgl: ModuleType | None, num_warps: int = DEFAULT_NUM_WARPS,
 ) -> dict[str, Callable[[], None]]:  # fmt: skip
-    """Load one layer (K and V) from the host pool in ``layout`` into the device pool."""
+    """Load one layer (K and V) from the host pool in ``layout`` into the device pool
+    (``num_warps``: the triton kernels' warps per program)."""
     item, dim = p.item_size, p.item_size * NUM_LAYERS
     dk, dv = p.dev[0, layer], p.dev[1, layer]
     s, d = idx.host, idx.dev
@@ -146,7 +148,8 @@ def h2d_methods(
     n = s.numel()
     if layout == "layer_first":
         hk, hv = p.host[layout][0, layer], p.host[layout][1, layer]
-        m["triton"] = lambda: kernels.transfer_kv_per_layer(hk, dk, hv, dv, s, d, item, block_quota)
+        m["triton"] = lambda: kernels.transfer_kv_per_layer(hk, dk, hv, dv, s, d, item,
+                                                            block_quota, num_warps)  # fmt: skip
         if sgl is not None:
             m["sgl_kernel"] = lambda: sgl.transfer_kv_per_layer(hk, dk, hv, dv, s, d, item)
 
@@ -163,7 +166,7 @@ def h2d_methods(
         buf = p.host[layout]
         hk, hv = buf[0][:, layer], buf[1][:, layer]  # strided [T, W] views, for torch_gather
         m["triton"] = lambda: kernels.transfer_kv_per_layer_pf_lf(
-            buf[0], dk, buf[1], dv, s, d, layer, item, dim, block_quota)  # fmt: skip
+            buf[0], dk, buf[1], dv, s, d, layer, item, dim, block_quota, num_warps)  # fmt: skip
         if sgl is not None:
             m["sgl_kernel"] = lambda: sgl.transfer_kv_per_layer_pf_lf(
                 buf[0], dk, buf[1], dv, s, d, layer, item, dim)  # fmt: skip

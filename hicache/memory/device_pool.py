@@ -53,6 +53,10 @@ class _DevicePool:
     """
 
     layer_shard_enabled = False
+    # What SGLang 0.5.23's ``build_kv_host_pool`` reads besides the geometry: no separate
+    # host capacity (the host pool is sized from ``size``) and no write-back staging buffers.
+    host_capacity_tokens: int | None = None
+    hicache_write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int,
                  device: torch.device | str) -> None:  # fmt: skip
@@ -67,6 +71,14 @@ class _DevicePool:
         self.layer_shard_size = 1  # SGLang's meaning: shards the layers are split over
         self.model_layer_ids = tuple(range(layer_num))
         self.layer_transfer_counter: Any = None
+
+    def get_device_pool_infos(self) -> tuple[Any, ...]:
+        """SGLang 0.5.23's description of this pool for host assembly: one ``DevicePoolInfo``
+        (the KV pool, its layer ids, an ``MHABufferInfo`` / ``MLABufferInfo`` over this pool's
+        own tensors and pointer tables). Imports SGLang; ``ImportError`` without it."""
+        from kernels.sglang.pool_info import sglang_device_pool_infos
+
+        return sglang_device_pool_infos(self)
 
     def register_layer_transfer_counter(self, layer_transfer_counter: Any) -> None:
         """Make the ``get_*_buffer`` accessors wait for each layer's load (SGLang's hook):
@@ -310,3 +322,12 @@ class MLATokenToKVPool(_DevicePool):
 
 
 KVPool = MHATokenToKVPool | MLATokenToKVPool
+
+
+def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> KVPool:
+    """The device pool ``args`` describe (``size`` tokens, default ``args.max_total_tokens``): an
+    ``MLATokenToKVPool`` with ``--use-mla``, else an ``MHATokenToKVPool`` of this rank's KV
+    heads. The one place the prefill side chooses between the two."""
+    cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
+    return cls.from_server_args(args, size=size)
+

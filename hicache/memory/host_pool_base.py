@@ -167,6 +167,50 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         """One token of one layer of each part: ``[(H, D), (H, D_v)]`` or ``[(1, C)]``."""
         raise NotImplementedError
 
+    def _token_shapes_of(self, device_pool: Any) -> list[tuple[int, ...]]:
+        """What ``_token_shapes`` would be for a host pool of ``device_pool``."""
+        raise NotImplementedError
+
+    def _same_kind(self, device_pool: Any) -> bool:
+        """``device_pool`` is of the kind this pool serves (MLA pools have a latent)."""
+        return hasattr(device_pool, "kv_lora_rank") == hasattr(self, "kv_cache_dim")
+
+    def reuse_for(
+        self, device_pool: Any, host_to_device_ratio: float, host_size: float, layout: str
+    ) -> None:
+        """Serve ``device_pool`` from now on with this pool's buffer (pinned or registered once)
+        and a fresh, empty allocator: how a benchmark gives one host pool to its calibration
+        and every configuration instead of registering gigabytes per cache. ``ValueError``
+        (nothing changes) unless ``device_pool``, the sizing flags and ``layout`` ask for
+        exactly this pool: device, page size, dtype, layers, per-token shapes, token count.
+        The previous user must be closed (no copy of it in flight)."""
+        dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
+        want = {
+            "layout": layout, "device": torch.device(device_pool.device),
+            "page_size": device_pool.page_size, "dtype": dtype,
+            "layer_num": device_pool.layer_num,
+            "token shapes": self._token_shapes_of(device_pool) if self._same_kind(device_pool)
+            else "another kind of device pool (MHA / MLA)",
+        }  # fmt: skip
+        have = {
+            "layout": self.layout, "device": self.device, "page_size": self.page_size,
+            "dtype": self.dtype, "layer_num": self.layer_num,
+            "token shapes": self._token_shapes(),
+        }  # fmt: skip
+        differ = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+        if not differ:
+            tokens = host_ram.host_pool_tokens(device_pool.size, self.size_per_token,
+                                               self.page_size, host_to_device_ratio,
+                                               host_size)  # fmt: skip
+            if tokens != self.size:
+                differ["tokens"] = (self.size, tokens)
+        if differ:
+            raise ValueError(f"host_pool cannot serve this device pool: (has, asked) {differ}")
+        self.device_pool = device_pool
+        self.allocator = TokenToKVPoolAllocator(self.size, self.page_size, "cpu",
+                                                reserve_padding=False)  # fmt: skip
+        logger.info("%s reused: %d tokens, a fresh allocator", type(self).__name__, self.size)
+
     def _slot_dims(self) -> tuple[int, ...]:
         n_l = self.layer_num
         if self.layout == "layer_first":
@@ -223,6 +267,7 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         host memory the GPU can no longer address."""
         if self._registered:
             torch.cuda.synchronize(self.device)
+            kernels.clear_plans()  # cached launch plans assume the buffer stays registered
             torch.cuda.cudart().cudaHostUnregister(self.kv_buffer.data_ptr())
             self._registered = False
 
@@ -233,7 +278,7 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
             pass
 
     # --- checks ---------------------------------------------------------------------------------
-    def _check_copy_args(
+    def check_copy_args(
         self,
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
@@ -241,7 +286,9 @@ class _HostKVPoolBase(DirectCopies, SlotAccess, HostPoolPagesMixin):
         layer_id: int | None = None,
     ) -> None:
         """Raise ``ValueError`` for an unsupported pair, malformed indices, or (when given) a
-        ``layer_id`` out of range; in that order."""
+        ``layer_id`` out of range; in that order. The copies run it first; a caller that checked
+        a copy's indices once (the controller, before launching every layer of a load) passes
+        ``validate=False`` to the per-layer calls."""
         if (self.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
             raise ValueError(
                 f"io_backend={io_backend!r} is not supported with layout {self.layout!r}; "

@@ -54,6 +54,10 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
     def _token_shapes(self) -> list[tuple[int, ...]]:
         return [(self.head_num, self.head_dim), (self.head_num, self.v_head_dim)]
 
+    def _token_shapes_of(self, device_pool: Any) -> list[tuple[int, ...]]:
+        v_dim = getattr(device_pool, "v_head_dim", None) or device_pool.head_dim
+        return [(device_pool.head_num, device_pool.head_dim), (device_pool.head_num, v_dim)]
+
     # --- copies --------------------------------------------------------------------------------
     def backup_from_device_all_layer(
         self,
@@ -67,7 +71,7 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
         Launches on the current stream; does not synchronize. ``kernel``: indices on the device
         pool's device; ``direct``: indices on the CPU.
         """
-        self._check_copy_args(host_indices, device_indices, io_backend)
+        self.check_copy_args(host_indices, device_indices, io_backend)
         if host_indices.numel() == 0:
             return
         dp = device_pool
@@ -114,12 +118,17 @@ class MHATokenToKVPoolHost(_HostKVPoolBase):
         device_indices: torch.Tensor,
         layer_id: int,
         io_backend: str,
+        validate: bool = True,
     ) -> None:
         """H2D of one layer, K and V: ``device[device_indices[i]] = host[host_indices[i]]``.
 
-        Launches on the current stream; does not synchronize.
+        Launches on the current stream; does not synchronize. ``validate=False``: the caller
+        ran ``check_copy_args`` on these indices already and ``layer_id`` is in range (the
+        controller checks a load once for all its layers); the kernels still check their
+        tensors.
         """
-        self._check_copy_args(host_indices, device_indices, io_backend, layer_id)
+        if validate:
+            self.check_copy_args(host_indices, device_indices, io_backend, layer_id)
         if host_indices.numel() == 0:
             return
         dk, dv = device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id]

@@ -45,6 +45,12 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
     def _token_shapes(self) -> list[tuple[int, ...]]:
         return [(1, self.kv_cache_dim)]
 
+    def _token_shapes_of(self, device_pool: Any) -> list[tuple[int, ...]]:
+        dim = getattr(device_pool, "kv_cache_dim", None) or (
+            device_pool.kv_lora_rank + device_pool.qk_rope_head_dim
+        )
+        return [(1, dim)]
+
     def backup_from_device_all_layer(
         self,
         device_pool: Any,
@@ -53,7 +59,7 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
         io_backend: str,
     ) -> None:
         """D2H, all layers (see ``MHATokenToKVPoolHost.backup_from_device_all_layer``)."""
-        self._check_copy_args(host_indices, device_indices, io_backend)
+        self.check_copy_args(host_indices, device_indices, io_backend)
         if host_indices.numel() == 0:
             return
         dp = device_pool
@@ -86,9 +92,12 @@ class MLATokenToKVPoolHost(_HostKVPoolBase):
         device_indices: torch.Tensor,
         layer_id: int,
         io_backend: str,
+        validate: bool = True,
     ) -> None:
-        """H2D of one layer (see ``MHATokenToKVPoolHost.load_to_device_per_layer``)."""
-        self._check_copy_args(host_indices, device_indices, io_backend, layer_id)
+        """H2D of one layer (see ``MHATokenToKVPoolHost.load_to_device_per_layer``, and its
+        ``validate``)."""
+        if validate:
+            self.check_copy_args(host_indices, device_indices, io_backend, layer_id)
         if host_indices.numel() == 0:
             return
         dst = device_pool.kv_buffer[layer_id]

@@ -116,8 +116,13 @@ class HostPoolPagesMixin:
                     sizes.append(page * n_l * width)
         return ptrs, sizes
 
-    def get_data_page(self, index: int | torch.Tensor, flat: bool = True) -> torch.Tensor:
-        """The page starting at host slot ``index`` (see the module docstring for shapes)."""
+    def get_data_page(
+        self, index: int | torch.Tensor, flat: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The page starting at host slot ``index`` (see the module docstring for shapes).
+        ``out`` (``flat=True`` only; this project's addition): a flat page buffer (as
+        ``get_dummy_flat_data_page`` makes) that receives the page when it is not contiguous
+        in the pool, so a caller reusing one buffer allocates nothing; returned then."""
         sl = self._page_slice(self._check_page_start(index))
         if not flat:
             if len(self._host_parts) > 1 and not self._parts_share_buffer():
@@ -127,8 +132,14 @@ class HostPoolPagesMixin:
             lead = (slice(None),) if len(self._host_parts) > 1 else ()
             return self.kv_buffer[lead + sl]
         views = [part[sl] for part in self._host_parts]
-        if len(views) == 1:
+        if len(views) == 1 and (out is None or views[0].is_contiguous()):
             return views[0].flatten()
+        if out is not None:
+            offset = 0
+            for v in views:
+                out[offset : offset + v.numel()].view(v.shape).copy_(v)
+                offset += v.numel()
+            return out
         return torch.cat([v.flatten() for v in views])
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:

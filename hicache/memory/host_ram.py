@@ -3,7 +3,9 @@ allocation itself.
 
 Owns no state. On CUDA a host buffer is plain host memory of the exact size registered with
 ``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to a
-pinned allocation if registration fails; without CUDA it is plain, zeroed memory. The host pools
+pinned allocation if registration fails, but only when the rounded size still fits the RAM that
+may be used (otherwise ``ValueError``: a 12.9 GB pool would pin 16 GB); without CUDA it is
+plain, zeroed memory. The host pools
 (``host_pool_base``) call these through the module, so a test patches them here.
 """
 
@@ -85,7 +87,9 @@ def alloc_host_buffer(
 
     Unpinned buffers are zeroed. Pinned ones are not written first (as SGLang's host pools):
     ``cudaHostRegister`` faults every page in itself, so a zero fill would only add a pass over
-    tens of GB; their contents are unspecified until written (fresh pages read as zero)."""
+    tens of GB; their contents are unspecified until written (fresh pages read as zero).
+    Raises ``ValueError`` when registration fails and the pinned fallback's power-of-two size
+    would not fit the RAM that may be used (``pinned_fallback_bytes``)."""
     if not pin:
         return torch.zeros(dims, dtype=dtype), False
     buf = torch.empty(dims, dtype=dtype)
@@ -95,14 +99,30 @@ def alloc_host_buffer(
     if rc == 0:
         return buf, True
     _clear_cuda_error()
+    del buf
+    rounded = pinned_fallback_bytes(nbytes)
+    budget = host_memory_available_bytes() - host_memory_reserve_bytes()
+    if rounded > budget:
+        raise ValueError(
+            f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed (rc={rc}), and the pinned "
+            f"fallback would allocate {rounded / 1e9:.2f} GB (rounded up to a power of two), more "
+            f"than the {max(budget, 0) / 1e9:.2f} GB of host RAM that may be used (MemAvailable "
+            "minus the reserve); reduce hicache_size or hicache_ratio"
+        )
     logger.warning(
-        "cudaHostRegister of %.2f GB failed (rc=%d); falling back to a pinned allocation, which "
-        "rounds the size up to a power of two",
+        "cudaHostRegister of %.2f GB failed (rc=%d); falling back to a pinned allocation of "
+        "%.2f GB (rounded up to a power of two)",
         nbytes / 1e9,
         rc,
+        rounded / 1e9,
     )
-    del buf
     return torch.empty(dims, dtype=dtype, pin_memory=True), False
+
+
+def pinned_fallback_bytes(nbytes: int) -> int:
+    """Bytes a ``pin_memory`` allocation of ``nbytes`` takes: torch's pinned host allocator
+    rounds every block up to a power of two."""
+    return 1 << max(0, (nbytes - 1).bit_length())
 
 
 def _clear_cuda_error() -> None:

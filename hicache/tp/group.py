@@ -26,7 +26,8 @@ integers. MIN of ``[h, -h]`` is ``[min, -max]``: equal exactly when every rank i
 call site. When they differ, every rank sees it and all of them enter one more collective to
 name who was where, then raise ``CollectiveMismatchError``; nobody hangs. A rank that never
 enters any collective (it skipped one and is blocked elsewhere, or exited) cannot be detected
-this way: the others block until that process exits or the group's timeout passes (the test
+this way: the others block until that process exits or the group's timeout passes
+(``tp_timeout_s``: 120 s unless ``SGLANG_HICACHE_TP_TIMEOUT`` says otherwise; the test
 harness's watchdog dumps every rank's stack instead). The check costs no extra collective.
 
 ``SingleRankGroup`` (``tp_size == 1``) is the identity: no torch.distributed, no hashing.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import datetime
 import logging
 import operator
+import os
 import pickle
 import threading
 from collections.abc import Sequence
@@ -47,17 +49,42 @@ import torch
 from hicache.tp.digest import digest
 
 __all__ = [
+    "DEFAULT_TP_TIMEOUT_S",
+    "TP_TIMEOUT_ENV",
     "CollectiveMismatchError",
     "DistTPGroup",
     "RankDivergenceError",
     "SingleRankGroup",
     "TPGroup",
     "new_cache_group",
+    "tp_timeout_s",
 ]
 
 logger = logging.getLogger(__name__)
 
 _LIMIT = (1 << 62) - 1  # payload ints stay far from int64's edges, so -v never overflows
+
+TP_TIMEOUT_ENV = "SGLANG_HICACHE_TP_TIMEOUT"
+DEFAULT_TP_TIMEOUT_S = 120.0
+"""How long a blocked collective waits before it raises (gloo's own default is 30 minutes, so
+one failing rank would hold every other rank that long)."""
+
+
+def tp_timeout_s() -> float:
+    """Seconds a collective between tensor-parallel ranks may block before it raises: the
+    ``SGLANG_HICACHE_TP_TIMEOUT`` environment variable, else ``DEFAULT_TP_TIMEOUT_S`` (120).
+    Used by ``new_cache_group`` and the CPU launcher's default group (``prefill.tp.launch``).
+    ``ValueError`` naming the variable for a value that is not a positive number."""
+    raw = os.environ.get(TP_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TP_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TP_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 class RankDivergenceError(RuntimeError):
@@ -345,18 +372,19 @@ def new_cache_group(timeout_s: float | None = None) -> TPGroup:
     initialized or has one rank.
 
     Like ``torch.distributed.new_group``, every rank must call this, in the same order.
-    ``timeout_s``: gloo's own limit for a blocked collective (it then raises ``RuntimeError``);
-    ``None`` keeps torch's default (30 minutes).
+    ``timeout_s``: gloo's limit for a blocked collective, after which it raises
+    ``RuntimeError`` on the waiting ranks (one failing rank stops all of them with an error);
+    ``None``: ``tp_timeout_s()`` (``SGLANG_HICACHE_TP_TIMEOUT``, default 120 s).
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return SingleRankGroup()
-    if timeout_s is not None and timeout_s <= 0:
+    if timeout_s is None:
+        timeout_s = tp_timeout_s()
+    if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    kw: dict[str, Any] = {"backend": "gloo"}
-    if timeout_s is not None:
-        kw["timeout"] = datetime.timedelta(seconds=timeout_s)
+    kw: dict[str, Any] = {"backend": "gloo", "timeout": datetime.timedelta(seconds=timeout_s)}
     group = dist.new_group(**kw)
     logger.info("cache group: %d ranks (gloo), rank %d", dist.get_world_size(), dist.get_rank())
     return DistTPGroup(group)

@@ -6,6 +6,14 @@ a queue's head is ever popped. Under tensor parallelism each rank's copies finis
 pace: ``count_finished`` is this rank's number of leading finished acks, the tree agrees the
 minimum over the ranks (``hiradix_transfers``), and ``ack_count`` turns the agreed ``n`` (or
 ``None``: this rank's own count) into how many acks to pop, refusing more than are queued.
+``ack_error`` is what failed while the copy ran (thread-backed CPU streams hand a callable's
+exception to the next event recorded on its stream), ``None`` for a copy that succeeded.
+
+Each ack carries the ``kernels.CopyWatch`` its copy's ops ran under: when the ack is completed
+(after its finish event), ``check_indices`` raises ``kernels.KVIndexError`` naming the op and the
+argument if the kernel skipped a pair for an out-of-range index (CUDA without debug checks:
+nothing reads the indices on the host, the kernel records the bad pair on the device); the
+controller then treats the copy as failed (``take_failure``), like one that raised.
 """
 
 from __future__ import annotations
@@ -18,10 +26,11 @@ import torch
 
 from hicache.transfer.busy_pages import CopyUsage
 from hicache.transfer.streams import Event
+from kernels import CopyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HiCacheAck", "ack_count", "count_finished"]
+__all__ = ["HiCacheAck", "ack_count", "ack_error", "check_indices", "count_finished"]
 
 
 class HiCacheAck(NamedTuple):
@@ -35,6 +44,28 @@ class HiCacheAck(NamedTuple):
     nbytes: int
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
     usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
+    # Recorded on the side stream after its waits: copy time starts here, not behind the forward.
+    copy_start_event: Event | None = None
+    # Events whose ``error`` tells whether the copy failed (``(finish_event,)`` when empty).
+    step_events: tuple[Event, ...] = ()
+    watch: CopyWatch | None = None  # the copy's launches (bad indices found on the device)
+
+
+def ack_error(ack: HiCacheAck) -> BaseException | None:
+    """The first error of the copy's steps (``None``: it succeeded or has not finished)."""
+    for ev in ack.step_events or (ack.finish_event,):
+        error = getattr(ev, "error", None)
+        if error is not None:
+            return error
+    return None
+
+
+def check_indices(ack: HiCacheAck) -> None:
+    """Raise ``kernels.KVIndexError`` if a launch of ``ack``'s copy skipped a pair for an
+    out-of-range index. Call once the copy finished (its finish event synchronized). Reads
+    host memory only."""
+    if ack.watch is not None:
+        ack.watch.check()
 
 
 def count_finished(queue: deque[HiCacheAck]) -> int:

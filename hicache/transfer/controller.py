@@ -32,6 +32,14 @@ One copy, step by step (who owns each step):
    ``evict_host``, deferred) return to their allocator once no copy uses them
    (``_release_deferred`` here, ``DeferredFrees``).
 
+A copy that fails (``errors``): every argument is checked before step 1 allocates; a launch
+that still fails (CUDA and ``"inline"`` CPU streams launch inside ``submit``, on this thread)
+is rolled back in the call (``write`` frees its host slots, ``start_loading`` leaves its loads
+queued for ``cancel_loads``) and raises one ``BackupError`` / ``LoadBackError`` naming the op
+and argument. A copy that fails while it runs (thread-backed CPU streams) completes its ack
+normally (busy counts lowered, slots allocated as before) and the failure is handed to the tree
+with the ack (``take_failure``); the stream is not poisoned.
+
 Tensor parallelism: each rank has its own controller over its shard of the KV heads, and its
 copies finish at their own pace. Two things here are rank-local and are agreed on the
 controller's ``group`` (``hicache.tp.group``; ``SingleRankGroup`` at ``tp_size`` 1, where every
@@ -68,6 +76,7 @@ from collections import deque
 import numpy as np
 import torch
 
+import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
@@ -75,11 +84,19 @@ from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.acks import HiCacheAck
+from hicache.transfer.acks import HiCacheAck, ack_error, check_indices
 from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
+from hicache.transfer.errors import BackupError, CopyError, LoadBackError
 from hicache.transfer.layer_done_counter import LayerDoneCounter
 from hicache.transfer.loads import CacheOperation, ControllerLoads
-from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, make_streams
+from hicache.transfer.streams import (
+    CpuStreams,
+    CudaStreams,
+    Delay,
+    InlineStreams,
+    Stream,
+    make_streams,
+)
 from hicache.transfer.writes import ControllerWrites
 
 __all__ = ["HiCacheController"]
@@ -96,8 +113,10 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         host_pool: the matching host pool; its ``allocator`` is ``host_allocator``.
         io_backend: ``"kernel"`` (Triton ops) or ``"direct"`` (per-run copies); must suit the
             host pool's layout (``SUPPORTED_LAYOUT_IO``).
-        streams: ``CudaStreams`` / ``CpuStreams``; default from the device pool's device.
-        copy_delay: CPU only, when ``streams`` is not given: seconds (or a callable) slept
+        streams: a stream factory (``CudaStreams`` / ``CpuStreams`` / ``InlineStreams``), or a
+            CPU mode of ``make_streams`` (``"thread"``, ``"inline"``: CUDA's launch semantics on
+            the caller's thread); default (``None``) from the device pool's device.
+        copy_delay: CPU only, when ``streams`` is not a factory: seconds (or a callable) slept
             before every copy on the side streams, to widen race windows in tests.
         stats: receives bytes moved and copy time as acks complete.
         group: the tensor-parallel cache group that agrees room in the pools (module doc);
@@ -110,7 +129,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         device_pool: MHATokenToKVPool | MLATokenToKVPool,
         host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
         io_backend: str = "kernel",
-        streams: CudaStreams | CpuStreams | None = None,
+        streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
         copy_delay: Delay = 0.0,
         stats: CacheStats | None = None,
         group: TPGroup | None = None,
@@ -137,9 +156,12 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         self.device = device_pool.device
         self.group = group if group is not None else SingleRankGroup()
         self.stats = stats if stats is not None else CacheStats()
-        self.streams = streams if streams is not None else make_streams(self.device, copy_delay)
+        if streams is None or isinstance(streams, str):
+            streams = make_streams(self.device, copy_delay, streams)
+        self.streams = streams
         self.write_stream = self.streams.new_stream()
-        self.load_stream = self.streams.new_stream()
+        # Loads gate the next forward layer by layer: their copies go before other side work.
+        self.load_stream = self.streams.new_stream(high_priority=True)
         self.layer_done_counter = LayerDoneCounter(self.layer_num, self.streams)
 
         self.load_queue: list[CacheOperation] = []
@@ -150,6 +172,8 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         self._busy = BusyPages(device_allocator, self.host_allocator)
         self._deferred_device = DeferredFrees(device_allocator)
         self._deferred_host = DeferredFrees(self.host_allocator)
+        # Copies that failed while they ran, by node id, until the tree takes them.
+        self._failures: dict[int, CopyError] = {}
 
     # ------------------------------------------------------------------ both
     def wait_all(self) -> tuple[list[int], list[int]]:
@@ -232,7 +256,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
     def close(self) -> None:
         """Finish every launched copy: stop the CPU stream threads after their queued work, or
         wait for the CUDA side streams. Acks are not popped (``wait_all`` does that)."""
-        if isinstance(self.streams, CpuStreams):
+        if isinstance(self.streams, CpuStreams | InlineStreams):
             self.streams.close()
         else:
             self.write_stream.synchronize()
@@ -243,14 +267,78 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         return indices.numel() * self.host_pool.size_per_token
 
     def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
+        """Lower the busy counts of a popped ack and record it in ``stats``; a copy that failed
+        while it ran is logged and kept for ``take_failure`` (one error per node id)."""
         ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
         for usage in ack.usages:
             self._busy.remove(usage)
-        stream = self.write_stream if direction == "d2h" else self.load_stream
-        stream.check_error()
-        secs = ack.start_event.elapsed_time(ack.finish_event) / 1e3
-        self.stats.record_copy(direction, ack.nbytes, secs)
+        error = ack_error(ack)
+        if error is None:
+            try:  # an index the kernel found out of range fails the copy (issue 19)
+                check_indices(ack)
+            except kernels.KVIndexError as exc:
+                error = exc
+        if error is None:
+            start = ack.copy_start_event if ack.copy_start_event is not None else ack.start_event
+            secs = start.elapsed_time(ack.finish_event) / 1e3
+            self.stats.record_copy(direction, ack.nbytes, secs)
+            return ack.node_ids
+        self.stats.record_copy_failure(direction)
+        failure = self._failure(ack, direction, error)
+        logger.error("%s", failure)
+        for node_id in ack.node_ids:
+            self._failures[node_id] = failure
         return ack.node_ids
+
+    @staticmethod
+    def _failure(ack: HiCacheAck, direction: str, error: BaseException) -> CopyError:
+        ids = ack.node_ids
+        cls = BackupError if direction == "d2h" else LoadBackError
+        if isinstance(error, kernels.KVIndexError):  # the kernel skipped a pair: incomplete copy
+            return cls(
+                f"{error.op}({error.argument})",
+                f"the copy of node ids {ids} skipped slot {error.slot} (out of range for "
+                f"{error.n_slots} slots) and is incomplete",
+                ids,
+                error,
+            )
+        if direction == "d2h":
+            return BackupError(
+                f"backup_from_device_all_layer(device_indices=[{ack.device_indices.numel()} "
+                "slots])",
+                f"the backup of node ids {ids} failed while it ran",
+                ids,
+                error,
+            )
+        layer = next(
+            (i for i, ev in enumerate(ack.step_events) if getattr(ev, "error", None)), -1
+        )
+        return LoadBackError(
+            f"load_to_device_per_layer(layer_id={layer})",
+            f"the load of node ids {ids} failed while it ran",
+            ids,
+            error,
+        )
+
+    def take_failure(self, node_id: int) -> CopyError | None:
+        """The error of a popped ack whose copy failed while it ran, for ``node_id`` (``None``
+        when its copy succeeded); each is handed out once. The tree takes it while applying
+        the ack (a failed backup leaves the node device-only, a failed load host-only)."""
+        return self._failures.pop(node_id, None)
+
+    def failed_node_ids(self) -> list[int]:
+        """Node ids whose failure was not taken yet (``take_failure``)."""
+        return list(self._failures)
+
+    @staticmethod
+    def _settle_after_failed_launch(stream: Stream) -> None:
+        """After a launch raised: wait until what the stream already runs is done (on CUDA,
+        layers launched before the failure may still write the slots about to be given back).
+        An error of that earlier work is logged; the caller's error is the one raised."""
+        try:
+            stream.synchronize()
+        except Exception:  # noqa: BLE001 - the failed launch is what gets reported
+            logger.exception("side stream after a failed launch")
 
     def _move_indices(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor

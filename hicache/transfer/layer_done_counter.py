@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import logging
 
-from hicache.transfer.streams import CpuStreams, CudaStreams, Event
+from hicache.transfer.errors import LoadBackError
+from hicache.transfer.streams import CpuStreams, CudaStreams, Event, InlineStreams
 
 logger = logging.getLogger(__name__)
 
 
 class LayerLoadingEvent:
-    """Per-layer load events of one ``start_loading`` call (plus its start event)."""
+    """Per-layer load events of one ``start_loading`` call (plus its start event) and the node
+    ids of the loads it launched."""
 
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        streams: CudaStreams | CpuStreams | InlineStreams,
+        node_ids: list[int] | None = None,
+    ) -> None:
+        self.node_ids = list(node_ids or ())
         self.start_event = streams.new_event(enable_timing=True)
         self.load_events = [
             streams.new_event(enable_timing=(i == num_layers - 1)) for i in range(num_layers)
@@ -34,21 +42,23 @@ class LayerDoneCounter:
     ``update_producer()`` makes the events of a new load and returns its id; ``set_consumer(id)``
     picks the load the forward pass consumes (``start_loading`` sets it to the newest);
     ``wait_until(layer)``: on CUDA the compute stream waits for the event (the host never blocks);
-    on CPU the caller blocks until that layer's copy has run. No-op when nothing was loaded or
-    the consumed load's ack was already popped.
+    on CPU the caller blocks until that layer's copy has run, and raises ``LoadBackError`` when
+    a layer up to it failed while it ran (thread CPU streams; the KV must not be read). No-op
+    when nothing was loaded or the consumed load's ack was already popped.
     """
 
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams) -> None:
+    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams | InlineStreams) -> None:
         self.num_layers = num_layers
         self.streams = streams
         self.events: dict[int, LayerLoadingEvent] = {}
         self._next_id = 0
         self.consumer_index = -1
 
-    def update_producer(self) -> int:
+    def update_producer(self, node_ids: list[int] | None = None) -> int:
+        """Events for a new load (of ``node_ids``); returns its producer id."""
         pid = self._next_id
         self._next_id += 1
-        self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams)
+        self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams, node_ids)
         return pid
 
     def set_consumer(self, index: int) -> None:
@@ -61,6 +71,16 @@ class LayerDoneCounter:
         if ev is None:
             return
         self.streams.compute.wait_event(ev.load_events[threshold])
+        for layer in range(threshold + 1):
+            error = ev.load_events[layer].error
+            if error is not None:
+                raise LoadBackError(
+                    f"load_to_device_per_layer(layer_id={layer})",
+                    f"the load of node ids {ev.node_ids} failed while it ran; layer "
+                    f"{threshold}'s KV must not be read",
+                    ev.node_ids,
+                    error,
+                ) from error
 
     def release(self, index: int) -> None:
         """Forget a producer whose load ack was popped (its events have all fired)."""

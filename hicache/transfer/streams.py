@@ -3,27 +3,41 @@
 Everything that moves bytes asynchronously (the controller) is written against this small API:
 
 - ``Streams.compute`` — the stream the forward pass runs on (the caller's stream).
-- ``Streams.new_stream()`` — a side stream (the controller makes a write and a load stream).
+- ``Streams.new_stream(high_priority=False)`` — a side stream (the controller makes a write and a
+  high-priority load stream).
 - ``Streams.new_event()`` — an event, recorded on a stream, waited on by a stream or the host.
 
 ``Stream``: ``submit(fn)`` runs ``fn()`` "on" the stream; ``record(event=None) -> Event``;
 ``wait_event(event)`` makes later work on this stream wait for ``event`` (never blocks the host on
 CUDA); ``query()`` (non-blocking: all submitted work done?); ``synchronize()`` (blocks the host).
-``Event``: ``record(stream)``, ``query()`` (non-blocking), ``synchronize()`` (blocks the host).
-An event never recorded counts as complete, as in CUDA.
+``Event``: ``record(stream)``, ``query()`` (non-blocking), ``synchronize()`` (blocks the host),
+``error`` (the exception of work that ran on the stream since its previous record, once the
+event fired; always ``None`` on CUDA, where a failed launch raises in ``submit`` and a fault
+while running is a sticky CUDA error). An event never recorded counts as complete, as in CUDA.
 
-CUDA (``CudaStreams``): ``submit`` calls ``fn`` at once inside ``torch.cuda.stream(s)``, so the
-kernels it launches are queued on ``s``; events are ``torch.cuda.Event``.
+Three kinds (``make_streams(device, delay, mode)``):
 
-CPU (``CpuStreams``): a side stream is one worker thread that runs submitted callables in order;
-events are ``threading.Event``s set by the worker when it reaches the record. The compute stream
-is the calling thread itself, so work "on" it is already done when submitted; a wait on it blocks
-the caller. An optional delay (seconds, or a callable returning seconds) is slept before every
-submitted callable to widen race windows in tests. Callables of all CPU side streams run under one
-process-wide lock: Triton's CPU interpreter patches module globals and is not thread-safe. Delays
-are slept outside the lock, so they overlap. A callable that raises is logged, the stream keeps
-going (so events still fire and nothing deadlocks), and the error is re-raised by ``synchronize()``
-or ``check_error()``.
+- CUDA (``CudaStreams``): ``submit`` calls ``fn`` at once inside ``torch.cuda.stream(s)``, so the
+  kernels it launches are queued on ``s`` and a launch error (validation, compile, out of memory)
+  raises in the caller; events are ``torch.cuda.Event``. ``high_priority`` side streams get a
+  priority above the default one, so copy kernels are scheduled beside a running GEMM.
+- CPU, ``"thread"`` (``CpuStreams``, the default): a side stream is one worker thread that runs
+  submitted callables in order; events are ``threading.Event``s set by the worker when it reaches
+  the record. Copies really run beside the caller, so tests see acks arrive late and races show.
+  A callable that raises is logged, the stream keeps going (events still fire, nothing
+  deadlocks), and the error is handed to the next event recorded on that stream (``Event.error``)
+  or, if none follows, raised once by the next ``synchronize()`` / ``check_error()``. It never
+  sticks: later work on the stream is not affected.
+- CPU, ``"inline"`` (``InlineStreams``): CUDA's launch semantics on a CPU. ``submit`` runs ``fn``
+  at once on the caller's thread and an exception propagates to the caller, as a failing CUDA
+  launch does; events fire when recorded (all submitted work is done by then).
+
+On CPU the compute stream is the calling thread itself, so work "on" it is already done when
+submitted; a wait on it blocks the caller. An optional delay (seconds, or a callable returning
+seconds) is slept before every submitted callable to widen race windows in tests (inline: on the
+caller's thread, so a delay that blocks until the caller acts would deadlock). Callables of all
+CPU side streams run under one process-wide lock: Triton's CPU interpreter patches module globals
+and is not thread-safe. Thread-stream delays are slept outside the lock, so they overlap.
 """
 
 from __future__ import annotations
@@ -45,7 +59,17 @@ Delay = float | Callable[[], float]
 CPU_COPY_LOCK = threading.Lock()
 
 
+STREAM_MODES = ("thread", "inline")
+"""CPU stream kinds of ``make_streams`` (the module docstring): worker threads, or CUDA's launch
+semantics on the caller's thread."""
+
+# torch clamps a stream priority into the device's range; lower is higher, the default is 0.
+HIGH_PRIORITY = -1
+
+
 class Event(Protocol):
+    error: BaseException | None
+
     def record(self, stream: Stream | None = None) -> None: ...
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
@@ -68,7 +92,7 @@ class Streams(Protocol):
 
     @property
     def compute(self) -> Stream: ...
-    def new_stream(self) -> Stream: ...
+    def new_stream(self, high_priority: bool = False) -> Stream: ...
     def new_event(self, enable_timing: bool = False) -> Event: ...
 
 
@@ -76,7 +100,10 @@ class Streams(Protocol):
 # CUDA
 # ------------------------------------------------------------------------------------------------
 class CudaEvent:
-    """A ``torch.cuda.Event``; ``record`` defaults to the current stream."""
+    """A ``torch.cuda.Event``; ``record`` defaults to the current stream. ``error`` is always
+    ``None``: a failed launch raises in ``submit``."""
+
+    error: BaseException | None = None
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.event = torch.cuda.Event(enable_timing=enable_timing)
@@ -142,8 +169,11 @@ class CudaStreams:
         """The stream current now on this device (where the forward pass runs)."""
         return CudaStream(torch.cuda.current_stream(self.device))
 
-    def new_stream(self) -> CudaStream:
-        return CudaStream(torch.cuda.Stream(self.device))
+    def new_stream(self, high_priority: bool = False) -> CudaStream:
+        """A side stream; ``high_priority``: above the default priority of the compute stream
+        (``HIGH_PRIORITY``, clamped by torch into the device's range)."""
+        priority = HIGH_PRIORITY if high_priority else 0
+        return CudaStream(torch.cuda.Stream(self.device, priority=priority))
 
     def new_event(self, enable_timing: bool = False) -> CudaEvent:
         return CudaEvent(enable_timing)
@@ -153,25 +183,29 @@ class CudaStreams:
 # CPU
 # ------------------------------------------------------------------------------------------------
 class CpuEvent:
-    """A thread event; each ``record`` arms a fresh flag that the stream sets when reached."""
+    """A thread event; each ``record`` arms a fresh flag that the stream sets when reached.
+    ``error``: what failed on a thread stream since its previous record (set before the flag)."""
 
     def __init__(self) -> None:
         self._flag: threading.Event | None = None
         self.recorded_at: float | None = None  # time.perf_counter() when the flag was set
+        self.error: BaseException | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         flag = threading.Event()
         self._flag = flag
         self.recorded_at = None
+        self.error = None
 
-        def fire() -> None:
+        def fire(error: BaseException | None = None) -> None:
+            self.error = error
             self.recorded_at = time.perf_counter()
             flag.set()
 
-        if stream is None or isinstance(stream, CpuComputeStream):
+        if stream is None or isinstance(stream, CpuComputeStream | InlineStream):
             fire()
         elif isinstance(stream, CpuStream):
-            stream._put(fire, delayed=False)
+            stream._put_record(fire)
         else:
             raise ValueError(f"stream must be a CPU stream, got {type(stream).__name__}")
 
@@ -255,15 +289,18 @@ class CpuStream:
             return self._pending == 0
 
     def synchronize(self) -> None:
-        """Block until everything submitted so far has run; re-raise a callable's error."""
+        """Block until everything submitted so far has run; raise (once) the error of a callable
+        that no later event took (``Event.error``)."""
         with self._cv:
             while self._pending:
                 self._cv.wait()
         self.check_error()
 
     def check_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"{self.name}: a submitted copy failed") from self._error
+        """Raise, once, the error of a callable that no later event took; never blocks."""
+        error = self._take_error()
+        if error is not None:
+            raise RuntimeError(f"{self.name}: a submitted callable failed: {error!r}") from error
 
     def close(self) -> None:
         """Finish queued work, then stop the worker thread."""
@@ -279,6 +316,15 @@ class CpuStream:
         with self._cv:
             self._pending += 1
         self._queue.put((fn, delayed))
+
+    def _put_record(self, fire: Callable[[BaseException | None], None]) -> None:
+        """Queue an event's record: when reached, the event takes the stream's pending error."""
+        self._put(lambda: fire(self._take_error()), delayed=False)
+
+    def _take_error(self) -> BaseException | None:
+        with self._cv:
+            error, self._error = self._error, None
+        return error
 
     def _sleep(self) -> None:
         d = self.delay() if callable(self.delay) else self.delay
@@ -298,10 +344,11 @@ class CpuStream:
                         fn()
                 else:
                     fn()
-            except BaseException as e:  # noqa: BLE001 - kept and re-raised by synchronize()
+            except BaseException as e:  # noqa: BLE001 - handed to the next event (or synchronize)
                 logger.exception("%s: submitted callable failed", self.name)
-                if self._error is None:
-                    self._error = e
+                with self._cv:
+                    if self._error is None:
+                        self._error = e
             finally:
                 with self._cv:
                     self._pending -= 1
@@ -322,7 +369,9 @@ class CpuStreams:
     def compute(self) -> CpuComputeStream:
         return self._compute
 
-    def new_stream(self) -> CpuStream:
+    def new_stream(self, high_priority: bool = False) -> CpuStream:
+        """A worker-thread stream (a CPU has no stream priorities: ``high_priority`` is
+        accepted and ignored)."""
         s = CpuStream(self.delay, name=f"cpu-stream-{len(self._streams)}")
         self._streams.append(s)
         return s
@@ -336,9 +385,87 @@ class CpuStreams:
             s.close()
 
 
-def make_streams(device: torch.device | str, delay: Delay = 0.0) -> CudaStreams | CpuStreams:
-    """``CudaStreams`` for a CUDA device, else ``CpuStreams(delay)`` (``delay`` unused on CUDA)."""
+class InlineStream:
+    """CUDA's launch semantics on a CPU: ``submit`` runs ``fn`` now on the caller's thread (after
+    the stream's delay) and lets its exception propagate; events recorded here fire at once."""
+
+    def __init__(self, delay: Delay = 0.0, name: str = "inline-stream") -> None:
+        self.delay = delay
+        self.name = name
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        d = self.delay() if callable(self.delay) else self.delay
+        if d > 0:
+            time.sleep(d)
+        with CPU_COPY_LOCK:
+            fn()
+
+    def record(self, event: Event | None = None) -> Event:
+        ev = event if event is not None else CpuEvent()
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        """Every inline or compute-stream event has fired when recorded: nothing to wait for."""
+        if not isinstance(event, CpuEvent):
+            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
+        event.synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def check_error(self) -> None:
+        return None
+
+
+class InlineStreams:
+    """CPU streams with CUDA's launch semantics (``mode="inline"``; module docstring)."""
+
+    is_cuda = False
+
+    def __init__(self, delay: Delay = 0.0) -> None:
+        self.delay = delay
+        self._compute = CpuComputeStream()
+        self._count = 0
+
+    @property
+    def compute(self) -> CpuComputeStream:
+        return self._compute
+
+    def new_stream(self, high_priority: bool = False) -> InlineStream:
+        """An inline stream (``high_priority`` accepted and ignored, as on ``CpuStreams``)."""
+        s = InlineStream(self.delay, name=f"inline-stream-{self._count}")
+        self._count += 1
+        return s
+
+    def new_event(self, enable_timing: bool = False) -> CpuEvent:
+        return CpuEvent()
+
+    def close(self) -> None:
+        return None
+
+
+def make_streams(
+    device: torch.device | str, delay: Delay = 0.0, mode: str | None = None
+) -> CudaStreams | CpuStreams | InlineStreams:
+    """The streams of ``device``: ``CudaStreams`` for a CUDA device, else ``CpuStreams(delay)``
+    (``mode`` ``None`` or ``"thread"``) or ``InlineStreams(delay)`` (``mode="inline"``).
+
+    On CUDA ``delay`` is unused and ``mode`` may be ``None`` or ``"inline"`` (CUDA streams launch
+    inline already); ``"thread"`` there, or any other mode, raises ``ValueError``."""
     device = torch.device(device)
+    if mode is not None and mode not in STREAM_MODES:
+        raise ValueError(f"streams mode must be one of {STREAM_MODES}, got {mode!r}")
     if device.type == "cuda":
+        if mode == "thread":
+            raise ValueError(
+                "streams='thread' emulates CUDA streams with CPU threads; the device is "
+                f"{device}: use the default (None) or 'inline'"
+            )
         return CudaStreams(device)
+    if mode == "inline":
+        return InlineStreams(delay)
     return CpuStreams(delay)

@@ -13,6 +13,12 @@ imports this module, never the other way round).
 When a write_back backup finds no host room even after host eviction while this eviction's own
 earlier backups hold the host, those are finished first (their older nodes become host-only and
 host-evictable) and the backup is tried again, so the most recently used leaves keep a host copy.
+
+A write-back backup that fails (its launch: ``write_backup`` returns 0, as for a full host; or
+while it ran: its ack says so) leaves the leaf as if it had never been backed up: it is deleted
+when it may be (KV lost, as for a full host), else it stays on the device, is not tried again in
+this eviction, and is an eviction candidate again afterwards (``kept``); a host-bound parent of a
+leaf that stays stays too.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class EvictionTree(Protocol):
 
     def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int: ...
 
-    def _ack_write(self, node_id: int) -> None: ...
+    def _ack_write(self, node_id: int) -> bool: ...
 
 
 class DeviceEviction:
@@ -62,7 +68,9 @@ class DeviceEviction:
     any, are waited for first), in the order they were taken, children before parents.
     ``parents``: parents whose every device child is host-bound; they are leaves for this call
     (SGLang's write_back evicts them in the same pass), ordered with the tree's queue by access
-    time. ``frees``: device slots to give back at the end, in one call.
+    time. ``frees``: device slots to give back at the end, in one call. ``kept``: host-bound
+    nodes that stay on the device after all (a failed backup), skipped for the rest of this
+    call and queued again at its end.
     """
 
     def __init__(self, tree: EvictionTree) -> None:
@@ -74,6 +82,8 @@ class DeviceEviction:
         self.host_bound_children: dict[int, int] = {}
         self.parents: list[tuple[int, int, TreeNode]] = []
         self.frees: list[torch.Tensor] = []
+        self.kept: list[TreeNode] = []
+        self.kept_ids: set[int] = set()
 
     def _parent_ready(self, x: TreeNode) -> bool:
         return (
@@ -82,6 +92,7 @@ class DeviceEviction:
             and x.lock_ref == 0
             and x.device_children == self.host_bound_children.get(x.id, 0)
             and x.id not in self.host_bound_ids
+            and x.id not in self.kept_ids
         )
 
     def next_leaf(self) -> TreeNode | None:
@@ -89,7 +100,7 @@ class DeviceEviction:
         queue = self.tree._device_queue
         while True:
             x = queue.peek()
-            while x is not None and x.id in self.host_bound_ids:
+            while x is not None and (x.id in self.host_bound_ids or x.id in self.kept_ids):
                 queue.pop()  # a host-bound node is no candidate until its backup is done
                 x = queue.peek()
             parents = self.parents
@@ -143,15 +154,26 @@ class DeviceEviction:
         if self.backups:
             tree.controller.wait_write(self.backups)
             for node_id in self.backups:
-                tree._ack_write(node_id)
-        for x in self.host_bound:
-            tree._evict_backuped(x, self.frees)
+                tree._ack_write(node_id)  # a failed one leaves its node without a host copy
+        for x in self.host_bound:  # children before parents
+            if x.device_children == 0 and x.backuped:
+                tree._evict_backuped(x, self.frees)
+            elif x.device_children == 0 and tree._droppable(x) and x.parent is not None:
+                tree._evict_regular(x, self.frees)  # its backup failed: as with a full host
+            else:  # its backup failed and it may not be dropped, or a child of it stays
+                self.freed -= len(x.value)
+                self.kept.append(x)
+                self.kept_ids.add(x.id)
         self.host_bound = []
         self.host_bound_ids.clear()
         self.backups = []
         self.host_bound_children.clear()
 
     def give_back(self) -> None:
+        """Free this call's device slots in one call; queue the ``kept`` nodes again."""
+        for x in self.kept:
+            self.tree._device_queue.push_if_candidate(x)
+        self.kept = []
         if self.frees:
             frees, self.frees = self.frees, []
             self.tree.controller.evict_device(frees[0] if len(frees) == 1 else torch.cat(frees))

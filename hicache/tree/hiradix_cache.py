@@ -35,11 +35,21 @@ Starting a backup or a load back, the in-flight state until its ack and the acks
 
 Everything here runs on the scheduler thread and never blocks, except device eviction under
 ``write_back`` (it waits for its own backups before freeing the slots they read).
+
+**L3 storage** (``attach_storage``; ``storage_hooks`` has the pieces): every node gets its pages'
+keys at insert; a host copy, once its D2H ack is in, is stored by the storage tier
+(``write_through`` after the insert's backup, ``write_through_selective`` after the second hit,
+``write_back`` at device eviction), its host pages protected (``host_ref``) until the storage
+ack; pages fetched from storage come back as host-only nodes (``insert_host``) that the ordinary
+load back brings to the device. With ``buffer_only`` the host pool only stages: a backup's host
+slots leave the node at once (no host copy in the tree) and are freed at the storage ack; a
+fetched node loses its host copy when its load back is queued (freed at the H2D ack).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +57,14 @@ import torch
 from hicache.tree.device_eviction import DeviceEviction
 from hicache.tree.hiradix_transfers import HiRadixTransfers
 from hicache.tree.node import TreeNode
+from hicache.tree.storage_hooks import (
+    StorageHooks,
+    assign_hashes,
+    check_storage_tree,
+    host_chain_tokens,
+    insert_host,
+)
+from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.stats import CacheStats
@@ -94,7 +112,22 @@ class HiRadixCache(HiRadixTransfers):
         self.load_back_threshold = load_back_threshold
         self.upstream_chunked_insert = upstream_chunked_insert
         self.stats = stats
+        self.storage: StorageHooks | None = None
+        # node id -> (host slots, page keys) of a D2H backup whose pages go to storage at its ack
+        self._storage_writes: dict[int, tuple[torch.Tensor, list[str]]] = {}
         super().__init__(controller.device_allocator, page_size)
+
+    def attach_storage(self, storage: StorageHooks) -> None:
+        """Give the tree its L3 tier (before the first insert: nodes get keys from then on).
+        ``buffer_only`` storage needs ``write_through`` (``ServerArgs`` resolves it)."""
+        if self.all_nodes():
+            raise ValueError("attach_storage: the tree already holds nodes without page keys")
+        if storage.buffer_only and self.write_policy != "write_through":
+            raise ValueError(
+                "--hicache-host-memory-mode=buffer_only needs --hicache-write-policy="
+                f"write_through, got {self.write_policy}"
+            )
+        self.storage = storage
 
     @property
     def backs_up_on_insert(self) -> bool:
@@ -103,6 +136,20 @@ class HiRadixCache(HiRadixTransfers):
         return self.write_policy != "write_back"
 
     # ------------------------------------------------------------------ insert hooks
+
+    def insert(
+        self,
+        key: Sequence[int] | torch.Tensor,
+        value: torch.Tensor | None = None,
+        chunked: bool = False,
+    ) -> int:
+        """``RadixCache.insert``; the slots are checked against the device pool first (the
+        backups an insert starts read them), so a bad slot raises ``ValueError`` before the
+        tree changes rather than from a backup halfway through the walk."""
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
+            alloc = self.controller.device_allocator
+            slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
+        return super().insert(key, value, chunked)
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""
@@ -113,7 +160,10 @@ class HiRadixCache(HiRadixTransfers):
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
         """Count the hit, then back ``node`` up when the write policy says so. Chunked inserts
-        are not counted; with ``upstream_chunked_insert`` they do not back up either."""
+        are not counted; with ``upstream_chunked_insert`` they do not back up either. With
+        storage, a node created by this insert gets its page keys first."""
+        if self.storage is not None and node.hash_value is None:
+            assign_hashes(node, self.page_size)
         super()._inc_hit_count(node, chunked)
         if chunked and self.upstream_chunked_insert:
             return
@@ -122,10 +172,104 @@ class HiRadixCache(HiRadixTransfers):
     def _maybe_backup(self, node: TreeNode, chunked: bool) -> None:
         if self.write_policy == "write_back" or node.backuped:
             return
+        if self._buffer_only and (
+            node.id in self._storage_writes or self.storage.believed_stored(node.hash_value)
+        ):
+            return  # buffer_only: already stored, or its staging is on the way
         if node.hit_count >= self.write_through_threshold or (
             chunked and self.write_policy == "write_through"
         ):
             self.write_backup(node)
+
+    # ------------------------------------------------------------------ L3 storage
+
+    @property
+    def _buffer_only(self) -> bool:
+        return self.storage is not None and self.storage.buffer_only
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
+        """The D2H backup (``HiRadixTransfers.write_backup``). With storage the pages and keys
+        it copies are remembered for the storage write at its ack (a split meanwhile does not
+        lose a fragment); with ``buffer_only`` the host slots are staging: they leave the node
+        at once (the tree keeps no host copy) and are freed at the storage ack."""
+        n = super().write_backup(node, write_back)
+        if n and self.storage is not None:
+            self._storage_writes[node.id] = (node.host_value, list(node.hash_value))
+            if self.storage.buffer_only:
+                node.host_value = None
+                self.storage.note_staging(node.hash_value)
+        return n
+
+    def _ack_write(self, node_id: int) -> bool:
+        """A D2H ack: the base's bookkeeping, then the node's pages go to storage (cache mode:
+        its host copy, protected until the storage ack; buffer_only: its staging). A backup
+        whose copy failed sends nothing to storage (its host slots are already freed)."""
+        node = self.ongoing_write_through.get(node_id)
+        written = self._storage_writes.pop(node_id, None)
+        ok = super()._ack_write(node_id)
+        if written is None or node is None or not ok:
+            return ok
+        host_indices, keys = written
+        if self.storage.buffer_only:
+            self.storage.backup_staged(node, host_indices, keys)
+        elif node.parent is not None and node.host_value is not None:
+            self.storage.backup_node(node, host_indices, keys)
+        return ok
+
+    def check_hicache_events(self) -> None:
+        """L2 acks (which may start storage backups), then the storage tier's tick."""
+        super().check_hicache_events()
+        if self.storage is not None:
+            self.storage.check_events()
+
+    def insert_host(
+        self, anchor: TreeNode, key: list[int], host_indices: torch.Tensor, hashes: list[str]
+    ) -> int:
+        """Pages fetched from storage as a host-only node after ``anchor`` (``storage_hooks``);
+        returns the tokens of ``key`` already in the tree (the caller frees their slots)."""
+        return insert_host(self, anchor, key, host_indices, hashes)
+
+    def init_load_back(
+        self, last_host_node: TreeNode, host_hit_length: int
+    ) -> tuple[torch.Tensor, TreeNode]:
+        """The load back (``HiRadixTransfers.init_load_back``). With ``buffer_only`` storage a
+        host-only node is a fetched page's staging: once its load is queued the node keeps only
+        its device copy and the staging is freed at the H2D ack (the controller defers it); a
+        staging that does not load (below the threshold, no device room) is dropped."""
+        device_indices, last = super().init_load_back(last_host_node, host_hit_length)
+        if self._buffer_only:
+            self._release_staging(last_host_node, loaded=device_indices.numel() > 0)
+        return device_indices, last
+
+    def _release_staging(self, last_host_node: TreeNode, loaded: bool) -> None:
+        if not loaded:  # the staging did not load: the host-only nodes go (LRU host leaves)
+            self.evict_host(host_chain_tokens(last_host_node))
+            return
+        frees = []
+        x = last_host_node
+        while x is not self.root_node and x.host_value is not None:
+            frees.append(x.host_value)
+            x.host_value = None
+            x = x.parent
+        if frees:
+            self.controller.evict_host(torch.cat(frees))  # held until the H2D ack
+
+    def check_integrity(self, request_owned: int = 0) -> None:
+        """The tree's checks (``integrity.check_tree``), and with storage its page keys
+        (``storage_hooks.check_storage_tree``)."""
+        super().check_integrity(request_owned)
+        if self.storage is not None:
+            check_storage_tree(self, self.all_nodes(), self.storage.buffer_only)
+
+    def host_in_flight(self) -> int:
+        """Host slots outside the tree: the controller's deferred frees, buffer_only staging
+        not acked yet, and what the storage tier holds (prefetches, staging after the ack)."""
+        held = super().host_in_flight()
+        if self.storage is not None:
+            held += self.storage.host_slots_held()
+            if self.storage.buffer_only:
+                held += sum(h.numel() for h, _ in self._storage_writes.values())
+        return held
 
     # ------------------------------------------------------------------ device eviction
 

@@ -8,6 +8,13 @@ completes at its load ack (``loading_check``). Between the two phases the node i
 acks that clear it and the views of it that ``check_integrity`` reads. *When* a backup starts is
 the write policy's decision, in ``hiradix_cache.py``; the controller moves the bytes.
 
+A copy that fails (``hicache.transfer.errors``; what the tree does is in ``failed_copies``): a
+backup whose launch fails is skipped as when the host is full, and one that fails while it runs
+leaves its node device-only at its ack, as if never backed up; a load back that fails at its
+launch (``ready_to_load_host_cache``), at a layer's wait (``layer_wait``) or at its ack raises
+``LoadBackError``, and ``cancel_load_back()`` makes its nodes host-only again once the caller
+released its locks on them (the caller recomputes).
+
 ``HiRadixTransfers`` is the base of ``HiRadixCache`` and is not built on its own: it uses the
 subclass's attributes (declared below) and its ``evict`` / ``evict_host``.
 
@@ -46,6 +53,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.transfer.acks import ack_error
+from hicache.transfer.errors import BackupError, LoadBackError
+from hicache.tree.failed_copies import check_revertable, drop_failed_backup, revert_loads
 from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
 from hicache.tree.node import TreeNode
 from hicache.tree.radix_cache import RadixCache
@@ -76,6 +86,7 @@ class HiRadixTransfers(RadixCache):
         self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
         self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
         self._unacked_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
+        self._failed_loads: set[int] = set()  # loads whose ack reported a failure, not undone
 
     def _queues(self) -> tuple[LRUQueue, ...]:
         return (self._device_queue, self._host_queue)
@@ -88,11 +99,24 @@ class HiRadixTransfers(RadixCache):
     # never a host-only hit); under write_back evict() waits for the copy before freeing.
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
         """Start the D2H backup of ``node``; returns tokens backed up (0 when the host is full
-        even after host eviction). Never blocks."""
-        host_indices = self.controller.write(node.value, node_id=node.id)
-        if host_indices is None:
-            self.evict_host(len(node.value))
+        even after host eviction). Never blocks.
+
+        A backup whose launch fails (``BackupError``: the controller freed what it allocated) is
+        skipped as when the host is full: 0, logged, counted in ``stats.d2h_failed_copies``; the
+        node stays device-only, evictable and backed up later as if never backed up, so an
+        ``insert`` that starts it still completes. Under tensor parallelism the error is raised
+        instead (the other ranks launched theirs: skipping here alone would split the trees).
+        """
+        try:
             host_indices = self.controller.write(node.value, node_id=node.id)
+            if host_indices is None:
+                self.evict_host(len(node.value))
+                host_indices = self.controller.write(node.value, node_id=node.id)
+        except BackupError as exc:
+            if self.group.size > 1:
+                raise
+            logger.warning("backup of %r skipped: %s", node, exc)
+            return 0
         if host_indices is None:
             logger.debug("backup of %r skipped: host pool full", node)
             return 0
@@ -118,20 +142,84 @@ class HiRadixTransfers(RadixCache):
         for node_id in self.controller.writing_check(n):
             self._ack_write(node_id)
 
-    def _ack_write(self, node_id: int) -> None:
+    def _ack_write(self, node_id: int) -> bool:
+        """Apply one popped backup ack; ``False`` when its copy failed while it ran: the node
+        is then device-only again, its host slots freed (``failed_copies``)."""
         node = self.ongoing_write_through.pop(node_id, None)
-        self._unacked_write_slots.pop(node_id, None)
+        slots = self._unacked_write_slots.pop(node_id, None)
+        failure = self.controller.take_failure(node_id)
+        if node is not None and failure is not None and slots is not None:
+            logger.warning("backup of %r failed; the node stays device-only: %s", node, failure)
+            drop_failed_backup(self, node, slots)
         if node is not None and self.write_locks:
             self.dec_lock_ref(node)
+        return failure is None
 
     def loading_check(self, n: int | None = None) -> None:
         """Complete the first ``n`` loads (``None``: the finished ones; non-blocking): release
-        the locks they held."""
-        for node_id in self.controller.loading_check(n):
+        the locks they held. A load whose ack reports a failure (it failed while it ran) is
+        undone at once when no caller locks its nodes (they are host-only again, as before
+        ``init_load_back``); otherwise it stays held and ``LoadBackError`` is raised after every
+        other ack was applied: the caller releases its locks on those nodes, then calls
+        ``cancel_load_back()``. (A caller that waits per layer, ``layer_wait``, is told
+        earlier.)"""
+        failed = self._apply_load_acks(self.controller.loading_check(n))
+        if not failed:
+            return
+        self._failed_loads.update(failed)
+        try:
+            check_revertable(self, self._failed_loads)
+        except ValueError as exc:
+            raise LoadBackError(
+                "load_to_device_per_layer",
+                f"the loads of node ids {sorted(self._failed_loads)} failed while they ran; "
+                f"release the locks on their nodes, then cancel_load_back() ({exc})",
+                sorted(self._failed_loads),
+            ) from exc
+        revert_loads(self, self._failed_loads)
+        self._failed_loads.clear()
+
+    def _apply_load_acks(self, node_ids: list[int]) -> list[int]:
+        """Release the locks of the popped loads that succeeded; returns the node ids of those
+        whose copy failed (still held, for ``revert_loads``)."""
+        failed = []
+        for node_id in node_ids:
+            failure = self.controller.take_failure(node_id)
+            if failure is not None and node_id in self.ongoing_load_back:
+                failed.append(node_id)
+                continue
             node = self.ongoing_load_back.pop(node_id, None)
             self._load_ancestors.pop(node_id, None)
             if node is not None:
                 self.dec_lock_ref(node)
+        return failed
+
+    def cancel_load_back(self) -> int:
+        """Undo every load back that did not complete, after a ``LoadBackError`` and once the
+        caller released each lock it took on the nodes ``init_load_back`` returned since: the
+        queued loads (their launch failed, or they were never started) and the launched ones
+        whose copy failed. Their nodes are host-only again, as before ``init_load_back``, and
+        their device slots are freed; a caller recomputes that KV. Loads that succeeded are
+        acked as usual. Returns the tokens undone.
+
+        Blocks until every launched load finished (an error path). Raises ``ValueError``,
+        changing nothing, while a caller still locks one of those nodes. Single rank only
+        (``RuntimeError`` otherwise): which copy failed is rank-local, so under tensor
+        parallelism a failed copy is fatal (the failing rank raises, the others stop at their
+        next collective)."""
+        c = self.controller
+        if self.group.size > 1:
+            raise RuntimeError("cancel_load_back: a failed copy is not agreed across TP ranks")
+        c.wait_loads()
+        failed = [nid for ack in c.ack_load_queue if ack_error(ack) for nid in ack.node_ids]
+        queued = [op.node_id for op in c.load_queue]
+        todo = {*queued, *failed, *self._failed_loads}
+        check_revertable(self, [nid for nid in todo if nid in self.ongoing_load_back])
+        self._failed_loads.update(self._apply_load_acks(c.loading_check(len(c.ack_load_queue))))
+        self._failed_loads.update(c.cancel_loads())
+        undone = revert_loads(self, self._failed_loads)
+        self._failed_loads.clear()
+        return undone
 
     def check_hicache_events(self) -> None:
         """Poll both ack queues without blocking: the leading finished backups and loads,
@@ -227,12 +315,18 @@ class HiRadixTransfers(RadixCache):
         return device_indices, last_host_node
 
     def ready_to_load_host_cache(self) -> int:
-        """Launch the queued loads (one H2D per layer); returns the controller's producer id."""
+        """Launch the queued loads (one H2D per layer); returns the controller's producer id.
+        Raises ``LoadBackError`` when the launch fails; the tree and the controller are then as
+        before the call (the loads still queued): the caller releases the locks it took on the
+        nodes ``init_load_back`` returned and calls ``cancel_load_back()``."""
         return self.controller.start_loading()
 
     def layer_wait(self, layer_id: int) -> None:
         """Before layer ``layer_id``'s attention: wait for that layer's load (a stream wait on
-        CUDA, a host block on CPU; no wait when nothing is loading)."""
+        CUDA, a host block on CPU; no wait when nothing is loading). Raises ``LoadBackError``
+        when that layer's copy failed while it ran (thread CPU streams): its KV must not be
+        read; the caller releases its locks on the loaded nodes and calls
+        ``cancel_load_back()``."""
         self.controller.layer_done_counter.wait_until(layer_id)
 
     # ------------------------------------------------------------------ integrity hooks

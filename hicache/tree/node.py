@@ -35,6 +35,8 @@ class TreeNode:
     ``last_access_time``: logical clock of the last match or insert through the node (LRU key).
     ``device_children``: children that are device-resident (kept by the tree; O(1) leaf test).
     ``queued``: bit set of the eviction queues (``eviction.LRUQueue``) holding an entry for it.
+    ``hash_value``: the L3 storage key of each page of the edge (``hicache.storage.hash_keys``,
+    SGLang's field), ``None`` when no storage tier is attached; kept page-aligned by splits.
     """
 
     __slots__ = (
@@ -50,6 +52,7 @@ class TreeNode:
         "last_access_time",
         "device_children",
         "queued",
+        "hash_value",
     )
     _ids = itertools.count()
 
@@ -66,6 +69,7 @@ class TreeNode:
         self.last_access_time = 0
         self.device_children = 0
         self.queued = 0
+        self.hash_value: list[str] | None = None
 
     @property
     def evicted(self) -> bool:
@@ -118,6 +122,10 @@ def split_node(child: TreeNode, split_len: int, page_size: int) -> TreeNode:
     if child.host_value is not None:
         new.host_value = child.host_value[:split_len]
         child.host_value = child.host_value[split_len:]
+    if child.hash_value is not None:  # page keys follow their pages (L3 storage)
+        pages = split_len // page_size
+        new.hash_value = child.hash_value[:pages]
+        child.hash_value = child.hash_value[pages:]
     child.key = child.key[split_len:]
     child.parent = new
     new.children = {child_key(child.key, page_size): child}

@@ -33,6 +33,8 @@ from typing import Literal
 
 import torch
 
+from kernels.layout.ptr_tables import table_bound
+
 logger = logging.getLogger(__name__)
 
 Layout = Literal["layer_first", "page_first", "page_head", "table"]
@@ -42,7 +44,8 @@ PAGE_HEAD: Layout = "page_head"
 TABLE: Layout = "table"
 
 NO_BOUND = 1 << 62
-"""``n_slots`` of a table side: its extent is unknown to the kernel."""
+"""``n_slots`` of a table side whose tables carry no recorded bound
+(:func:`kernels.layout.ptr_tables.table_bound`): its extent is unknown to the kernel."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class Side:
     + h * head_stride`` from the buffer base, or from ``table[l]`` when ``is_table`` (then
     ``layer_stride`` is 0). With ``page_size == 1``, ``page_stride`` is the token stride.
     ``refs`` holds the K (and V) data tensors, or their per-layer ``data_ptr()`` tables.
-    ``n_slots`` bounds the slot index (``NO_BOUND`` for tables). ``table_align``: what the
+    ``n_slots`` bounds the slot index (tables: the smallest bound recorded with them,
+    ``NO_BOUND`` when one has none). ``table_align``: what the
     validator learned of each table's entries (empty: ask :mod:`kernels.layout.ptr_tables`).
     """
 
@@ -119,7 +123,8 @@ class KVCopy:
     as ``how`` says. ``item_size`` / ``layout_dim``: K's bytes of one token of one layer / of all
     layers of the page_first or page_head side; ``v_item_size``: V's (``None``: as K).
     Layers copied: ``layer_id`` (one) for a per-layer op, ``0 .. num_layers - 1`` for an
-    all-layer op. ``page_size`` and ``head_num``: the page_head ops' geometry.
+    all-layer op. ``page_size`` and ``head_num``: the page_head ops' geometry. ``op``: the op's
+    SGLang name (errors name it).
     """
 
     how: Addressing
@@ -133,6 +138,7 @@ class KVCopy:
     num_layers: int = 1
     page_size: int = 1
     head_num: int = 1
+    op: str = ""
 
     @property
     def heads(self) -> int:
@@ -160,7 +166,7 @@ class KVCopy:
     def _side(self, layout: Layout, refs: tuple, item_size: int, layout_dim: int) -> Side:
         h = self.heads
         if layout == TABLE:
-            return Side(refs, True, item_size, 0, NO_BOUND, head_stride=item_size // h)
+            return Side(refs, True, item_size, 0, tables_bound(refs), head_stride=item_size // h)
         if layout == PAGE_FIRST:
             return Side(refs, False, layout_dim, item_size, refs[0].shape[0],
                         head_stride=item_size // h)  # fmt: skip
@@ -172,6 +178,13 @@ class KVCopy:
             )  # fmt: skip
         # One layer tensor: layer stride 0, whatever layer the op copies.
         return Side(refs, False, item_size, 0, refs[0].shape[0], head_stride=item_size // h)
+
+
+def tables_bound(tables: tuple[torch.Tensor, ...]) -> int:
+    """The slots every table of a side bounds (the smallest recorded), ``NO_BOUND`` if one has
+    no bound."""
+    bounds = [table_bound(t) if isinstance(t, torch.Tensor) else None for t in tables]
+    return NO_BOUND if None in bounds else min(bounds)  # type: ignore[type-var]
 
 
 def token_bytes(layout: Layout, t: torch.Tensor) -> int:

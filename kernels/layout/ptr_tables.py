@@ -8,6 +8,12 @@ addresses it writes, :func:`verify_ptr_table` reads an existing table once (at p
 The verified alignment (bytes, a power of two up to 16) is attached to the table together with
 its version counter: an in-place write to the table after that voids it. A table without one is
 copied with the narrower word its item size allows (as upstream: 8 bytes).
+
+So is the table's bound: the number of slots every layer it points at holds (the smallest first
+dimension of the tensors :func:`data_ptr_table` is given, or the ``n_slots`` passed to
+:func:`verify_ptr_table`). The ops check a table side's indices against it (on the host where
+that is free, else in the kernel, :mod:`kernels.triton.index_record`); a table without a bound
+(built elsewhere and never verified with one) cannot be bounded, as upstream.
 """
 
 from __future__ import annotations
@@ -45,40 +51,64 @@ def _version(table: torch.Tensor) -> int | None:
         return None
 
 
-def _record(table: torch.Tensor, align: int) -> None:
-    setattr(table, _ATTR, (align, _version(table)))
+def _record(table: torch.Tensor, align: int, n_slots: int | None) -> None:
+    setattr(table, _ATTR, (align, n_slots, _version(table)))
+
+
+def _current(table: torch.Tensor) -> tuple[int, int | None] | None:
+    rec = getattr(table, _ATTR, None)
+    if rec is None or rec[2] != _version(table):
+        return None
+    return rec[0], rec[1]
+
+
+def table_record(table: torch.Tensor) -> object:
+    """The record attached to ``table`` (``None`` if none): a new object whenever the table is
+    built or verified again, so a cached launch plan can tell its table records changed."""
+    return getattr(table, _ATTR, None)
 
 
 def verified_alignment(table: torch.Tensor) -> int:
     """Alignment recorded for ``table`` when it was built or verified, if it has not been
     written in place since; else 0 (unknown). Reads no tensor contents."""
-    rec = getattr(table, _ATTR, None)
-    if rec is None:
-        return 0
-    align, version = rec
-    return align if version == _version(table) else 0
+    rec = _current(table)
+    return 0 if rec is None else rec[0]
+
+
+def table_bound(table: torch.Tensor) -> int | None:
+    """Slots every layer of ``table`` holds, as recorded when it was built or verified, if it
+    has not been written in place since; else ``None`` (unknown). Reads no tensor contents."""
+    rec = _current(table)
+    return None if rec is None else rec[1]
 
 
 def data_ptr_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """A uint64 table ``[len(tensors)]`` of ``t.data_ptr()`` on ``device`` (as SGLang builds
-    them), with the entries' alignment recorded. Copies the table to ``device`` (blocking when it
+    them), with the entries' alignment and the table's bound (the smallest ``t.shape[0]``: the
+    slots of one layer ``[T, ...]``) recorded. Copies the table to ``device`` (blocking when it
     is CUDA; done once, when a pool is built)."""
     ptrs = [t.data_ptr() for t in tensors]
     table = torch.tensor(ptrs, dtype=torch.uint64, device=device)
-    _record(table, pointer_alignment(ptrs))
+    bound = min((t.shape[0] for t in tensors if t.dim() > 0), default=None)
+    _record(table, pointer_alignment(ptrs), bound)
     return table
 
 
-def verify_ptr_table(table: torch.Tensor) -> int:
+def verify_ptr_table(table: torch.Tensor, n_slots: int | None = None) -> int:
     """Read every entry of an existing ``data_ptr()`` table (int64 or uint64) once, record and
-    return its alignment. Synchronizes when ``table`` is on CUDA: call it when the pool is built,
-    not per copy."""
+    return its alignment; with ``n_slots`` (slots every layer it points at holds) record that
+    bound too. Synchronizes when ``table`` is on CUDA: call it when the pool is built, not per
+    copy."""
     if not isinstance(table, torch.Tensor) or table.dtype not in (torch.int64, torch.uint64):
         raise ValueError(f"table must be an int64 or uint64 tensor, got {table!r}")
+    if n_slots is not None and (isinstance(n_slots, bool) or not isinstance(n_slots, int)
+                                or n_slots <= 0):  # fmt: skip
+        raise ValueError(f"n_slots must be a positive int or None, got {n_slots!r}")
     ptrs = [int(p) for p in table.view(torch.int64).cpu().tolist()]
     align = pointer_alignment(ptrs)
-    _record(table, align)
-    logger.debug("pointer table of %d entries verified: %d-byte aligned", len(ptrs), align)
+    _record(table, align, n_slots)
+    logger.debug("pointer table of %d entries verified: %d-byte aligned, bound %s", len(ptrs),
+                 align, n_slots)  # fmt: skip
     return align
 
 

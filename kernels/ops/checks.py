@@ -3,18 +3,23 @@ the offending argument.
 
 Checks that read tensor contents (index ranges, pointer-table entries) cost nothing on CPU tensors
 and always run there. On CUDA they would synchronize the host with the stream, so they run only
-when debug checks are on (``HICACHE_KERNEL_CHECKS=1`` or :func:`set_debug_checks`); the kernel
-itself still skips out-of-range slots of tensor sides, so it never writes out of bounds.
+when debug checks are on (``HICACHE_KERNEL_CHECKS=1`` or :func:`set_debug_checks`); without them
+the kernel skips a pair whose index is past its side's end and records it on the device
+(:mod:`kernels.triton.index_record`): the copy's completion check raises the same
+:class:`kernels.errors.KVIndexError` the host check would have. :func:`device_range_checks`
+gives CPU tensors that CUDA behaviour (tests: the interpreted kernel runs the same masks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from kernels.errors import slot_out_of_range
 from kernels.layout.ptr_tables import pointer_alignment, verified_alignment
 from kernels.ops.reference import row_bytes
 
@@ -35,8 +40,29 @@ def debug_checks_enabled() -> bool:
     return _debug_checks
 
 
-def _content_checks(t: torch.Tensor) -> bool:
-    return t.device.type != "cuda" or _debug_checks
+_device_ranges = 0  # > 0: CPU tensors' index ranges are left to the kernel, as on CUDA
+
+
+@contextlib.contextmanager
+def device_range_checks() -> Iterator[None]:
+    """Within the block (process-wide: CPU stream threads included), the kernel-backend ops on
+    CPU tensors leave index ranges and table entries unread, as on CUDA without debug checks:
+    a bad index reaches the (interpreted) kernel, which skips the pair and records it. For
+    tests of that path on a machine without CUDA."""
+    global _device_ranges
+    _device_ranges += 1
+    try:
+        yield
+    finally:
+        _device_ranges -= 1
+
+
+def content_checks(t: torch.Tensor) -> bool:
+    """Whether checks that read ``t``'s contents run for it: always on CPU (unless inside
+    :func:`device_range_checks`), on CUDA only with debug checks on."""
+    if t.device.type == "cuda":
+        return _debug_checks
+    return _debug_checks or not _device_ranges
 
 
 def positive_int(name: str, value: object) -> int:
@@ -64,7 +90,7 @@ def slot_indices(
         raise ValueError(f"{name} length {t.numel()} is not a multiple of page_size={page_size}")
     if device is not None and t.device.type != device.type:
         raise ValueError(f"{name} is on {t.device}, the pool is on {device}")
-    if n_slots is not None and t.numel() and _content_checks(t):
+    if n_slots is not None and t.numel() and content_checks(t):
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= n_slots:
             raise ValueError(f"{name} out of range [0, {n_slots}): min {lo}, max {hi}")
@@ -220,7 +246,7 @@ def ptr_table(name: str, table: object, num_layers: int, device: torch.device) -
         raise ValueError(f"{name} is on {table.device}, but the indices are on {device}")
     if not table.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    if not _content_checks(table):
+    if not content_checks(table):
         return verified_alignment(table)
     align = pointer_alignment(table.view(torch.int64).tolist())
     if align == 0:
@@ -228,13 +254,18 @@ def ptr_table(name: str, table: object, num_layers: int, device: torch.device) -
     return align
 
 
-def indices_in_range(name: str, idx: torch.Tensor, n_slots: int) -> None:
-    """Every index is below ``n_slots`` (negative ones are skipped by the ops, as upstream)."""
-    if idx.numel() == 0 or not _content_checks(idx):
+def indices_in_range(
+    name: str, idx: torch.Tensor, n_slots: int, op: str = "", force: bool = False
+) -> None:
+    """Every index is below ``n_slots`` (negative ones are skipped by the ops, as upstream),
+    else :class:`kernels.errors.KVIndexError` naming ``op`` and ``name``. Reads ``idx`` only
+    where that is free (:func:`content_checks`) or when ``force`` (the torch reference, which
+    synchronizes anyway)."""
+    if idx.numel() == 0 or not (force or content_checks(idx)):
         return
     hi = int(idx.max().item())
     if hi >= n_slots:
-        raise ValueError(f"{name} holds slot {hi}, out of range for {n_slots} slots")
+        slot_out_of_range(op, name, hi, n_slots)
 
 
 def layer_lists(src_name: str, src: Sequence[object], dst_name: str, dst: Sequence[object]) -> None:

@@ -7,7 +7,9 @@ Bytes are copied raw (``uint8`` views), so any dtype works and the two sides may
 Like upstream, these ops read the indices on the host: on CUDA that waits for the indices to be
 ready (a stream synchronization), and each copy is then queued with ``non_blocking=True`` on the
 current stream. Host tensors should be pinned for the copies to be asynchronous. Indices must be
-in range and non-negative (``ValueError`` otherwise, checked on the host copy).
+in range and non-negative (``ValueError`` otherwise, checked on the host copy; an index past the
+end raises the :class:`kernels.errors.KVIndexError` the kernel-backend ops raise, naming the op
+and the argument).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.errors import slot_out_of_range
 from kernels.ops import checks
 from kernels.ops.reference import page_rows, row_bytes, token_rows
 
@@ -39,9 +42,9 @@ def _host_indices(
     return s, d
 
 
-def _in_range(name: str, idx: torch.Tensor, n_slots: int) -> None:
+def _in_range(op: str, name: str, idx: torch.Tensor, n_slots: int) -> None:
     if idx.numel() and int(idx.max()) >= n_slots:
-        raise ValueError(f"{name} holds slot {int(idx.max())}, out of range for {n_slots} slots")
+        slot_out_of_range(op, name, int(idx.max()), n_slots)
 
 
 def _runs(s: torch.Tensor, d: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -129,8 +132,8 @@ def transfer_kv_direct(
     srcs = _layer_tensors("src_layers", src_layers, None)
     dsts = _layer_tensors("dst_layers", dst_layers, [row_bytes(s) for s in srcs])
     s, d = _host_indices(src_indices, dst_indices, page_size)
-    _in_range("src_indices", s, min(t.shape[0] for t in srcs))
-    _in_range("dst_indices", d, min(t.shape[0] for t in dsts))
+    _in_range("transfer_kv_direct", "src_indices", s, min(t.shape[0] for t in srcs))
+    _in_range("transfer_kv_direct", "dst_indices", d, min(t.shape[0] for t in dsts))
     width = [row_bytes(t) for t in srcs]
     rows = [(token_rows(a, w), token_rows(b, w)) for a, b, w in zip(srcs, dsts, width, strict=True)]
     for s0, d0, n in _runs(s, d):
@@ -175,8 +178,9 @@ def _page_copies(
     s, d = _host_indices(src_indices, dst_indices, page_size)
     idx = {"src": s, "dst": d}
     n_slots = {host: hosts[0].shape[0] * page_size, dev: min(t.shape[0] for t in devs)}
+    op = "transfer_kv_all_layer_direct_lf_pf" if to_host else "transfer_kv_per_layer_direct_pf_lf"
     for side in ("src", "dst"):
-        _in_range(f"{side}_indices", idx[side], n_slots[side])
+        _in_range(op, f"{side}_indices", idx[side], n_slots[side])
     starts = _pages(f"{host}_indices", idx[host], idx[dev], page_size, f"{dev}_indices")
     host_pages = (starts // page_size).tolist()
     dev_starts = (idx[dev].view(-1, page_size)[:, 0] if idx[dev].numel() else idx[dev]).tolist()

@@ -2,7 +2,13 @@
 Triton kernel (one launch for K and V, or one each when their sizes differ), or, off the Triton
 path, the torch reference.
 
-Every failure is a ``ValueError`` naming the argument, raised before anything is written.
+Every failure is a ``ValueError`` naming the op and the argument, raised before anything is
+written. On the Triton path the validated buffers and their launch plans are cached
+(:mod:`kernels.ops.plans`): a repeated call over the same pool tensors checks only its indices.
+Index ranges: read on the host where that is free (CPU tensors, CUDA with debug checks) and
+always for the torch reference; otherwise the kernel skips and records a bad pair
+(:mod:`kernels.triton.index_record`), and the copy's completion check raises the same
+:class:`kernels.errors.KVIndexError`.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import logging
 
 import torch
 
+from kernels.errors import KVIndexError
 from kernels.layout.addressing import (
     LAYER_FIRST,
+    NO_BOUND,
     PAGE_FIRST,
     PAGE_HEAD,
     TABLE,
@@ -23,10 +31,13 @@ from kernels.layout.addressing import (
     token_bytes,
 )
 from kernels.ops import checks, reference
+from kernels.ops.plans import Plan, cached_plan
+from kernels.triton.index_record import launch_slot
 from kernels.triton.launch import (
     cache_hints_supported,
+    launch_for,
     launch_kv_copy,
-    plan_launch,
+    plan_part,
     resolve_num_warps,
 )
 
@@ -98,8 +109,17 @@ def _check_v_item_size(call: KVCopy, ends: list) -> None:
 
 
 def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[KVCopy, list]:
-    """Raise ``ValueError`` naming the first bad argument; else return the call and the parts to
+    """Raise ``ValueError`` naming the first bad argument (index ranges where
+    :func:`kernels.ops.checks.content_checks` reads them); else return the call and the parts to
     launch."""
+    parts = validate_buffers(call, block_quota, num_warps_per_block)
+    check_index_ranges(call, _bounds(parts))
+    return call, parts
+
+
+def validate_buffers(call: KVCopy, block_quota: int, num_warps_per_block: int) -> list[Part]:
+    """Everything of :func:`validate` but the index ranges (the indices' type, shape and device
+    included); returns the parts to launch."""
     device = checks.index_pair(call.src_indices, call.dst_indices)
     checks.positive_int("item_size", call.item_size)
     checks.positive_int("block_quota", block_quota)
@@ -133,11 +153,20 @@ def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[
         if layout == TABLE:
             for name, table in zip(names, refs, strict=True):
                 aligns[id(table)] = checks.ptr_table(name, table, call.num_layers, device)
-    parts = [_with_table_aligns(p, aligns) for p in call.parts()]
-    for (side, *_, idx), addressed in zip(ends, (parts[0].src, parts[0].dst), strict=True):
-        if not addressed.is_table:
-            checks.indices_in_range(f"{side}_indices", idx, addressed.n_slots)
-    return call, parts
+    return [_with_table_aligns(p, aligns) for p in call.parts()]
+
+
+def _bounds(parts: list[Part]) -> tuple[int, int]:
+    return parts[0].src.n_slots, parts[0].dst.n_slots
+
+
+def check_index_ranges(call: KVCopy, bounds: tuple[int, int], force: bool = False) -> None:
+    """Every index below its side's slot count (``bounds``; tables: their recorded bound), read
+    where that is free or when ``force``; else :class:`kernels.errors.KVIndexError`."""
+    for name, idx, n_slots in (("src_indices", call.src_indices, bounds[0]),
+                               ("dst_indices", call.dst_indices, bounds[1])):  # fmt: skip
+        if n_slots < NO_BOUND:
+            checks.indices_in_range(name, idx, n_slots, call.op, force)
 
 
 def _with_table_aligns(part: Part, aligns: dict[int, int]) -> Part:
@@ -151,18 +180,40 @@ def _with_table_aligns(part: Part, aligns: dict[int, int]) -> Part:
 
 def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
     """Validate ``call``, then queue the kernel (or, off the Triton path, run the reference):
-    one launch for K and V, or one each when their sizes differ."""
-    call, parts = validate(call, block_quota, num_warps_per_block)
-    if not _runs_triton(call.src_indices.device):
-        reference.copy_kv(call)
-        return
+    one launch for K and V, or one each when their sizes differ. A bad argument raises
+    ``ValueError`` prefixed with the op's name; a bad index, :class:`KVIndexError`."""
+    try:
+        device = checks.index_pair(call.src_indices, call.dst_indices)
+        if not _runs_triton(device):
+            parts = validate_buffers(call, block_quota, num_warps_per_block)
+            check_index_ranges(call, _bounds(parts), force=True)  # the reference indexes with them
+            reference.copy_kv(call)
+            return
+        plan = cached_plan(call, block_quota, num_warps_per_block,
+                           lambda: _plan(call, block_quota, num_warps_per_block))  # fmt: skip
+        check_index_ranges(call, plan.bounds)
+    except KVIndexError:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{call.op}: {exc}" if call.op else str(exc)) from None
     if call.src_indices.numel() == 0:
         return
+    for part_plan in plan.launches:
+        record = launch_slot(device, call.op, *part_plan.bounds)
+        launch_kv_copy(launch_for(part_plan, call.src_indices, call.dst_indices, record))
+
+
+def _plan(call: KVCopy, block_quota: int, num_warps_per_block: int) -> Plan:
+    """Validate ``call``'s buffers and plan each part's launch (what :mod:`kernels.ops.plans`
+    caches)."""
+    parts = validate_buffers(call, block_quota, num_warps_per_block)
     cache_hints = cache_hints_supported(call.src_indices.device)
     num_warps = resolve_num_warps(num_warps_per_block)
-    for part in parts:
-        launch_kv_copy(plan_launch(
-            part, call.src_indices, call.dst_indices,
-            layer_begin=call.layer_id, num_layers=call.num_layers,
-            block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints,
-        ))  # fmt: skip
+    launches = tuple(
+        plan_part(part, layer_begin=call.layer_id, num_layers=call.num_layers,
+                  block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints)
+        for part in parts
+    )  # fmt: skip
+    layouts = [call.how.src] * len(call.src) + [call.how.dst] * len(call.dst)
+    tables = frozenset(i for i, layout in enumerate(layouts) if layout == TABLE)
+    return Plan(_bounds(parts), launches, tables)

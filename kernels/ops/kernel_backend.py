@@ -69,7 +69,10 @@ class KernelBackendOps:
         Mutates ``dst_k`` and ``dst_v`` at ``dst_indices``.
         """
         self._run(
-            KVCopy(LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size),
+            KVCopy(
+                LF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
+                op="transfer_kv_per_layer",
+            ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
 
@@ -97,6 +100,7 @@ class KernelBackendOps:
             KVCopy(
                 PF_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_pf_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -129,6 +133,7 @@ class KernelBackendOps:
                 PH_TO_LF, (src_k, src_v), (dst_k, dst_v), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id, page_size=page_size,
                 head_num=head_num,
+                op="transfer_kv_per_layer_ph_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -149,14 +154,16 @@ class KernelBackendOps:
         """All layers, layer_first -> layer_first, both sides as ``data_ptr()`` tables ``[L]``.
 
         Each table entry points at one layer ``[T, H, D]`` (device or pinned host memory); K and
-        V rows are ``item_size`` bytes each (tables carry no shape to read V's from). The kernel
-        cannot bound slots through a table: indices must be valid for every layer they address.
-        Mutates the destination layers at ``dst_indices``.
+        V rows are ``item_size`` bytes each (tables carry no shape to read V's from). Indices are
+        bounded by the slots recorded with each table (:func:`kernels.data_ptr_table`); a table
+        without a recorded bound cannot be bounded. Mutates the destination layers at
+        ``dst_indices``.
         """
         self._run(
             KVCopy(
                 TABLE_TO_TABLE, (src_k_layers, src_v_layers), (dst_k_layers, dst_v_layers),
                 src_indices, dst_indices, item_size, num_layers=num_layers,
+                op="transfer_kv_all_layer",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -185,6 +192,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_PF, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices,
                 dst_indices, item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
+                op="transfer_kv_all_layer_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -216,6 +224,7 @@ class KernelBackendOps:
                 TABLE_TO_PH, (src_k_layers, src_v_layers), (dst_k, dst_v), src_indices,
                 dst_indices, item_size, layout_dim=dst_layout_dim, num_layers=num_layers,
                 page_size=page_size, head_num=head_num,
+                op="transfer_kv_all_layer_lf_ph",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -239,7 +248,10 @@ class KernelBackendOps:
         Either side may be pinned host memory. Mutates ``dst`` at ``dst_indices``.
         """
         self._run(
-            KVCopy(LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size),
+            KVCopy(
+                LF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
+                op="transfer_kv_per_layer_mla",
+            ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
 
@@ -261,6 +273,7 @@ class KernelBackendOps:
             KVCopy(
                 PF_TO_LF, (src,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=src_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_mla_pf_lf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -284,6 +297,7 @@ class KernelBackendOps:
             KVCopy(
                 LF_TO_PF, (src,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=dst_layout_dim, layer_id=layer_id,
+                op="transfer_kv_per_layer_mla_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -301,13 +315,14 @@ class KernelBackendOps:
     ) -> None:
         """MLA ``transfer_kv_all_layer``: ``data_ptr()`` tables ``[L]`` on both sides.
 
-        Mutates the destination layers at ``dst_indices``; indices must be valid for every
-        layer.
+        Mutates the destination layers at ``dst_indices``; indices are bounded by the tables'
+        recorded bounds.
         """
         self._run(
             KVCopy(
                 TABLE_TO_TABLE, (src_layers,), (dst_layers,), src_indices, dst_indices,
                 item_size, num_layers=num_layers,
+                op="transfer_kv_all_layer_mla",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip
@@ -333,6 +348,7 @@ class KernelBackendOps:
             KVCopy(
                 TABLE_TO_PF, (src_layers,), (dst,), src_indices, dst_indices, item_size,
                 layout_dim=dst_layout_dim, num_layers=num_layers,
+                op="transfer_kv_all_layer_mla_lf_pf",
             ),
             block_quota, num_warps_per_block,
         )  # fmt: skip

@@ -25,8 +25,13 @@ Every op is ``dst[dst_indices[i]] = src[src_indices[i]]`` in its addressing (see
 - ``block_quota`` caps the number of programs (CTAs); ``num_warps_per_block`` is rounded down to
   a power of two, at most 32 (16 on HIP).
 - Only the destination is written. The op is queued on the current stream and never blocks the
-  host; bad arguments raise ``ValueError`` naming the argument (index ranges and table entries are
-  checked on CPU always, on CUDA with :func:`kernels.set_debug_checks`).
+  host; bad arguments raise ``ValueError`` naming the op and the argument (index ranges and
+  table entries are read on CPU always, on CUDA with :func:`kernels.set_debug_checks`). An index
+  at or past its side's end (a table side: the bound recorded with the table) raises
+  :class:`kernels.KVIndexError`: at the call where the host reads the indices, else the kernel
+  skips the pair, records it on the device without synchronizing, and the copy's check raises
+  (:func:`kernels.watch_copies`; the controller checks at each ack).
+- Repeated calls over the same buffers reuse a cached launch plan (:mod:`kernels.ops.plans`).
 
 CPU tensors on a machine that compiles Triton for CUDA (no interpreter) run the torch reference.
 

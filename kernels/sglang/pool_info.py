@@ -55,3 +55,19 @@ def sglang_buffer_info(device_pool: Any) -> Any:
         dtype=device_pool.store_dtype,
         device=buffers[0].device,
     )
+
+
+def sglang_device_pool_infos(device_pool: Any) -> tuple[Any, ...]:
+    """SGLang 0.5.23's ``get_device_pool_infos()`` of ``device_pool``: one ``DevicePoolInfo`` of
+    the KV pool (``PoolName.KV`` for both names, ``model_layer_ids``, ``sglang_buffer_info``)."""
+    from sglang.srt.mem_cache.device_pool_info import DevicePoolInfo
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return (
+        DevicePoolInfo(
+            pool_name=PoolName.KV,
+            indices_from_pool=PoolName.KV,
+            layer_ids=tuple(device_pool.model_layer_ids),
+            buffer_info=sglang_buffer_info(device_pool),
+        ),
+    )

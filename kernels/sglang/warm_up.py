@@ -75,22 +75,49 @@ def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
     """Verify (:func:`kernels.verify_ptr_table`) every pointer table the given pools hold that
     no one verified yet: attributes whose name ends in ``ptrs`` holding a 1-D int64 / uint64
     tensor (SGLang's ``k_data_ptrs``, ``v_data_ptrs``, ``data_ptrs``, 0.5.23's
-    ``device_k_data_ptrs``, ...). Tables this project built are verified already. Reads each
-    table once (a synchronization on CUDA): call at pool build time, before the scheduler loop.
-    Returns ``(owner class, attribute, alignment in bytes)`` per table verified now.
+    ``device_k_data_ptrs``, ...). Tables this project built are verified already. Each table's
+    bound is recorded too when every entry is the ``data_ptr()`` of a per-layer tensor one of
+    the pools holds (``k_buffer``, ``v_buffer``, ``kv_buffer``, ...): the slots of the smallest,
+    so an out-of-range index on an all-layer op is caught. Reads each table (a synchronization
+    on CUDA): call at pool build time, before the scheduler loop. Returns ``(owner class,
+    attribute, alignment in bytes)`` per table verified now.
     """
     from kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
 
     out: list[tuple[str, str, int]] = []
     seen: set[int] = set()
+    slots = _layer_slots(pools)
     for pool in pools:
         for name, value in sorted(getattr(pool, "__dict__", {}).items()):
             if not (name.endswith("ptrs") and _is_ptr_table(value)) or id(value) in seen:
                 continue
             seen.add(id(value))
             if verified_alignment(value) == 0:
-                out.append((type(pool).__name__, name, verify_ptr_table(value)))
+                bound = _bound(value, slots)
+                out.append((type(pool).__name__, name, verify_ptr_table(value, bound)))
     return out
+
+
+def _layer_slots(pools: tuple[Any, ...]) -> dict[int, int]:
+    """``data_ptr() -> slots`` of every per-layer tensor the pools hold in a list or tuple
+    attribute (SGLang's device ``k_buffer``, its host pools' ``k_data_refs``, ...). A tensor
+    attribute is not split: which of its dimensions is the layer is not known here."""
+    slots: dict[int, int] = {}
+    for pool in pools:
+        for value in getattr(pool, "__dict__", {}).values():
+            layers = value if isinstance(value, (list, tuple)) else ()
+            for t in layers:
+                if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                    p = t.data_ptr()
+                    slots[p] = min(slots.get(p, t.shape[0]), t.shape[0])
+    return slots
+
+
+def _bound(table: torch.Tensor, slots: dict[int, int]) -> int | None:
+    """The slots every entry of ``table`` holds (``None`` unless all are known layers)."""
+    entries = [p & ((1 << 64) - 1) for p in table.view(torch.int64).cpu().tolist()]
+    known = [slots.get(p) for p in entries]
+    return None if not known or None in known else min(known)  # type: ignore[type-var]
 
 
 def _is_ptr_table(value: Any) -> bool:

@@ -19,8 +19,11 @@ Triton spreads a warp's lanes along ``COLS`` and the warps along ``ROWS``, so ea
 ``NCHUNK`` vectors of ONE row (one address register per row per side, the chunks at immediate
 offsets) times a couple of rows. At most ``block_quota`` programs walk the tiles of ``ROWS`` rows
 in a grid-stride loop and copy, per tile, every layer (K, then V): each program keeps one whole
-block of loads in flight. Address math is 64-bit. Pairs with
-a negative index are skipped (as upstream), and so are indices past the end of a tensor side.
+block of loads in flight. Address math is 64-bit. Pairs with a negative index are skipped (as
+upstream). A pair with an index at or past its side's slot count is skipped too, and recorded:
+the launch's code and the index go to its slot of the device's index record
+(:mod:`kernels.triton.index_record`), which the copy's completion check turns into an error, so
+a bad index is never dropped silently and never read or written out of bounds.
 
 Bytes in flight (docs/DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5
 moves about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
@@ -57,6 +60,18 @@ def _slot_offsets(idx, head, PAGE: tl.constexpr, page_stride, row_stride, head_s
     if HEADS > 1:
         off += head * head_stride
     return off
+
+
+@triton.jit
+def _record_bad(err_ptr, err_slot, err_code, bad_s, bad_d, s, d):
+    """Store the launch's code and the offending index in its record slot, for each side with
+    an out-of-range index in this tile (plain stores: any bad row's value wins)."""
+    word = err_ptr + err_slot * 4 + tl.zeros_like(s)
+    code = err_code + tl.zeros_like(s)
+    tl.store(word, code, mask=bad_s)
+    tl.store(word + 1, code, mask=bad_d)
+    tl.store(word + 2, s, mask=bad_s)
+    tl.store(word + 3, d, mask=bad_d)
 
 
 @triton.jit
@@ -116,6 +131,7 @@ def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_s
 @triton.jit(
     do_not_specialize=[
         "src_idx_ptr", "dst_idx_ptr", "n_items", "layer_begin", "src_slots", "dst_slots",
+        "err_slot", "err_code",
     ]
 )  # fmt: skip
 def kv_copy_kernel(
@@ -123,7 +139,7 @@ def kv_copy_kernel(
     n_items, layer_begin, n_layers,
     src_page_stride, src_row_stride, src_layer_stride, src_head_stride,
     dst_page_stride, dst_row_stride, dst_layer_stride, dst_head_stride,
-    src_slots, dst_slots,
+    src_slots, dst_slots, err_ptr, err_slot, err_code,
     SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr,
     SRC_PAGE: tl.constexpr, DST_PAGE: tl.constexpr,
     SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
@@ -136,7 +152,9 @@ def kv_copy_kernel(
 
     Strides are in words of type ``WORD``; ``src_*``/``dst_*`` are word-typed data pointers, or
     int64/uint64 ``data_ptr()`` tables when ``*_TABLE``. ``*_ALIGN`` (16 or 0) says every row of
-    that side starts on 16 bytes (see :func:`_row_pointers`).
+    that side starts on 16 bytes (see :func:`_row_pointers`). ``src_slots`` / ``dst_slots``
+    bound each side's indices; ``err_ptr`` (int64), ``err_slot``, ``err_code``: where and what
+    a launch that skips an out-of-range pair records (:mod:`kernels.triton.index_record`).
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -153,7 +171,11 @@ def kv_copy_kernel(
         in_range = item < n_items
         s = tl.load(src_idx_ptr + item, mask=in_range, other=-1)
         d = tl.load(dst_idx_ptr + item, mask=in_range, other=-1)
-        ok = in_range & (s >= 0) & (d >= 0) & (s < src_slots) & (d < dst_slots)
+        live = in_range & (s >= 0) & (d >= 0)  # a negative index: skipped, as upstream
+        bad_s = live & (s >= src_slots)
+        bad_d = live & (d >= dst_slots)
+        _record_bad(err_ptr, err_slot, err_code, bad_s, bad_d, s, d)
+        ok = live & (s < src_slots) & (d < dst_slots)
         s_off = _slot_offsets(s.to(tl.int64), head, SRC_PAGE, src_page_stride, src_row_stride,
                               src_head_stride, HEADS)  # fmt: skip
         d_off = _slot_offsets(d.to(tl.int64), head, DST_PAGE, dst_page_stride, dst_row_stride,

@@ -2,6 +2,10 @@
 word, the 16-byte alignment hints, the tile shape (see the kernel's module for the reasoning
 behind the sizes), the grid (at most ``block_quota`` programs), and the launch itself on the
 indices' device and current stream.
+
+What does not depend on the indices is a :class:`PartPlan` (:func:`plan_part`), which
+:mod:`kernels.ops.plans` caches per pool buffers and op; :func:`launch_for` adds the indices,
+the grid and the launch's index-record slot (:mod:`kernels.triton.index_record`) per call.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -18,6 +23,7 @@ from kernels._env import cuda_available, version_tuple
 from kernels.layout.addressing import Part, Side
 from kernels.layout.ptr_tables import alignment, verified_alignment
 from kernels.triton.copy_kernel import kv_copy_kernel
+from kernels.triton.index_record import LaunchSlot, launch_slot
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +125,7 @@ def cache_hints_supported(device: torch.device) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """Everything :func:`kv_copy_kernel` is launched with (also compiled ahead of time by the
     PTX test)."""
 
@@ -132,33 +137,45 @@ class Launch:
     device: torch.device  # the indices'
 
 
-def plan_launch(
+@dataclass(frozen=True)
+class PartPlan:
+    """The launch of one part whatever its indices: what :func:`plan_part` computes once per
+    (buffers, op, layer, launch shape), and :func:`launch_for` completes per call. ``refs``:
+    the four buffer arguments (word views of tensors, or tables); ``shape_args``: layer range,
+    strides in words and the two sides' slot bounds."""
+
+    geometry: Geometry
+    refs: tuple
+    shape_args: tuple
+    constexprs: dict
+    num_warps: int
+    heads: int
+    block_quota: int
+    bounds: tuple[int, int]  # (src_slots, dst_slots)
+
+
+def plan_part(
     part: Part,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
     *,
     layer_begin: int,
     num_layers: int,
     block_quota: int,
     num_warps: int,
     cache_hints: bool,
-) -> Launch:
-    """The launch of one part (arguments assumed validated, see :mod:`kernels.ops.dispatch`), which
-    :func:`launch_kv_copy` queues. ``cache_hints``: :func:`cache_hints_supported` of the
-    indices' device (the PTX tests compile with them on)."""
+) -> PartPlan:
+    """Everything of one part's launch that does not depend on the indices (arguments assumed
+    validated, see :mod:`kernels.ops.dispatch`). ``cache_hints``: :func:`cache_hints_supported`
+    of the indices' device (the PTX tests compile with them on)."""
     g = plan_geometry(part, num_warps)
     src, dst = part.src, part.dst
-    n_items = src_indices.numel()
-    n_tiles = triton.cdiv(n_items * part.heads, g.rows)
 
     def arg(side: Side, i: int) -> torch.Tensor:
         t = side.refs[min(i, len(side.refs) - 1)]  # one buffer: the V slot repeats K, unused
         return t if side.is_table else _word_view(t, g.word)
 
-    args = (
-        arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1),
-        src_indices, dst_indices,
-        n_items, layer_begin, num_layers,
+    refs = (arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1))
+    shape_args = (
+        layer_begin, num_layers,
         *(s // g.word for s in src.strides()),
         *(s // g.word for s in dst.strides()),
         src.n_slots, dst.n_slots,
@@ -171,8 +188,46 @@ def plan_launch(
         CHUNK_WORDS=g.chunk_words, ROWS=g.rows, NCHUNK=g.nchunk, GROUPS=g.groups, COLS=g.cols,
         CACHE_HINTS=cache_hints,
     )  # fmt: skip
-    grid = (max(1, min(block_quota, n_tiles)),)
-    return Launch(grid, args, constexprs, num_warps, g, src_indices.device)
+    return PartPlan(g, refs, shape_args, constexprs, num_warps, part.heads, block_quota,
+                    (src.n_slots, dst.n_slots))  # fmt: skip
+
+
+def launch_for(
+    plan: PartPlan, src_indices: torch.Tensor, dst_indices: torch.Tensor, record: LaunchSlot
+) -> Launch:
+    """The launch of ``plan`` over these indices, recording bad ones in ``record``."""
+    n_items = src_indices.numel()
+    n_tiles = -(-n_items * plan.heads // plan.geometry.rows)  # (triton.cdiv: a slow JIT call)
+    args = (*plan.refs, src_indices, dst_indices, n_items, *plan.shape_args,
+            record.buffer, record.slot, record.code)  # fmt: skip
+    grid = (max(1, min(plan.block_quota, n_tiles)),)
+    return Launch(grid, args, plan.constexprs, plan.num_warps, plan.geometry, src_indices.device)
+
+
+def plan_launch(
+    part: Part,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    layer_begin: int,
+    num_layers: int,
+    block_quota: int,
+    num_warps: int,
+    cache_hints: bool,
+    record: LaunchSlot | None = None,
+    op: str = "",
+) -> Launch:
+    """The launch of one part (arguments assumed validated, see :mod:`kernels.ops.dispatch`),
+    which :func:`launch_kv_copy` queues: :func:`plan_part` then :func:`launch_for`.
+    ``record``: where a bad index is recorded (default: this thread's watch on the indices'
+    device, else the device's shared slot, :func:`kernels.triton.index_record.launch_slot`
+    with ``op``)."""
+    plan = plan_part(part, layer_begin=layer_begin, num_layers=num_layers,
+                     block_quota=block_quota, num_warps=num_warps,
+                     cache_hints=cache_hints)  # fmt: skip
+    if record is None:
+        record = launch_slot(src_indices.device, op, *plan.bounds)
+    return launch_for(plan, src_indices, dst_indices, record)
 
 
 def launch_kv_copy(launch: Launch) -> None:
@@ -195,9 +250,12 @@ def resolve_num_warps(num_warps_per_block: int) -> int:
 __all__ = [
     "Geometry",
     "Launch",
+    "PartPlan",
     "cache_hints_supported",
+    "launch_for",
     "launch_kv_copy",
     "plan_geometry",
     "plan_launch",
+    "plan_part",
     "resolve_num_warps",
 ]

@@ -225,9 +225,9 @@ class DecodePeer:
 
     def _copy_in(self, t: Transfer) -> None:
         """Read the source slots now (the simulated RDMA read), through the decode side
-        (``PeerSide.read``: the project's copy ops, and the side's ``copy_hook`` when set); the
-        last range's copy is waited for, so ``Success`` (the end of TTFT) comes after the bytes
-        landed."""
+        (``PeerSide.read``: the project's copy ops, ``prefill.disagg.sim_kv.copy_send``, and the
+        side's ``copy_hook`` when set); the last range's copy is waited for, so ``Success`` (the
+        end of TTFT) comes after the bytes landed."""
         if self.decode_slots is None or t.src is None:
             raise RuntimeError(f"{self.rid}: copy of [{t.start}, {t.end}) without its slots")
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]

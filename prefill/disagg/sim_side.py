@@ -11,7 +11,7 @@ full stays ``Bootstrapping`` and retries at every poll; a peer still ``Bootstrap
 SGLang's ``sender.init``) and then ``send`` page-aligned ranges; the peer is ``Transferring``
 while sends are in flight. A send completes after ``transfer_latency_s + bytes /
 transfer_bandwidth``; only then are the source slots read and copied into the decode pool with
-the project's copy ops (``kernels.transfer_kv_all_layer``), like an RDMA read, so a prefill side
+the project's copy ops (``prefill.disagg.sim_kv.copy_send``), like an RDMA read, so a prefill side
 that frees or reuses a slot of a live peer's send before the ack is caught by comparing
 decode-side KV with a recompute. Sends of a failed peer are never read (the decode side
 discards them). A send fails with probability ``transfer_failure_prob`` (the peer turns
@@ -37,16 +37,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.transfer.streams import CPU_COPY_LOCK
+from hicache.memory.device_pool import KVPool
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll, SendRecord
 from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.sim_kv import copy_send, decode_pool_like, read_kv
 from prefill.disagg.sim_peer import DecodePeer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ CopyHook = Callable[[int, Callable[[], None]], None]
 class DecodeSide:
     """The decode instance: a KV pool like the prefill one, an allocator, and one peer per rid.
 
-    ``src_pool`` is the prefill device pool the peers read from. With ``keep_received``, a
+    ``src_pool`` is the prefill device pool the peers read from (MHA or MLA; the decode pool is
+    of its kind, ``prefill.disagg.sim_kv``). With ``keep_received``, a
     successful request's decode slots (and its peer) stay until ``release(rid)`` so tests can
     read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
     slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
@@ -76,7 +77,7 @@ class DecodeSide:
 
     def __init__(
         self,
-        src_pool: MHATokenToKVPool,
+        src_pool: KVPool,
         clock: Clock,
         config: PeerConfig,
         size: int,
@@ -87,10 +88,7 @@ class DecodeSide:
         self.clock = clock
         self.config = config
         self.page_size = src_pool.page_size
-        self.pool = MHATokenToKVPool(
-            size, src_pool.page_size, src_pool.dtype, src_pool.head_num, src_pool.head_dim,
-            src_pool.layer_num, src_pool.device,
-        )
+        self.pool = decode_pool_like(src_pool, size)
         self.allocator = TokenToKVPoolAllocator(size, src_pool.page_size, src_pool.device)
         dev = src_pool.device
         # Programs of the simulated transfer's copy kernel: two 32-warp blocks per SM on CUDA.
@@ -141,33 +139,16 @@ class DecodeSide:
 
     def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, wait: bool) -> None:
         """Copy the KV of prefill-pool slots ``src_slots`` into decode-pool slots ``dst_slots``
-        (int64, same length; every layer, K and V) with the project's copy ops. On CUDA the copy
-        (``kernels.transfer_kv_all_layer``) is queued on the current (compute) stream, so it
-        reads the KV after the forward that wrote it and before any later forward can reuse
-        the slots; ``wait`` blocks until it finished. On CPU it is the direct backend
-        (``kernels.transfer_kv_direct``: one ``copy_`` per run of consecutive slots and layer;
-        the interpreted Triton kernel would cost ~0.1 s a send and is tested on its own), which
-        returns when the bytes are there."""
-        src_pool, dst_pool = self.src_pool, self.pool
-        if src_pool.device.type == "cpu":
-            with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
-                kernels.transfer_kv_direct(
-                    [*src_pool.k_buffer, *src_pool.v_buffer],
-                    [*dst_pool.k_buffer, *dst_pool.v_buffer],
-                    src_slots, dst_slots, page_size=1,
-                )  # fmt: skip
-            return
-        args = (
-            src_pool.k_data_ptrs, dst_pool.k_data_ptrs, src_pool.v_data_ptrs,
-            dst_pool.v_data_ptrs, src_slots.to(src_pool.device), dst_slots.to(dst_pool.device),
-            src_pool.item_size, src_pool.layer_num,
-        )  # fmt: skip
-        # A device-to-device copy standing in for a network transfer, on the compute stream: give
-        # it the whole GPU, not HiCache's 2 blocks (a GB through 2 blocks would hold the stream
-        # for an estimated tens of ms, charged to every later forward).
-        kernels.transfer_kv_all_layer(*args, block_quota=self.copy_block_quota)
-        if wait:
-            torch.cuda.current_stream(src_pool.device).synchronize()
+        (int64, same length; every layer's buffers, MHA or MLA) with the project's copy ops
+        (``prefill.disagg.sim_kv.copy_send``). On CUDA the copy is queued on the current
+        (compute) stream, so it reads the KV after the forward that wrote it and before any
+        later forward can reuse the slots; ``wait`` blocks until it finished. On CPU it is the
+        direct op, which returns when the bytes are there. A device-to-device copy standing in
+        for a network transfer gets the whole GPU (``copy_block_quota``), not HiCache's 2
+        blocks: a GB through 2 blocks would hold the compute stream for an estimated tens of
+        ms, charged to every later forward."""
+        copy_send(self.src_pool, self.pool, src_slots, dst_slots,
+                  block_quota=self.copy_block_quota, wait=wait)  # fmt: skip
 
     def next_event_time(self) -> float | None:
         """Earliest ``next_event_time`` of the live peers; O(live peers)."""
@@ -201,15 +182,14 @@ class DecodeSide:
         if peer is not None:
             self.retire(peer)
 
-    def received_kv(self, rid: str) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """``(decode_prefix_len, k, v)`` with ``k``/``v`` ``[L, n - decode_prefix_len, H, D]``:
-        what decode holds for the tokens prefill sent (valid after ``Success``, until
-        ``release(rid)``)."""
+    def received_kv(self, rid: str) -> tuple[Any, ...]:
+        """``(decode_prefix_len, *kv)``: what decode holds for the tokens prefill sent, ``kv``
+        one ``[L, n - decode_prefix_len, ...]`` tensor per pool buffer (``sim_kv.read_kv``: MHA
+        ``k, v`` ``[L, n', H, D]``; MLA the latent ``[L, n', 1, C]``). Valid after ``Success``,
+        until ``release(rid)``."""
         peer = self.peers.get(rid)
         if peer is None or peer.state != KVPoll.Success or peer.decode_slots is None:
             state = "released" if peer is None else peer.state.name
             raise ValueError(f"rid {rid!r} has no received KV ({state})")
         slots = peer.decode_slots[: peer.num_tokens - peer.decode_prefix_len]
-        k = torch.stack([self.pool.k_buffer[i][slots] for i in range(self.pool.layer_num)])
-        v = torch.stack([self.pool.v_buffer[i][slots] for i in range(self.pool.layer_num)])
-        return peer.decode_prefix_len, k, v
+        return (peer.decode_prefix_len, *read_kv(self.pool, slots))

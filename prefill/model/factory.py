@@ -1,6 +1,7 @@
-"""``build_model(args)``: the paged model ``ServerArgs`` describe, on one rank or this rank's
-shard under tensor parallelism (the one place that chooses between ``prefill.model.paged`` and
-``prefill.model.tp``)."""
+"""``build_model(args)``: the model ``ServerArgs`` describe, on one rank or this rank's shard under
+tensor parallelism. The one place that chooses between grouped-query attention
+(``prefill.model.paged``, ``prefill.model.tp``) and DeepSeek's multi-head latent attention
+(``--use-mla``: ``prefill.model.mla``, ``prefill.model.mla_tp``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from prefill.model.mla import MLAConfig, MLATransformer
+from prefill.model.mla_tp import TPMLATransformer
 from prefill.model.paged import ModelConfig, PagedTransformer
 from prefill.model.tp import TPPagedTransformer
 
@@ -18,12 +21,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def model_config(args: ServerArgs) -> ModelConfig:
+    """The full model's geometry: an ``MLAConfig`` with ``use_mla``, else a ``ModelConfig``."""
+    if getattr(args, "use_mla", False):
+        return MLAConfig.from_server_args(args)
+    return ModelConfig.from_server_args(args)
+
+
 def build_model(args: ServerArgs) -> PagedTransformer:
     """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
-    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` (``prefill.model.tp``), its rank
+    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` / ``TPMLATransformer``, its rank
     and model group the initialized default process group's, which must have ``tp_size``
     ranks."""
-    config = ModelConfig.from_server_args(args)
+    config = model_config(args)
+    mla = isinstance(config, MLAConfig)
     tp_size = getattr(args, "tp_size", 1)
     if tp_size > 1:
         if not dist.is_initialized() or dist.get_world_size() != tp_size:
@@ -32,11 +43,25 @@ def build_model(args: ServerArgs) -> PagedTransformer:
                 f"tp_size: --tp-size={tp_size} needs an initialized default process group of "
                 f"that many ranks (world size {world})"
             )
-        return TPPagedTransformer(config, dist.get_rank(), tp_size, device=args.resolved_device())
-    model = PagedTransformer(config, args.resolved_device())
-    logger.info(
-        "model %s: %d layers, %d/%d heads x %d, hidden %d, %s, seed %d",
-        getattr(args, "model_preset", "?"), config.num_layers, config.num_attention_heads,
-        config.num_kv_heads, config.head_dim, config.hidden_size, config.dtype, config.seed,
-    )
+        cls = TPMLATransformer if mla else TPPagedTransformer
+        return cls(config, dist.get_rank(), tp_size, device=args.resolved_device())
+    model = (MLATransformer if mla else PagedTransformer)(config, args.resolved_device())
+    logger.info("model %s: %s", getattr(args, "model_preset", "?"), describe(config))
     return model
+
+
+def describe(config: ModelConfig) -> str:
+    """One line of geometry for the log."""
+    c = config
+    if isinstance(c, MLAConfig):
+        attention = (
+            f"MLA {c.num_attention_heads} heads, latent {c.kv_lora_rank} + rope "
+            f"{c.qk_rope_head_dim}, nope {c.qk_nope_head_dim}, v {c.v_head_dim}, q_lora "
+            f"{c.q_lora_rank}"
+        )
+    else:
+        attention = f"{c.num_attention_heads}/{c.num_kv_heads} heads x {c.head_dim}"
+    return (
+        f"{c.num_layers} layers, {attention}, hidden {c.hidden_size}, intermediate "
+        f"{c.intermediate_size}, vocab {c.vocab_size}, {c.dtype}, seed {c.seed}"
+    )

@@ -10,6 +10,10 @@ K/V (cached prefix + new tokens) back from the pool by slot. A ``layer_wait(laye
 before each layer touches the pool, so an H2D load-back of layer ``i + 1`` overlaps the compute
 of layer ``i`` (the hook is the radix tree's ``layer_wait``).
 
+The attention is one set of hooks (``_init_attention``, ``_extend_attention``,
+``_full_attention``, ``_check_pool``, ``_rotary_dim``); ``prefill.model.mla`` overrides them with
+DeepSeek's multi-head latent attention over an MLA pool, keeping everything else.
+
 Numerics: projections and MLP in the model dtype; RMSNorm and rotary in fp32; attention in
 fp32 on CPU and in the model dtype on CUDA (flash / memory-efficient SDPA). A prefix read back
 from the pool equals what a full recompute would produce up to matmul reduction order, so
@@ -164,8 +168,6 @@ class PagedTransformer(torch.nn.Module):
             t = torch.randn(out_f, in_f, generator=gen, device=self.device, dtype=torch.float32)
             return torch.nn.Parameter((t / math.sqrt(in_f)).to(c.dtype), requires_grad=False)
 
-        q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_kv_heads * c.head_dim
         emb = torch.randn(c.vocab_size, c.hidden_size, generator=gen, device=self.device)
         self.embed = torch.nn.Parameter(emb.to(c.dtype), requires_grad=False)
         self.layers = torch.nn.ModuleList()
@@ -173,17 +175,33 @@ class PagedTransformer(torch.nn.Module):
             layer = torch.nn.Module()
             layer.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
             layer.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
-            layer.qkv = w(q_dim + 2 * kv_dim, c.hidden_size)
-            layer.o = w(c.hidden_size, q_dim)
+            self._init_attention(layer, w)
             layer.gate_up = w(2 * c.intermediate_size, c.hidden_size)
             layer.down = w(c.hidden_size, c.intermediate_size)
             self.layers.append(layer)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.dtype, self.device)
         self.lm_head = w(c.vocab_size, c.hidden_size)
-        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=self.device)
-        inv_freq = 1.0 / (c.rope_theta ** (exponents / c.head_dim))
+        rot = self._rotary_dim()
+        exponents = torch.arange(0, rot, 2, dtype=torch.float32, device=self.device)
+        inv_freq = 1.0 / (c.rope_theta ** (exponents / rot))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ attention (GQA)
+    # The hooks a model with another attention overrides (``prefill.model.mla``): its weights
+    # (drawn in this order, between the norms and the MLP), its rotary width, its pool check, its
+    # extend attention over the pool and its full-recompute attention.
+    def _init_attention(self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
+                        ) -> None:  # fmt: skip
+        """GQA weights of one layer: fused ``qkv`` and ``o``."""
+        c = self.config
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layer.qkv = w(q_dim + 2 * kv_dim, c.hidden_size)
+        layer.o = w(c.hidden_size, q_dim)
+
+    def _rotary_dim(self) -> int:
+        """Width the rotary embedding turns (the head dimension)."""
+        return self.config.head_dim
 
     # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -202,6 +220,11 @@ class PagedTransformer(torch.nn.Module):
 
     def _check_pool(self, pool: MHATokenToKVPool) -> None:
         c = self.config
+        if not hasattr(pool, "head_num"):
+            raise ValueError(
+                f"pool {type(pool).__name__} has no KV heads (an MLA pool?): this model's "
+                "attention is GQA, the MLA model is built with --use-mla"
+            )
         if pool.layer_num != c.num_layers or pool.head_num != c.num_kv_heads:
             raise ValueError(
                 f"pool geometry (L={pool.layer_num}, H={pool.head_num}) does not match the model "
@@ -253,7 +276,6 @@ class PagedTransformer(torch.nn.Module):
         """
         self._check_pool(pool)
         self._check_inputs(batch)
-        c = self.config
         dev = self.device
         lens = [r.input_ids.numel() for r in batch]
         # Pageable host ids: the copy is staged at once, so non_blocking never races the source,
@@ -266,28 +288,12 @@ class PagedTransformer(torch.nn.Module):
             ]
         )
         slots = [r.slots.to(dev, non_blocking=True) for r in batch]
-        q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_kv_heads * c.head_dim
         h = self.embed[ids]
         for layer_id, layer in enumerate(self.layers):
             if layer_wait is not None:
                 layer_wait(layer_id)
             x = layer.input_norm(h)
-            qkv = x @ layer.qkv.t()
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
-            k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-            attn_out = []
-            start = 0
-            for r, n, s in zip(batch, lens, slots, strict=True):
-                new_k, new_v = k[start : start + n], v[start : start + n]
-                pool.set_kv_buffer(layer_id, s[r.prefix_len :], new_k, new_v)
-                k_all = pool.get_key_buffer(layer_id)[s]
-                v_all = pool.get_value_buffer(layer_id)[s]
-                attn_out.append(self._attention(q[start : start + n], k_all, v_all, r.prefix_len))
-                start += n
-            o = torch.cat(attn_out).to(c.dtype) @ layer.o.t()
+            o = self._extend_attention(pool, layer_id, layer, x, positions, batch, lens, slots)
             h = h + self._reduce(o)
             x = layer.post_norm(h)
             gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
@@ -300,6 +306,46 @@ class PagedTransformer(torch.nn.Module):
             out.append((hs @ self.lm_head.t()).float())
             start += n
         return out
+
+    def _extend_attention(
+        self, pool: MHATokenToKVPool, layer_id: int, layer: torch.nn.Module, x: torch.Tensor,
+        positions: torch.Tensor, batch: Sequence[ExtendInput], lens: list[int],
+        slots: list[torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """One layer's attention of an extend batch (``x``: the normed hidden states ``[N,
+        hidden]`` of every request's new tokens, concatenated): writes the new tokens' K (after
+        rotary) and V at ``slots[i][prefix_len:]``, attends over each request's slots, and
+        returns the ``o`` projection's (partial, under TP) output ``[N, hidden]``."""
+        c = self.config
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
+        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        attn_out = []
+        start = 0
+        for r, n, s in zip(batch, lens, slots, strict=True):
+            new_k, new_v = k[start : start + n], v[start : start + n]
+            pool.set_kv_buffer(layer_id, s[r.prefix_len :], new_k, new_v)
+            k_all = pool.get_key_buffer(layer_id)[s]
+            v_all = pool.get_value_buffer(layer_id)[s]
+            attn_out.append(self._attention(q[start : start + n], k_all, v_all, r.prefix_len))
+            start += n
+        return torch.cat(attn_out).to(c.dtype) @ layer.o.t()
+
+    def _full_attention(
+        self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One layer's attention over a whole prompt without a pool (``forward_reference``):
+        the ``o`` projection's output ``[n, hidden]`` and what the pool would hold, ``(k, v)``
+        ``[n, H, D]`` each (K after rotary)."""
+        c = self.config
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
+        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        return self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t(), (k, v)
 
     def _attention(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix_len: int
@@ -334,32 +380,26 @@ class PagedTransformer(torch.nn.Module):
         return out[0].transpose(0, 1).reshape(n, c.num_attention_heads * c.head_dim)
 
     @torch.no_grad()
-    def forward_reference(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor]:
+    def forward_reference(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Full recompute without a pool (the oracle for tests).
 
-        ``input_ids``: int64 ``[n]``. Returns ``(logits [n, vocab] fp32, k [L, n, H, D],
-        v [L, n, H, D])`` with K after rotary, in the model dtype, as the pool would hold them.
+        ``input_ids``: int64 ``[n]``. Returns ``(logits [n, vocab] fp32, *kv)``, ``kv`` being
+        every layer's cache as the pool holds it, in the model dtype, one tensor per pool buffer:
+        here ``k [L, n, H, D]`` (after rotary) and ``v [L, n, H, D]``; MLA's one latent
+        ``[L, n, 1, C]`` (``prefill.model.mla``).
         """
-        c = self.config
         ids = input_ids.to(self.device)
         n = ids.numel()
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
-        q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_kv_heads * c.head_dim
-        ks, vs = [], []
+        caches = []
         h = self.embed[ids]
         for layer in self.layers:
             x = layer.input_norm(h)
-            q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
-            k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-            ks.append(k)
-            vs.append(v)
-            h = h + self._reduce(self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t())
+            o, cache = self._full_attention(layer, x, positions)
+            caches.append(cache)
+            h = h + self._reduce(o)
             x = layer.post_norm(h)
             gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
             h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
         logits = (self.norm(h) @ self.lm_head.t()).float()
-        return logits, torch.stack(ks), torch.stack(vs)
+        return (logits, *(torch.stack(parts) for parts in zip(*caches, strict=True)))

@@ -42,7 +42,7 @@ import torch
 from prefill.model.paged import ModelConfig, PagedTransformer
 from server_args import tp_geometry_errors
 
-__all__ = ["TPPagedTransformer", "TPShard"]
+__all__ = ["TPPagedTransformer", "TPShard", "keep_param"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ class TPShard:
         )
 
 
+def keep_param(t: torch.Tensor) -> torch.nn.Parameter:
+    """A contiguous copy of the slice ``t`` as a frozen parameter (the full draw is freed)."""
+    return torch.nn.Parameter(t.contiguous().clone(), requires_grad=False)
+
+
 class TPPagedTransformer(PagedTransformer):
     """One rank's part of ``PagedTransformer(config)`` (see the module docstring).
 
@@ -151,28 +156,30 @@ class TPPagedTransformer(PagedTransformer):
 
     def _shard_weights(self) -> None:
         c, s = self.full_config, self.shard
-        d, hid = c.head_dim, c.hidden_size
-        q_dim, kv_dim, inter = c.num_attention_heads * d, c.num_kv_heads * d, c.intermediate_size
-        (q0, q1), (k0, k1), (i0, i1) = s.q_heads, s.kv_heads, s.intermediate
-
-        def keep(t: torch.Tensor) -> torch.nn.Parameter:
-            return torch.nn.Parameter(t.contiguous().clone(), requires_grad=False)
-
+        inter, (i0, i1) = c.intermediate_size, s.intermediate
         for layer in self.layers:
-            q, k, v = layer.qkv.split([q_dim, kv_dim, kv_dim], dim=0)
-            layer.qkv = keep(
-                torch.cat(
-                    [
-                        q.view(-1, d, hid)[q0:q1].reshape(-1, hid),
-                        k.view(-1, d, hid)[k0:k1].reshape(-1, hid),
-                        v.view(-1, d, hid)[k0:k1].reshape(-1, hid),
-                    ]
-                )
-            )
-            layer.o = keep(layer.o.view(hid, -1, d)[:, q0:q1].reshape(hid, -1))
+            self._shard_attention(layer)
             gate, up = layer.gate_up.split([inter, inter], dim=0)
-            layer.gate_up = keep(torch.cat([gate[i0:i1], up[i0:i1]]))
-            layer.down = keep(layer.down[:, i0:i1])
+            layer.gate_up = keep_param(torch.cat([gate[i0:i1], up[i0:i1]]))
+            layer.down = keep_param(layer.down[:, i0:i1])
+
+    def _shard_attention(self, layer: torch.nn.Module) -> None:
+        """Keep this rank's rows of ``qkv`` (its query and KV heads) and columns of ``o``."""
+        c, s = self.full_config, self.shard
+        d, hid = c.head_dim, c.hidden_size
+        q_dim, kv_dim = c.num_attention_heads * d, c.num_kv_heads * d
+        (q0, q1), (k0, k1) = s.q_heads, s.kv_heads
+        q, k, v = layer.qkv.split([q_dim, kv_dim, kv_dim], dim=0)
+        layer.qkv = keep_param(
+            torch.cat(
+                [
+                    q.view(-1, d, hid)[q0:q1].reshape(-1, hid),
+                    k.view(-1, d, hid)[k0:k1].reshape(-1, hid),
+                    v.view(-1, d, hid)[k0:k1].reshape(-1, hid),
+                ]
+            )
+        )
+        layer.o = keep_param(layer.o.view(hid, -1, d)[:, q0:q1].reshape(hid, -1))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the row-parallel partial output over the model group, in place (blocks until

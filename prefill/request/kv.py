@@ -46,6 +46,9 @@ class RequestKV:
         self.allocator = cache.allocator
         self.page_size = cache.allocator.page_size
         self.device = cache.allocator.device
+        # Told of every insert made for a pending attempt: (req, key, present, end); set by the
+        # executor when the cache has an L3 tier (prefill.scheduler.l3_provenance).
+        self.on_pending_insert: Any = None
 
     def _pages(self, n: int) -> int:
         """``n`` rounded up to whole pages."""
@@ -62,13 +65,15 @@ class RequestKV:
     def match_and_lock(self, req: PrefillRequest) -> None:
         """Match the request's prefix (at most ``n - 1`` tokens, so one token is computed),
         start a load-back of a host hit, and lock the deepest device node. Sets ``slots``,
-        ``tree_len``, ``computed_len``, ``last_node``, ``cached_device``, ``cached_host``."""
-        assert req.slots is None and req.last_node is None, "request already holds KV"
+        ``tree_len``, ``computed_len``, ``last_node``, ``cached_device``, ``cached_host``. A request
+        whose load back failed in this attempt (``skip_load_back``) recomputes host hits."""
+        if req.slots is not None or req.last_node is not None:
+            raise RuntimeError(f"{req.rid}: match_and_lock of a request that already holds KV")
         m = self.tree.match_prefix(req.token_ids[: req.num_tokens - 1])
         prefix = m.device_indices
         last = m.last_device_node
         loaded = 0
-        if m.host_hit_length > 0:
+        if m.host_hit_length > 0 and not req.skip_load_back:
             host_indices, node = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
             if host_indices is not None and host_indices.numel() > 0:
                 prefix = torch.cat([prefix, host_indices.to(prefix.device)])
@@ -84,7 +89,8 @@ class RequestKV:
     def alloc_extend(self, req: PrefillRequest, n: int) -> bool:
         """Make room for ``n`` more tokens after ``computed_len``; ``False`` (nothing changed)
         when the pool is full even after eviction."""
-        assert req.slots is not None
+        if req.slots is None:
+            raise RuntimeError(f"{req.rid}: alloc_extend of a request without slots")
         need = self._pages(req.computed_len + n) - req.slots.numel()
         if need <= 0:
             return True
@@ -104,13 +110,13 @@ class RequestKV:
         become the tree's. No in-flight send reads them: sends only cover ``[.., tree_len)`` at
         boundaries (checked).
         """
-        assert req.slots is not None
+        if req.slots is None:
+            raise RuntimeError(f"{req.rid}: cache_unfinished of a request without slots")
         end = req.computed_len // self.page_size * self.page_size
         if end <= req.tree_len:
             return
-        assert req.start_send_idx <= max(req.tree_len, req.peer.decode_prefix_len), (
-            f"{req.rid}: a send covers tokens not yet in the tree"
-        )
+        if req.start_send_idx > max(req.tree_len, req.peer.decode_prefix_len):
+            raise RuntimeError(f"{req.rid}: a send covers tokens not yet in the tree")
         key = req.token_ids[:end]
         backed_up = self.cache_stats.backed_up_tokens
         present = self.tree.insert(key, req.slots[:end], chunked=chunked)
@@ -118,13 +124,17 @@ class RequestKV:
         if issued and req.pending_bootstrap:
             self.stats.speculative_l2_pages += page_ceil(issued, self.page_size) // self.page_size
             logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
-        assert present >= req.tree_len, f"{req.rid}: locked prefix {req.tree_len} > {present}"
+        if req.pending_bootstrap and self.on_pending_insert is not None and present < end:
+            self.on_pending_insert(req, key, present, end)
+        if present < req.tree_len:  # before the free below: it would free tree-owned slots
+            raise RuntimeError(f"{req.rid}: locked prefix {req.tree_len} > present {present}")
         if present > req.tree_len:
             self.allocator.free(req.slots[req.tree_len : present])
         m = self.tree.match_prefix(key)
-        assert m.device_indices.numel() == end, (
-            f"{req.rid}: inserted {end} tokens, {m.device_indices.numel()} device-resident"
-        )
+        if m.device_indices.numel() != end:
+            raise RuntimeError(
+                f"{req.rid}: inserted {end} tokens, {m.device_indices.numel()} device-resident"
+            )
         self.tree.inc_lock_ref(m.last_device_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = m.last_device_node

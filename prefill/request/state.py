@@ -60,8 +60,10 @@ class PrefillRequest:
     last_node: Any = None
     cached_device: int = 0
     cached_host: int = 0
+    cached_storage: int = 0  # of cached_host: tokens fetched from L3 storage for this attempt
     start_send_idx: int = 0
     parked: bool = False
+    skip_load_back: bool = False  # a load back of this attempt failed: recompute host hits
     # history
     total_computed: int = 0
     yields: int = 0
@@ -70,6 +72,11 @@ class PrefillRequest:
     prefill_done_time: float | None = None
     first_token: int | None = None
     attempt_log: list[tuple[int, bool]] = field(default_factory=list)  # (attempt, optimistic)
+    # L3 prefetch (prefill.scheduler.storage_prefetch): the attempt its prefetch belongs to (a
+    # new one after each yield), the prefix length its lookup started at, lookups re-issued.
+    storage_epoch: int = 0
+    storage_prefetch_last_match_len: int | None = None
+    storage_prefetch_retries: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
@@ -97,6 +104,7 @@ class PrefillRequest:
             num_tokens=self.num_tokens,
             cached_device_tokens=self.cached_device,
             cached_host_tokens=self.cached_host,
+            cached_storage_tokens=self.cached_storage,
             computed_tokens=self.num_tokens - self.cached_device - self.cached_host if ok else 0,
             total_computed_tokens=self.total_computed,
             attempts=self.optimistic_attempts,
@@ -115,8 +123,10 @@ class PrefillRequest:
         self.last_node = None
         self.cached_device = 0
         self.cached_host = 0
+        self.cached_storage = 0
         self.start_send_idx = 0
         self.parked = False
+        self.skip_load_back = False
         self.pending_bootstrap = True
 
 
@@ -128,6 +138,7 @@ class RequestResult:
     token); ``None`` when aborted. ``prefill_latency``: submit to the end of the successful
     prefill pass. ``cached_device_tokens`` / ``cached_host_tokens`` / ``computed_tokens``: how
     the final attempt got its KV (device hit, host hit loaded back, computed);
+    ``cached_storage_tokens``: of the host hit, tokens fetched from L3 storage for it;
     ``total_computed_tokens`` sums every attempt. ``attempts``: optimistic attempts used;
     ``passes``: admissions (optimistic or not). ``first_token``: argmax of the last logits.
     """
@@ -150,3 +161,4 @@ class RequestResult:
     decode_prefix_len: int
     first_token: int | None
     error: str | None
+    cached_storage_tokens: int = 0

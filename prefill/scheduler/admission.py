@@ -58,6 +58,7 @@ class AdmissionQueue:
         self.polls = polls
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
+        self.on_finalize: list = []  # told of each finalized request (L3 provenance)
 
     # ------------------------------------------------------------------ bootstrap state
     def forced(self, req: PrefillRequest) -> bool:
@@ -98,11 +99,14 @@ class AdmissionQueue:
     def finalize(self, req: PrefillRequest) -> None:
         """Bootstrap done: commit this attempt (``peer.init``); sends may follow. The request
         holds a metadata buffer since its admission."""
-        assert req.pending_bootstrap and req.metadata_buffer_index >= 0
+        if not req.pending_bootstrap or req.metadata_buffer_index < 0:
+            raise RuntimeError(f"{req.rid}: finalize twice, or without a metadata buffer")
         req.peer.init(req.attempt)
         req.pending_bootstrap = False
         req.start_send_idx = req.peer.decode_prefix_len
         self.stats.finalized += 1
+        for hook in self.on_finalize:
+            hook(req)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: PrefillRequest) -> None:
@@ -184,6 +188,11 @@ class AdmissionQueue:
     def remove_started(self, req: PrefillRequest) -> None:
         """``req`` left the waiting queue for a batch."""
         self.waiting_queue.remove(req)
+
+    def requeue_unstarted(self, reqs: list[PrefillRequest]) -> None:
+        """Requests that left the waiting queue for a batch whose forward did not run (a host
+        load failed; they hold no KV again) go back to its head, in their order."""
+        self.waiting_queue[:0] = reqs
 
     def requeue_yielded(self, req: PrefillRequest) -> None:
         """After a yield (``req`` holds no KV and was reset): another optimistic attempt at the

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from hicache.tp.group import TPGroup
+from hicache.transfer.errors import LoadBackError
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll
 from prefill.request.state import PrefillRequest
@@ -114,8 +115,23 @@ class ChunkedPrefill:
 
     def run_batch(self, batch: Batch) -> None:
         """Forward ``batch`` and advance its requests: an unfinished prompt becomes the
-        chunked request, a finished one ends its prefill (step 6)."""
-        logits = self.batch_runner.forward(batch)
+        chunked request, a finished one ends its prefill (step 6).
+
+        When a host load the forward waits for failed while it ran (``LoadBackError``, thread
+        CPU streams): the batch's new requests give their KV back and return to the head of the
+        waiting queue to recompute their host hits; the chunked request keeps its KV and runs
+        the same chunk again next step. Under tensor parallelism the error is raised."""
+        new = [req for req, _ in batch if req is not self.chunked_req]
+        try:
+            logits = self.batch_runner.forward(batch)
+        except LoadBackError as exc:
+            if self.group.size > 1:
+                raise
+            logger.warning("a host load failed under the forward; requests recompute: %s", exc)
+            self.batch_runner.undo_admissions(new)
+            self.admission.requeue_unstarted(new)
+            return
+        self.batch_runner.record_admissions(new)
         self.chunked_req = None
         for (req, n), out in zip(batch, logits, strict=True):
             req.computed_len += n

@@ -31,15 +31,21 @@ def resolved_attempts(args: Any) -> int:
 
 def check_gate(args: Any, cache: Any, attempts: int) -> None:
     """Raise ``ValueError`` naming the flags when ``attempts > 0`` but the gate would resolve
-    them to 0 for the write policy the cache's tree declares (``None`` without an L2 tier),
-    reading ``args`` as they are now. A plain namespace without ``optimistic_gate_allows`` gets
-    the earlier gate (L2 only under write_back)."""
+    them to 0 for what the cache declares: its tree's write policy (``None`` without an L2
+    tier), whether it has an L3 tier and its host memory mode, reading ``args`` as they are now.
+    A plain namespace without ``optimistic_gate_allows`` gets the earlier gate (L2 only under
+    write_back, no storage)."""
     if attempts <= 0:
         return
     tree = cache.tree
     policy = getattr(tree, "write_policy", None) if cache.hierarchical else None
+    storage = getattr(cache, "storage", None)
+    mode = storage.settings.host_memory_mode if storage is not None else "cache"
     allows = getattr(args, "optimistic_gate_allows", None)
-    ok = allows(policy) if allows is not None else policy in (None, "write_back")
+    if allows is not None:
+        ok = allows(policy, storage=storage is not None, host_memory_mode=mode)
+    else:
+        ok = policy in (None, "write_back") and storage is None
     if ok:
         return
     raise ValueError(
@@ -47,7 +53,7 @@ def check_gate(args: Any, cache: Any, attempts: int) -> None:
         f"declares --hicache-write-policy={policy} (backs up at insert: "
         f"{tree.backs_up_on_insert}) with --optimistic-prefill-write-through="
         f"{getattr(args, 'optimistic_prefill_write_through', False)}, "
-        f"--hicache-storage-backend={getattr(args, 'hicache_storage_backend', None)}, "
+        f"a storage tier: {storage is not None} (--hicache-host-memory-mode={mode}), "
         f"--pp-size={getattr(args, 'pp_size', 1)}, --uses-mamba-radix-cache="
         f"{getattr(args, 'uses_mamba_radix_cache', False)}; the gate resolves this to 0 "
         "attempts (were ServerArgs changed after they were resolved?)"

@@ -26,6 +26,7 @@ import logging
 from prefill.request.kv import RequestKV
 from prefill.request.state import PrefillRequest
 from prefill.scheduler.admission import AdmissionQueue
+from prefill.scheduler.storage_prefetch import StoragePrefetch
 from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
@@ -39,15 +40,23 @@ class PendingKV:
         admission: requeues a yielded request.
         stats: yields, unpublished tokens dropped.
         unpublished: keep a pending attempt's KV out of the tree (``tree.backs_up_on_insert``).
+        prefetch: the L3 prefetch of attempts (released at a yield, the retry's lookup seeded
+            with the prefix the yielded attempt had).
     """
 
     def __init__(
-        self, kv: RequestKV, admission: AdmissionQueue, stats: ExecutorStats, unpublished: bool
+        self,
+        kv: RequestKV,
+        admission: AdmissionQueue,
+        stats: ExecutorStats,
+        unpublished: bool,
+        prefetch: StoragePrefetch | None = None,
     ) -> None:
         self.kv = kv
         self.admission = admission
         self.stats = stats
         self.unpublished = unpublished
+        self.prefetch = prefetch
 
     def publish(self, req: PrefillRequest, chunked: bool) -> None:
         """Insert the request's computed whole pages, unless it is pending and the tree would
@@ -66,11 +75,15 @@ class PendingKV:
     def yield_(self, req: PrefillRequest) -> None:
         """Optimistic rollback: publish what the policy allows, release, reset, requeue (head of
         the waiting queue, or the bootstrap queue once attempts are used up)."""
-        assert req.pending_bootstrap and req.peer.inflight_reads() == 0
+        if not req.pending_bootstrap or req.peer.inflight_reads():
+            raise RuntimeError(f"{req.rid}: yield of a finalized request or one a peer still reads")
         self.publish(req, chunked=req.computed_len < req.num_tokens)
         self.drop(req)
         req.yielded_len = req.computed_len
-        self.kv.release(req)
+        matched = req.tree_len  # the prefix this attempt holds in the tree (SGLang's
+        self.kv.release(req)  # yielded_prefix_len: its cache-protected length)
+        if self.prefetch is not None:
+            self.prefetch.on_yield(req, matched)
         req.reset_attempt()
         req.yields += 1
         self.stats.yields += 1

@@ -69,7 +69,8 @@ class InflightQueue:
         """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
         ``last``. Only after finalize. The source slots stay owned (tree-locked or request-owned)
         until the request's release, which comes after every ack (or after its peer failed)."""
-        assert not req.pending_bootstrap and req.slots is not None
+        if req.pending_bootstrap or req.slots is None:
+            raise RuntimeError(f"{req.rid}: a send before finalize or without slots")
         end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
         if end <= req.start_send_idx and not last:
             return
@@ -142,6 +143,8 @@ class InflightQueue:
     def abort(self, req: PrefillRequest) -> None:
         """The peer failed: release the request's KV and metadata buffer, report the error.
         The caller has removed it from its queue (and cleared it as the chunked request)."""
+        if req.peer.inflight_reads():  # before anything changes: the release frees what it reads
+            raise RuntimeError(f"{req.rid}: a failed peer still reads")
         self.stats.aborts += 1
         if req.pending_bootstrap:
             self.stats.bootstrap_failures += 1
@@ -149,7 +152,6 @@ class InflightQueue:
                 self.stats.bootstrap_timeouts += 1
         else:
             self.stats.transfer_failures += 1
-        assert req.peer.inflight_reads() == 0, f"{req.rid}: a failed peer still reads"
         self.pending.drop(req)
         self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")

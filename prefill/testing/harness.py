@@ -28,14 +28,18 @@ KV_ATOL = 1e-5
 
 
 def build_cache(
-    args: Any, copy_delay: float | Callable[[], float] = 0.0, group: TPGroup | None = None
+    args: Any,
+    copy_delay: float | Callable[[], float] = 0.0,
+    group: TPGroup | None = None,
+    streams: str | None = None,
 ) -> Any:
-    """``hicache.builder.build_kv_cache(args, group=group)``; ``copy_delay`` (CPU only, seconds or
-    a callable) is slept before every copy on the controller's side streams, to widen race
-    windows."""
+    """``hicache.builder.build_kv_cache(args, group=group, streams=streams)``; ``copy_delay``
+    (CPU only, seconds or a callable) is slept before every copy on the controller's side
+    streams, to widen race windows; ``streams``: a CPU stream mode (``"thread"``, ``"inline"``)
+    or ``None`` for the device's default."""
     from hicache.builder import build_kv_cache
 
-    return build_kv_cache(args, copy_delay=copy_delay, group=group)
+    return build_kv_cache(args, copy_delay=copy_delay, group=group, streams=streams)
 
 
 def make_executor(
@@ -50,6 +54,7 @@ def make_executor(
     send_log_size: int | None = DEFAULT_SEND_LOG_SIZE,
     group: TPGroup | None = None,
     modelled_copies: ModelledCopies | None = None,
+    streams: str | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
     that keeps received KV (for ``assert_decode_kv_matches``; ``decode.release(rid)`` frees it)
@@ -57,9 +62,10 @@ def make_executor(
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
     the model, when not given, this rank's ``TPPagedTransformer``. ``modelled_copies``: see
-    ``OptimisticPrefillExecutor``."""
+    ``OptimisticPrefillExecutor``. ``streams``: the CPU stream mode of the cache built here
+    (``build_cache``)."""
     clock = clock if clock is not None else VirtualClock()
-    cache = cache if cache is not None else build_cache(args, group=group)
+    cache = cache if cache is not None else build_cache(args, group=group, streams=streams)
     group = getattr(cache, "group", None)
     if group is not None:
         clock = agreed_clock(clock, group, None)
@@ -79,21 +85,28 @@ def make_executor(
 def decode_kv_and_reference(
     executor: OptimisticPrefillExecutor, rid: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(k, ref_k), (v, ref_v)]``: the decode-side KV of ``rid`` (tokens
-    ``[decode_prefix_len, n)``, ``[L, n', H, D]``) and the model's full recompute of the same
-    tokens (the prompt the decode peer was given), in the KV dtype. Valid after ``Success``
-    until ``decode.release(rid)``, whether or not the result was popped."""
-    dpl, k, v = executor.decode.received_kv(rid)
+    """``[(got, ref), ...]``, one pair per pool buffer: the decode-side KV of ``rid`` (tokens
+    ``[decode_prefix_len, n)``, ``[L, n', ...]``) and the model's full recompute of the same
+    tokens (the prompt the decode peer was given), in the KV dtype. MHA: ``[(k, ref_k), (v,
+    ref_v)]``, ``[L, n', H, D]``; MLA: ``[(kv, ref_kv)]``, the latent and rotary key ``[L, n', 1,
+    C]`` (the reference computed in the absorbed form, ``prefill.model.mla``). Valid after
+    ``Success`` until ``decode.release(rid)``, whether or not the result was popped."""
+    dpl, *got = executor.decode.received_kv(rid)
     token_ids = executor.decode.peers[rid].token_ids
     if token_ids is None:
         raise ValueError(f"rid {rid!r}: the decode side was built without keep_received")
     ids = torch.tensor(token_ids, dtype=torch.int64)
-    _, ref_k, ref_v = executor.model.forward_reference(ids)
-    return [(k, ref_k[:, dpl:].to(k.dtype)), (v, ref_v[:, dpl:].to(v.dtype))]
+    _, *ref = executor.model.forward_reference(ids)
+    if len(ref) != len(got):
+        raise ValueError(
+            f"rid {rid!r}: the decode pool holds {len(got)} buffers, the model caches {len(ref)}"
+        )
+    return [(g, r[:, dpl:].to(g.dtype)) for g, r in zip(got, ref, strict=True)]
 
 
 def kv_max_rel_error(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Largest relative L2 error of one (layer, token) row, K or V: ``|got - ref| / |ref|``.
+    """Largest relative L2 error of one (layer, token) row of any buffer (K, V or MLA's latent):
+    ``|got - ref| / |ref|``.
 
     bf16 rounding noise of a chunked prefill against a full recompute grows with depth but
     stays at a few percent (measured ~3% after 32 layers); KV read from a wrong or reused slot
@@ -110,8 +123,9 @@ def kv_max_rel_error(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 def assert_decode_kv_matches(
     executor: OptimisticPrefillExecutor, rid: str, atol: float = KV_ATOL
 ) -> None:
-    """Decode-side KV of ``rid`` (tokens ``[decode_prefix_len, n)``, every layer, K and V)
-    equals the model's full recompute of the prompt within ``atol``."""
+    """Decode-side KV of ``rid`` (tokens ``[decode_prefix_len, n)``, every layer, every buffer:
+    K and V, or MLA's latent) equals the model's full recompute of the prompt within
+    ``atol``."""
     for got, ref in decode_kv_and_reference(executor, rid):
         torch.testing.assert_close(got, ref, atol=atol, rtol=atol)
 

@@ -73,7 +73,8 @@ class TPDriver:
         self.drop_results = drop_results
         self.inputs: RankZeroInputs | None = None
         if group.size > 1:
-            assert isinstance(clock, AgreedClock), "agreed_clock() wraps the clock first"
+            if not isinstance(clock, AgreedClock):
+                raise RuntimeError("agreed_clock() wraps the clock first")
             self.inputs = RankZeroInputs(group, clock)
         self.following = False
 

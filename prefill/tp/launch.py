@@ -8,7 +8,8 @@ that shows every rank's stack. On GPUs, launch with ``torchrun`` instead (one pr
 be importable (a module-level function) and its result picklable.
 
 - A rank that raises: the others get ``RuntimeError`` from their next collective with it (gloo
-  sees the closed connection) or finish; ``RanksFailed`` lists every rank's outcome.
+  sees the closed connection, or the collective's timeout passes: ``collective_timeout_s``,
+  120 s by default) or finish; ``RanksFailed`` lists every rank's outcome.
 - A rank that has not finished ``timeout_s`` after every rank joined the group (a hang: ranks
   in different collectives, or one waiting for a collective another skipped): every live rank
   dumps all its threads' Python stacks (``faulthandler`` on ``SIGUSR1``, to a per-rank file),
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from hicache.tp.group import tp_timeout_s
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RanksFailed", "RanksHung", "free_port", "run_ranks"]
 
@@ -92,6 +95,7 @@ def _rank_entry(
     args: tuple[Any, ...],
     results: Any,
     stack_path: str,
+    collective_timeout_s: float,
 ) -> None:
     """One rank: stack dump on SIGUSR1, gloo default group, ``fn``, result to the parent."""
     import torch.distributed as dist
@@ -105,7 +109,8 @@ def _rank_entry(
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(hours=1),  # the parent's watchdog acts long before
+            # a collective another rank never enters raises here instead of waiting 30 minutes
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         results.put((rank, "started", None))
         out = ("ok", pickle.dumps(fn(rank, world_size, *args)))
@@ -121,11 +126,19 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each run in
     its own spawned process on one gloo group. Raises ``RanksFailed`` when a rank raised,
     ``RanksHung`` (with every live rank's stacks) when one has not finished ``timeout_s`` after
-    all joined the group. Every process started here is gone when this returns or raises."""
+    all joined the group. ``collective_timeout_s``: how long a collective of the default group
+    may block before it raises in that rank (``None``: ``hicache.tp.group.tp_timeout_s()``,
+    ``SGLANG_HICACHE_TP_TIMEOUT`` or 120 s). Every process started here is gone when this
+    returns or raises."""
+    if collective_timeout_s is None:
+        collective_timeout_s = tp_timeout_s()
+    if collective_timeout_s <= 0:
+        raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
@@ -138,7 +151,10 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(r, world_size, init_method, fn, args, results, paths[r]),
+                args=(
+                    r, world_size, init_method, fn, args, results, paths[r],
+                    collective_timeout_s,
+                ),  # fmt: skip
                 daemon=True,
             )
             for r in range(world_size)

@@ -155,3 +155,27 @@ def test_run_past_its_deadline_measures_nothing_and_says_so(
     assert data["rows"] == [] and result["rows"] == []
     assert data["skipped_for_time"] == ["grid item 2048"]
     assert data["partial"] is False and data["headline"]["note"] == "no rows measured"
+
+
+def test_the_warps_sweep_keeps_the_bytes_in_flight() -> None:
+    """The GEMM co-run's 32 / 16 / 8 warps per program at 2 / 4 / 8 programs keep as many bytes
+    of loads outstanding (the planner's numbers for a 2 KiB-item page_first load)."""
+    from bench.transfer.measure import bytes_in_flight, warp_points
+
+    n = 1024
+    pools = bt.Pools.allocate(DEVICE, 2048, bt.pool_slots(n))
+    idx = bt.Indices.make(pools, n, 1, seed=0)
+    points = warp_points((32, 16, 8))
+    assert points == [(32, 2), (16, 4), (8, 8)]
+    flights = {bytes_in_flight(pools, idx, 3, bq, w) for w, bq in points}
+    assert len(flights) == 1 and flights.pop() >= 64 * 1024
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is bench/gpu_check.sh's job")
+def test_the_sweep_part_says_why_it_is_skipped_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = bt.run(quick=True, out_dir=tmp_path, part="sweep")
+    assert "need CUDA" in result["sweep_skipped"]
+    assert "skipped: block_quota and warps sweeps" in capsys.readouterr().out
+    assert result["gemm_corun"] == [] and result["block_quota_sweep"] == []

@@ -460,9 +460,10 @@ def test_block_quota_and_warps_do_not_change_the_result() -> None:
         assert same_bytes(w.dev, ref.dev), (bq, warps)
 
 
-def test_kernel_skips_out_of_range_slots_when_unchecked() -> None:
+def test_kernel_skips_and_records_out_of_range_slots_when_unchecked() -> None:
     """Even past validation (e.g. CUDA without debug checks), a tensor side is never written or
-    read past its end: the launcher is called directly with out-of-range indices."""
+    read past its end: the launcher is called directly with out-of-range indices, and the
+    kernel records the skipped pair for the copy's check."""
     from kernels.layout.addressing import Part, Side
     from kernels.triton.launch import cache_hints_supported, launch_kv_copy, plan_launch
 
@@ -471,15 +472,19 @@ def test_kernel_skips_out_of_range_slots_when_unchecked() -> None:
     src = torch.arange(16 * 8, dtype=torch.uint8, device=DEVICE).view(16, 8)
     s = torch.tensor([0, 1, 40, 2], device=DEVICE)
     d = torch.tensor([3, 20, 4, 5], device=DEVICE)
-    launch_kv_copy(plan_launch(
-        Part(Side((src,), False, 8, 0, 16), Side((dst,), False, 8, 0, 16), 8, 1), s, d,
-        layer_begin=0, num_layers=1, block_quota=2, num_warps=4,
-        cache_hints=cache_hints_supported(DEVICE),
-    ))  # fmt: skip
+    watch = kernels.watch_copies(DEVICE)
+    with watch:
+        launch_kv_copy(plan_launch(
+            Part(Side((src,), False, 8, 0, 16), Side((dst,), False, 8, 0, 16), 8, 1), s, d,
+            layer_begin=0, num_layers=1, block_quota=2, num_warps=4,
+            cache_hints=cache_hints_supported(DEVICE), op="a_launch",
+        ))  # fmt: skip
     sync()
     expected = torch.full((64, 8), 7, dtype=torch.uint8)
     expected[3], expected[5] = src[0].cpu(), src[2].cpu()
     assert torch.equal(guard.cpu(), expected)
+    with pytest.raises(kernels.KVIndexError, match="a_launch: src_indices holds slot 40"):
+        watch.check()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Changes, all of them device, import or size changes; every test body is upstream
 3. Sizes, so the interpreted CPU run stays within tens of seconds (upstream's values in
    comments at each parametrize): fewer items and smaller pools; every family, dtype, page size,
    head count, MLA/MHA and direction upstream tests is kept.
+4. Upstream's module-wide skip on CUDA 13 (an sgl-kernel crash) is dropped: no case here calls
+   sgl-kernel.
 
 Upstream has no asymmetric K/V case in this file (the sgl-kernel change that would have added
 K head 192 / V head 128 cases, sgl-project/sglang#27629, was closed unmerged; upstream copies
@@ -119,12 +121,11 @@ cuda = torch.cuda if HAS_CUDA else _CpuCuda()
 
 # --- upstream's test, as is apart from the changes above ----------------------------------------
 
-# Skip entire module on CUDA 13.x — segfaults in transfer_kv kernel.
-# Reference failure: https://github.com/sgl-project/sglang/actions/runs/24600433057/job/71938317621?pr=23119
-pytestmark = pytest.mark.skipif(
-    get_cuda_version()[0] >= 13,
-    reason="test_kvcacheio segfaults on CUDA 13.x (sgl-kernel bug)",
-)
+# Upstream skips this whole module on CUDA 13.x: sgl-kernel's transfer_kv kernel segfaults there
+# (https://github.com/sgl-project/sglang/actions/runs/24600433057/job/71938317621?pr=23119). No
+# case here calls sgl-kernel (change 1: the ops are this project's), so the module runs on every
+# CUDA version (change 4); the cases that do call sgl-kernel, the parity tests in
+# tests/kernels/test_kernels_gpu.py, keep that skip.
 
 
 def ref_copy_with_indices(src_pool, dst_pool, src_indices, dst_indices):

@@ -25,14 +25,16 @@ PS = BASE_ARGS["page_size"]  # 4
 CHUNK = BASE_ARGS["chunked_prefill_size"]  # 16
 
 
-def make(delay=NEVER, latency: float = 1.0, **kw) -> OptimisticPrefillExecutor:
+def make(
+    delay=NEVER, latency: float = 1.0, streams: str | None = None, **kw
+) -> OptimisticPrefillExecutor:
     peer = PeerConfig(
         bootstrap_delay=delay, transfer_latency_s=latency,
         force_not_ready_prob=kw.pop("force_not_ready_prob", 0.0),
         transfer_failure_prob=kw.pop("transfer_failure_prob", 0.0),
         decode_prefix_len=kw.pop("decode_prefix_len", 0),
     )
-    return make_executor(executor_args(**kw), peer_config=peer)
+    return make_executor(executor_args(**kw), peer_config=peer, streams=streams)
 
 
 def sends_of(ex: OptimisticPrefillExecutor, rid: str) -> list[tuple[int, int, int, bool]]:
@@ -169,11 +171,11 @@ def test_decode_prefix_len_skips_what_decode_already_has():
     assert_decode_kv_matches(ex, "a")
 
 
-def test_l2_write_back_evicted_prefix_is_loaded_back():
+def test_l2_write_back_evicted_prefix_is_loaded_back(stream_mode):
     """A's KV is evicted to the host (write_back backs it up on eviction); C shares A's prompt
     and gets it back as a host hit, loaded layer by layer under the forward."""
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
         enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
     )
     a = prompt(40, seed=1)
@@ -202,12 +204,13 @@ def _assert_cache_hits_match_results(ex: OptimisticPrefillExecutor) -> None:
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["device_only", "hicache"])
-def test_chunk_re_matches_do_not_count_as_prefix_hits(hierarchical):
+def test_chunk_re_matches_do_not_count_as_prefix_hits(hierarchical, stream_mode):
     """A 40-token prompt prefilled in 16-token chunks re-matches its prefix after every chunk
     insert (16, 32, 40 tokens); none of that is a hit. Only B's admission hits A's prompt
     (its first 39 tokens, page-aligned: 36). Device-only caches count hits too."""
     kw = dict(enable_hierarchical_cache=True, hicache_write_policy="write_back")
-    ex = make(delay=DelayDistribution("fixed", 0.0), **(kw if hierarchical else {}))
+    kw = kw if hierarchical else {}
+    ex = make(delay=DelayDistribution("fixed", 0.0), streams=stream_mode, **kw)
     assert ex.cache.hierarchical == hierarchical
     a = prompt(40)
     ex.submit("a", a)
@@ -221,10 +224,10 @@ def test_chunk_re_matches_do_not_count_as_prefix_hits(hierarchical):
     _assert_cache_hits_match_results(ex)
 
 
-def test_host_hits_count_what_admission_loads_back():
+def test_host_hits_count_what_admission_loads_back(stream_mode):
     """As the L2 load-back story: C's host hit is recorded once, as the tokens loaded."""
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
         enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
     )
     a = prompt(40, seed=1)
@@ -239,9 +242,9 @@ def test_host_hits_count_what_admission_loads_back():
     _assert_cache_hits_match_results(ex)
 
 
-def test_host_hit_below_load_back_threshold_is_recomputed_not_counted():
+def test_host_hit_below_load_back_threshold_is_recomputed_not_counted(stream_mode):
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64,
+        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
         enable_hierarchical_cache=True, hicache_write_policy="write_back",
         load_back_threshold=1000,
     )
@@ -366,11 +369,12 @@ def test_injected_transfer_failure_aborts():
 
 
 # ---------------------------------------------------------------------------------- the gate
-def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog):
+def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog, stream_mode):
     args = executor_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
     assert args.optimistic_prefill_attempts == 0
     with caplog.at_level(logging.WARNING, logger="prefill.scheduler.gate"):
-        ex = make_executor(args, peer_config=PeerConfig(bootstrap_delay=NEVER))
+        peer = PeerConfig(bootstrap_delay=NEVER)
+        ex = make_executor(args, peer_config=peer, streams=stream_mode)
     gate_logs = [r for r in caplog.records if "optimistic prefill disabled" in r.message]
     assert len(gate_logs) == 1 and "write-back" in gate_logs[0].message
     ex.submit("a", prompt(20))

@@ -36,9 +36,11 @@ def wt_args(**kw) -> ServerArgs:
     return executor_args(**{**WRITE_THROUGH, **kw})
 
 
-def make(args: ServerArgs | None = None, delay=NEVER, **peer) -> OptimisticPrefillExecutor:
+def make(
+    args: ServerArgs | None = None, delay=NEVER, streams: str | None = None, **peer
+) -> OptimisticPrefillExecutor:
     cfg = PeerConfig(bootstrap_delay=delay, transfer_latency_s=0.01, **peer)
-    return make_executor(args or wt_args(), peer_config=cfg)
+    return make_executor(args or wt_args(), peer_config=cfg, streams=streams)
 
 
 def finish(ex: OptimisticPrefillExecutor) -> None:
@@ -52,8 +54,10 @@ def backed_up(ex: OptimisticPrefillExecutor) -> int:
 
 
 # ------------------------------------------------------------------------ request-owned pending KV
-def test_chunk_boundaries_of_a_pending_attempt_insert_nothing_then_finalize_publishes_once():
-    ex = make()
+def test_chunk_boundaries_of_a_pending_attempt_insert_nothing_then_finalize_publishes_once(
+    stream_mode,
+):
+    ex = make(streams=stream_mode)
     assert ex.unpublished_pending and ex.max_attempts == 2
     ex.submit("a", prompt(40))
     step(ex, 3)  # chunks [0, 16), [16, 32), [32, 40): two boundaries, all pending
@@ -70,8 +74,10 @@ def test_chunk_boundaries_of_a_pending_attempt_insert_nothing_then_finalize_publ
     assert_decode_kv_matches(ex, "a")
 
 
-def test_finalize_at_a_chunk_boundary_publishes_the_computed_pages_before_the_first_send():
-    ex = make()
+def test_finalize_at_a_chunk_boundary_publishes_the_computed_pages_before_the_first_send(
+    stream_mode,
+):
+    ex = make(streams=stream_mode)
     ex.submit("a", prompt(40))
     step(ex, 2)  # [0, 16) computed, boundary (pending: no insert), [16, 32) computed
     a = ex.requests["a"]
@@ -87,8 +93,10 @@ def test_finalize_at_a_chunk_boundary_publishes_the_computed_pages_before_the_fi
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_yield_publishes_only_under_write_back_and_the_retry_recomputes_the_rest(policy):
-    ex = make(wt_args(hicache_write_policy=policy))
+def test_yield_publishes_only_under_write_back_and_the_retry_recomputes_the_rest(
+    policy, stream_mode
+):
+    ex = make(wt_args(hicache_write_policy=policy), streams=stream_mode)
     ex.submit("a", prompt(40, seed=1))
     step(ex)  # a computes [0, 16) optimistically
     ex.submit("b", prompt(8, seed=2), peer=None)

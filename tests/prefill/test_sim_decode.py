@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.protocol import KVPoll, force_not_ready
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.sim_kv import copy_send, decode_pool_like, read_kv, write_kv
 from prefill.disagg.sim_side import DecodeSide
 
 L, H, D = 2, 2, 4
@@ -94,6 +95,65 @@ def test_bootstrap_ready_after_delay_then_send_and_ack():
     side.release("r")
     assert side.allocator.available_size() == side.allocator.size
 
+
+@pytest.mark.parametrize("kind", ["mla", "mha_k192_v128"])
+def test_decode_side_of_an_mla_or_asymmetric_pool_receives_every_buffer(kind):
+    """The decode pool takes the prefill pool's kind and geometry (``sim_kv``); a send lands
+    every layer of every buffer: MLA's latent, or K and V of different widths."""
+    if kind == "mla":
+        src = MLATokenToKVPool(64, 2, torch.float32, 12, 4, L, "cpu")
+        src.kv_buffer_all.copy_(torch.randn_like(src.kv_buffer_all))
+    else:
+        src = MHATokenToKVPool(64, 2, torch.float32, H, 6, L, "cpu", v_head_dim=4)
+        for t in (src.k_buffer_all, src.v_buffer_all):
+            t.copy_(torch.randn_like(t))
+    side = DecodeSide(src, VirtualClock(), PeerConfig(), size=32)
+    assert type(side.pool) is type(src) and side.pool.get_size_per_token() == \
+        src.get_size_per_token()  # fmt: skip
+    peer = side.create_peer("r", 5)
+    peer.poll()
+    peer.init(attempt=1)
+    rows = torch.tensor([7, 3, 4, 20, 9])
+    peer.send(1, 0, 5, rows, last=True)
+    assert peer.poll() == KVPoll.Success
+    dpl, *got = side.received_kv("r")
+    want = read_kv(src, rows)
+    assert dpl == 0 and len(got) == len(want) == (1 if kind == "mla" else 2)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    wrong = (MHATokenToKVPool(32, 2, torch.float32, H, D, L, "cpu") if kind == "mla"
+             else MLATokenToKVPool(32, 2, torch.float32, 4, 4, L, "cpu"))  # fmt: skip
+    with pytest.raises(ValueError, match="dst_pool"):
+        copy_send(src, wrong, rows, rows, block_quota=2)
+    assert not any(t.any() for kind_ in read_kv(wrong, torch.arange(32)) for t in kind_)
+
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_write_kv_is_read_kvs_inverse_and_refuses_a_wrong_shape(kind):
+    """What ``read_kv`` returns, written into a fresh pool of the kind at other slots, reads back
+    bit for bit there and nowhere else; a tuple of the wrong kinds leaves the pool zero."""
+    src = (MLATokenToKVPool(32, 2, torch.float32, 12, 4, L, "cpu") if kind == "mla"
+           else MHATokenToKVPool(32, 2, torch.float32, H, D, L, "cpu"))  # fmt: skip
+    for t in read_kv(src, torch.arange(32)):
+        assert t.abs().sum() == 0
+    buffers = [src.kv_buffer_all] if kind == "mla" else [src.k_buffer_all, src.v_buffer_all]
+    for t in buffers:
+        t.copy_(torch.randn_like(t))
+    kv = read_kv(src, torch.tensor([3, 4, 9]))
+    dst = decode_pool_like(src, 16)
+    at = torch.tensor([10, 2, 5])
+    write_kv(dst, at, kv)
+    for got, want in zip(read_kv(dst, at), kv, strict=True):
+        assert torch.equal(got, want)
+    rest = torch.tensor([i for i in range(16) if i not in (10, 2, 5)])
+    assert not any(t.any() for t in read_kv(dst, rest))
+    other = decode_pool_like(src, 16)
+    with pytest.raises(ValueError, match="kv"):
+        write_kv(other, at, (*kv, kv[0]))
+    with pytest.raises(ValueError, match="kv"):
+        write_kv(other, at[:2], kv)
+    assert not any(t.any() for t in read_kv(other, torch.arange(16)))
 
 def test_decode_prefix_len_is_page_aligned_and_skips_the_prefix():
     side = make_side(page_size=4, decode_prefix_len=9)
@@ -233,7 +293,7 @@ def test_bootstrap_timeout_env_var(monkeypatch):
 
 def test_finished_peers_are_forgotten_and_a_rid_can_come_back():
     side = make_side(keep=False, send_log_size=3)
-    for i in range(5):
+    for _ in range(5):
         peer = side.create_peer("r", 2)  # the same rid, again and again
         peer.poll()
         peer.init(0)

@@ -25,7 +25,7 @@ from hicache.tp.digest import tree_state
 from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group
 from prefill.clock import VirtualClock
 from prefill.disagg.sim_config import PeerConfig
-from prefill.model.paged import ModelConfig, PagedTransformer
+from prefill.model.factory import build_model
 from prefill.request.state import Outcome
 from prefill.testing.harness import KV_ATOL, build_cache, make_executor
 from server_args import ServerArgs
@@ -35,9 +35,14 @@ CLIENTS = 6
 ROUNDS = 3
 
 
-def _args(policy: str, world: int) -> ServerArgs:
+MLA = dict(use_mla=True, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+           v_head_dim=16)  # fmt: skip
+
+
+def _args(policy: str, world: int, mla: bool = False) -> ServerArgs:
     return ServerArgs(
-        device="cpu", tp_size=world, page_size=4, max_total_tokens=160, chunked_prefill_size=32,
+        **(MLA if mla else {}), device="cpu", tp_size=world, page_size=4, max_total_tokens=160,
+        chunked_prefill_size=32,
         enable_hierarchical_cache=True, hicache_write_policy=policy, hicache_ratio=3.0,
         hicache_mem_layout="layer_first", hicache_io_backend="direct", load_back_threshold=4,
         disaggregation_mode="prefill", optimistic_prefill_attempts=2,
@@ -48,10 +53,10 @@ def _args(policy: str, world: int) -> ServerArgs:
     )  # fmt: skip
 
 
-def _executor(rank: int, policy: str, group: Any, latency_s: float) -> Any:
+def _executor(rank: int, policy: str, group: Any, latency_s: float, mla: bool = False) -> Any:
     """This rank's executor; rank-local: how fast its copies finish (rank 0's are delayed) and
     the latency of its sends to its decode side."""
-    args = _args(policy, group.size)
+    args = _args(policy, group.size, mla)
     delay_rng = random.Random(f"copy:{rank}")
     cache = build_cache(args, copy_delay=lambda: delay_rng.random() * 0.004 * (rank == 0),
                         group=group)  # fmt: skip
@@ -73,9 +78,9 @@ def _history(rng: Any) -> list[list[int]]:
     return [[rng.randrange(512) for _ in range(rng.randint(20, 36))] for _ in range(CLIENTS)]
 
 
-def _serve(rank: int, world: int, policy: str) -> dict[str, Any]:
+def _serve(rank: int, world: int, policy: str, mla: bool = False) -> dict[str, Any]:
     group = new_cache_group()
-    ex = _executor(rank, policy, group, latency_s=0.002 + 0.004 * rank)
+    ex = _executor(rank, policy, group, latency_s=0.002 + 0.004 * rank, mla=mla)
     args = ex.args
     if rank == 0:  # who may do what
         peer = ex.decode.create_peer("x", 3)
@@ -98,8 +103,8 @@ def _serve(rank: int, world: int, policy: str) -> dict[str, Any]:
         return out
 
     group.agree_min_many = recorded
-    h0, h1 = ex.model.shard.kv_heads
-    full = PagedTransformer(ModelConfig.from_server_args(args))  # the single-rank model
+    h0, h1 = ex.model.shard.kv_heads  # MLA: (0, 1), the whole latent on every rank
+    full = build_model(dataclasses.replace(args, tp_size=1))  # the single-rank model
 
     rng = random.Random(0)  # the workload (only rank 0 submits it)
     history = _history(rng)
@@ -114,11 +119,12 @@ def _serve(rank: int, world: int, policy: str) -> dict[str, Any]:
                             res.passes, res.yields, res.parked))  # fmt: skip
             if res.outcome != Outcome.SUCCESS:
                 continue
-            dpl, k, v = ex.decode.received_kv(res.rid)
+            dpl, *got = ex.decode.received_kv(res.rid)  # K and V, or MLA's latent
             ids = torch.tensor(ex.decode.peers[res.rid].token_ids)
-            _, ref_k, ref_v = full.forward_reference(ids)
-            torch.testing.assert_close(k, ref_k[:, dpl:, h0:h1], atol=KV_ATOL, rtol=KV_ATOL)
-            torch.testing.assert_close(v, ref_v[:, dpl:, h0:h1], atol=KV_ATOL, rtol=KV_ATOL)
+            _, *ref = full.forward_reference(ids)
+            assert len(got) == len(ref) == (1 if mla else 2)
+            for g, r in zip(got, ref, strict=True):
+                torch.testing.assert_close(g, r[:, dpl:, h0:h1], atol=KV_ATOL, rtol=KV_ATOL)
             ex.decode.release(res.rid)
             checked += 1
     ex.drain_cache_events()
@@ -140,11 +146,16 @@ def _serve(rank: int, world: int, policy: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("policy", ["write_back", "write_through"])
-def test_two_ranks_serve_optimistic_prefill_like_one(policy):
-    outs = run_ranks(_serve, 2, policy)
+@pytest.mark.parametrize(
+    "policy, mla",
+    [("write_back", False), ("write_through", False), ("write_back", True)],
+    ids=["write_back", "write_through", "write_back-mla"],
+)
+def test_two_ranks_serve_optimistic_prefill_like_one(policy, mla):
+    """MLA: the ranks split the query heads; each holds, backs up and sends the whole latent."""
+    outs = run_ranks(_serve, 2, policy, mla)
     r0, r1 = outs
-    assert [o["kv_heads"] for o in outs] == [(0, 1), (1, 2)]
+    assert [o["kv_heads"] for o in outs] == ([(0, 1), (0, 1)] if mla else [(0, 1), (1, 2)])
     # Same schedule, same outcomes (first tokens included: logits are summed over the ranks).
     assert r0["results"] == r1["results"]
     for key in ("optimistic_admissions", "yields", "parks", "successes", "aborts", "sends",
@@ -159,7 +170,8 @@ def test_two_ranks_serve_optimistic_prefill_like_one(policy):
     assert s["optimistic_admissions"] > 0 and s["yields"] > 0 and s["aborts"] > 0, s
     assert c["loaded_tokens"] > 0 and c["backed_up_tokens"] > 0, c
     assert sum(o["polls_held_back"] for o in outs) > 0, "no poll ever differed between ranks"
-    # Each rank moved its own shard: the same tokens, half the bytes of the whole model.
+    # Each rank moved its own shard: the same tokens, half the bytes of the whole model (MLA:
+    # the whole latent on each).
     assert r0["cache"]["backed_up_tokens"] == r1["cache"]["backed_up_tokens"]
     assert r0["cache"]["d2h_bytes"] == r1["cache"]["d2h_bytes"] > 0
 

@@ -62,6 +62,9 @@ def verdict(r: dict[str, Any]) -> list[str]:
     gate = r.get("gate")
     if gate and not gate["ok"]:
         bad.append(f"gate: {len(gate['unexplained'])} unexplained differences")
+    for s in r.get("storage", []):
+        if not s["ok"]:
+            bad.append(f"L3 {s['case']}: {s.get('error', s)}")
     return bad
 
 
@@ -74,9 +77,9 @@ def _roundtrip_word(rt: dict[str, Any]) -> str:
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "| pin | mode | install | transfer cases ok | kernel launches (variants) "
-        "| unwarmed launches | tables verified by warm-up | round trip | gate rows "
+        "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok | gate rows "
         "| gate differences (class: count) | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -92,12 +95,14 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             gate = r.get("gate")
             diffs = ", ".join(f"{k}: {v}" for k, v in (gate or {}).get("differences", {}).items())
             variants = sum(t.get("variants", 0) for t in ts)
+            l3 = r.get("storage", [])
+            l3_word = f"{sum(s['ok'] for s in l3)}/{len(l3)}" if l3 else "-"
             lines.append(
                 f"| {pin} | {mode} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
                 f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
                 f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
-                f"| {_roundtrip_word(rt)} "
+                f"| {_roundtrip_word(rt)} | {l3_word} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {'PASS' if not verdict(r) else 'FAIL'} |"
             )  # fmt: skip

@@ -9,7 +9,10 @@ reads (every field the function reads outside the gate is set to SGLang's "not u
   it reads: ``logger``, ``json``, ``Backend`` (unused here) and the real ``resolved_view`` from
   ``sglang.srt.arg_groups.overrides``.
 - 0.5.23: the module function ``sglang.srt.arg_groups.serving_hook.handle_other_validations``,
-  imported, with its real ``declare_resolution`` / ``resolving_view`` bookkeeping.
+  imported, with its real ``declare_resolution`` / ``resolving_view`` bookkeeping, after
+  SGLang's own ``hicache_hook.validate_hicache_host_memory_mode`` (which runs before it in
+  SGLang's pipeline: it refuses ``buffer_only`` without a storage backend or on a decode
+  server, and resolves its ``write_back`` to ``write_through``). A row both refuse is equal.
 
 Each row compares SGLang's resolved ``optimistic_prefill_attempts`` with this project's
 ``ServerArgs(...)`` resolution, and each difference is classified by :func:`classify`.
@@ -52,7 +55,10 @@ _QUIET_FIELDS: dict[str, Any] = {
     "disaggregation_decode_allocation_policy": "early",
     "cuda_graph_config": None,
     "skip_server_warmup": False,
+    "hicache_size": 0,
+    "hicache_ratio": 2.0,
 }
+REFUSED = -1  # the row is refused at startup (a ValueError)
 
 
 def _method_from_source(path: str, class_name: str, method: str, env: dict) -> Callable:
@@ -109,9 +115,25 @@ def project_attempts(row: dict[str, Any], write_through_flag: bool | None) -> in
     import server_args as sa
 
     kwargs = {k: row[k] for k in AXES}
+    if "hicache_host_memory_mode" in row and "hicache_host_memory_mode" in {
+        f.name for f in dataclasses.fields(sa.ServerArgs)
+    }:
+        kwargs["hicache_host_memory_mode"] = row["hicache_host_memory_mode"]
     if write_through_flag is not None:
         kwargs["optimistic_prefill_write_through"] = write_through_flag
-    return sa.ServerArgs(**kwargs).optimistic_prefill_attempts
+    try:
+        return sa.ServerArgs(**kwargs).optimistic_prefill_attempts
+    except ValueError:
+        return REFUSED
+
+
+def _sglang_validate_host_memory_mode() -> Callable[[Any], None] | None:
+    """0.5.23's ``validate_hicache_host_memory_mode`` (``None`` where it does not exist)."""
+    spec = importlib.util.find_spec("sglang.srt.arg_groups.hicache_hook")
+    if spec is None:
+        return None
+    hook = importlib.import_module("sglang.srt.arg_groups.hicache_hook")
+    return getattr(hook, "validate_hicache_host_memory_mode", None)
 
 
 def project_has_write_through_flag() -> bool:
@@ -132,9 +154,9 @@ def classify(row: dict[str, Any], sglang: int, project: int, version: str, flag:
     - ``write_through_flag_off`` (0.5.23 rows, flag off): the reverse.
     - ``mamba`` (0.5.23): 0.5.23 dropped the mamba clause; the project keeps it (mamba models are
       refused at runtime anyway).
-    - ``l3_buffer_only`` (0.5.23): 0.5.23 keeps attempts with an L3 backend in ``buffer_only``
-      host mode under write_through; the project has no L3 tier (refused at runtime) and
-      resolves 0.
+    - ``l3_buffer_only_flag_off`` (0.5.23 rows, flag off): 0.5.23 keeps attempts with an L3
+      backend in ``buffer_only`` host mode under write_through; the project's earlier gate
+      (flag off) refuses every storage backend. With the flag the project resolves as 0.5.23.
     """
     live = (
         row["disaggregation_mode"] == "prefill"
@@ -153,8 +175,11 @@ def classify(row: dict[str, Any], sglang: int, project: int, version: str, flag:
             return "write_through_flag_on"
         return "UNEXPLAINED"
     if sglang > 0 and project == 0:
-        if hier and storage is not None and row.get("hicache_host_memory_mode") == "buffer_only":
-            return "l3_buffer_only"
+        if (
+            hier and storage is not None and not flag
+            and row.get("hicache_host_memory_mode") == "buffer_only"
+        ):  # fmt: skip
+            return "l3_buffer_only_flag_off"
         if wt_l2 and not flag and not row["uses_mamba_radix_cache"]:
             return "write_through_flag_off"
         if row["uses_mamba_radix_cache"]:
@@ -178,6 +203,7 @@ def run(version: str) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.ERROR)
     where, gate = load_gate(version)
     modes = HOST_MEMORY_MODES if version.startswith("0.5.23") else (None,)
+    validate = _sglang_validate_host_memory_mode() if modes != (None,) else None
     flags: tuple[bool | None, ...] = (
         (False, True) if project_has_write_through_flag() else (None,)
     )
@@ -188,7 +214,12 @@ def run(version: str) -> dict[str, Any]:
         if row["hicache_host_memory_mode"] is None:
             del row["hicache_host_memory_mode"]
         obj = types.SimpleNamespace(**_QUIET_FIELDS, **row)
-        sglang_value = gate(obj)
+        try:
+            if validate is not None and row["enable_hierarchical_cache"]:
+                validate(obj)
+            sglang_value = gate(obj)
+        except ValueError:
+            sglang_value = REFUSED
         for flag in flags:
             rows += 1
             ours = project_attempts(row, flag)

@@ -10,7 +10,9 @@
   ``sgl_kernel.kvcacheio`` (sgl-kernel is not installed), the modules import this project's ops
   from it, and the JIT predicates are routed around.
 
-Then: the transfer cases (:mod:`tests.sglang_check.transfers`), the compat module's
+Then: the transfer cases (:mod:`tests.sglang_check.transfers`), the L3 cases (pages between this
+project's and SGLang's ``HiCacheFile``, ``build_kv_host_pool`` over this project's device pools:
+:mod:`tests.sglang_check.storage`), the compat module's
 uninstall / reinstall round trip, and (``cpu`` mode) the gate cross product
 (:mod:`tests.sglang_check.gate`). The result is one JSON object.
 """
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
     from kernels.sglang import compat, rebind
-    from tests.sglang_check import gate, stubs, transfers
+    from tests.sglang_check import gate, storage, stubs, transfers
 
     out: dict[str, Any] = {"mode": args.mode, "sglang_version": compat.sglang_version()}
     t0 = time.monotonic()
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, case in enumerate(transfers.cases(transfers.supports_asymmetric()))
         ]
         out["transfers"] = [r.to_dict() for r in results]
+        out["storage"] = storage.run(sglang)
         handle.uninstall()
     except Exception as e:
         out["fatal"] = f"{type(e).__name__}: {e}"

@@ -69,6 +69,30 @@ def test_ram_refusal_happens_before_allocating(monkeypatch: pytest.MonkeyPatch) 
         MHATokenToKVPoolHost(dev, 2.0, 0, 1, "layer_first")  # 128 tokens x 384 B > 1000 B
 
 
+def test_pinned_fallback_is_refused_when_its_rounded_size_does_not_fit(monkeypatch) -> None:
+    """``cudaHostRegister`` fails; the fallback would pin a power of two: 12.9 GB becomes 16 GB,
+    which must fit the RAM budget too, not only the exact size checked before allocating."""
+    assert host_memory.pinned_fallback_bytes(int(12.9e9)) == 16 * 1024**3
+    assert host_memory.pinned_fallback_bytes(4096) == 4096
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("R", (), {
+        "cudaHostRegister": staticmethod(lambda ptr, n, flags: 1)})())  # fmt: skip
+
+    def no_pinning(*args, **kwargs):
+        raise AssertionError("pinned past the RAM check")
+
+    dims = (3, 1000)  # 12000 B of float32, rounded to 16384 B
+    monkeypatch.setattr(host_memory, "host_memory_reserve_bytes", lambda: 0)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 14000)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: (
+        no_pinning() if pin_memory else real_empty(*a, **k)))  # fmt: skip
+    with pytest.raises(ValueError, match="power of two"):
+        host_memory.alloc_host_buffer(dims, torch.float32, pin=True)
+    monkeypatch.setattr(host_memory, "host_memory_available_bytes", lambda: 20000)
+    with pytest.raises(AssertionError, match="pinned past"):  # fits: the fallback pins
+        host_memory.alloc_host_buffer(dims, torch.float32, pin=True)
+
+
 def test_unsupported_layout_io_pair_raises() -> None:
     dev = device_pool(False, 1)
     host = MHATokenToKVPoolHost(dev, 2.0, 0, 1, "page_first")

@@ -404,7 +404,7 @@ def _injected(rank: int, world: int) -> dict[str, tuple[str, str, int]]:
         rng = random.Random(story.seed)
         step = -1
         try:
-            for step in range(story.steps):
+            for step in range(story.steps):  # noqa: B007 (read after the loop)
                 r.step(rng)
                 r.check()
             out[how] = ("none", "", step)

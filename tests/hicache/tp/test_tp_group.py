@@ -13,11 +13,14 @@ import torch
 
 from hicache.tp.digest import digest
 from hicache.tp.group import (
+    DEFAULT_TP_TIMEOUT_S,
+    TP_TIMEOUT_ENV,
     CollectiveMismatchError,
     DistTPGroup,
     RankDivergenceError,
     SingleRankGroup,
     new_cache_group,
+    tp_timeout_s,
 )
 from tests.support.tp_harness import RanksFailed, RanksHung, run_ranks
 
@@ -174,6 +177,17 @@ def test_single_rank_group_is_the_identity():
     g.barrier()
 
 
+def test_tp_timeout_defaults_to_two_minutes_and_reads_its_env(monkeypatch):
+    monkeypatch.delenv(TP_TIMEOUT_ENV, raising=False)
+    assert tp_timeout_s() == DEFAULT_TP_TIMEOUT_S == 120.0
+    monkeypatch.setenv(TP_TIMEOUT_ENV, "7.5")
+    assert tp_timeout_s() == 7.5
+    for bad in ("0", "-3", "soon", "inf"):
+        monkeypatch.setenv(TP_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=TP_TIMEOUT_ENV):
+            tp_timeout_s()
+
+
 def test_new_cache_group_without_distributed_is_single_rank():
     assert isinstance(new_cache_group(), SingleRankGroup)
 
@@ -208,15 +222,16 @@ def test_digest_rejects_objects_without_a_stable_encoding():
 
 
 def _skips_with_a_group_timeout(rank: int, world_size: int) -> None:
-    g = new_cache_group(timeout_s=1)
+    g = new_cache_group()  # SGLANG_HICACHE_TP_TIMEOUT, set by the test
     if rank == 0:
         g.agree_min(1, tag="acks")
     else:
         time.sleep(3)  # skipped the collective; exits after rank 0's timeout
 
 
-def test_group_timeout_turns_a_skipped_collective_into_an_error():
-    with pytest.raises(RanksFailed) as info:
-        run_ranks(_skips_with_a_group_timeout, 2)
+def test_group_timeout_turns_a_skipped_collective_into_an_error(monkeypatch):
+    monkeypatch.setenv(TP_TIMEOUT_ENV, "1")  # the spawned ranks inherit it
+    with pytest.raises(RanksFailed) as info:  # (their default group: time to start up)
+        run_ranks(_skips_with_a_group_timeout, 2, collective_timeout_s=120)
     assert "cache group rank 0: collective #1 agree_min('acks') failed" in info.value.outcomes[0]
     assert info.value.outcomes[1] == "ok"

@@ -16,7 +16,7 @@ from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
 from hicache.memory.host_pool_factory import make_host_pool
 from hicache.transfer.controller import HiCacheController
-from hicache.transfer.streams import CpuStreams
+from hicache.transfer.streams import make_streams
 from tests.support.kv_content import check_device, check_host, write_device
 
 L = 3
@@ -31,6 +31,7 @@ def make(
     delay=0.0,
     ratio: float = 2.0,
     device: str = "cpu",
+    streams: str = "thread",
 ) -> HiCacheController:
     if mla:
         pool = MLATokenToKVPool(size, page, torch.float32, 6, 2, L, device)
@@ -38,8 +39,8 @@ def make(
         pool = MHATokenToKVPool(size, page, torch.float32, 2, 4, L, device)
     host = make_host_pool(pool, ratio, 0, layout)
     alloc = TokenToKVPoolAllocator(size, page, device)
-    streams = CpuStreams(delay) if device == "cpu" else None
-    return HiCacheController(alloc, pool, host, io, streams=streams)
+    factory = make_streams(device, delay, streams) if device == "cpu" else None
+    return HiCacheController(alloc, pool, host, io, streams=factory)
 
 
 class Gates:
@@ -87,8 +88,10 @@ def finished(c: HiCacheController, check) -> list[int]:
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("layout,io", sorted(SUPPORTED_LAYOUT_IO))
 @pytest.mark.parametrize("page", [1, 16])
-def test_backup_evict_load_round_trip(mla: bool, layout: str, io: str, page: int) -> None:
-    c = make(page=page, size=64, layout=layout, io=io, mla=mla)
+def test_backup_evict_load_round_trip(
+    mla: bool, layout: str, io: str, page: int, stream_mode: str
+) -> None:
+    c = make(page=page, size=64, layout=layout, io=io, mla=mla, streams=stream_mode)
     d = c.device_allocator.alloc(32)
     tokens, positions = torch.arange(100, 132), torch.arange(32)
     write_device(c.device_pool, d, tokens, positions)
@@ -314,8 +317,8 @@ def test_frees_do_not_scan_the_copies_in_flight() -> None:
     c.close()
 
 
-def test_full_pools_return_none_and_change_nothing() -> None:
-    c = make(size=8, ratio=0.5)  # host: 4 slots
+def test_full_pools_return_none_and_change_nothing(stream_mode: str) -> None:
+    c = make(size=8, ratio=0.5, streams=stream_mode)  # host: 4 slots
     d = c.device_allocator.alloc(8)
     assert c.write(d) is None and c.host_allocator.available_size() == 4
     h = c.write(d[:4])
@@ -337,8 +340,8 @@ def test_full_pools_return_none_and_change_nothing() -> None:
         lambda c, d: c.evict_host(torch.arange(0, 4)),  # not allocated
     ],
 )
-def test_bad_calls_raise_and_change_nothing(call) -> None:
-    c = make(page=4, size=16)
+def test_bad_calls_raise_and_change_nothing(call, stream_mode: str) -> None:
+    c = make(page=4, size=16, streams=stream_mode)
     d = c.device_allocator.alloc(8)
     before = (c.device_allocator.available_size(), c.host_allocator.available_size())
     with pytest.raises(ValueError):
@@ -349,8 +352,8 @@ def test_bad_calls_raise_and_change_nothing(call) -> None:
     c.close()
 
 
-def test_double_evict_raises() -> None:
-    c = make(size=8)
+def test_double_evict_raises(stream_mode: str) -> None:
+    c = make(size=8, streams=stream_mode)
     d = c.device_allocator.alloc(4)
     c.evict_device(d)
     with pytest.raises(ValueError):
@@ -386,8 +389,8 @@ def test_cuda_round_trip_with_pinned_host_pool(layout: str, io: str) -> None:
     c.host_pool.destroy()
 
 
-def test_backup_of_slots_a_queued_load_will_write_is_refused() -> None:
-    c = make(size=8)
+def test_backup_of_slots_a_queued_load_will_write_is_refused(stream_mode: str) -> None:
+    c = make(size=8, streams=stream_mode)
     d = c.device_allocator.alloc(4)
     h = c.write(d)
     c.wait_write()

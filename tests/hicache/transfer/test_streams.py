@@ -8,7 +8,13 @@ import time
 import pytest
 import torch
 
-from hicache.transfer.streams import CpuEvent, CpuStreams, CudaStreams, make_streams
+from hicache.transfer.streams import (
+    CpuEvent,
+    CpuStreams,
+    CudaStreams,
+    InlineStreams,
+    make_streams,
+)
 
 
 def test_cpu_stream_runs_in_order_without_blocking_the_caller() -> None:
@@ -98,15 +104,46 @@ def test_wait_event_binds_to_the_record_at_call_time() -> None:
     streams.close()
 
 
-def test_failed_callable_is_reported_and_does_not_deadlock() -> None:
+def test_failed_callable_goes_to_the_next_event_and_does_not_stick() -> None:
     streams = CpuStreams()
     s = streams.new_stream()
     s.submit(lambda: 1 / 0)
-    ev = s.record()
-    ev.synchronize()  # still fires
-    with pytest.raises(RuntimeError, match="failed"):
+    failed = s.record()
+    failed.synchronize()  # still fires, carrying the error
+    assert isinstance(failed.error, ZeroDivisionError)
+    out: list[int] = []
+    s.submit(lambda: out.append(1))
+    ok = s.record()
+    ok.synchronize()
+    assert ok.error is None and out == [1]  # later work is not affected
+    s.synchronize()  # the error went to its event: nothing left to raise
+    s.submit(lambda: 1 / 0)  # no event follows: synchronize raises it, once
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         s.synchronize()
+    s.synchronize()
     streams.close()
+
+
+def test_inline_stream_runs_at_submit_and_raises_there() -> None:
+    streams = make_streams("cpu", mode="inline")
+    assert isinstance(streams, InlineStreams)
+    s = streams.new_stream(high_priority=True)
+    out: list[int] = []
+    s.submit(lambda: out.append(1))
+    assert out == [1]  # ran on the caller's thread, before submit returned
+    ev = s.record()
+    assert ev.query() and ev.error is None
+    with pytest.raises(ZeroDivisionError):
+        s.submit(lambda: 1 / 0)
+    s.submit(lambda: out.append(2))  # the stream goes on
+    assert out == [1, 2] and s.query()
+    s.wait_event(streams.compute.record())
+
+
+def test_make_streams_modes() -> None:
+    assert isinstance(make_streams("cpu", mode="thread"), CpuStreams)
+    with pytest.raises(ValueError, match="streams mode"):
+        make_streams("cpu", mode="async")
 
 
 def test_make_streams_picks_cpu_without_cuda() -> None:
@@ -129,3 +166,13 @@ def test_cuda_side_stream_waits_for_compute_event() -> None:
     done.synchronize()
     assert bool((dst == 3.0).all())
     assert side.query()
+
+
+@pytest.mark.gpu
+def test_cuda_high_priority_stream_is_above_the_compute_stream() -> None:
+    streams = CudaStreams("cuda")
+    high, plain = streams.new_stream(high_priority=True), streams.new_stream()
+    assert high.stream.priority < plain.stream.priority == streams.compute.stream.priority
+    with pytest.raises(ValueError, match="thread"):
+        make_streams("cuda", mode="thread")
+    assert isinstance(make_streams("cuda", mode="inline"), CudaStreams)

@@ -49,6 +49,7 @@ def make_cache(
     device: str = "cpu",
     layout: str = "layer_first",
     io: str = "direct",
+    streams: str = "thread",
 ) -> KVCache:
     geometry = (
         dict(use_mla=True, kv_lora_rank=4, qk_rope_head_dim=2) if use_mla else dict(head_num=1)
@@ -69,9 +70,10 @@ def make_cache(
         hicache_upstream_chunked_insert=upstream_chunked,
         **geometry,
     )
+    streams_arg = None if device == "cuda" else streams  # CUDA streams launch inline already
     if gate is None:
-        return build_kv_cache(args)
-    return build_kv_cache(args, copy_delay=gate)
+        return build_kv_cache(args, streams=streams_arg)
+    return build_kv_cache(args, copy_delay=gate, streams=streams_arg)
 
 
 @pytest.fixture
@@ -182,8 +184,8 @@ def test_write_through_story(caches, use_mla) -> None:
     assert (s.matched_attempts, s.device_hit_tokens, s.host_hit_tokens) == (0, 0, 0)
 
 
-def test_write_through_selective_story(caches) -> None:
-    kv = make_cache("write_through_selective")
+def test_write_through_selective_story(caches, stream_mode) -> None:
+    kv = make_cache("write_through_selective", streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
 
@@ -258,11 +260,11 @@ def test_write_back_story(caches) -> None:
     kv.check_integrity()
 
 
-def test_write_back_keeps_lru_order_when_the_host_is_full(caches) -> None:
+def test_write_back_keeps_lru_order_when_the_host_is_full(caches, stream_mode) -> None:
     """Host pool 16 tokens, four 8-token keys on the device, evict all: the backups of the
     oldest keys fill the host first, so they are finished and host-evicted to make room for
     the newer ones. The two most recently used keys keep their host copy."""
-    kv = make_cache("write_back", device_tokens=32, ratio=0.5)
+    kv = make_cache("write_back", device_tokens=32, ratio=0.5, streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     keys = [list(range(100 * i, 100 * i + 8)) for i in range(4)]
@@ -282,10 +284,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_policy_round_trip_with_kernels(caches, policy, device) -> None:
+def test_policy_round_trip_with_kernels(caches, policy, device, stream_mode) -> None:
     """Cache, evict to host, load back and re-hit through the Triton copy kernels (page_first
     host layout); on CUDA this runs on real streams and pinned host memory."""
-    kv = make_cache(policy, device=device, layout="page_first", io="kernel")
+    if device == "cuda" and stream_mode == "inline":
+        pytest.skip("CUDA streams launch inline already: the thread run covers it")
+    kv = make_cache(policy, device=device, layout="page_first", io="kernel", streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     for _ in range(2):  # twice, so write_through_selective backs up too
@@ -303,8 +307,8 @@ def test_policy_round_trip_with_kernels(caches, policy, device) -> None:
     kv.check_integrity()
 
 
-def test_recompute_revives_host_only_nodes(caches) -> None:
-    kv = make_cache("write_through")
+def test_recompute_revives_host_only_nodes(caches, stream_mode) -> None:
+    kv = make_cache("write_through", streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     compute(kv, B)
@@ -321,8 +325,8 @@ def test_recompute_revives_host_only_nodes(caches) -> None:
     check_tree_content(kv)
 
 
-def test_load_back_below_threshold_recomputes(caches) -> None:
-    kv = make_cache("write_through", threshold=10)
+def test_load_back_below_threshold_recomputes(caches, stream_mode) -> None:
+    kv = make_cache("write_through", threshold=10, streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     compute(kv, A)
@@ -335,8 +339,8 @@ def test_load_back_below_threshold_recomputes(caches) -> None:
     kv.check_integrity()
 
 
-def test_load_back_evicts_to_make_room(caches) -> None:
-    kv = make_cache("write_through", device_tokens=16)
+def test_load_back_evicts_to_make_room(caches, stream_mode) -> None:
+    kv = make_cache("write_through", device_tokens=16, streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     compute(kv, A)
@@ -355,9 +359,9 @@ def test_load_back_evicts_to_make_room(caches) -> None:
 
 
 @pytest.mark.parametrize("upstream", [True, False], ids=["upstream_flaw", "fixed"])
-def test_chunked_insert_backup(caches, upstream) -> None:
+def test_chunked_insert_backup(caches, upstream, stream_mode) -> None:
     """A long prompt prefilled in chunks: every insert of the unfinished request is chunked."""
-    kv = make_cache("write_through", upstream_chunked=upstream)
+    kv = make_cache("write_through", upstream_chunked=upstream, streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     prompt = list(range(500, 524))  # six pages, three chunks of two pages
@@ -400,8 +404,8 @@ def test_host_copy_not_matchable_before_ack(caches) -> None:
     kv.check_integrity()
 
 
-def test_evict_host_never_frees_a_device_mirror(caches) -> None:
-    kv = make_cache("write_through")
+def test_evict_host_never_frees_a_device_mirror(caches, stream_mode) -> None:
+    kv = make_cache("write_through", streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     compute(kv, A)
@@ -411,10 +415,10 @@ def test_evict_host_never_frees_a_device_mirror(caches) -> None:
     kv.check_integrity()
 
 
-def test_dropping_an_unbacked_parent_frees_its_host_only_children(caches) -> None:
+def test_dropping_an_unbacked_parent_frees_its_host_only_children(caches, stream_mode) -> None:
     """A parent whose backup failed (host full) under a child that was backed up: evicting the
     parent loses its KV, and the child's host copy (unreachable without it) goes too."""
-    kv = make_cache("write_through", ratio=0.25)  # host: 8 tokens
+    kv = make_cache("write_through", ratio=0.25, streams=stream_mode)  # host: 8 tokens
     caches.append(kv)
     tree = kv.tree
     x = list(range(900, 904))
@@ -434,8 +438,8 @@ def test_dropping_an_unbacked_parent_frees_its_host_only_children(caches) -> Non
     kv.check_integrity()
 
 
-def test_bad_calls_raise_and_change_nothing(caches) -> None:
-    kv = make_cache("write_through")
+def test_bad_calls_raise_and_change_nothing(caches, stream_mode) -> None:
+    kv = make_cache("write_through", streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     compute(kv, A)
@@ -482,7 +486,7 @@ def test_device_only_when_off() -> None:
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (dict(hicache_storage_backend="file"), "storage"),
+        (dict(hicache_storage_backend="nosuch"), "--hicache-storage-backend=nosuch"),
         (dict(pp_size=2), "pp-size"),
     ],
 )
@@ -501,13 +505,13 @@ def test_unsupported_configurations_are_refused(extra, match) -> None:
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_both_queues_evict_what_a_full_scan_would(caches, policy) -> None:
+def test_both_queues_evict_what_a_full_scan_would(caches, policy, stream_mode) -> None:
     """Random requests, device and host evictions: each single-leaf eviction of either tier
     takes the leaf a scan of the whole tree by (access time, id) would pick."""
     import random
 
     rng = random.Random(1)
-    kv = make_cache(policy, device_tokens=64, ratio=2.0)
+    kv = make_cache(policy, device_tokens=64, ratio=2.0, streams=stream_mode)
     caches.append(kv)
     tree = kv.tree
     for _ in range(150):

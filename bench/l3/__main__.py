@@ -1,0 +1,5 @@
+import sys
+
+from bench.l3.bench import main
+
+sys.exit(main())

@@ -1,0 +1,355 @@
+"""``PrefetchBook``: the scheduler-thread side of prefetches from storage (SGLang 0.5.23's
+``prefetch_from_storage``, ``check_prefetch_progress`` and ``_handle_prefetch_result``).
+
+One prefetch, step by step (every step on the scheduler thread except the two IO phases):
+
+1. **issue** (``prefetch``, at a request's arrival): the page-aligned tokens after what the tree
+   matched, keyed by the attempt (``CacheRequestHandle``). Declined below
+   ``prefetch_threshold`` or when rate-limited (cache mode: reserved tokens at half the host
+   pool; ``buffer_only``: the host pool, less write staging, 90% used). Cache mode protects the
+   anchor (the node the pages will hang from) and reserves the requested tokens.
+2. *query thread*: this rank's existence answer.
+3. **hit** (``on_hit``, agreed: the MIN over ranks): revoked below the threshold or when
+   terminated; else host slots for the hit only (cache mode: host eviction first when short,
+   then whatever is free down to the threshold; ``buffer_only``: the whole hit or nothing).
+4. *IO thread*: pages read into those slots, one progress ack per 128-page batch.
+5. **acks** (``on_ack``, agreed position by position: the MIN of each ack's progress): progress
+   sets ``completed_tokens``; the completion ack applies the result if the attempt still waits.
+6. **admission** (``check_progress``, the stop policy): ``best_effort`` takes what has landed at
+   the first poll; ``wait_complete`` waits for the completion ack; ``timeout`` waits up to
+   ``StorageSettings.timeout_s`` on the executor's clock from the first blocked poll (a rank
+   that sees it expired ends it for all: ``agree_any``), unless every hit page has landed.
+7. **result** (``_apply_result``): cache mode, the fetched pages become a host-only node under
+   the anchor (``tree.insert_host``; pages the tree already holds are freed), anchor and
+   reservation released, ``take_loaded`` tells admission how many tokens came from storage;
+   ``buffer_only``, nothing enters the tree: the pages wait as a ``StagedPrefetch`` of this
+   attempt (``take_staged`` at its admission). Host slots past ``completed_tokens`` stay with
+   the operation until its completion ack (the IO thread may still write them), then are freed.
+
+Attempt scoping: a yield or abort calls ``release(handle)``: the operation is terminated, the
+anchor and reservation are released at once, its host slots and any staged pages are freed (at
+the completion ack, if the IO thread still holds them), and nothing of it can reach the next
+attempt, whose handle differs: a late ack finds no waiting attempt and only frees.
+
+Host slot ownership: from ``on_hit`` the slots are the operation's (``held_slots``); at the
+result ``[:completed]`` go to the tree (cache) or the staging (``buffer_only``), the rest stay
+the operation's until its completion ack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.storage.io.operations import CacheRequestHandle, PrefetchAck, PrefetchOperation
+from hicache.storage.io.settings import (
+    BUFFER_PREFETCH_CAPACITY_FRACTION,
+    CACHE_PREFETCH_CAPACITY_FRACTION,
+    StorageSettings,
+)
+from hicache.storage.io.stats import StorageStats
+from hicache.storage.io.workers import StorageWorkers
+from hicache.tp.agreed import agreed_alloc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ongoing:
+    op: PrefetchOperation
+    anchor: Any  # cache mode: the protected node the pages hang from; None for buffer_only
+    reserved: int  # cache mode: tokens counted in ``occupied_tokens``
+
+
+@dataclass(frozen=True)
+class StagedPrefetch:
+    """``buffer_only``: fetched pages parked for their attempt: ``num_tokens`` tokens starting
+    at token ``storage_start`` of the request, in host slots ``host_indices`` (CPU int64)."""
+
+    host_indices: torch.Tensor
+    hash_value: list[str]
+    storage_start: int
+    num_tokens: int
+
+
+class PrefetchBook:
+    """Prefetches in flight (module docstring).
+
+    Args:
+        tree: the ``StorageTree`` (host allocator, protection, ``insert_host``, frees).
+        workers: the IO threads.
+        settings: policy, threshold, timeouts, host memory mode.
+        stats: counters.
+        write_staged_tokens: ``buffer_only``: host tokens held by write staging.
+        absent: told of keys a query agreed are not stored (``StoredBeliefs.discard``).
+    """
+
+    def __init__(
+        self,
+        tree: Any,
+        workers: StorageWorkers,
+        settings: StorageSettings,
+        stats: StorageStats,
+        write_staged_tokens: Callable[[], int],
+        absent: Callable[[list[str]], None],
+    ) -> None:
+        self.tree = tree
+        self.workers = workers
+        self.settings = settings
+        self.stats = stats
+        self.page_size = workers.page_size
+        self.write_staged_tokens = write_staged_tokens
+        self.absent = absent
+        self.ongoing: dict[CacheRequestHandle, _Ongoing] = {}
+        self.orphans: dict[int, tuple[PrefetchOperation, int]] = {}  # op id -> (op, held from)
+        self.staged: dict[CacheRequestHandle, StagedPrefetch] = {}
+        self.loaded: dict[CacheRequestHandle, int] = {}
+        self.occupied_tokens = 0
+        size = tree.host_allocator.size
+        fraction = (
+            BUFFER_PREFETCH_CAPACITY_FRACTION
+            if settings.buffer_only
+            else CACHE_PREFETCH_CAPACITY_FRACTION
+        )
+        self.capacity_limit = int(size * fraction)
+
+    # ------------------------------------------------------------------ 1. issue
+    def rate_limited(self) -> bool:
+        if self.settings.buffer_only:
+            alloc = self.tree.host_allocator
+            used = alloc.size - alloc.available_size() - self.write_staged_tokens()
+            return max(0, used) >= self.capacity_limit
+        return self.occupied_tokens >= self.capacity_limit
+
+    def prefetch(
+        self,
+        handle: CacheRequestHandle,
+        anchor: Any,
+        new_tokens: list[int],
+        last_hash: str | None,
+        storage_start: int,
+        prefix_keys: list[str] | None = None,
+    ) -> bool:
+        """Start a prefetch of ``new_tokens`` (cut to whole pages) for ``handle``; ``False``
+        when declined or when the attempt already has one."""
+        if handle in self.ongoing or handle in self.staged:
+            return False
+        key = new_tokens[: len(new_tokens) // self.page_size * self.page_size]
+        if len(key) < self.settings.prefetch_threshold:
+            if key:
+                self.stats.prefetch_too_short += 1
+            return False
+        if self.rate_limited():
+            self.stats.prefetch_rate_limited += 1
+            return False
+        op = PrefetchOperation(
+            handle, list(key), last_hash, prefix_keys=prefix_keys, storage_start=storage_start
+        )
+        if self.settings.buffer_only:
+            self.ongoing[handle] = _Ongoing(op, None, 0)
+        else:
+            self.tree._protect_host(anchor)
+            self.occupied_tokens += len(key)
+            self.ongoing[handle] = _Ongoing(op, anchor, len(key))
+        self.stats.prefetch_issued += 1
+        self.workers.submit_query(op)
+        return True
+
+    # ------------------------------------------------------------------ 3. hit
+    def on_hit(self, op: PrefetchOperation, pages: int) -> None:
+        """The query's agreed hit (``pages`` from the first)."""
+        entry = self.ongoing.get(op.handle)
+        if entry is None or entry.op is not op:
+            self.stats.prefetch_revoked += 1  # released before its hit was known
+            return
+        if self.settings.buffer_only and pages < len(op.all_hash_values):
+            self.absent(op.all_hash_values[pages:])
+        tokens = pages * self.page_size
+        if op.is_terminated() or tokens < self.settings.prefetch_threshold:
+            self._revoke(op.handle)
+            return
+        slots = self._alloc(tokens)
+        if slots is None:
+            self._revoke(op.handle)
+            return
+        op.hash_value = op.all_hash_values[: slots.numel() // self.page_size]
+        op.host_indices = slots
+        self.stats.prefetch_hit_tokens += slots.numel()
+        self.workers.submit_io(op)
+
+    def _alloc(self, tokens: int) -> torch.Tensor | None:
+        """Host slots for a hit, agreed on every rank (module docstring, step 3)."""
+        tree, ps = self.tree, self.page_size
+        group, alloc = tree.group, tree.host_allocator
+        slots = agreed_alloc(group, alloc, tokens, pool="host", tag="storage_prefetch_room")
+        if slots is not None or self.settings.buffer_only:
+            return slots
+        need = group.agree_max(tokens - alloc.available_size(), tag="storage_prefetch_evict")
+        tree.evict_host(max(need, 0))
+        slots = agreed_alloc(group, alloc, tokens, pool="host", tag="storage_prefetch_room2")
+        if slots is not None:
+            return slots
+        free = group.agree_min(alloc.available_size() // ps * ps, tag="storage_prefetch_free")
+        if free < self.settings.prefetch_threshold:
+            return None
+        return agreed_alloc(group, alloc, free, pool="host", tag="storage_prefetch_partial")
+
+    def _revoke(self, handle: CacheRequestHandle) -> None:
+        entry = self.ongoing.pop(handle)
+        self._release_anchor(entry)
+        self.stats.prefetch_revoked += 1
+
+    def _release_anchor(self, entry: _Ongoing) -> None:
+        if entry.anchor is not None:
+            self.tree._release_host(entry.anchor)
+            self.occupied_tokens -= entry.reserved
+
+    # ------------------------------------------------------------------ 5. acks
+    def on_ack(self, ack: PrefetchAck, completed_tokens: int) -> None:
+        """One agreed ack: progress (``completed_tokens``, the MIN over ranks) or completion."""
+        op = ack.operation
+        if not ack.completed_req:
+            op.completed_tokens = completed_tokens
+            return
+        op.done = True
+        orphan = self.orphans.pop(op.id, None)
+        if orphan is not None:
+            self._free(op.host_indices[orphan[1] :])
+            return
+        entry = self.ongoing.get(op.handle)
+        if entry is not None and entry.op is op:
+            self._apply_result(op)
+
+    # ------------------------------------------------------------------ 6. admission
+    def check_progress(self, handle: CacheRequestHandle, now: float) -> bool:
+        """Whether the attempt may be admitted now (its prefetch, if any, ended by the stop
+        policy and applied). Collective under ``timeout`` (every rank polls alike)."""
+        entry = self.ongoing.get(handle)
+        if entry is None:
+            return True
+        op = entry.op
+        if not op.is_terminated():
+            if not self._can_terminate(op, now):
+                if op.wait_started is None:
+                    op.wait_started = now
+                return False
+            if self.settings.prefetch_policy == "timeout":
+                op.deadline_expired = True
+        op.mark_terminate()
+        self.stats.prefetch_terminated += 1
+        if op.host_indices is None:
+            self._revoke(handle)
+        else:
+            self._apply_result(op)
+        return True
+
+    def _can_terminate(self, op: PrefetchOperation, now: float) -> bool:
+        policy = self.settings.prefetch_policy
+        if policy == "best_effort":
+            return True
+        if policy == "wait_complete":
+            return False
+        expired = False
+        if op.wait_started is not None:
+            landed = (
+                op.host_indices is not None
+                and op.completed_tokens >= len(op.hash_value) * self.page_size
+            )
+            budget = self.settings.timeout_s(op.requested_tokens, self.page_size)
+            expired = not landed and now - op.wait_started >= budget  # a virtual clock lands on it
+        return self.tree.group.agree_any(expired, tag="storage_prefetch_timeout")
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a waiting ``timeout`` prefetch expires (``None``: none waits)."""
+        if self.settings.prefetch_policy != "timeout":
+            return None
+        times = [
+            e.op.wait_started + self.settings.timeout_s(e.op.requested_tokens, self.page_size)
+            for e in self.ongoing.values()
+            if e.op.wait_started is not None
+        ]
+        return min(times) if times else None
+
+    def take_loaded(self, handle: CacheRequestHandle) -> int:
+        """Tokens the attempt's prefetch put into the tree (cache mode), once."""
+        return self.loaded.pop(handle, 0)
+
+    def take_staged(self, handle: CacheRequestHandle) -> StagedPrefetch | None:
+        """``buffer_only``: the attempt's fetched pages, handed to the caller (who frees or
+        attaches them), once."""
+        return self.staged.pop(handle, None)
+
+    # ------------------------------------------------------------------ 7. result
+    def _apply_result(self, op: PrefetchOperation) -> None:
+        entry = self.ongoing.pop(op.handle)
+        done, ps = op.completed_tokens, self.page_size
+        slots = op.host_indices
+        assert slots is not None
+        self.stats.prefetch_fetched_tokens += done
+        if self.settings.buffer_only:
+            if done:
+                self.staged[op.handle] = StagedPrefetch(
+                    slots[:done], op.hash_value[: done // ps], op.storage_start, done
+                )
+        else:
+            inserted = 0
+            if done:
+                present = self.tree.insert_host(
+                    entry.anchor, op.token_ids[:done], slots[:done], op.hash_value[: done // ps]
+                )
+                self._free(slots[:present])
+                inserted = done - present
+                self.stats.prefetch_inserted_tokens += inserted
+            self._release_anchor(entry)
+            self.loaded[op.handle] = inserted
+        if op.done:
+            self._free(slots[done:])
+        else:
+            self.orphans[op.id] = (op, done)
+        logger.debug("prefetch %s: %d of %d tokens", op.handle, done, op.requested_tokens)
+
+    # ------------------------------------------------------------------ attempts
+    def release(self, handle: CacheRequestHandle) -> None:
+        """The attempt yielded, aborted or finished: nothing of its prefetch survives it."""
+        entry = self.ongoing.pop(handle, None)
+        if entry is not None:
+            op = entry.op
+            op.mark_terminate()
+            self._release_anchor(entry)
+            self.stats.prefetch_released += 1
+            if op.host_indices is not None:
+                if op.done:
+                    self._free(op.host_indices)
+                else:
+                    self.orphans[op.id] = (op, 0)
+        staged = self.staged.pop(handle, None)
+        if staged is not None:
+            self.drop_staged(staged)
+        self.loaded.pop(handle, None)
+
+    def drop_staged(self, staged: StagedPrefetch) -> None:
+        self.stats.prefetch_dropped_tokens += staged.num_tokens
+        self._free(staged.host_indices)
+
+    def _free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.tree.controller.evict_host(slots)
+
+    # ------------------------------------------------------------------ accounting
+    def held_slots(self) -> int:
+        """Host slots prefetches hold outside the tree."""
+        return sum(t.numel() for t in self.held_slot_tensors())
+
+    def in_flight(self) -> int:
+        """Operations the IO threads still hold (not completed)."""
+        return sum(1 for e in self.ongoing.values() if not e.op.done) + len(self.orphans)
+
+    def held_slot_tensors(self) -> list[torch.Tensor]:
+        out = [e.op.host_indices for e in self.ongoing.values() if e.op.host_indices is not None]
+        out += [op.host_indices[start:] for op, start in self.orphans.values()]
+        out += [s.host_indices for s in self.staged.values()]
+        return out

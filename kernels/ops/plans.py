@@ -1,0 +1,177 @@
+"""Launch plans of the kernel-backend ops, cached per (pool buffers, op, layer, launch shape).
+
+A per-layer load launches the same op over the same pool tensors at every layer of every
+forward (32 calls before a 32-layer forward may start). Validating those tensors and planning
+the launch (word, hints, tile, word views, strides, bounds) is the same work each time, so it is
+done once: a :class:`Plan` holds the validated parts and their
+:class:`kernels.triton.launch.PartPlan`; a call that finds a plan whose guards hold checks only
+its indices (:mod:`kernels.ops.dispatch`).
+
+Key: the addressing, every scalar argument (``item_size``, ``layout_dim``, ``layer_id``,
+``num_layers``, ``page_size``, ``head_num``, ``block_quota``, ``num_warps_per_block``; plain
+ints only, anything else is validated afresh), the indices' device, and per buffer its identity:
+for a view, its base tensor's ``id`` with the view's offset, shape and strides (SGLang's host
+pools index ``k_buffer[layer_id]`` afresh on every call, which makes a new view object each time),
+else the tensor's ``id``.
+
+Guards, checked on every hit, so an entry is never used for other memory:
+
+- every identity's tensor is still the same object (a weak reference: an ``id`` may be reused
+  once its tensor died);
+- every buffer's ``data_ptr()`` is the planned one (a storage swapped in place);
+- every pointer table's version counter and its alignment and bound record
+  (:func:`kernels.layout.ptr_tables.table_record`) are the planned ones (a table rewritten in
+  place, or verified again).
+
+An entry is dropped as soon as one of its tensors dies (weak-reference callback), so a cached
+word view never keeps a dropped pool's memory alive; :func:`clear_plans` drops them all (a host
+pool calls it when it unregisters its pinned memory); at most ``MAX_PLANS`` entries are kept
+(the oldest planned goes first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.layout.addressing import KVCopy
+from kernels.layout.ptr_tables import table_record
+from kernels.triton.launch import PartPlan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_PLANS", "Plan", "cached_plan", "clear_plans", "plan_count"]
+
+MAX_PLANS = 4096
+"""Entries kept (a 64-layer model with a few pools and ops needs a few hundred)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One op call's launch plans (index-independent) and its sides' slot bounds. Holds no
+    reference to the call's tensor objects (only word views of their memory, and the tables),
+    so a cached plan never keeps them alive."""
+
+    bounds: tuple[int, int]  # (src, dst) slots; NO_BOUND: a table side without a recorded bound
+    launches: tuple[PartPlan, ...]
+    tables: frozenset[int]  # positions in (*src, *dst) of the pointer tables
+
+
+@dataclass
+class _Entry:
+    plan: Plan
+    guards: tuple  # per buffer: (weakref to the identity tensor, data_ptr, table state or None)
+    refs: list  # weak references whose callbacks drop this entry
+
+
+_cache: OrderedDict[tuple, _Entry] = OrderedDict()
+_lock = threading.RLock()  # re-entrant: a weak-reference callback may run while it is held
+
+
+def _identity(t: object) -> tuple[object, torch.Tensor] | None:
+    """``(key, tensor to guard)`` of one buffer argument, ``None`` for a non-tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    base = t._base
+    if base is None:
+        return id(t), t
+    return (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype), base
+
+
+def _table_state(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        version = None
+    return version, table_record(t)
+
+
+def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:
+    """The call's cache key and the tensor each buffer's identity names (``None``: not
+    cacheable)."""
+    scalars = (call.item_size, call.layout_dim, call.layer_id, call.num_layers, call.page_size,
+               call.head_num, block_quota, num_warps)  # fmt: skip
+    for v in scalars:
+        if type(v) is not int:
+            return None
+    idents, bases = [], []
+    for t in (*call.src, *call.dst):
+        ident = _identity(t)
+        if ident is None:
+            return None
+        idents.append(ident[0])
+        bases.append(ident[1])
+    key = (call.how, call.op, len(call.src), len(call.dst), scalars, call.src_indices.device,
+           *idents)  # fmt: skip
+    return key, bases
+
+
+def _guards_hold(entry: _Entry, call: KVCopy, bases: list) -> bool:
+    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases,
+                                          strict=True):  # fmt: skip
+        if ref() is not base or t.data_ptr() != ptr:
+            return False
+        if state is not None and _table_state(t) != state:
+            return False
+    return True
+
+
+def cached_plan(call: KVCopy, block_quota: int, num_warps: int, make: Callable[[], Plan]) -> Plan:
+    """The plan of ``call``: the cached one when its key is known and its guards hold, else
+    ``make()`` (which validates and plans, raising ``ValueError`` for bad arguments), cached
+    when the call's buffers can be keyed."""
+    keyed = _key(call, block_quota, num_warps)
+    if keyed is not None:
+        entry = _cache.get(keyed[0])
+        if entry is not None and _guards_hold(entry, call, keyed[1]):
+            return entry.plan
+    plan = make()
+    if keyed is not None:
+        _store(keyed[0], call, keyed[1], plan)
+    return plan
+
+
+def _store(key: tuple, call: KVCopy, bases: list, plan: Plan) -> None:
+    guards, refs = [], []
+    drop = _dropper(key)
+    for i, (t, base) in enumerate(zip((*call.src, *call.dst), bases, strict=True)):
+        ref = weakref.ref(base, drop)
+        refs.append(ref)
+        state = _table_state(t) if i in plan.tables else None
+        guards.append((ref, t.data_ptr(), state))
+    entry = _Entry(plan, tuple(guards), refs)
+    with _lock:
+        _cache[key] = entry
+        _cache.move_to_end(key)
+        while len(_cache) > MAX_PLANS:
+            _cache.popitem(last=False)
+
+
+def _dropper(key: tuple) -> Callable[[object], None]:
+    cache, lock = _cache, _lock  # held here: module globals are gone at interpreter exit
+
+    def drop(ref: object) -> None:  # one of the entry's tensors died
+        with lock:
+            entry = cache.get(key)
+            if entry is not None and any(r is ref for r in entry.refs):
+                del cache[key]  # (a newer entry under the same key keeps its place)
+
+    return drop
+
+
+def clear_plans() -> None:
+    """Drop every cached plan (call when buffers change in ways the guards cannot see, e.g.
+    host memory unregistered)."""
+    with _lock:
+        _cache.clear()
+
+
+def plan_count() -> int:
+    """Entries cached now."""
+    return len(_cache)

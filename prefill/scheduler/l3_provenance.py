@@ -1,0 +1,69 @@
+"""``SpeculativeL3Pages``: counts pages that reached L3 storage from KV of an attempt that was
+not finalized (``ExecutorStats.speculative_l3_pages``; ``check_integrity`` asserts 0).
+
+An insert made for a pending attempt (its decode peer not ready, so not finalized) records the
+keys of the pages it gave the tree (``record``); finalizing the attempt clears them
+(``finalized``); an attempt that yields or aborts leaves them recorded. The storage tier tells
+this tracker of every page key a backup stored (``observe``, at the storage ack); a recorded
+key counts once. Under the gate's allowed configurations a pending attempt inserts nothing into
+a tree whose pages can reach L3 (SGLang 0.5.23: L3 only in ``buffer_only`` with
+``write_through``, where pending KV stays request-owned), so nothing is ever recorded; the
+counter exists to show the refused configurations leak (L3 with ``write_back``: chunk-boundary
+inserts, a yield, a device eviction's backup, then the storage write).
+
+Bounded: at most ``capacity`` keys are remembered (the oldest are forgotten).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from hicache.storage.hash_keys import page_hashes
+from prefill.request.state import PrefillRequest
+from prefill.stats import ExecutorStats
+
+logger = logging.getLogger(__name__)
+
+
+class SpeculativeL3Pages:
+    """Keys of pages inserted by attempts not finalized (module docstring)."""
+
+    def __init__(self, page_size: int, stats: ExecutorStats, capacity: int = 1 << 20) -> None:
+        self.page_size = page_size
+        self.stats = stats
+        self.capacity = capacity
+        self._owner: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._by_attempt: dict[tuple[str, int], list[str]] = {}
+
+    def record(self, req: PrefillRequest, key: list[int], start: int, end: int) -> None:
+        """A pending attempt gave the tree the pages ``key[start:end]`` (page-aligned)."""
+        ps = self.page_size
+        keys = page_hashes(key[:end], ps)[start // ps :]
+        owner = req.key
+        self._by_attempt.setdefault(owner, []).extend(keys)
+        for k in keys:
+            self._owner[k] = owner
+            self._owner.move_to_end(k)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+    def finalized(self, req: PrefillRequest) -> None:
+        """The attempt was finalized: its pages are its finalized KV."""
+        for k in self._by_attempt.pop(req.key, []):
+            if self._owner.get(k) == req.key:
+                del self._owner[k]
+
+    def forget(self, req: PrefillRequest) -> None:
+        """The request has its outcome: its attempt lists go (recorded keys stay)."""
+        for owner in [o for o in self._by_attempt if o[0] == req.rid]:
+            del self._by_attempt[owner]
+
+    def observe(self, keys: list[str]) -> None:
+        """Keys a backup stored: recorded ones are speculative pages in L3."""
+        for k in keys:
+            owner = self._owner.pop(k, None)
+            if owner is not None:
+                self.stats.speculative_l3_pages += 1
+                logger.error("page %s of %s attempt %d (not finalized) reached L3 storage",
+                             k[:12], owner[0], owner[1])  # fmt: skip

@@ -1,0 +1,123 @@
+"""The executor's side of L3 prefetch (SGLang 0.5.23's scheduler ``_prefetch_kvcache``,
+``check_prefetch_progress`` at admission and ``_prefetch_after_device_hit_loss``), over the
+cache's storage tier (``hicache.storage.io.controller``); every call is a no-op without one.
+
+- **arrival** (``on_arrival``, when a request enters the bootstrap queue, so the lookup overlaps
+  the decode peer's bootstrap): match the prefix; the page-aligned tokens after it, up to the
+  last whole page before the final token, are prefetched for the request's current attempt
+  (``CacheRequestHandle(rid, storage_epoch)``); the matched length is remembered
+  (``storage_prefetch_last_match_len``).
+- **admission** (``ready``, before the batch matches and locks the prefix): the stop policy says
+  whether the attempt may go now (``False``: skipped this step, the others go ahead); if the
+  device and host match shrank below the remembered length (eviction while queued, or a yield),
+  one new lookup is issued and the request waits for it (at most
+  ``MAX_STORAGE_RETRIES`` times); ``buffer_only`` attaches the attempt's fetched pages for the
+  load back that follows. ``admitted`` records how many of the host-hit tokens came from L3.
+- **yield** (``on_yield``): the attempt's prefetch is released (nothing of it reaches the
+  retry), the request moves to a new attempt, and the prefix the yielded attempt had matched
+  seeds the retry's lookup (SGLang's ``storage_prefetch_last_match_len = yielded_prefix_len``).
+- **outcome** (``on_outcome``): whatever the attempt still holds is released.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hicache.storage.io.operations import CacheRequestHandle
+from prefill.clock import Clock
+from prefill.request.state import PrefillRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_STORAGE_RETRIES = 8
+"""SGLang's ``--hicache-storage-prefetch-retry-max-attempts`` default."""
+
+
+class StoragePrefetch:
+    """Prefetch at arrival and the admission check (module docstring).
+
+    Args:
+        cache: ``hicache.builder.KVCache``; its ``storage`` (``None``: everything is a no-op).
+        clock: the executor's clock, on which ``timeout`` waits are measured.
+    """
+
+    def __init__(self, cache: Any, clock: Clock) -> None:
+        self.storage = getattr(cache, "storage", None)
+        self.tree = cache.tree
+        self.clock = clock
+        self.page_size = cache.allocator.page_size
+
+    @property
+    def enabled(self) -> bool:
+        return self.storage is not None
+
+    @staticmethod
+    def handle(req: PrefillRequest) -> CacheRequestHandle:
+        return CacheRequestHandle(req.rid, req.storage_epoch)
+
+    def _match_len(self, req: PrefillRequest) -> tuple[int, Any]:
+        m = self.tree.match_prefix(req.token_ids[: req.num_tokens - 1])
+        return m.device_indices.numel() + m.host_hit_length, m.last_host_node
+
+    def on_arrival(self, req: PrefillRequest) -> bool:
+        """Issue the attempt's prefetch; ``True`` when one was issued."""
+        if self.storage is None:
+            return False
+        matched, anchor = self._match_len(req)
+        req.storage_prefetch_last_match_len = matched
+        end = (req.num_tokens - 1) // self.page_size * self.page_size
+        if end <= matched:
+            return False
+        return self.storage.prefetch(self.handle(req), anchor, req.token_ids[matched:end], matched)
+
+    def ready(self, req: PrefillRequest) -> bool:
+        """Whether ``req`` may be admitted now (module docstring). Collective under
+        tensor parallelism (the stop policy's verdict); every rank asks alike."""
+        if self.storage is None:
+            return True
+        handle = self.handle(req)
+        if not self.storage.check_prefetch_progress(handle, self.clock.now()):
+            return False
+        if self._device_hit_loss(req, handle):
+            return False
+        if self.storage.buffer_only:
+            req.cached_storage = self.storage.attach_staged(handle, req.token_ids)
+        return True
+
+    def _device_hit_loss(self, req: PrefillRequest, handle: CacheRequestHandle) -> bool:
+        previous = req.storage_prefetch_last_match_len
+        if not previous or self.storage.has_prefetch(handle):
+            return False
+        current, _ = self._match_len(req)
+        if current >= previous:
+            return False
+        if req.storage_prefetch_retries >= MAX_STORAGE_RETRIES:
+            req.storage_prefetch_last_match_len = current
+            return False
+        req.storage_prefetch_retries += 1
+        logger.info("%s: matched prefix shrank from %d to %d tokens; new storage lookup",
+                    req.rid, previous, current)  # fmt: skip
+        return self.on_arrival(req)
+
+    def admitted(self, req: PrefillRequest) -> None:
+        """After the prefix was matched and locked: how many of its host-hit tokens came from
+        storage (``req.cached_storage``), once per attempt."""
+        if self.storage is None:
+            return
+        if not self.storage.buffer_only:
+            req.cached_storage = self.storage.take_loaded(self.handle(req))
+        req.cached_storage = min(req.cached_storage, req.cached_host)
+
+    def on_yield(self, req: PrefillRequest, matched_len: int) -> None:
+        """``req`` yielded with ``matched_len`` tokens of prefix: a new attempt, seeded."""
+        if self.storage is None:
+            return
+        self.storage.release(self.handle(req))
+        req.storage_epoch += 1
+        req.storage_prefetch_retries = 0
+        req.storage_prefetch_last_match_len = matched_len or None
+
+    def on_outcome(self, req: PrefillRequest) -> None:
+        if self.storage is not None:
+            self.storage.release(self.handle(req))
