@@ -590,3 +590,24 @@ def test_compare_covers_the_sweeps() -> None:
         "multiturn/sweep/load=0.5/write_back": 2.0,
         "multiturn/sweep/working_set=8.0/write_back": 3.0,
     }
+
+
+def test_optimistic_run_order_and_attempts_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The headline pair runs first in each seed; ``--attempts`` keeps only the counts asked for
+    (the CPU quick size: 2 and 0) and must include the baseline 0."""
+    base = ("", 0.0, 0.25, 0.0, ["write_back", "write_through"])
+    forced = ("_forced_retry", 0.0, 0.25, 0.5, ["write_back"])
+    full = bo.run_order([0], [base, forced])
+    assert [(v[0], p, a) for _, v, p, a in full] == [
+        ("", "write_back", 2), ("", "write_back", 0), ("", "write_through", 2),
+        ("", "write_through", 0), ("", "write_back", 1), ("", "write_through", 1),
+        ("_forced_retry", "write_back", 2), ("_forced_retry", "write_back", 0),
+        ("_forced_retry", "write_back", 1)]  # fmt: skip
+    pair = bo.run_order([0, 1], [base, forced], (0, 2))
+    assert {a for *_, a in pair} == {0, 2} and len(pair) == 12
+    assert [a for *_, a in pair[:4]] == [2, 0, 2, 0]
+    monkeypatch.setattr(bo, "on_cuda", lambda: False)
+    assert bo.parse_args([], quick=True).attempts == [2, 0]
+    assert bo.parse_args([], quick=False).attempts == [2, 0, 1]
+    with pytest.raises(ValueError, match="--attempts"):
+        bo.parse_args(["--attempts", "1", "2"], quick=True)
