@@ -5,6 +5,12 @@ shows progress, prints one summary table, and writes ``results/summary.json``.
 Each benchmark module exposes ``run(quick: bool, out_dir: pathlib.Path) -> dict``; the
 end-to-end ones also take ``argv`` (their own flags: ``--clock``, ``--seeds``, ...).
 
+The end-to-end benchmarks (``multiturn``, ``optimistic``) write the calibration they ran on to
+``results/calibration.json``; ``--calibration FILE`` makes them replay that file's instead of
+measuring one (their ratios then repeat exactly, on any machine). ``fidelity`` (last) runs one
+small trace of each on the virtual clock and on wall time and reports the gap per headline
+ratio; it always measures its own calibration (it compares with wall time now).
+
 ``--only NAME [NAME ...]`` runs those sections (an unknown name is an error that lists the valid
 ones) and merges them into the existing summary file: sections not run are kept as they were.
 A full run writes the summary from scratch.
@@ -35,12 +41,13 @@ SUITE = [
     ("bench.pd.bench", "pd"),  # wall clock, real decode processes over Mooncake (or skipped)
     ("bench.l3.bench", "l3"),
     ("bench.mooncake_store.bench", "mooncake_store"),  # skipped (with the reason) without Mooncake
+    ("bench.fidelity.bench", "fidelity"),
 ]
 E2E = {"multiturn", "optimistic"}
-"""Sections whose ``run`` takes ``argv`` (the end-to-end benchmarks)."""
+"""Sections whose ``run`` takes the end-to-end flags (``--clock``, ``--calibration``, ...)."""
 
-ALWAYS_REPORTED = ("leaked_slots", "kv_mismatches", "aborted_sends", "leaked_locks",
-                   "integrity_errors")  # fmt: skip
+ALWAYS_REPORTED = ("leaked_slots", "kv_mismatches", "kv_strict_mismatches", "aborted_sends",
+                   "leaked_locks", "integrity_errors")  # fmt: skip
 """Integrity counters the summary shows even when no section reported them (as 0)."""
 INTEGRITY_KEYS = (*ALWAYS_REPORTED, "speculative_l2_pages", "speculative_l3_pages",
                   "attempt_budget_exceeded")
@@ -54,9 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help=f"Run only these sections ({', '.join(names)}) and merge them into "
                         "the summary file.")
-    parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
-                        help="Clock of the end-to-end benchmarks (virtual: deterministic, "
-                        "calibrated in the run; wall: real time).")
+    parser.add_argument("--clock", choices=("virtual", "wall"), default=None,
+                        help="Clock of the end-to-end benchmarks (virtual, the default on a "
+                        "CPU: deterministic given the calibration; wall, the default on CUDA: "
+                        "real time).")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                        help="The end-to-end benchmarks replay this calibration.json instead "
+                        "of measuring one.")
+    parser.add_argument("--corun-from", type=Path, default=None, metavar="FILE",
+                        help="The end-to-end benchmarks charge the co-run slowdown of this "
+                        "bench_transfer_sweep.json (the GPU check's).")
+    parser.add_argument("--no-sweeps", action="store_true",
+                        help="Skip the end-to-end benchmarks' sweeps.")
     parser.add_argument("--summary", default="summary.json",
                         help="Summary file name in --out (one per step).")  # fmt: skip
     args = parser.parse_args(argv)
@@ -73,8 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     summary["run"] = run_info()
     failures: list[str] = []
     missing: list[str] = []
+    e2e_argv = [] if args.clock is None else ["--clock", args.clock]
+    if args.calibration is not None:
+        e2e_argv += ["--calibration", str(args.calibration)]
+    if args.corun_from is not None:
+        e2e_argv += ["--corun-from", str(args.corun_from)]
+    if args.no_sweeps:
+        e2e_argv += ["--no-sweeps"]
     print(f"[bench] device: {'cuda' if cuda_available() else 'cpu'}; quick={quick}; "
-          f"clock={args.clock}; out={args.out}")  # fmt: skip
+          f"clock={args.clock or 'default'}; calibration="
+          f"{args.calibration or 'measured'}; out={args.out}")  # fmt: skip
     t_suite = time.perf_counter()
     for module_name, key in SUITE:
         if args.only is not None and key not in args.only:
@@ -91,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             if key in E2E:
-                result = module.run(quick=quick, out_dir=args.out, argv=["--clock", args.clock])
+                result = module.run(quick=quick, out_dir=args.out, argv=list(e2e_argv))
+            elif key == "fidelity":  # measures its own calibration, always
+                corun = [] if args.corun_from is None else ["--corun-from", str(args.corun_from)]
+                result = module.run(quick=quick, out_dir=args.out, argv=corun)
             else:
                 result = module.run(quick=quick, out_dir=args.out)
         except Exception:

@@ -28,7 +28,9 @@ from bench.summary import machine_info
 __all__ = [
     "Column",
     "Timing",
+    "TIMERS",
     "call_timer",
+    "default_timer",
     "machine_info",
     "print_table",
     "sync_device",
@@ -69,11 +71,25 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def call_timer(device: torch.device) -> Callable[[], float]:
-    """CUDA: wall time (read around a ``sync_device``). CPU: this thread's CPU time, which time
-    spent descheduled by other jobs on a shared machine does not inflate (the benchmarks run
-    torch ops on the calling thread: one intra-op thread)."""
-    return time.perf_counter if device.type == "cuda" else time.thread_time
+TIMERS = ("cpu", "wall")
+"""Calibration timers: ``cpu`` (the calling thread's CPU time), ``wall`` (``perf_counter``)."""
+
+
+def default_timer(device: torch.device) -> str:
+    """The calibration's default timer: ``wall`` on CUDA, ``cpu`` on a CPU."""
+    return "wall" if device.type == "cuda" else "cpu"
+
+
+def call_timer(device: torch.device, timer: str | None = None) -> Callable[[], float]:
+    """The clock a calibration reads. ``timer`` (``TIMERS``; default ``default_timer``):
+    ``wall``: ``time.perf_counter`` (on CUDA read around a ``sync_device``); ``cpu``: this
+    thread's CPU time, which time spent descheduled by other jobs on a shared machine does not
+    inflate (the benchmarks run torch ops on the calling thread: one intra-op thread). A
+    calibration compared with wall-clock runs (``bench.fidelity``) uses ``wall``."""
+    timer = timer or default_timer(device)
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
+    return time.perf_counter if timer == "wall" else time.thread_time
 
 
 def timer_name(device: torch.device) -> str:

@@ -2,9 +2,12 @@
 
 Reads two suite summaries (``results/summary.json`` of two ``make bench`` runs) and prints every
 headline ratio both contain (``multiturn``: mean TTFT of device-only / each configuration;
-``optimistic`` and ``optimistic_write_through``: mean TTFT with 0 attempts / each), with its
-relative difference ``|b - a| / a``. Baselines (ratio 1 by definition) are left out. Exits 1 when
-any difference exceeds the tolerance, 2 when the files share no ratio.
+``optimistic`` and ``optimistic_write_through``: mean TTFT with 0 attempts / each), and every
+point of their sweeps (``section/sweep/axis=x/config``), with its relative difference
+``|b - a| / a``. Baselines (ratio 1 by definition) are left out. Exits 1 when any difference
+exceeds the tolerance, 2 when the files share no ratio. Two runs on one replayed calibration
+(``--calibration``) agree exactly; two that each measured their own differ by as much as their
+calibrations do.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ def headline_ratios(summary: dict[str, Any]) -> dict[str, float]:
             if any(name == b or name.startswith(b + "_") for b in BASELINES):
                 continue
             out[f"{section}/{name}"] = float(res[key])
+        for axis, points in (configs.get("sweeps") or {}).items():
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+                continue
+            x_key = {"working_set": "working_set_ratio"}.get(axis, axis)
+            for pt in points:
+                for name, r in pt.get("ratios", {}).items():
+                    if r is not None:
+                        out[f"{section}/sweep/{axis}={pt.get(x_key)}/{name}"] = float(r)
     return out
 
 

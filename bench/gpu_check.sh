@@ -188,7 +188,11 @@ else
 fi
 # 10. One virtual-clock point of the multi-turn headline, and its gap to the wall clock.
 # shellcheck disable=SC2086
-step virtual_point live "$PY" -m bench.multiturn --quick --out "$OUT/virtual" $VIRTUAL_ARGS
+# It replays the wall run's calibration (same arrival rate, so the same workload) when it wrote one.
+replay=()
+if [ -f "$OUT/calibration.json" ]; then replay=(--calibration "$OUT/calibration.json"); fi
+step virtual_point live "$PY" -m bench.multiturn --quick --out "$OUT/virtual" $VIRTUAL_ARGS \
+  ${replay[@]+"${replay[@]}"}
 "$PY" -m bench.gpu.fidelity "$OUT/multiturn.json" "$OUT/virtual/multiturn.json" \
   "$OUT/fidelity.json" 2>&1 | tee "$OUT/fidelity.log"
 

@@ -129,6 +129,35 @@ def print_summary_table(summary: dict[str, Any]) -> None:
             print(f"{'  min..max':<18}" + "".join(
                 f"{'-':>{W}}" if s is None else f"{s['min']:>{W - 7}.2f}..{s['max']:<5.2f}"
                 for s in spreads))  # fmt: skip
+        curve = configs.get("forward_curve")
+        if curve:
+            print(f"  calibration ({configs.get('calibration_source', '?')}): forward "
+                  f"{curve['intercept_ms']:.2f} ms + {curve['slope_us_per_token']:.1f} us/token; "
+                  f"{curve['long_n']} / {curve['short_n']} tokens after {curve['prefix']}: "
+                  f"x{curve['long_over_short']:.2f}"
+                  + (f"; zero-load ceiling {configs['ceiling_zero_load']:.3f}"
+                     if configs.get("ceiling_zero_load") else ""))  # fmt: skip
+        for axis, points in (configs.get("sweeps") or {}).items():
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+                continue
+            cells = []
+            for pt in points:
+                x = pt.get(axis if axis in pt else {"load": "load",
+                           "working_set": "working_set_ratio"}.get(axis, axis))  # fmt: skip
+                r = "/".join(f"{v:.2f}" for v in pt["ratios"].values())
+                cells.append(f"{x:g}: {r}" + (f" (ceil {pt['ceiling']:.2f})"
+                                              if "ceiling" in pt else ""))  # fmt: skip
+            print(f"  sweep {axis}: " + ", ".join(cells))
+    fidelity = summary.get("fidelity")
+    if isinstance(fidelity, dict) and fidelity.get("entries"):
+        print(f"\nfidelity (virtual vs wall clock; target |gap| <= "
+              f"{fidelity.get('gap_target', 0.15):.0%}; load average "
+              f"{fidelity.get('loadavg_before')} -> {fidelity.get('loadavg_after')})")  # fmt: skip
+        for name, e in fidelity["entries"].items():
+            u = e.get("virtual_uncharged")
+            extra = "" if u is None else f"   uncharged {u:.3f} ({e['gap_uncharged']:+.1%})"
+            print(f"  {name:<36} virtual {e['virtual']:.3f}  wall {e['wall']:.3f}  "
+                  f"gap {e['gap']:+.1%}{extra}")  # fmt: skip
     transfer = summary.get("transfer")
     if isinstance(transfer, dict) and transfer.get("headline"):
         print("\ntransfer")

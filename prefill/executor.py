@@ -75,7 +75,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -104,9 +104,17 @@ from prefill.stats import ExecutorStats
 from prefill.tp.driver import TPDriver, agreed_clock
 from prefill.tp.sync import PeerPolls
 
-__all__ = ["CostModel", "OptimisticPrefillExecutor"]
+__all__ = ["CostModel", "ModelledCopies", "OptimisticPrefillExecutor"]
 
 logger = logging.getLogger(__name__)
+
+
+class ModelledCopies(Protocol):
+    """What a virtual-clock cost model tells the executor of the cache's copies: when the next
+    copy in flight completes on the modelled streams (its ack is not popped before), ``None``
+    when none is in flight. ``wait_for_next_event`` jumps there when nothing else is due."""
+
+    def next_ack_time(self) -> float | None: ...
 
 
 class OptimisticPrefillExecutor:
@@ -125,6 +133,8 @@ class OptimisticPrefillExecutor:
             omitted, the one ``--disaggregation-transfer-backend`` names, built from ``args``
             (``prefill.disagg.backends``; the in-process simulation by default).
         cost_model: seconds charged to the clock per forward (virtual clocks only).
+        modelled_copies: on a virtual clock whose cost model also times the cache's copies
+            (and holds their acks until their modelled end): when the next one ends.
         group: the tensor-parallel cache group (``hicache.tp.group.new_cache_group()``) when
             the cache is built here; otherwise the cache's. At more than one rank the clock is
             wrapped in an ``AgreedClock`` (a given ``decode`` must use that same clock object)
@@ -145,6 +155,7 @@ class OptimisticPrefillExecutor:
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
         group: TPGroup | None = None,
+        modelled_copies: ModelledCopies | None = None,
     ) -> None:
         max_attempts = resolved_attempts(args)
         if cache is None:
@@ -185,6 +196,7 @@ class OptimisticPrefillExecutor:
                 decode_pool_size=decode_pool_size or self.allocator.size,
             )  # fmt: skip
         self.decode: DecodeBackend = decode
+        self.modelled_copies = modelled_copies
         self.max_attempts = max_attempts
         # A pending attempt's KV is never inserted into a tree that backs up at insert.
         self.unpublished_pending = bool(self.tree.backs_up_on_insert)
@@ -356,19 +368,21 @@ class OptimisticPrefillExecutor:
         self, due_now: int, also: float | None = None, local: bool = False
     ) -> int:
         """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
-        among the next peer event (agreed over ranks) and ``also`` (a caller's own next event,
-        such as an arrival); else sleep briefly while the cache has copies in flight (an ack
-        comes from a side stream); else allow two more steps for an event due now. Never steps
-        in place. On a wall clock with copies in flight the wait is cut to 0.5 ms, so an ack is
-        seen as it lands. ``local``: this rank's peer events only, no collective (rank 0
-        driving alone while the other ranks ``follow``). Returns the new count of steps taken
-        for an event due now (``due_now``, 0 after a step that progressed). Raises
-        ``RuntimeError`` when nothing can change."""
+        among the next peer event (agreed over ranks), ``also`` (a caller's own next event,
+        such as an arrival), the next modelled copy's end (``modelled_copies``) and the storage
+        tier's next deadline (``cache.storage``, when it has one); else sleep
+        briefly while the cache has copies in flight (an ack comes from a side stream); else
+        allow two more steps for an event due now. Never steps in place. On a wall clock with
+        copies in flight the wait is cut to 0.5 ms, so an ack is seen as it lands. ``local``:
+        this rank's peer events only, no collective (rank 0 driving alone while the other ranks
+        ``follow``). Returns the new count of steps taken for an event due now (``due_now``, 0
+        after a step that progressed). Raises ``RuntimeError`` when nothing can change."""
         now = self.clock.now()
         peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
+        copy_t = None if self.modelled_copies is None else self.modelled_copies.next_ack_time()
         storage = getattr(self.cache, "storage", None)
         deadline = storage.next_deadline() if storage is not None else None
-        times = [t for t in (peer_t, also, deadline) if t is not None]
+        times = [t for t in (peer_t, also, copy_t, deadline) if t is not None]
         ahead = [t for t in times if t > now]
         copies = self.cache_copies_in_flight()
         if ahead:

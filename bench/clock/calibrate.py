@@ -1,28 +1,44 @@
-"""Calibration of the deterministic benchmark mode: what a forward pass and a KV copy cost on this
-machine, measured in the run, so the executor can be scheduled on a virtual clock
-(``bench.clock.virtual_cost``).
+"""Calibration of the deterministic benchmark mode: what a forward pass, a KV copy, the KV
+transfer to decode and the scheduler's host work cost on this machine, so the executor can be
+scheduled on a virtual clock (``bench.clock.virtual_cost``).
 
 - Forward passes: ``bench.clock.forward_table`` (a table of measured shapes, interpolated).
-- Copies: ``calibrate_copies`` times the cache's own copy ops (``load_to_device_per_layer``,
-  ``backup_from_device_all_layer``, the configured io backend and host layout) at a few sizes
-  and fits ``t = calls * per_call + bytes / bytes_per_s`` per direction.
+- Copies: ``bench.clock.copy_fit`` (the cache's H2D and D2H ops, and the decode side's read of a
+  send, each fitted as ``calls * per_call + bytes / bytes_per_s``).
+- Transfer to decode: ``bench.clock.transport`` (the read's fit, or a given rate).
+- Co-run slowdown: ``bench.clock.corun`` (the forward alone and beside a copy).
+- Host time: ``bench.clock.host_cost`` (fitted on a calibration trace that each benchmark runs,
+  ``Calibration.host``; ``None`` until then).
 
-Times are seconds (``bench.common.call_timer``): on CUDA wall time around a device
-synchronization; on a CPU the calling thread's CPU time, which other jobs on a shared machine,
-descheduling the thread, do not inflate.
+Every benchmark run writes its calibration (``as_dict``) to ``calibration.json``
+(``bench.clock.calibration_file``), and ``--calibration FILE`` replays one (``from_dict``)
+instead of measuring: the virtual clock then charges exactly what it charged in the run that
+wrote the file, so the schedule, and every ratio, is the same on any machine.
+
+Times are seconds (``bench.common.call_timer``; ``timer``): by default wall time on CUDA
+(around a device synchronization) and on a CPU the calling thread's CPU time, which other jobs
+on a shared machine, descheduling the thread, do not inflate; ``timer="wall"`` where the
+calibration is compared with wall-clock runs (``bench.fidelity``).
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bench.clock.copy_fit import (
+    CopyFit,
+    calibrate_copies,
+    calibrate_transfer_copy,
+    fit_copy,
+)
+from bench.clock.corun import CorunSlowdown, measure_corun
 from bench.clock.forward_table import (
     ForwardTable,
     Shape,
@@ -30,176 +46,211 @@ from bench.clock.forward_table import (
     forward_grid,
     table_from,
 )
-from bench.common import call_timer, sync_device
+from bench.clock.host_cost import HostCosts
+from bench.clock.transport import TransferModel
+from bench.common import default_timer
 from hicache.memory.allocator import page_ceil
 
 __all__ = [
+    "FORMAT",
     "Calibration",
     "CopyFit",
+    "CorunSlowdown",
     "ForwardTable",
+    "HostCosts",
     "Shape",
+    "TransferModel",
     "calibrate_copies",
     "calibrate_forward",
     "calibrate_run",
     "describe",
     "fit_copy",
+    "forward_curve",
     "forward_grid",
+    "model_geometry",
     "table_from",
 ]
 
 logger = logging.getLogger(__name__)
 
-
-def _time_calls(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call (``call_timer``)."""
-    clock = call_timer(device)
-    fn()
-    samples = []
-    for _ in range(reps):
-        sync_device(device)
-        t0 = clock()
-        fn()
-        sync_device(device)
-        samples.append(clock() - t0)
-    return statistics.median(samples)
+FORMAT = "hicache-bench-calibration/2"
+"""The calibration's format tag (``as_dict``); ``from_dict`` refuses another."""
 
 
-@dataclass
-class CopyFit:
-    """One copy direction: ``seconds(nbytes, calls) = calls * per_call_s + nbytes /
-    bytes_per_s``."""
-
-    direction: str
-    per_call_s: float
-    bytes_per_s: float
-    points: list[dict[str, Any]] = field(default_factory=list)
-
-    def seconds(self, nbytes: int, calls: int = 1) -> float:
-        return calls * self.per_call_s + nbytes / self.bytes_per_s
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"direction": self.direction, "per_call_s": self.per_call_s,
-                "gb_per_s": self.bytes_per_s / 1e9, "points": self.points}  # fmt: skip
-
-
-def fit_copy(direction: str, measured: Sequence[tuple[int, int, float]]) -> CopyFit:
-    """Least squares of ``(nbytes, calls, seconds)`` as ``calls * a + nbytes / bw`` (``a >= 0``;
-    relative error). Raises ``ValueError`` with fewer than two sizes or a non-positive time."""
-    if len({b for b, _, _ in measured}) < 2 or any(s <= 0 for _, _, s in measured):
-        raise ValueError("need at least two byte counts and positive times")
-    x = torch.tensor([[c, b] for b, c, _ in measured], dtype=torch.float64)
-    t = torch.tensor([s for _, _, s in measured], dtype=torch.float64)
-    sol = torch.linalg.lstsq(x / t[:, None], torch.ones_like(t)[:, None]).solution[:, 0]
-    per_call, per_byte = float(sol[0]), float(sol[1])
-    if per_call < 0 or per_byte <= 0:  # no usable intercept: pure bandwidth through the points
-        per_call = 0.0
-        per_byte = float((x[:, 1] / t).sum() / (x[:, 1] ** 2 / t**2).sum())
-    fit = CopyFit(direction, per_call, 1.0 / per_byte)
-    for nbytes, calls, secs in measured:
-        pred = fit.seconds(nbytes, calls)
-        fit.points.append({"bytes": nbytes, "calls": calls, "median_s": secs, "fit_s": pred,
-                           "rel_err": (pred - secs) / secs})  # fmt: skip
-    return fit
-
-
-def calibrate_copies(cache: Any, sizes: Sequence[int], reps: int = 7) -> tuple[
-    CopyFit, CopyFit
-]:  # fmt: skip
-    """``(h2d, d2h)`` fits from the cache's own copy ops (its io backend and host layout) at
-    ``sizes`` tokens: H2D one call per layer (a load back), D2H one all-layer call (a backup).
-    Overwrites pool contents: use a cache that holds nothing yet."""
-    host, dev, io = cache.host_pool, cache.device_pool, cache.controller.io_backend
-    page, layers = dev.page_size, dev.layer_num
-    per_token = host.size_per_token
-    gen = torch.Generator().manual_seed(0)
-    h2d, d2h = [], []
-    for tokens in sizes:
-        pages = tokens // page
-        if pages < 1 or pages > min(dev.size, host.size) // page:
-            continue
-        dpages = torch.randperm(dev.size // page, generator=gen)[:pages] + 1  # page 0: padding
-        hpages = torch.randperm(host.size // page, generator=gen)[:pages]
-        d_idx = (dpages[:, None] * page + torch.arange(page)).flatten()
-        h_idx = (hpages[:, None] * page + torch.arange(page)).flatten()
-        if io == "kernel":
-            h_arg, d_arg = h_idx.to(dev.device), d_idx.to(dev.device)
-        else:
-            order = h_idx.argsort() if host.layout == "layer_first" else torch.arange(h_idx.numel())
-            h_arg, d_arg = h_idx[order], d_idx[order]
-
-        def load(h: torch.Tensor = h_arg, d: torch.Tensor = d_arg) -> None:
-            for layer in range(layers):
-                host.load_to_device_per_layer(dev, h, d, layer, io)
-
-        def backup(h: torch.Tensor = h_arg, d: torch.Tensor = d_arg) -> None:
-            host.backup_from_device_all_layer(dev, h, d, io)
-
-        nbytes = tokens * per_token
-        h2d.append((nbytes, layers, _time_calls(load, dev.device, reps)))
-        d2h.append((nbytes, 1, _time_calls(backup, dev.device, reps)))
-    return fit_copy("h2d", h2d), fit_copy("d2h", d2h)
+def _free_transfer() -> TransferModel:
+    return TransferModel(0.0, math.inf, "flag")
 
 
 @dataclass
 class Calibration:
-    """Everything the virtual clock charges: forward table, both copy fits, how long it took."""
+    """Everything the virtual clock charges (see the module docstring). ``model``: the model
+    geometry it was measured on (``ServerArgs`` fields); ``machine``: where; ``timer``:
+    ``cpu`` or ``wall``; ``source``: ``measured`` or the file it was replayed from."""
 
     forward: ForwardTable
     h2d: CopyFit
     d2h: CopyFit
     num_layers: int
     wall_s: float = 0.0
+    transfer: TransferModel = field(default_factory=_free_transfer)
+    corun: CorunSlowdown = field(default_factory=lambda: CorunSlowdown(1.0, "flag"))
+    host: HostCosts | None = None
+    timer: str = "cpu"
+    model: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    source: str = "measured"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"forward": self.forward.as_dict(), "h2d": self.h2d.as_dict(),
-                "d2h": self.d2h.as_dict(), "num_layers": self.num_layers,
-                "wall_s": self.wall_s}  # fmt: skip
+        return {
+            "format": FORMAT,
+            "forward": self.forward.as_dict(),
+            "forward_curve": forward_curve(self.forward),
+            "h2d": self.h2d.as_dict(),
+            "d2h": self.d2h.as_dict(),
+            "transfer": self.transfer.as_dict(),
+            "corun": self.corun.as_dict(),
+            "host": None if self.host is None else self.host.as_dict(),
+            "num_layers": self.num_layers,
+            "timer": self.timer,
+            "model": self.model,
+            "machine": self.machine,
+            "wall_s": self.wall_s,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "replayed") -> Calibration:
+        """The inverse of ``as_dict``; ``ValueError`` naming what is missing or of another
+        format."""
+        if d.get("format") != FORMAT:
+            raise ValueError(f"calibration format {d.get('format')!r}, expected {FORMAT!r}")
+        try:
+            f = d["forward"]
+            table = ForwardTable(list(f["ns"]), list(f["ps"]), [list(r) for r in f["single_s"]],
+                                 float(f["pair_saving_s"]), list(f.get("points", [])))  # fmt: skip
+            return cls(
+                forward=table,
+                h2d=CopyFit.from_dict(d["h2d"]),
+                d2h=CopyFit.from_dict(d["d2h"]),
+                num_layers=int(d["num_layers"]),
+                wall_s=float(d.get("wall_s", 0.0)),
+                transfer=TransferModel.from_dict(d["transfer"]),
+                corun=CorunSlowdown.from_dict(d["corun"]),
+                host=None if d.get("host") is None else HostCosts.from_dict(d["host"]),
+                timer=str(d["timer"]),
+                model=dict(d.get("model") or {}),
+                machine=dict(d.get("machine") or {}),
+                source=source,
+            )
+        except KeyError as exc:
+            raise ValueError(f"calibration lacks {exc}") from None
+
+
+def forward_curve(f: ForwardTable) -> dict[str, float]:
+    """The forward cost as a line over the single-request shapes without a prefix: ``t = a +
+    b * new_tokens`` (least squares; ``intercept_ms``, ``slope_us_per_token``), and the shape
+    ratio the multi-turn headline moves with: a forward of the longest ``n`` over one of the
+    shortest, both after the longest prefix of the table."""
+    ns, ts = [float(n) for n in f.ns], [row[0] for row in f.single]
+    mn, mt = sum(ns) / len(ns), sum(ts) / len(ts)  # closed form: the same bits every time
+    b1 = sum((n - mn) * (t - mt) for n, t in zip(ns, ts, strict=True)) / sum(
+        (n - mn) ** 2 for n in ns
+    )
+    b0 = mt - b1 * mn
+    p = f.ps[-1]
+    return {"intercept_ms": b0 * 1e3, "slope_us_per_token": b1 * 1e6,
+            "long_over_short": f.one(f.ns[-1], p) / f.one(f.ns[0], p),
+            "long_n": f.ns[-1], "short_n": f.ns[0], "prefix": p}  # fmt: skip
 
 
 def calibrate_run(
-    args: Any, model: Any, max_new: int, max_prefix: int, rounds: int | None = None,
+    args: Any,
+    model: Any,
+    max_new: int,
+    max_prefix: int,
+    rounds: int | None = None,
+    timer: str | None = None,
     build_cache: Callable[[Any], Any] | None = None,
-) -> Calibration:  # fmt: skip
-    """The calibration of one benchmark run: ``model``'s forward over ``forward_grid(max_new,
-    max_prefix)`` and the copies of a cache built from ``args`` (hierarchical; it is closed
-    before returning, and its host pool released unless ``build_cache`` built it: a benchmark's
-    shared host pool, ``bench.e2e.setup.SharedHostPool.build``, stays for the run). ``rounds``:
-    5 on CUDA (GPU times repeat closely), 15 on a CPU (shared cores: the median needs more
-    samples)."""
-    if rounds is None:
-        rounds = 5 if torch.cuda.is_available() else 15
+) -> Calibration:
+    """The calibration of one benchmark run, without host costs: ``model``'s forward over
+    ``forward_grid(max_new, max_prefix)``, the copies of a cache built from ``args``
+    (hierarchical; it is closed before returning, and its host pool released unless
+    ``build_cache`` built it: a benchmark's shared host pool,
+    ``bench.e2e.setup.SharedHostPool.build``, stays for the run), the decode side's read of a
+    send, and the co-run slowdown. ``rounds``: 5 on CUDA (GPU times repeat closely), 15 on a
+    CPU (shared cores: the median needs more samples)."""
+    from bench.summary import machine_info
     from hicache.builder import build_kv_cache
     from hicache.memory.device_pool import device_pool_from_server_args
+    from prefill.clock import VirtualClock
+    from prefill.disagg.sim_config import PeerConfig
+    from prefill.disagg.sim_side import DecodeSide
 
+    if rounds is None:
+        rounds = 5 if torch.cuda.is_available() else 15
+    device = torch.device(args.resolved_device())
+    timer = timer or default_timer(device)
     t0 = time.perf_counter()
     page = args.page_size
 
     def make_pool(slots: int) -> Any:
         return device_pool_from_server_args(args, size=page_ceil(slots, page))
 
-    fwd = calibrate_forward(model, make_pool, forward_grid(max_new, max_prefix, page), rounds)
+    grid = forward_grid(max_new, max_prefix, page)
+    fwd = calibrate_forward(model, make_pool, grid, rounds, timer=timer)
+    sizes = [s for s in (4 * page, 256, 1024, 4096)]
+    src = make_pool(4096 + 2 * page)
+    side = DecodeSide(src, VirtualClock(), PeerConfig(), size=4096 + 2 * page,
+                      keep_received=False)  # fmt: skip
+    transfer = calibrate_transfer_copy(side, sizes, timer=timer)
+    del side
     cache = (build_cache or build_kv_cache)(args)
     try:
         slots = min(cache.device_pool.size, cache.host_pool.size)
-        sizes = [s for s in (4 * page, 256, 1024, 4096) if s <= slots] or [page, slots]
-        h2d, d2h = calibrate_copies(cache, sizes)
+        copy_sizes = [s for s in sizes if s <= slots] or [page, slots]
+        h2d, d2h = calibrate_copies(cache, copy_sizes, timer=timer)
+        shape = (max(page, max_new // 2 // page * page), 0)
+        corun = measure_corun(model, make_pool(shape[0] + 2 * page), cache, shape,
+                              timer=timer)  # fmt: skip
     finally:
         cache.close()
         if build_cache is None:
             cache.host_pool.destroy()
-    cal = Calibration(fwd, h2d, d2h, args.num_layers, time.perf_counter() - t0)
+    geometry = model_geometry(args)
+    cal = Calibration(fwd, h2d, d2h, args.num_layers, time.perf_counter() - t0,
+                      transfer=TransferModel.measured(transfer), corun=corun, timer=timer,
+                      model=geometry, machine=machine_info())  # fmt: skip
     logger.info("calibration: %s", cal.as_dict())
     return cal
+
+
+GEOMETRY = ("num_layers", "hidden_size", "num_attention_heads", "head_num", "head_dim",
+            "intermediate_size", "dtype", "page_size", "tp_size", "use_mla", "kv_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # fmt: skip
+
+
+def model_geometry(args: Any) -> dict[str, Any]:
+    """The ``ServerArgs`` fields a calibration's costs belong to (a replay checks them)."""
+    return {k: getattr(args, k, None) for k in GEOMETRY}
 
 
 def describe(cal: Calibration) -> str:
     """One line for the console."""
     f = cal.forward
+    c = forward_curve(f)
+    tr = cal.transfer
+    bw = "inf" if math.isinf(tr.bytes_per_s) else f"{tr.bytes_per_s / 1e9:.2f}"
+    host = "" if cal.host is None else f"; {cal.host.describe()}"
     return (
-        f"forward of one request: {f.one(f.ns[0], 0) * 1e3:.2f} ms ({f.ns[0]} tokens) .. "
-        f"{f.one(f.ns[-1], f.ps[-1]) * 1e3:.2f} ms ({f.ns[-1]} tokens after a {f.ps[-1]}-token "
-        f"prefix), {len(f.points)} shapes; a second request in the batch saves "
+        f"[{cal.source}, timer {cal.timer}] forward {c['intercept_ms']:.2f} ms + "
+        f"{c['slope_us_per_token']:.1f} us/token ({f.one(f.ns[0], 0) * 1e3:.2f} ms at {f.ns[0]} "
+        f"tokens .. {f.one(f.ns[-1], f.ps[-1]) * 1e3:.2f} ms at {f.ns[-1]} after {f.ps[-1]}; "
+        f"{c['long_n']}/{c['short_n']} tokens after {c['prefix']}: x{c['long_over_short']:.2f}), "
+        f"{len(f.points)} shapes; a second request in the batch saves "
         f"{f.pair_saving_s * 1e3:.2f} ms; H2D {cal.h2d.bytes_per_s / 1e9:.2f} GB/s + "
         f"{cal.h2d.per_call_s * 1e6:.0f} us/call, D2H {cal.d2h.bytes_per_s / 1e9:.2f} GB/s + "
-        f"{cal.d2h.per_call_s * 1e6:.0f} us/call; calibrated in {cal.wall_s:.1f} s"
+        f"{cal.d2h.per_call_s * 1e6:.0f} us/call; transfer ({tr.source}) {bw} GB/s + "
+        f"{tr.latency_s * 1e6:.0f} us; co-run compute x{cal.corun.factor:.3f}, copy "
+        f"x{cal.corun.copy_factor:.3f} ({cal.corun.source})"
+        f"{host}; calibrated in {cal.wall_s:.1f} s"
     )

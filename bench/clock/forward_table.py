@@ -128,11 +128,12 @@ def calibrate_forward(
     grid: Sequence[Sequence[Shape]],
     rounds: int = 15,
     seed: int = 0,
+    timer: str | None = None,
 ) -> ForwardTable:
     """Time ``model.forward_extend`` on every batch of ``grid``, ``rounds`` interleaved rounds,
     and tabulate the medians (``table_from``). ``make_pool(num_slots)`` builds a device pool of
     the model's geometry (its slots are overwritten). Slots are scattered pages, as the
-    allocator hands them out."""
+    allocator hands them out. ``timer``: ``bench.common.call_timer``'s."""
     from prefill.model.paged import ExtendInput
 
     need = max(sum(n + p for n, p in b) for b in grid)
@@ -156,7 +157,7 @@ def calibrate_forward(
 
     samples: dict[int, list[float]] = {i: [] for i in range(len(grid))}
     order = list(range(len(grid)))
-    clock = call_timer(device)
+    clock = call_timer(device, timer)
     model.forward_extend(pool, inputs(grid[0]))  # warm-up
     for _ in range(rounds):
         rng.shuffle(order)

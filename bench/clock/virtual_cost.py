@@ -4,24 +4,39 @@ The real model still computes every forward and the cache still moves every byte
 KV content are real); only *time* comes from the calibration (``bench.clock.calibrate``):
 
 - **Forward**: ``Calibration.forward.cost`` of the batch's shapes, which ``RecordingModel``
-  records as the executor calls ``forward_extend``.
+  records as the executor calls ``forward_extend``; each layer takes ``1 / layers`` of it.
 - **H2D load back** (load stream): a launch (``start_loading``) of ``T`` tokens occupies the
   load stream for ``layers`` calls of ``h2d.seconds(T * bytes_per_token / layers)``; layer ``i``
-  is ready when its copy ends (FIFO after earlier loads). The forward runs layer by layer and
-  layer ``i`` starts once layer ``i - 1`` computed and layer ``i`` loaded, each layer taking
-  ``1 / layers`` of the forward's cost: the overlap the controller's per-layer events give.
+  is ready when its copy ends (FIFO after earlier loads), and the forward's layer ``i`` starts
+  once layer ``i - 1`` computed and layer ``i`` loaded: the overlap the controller's per-layer
+  events give. Layer 0's copy runs while the forward waits for it; every later layer's copy
+  runs beside the previous layer's compute and is charged its co-run slowdown
+  (``corun.copy_factor``).
 - **D2H backup** (write stream): each backup (``write``) occupies the write stream for
-  ``d2h.seconds(bytes)``, FIFO. Write-through backups overlap compute (a side stream); a wait
-  for a backup (``wait_write``: write_back eviction) advances the clock to that backup's end.
+  ``d2h.seconds(bytes)``, FIFO, beside compute, and starts after the newest load in flight (as
+  the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
+  advances the clock to that backup's end. On a machine without CUDA both streams are one FIFO
+  (the controller's CPU stream threads copy under one lock).
+- **Co-run slowdown**: compute that overlaps a running copy is ``corun.factor`` times slower,
+  and a copy's overlap with compute ``corun.copy_factor`` times (``bench.clock.streams_model``;
+  both factors are measured, ``bench.clock.corun``); a slowed copy's ack comes later.
+- **Acks at their modelled time**: a copy's ack is popped by the tree's ack poll only once the
+  clock passed the copy's modelled end (``count_finished_writes`` / ``count_finished_loads``
+  answer at most that many), and ``next_ack_time`` tells the executor when the next one ends
+  (``OptimisticPrefillExecutor(modelled_copies=...)``). Between steps the driver waits for the
+  real copies to finish (``settle``, popping nothing), so which acks are popped when depends
+  on the clock only, never on thread timing. ``release_acks`` ends the gating (the audit
+  drains every ack).
+- **KV transfer to decode**: ``bench.clock.transport.TransferModel``: by default the decode
+  side's own read of a send, charged where it happens (``install_decode``); on a machine
+  without CUDA it takes the same lock as the stream copies, so it waits for the modelled FIFO
+  and occupies it.
+- **Host time**: ``bench.clock.host_meter.HostMeter`` (the scheduler thread's calls).
 
-Modelled, not measured: the two streams run beside compute without slowing it (copy engines on
-a GPU), and a backup's ack reaches the tree at the end of the step that launched it (the
-benchmark drains the cache's real copies after every step, so the schedule does not depend on
-thread timing). ``write_backlog_max_s`` reports how far the write stream ever ran behind the
-clock; when it is small next to a forward, the second simplification changes nothing.
-
-Wrapping: ``CostAccountant.install`` replaces three methods of one controller *instance*
-(``write``, ``wait_write``, ``start_loading``) with timed pass-throughs; nothing else changes.
+Wrapping: ``install`` replaces five methods of one controller *instance* (``write``,
+``wait_write``, ``start_loading``, ``count_finished_writes``, ``count_finished_loads``) with
+timed pass-throughs, ``install_decode`` sets the decode side's ``copy_hook``; nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -30,127 +45,248 @@ import logging
 from typing import Any
 
 from bench.clock.calibrate import Calibration, Shape
+from bench.clock.host_meter import HostMeter
+from bench.clock.streams_model import Booking, CopyTimeline
+from hicache.transfer.streams import CpuStreams
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CostAccountant", "RecordingModel"]
 
 
 class RecordingModel:
     """The paged model, unchanged, with the shapes ``[(new, prefix), ...]`` of the last
-    ``forward_extend`` batch kept in ``last_shapes``. Every other attribute is the model's."""
+    ``forward_extend`` batch kept in ``last_shapes``; the forward's own time is excluded from
+    host time when a ``meter`` is set. Every other attribute is the model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, meter: HostMeter | None = None) -> None:
         self._model = model
+        self.meter = meter
         self.last_shapes: list[Shape] = []
 
     def forward_extend(self, pool: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         self.last_shapes = [(int(r.input_ids.numel()), int(r.prefix_len)) for r in batch]
-        return self._model.forward_extend(pool, batch, *args, **kwargs)
+        if self.meter is None:
+            return self._model.forward_extend(pool, batch, *args, **kwargs)
+        with self.meter.excluded():
+            return self._model.forward_extend(pool, batch, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
 class CostAccountant:
-    """The executor's ``cost_model`` on a virtual clock, plus the copy streams' timelines.
+    """The executor's ``cost_model`` and ``modelled_copies`` on a virtual clock, plus the copy
+    streams' timelines (see the module docstring).
 
     ``__call__(new_tokens, prefix_tokens)`` is called by the executor after each forward, with
-    the clock still at the forward's start; it returns the seconds to charge (compute plus any
-    wait for layers still loading). Counters (seconds): ``compute_s``, ``load_wait_s``,
-    ``write_wait_s``, ``h2d_busy_s``, ``d2h_busy_s``, ``write_backlog_max_s``.
+    the clock still at the forward's start; it returns the seconds to charge (compute, slowed
+    where it overlaps a copy, plus any wait for layers still loading). Counters (seconds):
+    ``compute_s``, ``corun_extra_s``, ``load_wait_s``, ``write_wait_s``, ``h2d_busy_s``,
+    ``d2h_busy_s``, ``transfer_s`` (of which ``transfer_wait_s`` waiting for the CPU copy lock),
+    ``write_backlog_max_s``; ``acks_held`` counts ack polls
+    that left a finished copy unpopped because its modelled end was still ahead.
     """
 
-    def __init__(self, calibration: Calibration, clock: Any, model: RecordingModel) -> None:
+    def __init__(
+        self, calibration: Calibration, clock: Any, model: RecordingModel,
+        meter: HostMeter | None = None,
+    ) -> None:  # fmt: skip
         self.cal = calibration
         self.clock = clock
         self.model = model
+        self.meter = meter
         self.layers = calibration.num_layers
+        self.corun = calibration.corun.factor
+        self.copy_corun = calibration.corun.copy_factor
+        self.transfer = calibration.transfer
+        self.timeline = CopyTimeline()  # replaced at install (shared on CPU streams)
         self.bytes_per_token = 0
-        self._load_free_at = 0.0
-        self._write_free_at = 0.0
-        self._write_done: dict[int, float] = {}  # node id -> end of its backup
+        self.controller: Any = None
+        self.gate_acks = True
+        self._done: dict[int, tuple[Any, Booking]] = {}  # id(ack) -> (ack, its modelled copy)
         self._layer_ready: list[float] = []
         self.compute_s = 0.0
+        self.corun_extra_s = 0.0
         self.load_wait_s = 0.0
         self.write_wait_s = 0.0
         self.h2d_busy_s = 0.0
         self.d2h_busy_s = 0.0
+        self.transfer_s = 0.0
+        self.transfer_wait_s = 0.0
         self.write_backlog_max_s = 0.0
+        self.acks_held = 0
         self.forwards = 0
 
-    # ------------------------------------------------------------------ executor hook
+    # ------------------------------------------------------------------ executor hooks
     def __call__(self, new_tokens: int, prefix_tokens: int) -> float:
         shapes = self.model.last_shapes
         if sum(n for n, _ in shapes) != new_tokens:  # not the batch just recorded
             shapes = [(new_tokens, prefix_tokens)]
         compute = self.cal.forward.cost(shapes)
         start = self.clock.now()
+        self.timeline.trim(start)
         end = start
         per_layer = compute / self.layers
         ready = self._layer_ready
+        waited = 0.0
         for layer in range(self.layers):
-            if layer < len(ready):
-                end = max(end, ready[layer])
-            end += per_layer
+            if layer < len(ready) and ready[layer] > end:
+                waited += ready[layer] - end
+                end = ready[layer]
+            end = self.timeline.compute_end(end, per_layer, self.corun)
+        self.timeline.stretch_copies(start, end, self.copy_corun)
         self._layer_ready = []
         self.compute_s += compute
-        self.load_wait_s += max(0.0, (end - start) - compute)
+        self.load_wait_s += waited
+        self.corun_extra_s += max(0.0, (end - start) - compute - waited)
         self.forwards += 1
         return end - start
 
+    def next_ack_time(self) -> float | None:
+        """The earliest modelled end of a copy whose ack is not popped yet."""
+        c = self.controller
+        if c is None or not self.gate_acks:
+            return None
+        ends = [self._end(a) for a in (*c.ack_write_queue, *c.ack_load_queue)]
+        return min(ends) if ends else None
+
+    def settle(self) -> None:
+        """Wait for the real copies in flight to finish, popping no ack (between steps)."""
+        c = self.controller
+        if c is None:
+            return
+        for ack in (*c.ack_write_queue, *c.ack_load_queue):
+            ack.finish_event.synchronize()
+
+    def release_acks(self) -> None:
+        """Stop holding acks back (every finished copy may be popped)."""
+        self.gate_acks = False
+
     # ------------------------------------------------------------------ controller hooks
+    def _end(self, ack: Any) -> float:
+        entry = self._done.get(id(ack))
+        return entry[1].end if entry is not None and entry[0] is ack else 0.0
+
+    def _register(self, ack: Any, booking: Booking) -> None:
+        if len(self._done) > 4096:  # drop popped acks
+            c = self.controller
+            live = {id(a) for a in (*c.ack_write_queue, *c.ack_load_queue)}
+            self._done = {k: v for k, v in self._done.items() if k in live}
+        self._done[id(ack)] = (ack, booking)
+
+    def _gated(self, queue: Any, real: int) -> int:
+        if not self.gate_acks:
+            return real
+        now = self.clock.now()
+        n = 0
+        for ack in queue:
+            if n >= real or self._end(ack) > now:
+                break
+            n += 1
+        self.acks_held += int(n < real)
+        return n
+
     def install(self, controller: Any) -> None:
         """Time ``controller``'s copies on the virtual streams (instance attributes only)."""
+        self.controller = controller
+        self.timeline = CopyTimeline(shared=isinstance(controller.streams, CpuStreams))
         self.bytes_per_token = int(controller.host_pool.size_per_token)
         write, wait_write = controller.write, controller.wait_write
         start_loading = controller.start_loading
+        finished_writes = controller.count_finished_writes
+        finished_loads = controller.count_finished_loads
 
         def timed_write(device_indices: Any, node_id: int = -1) -> Any:
+            queued = len(controller.ack_write_queue)
+            loads = [self._end(a) for a in controller.ack_load_queue]  # the newest: the last
             host = write(device_indices, node_id=node_id)
-            if host is not None and host.numel():
+            if host is not None and len(controller.ack_write_queue) > queued:
                 secs = self.cal.d2h.seconds(host.numel() * self.bytes_per_token)
                 now = self.clock.now()
-                self._write_free_at = max(self._write_free_at, now) + secs
-                if len(self._write_done) > 4096:  # backups acked through writing_check
-                    self._write_done = {k: v for k, v in self._write_done.items() if v > now}
-                self._write_done[node_id] = self._write_free_at
+                bk = self.timeline.occupy("write", now, secs, loads[-1] if loads else 0.0)
+                self._register(controller.ack_write_queue[-1], bk)
                 self.d2h_busy_s += secs
-                self.write_backlog_max_s = max(self.write_backlog_max_s, self._write_free_at - now)
+                self.write_backlog_max_s = max(self.write_backlog_max_s, bk.end - now)
             return host
 
         def timed_wait_write(node_ids: list[int] | None = None) -> list[int]:
-            ids = list(self._write_done) if node_ids is None else node_ids
-            until = max((self._write_done.get(i, 0.0) for i in ids), default=0.0)
+            wanted = None if node_ids is None else set(node_ids)
+            targets = [a for a in controller.ack_write_queue
+                       if wanted is None or wanted.intersection(a.node_ids)]  # fmt: skip
+            until = max((self._end(a) for a in targets), default=0.0)
             now = self.clock.now()
             if until > now:
                 self.clock.advance(until - now)
                 self.write_wait_s += until - now
-            done = wait_write(node_ids)
-            for i in done:
-                self._write_done.pop(i, None)
-            return done
+            if self.meter is None:
+                return wait_write(node_ids)
+            with self.meter.excluded():
+                return wait_write(node_ids)
 
         def timed_start_loading() -> int:
             tokens = sum(int(op.host_indices.numel()) for op in controller.load_queue)
+            queued = len(controller.ack_load_queue)
             pid = start_loading()
-            if tokens:
+            if tokens and len(controller.ack_load_queue) > queued:
                 per_layer = self.cal.h2d.seconds(tokens * self.bytes_per_token // self.layers)
-                t = max(self._load_free_at, self.clock.now())
-                self._layer_ready = [t + (i + 1) * per_layer for i in range(self.layers)]
-                self._load_free_at = self._layer_ready[-1]
-                self.h2d_busy_s += per_layer * self.layers
+                beside = per_layer * self.copy_corun  # a layer copied beside compute
+                total = per_layer + (self.layers - 1) * beside
+                bk = self.timeline.occupy("load", self.clock.now(), total, stretchable=False)
+                self._layer_ready = [bk.start + per_layer + i * beside
+                                     for i in range(self.layers)]  # fmt: skip
+                self._register(controller.ack_load_queue[-1], bk)
+                self.h2d_busy_s += total
             return pid
 
         controller.write = timed_write
         controller.wait_write = timed_wait_write
         controller.start_loading = timed_start_loading
+        controller.count_finished_writes = lambda: self._gated(
+            controller.ack_write_queue, finished_writes()
+        )
+        controller.count_finished_loads = lambda: self._gated(
+            controller.ack_load_queue, finished_loads()
+        )
 
-    def as_dict(self) -> dict[str, float | int]:
+    def install_decode(self, decode: Any) -> None:
+        """Charge the decode side's reads of sends (``DecodeSide.copy_hook``): the in-process
+        copy is excluded from host time and, with a ``blocking`` transfer model (the default,
+        the copy's own measured rate), its modelled time is charged where it runs."""
+
+        def read(nbytes: int, copy: Any) -> None:
+            if self.meter is None:
+                copy()
+            else:
+                with self.meter.excluded():
+                    copy()
+            if self.transfer.blocking:
+                secs = self.transfer.seconds(nbytes)
+                now = self.clock.now()
+                if self.timeline.shared:  # CPU: the read waits for the copy lock
+                    bk = self.timeline.occupy("write", now, secs)
+                    self.transfer_wait_s += bk.start - now
+                    secs = bk.end - now
+                self.clock.advance(secs)
+                self.transfer_s += secs
+
+        decode.copy_hook = read
+
+    def as_dict(self) -> dict[str, Any]:
         return {
             "forwards": self.forwards,
             "compute_s": self.compute_s,
+            "corun_extra_s": self.corun_extra_s,
+            "corun_factor": self.corun,
+            "copy_corun_factor": self.copy_corun,
             "load_wait_s": self.load_wait_s,
             "write_wait_s": self.write_wait_s,
             "h2d_busy_s": self.h2d_busy_s,
             "d2h_busy_s": self.d2h_busy_s,
+            "transfer_s": self.transfer_s,
+            "transfer_wait_s": self.transfer_wait_s,
+            "transfer": self.transfer.as_dict(),
             "write_backlog_max_s": self.write_backlog_max_s,
+            "acks_held": self.acks_held,
+            "host": None if self.meter is None else self.meter.as_dict(),
         }

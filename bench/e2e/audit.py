@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from bench.e2e.driver import TraceRun
+from bench.e2e.strict_audit import replay_matches
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome
 from prefill.testing.harness import decode_kv_and_reference, kv_max_rel_error
@@ -42,11 +43,16 @@ def audit(run: TraceRun) -> dict[str, int]:
     ``speculative_l2_pages``: host pages written from an attempt that was not finalized when the
     copy was issued.
 
-    KV check: fp32 element-wise (``kv_tolerance``); bf16 / fp16 per (layer, token) row, relative
-    error at most ``KV_REL_TOL`` (an element-wise bf16 tolerance fails on plain rounding noise of
-    a 32-layer model). The largest relative error is left in ``run.kv_max_rel_err``."""
+    Loose KV check (``kv_mismatches``): fp32 element-wise (``kv_tolerance``); bf16 / fp16 per
+    (layer, token) row, relative error at most ``KV_REL_TOL`` (an element-wise bf16 tolerance
+    fails on plain rounding noise of a 32-layer model). The largest relative error is left in
+    ``run.kv_max_rel_err``. Strict KV check (``kv_strict_mismatches``), every sampled request:
+    the tokens its final attempt computed, bit for bit against a replay of its forwards
+    (``bench.e2e.strict_audit``); ``kv_strict_skipped`` counts requests it could not replay."""
     ex = run.executor
     assert ex is not None
+    if run.cost is not None:
+        run.cost.release_acks()  # the drain pops every ack, whatever its modelled time
     ex.drain_cache_events()
     errors = 0
     try:
@@ -56,10 +62,14 @@ def audit(run: TraceRun) -> dict[str, int]:
     tree_tokens = ex.tree.evictable_size() + ex.tree.protected_size()
     leaked = ex.allocator.size - ex.allocator.available_size() - tree_tokens
     leaked_locks = sum(1 for n in ex.tree.all_nodes() if n.lock_ref != 0)
-    mismatches = 0
+    mismatches = strict_bad = strict_ok = strict_skipped = 0
     exact = ex.pool.dtype == torch.float32
     worst = 0.0
     for rid in run.sampled:
+        strict = None if run.forward_log is None else replay_matches(ex, rid, run.forward_log)
+        strict_skipped += strict is None
+        strict_ok += strict is True
+        strict_bad += strict is False
         pairs = decode_kv_and_reference(ex, rid)
         err = kv_max_rel_error(pairs)
         worst = max(worst, err)
@@ -78,6 +88,9 @@ def audit(run: TraceRun) -> dict[str, int]:
         "aborted_sends": aborted_sends,
         "integrity_errors": errors,
         "kv_checked_requests": len(run.sampled),
+        "kv_strict_mismatches": strict_bad,
+        "kv_strict_checked": strict_ok + strict_bad,
+        "kv_strict_skipped": strict_skipped,
     }
     out["speculative_l2_pages"] = ex.stats.speculative_l2_pages
     return out

@@ -2,9 +2,12 @@
 times, results collected, sends checked against the finalized attempt (``Driver``), and the
 per-step settling of a virtual-clock run (``settle``, ``run_until_idle``).
 
-TTFT is measured from the moment a request is *sent*: its arrival time, or later when the
-client was waiting for its previous round or for a free slot under ``max_parallel`` (as a
-benchmark client measures it), to the decode side's transfer ``Success``.
+TTFT is measured from the moment the client *sends* a request to the decode side's transfer
+``Success`` (as a benchmark client measures it): the send is the request's due time (its Poisson
+arrival, or for a later round of a conversation the previous round's result, whichever is
+later), or later still when all ``max_parallel`` slots were taken then: the moment a slot freed
+(the finish time of the result that freed it). Time a request waited for a slot is not in its
+TTFT; time it waited inside the server (queues, bootstrap, chunks, transfer) is.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.clock.virtual_cost import CostAccountant
+from bench.e2e.strict_audit import ForwardLog
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, RequestResult
 
@@ -34,32 +38,35 @@ class TraceRun:
     cost: CostAccountant | None = None
     unfinalized_sends: int = 0  # results whose sends name an attempt that was not finalized
     kv_max_rel_err: float | None = None  # set by ``audit``
+    forward_log: ForwardLog | None = None  # every forward's layout (the strict audit's replay)
 
 
 def is_virtual(ex: OptimisticPrefillExecutor) -> bool:
     return bool(getattr(ex.clock, "is_virtual", False))
 
 
-def settle(ex: OptimisticPrefillExecutor) -> bool:
-    """One scheduler step; on a virtual clock also wait for the cache's copies and pop their
-    acks, so the next step sees a state that does not depend on thread timing."""
+def settle(ex: OptimisticPrefillExecutor, cost: CostAccountant | None = None) -> bool:
+    """One scheduler step; on a virtual clock then wait for the cache's real copies (popping
+    no ack: the tree pops each at its modelled time), so the next step sees a state that does
+    not depend on thread timing."""
     progressed = ex.step()
-    if is_virtual(ex):
-        ex.drain_cache_events()
+    if cost is not None:
+        cost.settle()
     return progressed
 
 
-def run_until_idle(ex: OptimisticPrefillExecutor) -> None:
+def run_until_idle(ex: OptimisticPrefillExecutor, cost: CostAccountant | None = None) -> None:
     """The executor's own ``run_until_idle``; on a virtual clock every step is followed by the
     wait for the cache's copies (as ``settle`` does)."""
-    ex.run_until_idle(after_step=ex.drain_cache_events if is_virtual(ex) else None)
+    ex.run_until_idle(after_step=None if cost is None else cost.settle)
 
 
 class Driver:
     """Feeds requests to an executor at their times and collects results.
 
     Every ``kv_sample_every``-th success keeps its decode-side KV for ``audit``'s recompute
-    check; the others release it at once. Results are collected in finish order after each
+    checks (the strict one replays its forwards from ``forward_log``, installed here unless
+    given); the others release it at once. Results are collected in finish order after each
     step. Each result's sends are checked against the decode peer's finalized attempt: a
     success sent only its last attempt, which was finalized; an aborted request sent nothing or
     only its last attempt (``TraceRun.unfinalized_sends`` counts the others).
@@ -71,6 +78,7 @@ class Driver:
         max_parallel: int,
         kv_sample_every: int = 4,
         cost: CostAccountant | None = None,
+        forward_log: ForwardLog | None = None,
     ) -> None:
         self.ex = executor
         self.max_parallel = max_parallel
@@ -78,7 +86,8 @@ class Driver:
         self.inflight: set[str] = set()
         self.sent_at: dict[str, float] = {}
         self.slot_free_at = float("-inf")
-        self.run = TraceRun(label="", executor=executor, cost=cost)
+        log = forward_log if forward_log is not None else ForwardLog(executor)
+        self.run = TraceRun(label="", executor=executor, cost=cost, forward_log=log)
         self._successes = 0
         self._sent: dict[str, set[int]] = {}
         self._log_seen = 0
@@ -117,6 +126,7 @@ class Driver:
                     self.run.sampled.append(rid)
                 else:
                     self.ex.release_received(rid)  # (every rank's decode side under TP)
+                    self.run.forward_log.forget(rid)
             on_result(res)
 
     def drive(
@@ -140,7 +150,7 @@ class Driver:
                 self.sent_at[rid] = max(due, self.slot_free_at)
                 self.inflight.add(rid)
                 due = next_due()
-            progressed = settle(self.ex)
+            progressed = settle(self.ex, self.run.cost)
             self._collect(on_result)
             if progress is not None:
                 progress(len(self.run.results))

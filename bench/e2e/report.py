@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.e2e.setup import CLOCKS, cpu_note
+from bench.e2e.calibrated import add_calibration_args
+from bench.e2e.setup import CLOCKS, cpu_note, on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +22,15 @@ Column = tuple[str, str, float, str]
 
 
 def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: int) -> None:
-    """``--clock``, ``--seeds``, ``--kv-sample-every`` and ``--use-mla``, with this size's
-    defaults."""
-    p.add_argument("--clock", choices=CLOCKS, default="virtual",
-                   help="virtual: scheduling on a clock charged from a calibration measured in "
-                   "the run (deterministic given seed and calibration); wall: real time.")
+    """``--clock``, ``--seeds``, ``--kv-sample-every``, ``--use-mla``, ``--sweeps`` and the
+    calibration's flags (``bench.e2e.calibrated``), with this size's defaults."""
+    p.add_argument("--clock", choices=CLOCKS, default="wall" if on_cuda() else "virtual",
+                   help="virtual (default on a CPU): scheduling on a clock charged from a "
+                   "calibration measured in the run or replayed (deterministic given seed and "
+                   "calibration); wall (default on CUDA): real time.")
+    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=not on_cuda(),
+                   help="Also run the sweeps (quick sizes, one seed; default on a CPU).")
+    add_calibration_args(p)
     p.add_argument("--seeds", type=int, nargs="+", default=list(seeds),
                    help="Trace seeds; each configuration runs once per seed.")
     p.add_argument("--kv-sample-every", type=int, default=kv_every,
@@ -77,18 +82,40 @@ def aggregate_seeds(
             if entry[k + "_spread"] is not None:
                 entry[k] = entry[k + "_spread"]["mean"]
         entry["seeds"] = seeds
-        entry["integrity"] = sum_integrity({s: r for s, r in zip(seeds, rows, strict=True)})
+        by_seed = {s: r for s, r in zip(seeds, rows, strict=True)}
+        entry["integrity"] = sum_integrity(by_seed)
+        entry["checks"] = sum_checks(by_seed)
         out[name] = entry
     return out
 
 
+CHECK_COUNTS = ("kv_checked_requests", "kv_strict_checked", "kv_strict_skipped")
+"""Audit counters that count checks, not violations (``audit``)."""
+
+
 def sum_integrity(results: dict[Any, Any]) -> dict[str, int]:
-    """Integrity counters of every configuration, added up."""
+    """Integrity counters of every configuration, added up (violations only; the counts of
+    checks made are summed under ``checks``)."""
     total: dict[str, int] = {}
     for res in results.values():
         for k, v in res["integrity"].items():
-            if k != "kv_checked_requests":
+            if k not in CHECK_COUNTS and k != "checks":
                 total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+def add_counters(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two sets of integrity counters, added key by key."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+
+def sum_checks(results: dict[Any, Any]) -> dict[str, int]:
+    """How many requests the audits checked, over every configuration (``CHECK_COUNTS``)."""
+    total = dict.fromkeys(CHECK_COUNTS, 0)
+    for res in results.values():
+        counts = res.get("checks") or res["integrity"]
+        for k in CHECK_COUNTS:
+            total[k] += int(counts.get(k, 0))
     return total
 
 

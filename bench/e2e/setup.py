@@ -8,18 +8,21 @@ every configuration) takes its host pool from one ``SharedHostPool``: a pinned p
 
 Two clocks (``--clock``):
 
-- ``virtual`` (default, the headline mode): the executor's ``VirtualClock``, charged by
-  ``bench.clock.virtual_cost.CostAccountant`` from a calibration measured in the same run
-  (``bench.clock.calibrate``). The real model computes every forward and the cache moves every
-  byte; after each scheduler step the driver waits for the cache's real copies and pops their
-  acks (``drain_cache_events``), so what happens depends only on the trace's seed and the
-  calibration, never on thread timing or other jobs on the machine.
-- ``wall``: monotonic wall time; copies overlap for real, and results move with the machine's
-  load.
+- ``virtual`` (the default on a CPU): the executor's ``VirtualClock``, charged by
+  ``bench.clock.virtual_cost.CostAccountant`` (forward, copies, co-run slowdown, transfer) and
+  ``bench.clock.host_meter.HostMeter`` (host time) from a calibration measured in the same run
+  or replayed (``bench.clock.calibrate``). The real model computes every forward and the cache
+  moves every byte; after each scheduler step the driver waits for the cache's real copies
+  (``CostAccountant.settle``) and acks are popped at their modelled time, so what happens
+  depends only on the trace's seed and the calibration, never on thread timing or other jobs
+  on the machine.
+- ``wall`` (the default on CUDA): monotonic wall time; copies overlap for real, and results
+  move with the machine's load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Any
@@ -27,7 +30,9 @@ from typing import Any
 import torch
 
 from bench.clock.calibrate import Calibration
+from bench.clock.host_meter import HostMeter
 from bench.clock.virtual_cost import CostAccountant, RecordingModel
+from bench.common import call_timer
 from hicache.tp.group import TPGroup
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.sim_config import PeerConfig
@@ -127,6 +132,11 @@ def on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def device_kind() -> str:
+    """``cuda`` or ``cpu``: the key of per-device sizes."""
+    return "cuda" if on_cuda() else "cpu"
+
+
 def cpu_note() -> str | None:
     """What a reader must know about CPU numbers, or None on CUDA."""
     if on_cuda():
@@ -145,24 +155,54 @@ def new_executor(
     model: PagedTransformer,
     calibration: Calibration | None = None,
     group: TPGroup | None = None,
+    virtual: bool | None = None,
+    host_mode: str = "model",
+    record_host: bool = False,
+    acks_at_step_end: bool = False,
+    host_profile: str | None = None,
     host: SharedHostPool | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
-    ``decode_pool_tokens``. With ``calibration``: on a ``VirtualClock`` charged by a
-    ``CostAccountant`` (returned), else on wall time (``None`` returned). ``group``: the
+    ``decode_pool_tokens``.
+
+    ``virtual`` (default: whether a ``calibration`` is given): on a ``VirtualClock`` charged by
+    a ``CostAccountant`` (returned) from ``calibration``, with the host phases measured and
+    charged by a ``HostMeter``; else on wall time (``None`` returned). ``host_mode``:
+    ``model`` (the calibration's host costs, the ``host_profile`` of this configuration;
+    ``off`` when it has none), ``measured`` or ``off``; ``record_host`` keeps the samples, for
+    ``fit_host_costs``; ``acks_at_step_end``: acks are not held to their modelled time but
+    popped once the real copy finished, i.e. at the next step after the driver's wait (what the
+    virtual clock did before acks were modelled). On either clock the calibration's transfer
+    model sets the simulated peers' own wait (``TransferModel``). ``group``: the
     tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
     rank reads rank 0's time). ``host``: the benchmark's ``SharedHostPool`` (one rank)."""
-    clock = WallClock() if calibration is None else VirtualClock()
+    virtual = calibration is not None if virtual is None else virtual
+    if virtual and calibration is None:
+        raise ValueError("calibration: a virtual clock needs one")
+    if calibration is not None:
+        peer = dataclasses.replace(peer, **calibration.transfer.peer_fields())
+    clock = VirtualClock() if virtual else WallClock()
     if group is not None:
         clock = agreed_clock(clock, group, None)
     common = dict(peer_config=peer, clock=clock, keep_received=True, send_log_size=None,
                   decode_pool_size=decode_pool_tokens, group=group,
                   cache=None if host is None else host.build(args))  # fmt: skip
-    if calibration is None:
+    if not virtual:
         return make_executor(args, model=model, **common), None
-    recording = RecordingModel(model)
-    cost = CostAccountant(calibration, clock, recording)
-    ex = make_executor(args, model=recording, cost_model=cost, **common)
+    assert calibration is not None
+    if host_mode == "model" and calibration.host is None:
+        host_mode = "off"
+    device = torch.device(args.resolved_device())
+    costs = None if calibration.host is None else calibration.host.profile(host_profile)
+    meter = HostMeter(clock, call_timer(device, calibration.timer), host_mode, costs,
+                      record=record_host)  # fmt: skip
+    recording = RecordingModel(model, meter)
+    cost = CostAccountant(calibration, clock, recording, meter)
+    ex = make_executor(args, model=recording, cost_model=cost, modelled_copies=cost, **common)
     if ex.cache.controller is not None:
         cost.install(ex.cache.controller)
+    cost.install_decode(ex.decode)
+    meter.install(ex)
+    if acks_at_step_end:
+        cost.release_acks()
     return ex, cost

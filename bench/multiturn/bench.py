@@ -9,8 +9,12 @@ forward cost), so the offered load does not depend on how fast this machine is. 
 is sized so the working set is ``--working-set-ratio`` times the pool, so history spills to L2.
 
 Headline: mean TTFT of device-only / mean TTFT of each configuration, per seed, reported as
-mean and spread over ``--seeds``; on the default virtual clock it depends only on the seeds and
-the calibration measured at the start (``bench.e2e.driver``, ``bench.clock.calibrate``).
+mean and spread over ``--seeds``; on the virtual clock (the default on a CPU) it depends only on
+the seeds and the calibration, measured at the start and written to ``calibration.json``, or
+replayed with ``--calibration FILE`` (``bench.e2e.driver``, ``bench.clock.calibrate``). TTFT
+runs from the client's send (after a ``--max-parallel`` slot freed) to the transfer's Success.
+With ``--sweeps`` (the default on a CPU) the ratio is also measured against the load and the
+working set (``bench.multiturn.sweep``).
 
     python -m bench.multiturn [--quick] [--out results] [--clock wall] [--seeds 0 1 2]
 """

@@ -28,9 +28,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.clock.calibrate import calibrate_run, describe
+from bench.clock.calibrate import describe, forward_curve
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.budget import TimeBudget
+from bench.e2e.calibrated import obtain_calibration
 from bench.e2e.driver import TraceRun
 from bench.e2e.report import (
     aggregate_seeds,
@@ -40,6 +41,7 @@ from bench.e2e.report import (
     write_result,
 )
 from bench.e2e.setup import cpu_note, free_memory, new_executor, release_executor
+from bench.e2e.strict_audit import ForwardLog
 from bench.multiturn.trace import (
     HEADLINE_KEYS,
     RATIO,
@@ -92,6 +94,9 @@ def server_args_tp(name: str, device_tokens: int, opts: argparse.Namespace, tp: 
 def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> dict[str, Any]:
     """One rank's whole run: every configuration under every seed, in the same order on every
     rank. Rank 0 prints, writes the result and returns the summary (the others an empty one)."""
+    if opts.host_time == "measured":
+        raise ValueError("--host-time measured at --tp > 1: each rank measures its own host "
+                         "time, so the ranks' clocks would differ; use model or off")  # fmt: skip
     group = new_cache_group()
     say = print if rank == 0 else (lambda *a, **k: None)
     working_set, device_tokens = pool_sizes(opts)
@@ -104,8 +109,15 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
     longest = longest_prompt(opts)
     # Forward passes are collective (every rank times the same grid); copies are this rank's
     # shard, timed on a single-rank cache of its geometry. Rank 0's calibration is everyone's.
+    # No host calibration trace here: host time is charged only from a replayed calibration
+    # that holds host costs (--calibration).
     local = dataclasses.replace(cal_args, tp_size=1, head_num=cal_args.kv_heads_per_rank())
-    cal = calibrate_run(local, model, opts.chunked_prefill_size, longest)
+    if opts.calibration is not None and rank != 0:
+        cal = None
+    else:
+        cal = obtain_calibration(f"multiturn_tp{world}", opts, local, model,
+                                 opts.chunked_prefill_size, longest,
+                                 Path(out_dir) if rank == 0 else None)  # fmt: skip
     cal = group.broadcast_object(cal if rank == 0 else None, src=0, tag="calibration")
     say(f"[multiturn tp{world}] calibration (rank 0): {describe(cal)}", flush=True)
     rate = request_rate(opts, cal)
@@ -117,10 +129,9 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
             if not budget.allows(f"{name}/seed{seed}"):
                 say(f"[multiturn tp{world}] {name} seed {seed}: skipped for time")
                 continue
-            virtual_cal = cal if opts.clock == "virtual" else None
             with budget.timed():
                 results[name] = run_config_tp(name, seed, device_tokens, rate, opts, model,
-                                              virtual_cal, group)  # fmt: skip
+                                              cal, group)  # fmt: skip
             free_memory()
             if rank == 0:
                 add_ratios(results)
@@ -133,6 +144,7 @@ def rank_main(rank: int, world: int, opts: argparse.Namespace, out_dir: str) -> 
         **configs, "mode": opts.clock, "seeds": opts.seeds, "tp_size": world,
         "request_rate_per_s": rate, "working_set_tokens": working_set,
         "device_pool_tokens_per_rank": device_tokens, "calibration": cal.as_dict(),
+        "forward_curve": forward_curve(cal.forward), "calibration_source": cal.source,
         "integrity": sum_integrity(configs), "note": note,
         "skipped_for_time": budget.skipped,
     }  # fmt: skip
@@ -156,13 +168,16 @@ def run_config_tp(
     args = server_args_tp(name, device_tokens, opts, group.size)
     conversations = conversations_for(opts, args.vocab_size, seed)
     decode_tokens = decode_tokens_for(conversations, opts)
-    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, group)
+    virtual = opts.clock == "virtual"
+    ex, cost = new_executor(args, PeerConfig(seed=seed), decode_tokens, model, cal, group,
+                            virtual=virtual, host_mode=opts.host_time)  # fmt: skip
+    log = ForwardLog(ex)  # every rank: the strict audit replays on every rank
     if group.rank == 0:
-        run = drive_trace(ex, cost, conversations, rate, seed, name, opts)
+        run = drive_trace(ex, cost, conversations, rate, seed, name, opts, forward_log=log)
         ex.stop_followers()
     else:
-        ex.follow(after_step=ex.drain_cache_events if cal is not None else None)
-        run = TraceRun(label="", executor=ex, cost=cost)
+        ex.follow(after_step=None if cost is None else cost.settle)
+        run = TraceRun(label="", executor=ex, cost=cost, forward_log=log)
     run.sampled = group.broadcast_object(run.sampled, src=0, tag="sampled")
     integrity = audit(run)  # collective: every rank checks its own shard
     mine = {"integrity": integrity, "cache": ex.cache.stats.as_dict(),

@@ -99,8 +99,11 @@ def full_prefill_s(cal: Calibration, tokens: int, chunk: int) -> float:
 
 
 def request_rate(opts: argparse.Namespace, cal: Calibration) -> float:
-    """Requests per second: ``--request-rate``, or ``--load`` over the mean calibrated time of a
-    from-scratch prefill of the trace's prompts (its device-only work)."""
+    """Requests per second: ``--request-rate``, or ``--load`` times the device-only capacity:
+    1 / the mean calibrated forward time of a from-scratch, chunk-by-chunk prefill of the
+    trace's prompts (every round of every conversation, one request at a time; forward cost
+    only, without host time or transfers). "0.7 of capacity" is a Poisson rate of 0.7 / that
+    mean time."""
     if opts.request_rate is not None:
         return opts.request_rate
     convs = conversations_for(opts, 2, 0)
@@ -120,13 +123,17 @@ def decode_tokens_for(conversations: list[Any], opts: argparse.Namespace) -> int
 
 def drive_trace(
     ex: Any, cost: Any, conversations: list[Any], rate: float, seed: int, name: str,
-    opts: argparse.Namespace,
+    opts: argparse.Namespace, max_requests: int | None = None, forward_log: Any = None,
+    quiet: bool = False,
 ) -> TraceRun:  # fmt: skip
     """Submit the conversations' rounds to ``ex`` (rank 0's under tensor parallelism) at
     Poisson times, each round once the previous one's result is back, at most
-    ``--max-parallel`` in flight, until every conversation is done."""
+    ``--max-parallel`` in flight, until every conversation is done (or, with ``max_requests``,
+    until that many were sent and answered)."""
     total_requests = sum(c.num_rounds for c in conversations)
-    driver = Driver(ex, opts.max_parallel, opts.kv_sample_every, cost)
+    cap = total_requests if max_requests is None else min(max_requests, total_requests)
+    sent = [0]
+    driver = Driver(ex, opts.max_parallel, opts.kv_sample_every, cost, forward_log)
     ready: collections.deque[tuple[int, float]] = collections.deque(
         (c, 0.0) for c in range(len(conversations))
     )
@@ -135,9 +142,10 @@ def drive_trace(
     state = {"next_at": ex.clock.now()}
 
     def next_due() -> float | None:
-        return max(state["next_at"], ready[0][1]) if ready else None
+        return max(state["next_at"], ready[0][1]) if ready and sent[0] < cap else None
 
     def pop_request() -> tuple[str, list[int]]:
+        sent[0] += 1
         c, _ = ready.popleft()
         conv = conversations[c]
         prompt = conv.next_prompt()
@@ -155,13 +163,15 @@ def drive_trace(
     last = [0]
 
     def progress(n: int) -> None:
+        if quiet:
+            return
         if n - last[0] >= max(1, total_requests // 2) or n == total_requests:
             print(f"    {name} seed {seed}: {n}/{total_requests} requests", flush=True)
             last[0] = n
 
     return driver.drive(
         next_due, pop_request, on_result,
-        done=lambda: all(c.done for c in conversations), progress=progress,
+        done=lambda: sent[0] >= cap or all(c.done for c in conversations), progress=progress,
     )  # fmt: skip
 
 

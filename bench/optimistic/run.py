@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.clock.calibrate import Calibration
+from bench.clock.host_meter import HostMeter
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
 from bench.e2e.setup import SharedHostPool, model_args, new_executor, release_executor
-from bench.pd.transfer_model import peer_transfer_kwargs
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
@@ -92,31 +92,34 @@ def make_trace(
     return Trace(opts, seed, prompts, arrivals, delay, failure_prob, forced_retry_prob)
 
 
-def _warm(ex: Any, prefixes: list[list[int]]) -> None:
+def _warm(ex: Any, prefixes: list[list[int]], cost: Any) -> None:
     """Put the shared prefixes in the cache (not measured)."""
     for i, p in enumerate(prefixes):
         ex.submit(f"warm-{i}", p)
-    run_until_idle(ex)
+    run_until_idle(ex, cost)
     ex.pop_results()
     for i in range(len(prefixes)):
         ex.decode.release(f"warm-{i}")
 
 
 def calibrate_prefill_s(
-    opts: argparse.Namespace, model: Any, cal: Calibration | None,
-    host: SharedHostPool | None = None,
+    opts: argparse.Namespace, model: Any, cal: Calibration | None, virtual: bool | None = None,
+    host_mode: str | None = None, host: SharedHostPool | None = None,
 ) -> float:  # fmt: skip
-    """Median prefill latency (on the benchmark's clock: virtual with ``cal``, else wall) of a
-    request whose prefix is cached, peers ready at once, one at a time: the bootstrap delays
-    and arrival rates are set from it. ``host``: the benchmark's shared host pool."""
+    """Median prefill latency (on the benchmark's clock: virtual with ``cal`` unless
+    ``virtual`` is False, else wall) of a request whose prefix is cached, peers ready at once,
+    one at a time: the bootstrap delays and arrival rates are set from it. ``host``: the
+    benchmark's shared host pool."""
     trace = make_trace(opts, 0, [0.0] * (opts.num_prefixes + 3), DelayDistribution(), 0.0)
     args = Trace.server_args(opts, 0, 0.0, "write_back")
-    ex, _ = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal, host=host)
-    _warm(ex, trace.prefixes)
+    ex, cost = new_executor(args, PeerConfig(seed=0), opts.input_len * 8, model, cal,
+                            virtual=virtual, host_mode=host_mode or opts.host_time,
+                            host=host)  # fmt: skip
+    _warm(ex, trace.prefixes, cost)
     times = []
     for i, p in enumerate(trace.prompts):
         ex.submit(f"cal-{i}", p)
-        run_until_idle(ex)
+        run_until_idle(ex, cost)
         (res,) = ex.pop_results()
         times.append(res.prefill_latency)
         ex.decode.release(f"cal-{i}")
@@ -125,19 +128,37 @@ def calibrate_prefill_s(
     return times[len(times) // 2]
 
 
+def host_profile(policy: str, attempts: int, forced: bool) -> str:
+    """The host-cost profile of a configuration: its policy, with or without optimism (one
+    attempt or two: the same work), with or without forced retries."""
+    return f"{policy}/attempts_{0 if attempts == 0 else 2}" + ("_forced" if forced else "")
+
+
 def run_config(
     trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
+    virtual: bool | None = None, host_mode: str | None = None,
+    meters: dict[str, list[HostMeter]] | None = None, acks_at_step_end: bool = False,
     host: SharedHostPool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """One configuration on ``trace`` (``virtual``: default whether ``cal`` is given;
+    ``host_mode``: default ``--host-time``; ``meters`` receives the run's host meter, which
+    then records its samples, under its host profile ``host_profile(...)``;
+    ``acks_at_step_end``: see ``new_executor``; ``host``: the benchmark's shared host pool,
+    for configurations of its pool size)."""
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
-    transfer = peer_transfer_kwargs(opts.transfer_model) if opts.transfer_model else {}
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
-                      force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed,
-                      **transfer)  # fmt: skip
+                      force_not_ready_prob=trace.forced_retry_prob, seed=trace.seed)
     decode_tokens = opts.input_len * (len(trace.prompts) + opts.num_prefixes + 2)
-    ex, cost = new_executor(args, peer, decode_tokens, model, cal, host=host)
-    _warm(ex, trace.prefixes)
+    profile = host_profile(policy, attempts, trace.forced_retry_prob > 0)
+    ex, cost = new_executor(args, peer, decode_tokens, model, cal, virtual=virtual,
+                            host_mode=host_mode or opts.host_time,
+                            record_host=meters is not None,
+                            acks_at_step_end=acks_at_step_end, host_profile=profile,
+                            host=host)  # fmt: skip
+    if meters is not None and cost is not None and cost.meter is not None:
+        meters.setdefault(profile, []).append(cost.meter)
+    _warm(ex, trace.prefixes, cost)
     warm = dataclasses.replace(ex.stats)  # counters of the warm-up, not reported
     ledger = ComputeLedger(ex)
     driver = Driver(ex, len(trace.prompts), opts.kv_sample_every, cost)
@@ -152,6 +173,7 @@ def run_config(
         return f"req-{i}", trace.prompts[i]
 
     run = driver.drive(next_due, pop_request, on_result=lambda r: None, done=lambda: not queue)
+    integrity = audit(run)  # first: it pops the acks still ahead on the clock (copy stats)
     out = config_summary(run)
     stats = _minus(ex.stats, warm)
     recomputed = ledger.total_recomputed([r.rid for r in run.results])
@@ -167,7 +189,7 @@ def run_config(
         unpublished_dropped_tokens=stats.unpublished_dropped_tokens,
         seed=trace.seed, write_policy=policy,
     )  # fmt: skip
-    out["integrity"] = audit(run)
+    out["integrity"] = integrity
     out["kv_max_rel_err"] = run.kv_max_rel_err
     # A forced-not-ready request is admitted optimistically once whatever the limit (the
     # upstream hook), so its budget is at least one attempt.

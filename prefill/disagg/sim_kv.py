@@ -14,6 +14,8 @@ from an MLA pool (one latent buffer per layer); ``sim_side`` and ``sim_peer`` ca
 - ``read_kv(pool, slots)``: what a pool holds at ``slots``, one tensor per buffer kind, each
   ``[L, n, ...]``: ``(k, v)`` for MHA, ``(kv,)`` for MLA, in the order
   ``PagedTransformer.forward_reference`` returns its caches.
+- ``write_kv(pool, slots, kv)``: the inverse, ``read_kv``'s tensors written at ``slots`` (a
+  replay's scratch pool seeded with what decode received).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import kernels
 from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from hicache.transfer.streams import CPU_COPY_LOCK
 
-__all__ = ["copy_send", "decode_pool_like", "read_kv"]
+__all__ = ["copy_send", "decode_pool_like", "read_kv", "write_kv"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +101,20 @@ def read_kv(pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Copies of what ``pool`` holds at ``slots`` (int64 ``[n]``), one ``[L, n, ...]`` tensor per
     buffer kind: MHA ``(k [L, n, H, D], v [L, n, H, D_v])``, MLA ``(kv [L, n, 1, C],)``."""
     return tuple(torch.stack([layer[slots] for layer in kind]) for kind in _buffers(pool))
+
+
+def write_kv(pool: KVPool, slots: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> None:
+    """Write ``kv`` (as ``read_kv`` returns it: one ``[L, n, ...]`` tensor per buffer kind, any
+    device) at ``pool`` slots ``slots`` (int64 ``[n]``). ``ValueError`` (pool unchanged) when
+    the number of kinds, layers or tokens differs."""
+    kinds = _buffers(pool)
+    fits = len(kv) == len(kinds) and all(
+        tuple(t.shape[:2]) == (len(k), len(slots)) for t, k in zip(kv, kinds, strict=True)
+    )
+    if not fits:
+        shapes = [tuple(t.shape) for t in kv]
+        raise ValueError(f"kv: {shapes} does not fit {len(kinds)} kinds of {pool.layer_num} "
+                         f"layers at {len(slots)} slots")  # fmt: skip
+    for tensors, layers in zip(kv, kinds, strict=True):
+        for layer, buf in enumerate(layers):
+            buf[slots] = tensors[layer].to(buf.device, buf.dtype)

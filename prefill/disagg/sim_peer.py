@@ -24,7 +24,6 @@ from prefill.disagg.protocol import (
     SendRecord,
 )
 from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_kv import copy_send
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +37,9 @@ class PeerSide(Protocol):
     src_pool: Any  # the prefill device pool the sends read
     pool: Any  # the decode device pool they land in
     allocator: Any  # the decode pool's allocator
-    copy_block_quota: int
     send_log: deque[SendRecord]
+
+    def read(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, last: bool) -> None: ...
 
     def on_success(self, peer: DecodePeer) -> None: ...
 
@@ -242,20 +242,14 @@ class DecodePeer:
             t.src = None
 
     def _copy_in(self, t: Transfer) -> None:
-        """Read the source slots now (the simulated RDMA read), through the project's copy ops
-        (``prefill.disagg.sim_kv.copy_send``: MHA or MLA, CUDA kernel or CPU direct op). On CUDA
-        the copy is queued on the current (compute) stream, so it reads the KV after the forward
-        that wrote it and before any later forward can reuse the slots; the last range's copy is
-        waited for, so ``Success`` (the end of TTFT) comes after the bytes landed. On CPU the
-        direct op (the interpreted Triton kernel would cost ~0.1 s a send and is tested on its
-        own). A device-to-device copy standing in for a network transfer gets the whole GPU
-        (``copy_block_quota``), not HiCache's 2 blocks: a GB through 2 blocks would hold the
-        compute stream for an estimated tens of ms, charged to every later forward."""
+        """Read the source slots now (the simulated RDMA read), through the decode side
+        (``PeerSide.read``: the project's copy ops, ``prefill.disagg.sim_kv.copy_send``, and the
+        side's ``copy_hook`` when set); the last range's copy is waited for, so ``Success`` (the
+        end of TTFT) comes after the bytes landed."""
         if self.decode_slots is None or t.src is None:
             raise RuntimeError(f"{self.rid}: copy of [{t.start}, {t.end}) without its slots")
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
-        copy_send(self.side.src_pool, self.side.pool, t.src, dst,
-                  block_quota=self.side.copy_block_quota, wait=t.last)  # fmt: skip
+        self.side.read(t.src, dst, last=t.last)
 
     def _set_failed(self, reason: str) -> None:
         if self.state == KVPoll.Failed:

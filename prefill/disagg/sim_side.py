@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from hicache.memory.device_pool import KVPool
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll, SendRecord
 from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_kv import decode_pool_like, read_kv
+from prefill.disagg.sim_kv import copy_send, decode_pool_like, read_kv
 from prefill.disagg.sim_peer import DecodePeer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_LOG_SIZE = 10_000
 """Sends ``DecodeSide.send_log`` remembers by default (the latest ones)."""
+
+CopyHook = Callable[[int, Callable[[], None]], None]
+"""``hook(nbytes, copy)``: runs one read of a completed send; must call ``copy()`` once."""
 
 
 class DecodeSide:
@@ -65,6 +68,11 @@ class DecodeSide:
     read them with ``received_kv``; otherwise they are freed at ``Success``. A failed peer's
     slots are freed at once. ``send_log`` keeps the latest ``send_log_size`` sends (``None``:
     all of them, for tests).
+
+    Reads of completed sends run on the caller's thread (the executor's, inside a poll): this
+    in-process stand-in for a transport copies the bytes itself (``copy_kv``). ``copy_hook``
+    (settable attribute, default ``None``) wraps each read, e.g. to time it or to charge its
+    modelled cost to a virtual clock.
     """
 
     def __init__(
@@ -93,6 +101,8 @@ class DecodeSide:
         self.peers: dict[str, DecodePeer] = {}  # live peers, and kept successful ones
         self._live: dict[str, DecodePeer] = {}  # peers that may still produce an event
         self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
+        self.copy_hook: CopyHook | None = None
+        self.read_tokens = 0  # tokens whose KV the reads copied (all peers, ever)
 
     @property
     def force_not_ready_prob(self) -> float:
@@ -117,6 +127,28 @@ class DecodeSide:
         self.peers[rid] = peer
         self._live[rid] = peer
         return peer
+
+    def read(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, last: bool) -> None:
+        """One read of a completed send: ``copy_kv``, through ``copy_hook`` when set."""
+        self.read_tokens += int(src_slots.numel())
+        if self.copy_hook is None:
+            self.copy_kv(src_slots, dst_slots, last)
+            return
+        nbytes = int(src_slots.numel()) * self.src_pool.get_size_per_token()
+        self.copy_hook(nbytes, lambda: self.copy_kv(src_slots, dst_slots, last))
+
+    def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, wait: bool) -> None:
+        """Copy the KV of prefill-pool slots ``src_slots`` into decode-pool slots ``dst_slots``
+        (int64, same length; every layer's buffers, MHA or MLA) with the project's copy ops
+        (``prefill.disagg.sim_kv.copy_send``). On CUDA the copy is queued on the current
+        (compute) stream, so it reads the KV after the forward that wrote it and before any
+        later forward can reuse the slots; ``wait`` blocks until it finished. On CPU it is the
+        direct op, which returns when the bytes are there. A device-to-device copy standing in
+        for a network transfer gets the whole GPU (``copy_block_quota``), not HiCache's 2
+        blocks: a GB through 2 blocks would hold the compute stream for an estimated tens of
+        ms, charged to every later forward."""
+        copy_send(self.src_pool, self.pool, src_slots, dst_slots,
+                  block_quota=self.copy_block_quota, wait=wait)  # fmt: skip
 
     def next_event_time(self) -> float | None:
         """Earliest ``next_event_time`` of the live peers; O(live peers)."""

@@ -42,14 +42,21 @@ class AgreedClock:
     """The executor's clock on every rank of a tensor-parallel group: rank 0's time.
 
     ``set_base(t)`` (at every step's start, with the time rank 0 broadcast) fixes ``now()``
-    for the step on every rank. On a virtual inner clock, time then moves with the step's
-    ``advance`` calls (identical on every rank: the same cost model over the same batches); on
-    wall time ``now()`` stays at the step's start until ``release()`` (the executor calls it
-    when ``step`` returns to its caller), after which rank 0 reads its own clock again (a driver
-    on rank 0 sees live time; the other ranks keep the step's). ``live_now()`` is rank 0's own
-    reading (submit times, what it broadcasts). ``wait_until(t)``: a virtual clock jumps; on
-    wall time rank 0 sleeps (its clock defines the time) and the other ranks return at once
-    (they wait in the next step's broadcast).
+    for the step on every rank.
+
+    - **Virtual inner clock**: the agreed clock carries the shared virtual time itself
+      (``_time``): ``set_base`` sets it, ``advance(dt)`` adds ``dt`` to it and ``wait_until``
+      raises it, on every rank alike, so every rank reads bitwise the same time whatever only
+      rank 0 waited for (a driver on rank 0 alone waits between steps while the others follow).
+      Each rank's inner clock is moved along (``wait_until`` to the agreed time) but never read
+      back: an offset from a per-rank inner reading would round differently on each rank.
+    - **Wall inner clock**: ``now()`` stays at the step's start until ``release()`` (the
+      executor calls it when ``step`` returns to its caller), after which rank 0 reads its own
+      clock again (a driver on rank 0 sees live time; the other ranks keep the step's).
+
+    ``live_now()`` is rank 0's own reading (submit times, what it broadcasts). ``wait_until(t)``:
+    a virtual clock jumps; on wall time rank 0 sleeps (its clock defines the time) and the other
+    ranks return at once (they wait in the next step's broadcast).
     """
 
     def __init__(self, inner: Any, group: TPGroup) -> None:
@@ -57,20 +64,22 @@ class AgreedClock:
         self.group = group
         self.is_virtual = bool(getattr(inner, "is_virtual", False))
         self._base = float(inner.now())
-        self._inner_base = self._base
+        self._time = self._base  # the shared virtual time (virtual inner clocks only)
         self._live = True
 
     def set_base(self, t: float) -> None:
         self._base = float(t)
-        self._inner_base = float(self.inner.now())
         self._live = False
+        if self.is_virtual:
+            self._time = self._base
+            self.inner.wait_until(self._time)
 
     def release(self) -> None:
         self._live = True
 
     def now(self) -> float:
         if self.is_virtual:
-            return self._base + (self.inner.now() - self._inner_base)
+            return self._time
         if self._live and self.group.rank == 0:
             return float(self.inner.now())
         return self._base
@@ -82,12 +91,14 @@ class AgreedClock:
 
     def advance(self, dt: float) -> None:
         self.inner.advance(dt)
+        if self.is_virtual:
+            self._time += float(dt)
 
     def wait_until(self, t: float) -> None:
         if self.is_virtual:
-            ahead = t - self.now()
-            if ahead > 0:
-                self.inner.wait_until(self.inner.now() + ahead)
+            if t > self._time:
+                self._time = float(t)
+                self.inner.wait_until(self._time)
         elif self.group.rank == 0:
             self.inner.wait_until(t)
 

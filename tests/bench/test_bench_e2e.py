@@ -1,13 +1,15 @@
 """The end-to-end benchmarks' deterministic mode and the suite's command line.
 
 - ``bench.clock.calibrate``: the forward table interpolates what it measured; the copy fit recovers
-a
-  per-call cost and a bandwidth.
+  a per-call cost and a bandwidth; a calibration survives its file and a replay refuses one of
+  another model.
 - ``bench.clock.virtual_cost``: what the virtual clock is charged for a forward that waits for
-layers
-  still loading, and for a wait on a backup.
+  layers still loading or overlaps a copy, for a wait on a backup, and when acks are popped;
+  ``bench.clock.host_cost`` recovers a linear host cost.
 - A multi-turn and an optimistic configuration, each run twice on a virtual clock with the same
-  calibration: the same schedule to the last TTFT sample, integrity all zero.
+  calibration (host time charged from its model): the same schedule to the last TTFT sample,
+  integrity all zero, the strict audit checking every sampled request; one wrong vector in a
+  decode-side row is a strict mismatch.
 - ``python -m bench --only``: an unknown name is an error listing the valid ones; a partial run
   merges its section into the summary file and keeps the others.
 - ``bench/gpu_check.sh`` without a CUDA torch stops at once with one line.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import types
@@ -32,10 +35,15 @@ from bench.clock.calibrate import (
     Calibration,
     CopyFit,
     ForwardTable,
+    HostCosts,
     fit_copy,
     forward_grid,
     table_from,
 )
+from bench.clock.calibration_file import load_calibration, write_calibration
+from bench.clock.host_cost import PhaseFit, fit_phase
+from bench.clock.streams_model import CopyTimeline
+from bench.clock.transport import TransferModel
 from bench.clock.virtual_cost import CostAccountant
 from bench.e2e import setup as e2e
 from bench.e2e.workload import poisson_arrivals
@@ -51,15 +59,20 @@ TINY = dict(num_layers=2, num_attention_heads=4, head_num=2, head_dim=16, hidden
             intermediate_size=128, vocab_size=512, dtype="float32")  # fmt: skip
 
 
-def linear_calibration(layers: int = 2) -> Calibration:
-    """A made-up calibration: 1 ms + 10 us per new token + 0.1 us per (new x prefix) pair."""
+def linear_calibration(layers: int = 2, host: bool = False) -> Calibration:
+    """A made-up calibration: 1 ms + 10 us per new token + 0.1 us per (new x prefix) pair;
+    ``host``: 50 us a step, 20 us a release and 5 us per request in a batch."""
     ns, ps = [16, 64, 256], [0, 128, 512]
     single = [[1e-3 + 1e-5 * n + 1e-7 * n * p for p in ps] for n in ns]
+    costs = HostCosts({"step": PhaseFit(5e-5, {}), "release": PhaseFit(2e-5, {}),
+                       "run_batch": PhaseFit(0.0, {"requests": 5e-6})}, "cpu")  # fmt: skip
     return Calibration(
         ForwardTable(ns, ps, single, pair_saving_s=5e-4),
         CopyFit("h2d", 1e-5, 1e9),
         CopyFit("d2h", 2e-5, 5e8),
         num_layers=layers,
+        transfer=TransferModel.measured(CopyFit("transfer", 1e-4, 1e9)),
+        host=costs if host else None,
     )
 
 
@@ -110,24 +123,50 @@ class _Op:
         self.host_indices = torch.arange(n)
 
 
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+
+class _Ack:
+    def __init__(self, node_ids: list[int]) -> None:
+        self.node_ids = node_ids
+        self.finish_event = _Event()
+
+
 class _Controller:
-    """Just what ``CostAccountant.install`` wraps."""
+    """Just what ``CostAccountant.install`` wraps: every copy is finished at once."""
 
     def __init__(self) -> None:
         self.host_pool = types.SimpleNamespace(size_per_token=1000)
+        self.streams = None  # CUDA-like: the two streams copy side by side
         self.load_queue: list[_Op] = []
+        self.ack_write_queue: list[_Ack] = []
+        self.ack_load_queue: list[_Ack] = []
         self.waited: list[Any] = []
 
     def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
+        self.ack_write_queue.append(_Ack([node_id]))
         return device_indices.clone()
 
     def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
         self.waited.append(node_ids)
-        return list(node_ids or [])
+        done = [a for a in self.ack_write_queue if node_ids is None or a.node_ids[0] in node_ids]
+        for a in done:
+            self.ack_write_queue.remove(a)
+        return [a.node_ids[0] for a in done]
 
     def start_loading(self) -> int:
+        if self.load_queue:
+            self.ack_load_queue.append(_Ack([-1]))
         self.load_queue = []
         return 0
+
+    def count_finished_writes(self) -> int:
+        return len(self.ack_write_queue)
+
+    def count_finished_loads(self) -> int:
+        return len(self.ack_load_queue)
 
 
 def test_forward_waits_for_layers_still_loading() -> None:
@@ -163,6 +202,98 @@ def test_wait_for_a_backup_advances_the_clock_to_its_end() -> None:
     assert ctl.waited == [[8]]
 
 
+def test_acks_are_popped_at_their_modelled_time() -> None:
+    """Two backups finished for real at once; the ack poll sees each only once the clock passed
+    its modelled end, and ``next_ack_time`` says when that is."""
+    clock = VirtualClock()
+    acct = CostAccountant(linear_calibration(), clock, types.SimpleNamespace(last_shapes=[]))
+    ctl = _Controller()
+    acct.install(ctl)
+    one = 2e-5 + 1e5 / 5e8  # 220 us per backup, FIFO on the write stream
+    ctl.write(torch.arange(100), node_id=1)
+    ctl.write(torch.arange(100), node_id=2)
+    assert ctl.count_finished_writes() == 0
+    assert acct.next_ack_time() == pytest.approx(one)
+    clock.wait_until(acct.next_ack_time())
+    assert ctl.count_finished_writes() == 1
+    clock.wait_until(2 * one)
+    assert ctl.count_finished_writes() == 2 and acct.acks_held == 2
+    acct.release_acks()
+    assert acct.next_ack_time() is None
+
+
+def test_compute_and_copies_beside_each_other_are_slowed() -> None:
+    tl = CopyTimeline()
+    assert _span(tl.occupy("write", 1.0, 2.0)) == (1.0, 3.0)
+    assert _span(tl.occupy("write", 0.0, 1.0)) == (3.0, 4.0)  # FIFO behind the first
+    assert _span(tl.occupy("load", 6.0, 1.0)) == (6.0, 7.0)
+    assert tl.busy_intervals() == [(1.0, 4.0), (6.0, 7.0)]
+    assert tl.compute_end(0.0, 5.0, 1.0) == 5.0
+    # 1 s free, 3 s busy at half speed (1.5 s of work), then free until 6: 4.5 s done at 6
+    assert tl.compute_end(0.0, 3.0, 2.0) == pytest.approx(4.5)
+    assert tl.compute_end(0.0, 4.0, 2.0) == pytest.approx(5.5)
+    assert tl.compute_end(0.0, 5.0, 2.0) == pytest.approx(7.0)  # the last 0.5 s in (6, 7)
+    tl.trim(4.0)
+    assert tl.busy_intervals() == [(6.0, 7.0)]
+    # Compute over [1, 1.5) slows the first backup by 0.5 s x (3 - 1); the second starts later.
+    tl = CopyTimeline()
+    first, second = tl.occupy("write", 0.0, 2.0), tl.occupy("write", 0.0, 1.0)
+    tl.stretch_copies(1.0, 1.5, 3.0)
+    assert (_span(first), _span(second)) == ((0.0, 3.0), (3.0, 4.0))
+    assert tl.free_at("write") == 4.0 and tl.free_at("load") == 0.0
+    shared = CopyTimeline(shared=True)  # CPU streams: one lock, one FIFO
+    shared.occupy("write", 0.0, 2.0)
+    assert _span(shared.occupy("load", 1.0, 1.0)) == (2.0, 3.0)
+    assert _span(CopyTimeline().occupy("load", 1.0, 1.0, after=2.5)) == (2.5, 3.5)
+
+
+def _span(b: Any) -> tuple[float, float]:
+    return (b.start, b.end)
+
+
+def test_host_cost_fit_recovers_a_linear_cost_and_drops_negative_slopes() -> None:
+    samples = [((q, 2 * q % 5), 3e-5 + 7e-6 * q) for q in range(20)]
+    fit = fit_phase(("queue", "noise"), samples)
+    assert fit.intercept_s == pytest.approx(3e-5, rel=1e-6)
+    assert fit.slopes["queue"] == pytest.approx(7e-6, rel=1e-6)
+    assert abs(fit.slopes.get("noise", 0.0)) < 1e-12
+    falling = [((q,), 1e-4 - 1e-6 * q) for q in range(10)]
+    fit = fit_phase(("queue",), falling)
+    assert fit.slopes == {} and fit.intercept_s == pytest.approx(statistics.fmean(
+        s for _, s in falling))  # fmt: skip
+    assert fit_phase(("queue",), []).seconds({"queue": 3.0}) == 0.0
+
+
+def test_transfer_model_flags() -> None:
+    measured = TransferModel.measured(CopyFit("transfer", 1e-4, 2e9))
+    assert measured.blocking and measured.seconds(2000) == pytest.approx(1e-4 + 1e-6)
+    assert measured.peer_fields()["transfer_latency_s"] == 0.0
+    flagged = measured.with_flags(25.0, 10.0)
+    assert not flagged.blocking and flagged.fit is measured.fit
+    assert flagged.peer_fields() == {"transfer_latency_s": 1e-5, "transfer_bandwidth": 25e9}
+    assert measured.with_flags(None, None) is measured
+    with pytest.raises(ValueError, match="transfer-gbps"):
+        measured.with_flags(0.0, None)
+
+
+def test_calibration_file_replays_and_refuses_another_model(tmp_path: Path) -> None:
+    cal = linear_calibration(host=True)
+    cal.model = {"num_layers": 2, "hidden_size": 64}
+    write_calibration(tmp_path, "multiturn", cal)
+    write_calibration(tmp_path, "optimistic", linear_calibration())
+    path = tmp_path / "calibration.json"
+    back = load_calibration(path, "multiturn", {"num_layers": 2, "hidden_size": 64})
+    assert back.source == str(path)
+    assert {k: v for k, v in back.as_dict().items() if k != "source"} == {
+        k: v for k, v in cal.as_dict().items() if k != "source"}  # fmt: skip
+    assert back.forward.cost([(40, 100)]) == cal.forward.cost([(40, 100)])
+    with pytest.raises(ValueError, match="another model geometry"):
+        load_calibration(path, "multiturn", {"hidden_size": 128})
+    with pytest.raises(ValueError, match=r"no calibration of 'soak' \(it holds \['multiturn', "
+                       r"'optimistic'\]"):  # fmt: skip
+        load_calibration(path, "soak")
+
+
 # ------------------------------------------------------------------------------ determinism
 @pytest.fixture
 def tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,26 +309,65 @@ def _multiturn_opts() -> argparse.Namespace:
     )  # fmt: skip
 
 
+def _charged(vc: dict[str, Any]) -> dict[str, Any]:
+    """The virtual clock's accounting less what was measured (host times vary run to run)."""
+    host = vc["host"]
+    per_phase = {k: v["charged_s"] for k, v in host["per_phase"].items()}
+    return {**vc, "host": {"charged_s": host["charged_s"], "per_phase": per_phase}}
+
+
+VIOLATIONS = ("leaked_slots", "leaked_locks", "kv_mismatches", "kv_strict_mismatches",
+              "aborted_sends", "integrity_errors", "speculative_l2_pages")  # fmt: skip
+
+
 @pytest.mark.usefixtures("tiny_model")
 @pytest.mark.parametrize("name", ["device_only", "write_back", "write_through"])
 def test_multiturn_on_the_virtual_clock_repeats_exactly(name: str) -> None:
     opts = _multiturn_opts()
     _, device_tokens = bm.pool_sizes(opts)
-    cal = linear_calibration()
+    cal = linear_calibration(host=True)
     rate = bm.request_rate(opts, cal)
     model = e2e.shared_model(bm.server_args_for(name, device_tokens, opts))
     runs = [mt_single.run_config(name, 5, device_tokens, rate, opts, model, cal) for _ in range(2)]
     a, b = runs
     assert a["successes"] == 12
     assert a["ttft_samples_s"] == b["ttft_samples_s"]
-    assert a["virtual_clock"] == b["virtual_clock"]
-    assert {k: v for k, v in a["integrity"].items() if k != "kv_checked_requests"} == dict.fromkeys(
-        ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends", "integrity_errors",
-         "speculative_l2_pages"), 0
-    )  # fmt: skip
-    assert a["integrity"]["kv_checked_requests"] == 6
+    assert _charged(a["virtual_clock"]) == _charged(b["virtual_clock"])
+    assert {k: a["integrity"][k] for k in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0)
+    assert a["integrity"]["kv_checked_requests"] == 6 == a["integrity"]["kv_strict_checked"]
+    vc = a["virtual_clock"]
+    assert vc["host"]["charged_s"] > 0 and vc["transfer_s"] > 0
+    assert vc["host"]["per_phase"]["step"]["charged_s"] == pytest.approx(
+        5e-5 * vc["host"]["per_phase"]["step"]["calls"])  # fmt: skip
     if name != "device_only":
-        assert a["host_hit_tokens"] > 0 and a["virtual_clock"]["h2d_busy_s"] > 0
+        assert a["host_hit_tokens"] > 0 and vc["h2d_busy_s"] > 0
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_strict_audit_catches_one_ulp_in_one_vector() -> None:
+    """A request's decode-side KV replays bit for bit; one float of one 16-byte vector moved
+    by one ulp (well inside the loose check's tolerance) is a strict mismatch."""
+    from bench.e2e.strict_audit import replay_matches
+    from prefill.disagg.sim_config import PeerConfig
+
+    opts = _multiturn_opts()
+    _, device_tokens = bm.pool_sizes(opts)
+    args = bm.server_args_for("write_back", device_tokens, opts)
+    model = e2e.shared_model(args)
+    cal = linear_calibration()
+    convs = bm.conversations_for(opts, args.vocab_size, 5)
+    ex, cost = e2e.new_executor(args, PeerConfig(seed=5), bm.decode_tokens_for(convs, opts),
+                                model, cal)  # fmt: skip
+    run = bm.drive_trace(ex, cost, convs, bm.request_rate(opts, cal), 5, "wb", opts, quiet=True)
+    rid = run.sampled[-1]  # a later round: part of its prompt came from the cache
+    assert run.forward_log.chunks[rid][0].lo > 0
+    assert replay_matches(ex, rid, run.forward_log) is True
+    peer = ex.decode.peers[rid]
+    k = ex.decode.pool.k_buffer[1]
+    slot = int(peer.decode_slots[peer.num_tokens - 1])
+    k[slot, 0, 0] = torch.nextafter(k[slot, 0, 0], torch.tensor(float("inf")))
+    assert replay_matches(ex, rid, run.forward_log) is False
+    e2e.release_executor(ex)
 
 
 def _optimistic_setup(
@@ -225,7 +395,8 @@ def test_optimistic_on_the_virtual_clock_repeats_exactly() -> None:
     assert a["successes"] == 8 and a["ttft_samples_s"] == b["ttft_samples_s"]
     assert a["optimistic_admissions"] > 0 and a["parks"] + a["yields"] > 0
     assert a["recomputed_tokens"] == b["recomputed_tokens"]
-    assert not any(v for k, v in a["integrity"].items() if k != "kv_checked_requests")
+    assert not any(a["integrity"][k] for k in VIOLATIONS)
+    assert a["integrity"]["kv_strict_checked"] == a["integrity"]["kv_checked_requests"] == 4
 
 
 @pytest.mark.usefixtures("tiny_model")
@@ -241,7 +412,8 @@ def test_write_through_retries_recompute_what_write_back_keeps() -> None:
     for policy in ("write_back", "write_through"):
         res = orun.run_config(trace, 2, policy, model, cal)
         assert res["successes"] == 6 and res["yields"] == 6  # every first attempt yields
-        assert not any(v for k, v in res["integrity"].items() if k != "kv_checked_requests")
+        assert not any(res["integrity"][k] for k in VIOLATIONS)
+        assert res["integrity"]["kv_strict_checked"] == 6
         assert res["integrity"]["speculative_l2_pages"] == 0
         assert res["recomputed_tokens"] == res["executor_yield_recomputed_tokens"]
         per_yield[policy] = res["recomputed_tokens_per_yield"]
@@ -359,3 +531,83 @@ def test_aggregate_over_the_seeds_each_configuration_ran() -> None:
                                        "per_seed": [2.0, 3.0]}  # fmt: skip
     assert out["base"]["ttft_mean_s"] == 3.0 and out["base"]["yields"] == 2.0
     assert out["base"]["integrity"] == {"leaked_slots": 0}
+
+
+def test_suite_passes_the_e2e_flags_and_runs_fidelity_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_run(key: str) -> Any:
+        def run(quick: bool, out_dir: Path, argv: list[str]) -> dict[str, Any]:
+            seen[key] = argv
+            return {"integrity": {}}
+
+        return run
+
+    for key in ("e2e", "fid"):
+        mod = types.ModuleType(f"fake_{key}")
+        mod.run = fake_run(key)  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, f"fake_{key}", mod)
+    monkeypatch.setattr(suite, "SUITE", [("fake_e2e", "multiturn"), ("fake_fid", "fidelity")])
+    cal = tmp_path / "calibration.json"
+    assert suite.main(["--out", str(tmp_path), "--calibration", str(cal), "--no-sweeps"]) == 0
+    assert seen == {"e2e": ["--calibration", str(cal), "--no-sweeps"], "fid": []}
+
+
+def test_end_to_end_benchmarks_default_to_the_wall_clock_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.e2e import report
+
+    assert bm.parse_args([], quick=True).clock == "virtual"  # this machine: no CUDA
+    for mod in (report, bm, bo):
+        monkeypatch.setattr(mod, "on_cuda", lambda: True)
+    for parse in (bm.parse_args, bo.parse_args):
+        opts = parse([], quick=True)
+        assert opts.clock == "wall" and not opts.sweeps
+        assert parse(["--clock", "virtual"], quick=True).clock == "virtual"
+
+
+def test_optimistic_ceiling_is_set_by_the_delay_distribution() -> None:
+    from bench.optimistic.sweep import ceiling, delay_for
+
+    p = 0.01
+    assert ceiling(delay_for(1.0, p), p) == pytest.approx(16 / 9)  # E[B+P] = 2P, E[max] = 9P/8
+    assert ceiling(delay_for(0.25, p), p) == pytest.approx(1.25)  # B < P always: E[max] = P
+    assert ceiling(delay_for(2.0, p), p) == pytest.approx(1.5)  # B > P always: E[max] = E[B]
+
+
+def test_compare_covers_the_sweeps() -> None:
+    from bench import compare
+
+    sweeps = {"configs": ["device_only", "write_back"],
+              "load": [{"load": 0.5, "ratios": {"write_back": 2.0}}],
+              "working_set": [{"working_set_ratio": 8.0, "ratios": {"write_back": 3.0}}]}
+    summary = {"multiturn": {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
+                             "sweeps": sweeps}}  # fmt: skip
+    assert compare.headline_ratios(summary) == {
+        "multiturn/sweep/load=0.5/write_back": 2.0,
+        "multiturn/sweep/working_set=8.0/write_back": 3.0,
+    }
+
+
+def test_optimistic_run_order_and_attempts_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The headline pair runs first in each seed; ``--attempts`` keeps only the counts asked for
+    (the CPU quick size: 2 and 0) and must include the baseline 0."""
+    base = ("", 0.0, 0.25, 0.0, ["write_back", "write_through"])
+    forced = ("_forced_retry", 0.0, 0.25, 0.5, ["write_back"])
+    full = bo.run_order([0], [base, forced])
+    assert [(v[0], p, a) for _, v, p, a in full] == [
+        ("", "write_back", 2), ("", "write_back", 0), ("", "write_through", 2),
+        ("", "write_through", 0), ("", "write_back", 1), ("", "write_through", 1),
+        ("_forced_retry", "write_back", 2), ("_forced_retry", "write_back", 0),
+        ("_forced_retry", "write_back", 1)]  # fmt: skip
+    pair = bo.run_order([0, 1], [base, forced], (0, 2))
+    assert {a for *_, a in pair} == {0, 2} and len(pair) == 12
+    assert [a for *_, a in pair[:4]] == [2, 0, 2, 0]
+    monkeypatch.setattr(bo, "on_cuda", lambda: False)
+    assert bo.parse_args([], quick=True).attempts == [2, 0]
+    assert bo.parse_args([], quick=False).attempts == [2, 0, 1]
+    with pytest.raises(ValueError, match="--attempts"):
+        bo.parse_args(["--attempts", "1", "2"], quick=True)

@@ -1,7 +1,8 @@
 """``--use-mla`` in the end-to-end benchmarks: the multi-turn and optimistic configurations run the
 DeepSeek-shaped MLA model over MLA device, host and decode pools, and end with every integrity
 counter at zero, sampled decode-side latents included (checked against the absorbed-form
-recompute), under write_through and write_back (with optimistic attempts in the optimistic one).
+recompute, and bit for bit against a replay of the same chunked forwards), under write_through
+and write_back (with optimistic attempts in the optimistic one).
 
 The benchmarks' CPU model is shrunk (2 layers, latent 32 + rope 16) and a made-up calibration
 drives the virtual clock, as in test_bench_e2e.py.
@@ -34,8 +35,15 @@ def tiny_mla_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(e2e, "CPU_MLA", TINY_MLA)
 
 
+COUNTS = ("kv_checked_requests", "kv_strict_checked")
+
+
 def clean(integrity: dict[str, int]) -> bool:
-    return not any(v for k, v in integrity.items() if k != "kv_checked_requests")
+    """Every error counter at zero, and the strict audit replayed every sampled request."""
+    checked = integrity["kv_checked_requests"]
+    return integrity.get("kv_strict_checked") == checked and not any(
+        v for k, v in integrity.items() if k not in COUNTS
+    )
 
 
 def test_model_args_choose_mla_only_with_the_flag() -> None:

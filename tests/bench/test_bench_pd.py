@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.clock.copy_fit import CopyFit
+from bench.clock.transport import TransferModel
+from bench.e2e.calibrated import mooncake_transfer
 from bench.optimistic.bench import parse_args
 from bench.pd.engine_rate import fit_cost
 from bench.pd.transfer_model import peer_transfer_kwargs, virtual_clock_fields
@@ -57,6 +60,12 @@ def test_the_measured_cost_feeds_the_simulated_peer(tmp_path: Path) -> None:
     assert peer.transfer_bandwidth == pytest.approx(2e9)
     opts = parse_args(["--transfer-model", str(path)], quick=True)
     assert opts.transfer_model == path
+    measured = TransferModel.measured(CopyFit("transfer", 1e-4, 5e9))
+    mooncake = mooncake_transfer(path, measured)  # what obtain_calibration applies
+    assert mooncake.source == "mooncake" and not mooncake.blocking and mooncake.fit is measured.fit
+    assert mooncake.peer_fields() == {"transfer_latency_s": pytest.approx(400e-6),
+                                      "transfer_bandwidth": pytest.approx(2e9)}  # fmt: skip
+    assert TransferModel.from_dict(mooncake.as_dict()).source == "mooncake"  # replayed as such
     (tmp_path / "other.json").write_text("{}")
     for bad, match in ((tmp_path / "none.json", "not a readable"),
                        (tmp_path / "other.json", "no virtual_clock_transfer")):  # fmt: skip

@@ -67,10 +67,13 @@ def test_gpu_check_plan_prints_the_plan_without_a_gpu(tmp_path: Path) -> None:
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# Records every command; runs the plan for real, anything else succeeds at once.
+# Records every command; runs the plan for real, anything else succeeds at once (the wall-clock
+# multi-turn run leaves a calibration.json, as the real one does).
 echo "$*" >> "$FAKE_LOG"
 case "$*" in
   *bench.gpu.plan*) exec "$REAL_PYTHON" "$@" ;;
+  *"--only multiturn"*)
+    while [ $# -gt 0 ]; do [ "$1" = --out ] && echo '{}' > "$2/calibration.json"; shift; done ;;
 esac
 exit 0
 """
@@ -98,7 +101,9 @@ def test_gpu_check_runs_the_plans_steps_in_order(tmp_path: Path) -> None:
     e2e = [c for c in calls if "--only" in c]
     assert "--only optimistic --clock wall" in e2e[0] and "--only multiturn --clock wall" in e2e[1]
     assert modules[-2:] == ["bench.multiturn", "bench.gpu.fidelity"]
-    assert "--clock virtual --configs device_only write_through" in calls[-2]
+    assert plan.VIRTUAL_ARGS in calls[-2]
+    assert "--host-time measured" in plan.VIRTUAL_ARGS
+    assert f"--calibration {out}/calibration.json" in calls[-2]  # the wall run's, replayed
     status = (out / "status.txt").read_text().splitlines()
     ran = [line.split()[0] for line in status]
     assert ran == ["probe", "precompile", "gpu_tests", "transfer_sweep", "bench_optimistic",

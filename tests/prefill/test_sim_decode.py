@@ -13,7 +13,7 @@ from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.protocol import KVPoll, force_not_ready
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
-from prefill.disagg.sim_kv import copy_send, read_kv
+from prefill.disagg.sim_kv import copy_send, decode_pool_like, read_kv, write_kv
 from prefill.disagg.sim_side import DecodeSide
 
 L, H, D = 2, 2, 4
@@ -127,6 +127,33 @@ def test_decode_side_of_an_mla_or_asymmetric_pool_receives_every_buffer(kind):
         copy_send(src, wrong, rows, rows, block_quota=2)
     assert not any(t.any() for kind_ in read_kv(wrong, torch.arange(32)) for t in kind_)
 
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_write_kv_is_read_kvs_inverse_and_refuses_a_wrong_shape(kind):
+    """What ``read_kv`` returns, written into a fresh pool of the kind at other slots, reads back
+    bit for bit there and nowhere else; a tuple of the wrong kinds leaves the pool zero."""
+    src = (MLATokenToKVPool(32, 2, torch.float32, 12, 4, L, "cpu") if kind == "mla"
+           else MHATokenToKVPool(32, 2, torch.float32, H, D, L, "cpu"))  # fmt: skip
+    for t in read_kv(src, torch.arange(32)):
+        assert t.abs().sum() == 0
+    buffers = [src.kv_buffer_all] if kind == "mla" else [src.k_buffer_all, src.v_buffer_all]
+    for t in buffers:
+        t.copy_(torch.randn_like(t))
+    kv = read_kv(src, torch.tensor([3, 4, 9]))
+    dst = decode_pool_like(src, 16)
+    at = torch.tensor([10, 2, 5])
+    write_kv(dst, at, kv)
+    for got, want in zip(read_kv(dst, at), kv, strict=True):
+        assert torch.equal(got, want)
+    rest = torch.tensor([i for i in range(16) if i not in (10, 2, 5)])
+    assert not any(t.any() for t in read_kv(dst, rest))
+    other = decode_pool_like(src, 16)
+    with pytest.raises(ValueError, match="kv"):
+        write_kv(other, at, (*kv, kv[0]))
+    with pytest.raises(ValueError, match="kv"):
+        write_kv(other, at[:2], kv)
+    assert not any(t.any() for t in read_kv(other, torch.arange(16)))
 
 def test_decode_prefix_len_is_page_aligned_and_skips_the_prefix():
     side = make_side(page_size=4, decode_prefix_len=9)
