@@ -14,9 +14,9 @@ an unbounded arrival rate), on wall time. Rows, by what A and B share:
 Per row, B's TTFT (mean, p50, p90, from send to the transfer's ``Success``) and its hit tokens
 per tier: device, L2 (host hits not fetched from storage), L3 (fetched from storage), computed;
 and why prefetched pages went unused: ``L3 unused`` (fetched into the host pool and inserted,
-not loaded at the request's admission: evicted from the host while it waited, or no device
-room) and ``no room`` (host hits of any origin recomputed because their load back found no
-device room).
+not loaded at the request's admission: evicted from the host while it waited, no device room,
+or on the device by then) and ``no room`` (host hits of any origin recomputed because their
+load back found no device room).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ class StorageStats:
     attempt, a staging that could not attach); ``prefetch_unused_tokens`` of the inserted
     tokens (cache mode) that their attempt's admission did not load from the host: the
     host-only node was evicted while the request waited (host LRU pressure from other
-    prefetches and write-through backups), or its load back found no device room.
+    prefetches and write-through backups), its load back found no device room, or the device
+    held those tokens by then.
 
     Backup: ``backup_ops``; ``backup_tokens`` stored; ``backup_failed_ops`` (a batch refused or
     an error: the rest of that backup was not tried); ``backup_skipped_ops`` (non-writer ranks).
