@@ -30,7 +30,9 @@ class CacheStats:
     ``device_hit_tokens`` / ``host_hit_tokens``: tokens those attempts reused from the device and
     loaded back from the host (a host hit recomputed, e.g. below ``load_back_threshold``, is not
     a hit); ``storage_hit_tokens``: of the host hits, tokens fetched from L3 storage for that
-    attempt. ``d2h_failed_copies`` / ``h2d_failed_copies``: copies whose launch failed or that
+    attempt. ``load_back_no_room_tokens``: host hits recomputed because their load back found
+    no device room even after device eviction (the rest of the pool locked by requests in
+    flight). ``d2h_failed_copies`` / ``h2d_failed_copies``: copies whose launch failed or that
     failed while they ran (``hicache.transfer.errors``); they move no bytes and no time."""
 
     matched_attempts: int = 0
@@ -39,6 +41,7 @@ class CacheStats:
     storage_hit_tokens: int = 0
     backed_up_tokens: int = 0
     loaded_tokens: int = 0
+    load_back_no_room_tokens: int = 0
     evicted_device_tokens: int = 0
     evicted_host_tokens: int = 0
     d2h_copies: int = 0
@@ -66,6 +69,9 @@ class CacheStats:
 
     def record_load(self, tokens: int) -> None:
         self.loaded_tokens += tokens
+
+    def record_load_back_no_room(self, tokens: int) -> None:
+        self.load_back_no_room_tokens += tokens
 
     def record_evict_device(self, tokens: int) -> None:
         self.evicted_device_tokens += tokens

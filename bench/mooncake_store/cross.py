@@ -12,7 +12,11 @@ an unbounded arrival rate), on wall time. Rows, by what A and B share:
 - ``L2+L3 mooncake``: one Mooncake master (each instance's client mounts a segment).
 
 Per row, B's TTFT (mean, p50, p90, from send to the transfer's ``Success``) and its hit tokens
-per tier: device, L2 (host hits not fetched from storage), L3 (fetched from storage), computed.
+per tier: device, L2 (host hits not fetched from storage), L3 (fetched from storage), computed;
+and why prefetched pages went unused: ``L3 unused`` (fetched into the host pool and inserted,
+not loaded at the request's admission: evicted from the host while it waited, no device room,
+or on the device by then) and ``no room`` (host hits of any origin recomputed because their
+load back found no device room).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ TABLE = [
     ("dev hit tok", "device_hit_tokens", 1, ".0f"),
     ("L2 hit tok", "l2_hit_tokens", 1, ".0f"),
     ("L3 hit tok", "storage_hit_tokens", 1, ".0f"),
+    ("L3 unused tok", "prefetch_unused_tokens", 1, ".0f"),
+    ("no room tok", "load_back_no_room_tokens", 1, ".0f"),
     ("computed tok", "prefill_tokens_computed", 1, ".0f"),
 ]
 UNBOUNDED_RATE = 1e6

@@ -48,9 +48,11 @@ def multiturn(node: Node, msg: dict) -> Any:
     out["integrity"] = audit(run)
     out["integrity"]["speculative_l3_pages"] = ex.stats.speculative_l3_pages
     out["storage_hit_tokens"] = ex.cache.stats.storage_hit_tokens
+    out["load_back_no_room_tokens"] = ex.cache.stats.load_back_no_room_tokens
     storage = ex.cache.storage
     if storage is not None:
         out["storage"] = storage.stats.as_dict()
+        out["prefetch_unused_tokens"] = storage.stats.prefetch_unused_tokens
         backend = storage.backend
         stats = getattr(backend, "backend", backend).get_stats()
         out["backend"] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None

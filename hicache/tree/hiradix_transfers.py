@@ -299,6 +299,8 @@ class HiRadixTransfers(RadixCache):
             self.dec_lock_ref(ancestor)
         if device_indices is None:
             logger.debug("init_load_back: no device room for %d tokens; recompute", total)
+            if self.stats is not None:
+                self.stats.record_load_back_no_room(total)
             return self._empty(), ancestor
 
         offset = 0

@@ -12,7 +12,9 @@ cache's storage tier (``hicache.storage.io.controller``); every call is a no-op 
   device and host match shrank below the remembered length (eviction while queued, or a yield),
   one new lookup is issued and the request waits for it (at most
   ``MAX_STORAGE_RETRIES`` times); ``buffer_only`` attaches the attempt's fetched pages for the
-  load back that follows. ``admitted`` records how many of the host-hit tokens came from L3.
+  load back that follows. ``admitted`` records how many of the host-hit tokens came from L3
+  (cache mode: the prefetch's inserted tokens the admission did not load from the host count
+  as ``prefetch_unused_tokens``).
 - **yield** (``on_yield``): the attempt's prefetch is released (nothing of it reaches the
   retry), the request moves to a new attempt, and the prefix the yielded attempt had matched
   seeds the retry's lookup (SGLang's ``storage_prefetch_last_match_len = yielded_prefix_len``).
@@ -105,9 +107,11 @@ class StoragePrefetch:
         storage (``req.cached_storage``), once per attempt."""
         if self.storage is None:
             return
+        inserted = 0
         if not self.storage.buffer_only:
-            req.cached_storage = self.storage.take_loaded(self.handle(req))
+            inserted = req.cached_storage = self.storage.take_loaded(self.handle(req))
         req.cached_storage = min(req.cached_storage, req.cached_host)
+        self.storage.stats.prefetch_unused_tokens += inserted - req.cached_storage
 
     def on_yield(self, req: PrefillRequest, matched_len: int) -> None:
         """``req`` yielded with ``matched_len`` tokens of prefix: a new attempt, seeded."""

@@ -244,3 +244,36 @@ def test_storage_flags_refuse_bad_input_at_startup(tmp_path):
                         hicache_storage_backend_extra_config='{"backend_name": "x"}')  # fmt: skip
     with pytest.raises(ValueError, match="module_path"):
         make(dyn)
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["kept", "evicted_while_waiting"])
+def test_prefetched_pages_evicted_before_admission_count_as_unused(evicted):
+    """Cache mode, as SGLang 0.5.23: the completion ack puts the fetched pages into the tree as
+    an unprotected host-only node while the request still waits (here: for its bootstrap);
+    host pressure may evict it before the admission, which then recomputes. The admission
+    counts what it did not find (``prefetch_unused_tokens``)."""
+    store = f"unused-{evicted}"
+    warm(store)
+    ex, _ = make(l3_args(store), delay=NEVER)
+    ex.submit("b", P + [1])
+    stats = ex.cache.storage.stats
+    for _ in range(200):
+        if stats.prefetch_inserted_tokens:
+            break
+        step(ex)
+        ex.clock.advance(0.001)
+    assert stats.prefetch_inserted_tokens == 64 and ex.requests["b"].slots is None
+    assert ex.tree.match_prefix(P).host_hit_length == 64
+    if evicted:  # other prefetches' host slots or write-through backups would do this
+        assert ex.tree.evict_host(64) == 64
+    ex.requests["b"].peer.set_ready()
+    ex.run_until_idle(check=True)
+    r = ex.result("b")
+    assert r.outcome == Outcome.SUCCESS
+    assert r.cached_storage_tokens == (0 if evicted else 64)
+    assert stats.prefetch_unused_tokens == (64 if evicted else 0)
+    assert ex.cache.stats.storage_hit_tokens == r.cached_storage_tokens
+    assert_decode_kv_matches(ex, "b")
+    ex.drain_cache_events()
+    ex.check_integrity()
+    ex.cache.close()

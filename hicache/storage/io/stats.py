@@ -21,7 +21,11 @@ class StorageStats:
     read into the host pool (agreed), ``prefetch_inserted_tokens`` of those new to the tree,
     ``prefetch_terminated`` operations stopped early by a policy, ``prefetch_released`` by a
     yield or abort of their attempt, ``prefetch_dropped_tokens`` fetched but freed (a released
-    attempt, a staging that could not attach).
+    attempt, a staging that could not attach); ``prefetch_unused_tokens`` of the inserted
+    tokens (cache mode) that their attempt's admission did not load from the host: the
+    host-only node was evicted while the request waited (host LRU pressure from other
+    prefetches and write-through backups), its load back found no device room, or the device
+    held those tokens by then.
 
     Backup: ``backup_ops``; ``backup_tokens`` stored; ``backup_failed_ops`` (a batch refused or
     an error: the rest of that backup was not tried); ``backup_skipped_ops`` (non-writer ranks).
@@ -37,6 +41,7 @@ class StorageStats:
     prefetch_fetched_tokens: int = 0
     prefetch_inserted_tokens: int = 0
     prefetch_dropped_tokens: int = 0
+    prefetch_unused_tokens: int = 0
     backup_ops: int = 0
     backup_tokens: int = 0
     backup_failed_ops: int = 0

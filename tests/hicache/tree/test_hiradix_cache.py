@@ -358,6 +358,27 @@ def test_load_back_evicts_to_make_room(caches, stream_mode) -> None:
     kv.allocator.free(filler)
 
 
+def test_load_back_without_device_room_recomputes_and_is_counted(caches, stream_mode) -> None:
+    kv = make_cache("write_through", device_tokens=16, streams=stream_mode)
+    caches.append(kv)
+    tree = kv.tree
+    compute(kv, A)
+    drain(kv)
+    tree.evict(8)
+    filler = kv.allocator.alloc(kv.allocator.available_size())  # requests in flight hold it all
+    m = tree.match_prefix(A)
+    assert m.host_hit_length == 8
+    dev, last = tree.init_load_back(m.last_host_node, m.host_hit_length)
+    assert dev.numel() == 0 and last is tree.root_node and m.last_host_node.evicted
+    assert kv.stats.load_back_no_room_tokens == 8 and kv.stats.loaded_tokens == 0
+    kv.check_integrity(request_owned=filler.numel())
+    kv.allocator.free(filler)
+    assert load_back(kv, A).numel() == 8  # room again: the same hit loads, nothing more counted
+    assert kv.stats.load_back_no_room_tokens == 8
+    drain(kv)
+    kv.check_integrity()
+
+
 @pytest.mark.parametrize("upstream", [True, False], ids=["upstream_flaw", "fixed"])
 def test_chunked_insert_backup(caches, upstream, stream_mode) -> None:
     """A long prompt prefilled in chunks: every insert of the unfinished request is chunked."""
