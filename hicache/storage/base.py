@@ -88,7 +88,6 @@ class HiCacheStorage(ABC):
     ) -> bool:
         """Store ``value`` under ``key``; ``True`` when stored or already present."""
 
-    @abstractmethod
     def batch_set(
         self,
         keys: list[str],
@@ -96,7 +95,11 @@ class HiCacheStorage(ABC):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """``set`` of each page; ``True`` only if all succeeded."""
+        """``set`` of each page in order, stopping at the first failure (SGLang's backends);
+        ``True`` only if all succeeded. ``ValueError`` unless there is one value per key."""
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"{type(self).__name__}.batch_set needs one value per key")
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     @abstractmethod
     def exists(self, key: str) -> bool:

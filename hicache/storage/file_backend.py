@@ -242,18 +242,6 @@ class HiCacheFile(HiCacheStorage):
         self._counters.add("bytes_written", nbytes)
         return True
 
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        """``set`` of each page in order, stopping at the first failure (SGLang)."""
-        if values is None or len(values) != len(keys):
-            raise ValueError("HiCacheFile.batch_set needs one value per key")
-        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
-
     # --- housekeeping --------------------------------------------------------------------------
     def clear(self) -> bool:
         """Remove every page file and leftover temporary file; ``False`` if one could not be."""

@@ -397,18 +397,6 @@ class MooncakeStore(HiCacheStorage):
         """Store ``value`` (one flat page, a contiguous CPU tensor) under ``key``."""
         return self._write(*self._flat_meta(key, value, "set"))[0]
 
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        """``set`` of each page in order, stopping at the first failure."""
-        if values is None or len(values) != len(keys):
-            raise ValueError("MooncakeStore.batch_set needs one value per key")
-        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
-
     # ------------------------------------------------------------------ housekeeping
     def clear(self) -> bool:
         """SGLang's ``clear``: ``remove_all()`` of the whole store (every instance's objects;

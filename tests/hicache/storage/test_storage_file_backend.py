@@ -82,6 +82,26 @@ def test_a_page_is_its_raw_bytes(tmp_path) -> None:
         backend.exists("../escape")
 
 
+def test_batch_set_stops_at_the_first_failure(tmp_path, monkeypatch) -> None:
+    """``batch_set`` (the base class's, as every backend's): pages in order, ``False`` at the
+    first failed ``set`` with nothing after it tried; one value per key or ``ValueError``."""
+    backend = HiCacheFile(config(tmp_path))
+    keys = pages(3)
+    with pytest.raises(ValueError, match="HiCacheFile.batch_set needs one value per key"):
+        backend.batch_set(keys, [torch.ones(4)])
+    assert not any(backend.exists(k) for k in keys)
+    tried = []
+    real_set = backend.set
+
+    def failing_second(key, value):
+        tried.append(key)
+        return key != keys[1] and real_set(key, value)
+
+    monkeypatch.setattr(backend, "set", failing_second)
+    assert backend.batch_set(keys, [torch.ones(4)] * 3) is False
+    assert tried == keys[:2] and backend.exists(keys[0]) and not backend.exists(keys[2])
+
+
 def test_writes_are_atomic_renames(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = HiCacheFile(config(tmp_path))
     value = torch.ones(256)
