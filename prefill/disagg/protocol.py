@@ -156,20 +156,28 @@ FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
 """Upstream's environment variable for the force-not-ready test hook."""
 
 
+def positive_env(name: str, default: float, kind: type = float) -> float:
+    """The environment variable ``name`` as a positive ``kind`` (``int`` or ``float``; returned
+    as a ``float``), or ``default`` when it is unset. Raises ``ValueError`` naming the variable
+    and its value when it is not one (SGLang's ``EnvInt`` / ``EnvFloat`` settings)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return float(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        what = "integer" if kind is int else "number"
+        raise ValueError(f"{name}={raw!r} must be a positive {what} (seconds or a count)")
+    return float(value)
+
+
 def bootstrap_timeout_from_env() -> float:
     """``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` in seconds (an integer, as upstream's
     ``EnvInt``), or the default 300. Raises ``ValueError`` naming the variable when it is not a
     positive integer."""
-    raw = os.environ.get(BOOTSTRAP_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_BOOTSTRAP_TIMEOUT_S
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{BOOTSTRAP_TIMEOUT_ENV}={raw!r} must be a positive integer (seconds)")
-    return float(value)
+    return positive_env(BOOTSTRAP_TIMEOUT_ENV, DEFAULT_BOOTSTRAP_TIMEOUT_S, int)
 
 
 def force_not_ready_prob(args: object) -> float:

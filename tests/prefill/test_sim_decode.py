@@ -367,3 +367,20 @@ def test_upstream_env_var_overrides_force_probability(monkeypatch):
 
     monkeypatch.setenv(FORCE_RETRY_ENV, "0.25")
     assert PeerConfig.from_server_args(Args()).force_not_ready_prob == 0.25
+
+
+def test_positive_env_is_the_one_parser_of_sglangs_timeouts(monkeypatch):
+    """Every timeout and count read from SGLang's variables (bootstrap, decode waiting /
+    release / heartbeat, the failed-session probe) goes through ``positive_env``."""
+    from prefill.disagg.protocol import positive_env
+
+    monkeypatch.delenv("HICACHE_TEST_ENV", raising=False)
+    assert positive_env("HICACHE_TEST_ENV", 30) == 30.0
+    monkeypatch.setenv("HICACHE_TEST_ENV", "2.5")
+    assert positive_env("HICACHE_TEST_ENV", 30) == 2.5
+    with pytest.raises(ValueError, match=r"HICACHE_TEST_ENV='2.5' must be a positive integer"):
+        positive_env("HICACHE_TEST_ENV", 30, int)
+    for bad in ("0", "-1", "never"):
+        monkeypatch.setenv("HICACHE_TEST_ENV", bad)
+        with pytest.raises(ValueError, match="HICACHE_TEST_ENV"):
+            positive_env("HICACHE_TEST_ENV", 30)

@@ -27,7 +27,6 @@ the caller of ``create_peer`` forwards ``link.room`` with the request
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 from collections import deque
@@ -51,6 +50,7 @@ from prefill.disagg.protocol import (
     SendRecord,
     bootstrap_timeout_from_env,
     force_not_ready_prob,
+    positive_env,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,19 +60,6 @@ DEFAULT_POLL_INTERVAL_S = 0.001
 
 PROBE_INTERVAL_ENV = "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"
 """SGLang's first delay before probing a blacklisted decode session (seconds, default 30)."""
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
 
 
 @dataclass(frozen=True)
@@ -94,7 +81,7 @@ class MooncakeConfig:
             host=str(getattr(args, "host", "127.0.0.1")),
             bootstrap_port=int(getattr(args, "disaggregation_bootstrap_port", 8998)),
             bootstrap_timeout_s=bootstrap_timeout_from_env(),
-            probe_interval_s=_env_seconds(PROBE_INTERVAL_ENV, 30.0),
+            probe_interval_s=positive_env(PROBE_INTERVAL_ENV, 30.0),
             force_not_ready_prob=force_not_ready_prob(args),
         )
 

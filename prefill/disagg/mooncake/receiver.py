@@ -39,7 +39,6 @@ written by a call nobody waited for (``stats()["late_writes"]``).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ from prefill.disagg.mooncake.wire import (
     Status,
     parse_to_decode,
 )
-from prefill.disagg.protocol import TERMINAL, KVPoll
+from prefill.disagg.protocol import TERMINAL, KVPoll, positive_env
 from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
 
 logger = logging.getLogger(__name__)
@@ -77,19 +76,6 @@ WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 HEARTBEAT_INTERVAL_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
 HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
-
-
-def _env(name: str, default: float, kind: type = float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive {kind.__name__}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -111,10 +97,10 @@ class DecodeConfig:
     @classmethod
     def from_env(cls, **kw: Any) -> DecodeConfig:
         return cls(
-            waiting_timeout_s=_env(WAITING_TIMEOUT_ENV, 300, int),
-            release_timeout_s=_env(RELEASE_TIMEOUT_ENV, 30.0),
-            heartbeat_interval_s=max(_env(HEARTBEAT_INTERVAL_ENV, 5.0), 2.0),
-            heartbeat_max_failures=int(_env(HEARTBEAT_FAILURES_ENV, 2, int)),
+            waiting_timeout_s=positive_env(WAITING_TIMEOUT_ENV, 300, int),
+            release_timeout_s=positive_env(RELEASE_TIMEOUT_ENV, 30.0),
+            heartbeat_interval_s=max(positive_env(HEARTBEAT_INTERVAL_ENV, 5.0), 2.0),
+            heartbeat_max_failures=int(positive_env(HEARTBEAT_FAILURES_ENV, 2, int)),
             **kw,
         )
 
