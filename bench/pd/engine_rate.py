@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.mooncake.loopback import preload_env
+from hicache.mooncake.loopback import die_with_parent, preload_env
 from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
-from prefill.testing.mooncake_decode import die_with_parent
 
 logger = logging.getLogger(__name__)
 

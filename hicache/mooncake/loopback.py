@@ -33,10 +33,12 @@ engines listen on all interfaces, as SGLang's do.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,6 +168,13 @@ def forget_preload() -> None:
             os.environ["LD_PRELOAD"] = prior
         else:
             os.environ.pop("LD_PRELOAD", None)
+
+
+def die_with_parent() -> None:
+    """Make this process die with its parent (``PR_SET_PDEATHSIG``): the ``preexec_fn`` of every
+    child the project starts for Mooncake (masters, decode workers, node ranks, receivers), so a
+    killed test or benchmark never leaves one behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def tcp_listeners(pids: set[int] | list[int]) -> list[tuple[str, int]]:

@@ -22,7 +22,6 @@ and ``close()``.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import logging
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.mooncake.loopback import preload_env
+from hicache.mooncake.loopback import die_with_parent, preload_env
 from prefill.disagg.mooncake.layout import KVGeometry
 from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeLink
 from prefill.disagg.mooncake.session_worker import TransferHook
@@ -56,11 +55,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class DecodeWorkerError(RuntimeError):
     """A decode worker did not answer, answered an error, or is gone."""
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` of a child that must not outlive this process (``PR_SET_PDEATHSIG``)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class DecodeWorker:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hicache.storage.mooncake.master import die_with_parent
+from hicache.mooncake.loopback import die_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ prints the address and pid, serves until SIGINT / SIGTERM, then stops the master
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import logging
@@ -43,6 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from hicache.mooncake.loopback import die_with_parent
 from hicache.storage.mooncake.config import split_address
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,6 @@ def master_binary() -> str:
     if found:
         return found
     raise ValueError("mooncake_master not found: install mooncake-transfer-engine-non-cuda")
-
-
-def die_with_parent() -> None:
-    """Make this process die with its parent (``PR_SET_PDEATHSIG``; a child's ``preexec_fn``)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def master_health(host: str, metrics_port: int, timeout_s: float = 0.5) -> dict | None:
