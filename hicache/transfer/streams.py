@@ -202,7 +202,7 @@ class CpuEvent:
             self.recorded_at = time.perf_counter()
             flag.set()
 
-        if stream is None or isinstance(stream, CpuComputeStream | InlineStream):
+        if stream is None or isinstance(stream, CpuComputeStream):  # InlineStream included
             fire()
         elif isinstance(stream, CpuStream):
             stream._put_record(fire)
@@ -385,9 +385,10 @@ class CpuStreams:
             s.close()
 
 
-class InlineStream:
+class InlineStream(CpuComputeStream):
     """CUDA's launch semantics on a CPU: ``submit`` runs ``fn`` now on the caller's thread (after
-    the stream's delay) and lets its exception propagate; events recorded here fire at once."""
+    the stream's delay) and lets its exception propagate; events recorded here fire at once
+    (``record``, ``query``, ``synchronize``, ``check_error``: the compute stream's)."""
 
     def __init__(self, delay: Delay = 0.0, name: str = "inline-stream") -> None:
         self.delay = delay
@@ -400,25 +401,11 @@ class InlineStream:
         with CPU_COPY_LOCK:
             fn()
 
-    def record(self, event: Event | None = None) -> Event:
-        ev = event if event is not None else CpuEvent()
-        ev.record(self)
-        return ev
-
     def wait_event(self, event: Event) -> None:
         """Every inline or compute-stream event has fired when recorded: nothing to wait for."""
         if not isinstance(event, CpuEvent):
             raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
         event.synchronize()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def check_error(self) -> None:
-        return None
 
 
 class InlineStreams:
