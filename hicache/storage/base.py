@@ -69,14 +69,17 @@ class HiCacheStorage(ABC):
     ) -> torch.Tensor | None:
         """Read ``key`` into ``target_location``; that tensor, or ``None`` on a miss."""
 
-    @abstractmethod
     def batch_get(
         self,
         keys: list[str],
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """``get`` of each key into its target."""
+        """``get`` of each key into its target; ``ValueError`` unless there is one target per
+        key."""
+        if target_locations is None or len(target_locations) != len(keys):
+            raise ValueError(f"{type(self).__name__}.batch_get needs one target location per key")
+        return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
 
     @abstractmethod
     def set(

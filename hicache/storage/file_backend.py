@@ -190,16 +190,6 @@ class HiCacheFile(HiCacheStorage):
         self._counters.add("bytes_read", expected)
         return target_location
 
-    def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        if target_locations is None or len(target_locations) != len(keys):
-            raise ValueError("HiCacheFile.batch_get needs one target location per key")
-        return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
-
     def exists(self, key: str) -> bool:
         size = self._file_size(self._names(key)[1])
         return size is not None and (self._page_bytes is None or size == self._page_bytes)

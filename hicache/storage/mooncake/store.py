@@ -308,16 +308,6 @@ class MooncakeStore(HiCacheStorage):
         ok = self._read(*self._flat_meta(key, target_location, "get"))[0]
         return target_location if ok else None
 
-    def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        if target_locations is None or len(target_locations) != len(keys):
-            raise ValueError("MooncakeStore.batch_get needs one target location per key")
-        return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
-
     def _flat_meta(self, key: str, page: Any, call: str) -> _Meta:
         """Object names, addresses and sizes of one flat page tensor (parts back to back)."""
         if not self._object_sizes:

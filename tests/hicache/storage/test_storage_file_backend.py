@@ -100,6 +100,10 @@ def test_batch_set_stops_at_the_first_failure(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(backend, "set", failing_second)
     assert backend.batch_set(keys, [torch.ones(4)] * 3) is False
     assert tried == keys[:2] and backend.exists(keys[0]) and not backend.exists(keys[2])
+    with pytest.raises(ValueError, match="HiCacheFile.batch_get needs one target location"):
+        backend.batch_get(keys, [torch.zeros(4)])
+    got = backend.batch_get(keys[:1] + keys[2:], [torch.zeros(4), torch.zeros(4)])
+    assert torch.equal(got[0], torch.ones(4)) and got[1] is None
 
 
 def test_writes_are_atomic_renames(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
