@@ -38,7 +38,7 @@ from bench.clock.copy_fit import (
     calibrate_transfer_copy,
     fit_copy,
 )
-from bench.clock.corun import CorunSlowdown, measure_corun
+from bench.clock.corun import CorunSlowdown, corun_shapes, measure_corun
 from bench.clock.forward_table import (
     ForwardTable,
     Shape,
@@ -209,8 +209,7 @@ def calibrate_run(
         slots = min(cache.device_pool.size, cache.host_pool.size)
         copy_sizes = [s for s in sizes if s <= slots] or [page, slots]
         h2d, d2h = calibrate_copies(cache, copy_sizes, timer=timer)
-        shape = (max(page, max_new // 2 // page * page), 0)
-        corun = measure_corun(model, make_pool(shape[0] + 2 * page), cache, shape,
+        corun = measure_corun(model, make_pool, cache, corun_shapes(fwd.ns, fwd.ps),
                               timer=timer)  # fmt: skip
     finally:
         cache.close()
@@ -250,7 +249,6 @@ def describe(cal: Calibration) -> str:
         f"{f.pair_saving_s * 1e3:.2f} ms; H2D {cal.h2d.bytes_per_s / 1e9:.2f} GB/s + "
         f"{cal.h2d.per_call_s * 1e6:.0f} us/call, D2H {cal.d2h.bytes_per_s / 1e9:.2f} GB/s + "
         f"{cal.d2h.per_call_s * 1e6:.0f} us/call; transfer ({tr.source}) {bw} GB/s + "
-        f"{tr.latency_s * 1e6:.0f} us; co-run compute x{cal.corun.factor:.3f}, copy "
-        f"x{cal.corun.copy_factor:.3f} ({cal.corun.source})"
+        f"{tr.latency_s * 1e6:.0f} us; co-run {cal.corun.range_text()} ({cal.corun.source})"
         f"{host}; calibrated in {cal.wall_s:.1f} s"
     )

@@ -2,24 +2,35 @@
 
 HiCache's copies here are kernels (SM-based on a GPU, a worker thread on a CPU), not copy
 engines, so compute that overlaps a copy may slow down, and the copy with it. ``measure_corun``
-times the benchmark's own model on one batch shape alone and while the cache's own H2D load op
-loops beside it (CUDA: on a side stream, enough copies queued to cover the forward; CPU: on a
-second thread, as the cache's stream worker runs it), and the copy alone and while forwards
-loop beside it, in alternating rounds; each slowdown is the ratio of the medians. The virtual
-clock stretches compute that overlaps a modelled copy by ``CorunSlowdown.factor``
-(``bench.clock.streams_model``) and charges every copy at its co-run speed
-(``copy_factor``: in a busy server a copy runs beside the next forward). A measurement below 1
-(noise) is charged as 1.
+times the benchmark's own model alone and while the cache's own H2D load op loops beside it
+(CUDA: on a side stream, enough copies queued to cover the forward; CPU: on a second thread, as
+the cache's stream worker runs it), and the copy alone and while forwards loop beside it, in
+alternating rounds; each slowdown is the ratio of the medians. A measurement below 1 (noise) is
+charged as 1.
 
-Other sources: ``--corun-slowdown X`` (``flag``), or ``--corun-from FILE``: the GPU check's
-GEMM co-run measurement (``bench_transfer_sweep.json``, row ``triton bq=<block_quota>``;
-``gpu_check``).
+The slowdown depends on the forward: on a CPU a short forward (a few tokens after a long
+prefix: many small ops, each taking the interpreter lock back from the copy thread) is slowed
+by a third or more, a long one (a few large matmuls) hardly at all. So it is measured at
+several shapes of the forward table (``corun_shapes``: the shortest forward after the longest
+prefix, one in the middle, the longest without a prefix) and kept as ``points``:
+``(forward seconds alone, factor, copy_factor)``; ``factor_at(seconds)`` and
+``copy_factor_at(seconds)`` interpolate them linearly in the logarithm of the forward's cost
+(clamped at both ends). The virtual clock stretches each forward's compute that overlaps a
+modelled copy by the factor at that forward's cost (``bench.clock.streams_model``) and the copy
+by the copy factor. On a CPU the co-run is timed on the wall clock whatever the calibration's
+timer: what the copy thread takes from the forward (the interpreter lock, memory bandwidth) is
+wall time, not the forward thread's CPU time.
+
+Other sources (one factor for every forward): ``--corun-slowdown X`` (``flag``), or
+``--corun-from FILE``: the GPU check's GEMM co-run measurement (``bench_transfer_sweep.json``,
+row ``triton bq=<block_quota>``; ``gpu_check``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import threading
 from collections.abc import Callable
@@ -31,7 +42,7 @@ import torch
 
 from bench.common import call_timer, sync_device
 
-__all__ = ["CorunSlowdown", "corun_from_gpu_check", "measure_corun"]
+__all__ = ["CorunSlowdown", "corun_from_gpu_check", "corun_shapes", "measure_corun"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +50,62 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CorunSlowdown:
     """``factor``: compute overlapping a copy takes ``factor`` times as long; ``copy_factor``:
-    a copy beside compute takes that many times as long (both >= 1)."""
+    a copy beside compute takes that many times as long (both >= 1). ``points``: per forward
+    cost ``(alone_s, factor, copy_factor)``, sorted by ``alone_s`` (module docstring); without
+    points every forward gets ``factor`` and ``copy_factor``, with them those two are the
+    largest of the points (what the console prints beside the range)."""
 
     factor: float
     source: str  # "measured", "flag" or "gpu_check"
     measured: dict[str, Any] = field(default_factory=dict)
     copy_factor: float = 1.0
+    points: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not (self.factor >= 1.0 and self.copy_factor >= 1.0):
-            raise ValueError(f"co-run slowdowns must be >= 1, got {self.factor}, "
-                             f"{self.copy_factor}")  # fmt: skip
+        values = [self.factor, self.copy_factor] + [x for p in self.points for x in p[1:]]
+        if not all(v >= 1.0 for v in values):
+            raise ValueError(f"co-run slowdowns must be >= 1, got {values}")
+        if any(p[0] <= 0 for p in self.points) or list(self.points) != sorted(self.points):
+            raise ValueError(f"co-run points must be sorted by a positive forward time, got "
+                             f"{self.points}")  # fmt: skip
+
+    def factor_at(self, seconds: float) -> float:
+        """The compute slowdown of a forward that costs ``seconds`` alone."""
+        return self._at(seconds, 1) if self.points else self.factor
+
+    def copy_factor_at(self, seconds: float) -> float:
+        """The slowdown of a copy beside a forward that costs ``seconds`` alone."""
+        return self._at(seconds, 2) if self.points else self.copy_factor
+
+    def _at(self, seconds: float, k: int) -> float:
+        pts = self.points
+        if seconds <= pts[0][0]:
+            return pts[0][k]
+        for lo, hi in zip(pts, pts[1:]):
+            if seconds <= hi[0]:
+                w = math.log(seconds / lo[0]) / math.log(hi[0] / lo[0])
+                return lo[k] + w * (hi[k] - lo[k])
+        return pts[-1][k]
+
+    def range_text(self) -> str:
+        """``compute x1.32..x1.02, copy x1.30..x1.05`` (shortest forward first)."""
+        if not self.points:
+            return f"compute x{self.factor:.3f}, copy x{self.copy_factor:.3f}"
+        a, b = self.points[0], self.points[-1]
+        return (f"compute x{a[1]:.3f}..x{b[1]:.3f}, copy x{a[2]:.3f}..x{b[2]:.3f} over "
+                f"{a[0] * 1e3:.1f}..{b[0] * 1e3:.1f} ms forwards")  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         return {"factor": self.factor, "copy_factor": self.copy_factor, "source": self.source,
+                "points": [list(p) for p in self.points],
                 "measured": self.measured}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CorunSlowdown:
         try:
+            points = tuple(tuple(float(x) for x in p) for p in d.get("points") or ())
             return cls(float(d["factor"]), str(d["source"]), dict(d.get("measured") or {}),
-                       float(d.get("copy_factor", 1.0)))  # fmt: skip
+                       float(d.get("copy_factor", 1.0)), points)  # type: ignore[arg-type]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"corun: missing or bad field ({exc!r}) in {sorted(d)}") from None
 
@@ -77,18 +123,52 @@ def corun_from_gpu_check(path: Path, block_quota: int = 2) -> CorunSlowdown:
     raise ValueError(f"--corun-from {path}: no gemm_corun row {name!r} with a slowdown")
 
 
+def corun_shapes(ns: list[int], ps: list[int]) -> list[tuple[int, int]]:
+    """The shapes the co-run is measured at, from a forward table's ``ns`` and ``ps``: the
+    shortest forward after the longest prefix, a middle one after it, and the longest without
+    a prefix (duplicates dropped)."""
+    mid = ns[len(ns) // 2]
+    out: list[tuple[int, int]] = []
+    for shape in ((ns[0], ps[-1]), (mid, ps[-1]), (ns[-1], 0)):
+        if shape not in out:
+            out.append(shape)
+    return out
+
+
 def measure_corun(
     model: Any,
-    pool: Any,
+    make_pool: Callable[[int], Any],
     cache: Any,
-    shape: tuple[int, int],
+    shapes: list[tuple[int, int]],
     rounds: int = 9,
     timer: str | None = None,
 ) -> CorunSlowdown:
-    """The forward of one request of ``shape`` (new, prefix tokens) on ``pool`` (the model's
-    geometry; slots overwritten), alone and while ``cache``'s H2D per-layer load op copies
-    1024 tokens (or what fits) again and again beside it; see the module docstring. ``cache``:
-    a hierarchical ``KVCache`` holding nothing yet (its pools are overwritten)."""
+    """The co-run slowdown at each of ``shapes`` (new, prefix tokens; one request), on a pool
+    of ``make_pool(slots)`` (the model's geometry; slots overwritten), beside ``cache``'s H2D
+    per-layer load op copying 1024 tokens (or what fits) again and again; see the module
+    docstring. ``cache``: a hierarchical ``KVCache`` holding nothing yet (its pools are
+    overwritten). ``timer``: of CUDA runs (a CPU run times on the wall clock)."""
+    if not shapes:
+        raise ValueError("shapes: at least one forward shape is needed")
+    copy = _load_loop(cache)
+    per_shape = []
+    for n, p in shapes:
+        pool = make_pool(n + p + 2 * cache.device_pool.page_size)
+        per_shape.append(_measure_one(model, pool, copy, (n, p), rounds, timer))
+        del pool
+    pts = sorted((max(m["alone_s"], 1e-9), max(1.0, m["ratio"]), max(1.0, m["copy_ratio"]))
+                 for m in per_shape)  # fmt: skip
+    measured = {"shapes": per_shape, "rounds": rounds,
+                "copy": "cache H2D load_to_device_per_layer, every layer, in a loop"}  # fmt: skip
+    return CorunSlowdown(max(p[1] for p in pts), "measured", measured,
+                         max(p[2] for p in pts), tuple(pts))  # fmt: skip
+
+
+def _measure_one(
+    model: Any, pool: Any, copy: Callable[[], None], shape: tuple[int, int], rounds: int,
+    timer: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One shape of ``measure_corun``: the medians and their ratios."""
     from prefill.model.paged import ExtendInput
 
     n, p = shape
@@ -98,7 +178,7 @@ def measure_corun(
     slots = torch.arange(page, page + n + p, device=device)
     ids = torch.randint(1, model.config.vocab_size, (n,), generator=gen)
     batch = [ExtendInput(ids, slots, p)]
-    copy = _load_loop(cache)
+    timer = timer if device.type == "cuda" else "wall"
     clock = call_timer(device, timer)
 
     def forward() -> float:
@@ -141,15 +221,13 @@ def measure_corun(
         beside.append(_beside(forward, copy, device, alone_s, copy_s))
         c_alone.append(copy_once())
         c_beside.append(_beside(copy_once, fwd_once, device, copy_s, alone_s))
-    ratio = statistics.median(beside) / statistics.median(alone)
-    copy_ratio = statistics.median(c_beside) / statistics.median(c_alone)
-    measured = {"alone_s": statistics.median(alone), "with_copy_s": statistics.median(beside),
-                "ratio": ratio, "copy_alone_s": statistics.median(c_alone),
-                "copy_with_forward_s": statistics.median(c_beside), "copy_ratio": copy_ratio,
-                "rounds": rounds, "shape": list(shape),
-                "timer": timer or ("wall" if device.type == "cuda" else "cpu"),
-                "copy": "cache H2D load_to_device_per_layer, every layer, in a loop"}  # fmt: skip
-    return CorunSlowdown(max(1.0, ratio), "measured", measured, max(1.0, copy_ratio))
+    return {"shape": list(shape), "alone_s": statistics.median(alone),
+            "with_copy_s": statistics.median(beside),
+            "ratio": statistics.median(beside) / statistics.median(alone),
+            "copy_alone_s": statistics.median(c_alone),
+            "copy_with_forward_s": statistics.median(c_beside),
+            "copy_ratio": statistics.median(c_beside) / statistics.median(c_alone),
+            "timer": timer or "wall"}  # fmt: skip
 
 
 def _load_loop(cache: Any) -> Callable[[], None]:

@@ -6,6 +6,21 @@ tokens evicted, requests in the batch, ...), fitted by least squares on ``(featu
 seconds)`` samples that ``HostMeter`` recorded over a calibration trace (``fit_host_costs``). A
 slope that comes out negative is dropped and the rest refitted (host work never gets cheaper
 with more of it), so a phase's mean cost over the samples is what was measured.
+
+A stall (the process descheduled, a garbage collection, a page-fault storm) makes one call take
+hundreds of times its fit; charged as a mean, one such sample would add milliseconds to every
+call of its phase. After the fit, samples whose residual exceeds ``STALL_RESIDUALS`` robust
+standard deviations of the residuals (1.4826 x their median absolute value, at least 1 us) are
+dropped, at most ``STALL_SHARE`` of a phase's samples, and the phase refitted;
+``PhaseFit.dropped`` counts them and ``mean_s`` / ``total_s`` stay those of every sample
+measured.
+
+The trace also times the cache's real copies (each ack's copy-start to finish event, as the
+controller's ``stats`` records them): ``copies`` holds their fits
+(``bench.clock.host_meter.fit_trace_copies``), which a measured calibration charges instead of
+the copy ops timed alone (``bench.e2e.calibrated``): a copy job on the cache's stream costs more
+than the bare op (index moves, the kernel's index record, the stream's hand-off) and, on a CPU,
+runs beside the scheduler's own Python, which it shares the interpreter with.
 """
 
 from __future__ import annotations
@@ -18,9 +33,14 @@ from typing import Any
 
 import torch
 
+from bench.clock.copy_fit import CopyFit
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["HostCosts", "PhaseFit", "fit_host_costs", "fit_phase"]
+
+STALL_RESIDUALS = 20.0
+STALL_SHARE = 0.02
 
 Sample = tuple[tuple[float, ...], float]
 """``(feature values, measured seconds)`` of one call of a phase."""
@@ -35,6 +55,7 @@ class PhaseFit:
     samples: int = 0
     mean_s: float = 0.0  # measured mean over the samples
     total_s: float = 0.0  # measured total over the samples
+    dropped: int = 0  # samples left out of the fit as stalls
 
     def seconds(self, x: dict[str, float]) -> float:
         t = self.intercept_s + sum(s * x.get(f, 0.0) for f, s in self.slopes.items())
@@ -43,20 +64,37 @@ class PhaseFit:
     def as_dict(self) -> dict[str, Any]:
         return {"intercept_s": self.intercept_s, "slopes_s": self.slopes,
                 "samples": self.samples, "mean_s": self.mean_s,
-                "total_s": self.total_s}  # fmt: skip
+                "total_s": self.total_s, "dropped": self.dropped}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseFit:
         return cls(float(d["intercept_s"]), {k: float(v) for k, v in d["slopes_s"].items()},
                    int(d.get("samples", 0)), float(d.get("mean_s", 0.0)),
-                   float(d.get("total_s", 0.0)))  # fmt: skip
+                   float(d.get("total_s", 0.0)), int(d.get("dropped", 0)))  # fmt: skip
 
 
 def fit_phase(features: Sequence[str], samples: Sequence[Sample]) -> PhaseFit:
-    """Least squares of ``seconds ~ intercept + features`` (see the module docstring); a
-    phase without samples costs 0."""
+    """Least squares of ``seconds ~ intercept + features`` without the stalls (see the module
+    docstring); a phase without samples costs 0."""
     if not samples:
         return PhaseFit(0.0, {})
+    fit = _fit(features, samples)
+    names = list(features)
+    resid = [y - fit.seconds(dict(zip(names, x, strict=True))) for x, y in samples]
+    scale = max(1.4826 * statistics.median(abs(r) for r in resid), 1e-6)  # >= 1 us
+    worst = sorted(range(len(samples)), key=lambda i: -resid[i])
+    stalls = {i for i in worst[: int(STALL_SHARE * len(samples))]
+              if resid[i] > STALL_RESIDUALS * scale}  # fmt: skip
+    if not stalls:
+        return fit
+    kept = [s for i, s in enumerate(samples) if i not in stalls]
+    refit = _fit(features, kept)
+    return PhaseFit(refit.intercept_s, refit.slopes, fit.samples, fit.mean_s, fit.total_s,
+                    len(stalls))  # fmt: skip
+
+
+def _fit(features: Sequence[str], samples: Sequence[Sample]) -> PhaseFit:
+    """The least-squares fit of every sample (negative slopes and intercept dropped)."""
     y = torch.tensor([s for _, s in samples], dtype=torch.float64)
     cols = list(range(len(features)))
     xs = torch.tensor([list(x) for x, _ in samples], dtype=torch.float64).reshape(len(y), -1)
@@ -95,6 +133,7 @@ class HostCosts:
     trace: dict[str, Any] = field(default_factory=dict)
     profiles: dict[str, dict[str, PhaseFit]] = field(default_factory=dict)
     name: str = "pooled"
+    copies: dict[str, Any] = field(default_factory=dict)  # {"h2d"|"d2h": CopyFit} of the trace
 
     def seconds(self, phase: str, x: dict[str, float]) -> float:
         fit = self.phases.get(phase)
@@ -103,13 +142,15 @@ class HostCosts:
     def profile(self, name: str | None) -> HostCosts:
         if name is None or name not in self.profiles:
             return self
-        return HostCosts(self.profiles[name], self.timer, self.trace, self.profiles, name)
+        return HostCosts(self.profiles[name], self.timer, self.trace, self.profiles, name,
+                         self.copies)  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         return {"timer": self.timer, "trace": self.trace,
                 "phases": {k: v.as_dict() for k, v in self.phases.items()},
                 "profiles": {p: {k: v.as_dict() for k, v in fits.items()}
-                             for p, fits in self.profiles.items()}}  # fmt: skip
+                             for p, fits in self.profiles.items()},
+                "copies": {k: v.as_dict() for k, v in self.copies.items()}}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HostCosts:
@@ -117,7 +158,9 @@ class HostCosts:
             phases = {k: PhaseFit.from_dict(v) for k, v in d["phases"].items()}
             profiles = {p: {k: PhaseFit.from_dict(v) for k, v in fits.items()}
                         for p, fits in (d.get("profiles") or {}).items()}  # fmt: skip
-            return cls(phases, str(d["timer"]), dict(d.get("trace") or {}), profiles)
+            copies = {k: CopyFit.from_dict(v) for k, v in (d.get("copies") or {}).items()}
+            return cls(phases, str(d["timer"]), dict(d.get("trace") or {}), profiles,
+                       copies=copies)  # fmt: skip
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"host costs: missing or bad field ({exc!r})") from None
 

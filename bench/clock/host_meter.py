@@ -1,5 +1,5 @@
 """The scheduler thread's host time on the virtual clock: which calls are measured, how, and
-what is charged for them.
+what is charged for them; and, on the calibration trace, the real copies' times.
 
 ``HostMeter.install(ex)`` replaces the methods of ``PHASES`` on one executor's delegates
 (instance attributes only; nothing else changes): the executor's step and, inside it, the
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from bench.clock.copy_fit import fit_copy
 from bench.clock.host_cost import HostCosts, Sample, fit_host_costs
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class HostMeter:
         self.costs = costs
         self.record = record
         self.samples: dict[str, list[Sample]] = {p.name: [] for p in PHASES}
+        # ``(direction, bytes, seconds)`` of the cache's real copies, from their stream events
+        # (``CostAccountant.install`` fills it when ``record``): the trace's copy fits.
+        self.copy_samples: list[tuple[str, int, float]] = []
         self.measured_s = dict.fromkeys(FEATURES, 0.0)
         self.charged_s = dict.fromkeys(FEATURES, 0.0)
         self.calls = dict.fromkeys(FEATURES, 0)
@@ -225,16 +229,40 @@ def _features(name: str, ex: Any, args: tuple[Any, ...], result: Any, before: An
 
 
 def fit_meters(
-    meters: dict[str, list[HostMeter]], trace: dict[str, Any], timer_name: str
+    meters: dict[str, list[HostMeter]], trace: dict[str, Any], timer_name: str,
+    num_layers: int | None = None,
 ) -> HostCosts:
     """The host costs of the samples the meters recorded (``record=True``), one profile per
-    key of ``meters`` (a configuration) and pooled."""
+    key of ``meters`` (a configuration) and pooled; with ``num_layers``, also the fits of the
+    real copies the meters saw (``HostCosts.copies``: a load back is one call per layer, a
+    backup one call; a direction with samples of fewer than two sizes gets none)."""
     samples: dict[str, dict[str, list[Sample]]] = {}
+    copies: list[tuple[str, int, float]] = []
     steps = 0
     for profile, ms in meters.items():
         by_phase = samples.setdefault(profile, {p.name: [] for p in PHASES})
         for m in ms:
             steps += m.steps
+            copies.extend(m.copy_samples)
             for k, v in m.samples.items():
                 by_phase[k].extend(v)
-    return fit_host_costs(samples, FEATURES, timer_name, {**trace, "steps": steps})
+    costs = fit_host_costs(samples, FEATURES, timer_name, {**trace, "steps": steps})
+    if num_layers is not None:
+        costs.copies = fit_trace_copies(copies, num_layers)
+    return costs
+
+
+def fit_trace_copies(samples: list[tuple[str, int, float]], num_layers: int) -> dict[str, Any]:
+    """``{"h2d": CopyFit, "d2h": CopyFit}`` of the trace's real copies (module docstring of
+    ``bench.clock.host_cost``); a direction without two sizes of samples is left out."""
+    fits: dict[str, Any] = {}
+    for direction, calls in (("h2d", num_layers), ("d2h", 1)):
+        rows = [(b, calls, s) for d, b, s in samples if d == direction and s > 0]
+        if len({b for b, _, _ in rows}) >= 2:
+            fit = fit_copy(direction, rows)
+            errors = sorted(abs(p["rel_err"]) for p in fit.points)
+            fit.points = [{"source": "trace", "samples": len(rows),  # one point per copy: a summary
+                           "total_s": sum(s for _, _, s in rows),
+                           "median_abs_rel_err": errors[len(errors) // 2]}]  # fmt: skip
+            fits[direction] = fit
+    return fits

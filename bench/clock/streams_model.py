@@ -13,6 +13,8 @@ and the other way round.
 - ``compute_end(start, work_s, factor)``: when ``work_s`` seconds of compute that starts at
   ``start`` ends if it progresses at ``1 / factor`` while any copy runs (a factor of 1:
   ``start + work_s``).
+- ``resize(booking, seconds)``: a booking's duration set after the fact (a load back's co-run
+  speed is known once the forward that consumes it is charged); the copies behind it move.
 - ``stretch_copies(a, b, copy_factor)``: compute ran over ``[a, b)``: every copy that
   overlapped it takes ``(copy_factor - 1)`` times the overlap longer, and the copies queued
   behind it on its FIFO start that much later (their ``Booking.end`` moves: it is the modelled
@@ -82,6 +84,25 @@ class CopyTimeline:
         self._fifos[key].append(b)
         self._free_at[key] = b.end
         return b
+
+    def resize(self, booking: Booking, seconds: float) -> None:
+        """Set ``booking``'s duration to ``seconds``; the copies queued behind it on its FIFO
+        move with its end."""
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        key = self._key(booking.stream)
+        fifo = self._fifos[key]
+        booking.duration = seconds
+        booking.end = booking.start + seconds
+        at = next((i for i, bk in enumerate(fifo) if bk is booking), None)
+        if at is None:  # trimmed: nothing queued behind it is affected
+            return
+        prev_end = booking.end
+        for bk in fifo[at + 1 :]:
+            bk.start = max(bk.ready, prev_end)
+            bk.end = bk.start + bk.duration
+            prev_end = bk.end
+        self._free_at[key] = fifo[-1].end
 
     def trim(self, now: float) -> None:
         """Forget the copies that ended by ``now`` (the front of each FIFO)."""

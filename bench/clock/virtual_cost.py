@@ -10,16 +10,19 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   is ready when its copy ends (FIFO after earlier loads), and the forward's layer ``i`` starts
   once layer ``i - 1`` computed and layer ``i`` loaded: the overlap the controller's per-layer
   events give. Layer 0's copy runs while the forward waits for it; every later layer's copy
-  runs beside the previous layer's compute and is charged its co-run slowdown
-  (``corun.copy_factor``).
+  runs beside the previous layer's compute and is charged its co-run slowdown at the cost of
+  the forward that consumes the load (``corun.copy_factor_at``; the booking is resized when
+  that forward is charged).
 - **D2H backup** (write stream): each backup (``write``) occupies the write stream for
   ``d2h.seconds(bytes)``, FIFO, beside compute, and starts after the newest load in flight (as
   the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
   advances the clock to that backup's end. On a machine without CUDA both streams are one FIFO
   (the controller's CPU stream threads copy under one lock).
-- **Co-run slowdown**: compute that overlaps a running copy is ``corun.factor`` times slower,
-  and a copy's overlap with compute ``corun.copy_factor`` times (``bench.clock.streams_model``;
-  both factors are measured, ``bench.clock.corun``); a slowed copy's ack comes later.
+- **Co-run slowdown**: compute that overlaps a running copy is ``corun.factor_at(cost)`` times
+  slower (``cost``: the forward's own cost; a short forward is slowed more than a long one),
+  and a copy's overlap with compute ``corun.copy_factor_at(cost)`` times
+  (``bench.clock.streams_model``; both measured at several forward shapes,
+  ``bench.clock.corun``); a slowed copy's ack comes later.
 - **Acks at their modelled time**: a copy's ack is popped by the tree's ack poll only once the
   clock passed the copy's modelled end (``count_finished_writes`` / ``count_finished_loads``
   answer at most that many), and ``next_ack_time`` tells the executor when the next one ends
@@ -35,7 +38,8 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
 
 Wrapping: ``install`` replaces five methods of one controller *instance* (``write``,
 ``wait_write``, ``start_loading``, ``count_finished_writes``, ``count_finished_loads``) with
-timed pass-throughs, ``install_decode`` sets the decode side's ``copy_hook``; nothing else
+timed pass-throughs (and, when the host meter records, its ``stats.record_copy``, so the
+calibration trace keeps every real copy's time: ``HostMeter.copy_samples``), ``install_decode`` sets the decode side's ``copy_hook``; nothing else
 changes.
 """
 
@@ -97,15 +101,14 @@ class CostAccountant:
         self.model = model
         self.meter = meter
         self.layers = calibration.num_layers
-        self.corun = calibration.corun.factor
-        self.copy_corun = calibration.corun.copy_factor
+        self.corun = calibration.corun
         self.transfer = calibration.transfer
         self.timeline = CopyTimeline()  # replaced at install (shared on CPU streams)
         self.bytes_per_token = 0
         self.controller: Any = None
         self.gate_acks = True
         self._done: dict[int, tuple[Any, Booking]] = {}  # id(ack) -> (ack, its modelled copy)
-        self._layer_ready: list[float] = []
+        self._pending_load: tuple[Booking, float] | None = None  # (booking, seconds per layer)
         self.compute_s = 0.0
         self.corun_extra_s = 0.0
         self.load_wait_s = 0.0
@@ -124,24 +127,38 @@ class CostAccountant:
         if sum(n for n, _ in shapes) != new_tokens:  # not the batch just recorded
             shapes = [(new_tokens, prefix_tokens)]
         compute = self.cal.forward.cost(shapes)
+        factor = self.corun.factor_at(compute)
+        copy_factor = self.corun.copy_factor_at(compute)
         start = self.clock.now()
+        ready = self._loaded_layers(copy_factor)
         self.timeline.trim(start)
         end = start
         per_layer = compute / self.layers
-        ready = self._layer_ready
         waited = 0.0
         for layer in range(self.layers):
             if layer < len(ready) and ready[layer] > end:
                 waited += ready[layer] - end
                 end = ready[layer]
-            end = self.timeline.compute_end(end, per_layer, self.corun)
-        self.timeline.stretch_copies(start, end, self.copy_corun)
-        self._layer_ready = []
+            end = self.timeline.compute_end(end, per_layer, factor)
+        self.timeline.stretch_copies(start, end, copy_factor)
         self.compute_s += compute
         self.load_wait_s += waited
         self.corun_extra_s += max(0.0, (end - start) - compute - waited)
         self.forwards += 1
         return end - start
+
+    def _loaded_layers(self, copy_factor: float) -> list[float]:
+        """When each layer of the load launched for this forward is ready: layer 0 copied
+        alone, every later one beside the previous layer's compute at ``copy_factor`` (the
+        factor of this forward's cost); its booking is resized to match. Empty without one."""
+        if self._pending_load is None:
+            return []
+        bk, per_layer = self._pending_load
+        self._pending_load = None
+        beside = per_layer * copy_factor
+        self.h2d_busy_s += per_layer + (self.layers - 1) * beside
+        self.timeline.resize(bk, per_layer + (self.layers - 1) * beside)
+        return [bk.start + per_layer + i * beside for i in range(self.layers)]
 
     def next_ack_time(self) -> float | None:
         """The earliest modelled end of a copy whose ack is not popped yet."""
@@ -230,15 +247,24 @@ class CostAccountant:
             pid = start_loading()
             if tokens and len(controller.ack_load_queue) > queued:
                 per_layer = self.cal.h2d.seconds(tokens * self.bytes_per_token // self.layers)
-                beside = per_layer * self.copy_corun  # a layer copied beside compute
-                total = per_layer + (self.layers - 1) * beside
+                # Booked at the copies' own speed; the forward that consumes it sets the
+                # co-run speed of layers 1.. (``_loaded_layers``).
+                total = per_layer * self.layers
                 bk = self.timeline.occupy("load", self.clock.now(), total, stretchable=False)
-                self._layer_ready = [bk.start + per_layer + i * beside
-                                     for i in range(self.layers)]  # fmt: skip
                 self._register(controller.ack_load_queue[-1], bk)
-                self.h2d_busy_s += total
+                if self._pending_load is not None:  # launched without a forward: as booked
+                    self.h2d_busy_s += self._pending_load[0].duration
+                self._pending_load = (bk, per_layer)
             return pid
 
+        if self.meter is not None and self.meter.record:  # the calibration trace: real copy times
+            record_copy, samples = controller.stats.record_copy, self.meter.copy_samples
+
+            def recorded(direction: str, nbytes: int, seconds: float) -> None:
+                record_copy(direction, nbytes, seconds)
+                samples.append((direction, int(nbytes), float(seconds)))
+
+            controller.stats.record_copy = recorded
         controller.write = timed_write
         controller.wait_write = timed_wait_write
         controller.start_loading = timed_start_loading
@@ -277,8 +303,7 @@ class CostAccountant:
             "forwards": self.forwards,
             "compute_s": self.compute_s,
             "corun_extra_s": self.corun_extra_s,
-            "corun_factor": self.corun,
-            "copy_corun_factor": self.copy_corun,
+            "corun": self.corun.as_dict(),
             "load_wait_s": self.load_wait_s,
             "write_wait_s": self.write_wait_s,
             "h2d_busy_s": self.h2d_busy_s,

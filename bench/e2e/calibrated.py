@@ -4,7 +4,9 @@ written to (``calibration.json`` in the output folder, every run).
 
 - Measured: ``bench.clock.calibrate.calibrate_run`` (forward, copies, transfer copy, co-run),
   then the host costs from the benchmark's own calibration trace (``host_trace(cal)``: a short
-  run of its workload with host time measured and charged as measured, fitted per phase).
+  run of its workload with host time measured and charged as measured, fitted per phase), and
+  the copy fits of that trace's real copies in place of the copy ops timed alone
+  (``charge_trace_copies``).
 - Replayed: the file's entry for the benchmark (``bench.clock.calibration_file``), host costs
   included; nothing is measured.
 - Flags (both): ``--transfer-model FILE`` (the Mooncake transfer cost ``python -m bench.pd``
@@ -33,7 +35,7 @@ from bench.pd.transfer_model import peer_transfer_kwargs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_calibration_args", "obtain_calibration"]
+__all__ = ["add_calibration_args", "charge_trace_copies", "obtain_calibration"]
 
 
 def add_calibration_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +86,7 @@ def obtain_calibration(
                             build_cache=build_cache)  # fmt: skip
         if host_trace is not None:
             cal.host = host_trace(cal)
+            cal = charge_trace_copies(cal)
     if getattr(opts, "transfer_model", None) is not None:
         cal.transfer = mooncake_transfer(opts.transfer_model, cal.transfer)
     cal.transfer = cal.transfer.with_flags(opts.transfer_gbps, opts.transfer_latency_us)
@@ -95,6 +98,33 @@ def obtain_calibration(
     if out_dir is not None:
         write_calibration(out_dir, name, cal)
     return cal
+
+
+def charge_trace_copies(cal: Calibration) -> Calibration:
+    """``cal`` charging the copy fits of its calibration trace's real copies (``cal.host.copies``,
+    per direction where the trace had them) instead of the copy ops timed alone, whose fits are
+    kept in the trace fit's ``points`` (``op_alone``). The trace's copies ran beside the
+    scheduler's work, so their co-run slowdown is in the fit: the co-run ``copy_factor`` is
+    then 1 (the measured points are kept in ``corun.measured``); compute's slowdown beside a
+    copy stays charged as measured."""
+    copies = {} if cal.host is None else cal.host.copies
+    if not copies:
+        return cal
+    replaced = {}
+    for direction in ("h2d", "d2h"):
+        fit = copies.get(direction)
+        if fit is not None:
+            fit.points = [p for p in fit.points if "op_alone" not in p]
+            fit.points.append({"op_alone": getattr(cal, direction).as_dict()})
+            replaced[direction] = fit
+    c = cal.corun
+    corun = dataclasses.replace(
+        c, copy_factor=1.0, points=tuple((a, f, 1.0) for a, f, _ in c.points),
+        measured={**c.measured, "copy_factor_in_trace_fit": True,
+                  "copy_factor_measured": c.copy_factor,
+                  "copy_points_measured": [list(p) for p in c.points]},
+    )  # fmt: skip
+    return dataclasses.replace(cal, corun=corun, **replaced)
 
 
 def mooncake_transfer(path: Path, base: TransferModel) -> TransferModel:

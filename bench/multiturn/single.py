@@ -109,7 +109,7 @@ def host_trace(opts: argparse.Namespace, model: Any) -> Any:  # Callable[[Calibr
         info = {"benchmark": "multiturn", "configs": list(small.configs),
                 "clients": small.num_clients, "rounds": small.num_rounds,
                 "device_pool_tokens": device_tokens, "seed": small.seeds[0]}  # fmt: skip
-        return fit_meters(meters, info, cal.timer)
+        return fit_meters(meters, info, cal.timer, cal.num_layers)
 
     return trace
 

@@ -139,7 +139,7 @@ def host_trace(
                 free_memory()
         info = {"benchmark": "optimistic", "policies": policies, "attempts": [0, 2],
                 "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
-        return fit_meters(meters, info, cal.timer)
+        return fit_meters(meters, info, cal.timer, cal.num_layers)
 
     return trace
 

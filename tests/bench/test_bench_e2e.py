@@ -18,8 +18,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,7 @@ from bench.clock.calibrate import (
     table_from,
 )
 from bench.clock.calibration_file import load_calibration, write_calibration
+from bench.clock.corun import CorunSlowdown, corun_shapes
 from bench.clock.host_cost import PhaseFit, fit_phase
 from bench.clock.streams_model import CopyTimeline
 from bench.clock.transport import TransferModel
@@ -247,6 +251,64 @@ def test_compute_and_copies_beside_each_other_are_slowed() -> None:
     assert _span(CopyTimeline().occupy("load", 1.0, 1.0, after=2.5)) == (2.5, 3.5)
 
 
+def test_corun_slowdown_interpolates_over_the_forward_cost() -> None:
+    c = CorunSlowdown(1.4, "measured", {}, 1.3, ((0.005, 1.4, 1.3), (0.05, 1.0, 1.1)))
+    assert c.factor_at(0.001) == 1.4 and c.factor_at(0.5) == 1.0  # clamped at both ends
+    assert c.factor_at(math.sqrt(0.005 * 0.05)) == pytest.approx(1.2)  # linear in log(cost)
+    assert c.copy_factor_at(0.05) == pytest.approx(1.1)
+    assert CorunSlowdown.from_dict(c.as_dict()) == c
+    flat = CorunSlowdown.from_dict({"factor": 1.2, "copy_factor": 1.1, "source": "flag"})
+    assert flat.factor_at(0.001) == flat.factor_at(1.0) == 1.2 and flat.copy_factor_at(9) == 1.1
+    with pytest.raises(ValueError, match="sorted"):
+        CorunSlowdown(1.4, "measured", {}, 1.3, ((0.05, 1.0, 1.1), (0.005, 1.4, 1.3)))
+    with pytest.raises(ValueError, match=">= 1"):
+        CorunSlowdown(1.4, "measured", {}, 1.3, ((0.005, 0.9, 1.3),))
+    assert corun_shapes([16, 32, 64], [0, 128, 256]) == [(16, 256), (32, 256), (64, 0)]
+    assert corun_shapes([16], [0, 16]) == [(16, 16), (16, 0)]
+
+
+def test_a_short_forward_beside_a_load_is_charged_its_own_slowdown() -> None:
+    """The co-run factor follows the forward's cost: a short forward overlapping a backup is
+    slowed by the short end's factor, a long one by the long end's; the load a forward consumes
+    is resized to that forward's copy factor."""
+    base = linear_calibration(layers=2)
+    short, long_ = base.forward.one(16, 0), base.forward.one(256, 0)
+    corun = CorunSlowdown(2.0, "measured", {}, 1.5, ((short, 2.0, 1.5), (long_, 1.0, 1.0)))
+    cal = dataclasses.replace(base, corun=corun)
+    extra = {}
+    for n in (16, 256):
+        clock = VirtualClock()
+        acct = CostAccountant(cal, clock, types.SimpleNamespace(last_shapes=[(n, 0)]))
+        ctl = _Controller()
+        acct.install(ctl)
+        ctl.write(torch.arange(10_000), node_id=1)  # 10 MB at 0.5 GB/s: 20 ms beside compute
+        compute = cal.forward.one(n, 0)
+        extra[n] = acct(n, 0) - compute
+        assert acct.corun_extra_s == pytest.approx(extra[n])
+    assert extra[16] == pytest.approx(short)  # wholly overlapped at x2: twice as long
+    assert extra[256] == pytest.approx(0.0)
+    clock = VirtualClock()
+    acct = CostAccountant(cal, clock, types.SimpleNamespace(last_shapes=[(16, 0)]))
+    ctl = _Controller()
+    acct.install(ctl)
+    ctl.load_queue = [_Op(4000)]  # 2 MB per layer: 10 us + 2 ms each
+    ctl.start_loading()
+    per_layer = 1e-5 + 2e6 / 1e9
+    acct(16, 0)
+    assert acct.h2d_busy_s == pytest.approx(per_layer * (1 + 1.5))  # layer 1 beside compute
+    assert acct.next_ack_time() == pytest.approx(per_layer * 2.5)
+
+
+def test_resizing_a_booking_moves_the_copies_behind_it() -> None:
+    tl = CopyTimeline()
+    first, second = tl.occupy("load", 0.0, 1.0), tl.occupy("load", 0.5, 1.0)
+    tl.resize(first, 3.0)
+    assert (_span(first), _span(second)) == ((0.0, 3.0), (3.0, 4.0))
+    assert tl.free_at("load") == 4.0
+    with pytest.raises(ValueError, match="seconds"):
+        tl.resize(first, -1.0)
+
+
 def _span(b: Any) -> tuple[float, float]:
     return (b.start, b.end)
 
@@ -262,6 +324,21 @@ def test_host_cost_fit_recovers_a_linear_cost_and_drops_negative_slopes() -> Non
     assert fit.slopes == {} and fit.intercept_s == pytest.approx(statistics.fmean(
         s for _, s in falling))  # fmt: skip
     assert fit_phase(("queue",), []).seconds({"queue": 3.0}) == 0.0
+
+
+def test_host_cost_fit_leaves_a_stall_out() -> None:
+    """One call of 200 that took a second (the process descheduled) is not charged to every
+    call of its phase; the measured mean still counts it."""
+    rng = random.Random(0)
+    samples = [((q % 7,), 3e-4 + 2e-5 * (q % 7) + rng.uniform(0, 2e-5)) for q in range(200)]
+    clean = fit_phase(("queue",), samples)
+    stalled = samples[:100] + [((3,), 1.0)] + samples[101:]
+    fit = fit_phase(("queue",), stalled)
+    assert fit.dropped == 1 and clean.dropped == 0
+    assert fit.seconds({"queue": 3}) == pytest.approx(clean.seconds({"queue": 3}), rel=0.02)
+    assert fit.mean_s > 5e-3  # what was measured, stall included
+    exact = fit_phase(("queue",), [((q,), 1e-4 + 1e-6 * q) for q in range(50)])
+    assert exact.dropped == 0  # rounding residuals of an exact fit are no stalls
 
 
 def test_transfer_model_flags() -> None:
