@@ -81,7 +81,7 @@ class CorunSlowdown:
         pts = self.points
         if seconds <= pts[0][0]:
             return pts[0][k]
-        for lo, hi in zip(pts, pts[1:]):
+        for lo, hi in zip(pts[:-1], pts[1:], strict=True):
             if seconds <= hi[0]:
                 w = math.log(seconds / lo[0]) / math.log(hi[0] / lo[0])
                 return lo[k] + w * (hi[k] - lo[k])

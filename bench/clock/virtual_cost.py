@@ -39,8 +39,8 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
 Wrapping: ``install`` replaces five methods of one controller *instance* (``write``,
 ``wait_write``, ``start_loading``, ``count_finished_writes``, ``count_finished_loads``) with
 timed pass-throughs (and, when the host meter records, its ``stats.record_copy``, so the
-calibration trace keeps every real copy's time: ``HostMeter.copy_samples``), ``install_decode`` sets the decode side's ``copy_hook``; nothing else
-changes.
+calibration trace keeps every real copy's time: ``HostMeter.copy_samples``);
+``install_decode`` sets the decode side's ``copy_hook``; nothing else changes.
 """
 
 from __future__ import annotations
