@@ -6,11 +6,13 @@ the wall-clock runs are timed with; the headline calibrations use the CPU time o
 thread on a CPU), its host costs from the benchmark's own host calibration trace, and the
 workload fixed from it (multi-turn: the arrival rate at ``--load`` of capacity; optimistic: the
 prefill time on the virtual clock, which sets the bootstrap delays and the arrival rate). Then
-each configuration runs three times, one after the other, so the machine's load is alike:
+each configuration runs on three clocks:
 
-- ``wall``: real time, between two speed probes (``SpeedProbe``: a forward of one table shape
-  timed now over the table's value; a shared machine's other jobs change its speed by tens of
-  percent within minutes; recorded, not corrected for);
+- ``wall``: real time, ``WALL_REPEATS`` runs, the configurations taken in turn (so a drift of
+  the machine's speed touches each alike), each between two speed probes (``SpeedProbe``: a
+  forward of one table shape timed now over the table's value; a shared machine's other jobs,
+  and this one's own jitter, change its speed by tens of percent within minutes; recorded, not
+  corrected for); the entry is their mean;
 - ``virtual``: the virtual clock with everything it charges (forward, copies and their co-run
   slowdown, host time, the transfer, acks at their modelled time);
 - ``virtual_uncharged``: the same, as the virtual clock was before host time, the transfer, the
@@ -21,7 +23,9 @@ Per headline ratio (``multiturn/<config>``: device-only / config; ``optimistic/a
 ``optimistic_write_through/attempts_2``: 0 attempts / 2) the entry holds ``virtual``, ``wall``,
 ``gap = (virtual - wall) / wall``, and the uncharged ratio and its gap. Wall numbers move with
 the machine's load (the run's load average is recorded); the target is a gap within 15% on a
-CPU. Results: ``fidelity.json`` and the ``fidelity`` section of the suite summary.
+CPU. Results: ``fidelity.json`` and the ``fidelity`` section of the suite summary; the two
+calibrations are kept in the output folder's ``calibration.json`` as ``fidelity_multiturn`` and
+``fidelity_optimistic``.
 
     python -m bench.fidelity [--out results] [--no-uncharged] [--corun-from FILE]
                              [--transfer-gbps G --transfer-latency-us L]
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from bench.clock.calibrate import Calibration, describe, forward_curve
+from bench.clock.calibration_file import write_calibration
 from bench.clock.corun import CorunSlowdown
 from bench.clock.transport import TransferModel
 from bench.common import call_timer, sync_device
@@ -64,6 +69,11 @@ OPTIMISTIC = {"cpu": ["--num-requests", "80", "--kv-sample-every", "20"],
               "cuda": ["--num-requests", "16", "--kv-sample-every", "8"]}  # fmt: skip
 """The small traces, per device (the GPU's model is Llama-3-8B-shaped, its prompts long)."""
 CAL_ROUNDS = 7
+WALL_REPEATS = 2
+"""Wall runs per configuration, the configurations taken in turn (``_clocks``)."""
+OUT = [Path("results")]
+"""Where ``run`` writes: the calibrations go to its ``calibration.json`` as ``fidelity_<bench>``
+(kept, so a run's virtual side can be replayed: ``load_calibration(path, "fidelity_...")``)."""
 
 
 def uncharged(cal: Calibration) -> Calibration:
@@ -110,19 +120,35 @@ class SpeedProbe:
 
 
 def _clocks(
-    label: str, run_one: Any, with_uncharged: bool, probe: SpeedProbe
-) -> dict[str, dict[str, Any]]:
-    """The wall run between two speed probes (recorded, not corrected for), then the virtual
-    runs on the calibration as measured."""
-    before = probe()
-    out = {"wall": run_one("wall")}
-    after = probe()
-    out["wall"]["speed_vs_calibration"] = [before, after]
-    for clock in ("virtual",) + (("virtual_uncharged",) if with_uncharged else ()):
-        out[clock] = run_one(clock)
-    line = ", ".join(f"{c} {r['ttft_mean_s'] * 1e3:.2f} ms" for c, r in out.items())
-    print(f"    {label}: TTFT mean {line} (machine x{before:.2f} / x{after:.2f} as slow as "
-          "calibrated before / after the wall run)", flush=True)  # fmt: skip
+    labels: list[str], run_one: Any, with_uncharged: bool, probe: SpeedProbe, kind: str
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per label: ``WALL_REPEATS`` wall runs, the labels taken in turn (a shared machine's
+    speed drifts by tens of percent within minutes: in turn, every label sees the same drift),
+    each between two speed probes (recorded, not corrected for); the wall entry is their mean
+    TTFT (each run's kept in ``ttft_mean_s_runs``). Then the virtual runs on the calibration as
+    measured. ``run_one(label, clock)``."""
+    walls: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for _ in range(WALL_REPEATS):
+        for label in labels:
+            before = probe()
+            res = run_one(label, "wall")
+            res["speed_vs_calibration"] = [before, probe()]
+            walls[label].append(res)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for label in labels:
+        runs = walls[label]
+        wall = dict(runs[0])
+        wall["ttft_mean_s_runs"] = [r["ttft_mean_s"] for r in runs]
+        wall["ttft_mean_s"] = statistics.fmean(wall["ttft_mean_s_runs"])
+        wall["speed_vs_calibration"] = [x for r in runs for x in r["speed_vs_calibration"]]
+        out[label] = {"wall": wall}
+        for clock in ("virtual",) + (("virtual_uncharged",) if with_uncharged else ()):
+            out[label][clock] = run_one(label, clock)
+        line = ", ".join(f"{c} {r['ttft_mean_s'] * 1e3:.2f} ms" for c, r in out[label].items())
+        each = " / ".join(f"{t * 1e3:.2f}" for t in wall["ttft_mean_s_runs"])
+        speeds = " ".join(f"x{x:.2f}" for x in wall["speed_vs_calibration"])
+        print(f"    {kind} {label}: TTFT mean {line} (wall runs {each} ms; machine {speeds} as "
+              "slow as calibrated around them)", flush=True)  # fmt: skip
     return out
 
 
@@ -135,7 +161,8 @@ def _brief(res: dict[str, Any]) -> dict[str, Any]:
             "host_charged_s": host.get("charged_s"), "host_measured_s": host.get("measured_s"),
             "transfer_s": vc.get("transfer_s"), "corun_extra_s": vc.get("corun_extra_s"),
             "acks_held": vc.get("acks_held"),
-            "speed_vs_calibration": res.get("speed_vs_calibration")}  # fmt: skip
+            "speed_vs_calibration": res.get("speed_vs_calibration"),
+            "ttft_mean_s_runs": res.get("ttft_mean_s_runs")}  # fmt: skip
 
 
 def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
@@ -149,21 +176,20 @@ def multiturn(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
                              mt.host_trace(opts, model), timer="wall",
                              rounds=CAL_ROUNDS)  # fmt: skip
     print(f"[fidelity] multiturn calibration: {describe(cal)}", flush=True)
+    write_calibration(OUT[0], "fidelity_multiturn", cal)
     rate = mtt.request_rate(opts, cal)
     seed = opts.seeds[0]
     probe = SpeedProbe(cal, model, args)
-    runs: dict[str, dict[str, dict[str, Any]]] = {}
-    for name in opts.configs:
 
-        def one(clock: str, name: str = name) -> dict[str, Any]:
-            c = uncharged(cal) if clock == "virtual_uncharged" else cal
-            res = mt.run_config(name, seed, device_tokens, rate, opts, model, c,
-                                clock != "wall", quiet=True,
-                                acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
-            free_memory()
-            return res
+    def one(name: str, clock: str) -> dict[str, Any]:
+        c = uncharged(cal) if clock == "virtual_uncharged" else cal
+        res = mt.run_config(name, seed, device_tokens, rate, opts, model, c,
+                            clock != "wall", quiet=True,
+                            acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
+        free_memory()
+        return res
 
-        runs[name] = _clocks(f"multiturn {name}", one, with_uncharged, probe)
+    runs = _clocks(list(opts.configs), one, with_uncharged, probe, "multiturn")
     entries = {}
     for name in opts.configs:
         if name == "device_only":
@@ -189,25 +215,24 @@ def optimistic(flags: list[str], with_uncharged: bool) -> dict[str, Any]:
                              ob.host_trace(opts, model, policies), timer="wall",
                              rounds=CAL_ROUNDS)  # fmt: skip
     print(f"[fidelity] optimistic calibration: {describe(cal)}", flush=True)
+    write_calibration(OUT[0], "fidelity_optimistic", cal)
     prefill_s = orun.calibrate_prefill_s(opts, model, cal, True)
     delay = delay_for(opts.delay_scale, prefill_s)
     seed = opts.seeds[0]
     arrivals = poisson_arrivals(opts.num_requests, opts.utilization / prefill_s, seed)
     trace = orun.make_trace(opts, seed, arrivals, delay, 0.0)
     probe = SpeedProbe(cal, model, args)
-    runs: dict[str, dict[str, dict[str, Any]]] = {}
-    for policy in policies:
-        for attempts in (0, 2):
 
-            def one(clock: str, policy: str = policy, attempts: int = attempts) -> dict[str, Any]:
-                c = uncharged(cal) if clock == "virtual_uncharged" else cal
-                res = orun.run_config(trace, attempts, policy, model, c, clock != "wall",
-                                      acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
-                free_memory()
-                return res
+    def one(key: str, clock: str) -> dict[str, Any]:
+        policy, attempts = key.split("/attempts_")
+        c = uncharged(cal) if clock == "virtual_uncharged" else cal
+        res = orun.run_config(trace, int(attempts), policy, model, c, clock != "wall",
+                              acks_at_step_end=clock == "virtual_uncharged")  # fmt: skip
+        free_memory()
+        return res
 
-            key = f"{policy}/attempts_{attempts}"
-            runs[key] = _clocks(f"optimistic {key}", one, with_uncharged, probe)
+    keys = [f"{policy}/attempts_{a}" for policy in policies for a in (0, 2)]
+    runs = _clocks(keys, one, with_uncharged, probe, "optimistic")
     entries = {}
     for policy in policies:
         b, a = runs[f"{policy}/attempts_0"], runs[f"{policy}/attempts_2"]
@@ -245,6 +270,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
         if getattr(opts, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     note = cpu_note()
+    OUT[0] = out_dir
     t0 = time.perf_counter()
     load0 = os.getloadavg()
     parts = {"multiturn": multiturn(flags, opts.uncharged),

@@ -50,6 +50,7 @@ from bench.clock.streams_model import CopyTimeline
 from bench.clock.transport import TransferModel
 from bench.clock.virtual_cost import CostAccountant
 from bench.e2e import setup as e2e
+from bench.e2e.calibrated import charge_trace_copies
 from bench.e2e.workload import poisson_arrivals
 from bench.multiturn import single as mt_single
 from bench.multiturn import trace as bm
@@ -297,6 +298,21 @@ def test_a_short_forward_beside_a_load_is_charged_its_own_slowdown() -> None:
     acct(16, 0)
     assert acct.h2d_busy_s == pytest.approx(per_layer * (1 + 1.5))  # layer 1 beside compute
     assert acct.next_ack_time() == pytest.approx(per_layer * 2.5)
+
+
+def test_calibration_charges_the_trace_copy_fits() -> None:
+    """The trace's copy fit replaces the op timed alone (kept beside it); the copies' co-run
+    slowdown is then in the fit (copy factor 1), compute's stays as measured."""
+    base = linear_calibration()
+    measured = CorunSlowdown(1.3, "measured", {}, 1.2, ((0.005, 1.3, 1.2), (0.05, 1.0, 1.1)))
+    host = HostCosts({}, "cpu", copies={"h2d": CopyFit("h2d", 3e-4, 4e8)})
+    cal = charge_trace_copies(dataclasses.replace(base, corun=measured, host=host))
+    assert cal.h2d.per_call_s == 3e-4 and cal.d2h == base.d2h  # d2h: no trace fit, as measured
+    assert cal.h2d.points[-1]["op_alone"]["per_call_s"] == base.h2d.per_call_s
+    assert cal.corun.factor_at(0.001) == 1.3 and cal.corun.factor_at(1.0) == 1.0
+    assert cal.corun.copy_factor_at(0.001) == 1.0 and cal.corun.copy_factor == 1.0
+    assert cal.corun.measured["copy_factor_measured"] == 1.2
+    assert charge_trace_copies(base) is base  # no trace: nothing to charge
 
 
 def test_resizing_a_booking_moves_the_copies_behind_it() -> None:
