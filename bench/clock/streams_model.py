@@ -13,8 +13,9 @@ and the other way round.
 - ``compute_end(start, work_s, factor)``: when ``work_s`` seconds of compute that starts at
   ``start`` ends if it progresses at ``1 / factor`` while any copy runs (a factor of 1:
   ``start + work_s``).
-- ``resize(booking, seconds)``: a booking's duration set after the fact (a load back's co-run
-  speed is known once the forward that consumes it is charged); the copies behind it move.
+- ``resize(booking, seconds, start)``: a booking's duration (and a later start) set after the
+  fact (a load back's co-run speed and, on CPU streams, its start are known once the forward
+  that consumes it is charged); the copies behind it move.
 - ``stretch_copies(a, b, copy_factor)``: compute ran over ``[a, b)``: every copy that
   overlapped it takes ``(copy_factor - 1)`` times the overlap longer, and the copies queued
   behind it on its FIFO start that much later (their ``Booking.end`` moves: it is the modelled
@@ -85,13 +86,18 @@ class CopyTimeline:
         self._free_at[key] = b.end
         return b
 
-    def resize(self, booking: Booking, seconds: float) -> None:
-        """Set ``booking``'s duration to ``seconds``; the copies queued behind it on its FIFO
-        move with its end."""
+    def resize(self, booking: Booking, seconds: float, start: float | None = None) -> None:
+        """Set ``booking``'s duration to ``seconds`` (and its start to ``start``: no earlier
+        than it was, it may not start sooner); the copies queued behind it on its FIFO move
+        with its end."""
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
+        if start is not None and start < booking.start:
+            raise ValueError(f"start must be >= the booked start {booking.start}, got {start}")
         key = self._key(booking.stream)
         fifo = self._fifos[key]
+        if start is not None:
+            booking.ready = booking.start = start
         booking.duration = seconds
         booking.end = booking.start + seconds
         at = next((i for i, bk in enumerate(fifo) if bk is booking), None)

@@ -12,7 +12,10 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
   events give. Layer 0's copy runs while the forward waits for it; every later layer's copy
   runs beside the previous layer's compute and is charged its co-run slowdown at the cost of
   the forward that consumes the load (``corun.copy_factor_at``; the booking is resized when
-  that forward is charged).
+  that forward is charged). On CPU streams a load starts no earlier than its forward: the
+  stream thread waits for the interpreter while the scheduler's Python between the launch and
+  the forward runs (measured: the wall runs' forwards block ~1-2 ms in layer 0's wait, which
+  a load starting at its launch hid behind the launch's host time).
 - **D2H backup** (write stream): each backup (``write``) occupies the write stream for
   ``d2h.seconds(bytes)``, FIFO, beside compute, and starts after the newest load in flight (as
   the controller orders it); a wait for a backup (``wait_write``: write_back eviction)
@@ -130,7 +133,7 @@ class CostAccountant:
         factor = self.corun.factor_at(compute)
         copy_factor = self.corun.copy_factor_at(compute)
         start = self.clock.now()
-        ready = self._loaded_layers(copy_factor)
+        ready = self._loaded_layers(copy_factor, start)
         self.timeline.trim(start)
         end = start
         per_layer = compute / self.layers
@@ -147,17 +150,21 @@ class CostAccountant:
         self.forwards += 1
         return end - start
 
-    def _loaded_layers(self, copy_factor: float) -> list[float]:
+    def _loaded_layers(self, copy_factor: float, forward_start: float) -> list[float]:
         """When each layer of the load launched for this forward is ready: layer 0 copied
         alone, every later one beside the previous layer's compute at ``copy_factor`` (the
-        factor of this forward's cost); its booking is resized to match. Empty without one."""
+        factor of this forward's cost); its booking is resized to match. On CPU streams the
+        load starts no earlier than the forward (``forward_start``): the stream thread shares
+        the interpreter with the scheduler thread, whose Python between the launch and the
+        forward holds it. Empty without a load."""
         if self._pending_load is None:
             return []
         bk, per_layer = self._pending_load
         self._pending_load = None
         beside = per_layer * copy_factor
         self.h2d_busy_s += per_layer + (self.layers - 1) * beside
-        self.timeline.resize(bk, per_layer + (self.layers - 1) * beside)
+        start = max(bk.start, forward_start) if self.timeline.shared else None
+        self.timeline.resize(bk, per_layer + (self.layers - 1) * beside, start)
         return [bk.start + per_layer + i * beside for i in range(self.layers)]
 
     def next_ack_time(self) -> float | None:

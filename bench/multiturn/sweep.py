@@ -18,7 +18,7 @@ from bench.e2e.report import sum_integrity
 from bench.e2e.setup import free_memory
 from bench.multiturn.trace import RATIO, add_ratios, pool_sizes, request_rate
 
-SWEEP_TRACE = dict(num_clients=24, num_rounds=3, seeds=[0], kv_sample_every=10)
+SWEEP_TRACE = dict(num_clients=16, num_rounds=3, seeds=[0], kv_sample_every=10)
 """The sweeps' trace (quick size): the headline's prompt lengths, fewer clients and rounds."""
 LOADS = (0.3, 0.5, 0.7, 0.9)
 WORKING_SETS = (2.0, 4.0, 8.0)

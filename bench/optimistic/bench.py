@@ -79,7 +79,7 @@ SECTIONS = {"write_back": "optimistic", "write_through": "optimistic_write_throu
 
 SIZES = {
     "quick": (
-        dict(num_requests=200, input_len=256, num_prefixes=4, utilization=0.25, chunk=32,
+        dict(num_requests=120, input_len=256, num_prefixes=4, utilization=0.25, chunk=32,
              seeds=(0, 1, 2), kv_sample_every=20, sweep=[], attempts=ATTEMPTS[:2]),
         dict(num_requests=24, input_len=8192, num_prefixes=4, utilization=0.25, chunk=1024,
              seeds=(0,), kv_sample_every=4, sweep=[]),

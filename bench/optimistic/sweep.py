@@ -29,7 +29,7 @@ from prefill.disagg.sim_config import DelayDistribution
 
 __all__ = ["DELAY_SCALES", "SWEEP_TRACE", "UTILIZATIONS", "ceiling", "delay_for", "run_sweeps"]
 
-SWEEP_TRACE = dict(num_requests=80, seeds=[0], kv_sample_every=10)
+SWEEP_TRACE = dict(num_requests=60, seeds=[0], kv_sample_every=10)
 DELAY_SCALES = (0.25, 0.5, 1.0, 2.0)
 UTILIZATIONS = (0.1, 0.25, 0.5)
 ATTEMPTS = 2

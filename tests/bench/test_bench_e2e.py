@@ -57,6 +57,7 @@ from bench.multiturn import trace as bm
 from bench.optimistic import bench as bo
 from bench.optimistic import run as orun
 from bench.summary import git_commit, run_info
+from hicache.transfer.streams import CpuStreams
 from prefill.clock import VirtualClock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,6 +194,27 @@ def test_forward_waits_for_layers_still_loading() -> None:
     assert acct(64, 0) == pytest.approx(compute)  # the next forward finds nothing loading
 
 
+def test_on_cpu_streams_a_load_starts_at_its_forward() -> None:
+    """Host time between the launch and the forward hides layer 0's copy behind it on CUDA
+    streams; on CPU streams (the stream thread waits for the interpreter) it does not."""
+    waits = {}
+    for name, streams in (("cuda", None), ("cpu", CpuStreams())):
+        cal = linear_calibration(layers=2)
+        clock = VirtualClock()
+        acct = CostAccountant(cal, clock, types.SimpleNamespace(last_shapes=[(64, 0)]))
+        ctl = _Controller()
+        ctl.streams = streams
+        acct.install(ctl)
+        ctl.load_queue = [_Op(4000)]  # 2 MB per layer: 10 us + 2 ms each
+        ctl.start_loading()
+        clock.advance(1e-3)  # the scheduler's host time before the forward
+        acct(64, 0)
+        waits[name] = acct.load_wait_s
+    per_layer = 1e-5 + 2e6 / 1e9
+    assert waits["cuda"] == pytest.approx(per_layer - 1e-3 + max(0.0, per_layer - 0.82e-3))
+    assert waits["cpu"] == pytest.approx(per_layer + max(0.0, per_layer - 0.82e-3))
+
+
 def test_wait_for_a_backup_advances_the_clock_to_its_end() -> None:
     clock = VirtualClock(start=1.0)
     acct = CostAccountant(linear_calibration(), clock, types.SimpleNamespace(last_shapes=[]))
@@ -321,6 +343,10 @@ def test_resizing_a_booking_moves_the_copies_behind_it() -> None:
     tl.resize(first, 3.0)
     assert (_span(first), _span(second)) == ((0.0, 3.0), (3.0, 4.0))
     assert tl.free_at("load") == 4.0
+    tl.resize(first, 3.0, start=0.5)  # started later (CPU streams: at its forward)
+    assert (_span(first), _span(second)) == ((0.5, 3.5), (3.5, 4.5))
+    with pytest.raises(ValueError, match="start"):
+        tl.resize(first, 1.0, start=0.0)
     with pytest.raises(ValueError, match="seconds"):
         tl.resize(first, -1.0)
 
