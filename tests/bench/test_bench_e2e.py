@@ -46,6 +46,7 @@ from bench.clock.calibrate import (
 from bench.clock.calibration_file import load_calibration, write_calibration
 from bench.clock.corun import CorunSlowdown, corun_shapes
 from bench.clock.host_cost import PhaseFit, fit_phase
+from bench.clock.host_meter import fit_trace_copies
 from bench.clock.streams_model import CopyTimeline
 from bench.clock.transport import TransferModel
 from bench.clock.virtual_cost import CostAccountant
@@ -320,6 +321,20 @@ def test_a_short_forward_beside_a_load_is_charged_its_own_slowdown() -> None:
     acct(16, 0)
     assert acct.h2d_busy_s == pytest.approx(per_layer * (1 + 1.5))  # layer 1 beside compute
     assert acct.next_ack_time() == pytest.approx(per_layer * 2.5)
+
+
+def test_trace_copy_fit_charges_what_the_copies_cost_in_sum() -> None:
+    """Most backups take their op's time, one in ten three times as long (the stream thread
+    waiting for the interpreter): the trace fit's total is the trace's total."""
+    op = CopyFit("d2h", 4e-4, 5e8)
+    samples = [("d2h", n, op.seconds(n) * (3.0 if i % 10 == 0 else 1.0))
+               for i, n in enumerate([64_000, 256_000, 1_024_000] * 40)]  # fmt: skip
+    samples += [("h2d", 64_000, 1e-3)]  # one size only: no h2d fit
+    fits = fit_trace_copies(samples, num_layers=4)
+    assert set(fits) == {"d2h"}
+    summary = fits["d2h"].points[0]
+    assert summary["samples"] == 120
+    assert summary["fit_total_s"] == pytest.approx(summary["total_s"], rel=1e-6)
 
 
 def test_calibration_charges_the_trace_copy_fits() -> None:
