@@ -111,7 +111,8 @@ class CostAccountant:
         self.controller: Any = None
         self.gate_acks = True
         self._done: dict[int, tuple[Any, Booking]] = {}  # id(ack) -> (ack, its modelled copy)
-        self._pending_load: tuple[Booking, float] | None = None  # (booking, seconds per layer)
+        # The newest load's (ack, booking, seconds per layer), until a forward consumes it.
+        self._pending_load: tuple[Any, Booking, float] | None = None
         self.compute_s = 0.0
         self.corun_extra_s = 0.0
         self.load_wait_s = 0.0
@@ -156,11 +157,16 @@ class CostAccountant:
         factor of this forward's cost); its booking is resized to match. On CPU streams the
         load starts no earlier than the forward (``forward_start``): the stream thread shares
         the interpreter with the scheduler thread, whose Python between the launch and the
-        forward holds it. Empty without a load."""
+        forward holds it. Empty without a load, or when its ack left the queue before this
+        forward (the load was cancelled): it is not this forward's."""
         if self._pending_load is None:
             return []
-        bk, per_layer = self._pending_load
+        ack, bk, per_layer = self._pending_load
         self._pending_load = None
+        c = self.controller
+        if c is not None and not any(a is ack for a in c.ack_load_queue):
+            self.h2d_busy_s += bk.duration  # cancelled or acked before any forward: as booked
+            return []
         beside = per_layer * copy_factor
         self.h2d_busy_s += per_layer + (self.layers - 1) * beside
         start = max(bk.start, forward_start) if self.timeline.shared else None
@@ -260,8 +266,8 @@ class CostAccountant:
                 bk = self.timeline.occupy("load", self.clock.now(), total, stretchable=False)
                 self._register(controller.ack_load_queue[-1], bk)
                 if self._pending_load is not None:  # launched without a forward: as booked
-                    self.h2d_busy_s += self._pending_load[0].duration
-                self._pending_load = (bk, per_layer)
+                    self.h2d_busy_s += self._pending_load[1].duration
+                self._pending_load = (controller.ack_load_queue[-1], bk, per_layer)
             return pid
 
         if self.meter is not None and self.meter.record:  # the calibration trace: real copy times

@@ -214,6 +214,14 @@ def test_on_cpu_streams_a_load_starts_at_its_forward() -> None:
     per_layer = 1e-5 + 2e6 / 1e9
     assert waits["cuda"] == pytest.approx(per_layer - 1e-3 + max(0.0, per_layer - 0.82e-3))
     assert waits["cpu"] == pytest.approx(per_layer + max(0.0, per_layer - 0.82e-3))
+    # A load cancelled before its forward (its ack gone) is not the next forward's to wait for.
+    ctl.load_queue = [_Op(4000)]
+    ctl.start_loading()
+    ctl.ack_load_queue.clear()
+    before = acct.load_wait_s
+    clock.advance(1e-3)
+    acct(64, 0)
+    assert acct.load_wait_s == before
 
 
 def test_wait_for_a_backup_advances_the_clock_to_its_end() -> None:
