@@ -360,6 +360,26 @@ def test_calibration_charges_the_trace_copy_fits() -> None:
     assert charge_trace_copies(base) is base  # no trace: nothing to charge
 
 
+def test_fidelity_takes_the_wall_runs_in_turn_and_reports_their_mean() -> None:
+    from bench.fidelity import bench as fid
+
+    calls: list[tuple[str, str]] = []
+    ttft = {"a": iter([0.010, 0.030]), "b": iter([0.020, 0.040])}
+
+    def run_one(label: str, clock: str) -> dict[str, Any]:
+        calls.append((label, clock))
+        return {"ttft_mean_s": next(ttft[label]) if clock == "wall" else 0.5}
+
+    out = fid._clocks(["a", "b"], run_one, True, lambda: 1.0, "test")
+    walls = [c for c in calls if c[1] == "wall"]
+    assert walls == [("a", "wall"), ("b", "wall")] * fid.WALL_REPEATS  # in turn
+    assert calls[len(walls):] == [("a", "virtual"), ("a", "virtual_uncharged"),
+                                  ("b", "virtual"), ("b", "virtual_uncharged")]  # fmt: skip
+    assert out["a"]["wall"]["ttft_mean_s"] == pytest.approx(0.020)
+    assert out["b"]["wall"]["ttft_mean_s_runs"] == [0.020, 0.040]
+    assert out["a"]["wall"]["speed_vs_calibration"] == [1.0] * (2 * fid.WALL_REPEATS)
+
+
 def test_resizing_a_booking_moves_the_copies_behind_it() -> None:
     tl = CopyTimeline()
     first, second = tl.occupy("load", 0.0, 1.0), tl.occupy("load", 0.5, 1.0)
