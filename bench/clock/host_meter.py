@@ -266,10 +266,9 @@ def fit_trace_copies(samples: list[tuple[str, int, float]], num_layers: int) -> 
         rows = [(b, calls, s) for d, b, s in samples if d == direction and s > 0]
         if len({b for b, _, _ in rows}) >= 2:
             fit = fit_absolute(direction, rows)
-            total = sum(s for _, _, s in rows)
-            errors = sorted(abs(p["rel_err"]) for p in fit.points)
+            errors = sorted(abs(fit.seconds(b, c) - s) / s for b, c, s in rows)
             fit.points = [{"source": "trace", "samples": len(rows),  # one point per copy: a summary
-                           "total_s": total,
+                           "total_s": sum(s for _, _, s in rows),
                            "fit_total_s": sum(fit.seconds(b, c) for b, c, _ in rows),
                            "median_abs_rel_err": errors[len(errors) // 2]}]  # fmt: skip
             fits[direction] = fit
@@ -284,7 +283,4 @@ def fit_absolute(direction: str, rows: list[tuple[int, int, float]]) -> CopyFit:
     per_call, per_byte = torch.linalg.lstsq(x, t).solution[:, 0].tolist()
     if per_call < 0 or per_byte <= 0:
         return fit_copy(direction, rows)
-    fit = CopyFit(direction, per_call, 1.0 / per_byte)
-    fit.points = [{"bytes": b, "calls": c, "median_s": s, "fit_s": fit.seconds(b, c),
-                   "rel_err": (fit.seconds(b, c) - s) / s} for b, c, s in rows]  # fmt: skip
-    return fit
+    return CopyFit(direction, per_call, 1.0 / per_byte)

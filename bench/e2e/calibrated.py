@@ -114,9 +114,8 @@ def charge_trace_copies(cal: Calibration) -> Calibration:
     for direction in ("h2d", "d2h"):
         fit = copies.get(direction)
         if fit is not None:
-            fit.points = [p for p in fit.points if "op_alone" not in p]
-            fit.points.append({"op_alone": getattr(cal, direction).as_dict()})
-            replaced[direction] = fit
+            alone = {"op_alone": getattr(cal, direction).as_dict()}
+            replaced[direction] = dataclasses.replace(fit, points=[*fit.points, alone])
     c = cal.corun
     corun = dataclasses.replace(
         c, copy_factor=1.0, points=tuple((a, f, 1.0) for a, f, _ in c.points),
