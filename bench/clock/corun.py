@@ -2,15 +2,23 @@
 
 HiCache's copies here are kernels (SM-based on a GPU, a worker thread on a CPU), not copy
 engines, so compute that overlaps a copy may slow down, and the copy with it. ``measure_corun``
-times the benchmark's own model alone and while the cache's own H2D load op loops beside it
-(CUDA: on a side stream, enough copies queued to cover the forward; CPU: on a second thread, as
-the cache's stream worker runs it), and the copy alone and while forwards loop beside it, in
-alternating rounds; each slowdown is the ratio of the medians. A measurement below 1 (noise) is
-charged as 1.
+times the benchmark's own model alone and while the cache copies beside it, and the copies
+alone and beside the forward, in alternating rounds; each slowdown is the ratio of the medians.
+A measurement below 1 (noise) is charged as 1.
+
+- CUDA: the cache's H2D load op queued on a side stream, enough copies to cover the forward,
+  timed by events on each stream.
+- CPU: backups of ``job_tokens`` tokens queued through the cache's own controller, enough to
+  outlast the forward; its write stream's worker thread runs them beside the forward exactly as
+  in a run (index moves, the op, the events), each copy timed by its own stream events. What
+  slows a CPU forward is mostly the job's Python, which holds the interpreter: measured against
+  the bare op looping on a private thread, a short forward's slowdown came out 1.3-1.4, where
+  the forwards of a wall-clock run beside the cache's backups of a few pages were 1.5-2.0 times
+  their table cost; beside these queued backups it is 1.6-2.4.
 
 The slowdown depends on the forward: on a CPU a short forward (a few tokens after a long
 prefix: many small ops, each taking the interpreter lock back from the copy thread) is slowed
-by a third or more, a long one (a few large matmuls) hardly at all. So it is measured at
+by a half or more, a long one (a few large matmuls) by a fifth or less. So it is measured at
 several shapes of the forward table (``corun_shapes``: the shortest forward after the longest
 prefix, one in the middle, the longest without a prefix) and kept as ``points``:
 ``(forward seconds alone, factor, copy_factor)``; ``factor_at(seconds)`` and
@@ -32,15 +40,13 @@ import json
 import logging
 import math
 import statistics
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from bench.common import call_timer, sync_device
 
 __all__ = ["CorunSlowdown", "corun_from_gpu_check", "corun_shapes", "measure_corun"]
 
@@ -142,33 +148,114 @@ def measure_corun(
     shapes: list[tuple[int, int]],
     rounds: int = 9,
     timer: str | None = None,
+    job_tokens: int = 64,
 ) -> CorunSlowdown:
     """The co-run slowdown at each of ``shapes`` (new, prefix tokens; one request), on a pool
-    of ``make_pool(slots)`` (the model's geometry; slots overwritten), beside ``cache``'s H2D
-    per-layer load op copying 1024 tokens (or what fits) again and again; see the module
-    docstring. ``cache``: a hierarchical ``KVCache`` holding nothing yet (its pools are
-    overwritten). ``timer``: of CUDA runs (a CPU run times on the wall clock)."""
+    of ``make_pool(slots)`` (the model's geometry; slots overwritten), beside the cache's own
+    copies (module docstring): on CUDA its H2D per-layer load op copying 1024 tokens (or what
+    fits) again and again on a side stream; on a CPU its backups of ``job_tokens`` tokens,
+    queued through its controller on its write stream, whose worker thread runs them as it
+    does in a run. ``cache``: a hierarchical ``KVCache`` holding nothing yet (its pools are
+    overwritten; every host slot the backups take is freed again). ``timer``: of CUDA runs (a
+    CPU run times on the wall clock)."""
     if not shapes:
         raise ValueError("shapes: at least one forward shape is needed")
-    copy = _load_loop(cache)
+    cpu = cache.device_pool.device.type != "cuda"
+    copy = None if cpu else _load_loop(cache)
     per_shape = []
     for n, p in shapes:
         pool = make_pool(n + p + 2 * cache.device_pool.page_size)
-        per_shape.append(_measure_one(model, pool, copy, (n, p), rounds, timer))
+        if cpu:
+            per_shape.append(_measure_queued(model, pool, cache, (n, p), job_tokens, rounds))
+        else:
+            assert copy is not None
+            per_shape.append(_measure_one(model, pool, copy, (n, p), rounds, timer))
         del pool
     pts = sorted((max(m["alone_s"], 1e-9), max(1.0, m["ratio"]), max(1.0, m["copy_ratio"]))
                  for m in per_shape)  # fmt: skip
-    measured = {"shapes": per_shape, "rounds": rounds,
-                "copy": "cache H2D load_to_device_per_layer, every layer, in a loop"}  # fmt: skip
+    what = (f"cache backups of {job_tokens} tokens queued on its write stream" if cpu else
+            "cache H2D load_to_device_per_layer, every layer, in a loop")  # fmt: skip
+    measured = {"shapes": per_shape, "rounds": rounds, "copy": what}
     return CorunSlowdown(max(p[1] for p in pts), "measured", measured,
                          max(p[2] for p in pts), tuple(pts))  # fmt: skip
+
+
+def _measure_queued(
+    model: Any, pool: Any, cache: Any, shape: tuple[int, int], tokens: int, rounds: int
+) -> dict[str, Any]:
+    """One shape of ``measure_corun`` on a CPU: the forward alone and right after enough
+    backups of ``tokens`` tokens were queued to outlast it (the write stream's worker thread
+    runs them beside the forward, as in a run); the backups alone and those that ran beside
+    the forward, each timed by its own stream events. Wall time; medians and their ratios."""
+    from prefill.model.paged import ExtendInput
+
+    c = cache.controller
+    page = pool.page_size
+    tokens = max(page, min(tokens, (c.device_pool.size // page - 2) * page))
+    d_idx = torch.arange(page, page + tokens)
+    n, p = shape
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, model.config.vocab_size, (n,), generator=gen)
+    batch = [ExtendInput(ids, torch.arange(page, page + n + p), p)]
+
+    def forward() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        model.forward_extend(pool, batch)
+        return t0, time.perf_counter()
+
+    def backups(k: int) -> tuple[list[Any], list[Any]]:
+        hosts, acks = [], []
+        for _ in range(k):
+            h = c.write(d_idx)
+            if h is None:  # the host pool is full: fewer backups
+                break
+            hosts.append(h)
+            acks.append(c.ack_write_queue[-1])
+        return hosts, acks
+
+    def drain(hosts: list[Any], acks: list[Any]) -> list[tuple[float, float]]:
+        c.wait_write()
+        for h in hosts:
+            c.evict_host(h)
+        return [(_fired(a.copy_start_event or a.start_event), _fired(a.finish_event))
+                for a in acks]  # fmt: skip
+
+    forward()  # warm-up
+    t0, t1 = forward()
+    job = statistics.median(b - a for a, b in drain(*backups(4)))
+    k = int(2 * (t1 - t0) / max(job, 1e-6)) + 2
+    alone, beside, c_alone, c_beside, short = [], [], [], [], 0
+    for _ in range(rounds):
+        a0, a1 = forward()
+        alone.append(a1 - a0)
+        hosts, acks = backups(k)
+        f0, f1 = forward()
+        spans = drain(hosts, acks)
+        beside.append(f1 - f0)
+        short += int(not spans or spans[-1][1] < f1)  # the backups did not outlast the forward
+        c_beside.extend(b - a for a, b in spans if f0 <= a and b <= f1)
+        c_alone.extend(b - a for a, b in drain(*backups(3)))
+    ratio = statistics.median(beside) / statistics.median(alone)
+    copy_alone = statistics.median(c_alone)
+    copy_beside = statistics.median(c_beside) if c_beside else copy_alone
+    return {"shape": list(shape), "alone_s": statistics.median(alone),
+            "with_copy_s": statistics.median(beside), "ratio": ratio,
+            "copy_alone_s": copy_alone, "copy_with_forward_s": copy_beside,
+            "copy_ratio": copy_beside / copy_alone, "job_tokens": tokens, "backups": k,
+            "rounds_not_covered": short, "timer": "wall"}  # fmt: skip
+
+
+def _fired(event: Any) -> float:
+    """When a CPU stream event fired (``perf_counter``)."""
+    return float(event.recorded_at)
 
 
 def _measure_one(
     model: Any, pool: Any, copy: Callable[[], None], shape: tuple[int, int], rounds: int,
     timer: str | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One shape of ``measure_corun``: the medians and their ratios."""
+    """One shape of ``measure_corun`` on CUDA (each side timed by events on its own stream):
+    the medians and their ratios."""
     from prefill.model.paged import ExtendInput
 
     n, p = shape
@@ -178,38 +265,26 @@ def _measure_one(
     slots = torch.arange(page, page + n + p, device=device)
     ids = torch.randint(1, model.config.vocab_size, (n,), generator=gen)
     batch = [ExtendInput(ids, slots, p)]
-    timer = timer if device.type == "cuda" else "wall"
-    clock = call_timer(device, timer)
 
-    def forward() -> float:
-        if device.type == "cuda":  # events on the compute stream: copies queued elsewhere run on
-            t0, t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    def timed(fn: Callable[[], None], stream: Any) -> float:
+        t0, t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        with torch.cuda.stream(stream):
             t0.record()
-            model.forward_extend(pool, batch)
+            fn()
             t1.record()
-            t1.synchronize()
-            return t0.elapsed_time(t1) / 1e3
-        sync_device(device)
-        t0 = clock()
-        model.forward_extend(pool, batch)
-        return clock() - t0
-
-    def copy_once() -> float:
-        if device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            t0, t1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            with torch.cuda.stream(side):
-                t0.record()
-                copy()
-                t1.record()
-            t1.synchronize()
-            return t0.elapsed_time(t1) / 1e3
-        t0 = clock()
-        copy()
-        return clock() - t0
+        t1.synchronize()
+        return t0.elapsed_time(t1) / 1e3
 
     def fwd_once() -> None:
         model.forward_extend(pool, batch)
+
+    compute, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+
+    def forward() -> float:  # events on the compute stream: copies queued elsewhere run on
+        return timed(fwd_once, compute)
+
+    def copy_once() -> float:
+        return timed(copy, side)
 
     forward()  # warm-up
     copy_once()
@@ -227,7 +302,7 @@ def _measure_one(
             "copy_alone_s": statistics.median(c_alone),
             "copy_with_forward_s": statistics.median(c_beside),
             "copy_ratio": statistics.median(c_beside) / statistics.median(c_alone),
-            "timer": timer or "wall"}  # fmt: skip
+            "timer": timer or "cuda events"}  # fmt: skip
 
 
 def _load_loop(cache: Any) -> Callable[[], None]:
@@ -251,30 +326,13 @@ def _beside(
     timed: Callable[[], float], background: Callable[[], None], device: torch.device,
     timed_s: float, background_s: float,
 ) -> float:  # fmt: skip
-    """``timed()`` while ``background`` runs beside it: on CUDA queued first on another stream
-    (enough passes to outlast ``timed``), on a CPU looping on a thread until it ends."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        other = torch.cuda.Stream(device)
-        with torch.cuda.stream(other):
-            for _ in range(max(2, int(2 * timed_s / max(background_s, 1e-6)) + 1)):
-                background()
-        t = timed()
-        torch.cuda.synchronize(device)
-        return t
-    stop = threading.Event()
-    running = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
+    """``timed()`` while ``background`` runs beside it, queued first on another CUDA stream
+    (enough passes to outlast ``timed``)."""
+    torch.cuda.synchronize(device)
+    other = torch.cuda.Stream(device)
+    with torch.cuda.stream(other):
+        for _ in range(max(2, int(2 * timed_s / max(background_s, 1e-6)) + 1)):
             background()
-            running.set()
-
-    worker = threading.Thread(target=loop, name="corun-background", daemon=True)
-    worker.start()
-    running.wait(timeout=5.0)
-    try:
-        return timed()
-    finally:
-        stop.set()
-        worker.join()
+    t = timed()
+    torch.cuda.synchronize(device)
+    return t

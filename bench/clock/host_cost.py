@@ -15,12 +15,12 @@ dropped, at most ``STALL_SHARE`` of a phase's samples, and the phase refitted;
 ``PhaseFit.dropped`` counts them and ``mean_s`` / ``total_s`` stay those of every sample
 measured.
 
-The trace also times the cache's real copies (each ack's copy-start to finish event, as the
-controller's ``stats`` records them): ``copies`` holds their fits
-(``bench.clock.host_meter.fit_trace_copies``), which a measured calibration charges instead of
-the copy ops timed alone (``bench.e2e.calibrated``): a copy job on the cache's stream costs more
-than the bare op (index moves, the kernel's index record, the stream's hand-off) and, on a CPU,
-runs beside the scheduler's own Python, which it shares the interpreter with.
+The trace also times the cache's real copies, on wall-clock runs of its configurations
+(``bench.clock.trace_copies``): ``copies`` holds their fits, which a measured calibration
+charges instead of the copy ops timed alone (``bench.e2e.calibrated``): a copy job on the
+cache's stream costs more than the bare op (index moves, the kernel's index record, the
+stream's hand-off) and, on a CPU, runs beside the scheduler's own Python and the forward, which
+it shares the interpreter and the cores with.
 """
 
 from __future__ import annotations

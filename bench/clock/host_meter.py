@@ -1,5 +1,5 @@
 """The scheduler thread's host time on the virtual clock: which calls are measured, how, and
-what is charged for them; and, on the calibration trace, the real copies' times.
+what is charged for them.
 
 ``HostMeter.install(ex)`` replaces the methods of ``PHASES`` on one executor's delegates
 (instance attributes only; nothing else changes): the executor's step and, inside it, the
@@ -31,10 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from bench.clock.copy_fit import CopyFit, fit_copy
 from bench.clock.host_cost import HostCosts, Sample, fit_host_costs
+from bench.clock.trace_copies import CopyRecorder, fit_trace_copies
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +101,6 @@ class HostMeter:
         self.costs = costs
         self.record = record
         self.samples: dict[str, list[Sample]] = {p.name: [] for p in PHASES}
-        # ``(direction, bytes, seconds)`` of the cache's real copies, from their stream events
-        # (``CostAccountant.install`` fills it when ``record``): the trace's copy fits.
-        self.copy_samples: list[tuple[str, int, float]] = []
         self.measured_s = dict.fromkeys(FEATURES, 0.0)
         self.charged_s = dict.fromkeys(FEATURES, 0.0)
         self.calls = dict.fromkeys(FEATURES, 0)
@@ -233,54 +228,21 @@ def _features(name: str, ex: Any, args: tuple[Any, ...], result: Any, before: An
 def fit_meters(
     meters: dict[str, list[HostMeter]], trace: dict[str, Any], timer_name: str,
     num_layers: int | None = None,
+    copies: CopyRecorder | None = None,
 ) -> HostCosts:
     """The host costs of the samples the meters recorded (``record=True``), one profile per
-    key of ``meters`` (a configuration) and pooled; with ``num_layers``, also the fits of the
-    real copies the meters saw (``HostCosts.copies``: a load back is one call per layer, a
-    backup one call; a direction with samples of fewer than two sizes gets none)."""
+    key of ``meters`` (a configuration) and pooled; with ``num_layers`` and ``copies``, also
+    the fits of the real copies recorded on the trace's wall-clock runs (``HostCosts.copies``,
+    ``bench.clock.trace_copies``)."""
     samples: dict[str, dict[str, list[Sample]]] = {}
-    copies: list[tuple[str, int, float]] = []
     steps = 0
     for profile, ms in meters.items():
         by_phase = samples.setdefault(profile, {p.name: [] for p in PHASES})
         for m in ms:
             steps += m.steps
-            copies.extend(m.copy_samples)
             for k, v in m.samples.items():
                 by_phase[k].extend(v)
     costs = fit_host_costs(samples, FEATURES, timer_name, {**trace, "steps": steps})
-    if num_layers is not None:
-        costs.copies = fit_trace_copies(copies, num_layers)
+    if num_layers is not None and copies is not None:
+        costs.copies = fit_trace_copies(copies.samples, num_layers)
     return costs
-
-
-def fit_trace_copies(samples: list[tuple[str, int, float]], num_layers: int) -> dict[str, Any]:
-    """``{"h2d": CopyFit, "d2h": CopyFit}`` of the trace's real copies (module docstring of
-    ``bench.clock.host_cost``); a direction without two sizes of samples is left out.
-
-    Least squares of the seconds themselves (``fit_absolute``), not of relative errors as for
-    the ops timed alone: the copies' times are charged in sum, and a few slow copies (the
-    stream thread waiting for the interpreter) weigh what they cost."""
-    fits: dict[str, Any] = {}
-    for direction, calls in (("h2d", num_layers), ("d2h", 1)):
-        rows = [(b, calls, s) for d, b, s in samples if d == direction and s > 0]
-        if len({b for b, _, _ in rows}) >= 2:
-            fit = fit_absolute(direction, rows)
-            errors = sorted(abs(fit.seconds(b, c) - s) / s for b, c, s in rows)
-            fit.points = [{"source": "trace", "samples": len(rows),  # one point per copy: a summary
-                           "total_s": sum(s for _, _, s in rows),
-                           "fit_total_s": sum(fit.seconds(b, c) for b, c, _ in rows),
-                           "median_abs_rel_err": errors[len(errors) // 2]}]  # fmt: skip
-            fits[direction] = fit
-    return fits
-
-
-def fit_absolute(direction: str, rows: list[tuple[int, int, float]]) -> CopyFit:
-    """``calls * per_call + bytes / bw`` by least squares of the seconds (both terms >= 0;
-    ``fit_copy``'s relative fit where one comes out negative)."""
-    x = torch.tensor([[c, b] for b, c, _ in rows], dtype=torch.float64)
-    t = torch.tensor([[s] for _, _, s in rows], dtype=torch.float64)
-    per_call, per_byte = torch.linalg.lstsq(x, t).solution[:, 0].tolist()
-    if per_call < 0 or per_byte <= 0:
-        return fit_copy(direction, rows)
-    return CopyFit(direction, per_call, 1.0 / per_byte)

@@ -41,9 +41,8 @@ KV content are real); only *time* comes from the calibration (``bench.clock.cali
 
 Wrapping: ``install`` replaces five methods of one controller *instance* (``write``,
 ``wait_write``, ``start_loading``, ``count_finished_writes``, ``count_finished_loads``) with
-timed pass-throughs (and, when the host meter records, its ``stats.record_copy``, so the
-calibration trace keeps every real copy's time: ``HostMeter.copy_samples``);
-``install_decode`` sets the decode side's ``copy_hook``; nothing else changes.
+timed pass-throughs; ``install_decode`` sets the decode side's ``copy_hook``; nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -270,14 +269,6 @@ class CostAccountant:
                 self._pending_load = (controller.ack_load_queue[-1], bk, per_layer)
             return pid
 
-        if self.meter is not None and self.meter.record:  # the calibration trace: real copy times
-            record_copy, samples = controller.stats.record_copy, self.meter.copy_samples
-
-            def recorded(direction: str, nbytes: int, seconds: float) -> None:
-                record_copy(direction, nbytes, seconds)
-                samples.append((direction, int(nbytes), float(seconds)))
-
-            controller.stats.record_copy = recorded
         controller.write = timed_write
         controller.wait_write = timed_wait_write
         controller.start_loading = timed_start_loading

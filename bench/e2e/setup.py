@@ -31,6 +31,7 @@ import torch
 
 from bench.clock.calibrate import Calibration
 from bench.clock.host_meter import HostMeter
+from bench.clock.trace_copies import CopyRecorder
 from bench.clock.virtual_cost import CostAccountant, RecordingModel
 from bench.common import call_timer
 from hicache.tp.group import TPGroup
@@ -161,6 +162,7 @@ def new_executor(
     acks_at_step_end: bool = False,
     host_profile: str | None = None,
     host: SharedHostPool | None = None,
+    copies: CopyRecorder | None = None,
 ) -> tuple[OptimisticPrefillExecutor, CostAccountant | None]:
     """An executor whose decode side keeps received KV (sampled, see ``Driver``) in a pool of
     ``decode_pool_tokens``.
@@ -175,7 +177,9 @@ def new_executor(
     virtual clock did before acks were modelled). On either clock the calibration's transfer
     model sets the simulated peers' own wait (``TransferModel``). ``group``: the
     tensor-parallel cache group (this rank's cache and decode side; the clock wrapped so every
-    rank reads rank 0's time). ``host``: the benchmark's ``SharedHostPool`` (one rank)."""
+    rank reads rank 0's time). ``host``: the benchmark's ``SharedHostPool`` (one rank).
+    ``copies``: records the cache's real copies, on either clock (the calibration trace's
+    wall-clock runs, ``bench.clock.trace_copies``)."""
     virtual = calibration is not None if virtual is None else virtual
     if virtual and calibration is None:
         raise ValueError("calibration: a virtual clock needs one")
@@ -188,7 +192,10 @@ def new_executor(
                   decode_pool_size=decode_pool_tokens, group=group,
                   cache=None if host is None else host.build(args))  # fmt: skip
     if not virtual:
-        return make_executor(args, model=model, **common), None
+        ex = make_executor(args, model=model, **common)
+        if copies is not None and ex.cache.controller is not None:
+            copies.install(ex.cache.controller)
+        return ex, None
     assert calibration is not None
     if host_mode == "model" and calibration.host is None:
         host_mode = "off"
@@ -201,6 +208,8 @@ def new_executor(
     ex = make_executor(args, model=recording, cost_model=cost, modelled_copies=cost, **common)
     if ex.cache.controller is not None:
         cost.install(ex.cache.controller)
+        if copies is not None:
+            copies.install(ex.cache.controller)
     cost.install_decode(ex.decode)
     meter.install(ex)
     if acks_at_step_end:

@@ -12,6 +12,7 @@ from typing import Any
 from bench.clock.calibrate import Calibration, describe, forward_curve
 from bench.clock.host_cost import HostCosts
 from bench.clock.host_meter import HostMeter, fit_meters
+from bench.clock.trace_copies import CopyRecorder
 from bench.common import time_left
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.budget import TimeBudget
@@ -61,6 +62,7 @@ def run_config(
     cal: Calibration | None, virtual: bool | None = None, host_mode: str | None = None,
     max_requests: int | None = None, meters: dict[str, list[HostMeter]] | None = None,
     quiet: bool = False, acks_at_step_end: bool = False, host: SharedHostPool | None = None,
+    copies: CopyRecorder | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration under one seed (``virtual``: default whether ``cal`` is given;
     ``host_mode``: default ``--host-time``; the host costs are this configuration's profile).
@@ -75,7 +77,7 @@ def run_config(
                             virtual=virtual, host_mode=host_mode or opts.host_time,
                             record_host=meters is not None,
                             acks_at_step_end=acks_at_step_end, host_profile=name,
-                            host=host)  # fmt: skip
+                            host=host, copies=copies)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
         meters.setdefault(name, []).append(cost.meter)
     run = drive_trace(ex, cost, conversations, rate, seed, name, opts, max_requests,
@@ -93,23 +95,28 @@ def run_config(
 def host_trace(opts: argparse.Namespace, model: Any) -> Any:  # Callable[[Calibration], HostCosts]
     """The host calibration trace: ``HOST_TRACE_CLIENTS`` conversations of the first seed (all
     their rounds: first prompts, hits, load backs and evictions alike) under every
-    configuration, host time measured (and charged as measured); the fit of every call's
-    samples, per configuration."""
+    configuration, on the virtual clock with host time measured (and charged as measured),
+    then on wall time with the real copies recorded; the fit of every call's samples, per
+    configuration, and of the copies (``bench.clock.trace_copies``)."""
     small = argparse.Namespace(**{**vars(opts), "num_clients": HOST_TRACE_CLIENTS[device_kind()]})
     _, device_tokens = pool_sizes(small)
 
     def trace(cal: Calibration) -> HostCosts:
         meters: dict[str, list[HostMeter]] = {}
+        copies = CopyRecorder()
         bare = without_host(cal)
         rate = request_rate(small, bare)
         for name in small.configs:
             run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, True,
                        "measured", None, meters, quiet=True)  # fmt: skip
             free_memory()
+            run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, False,
+                       quiet=True, copies=copies)  # fmt: skip
+            free_memory()
         info = {"benchmark": "multiturn", "configs": list(small.configs),
                 "clients": small.num_clients, "rounds": small.num_rounds,
                 "device_pool_tokens": device_tokens, "seed": small.seeds[0]}  # fmt: skip
-        return fit_meters(meters, info, cal.timer, cal.num_layers)
+        return fit_meters(meters, info, cal.timer, cal.num_layers, copies)
 
     return trace
 

@@ -36,6 +36,7 @@ from typing import Any
 from bench.clock.calibrate import Calibration, describe, forward_curve
 from bench.clock.host_cost import HostCosts
 from bench.clock.host_meter import HostMeter, fit_meters
+from bench.clock.trace_copies import CopyRecorder
 from bench.common import time_left
 from bench.e2e.budget import TimeBudget
 from bench.e2e.calibrated import obtain_calibration, without_host
@@ -119,9 +120,11 @@ def host_trace(
     opts: argparse.Namespace, model: Any, policies: list[str], host: SharedHostPool | None = None
 ) -> Any:
     """The host calibration trace: the first ``HOST_TRACE_REQUESTS`` requests of the first
-    seed with 0 and 2 attempts (and 2 with forced retries) under every policy, host time
-    measured (and charged as measured); the fit of every call's samples. ``host``: the
-    benchmark's shared host pool (same pool size as its configurations)."""
+    seed with 0 and 2 attempts (and 2 with forced retries) under every policy, on the virtual
+    clock with host time measured (and charged as measured), then on wall time with the real
+    copies recorded; the fit of every call's samples, and of the copies
+    (``bench.clock.trace_copies``). ``host``: the benchmark's shared host pool (same pool size
+    as its configurations)."""
 
     host_requests = HOST_TRACE_REQUESTS[device_kind()]
 
@@ -131,15 +134,18 @@ def host_trace(
         delay = delay_for(opts.delay_scale, prefill_s)
         arrivals = poisson_arrivals(host_requests, opts.utilization / prefill_s, opts.seeds[0])
         meters: dict[str, list[HostMeter]] = {}
+        copies = CopyRecorder()
         for policy in policies:
             for attempts, forced in ((0, 0.0), (2, 0.0), (2, opts.forced_retry_prob)):
                 t = make_trace(opts, opts.seeds[0], arrivals, delay, 0.0, forced)
                 run_config(t, attempts, policy, model, bare, True, "measured", meters,
                            host=host)  # fmt: skip
                 free_memory()
+                run_config(t, attempts, policy, model, bare, False, host=host, copies=copies)
+                free_memory()
         info = {"benchmark": "optimistic", "policies": policies, "attempts": [0, 2],
                 "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
-        return fit_meters(meters, info, cal.timer, cal.num_layers)
+        return fit_meters(meters, info, cal.timer, cal.num_layers, copies)
 
     return trace
 

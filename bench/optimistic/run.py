@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.clock.calibrate import Calibration
 from bench.clock.host_meter import HostMeter
+from bench.clock.trace_copies import CopyRecorder
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, run_until_idle
 from bench.e2e.setup import SharedHostPool, model_args, new_executor, release_executor
@@ -138,13 +139,13 @@ def run_config(
     trace: Trace, attempts: int, policy: str, model: Any, cal: Calibration | None,
     virtual: bool | None = None, host_mode: str | None = None,
     meters: dict[str, list[HostMeter]] | None = None, acks_at_step_end: bool = False,
-    host: SharedHostPool | None = None,
+    host: SharedHostPool | None = None, copies: CopyRecorder | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One configuration on ``trace`` (``virtual``: default whether ``cal`` is given;
     ``host_mode``: default ``--host-time``; ``meters`` receives the run's host meter, which
     then records its samples, under its host profile ``host_profile(...)``;
     ``acks_at_step_end``: see ``new_executor``; ``host``: the benchmark's shared host pool,
-    for configurations of its pool size)."""
+    for configurations of its pool size; ``copies``: records the run's real copies)."""
     opts = trace.opts
     args = Trace.server_args(opts, attempts, trace.failure_prob, policy)
     peer = PeerConfig(bootstrap_delay=trace.delay, bootstrap_failure_prob=trace.failure_prob,
@@ -155,7 +156,7 @@ def run_config(
                             host_mode=host_mode or opts.host_time,
                             record_host=meters is not None,
                             acks_at_step_end=acks_at_step_end, host_profile=profile,
-                            host=host)  # fmt: skip
+                            host=host, copies=copies)  # fmt: skip
     if meters is not None and cost is not None and cost.meter is not None:
         meters.setdefault(profile, []).append(cost.meter)
     _warm(ex, trace.prefixes, cost)

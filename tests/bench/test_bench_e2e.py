@@ -44,10 +44,10 @@ from bench.clock.calibrate import (
     table_from,
 )
 from bench.clock.calibration_file import load_calibration, write_calibration
-from bench.clock.corun import CorunSlowdown, corun_shapes
+from bench.clock.corun import CorunSlowdown, corun_shapes, measure_corun
 from bench.clock.host_cost import PhaseFit, fit_phase
-from bench.clock.host_meter import fit_trace_copies
 from bench.clock.streams_model import CopyTimeline
+from bench.clock.trace_copies import CopyRecorder, fit_trace_copies
 from bench.clock.transport import TransferModel
 from bench.clock.virtual_cost import CostAccountant
 from bench.e2e import setup as e2e
@@ -503,6 +503,55 @@ def test_multiturn_on_the_virtual_clock_repeats_exactly(name: str) -> None:
         5e-5 * vc["host"]["per_phase"]["step"]["calls"])  # fmt: skip
     if name != "device_only":
         assert a["host_hit_tokens"] > 0 and vc["h2d_busy_s"] > 0
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_a_wall_clock_run_records_every_real_copy() -> None:
+    """The host trace's wall-clock runs record the cache's copies (``CopyRecorder``): every
+    backup's bytes, as the run's stats count them, and the fit of them."""
+    opts = _multiturn_opts()
+    _, device_tokens = bm.pool_sizes(opts)
+    cal = linear_calibration()
+    model = e2e.shared_model(bm.server_args_for("write_through", device_tokens, opts))
+    rec = CopyRecorder()
+    res = mt_single.run_config("write_through", 5, device_tokens, bm.request_rate(opts, cal),
+                               opts, model, cal, False, quiet=True, copies=rec)  # fmt: skip
+    d2h = [s for s in rec.samples if s[0] == "d2h"]
+    assert d2h and sum(b for _, b, _ in d2h) == res["d2h_bytes"]
+    assert sum(b for d, b, _ in rec.samples if d == "h2d") == res["h2d_bytes"]
+    assert all(secs > 0 for _, _, secs in rec.samples)
+    if len({b for _, b, _ in d2h}) >= 2:
+        assert fit_trace_copies(rec.samples, 2)["d2h"].points[0]["samples"] == len(d2h)
+
+
+@pytest.mark.usefixtures("tiny_model")
+def test_cpu_corun_runs_beside_the_cache_s_own_backups_and_gives_their_slots_back() -> None:
+    """On a CPU the co-run is measured beside backups queued through the cache's controller
+    (its write stream's worker runs them); afterwards the cache is as it was: no ack queued,
+    every host slot free, integrity holds."""
+    from hicache.builder import build_kv_cache
+    from hicache.memory.device_pool import device_pool_from_server_args
+
+    opts = _multiturn_opts()
+    _, device_tokens = bm.pool_sizes(opts)
+    args = bm.server_args_for("write_back", device_tokens, opts)
+    model = e2e.shared_model(args)
+    cache = build_kv_cache(args)
+    try:
+        free = cache.controller.host_allocator.available_size()
+        c = measure_corun(model, lambda n: device_pool_from_server_args(args, size=n), cache,
+                          [(16, 32), (64, 0)], rounds=2, job_tokens=32)  # fmt: skip
+        shapes = c.measured["shapes"]
+        assert [s["shape"] for s in shapes] == [[16, 32], [64, 0]]
+        assert all(s["job_tokens"] == 32 and s["backups"] >= 2 for s in shapes)
+        assert "backups of 32 tokens" in c.measured["copy"]
+        assert len(c.points) == 2 and all(f >= 1.0 and cf >= 1.0 for _, f, cf in c.points)
+        assert not cache.controller.ack_write_queue
+        assert cache.controller.host_allocator.available_size() == free
+        cache.check_integrity()
+    finally:
+        cache.close()
+        cache.host_pool.destroy()
 
 
 @pytest.mark.usefixtures("tiny_model")
