@@ -5,8 +5,8 @@ written to (``calibration.json`` in the output folder, every run).
 - Measured: ``bench.clock.calibrate.calibrate_run`` (forward, copies, transfer copy, co-run),
   then the host costs from the benchmark's own calibration trace (``host_trace(cal)``: a short
   run of its workload with host time measured and charged as measured, fitted per phase), and
-  the copy fits of that trace's real copies in place of the copy ops timed alone
-  (``charge_trace_copies``).
+  the copy fits of the real copies of that trace's wall-clock runs in place of the copy ops
+  timed alone (``charge_trace_copies``).
 - Replayed: the file's entry for the benchmark (``bench.clock.calibration_file``), host costs
   included; nothing is measured.
 - Flags (both): ``--transfer-model FILE`` (the Mooncake transfer cost ``python -m bench.pd``
@@ -103,10 +103,10 @@ def obtain_calibration(
 def charge_trace_copies(cal: Calibration) -> Calibration:
     """``cal`` charging the copy fits of its calibration trace's real copies (``cal.host.copies``,
     per direction where the trace had them) instead of the copy ops timed alone, whose fits are
-    kept in the trace fit's ``points`` (``op_alone``). The trace's copies ran beside the
-    scheduler's work, so their co-run slowdown is in the fit: the co-run ``copy_factor`` is
-    then 1 (the measured points are kept in ``corun.measured``); compute's slowdown beside a
-    copy stays charged as measured."""
+    kept in the trace fit's ``points`` (``op_alone``). The trace's copies ran in wall-clock
+    runs, beside the scheduler's work and the forwards, so their co-run slowdown is in the fit:
+    the co-run ``copy_factor`` is then 1 (the measured points are kept in ``corun.measured``);
+    compute's slowdown beside a copy stays charged as measured."""
     copies = {} if cal.host is None else cal.host.copies
     if not copies:
         return cal

@@ -96,8 +96,9 @@ def host_trace(opts: argparse.Namespace, model: Any) -> Any:  # Callable[[Calibr
     """The host calibration trace: ``HOST_TRACE_CLIENTS`` conversations of the first seed (all
     their rounds: first prompts, hits, load backs and evictions alike) under every
     configuration, on the virtual clock with host time measured (and charged as measured),
-    then on wall time with the real copies recorded; the fit of every call's samples, per
-    configuration, and of the copies (``bench.clock.trace_copies``)."""
+    then (a configuration with an L2 cache) on wall time with the real copies recorded; the
+    fit of every call's samples, per configuration, and of the copies
+    (``bench.clock.trace_copies``)."""
     small = argparse.Namespace(**{**vars(opts), "num_clients": HOST_TRACE_CLIENTS[device_kind()]})
     _, device_tokens = pool_sizes(small)
 
@@ -110,9 +111,10 @@ def host_trace(opts: argparse.Namespace, model: Any) -> Any:  # Callable[[Calibr
             run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, True,
                        "measured", None, meters, quiet=True)  # fmt: skip
             free_memory()
-            run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, False,
-                       quiet=True, copies=copies)  # fmt: skip
-            free_memory()
+            if server_args_for(name, device_tokens, small).enable_hierarchical_cache:
+                run_config(name, small.seeds[0], device_tokens, rate, small, model, bare, False,
+                           quiet=True, copies=copies)  # fmt: skip
+                free_memory()
         info = {"benchmark": "multiturn", "configs": list(small.configs),
                 "clients": small.num_clients, "rounds": small.num_rounds,
                 "device_pool_tokens": device_tokens, "seed": small.seeds[0]}  # fmt: skip

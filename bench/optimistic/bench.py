@@ -121,8 +121,8 @@ def host_trace(
 ) -> Any:
     """The host calibration trace: the first ``HOST_TRACE_REQUESTS`` requests of the first
     seed with 0 and 2 attempts (and 2 with forced retries) under every policy, on the virtual
-    clock with host time measured (and charged as measured), then on wall time with the real
-    copies recorded; the fit of every call's samples, and of the copies
+    clock with host time measured (and charged as measured), and with 2 attempts on wall time
+    with the real copies recorded; the fit of every call's samples, and of the copies
     (``bench.clock.trace_copies``). ``host``: the benchmark's shared host pool (same pool size
     as its configurations)."""
 
@@ -141,8 +141,9 @@ def host_trace(
                 run_config(t, attempts, policy, model, bare, True, "measured", meters,
                            host=host)  # fmt: skip
                 free_memory()
-                run_config(t, attempts, policy, model, bare, False, host=host, copies=copies)
-                free_memory()
+                if attempts == 2 and not forced:  # the copies' wall-clock samples: one run
+                    run_config(t, attempts, policy, model, bare, False, host=host, copies=copies)
+                    free_memory()
         info = {"benchmark": "optimistic", "policies": policies, "attempts": [0, 2],
                 "requests_each": host_requests, "seed": opts.seeds[0]}  # fmt: skip
         return fit_meters(meters, info, cal.timer, cal.num_layers, copies)
