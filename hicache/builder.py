@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
     from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
     from hicache.storage.io.controller import HiCacheStorageController
+    from hicache.transfer.acks import CopyTimer
     from hicache.transfer.controller import HiCacheController
     from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
@@ -123,6 +124,7 @@ def build_kv_cache(
     streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
     group: TPGroup | None = None,
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
+    copy_timer: CopyTimer | None = None,
 ) -> KVCache:
     """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
     with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
@@ -142,6 +144,7 @@ def build_kv_cache(
     benchmark's calibration and configurations share one pinned pool): it must match the flags
     exactly (``reuse_for``), gets a fresh allocator, and the previous cache using it must be
     closed. One rank only.
+    ``copy_timer``: the controller's modelled copy time (a simulator's; ``HiCacheController``).
 
     With ``hicache_storage_backend`` the L3 tier too (``hicache.storage.io.setup``): its backend,
     IO threads and controller, attached to the tree (``KVCache.storage``).
@@ -193,6 +196,7 @@ def build_kv_cache(
         copy_delay=copy_delay,
         stats=stats,
         group=group,
+        copy_timer=copy_timer,
     )
     tree = HiRadixCache(
         controller,

@@ -23,8 +23,10 @@ class Clock(Protocol):
     def advance(self, dt: float) -> None:
         """Account for ``dt`` seconds of modeled work (virtual time only)."""
 
-    def wait_until(self, t: float) -> None:
-        """Block (wall) or jump (virtual) until ``now() >= t``; never moves time backwards."""
+    def wait_until(self, t: float, poll_s: float | None = None) -> None:
+        """Block (wall) or jump (virtual) until ``now() >= t``; never moves time backwards.
+        ``poll_s``: return after at most that much real time, so the caller can look for an
+        event that lands on another thread (a virtual clock jumps: no real time passes)."""
 
 
 class VirtualClock:
@@ -43,7 +45,7 @@ class VirtualClock:
             raise ValueError(f"dt must be >= 0, got {dt}")
         self._now += dt
 
-    def wait_until(self, t: float) -> None:
+    def wait_until(self, t: float, poll_s: float | None = None) -> None:
         self._now = max(self._now, float(t))
 
 
@@ -64,7 +66,9 @@ class WallClock:
         if dt < 0:
             raise ValueError(f"dt must be >= 0, got {dt}")
 
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
+    def wait_until(self, t: float, poll_s: float | None = None) -> None:
+        delay = min(t - self.now(), self.max_sleep_s)
+        if poll_s is not None:
+            delay = min(delay, poll_s)
         if delay > 0:
-            time.sleep(min(delay, self.max_sleep_s))
+            time.sleep(delay)

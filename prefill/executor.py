@@ -75,7 +75,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -104,17 +104,9 @@ from prefill.stats import ExecutorStats
 from prefill.tp.driver import TPDriver, agreed_clock
 from prefill.tp.sync import PeerPolls
 
-__all__ = ["CostModel", "ModelledCopies", "OptimisticPrefillExecutor"]
+__all__ = ["CostModel", "OptimisticPrefillExecutor"]
 
 logger = logging.getLogger(__name__)
-
-
-class ModelledCopies(Protocol):
-    """What a virtual-clock cost model tells the executor of the cache's copies: when the next
-    copy in flight completes on the modelled streams (its ack is not popped before), ``None``
-    when none is in flight. ``wait_for_next_event`` jumps there when nothing else is due."""
-
-    def next_ack_time(self) -> float | None: ...
 
 
 class OptimisticPrefillExecutor:
@@ -132,9 +124,8 @@ class OptimisticPrefillExecutor:
         decode: the decode instance (a ``prefill.disagg.protocol.DecodeBackend``); when
             omitted, the one ``--disaggregation-transfer-backend`` names, built from ``args``
             (``prefill.disagg.backends``; the in-process simulation by default).
-        cost_model: seconds charged to the clock per forward (virtual clocks only).
-        modelled_copies: on a virtual clock whose cost model also times the cache's copies
-            (and holds their acks until their modelled end): when the next one ends.
+        cost_model: seconds charged to the clock per forward (virtual clocks only); a cache
+            built with a ``copy_timer`` pops each copy's ack at its modelled end.
         group: the tensor-parallel cache group (``hicache.tp.group.new_cache_group()``) when
             the cache is built here; otherwise the cache's. At more than one rank the clock is
             wrapped in an ``AgreedClock`` (a given ``decode`` must use that same clock object)
@@ -155,7 +146,6 @@ class OptimisticPrefillExecutor:
         cost_model: CostModel | None = None,
         decode_pool_size: int | None = None,
         group: TPGroup | None = None,
-        modelled_copies: ModelledCopies | None = None,
     ) -> None:
         max_attempts = resolved_attempts(args)
         if cache is None:
@@ -196,7 +186,6 @@ class OptimisticPrefillExecutor:
                 decode_pool_size=decode_pool_size or self.allocator.size,
             )  # fmt: skip
         self.decode: DecodeBackend = decode
-        self.modelled_copies = modelled_copies
         self.max_attempts = max_attempts
         # A pending attempt's KV is never inserted into a tree that backs up at insert.
         self.unpublished_pending = bool(self.tree.backs_up_on_insert)
@@ -369,7 +358,8 @@ class OptimisticPrefillExecutor:
     ) -> int:
         """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
         among the next peer event (agreed over ranks), ``also`` (a caller's own next event,
-        such as an arrival), the next modelled copy's end (``modelled_copies``) and the storage
+        such as an arrival), the next timed copy's end (``HiCacheController.next_ack_time``)
+        and the storage
         tier's next deadline (``cache.storage``, when it has one); else sleep
         briefly while the cache has copies in flight (an ack comes from a side stream); else
         allow two more steps for an event due now. Never steps in place. On a wall clock with
@@ -379,17 +369,14 @@ class OptimisticPrefillExecutor:
         after a step that progressed). Raises ``RuntimeError`` when nothing can change."""
         now = self.clock.now()
         peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
-        copy_t = None if self.modelled_copies is None else self.modelled_copies.next_ack_time()
+        copy_t = self._next_ack_time()
         storage = getattr(self.cache, "storage", None)
         deadline = storage.next_deadline() if storage is not None else None
         times = [t for t in (peer_t, also, copy_t, deadline) if t is not None]
         ahead = [t for t in times if t > now]
         copies = self.cache_copies_in_flight()
         if ahead:
-            target = min(ahead)
-            if copies and not getattr(self.clock, "is_virtual", False):
-                target = min(target, now + 0.0005)
-            self.clock.wait_until(target)
+            self.clock.wait_until(min(ahead), poll_s=0.0005 if copies else None)
             return 0
         if copies:
             time.sleep(0.0002)
@@ -397,6 +384,10 @@ class OptimisticPrefillExecutor:
         if times and due_now < 2:
             return due_now + 1  # the next step sees it
         raise RuntimeError(f"stalled at t={now:.6f}: nothing can progress; {self.describe()}")
+
+    def _next_ack_time(self) -> float | None:
+        controller = getattr(self.cache, "controller", None)
+        return None if controller is None else controller.next_ack_time()
 
     def cache_copies_in_flight(self) -> int:
         """Cache copies whose acks are not in: D2H backups, H2D loads and L3 operations."""
@@ -413,6 +404,9 @@ class OptimisticPrefillExecutor:
         rank once any rank's deadline passed: the loop's exit is agreed)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            ready = self._next_ack_time()
+            if ready is not None:  # timed copies: their acks come at their modelled end
+                self.clock.wait_until(ready)
             self.tree.check_hicache_events()
             pending = self.cache_copies_in_flight()
             if pending == 0:

@@ -1,192 +1,184 @@
-"""Reporting of the end-to-end benchmarks: the command-line options they share, statistics over
-seeds, tables, the TTFT plot and the result files."""
+"""The end-to-end benchmarks' grid and report: every configuration under every clock mode
+(wall, or a GPU profile) and seed, the ratio of each to its baseline per seed, means and spread
+over seeds, one table per mode, and the result file rewritten after every run (a run cut short
+keeps what it measured)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.e2e.calibrated import add_calibration_args
-from bench.e2e.setup import CLOCKS, cpu_note, on_cuda
+from bench.common import time_left
+from bench.e2e.setup import mode_label, on_cuda
+from bench.profile import GpuProfile, load_profile
 
-logger = logging.getLogger(__name__)
-
-Column = tuple[str, str, float, str]
-"""(header, result key, scale, format spec) of one table column."""
-
-
-def add_common_args(p: argparse.ArgumentParser, seeds: Sequence[int], kv_every: int) -> None:
-    """``--clock``, ``--seeds``, ``--kv-sample-every``, ``--use-mla``, ``--sweeps`` and the
-    calibration's flags (``bench.e2e.calibrated``), with this size's defaults."""
-    p.add_argument("--clock", choices=CLOCKS, default="wall" if on_cuda() else "virtual",
-                   help="virtual (default on a CPU): scheduling on a clock charged from a "
-                   "calibration measured in the run or replayed (deterministic given seed and "
-                   "calibration); wall (default on CUDA): real time.")
-    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=not on_cuda(),
-                   help="Also run the sweeps (quick sizes, one seed; default on a CPU).")
-    add_calibration_args(p)
-    p.add_argument("--seeds", type=int, nargs="+", default=list(seeds),
-                   help="Trace seeds; each configuration runs once per seed.")
-    p.add_argument("--kv-sample-every", type=int, default=kv_every,
-                   help="Every N-th success is checked against a full recompute.")  # fmt: skip
-    p.add_argument("--use-mla", action="store_true",
-                   help="DeepSeek-shaped multi-head latent attention over MLA pools "
-                   "(CPU: bench.e2e.setup.CPU_MLA; CUDA: deepseek-v2-lite-shape).")  # fmt: skip
+Column = tuple[str, str, float, str]  # header, key, scale, format
+INTEGRITY_KEYS = ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends",
+                  "integrity_errors", "attempt_budget_exceeded")  # fmt: skip
 
 
-def spread(values: Sequence[float | None]) -> dict[str, Any] | None:
-    """Mean, min, max, sample stdev (0 for one value) and the values; None if any is None."""
-    if not values or any(v is None for v in values):
-        return None
-    vals = [float(v) for v in values if v is not None]
-    return {
-        "mean": statistics.fmean(vals),
-        "min": min(vals),
-        "max": max(vals),
-        "stdev": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-        "per_seed": vals,
-    }
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The clock flags, ``--seeds``, ``--kv-sample-every``, ``--use-mla``, ``--sweeps`` (the
+    sizes' defaults apply to flags left ``None``)."""
+    p.add_argument("--quick", action="store_true", help="Quick sizes (the suite's default).")
+    p.add_argument("--out", type=Path, default=None, help="Output folder (default results).")
+    p.add_argument("--clock", choices=("wall", "profile", "both"), default=None,
+                   help="wall: this machine's time; profile: a virtual clock charged by each "
+                   "--profile; both (default on a CPU; wall only on CUDA unless --profile).")
+    p.add_argument("--profile", nargs="*", default=None, metavar="NAME|FILE",
+                   help="GPU profiles of the modelled runs (default h100 h200 on a CPU; none "
+                   "on CUDA, where the GPU check passes its measured one).")
+    p.add_argument("--seeds", type=int, nargs="+")
+    p.add_argument("--kv-sample-every", type=int,
+                   help="Every N-th success is checked against a full recompute.")
+    p.add_argument("--use-mla", action="store_true", help="MLA pools (DeepSeek's latent KV).")
+    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=False,
+                   help="Also sweep the load on the first modelled profile (one seed).")
 
 
-def aggregate_seeds(
-    per_seed: dict[int, dict[str, dict[str, Any]]], keys: Sequence[str], ratio_key: str
-) -> dict[str, dict[str, Any]]:
-    """One entry per configuration, over the seeds it ran under (a run cut short by its
-    deadline may lack some; ``seeds`` lists them): each of ``keys`` averaged (None if missing
-    anywhere); ``ratio_key`` and ``ttft_mean_s`` also get ``*_spread`` (``spread``);
-    ``integrity`` counters are summed."""
-    names: list[str] = []
-    for seed in sorted(per_seed):
-        names += [n for n in per_seed[seed] if n not in names]
-    out: dict[str, dict[str, Any]] = {}
-    for name in names:
-        seeds = [s for s in sorted(per_seed) if name in per_seed[s]]
-        rows = [per_seed[s][name] for s in seeds]
-        entry: dict[str, Any] = {}
-        for k in keys:
-            vals = [r.get(k) for r in rows]
-            if any(v is None for v in vals):
-                entry[k] = None
-            elif all(isinstance(v, int) for v in vals):
-                entry[k] = round(statistics.fmean(vals), 1)
-            else:
-                entry[k] = statistics.fmean(vals)
-        for k in (ratio_key, "ttft_mean_s"):
-            entry[k + "_spread"] = spread([r.get(k) for r in rows])
-            if entry[k + "_spread"] is not None:
-                entry[k] = entry[k + "_spread"]["mean"]
-        entry["seeds"] = seeds
-        by_seed = {s: r for s, r in zip(seeds, rows, strict=True)}
-        entry["integrity"] = sum_integrity(by_seed)
-        entry["checks"] = sum_checks(by_seed)
-        out[name] = entry
+def modes(opts: argparse.Namespace) -> list[GpuProfile | None]:
+    """The clock modes to run: ``None`` (wall) first, then each profile."""
+    names = opts.profile if opts.profile is not None else ([] if on_cuda() else ["h100", "h200"])
+    clock = opts.clock or ("both" if names else "wall")
+    out: list[GpuProfile | None] = [] if clock == "profile" else [None]
+    if clock != "wall":
+        if not names:
+            raise ValueError("--clock profile needs at least one --profile")
+        out += [load_profile(n) for n in names]
     return out
 
 
-CHECK_COUNTS = ("kv_checked_requests", "kv_strict_checked", "kv_strict_skipped")
-"""Audit counters that count checks, not violations (``audit``)."""
+def spread(values: list[float | None]) -> dict[str, Any] | None:
+    """Mean, min, max, stdev (0 for one value) and the values; None if any is missing."""
+    if not values or any(v is None for v in values):
+        return None
+    vals = [float(v) for v in values if v is not None]
+    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "stdev": sd,
+            "per_seed": vals}  # fmt: skip
 
 
-def sum_integrity(results: dict[Any, Any]) -> dict[str, int]:
-    """Integrity counters of every configuration, added up (violations only; the counts of
-    checks made are summed under ``checks``)."""
-    total: dict[str, int] = {}
-    for res in results.values():
-        for k, v in res["integrity"].items():
-            if k not in CHECK_COUNTS and k != "checks":
-                total[k] = total.get(k, 0) + int(v)
-    return total
+class Grid:
+    """Runs ``run_one(profile, seed, config) -> dict`` over modes x seeds x configs in that
+    order (every mode's headline first when ``configs`` lists it first), skipping what the
+    deadline (``HICACHE_BENCH_DEADLINE``) no longer allows, and keeps ``per_seed`` results.
+    ``baseline(config)`` names the configuration a ratio divides by."""
+
+    def __init__(self, name: str, out_dir: Path, ratio: str,
+                 baseline: Callable[[str], str], doc: dict[str, Any]) -> None:  # fmt: skip
+        self.name, self.out_dir, self.ratio, self.baseline = name, out_dir, ratio, baseline
+        self.doc = doc
+        self.per_seed: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+        self.labels: dict[str, str] = {}
+        self.skipped: list[str] = []
+        self._slowest = 0.0
+
+    def run(self, profiles: list[GpuProfile | None], seeds: list[int], configs: list[str],
+            run_one: Callable[[GpuProfile | None, int, str], dict[str, Any]],
+            suffix: str = "") -> None:  # fmt: skip
+        """``suffix``: appended to the mode's key (a sweep's point)."""
+        for profile in profiles:
+            key, label = mode_label(profile)
+            key += suffix
+            self.labels[key] = label + suffix.replace("_", " ")
+            for seed in seeds:
+                for config in configs:
+                    tag = f"{key}/{config}/seed{seed}"
+                    if time_left() < 1.5 * self._slowest + 5:
+                        print(f"    {tag}: skipped, {time_left():.0f} s left", flush=True)
+                        self.skipped.append(tag)
+                        continue
+                    t0 = time.perf_counter()
+                    res = run_one(profile, seed, config)
+                    self._slowest = max(self._slowest, time.perf_counter() - t0)
+                    results = self.per_seed.setdefault(key, {}).setdefault(seed, {})
+                    results[config] = res
+                    self._ratios(results)
+                    print(f"    {tag}: {res['successes']} ok, TTFT mean "
+                          f"{res['ttft_mean_s'] * 1e3:.2f} ms "
+                          f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+                    self.write(partial=True)
+
+    def _ratios(self, results: dict[str, dict[str, Any]]) -> None:
+        for config, res in results.items():
+            base = results.get(self.baseline(config), {}).get("ttft_mean_s")
+            res[self.ratio] = base / res["ttft_mean_s"] if base and res["ttft_mean_s"] else None
+
+    def summary(self, keys: Sequence[str]) -> dict[str, Any]:
+        """Per mode and configuration: ``keys`` averaged over seeds, the ratio's spread."""
+        out: dict[str, Any] = {}
+        for mode, by_seed in self.per_seed.items():
+            configs: dict[str, Any] = {}
+            for config in dict.fromkeys(c for r in by_seed.values() for c in r):
+                rows = [r[config] for r in by_seed.values() if config in r]
+                entry = {k: _mean([r.get(k) for r in rows]) for k in keys}
+                entry[self.ratio + "_spread"] = spread([r.get(self.ratio) for r in rows])
+                entry["seeds"] = [s for s, r in by_seed.items() if config in r]
+                configs[config] = entry
+            out[mode] = {"what": self.labels[mode], "configs": configs}
+        return out
+
+    def integrity(self) -> dict[str, int]:
+        total = dict.fromkeys(INTEGRITY_KEYS, 0)
+        for by_seed in self.per_seed.values():
+            for results in by_seed.values():
+                for res in results.values():
+                    for k, v in res.get("integrity", {}).items():
+                        if k in total:
+                            total[k] += int(v)
+        return total
+
+    def write(self, partial: bool = False, **extra: Any) -> Path:
+        from bench.summary import machine_info, run_info
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"{self.name}.json"
+        body = {"benchmark": self.name, "machine": machine_info(), "run": run_info(),
+                **self.doc, "partial": partial, "modes": self.labels,
+                "skipped_for_time": self.skipped, "per_seed": self.per_seed, **extra}  # fmt: skip
+        path.write_text(json.dumps(body, indent=2, default=str))
+        return path
 
 
-def add_counters(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    """Two sets of integrity counters, added key by key."""
-    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+def _mean(vals: list[Any]) -> float | None:
+    return None if not vals or any(v is None for v in vals) else statistics.fmean(vals)
 
 
-def sum_checks(results: dict[Any, Any]) -> dict[str, int]:
-    """How many requests the audits checked, over every configuration (``CHECK_COUNTS``)."""
-    total = dict.fromkeys(CHECK_COUNTS, 0)
-    for res in results.values():
-        counts = res.get("checks") or res["integrity"]
-        for k in CHECK_COUNTS:
-            total[k] += int(counts.get(k, 0))
-    return total
+def print_tables(summary: dict[str, Any], cols: list[Column], ratio: str, label: str) -> None:
+    """One table per mode, then each configuration's ratio and its spread over seeds."""
+    for mode, body in summary.items():
+        print(f"\n  {mode}: {body['what']}")
+        configs = body["configs"]
+        w = max(26, max(len(n) for n in configs) + 2)
+        print(f"  {'config':<{w}}" + "".join(f"{c[0]:>14}" for c in cols))
+        for name, res in configs.items():
+            cells = [f"{'-':>14}" if res.get(k) is None else f"{res[k] * s:>14{f}}"
+                     for _, k, s, f in cols]  # fmt: skip
+            print(f"  {name:<{w}}" + "".join(cells))
+        for name, res in configs.items():
+            s = res.get(ratio + "_spread")
+            if s is not None:
+                vals = ", ".join(f"{v:.3f}" for v in s["per_seed"])
+                print(f"    {name:<{w}} {label} {s['mean']:.3f} (min {s['min']:.3f}, "
+                      f"max {s['max']:.3f}; seeds: {vals})")  # fmt: skip
 
 
-def print_config_table(results: dict[str, Any], cols: list[Column], width: int = 14) -> None:
-    """One row per configuration, fixed-width columns with units in the headers."""
-    name_w = max(24, max((len(n) for n in results), default=0) + 2)
-    print(f"{'config':<{name_w}}" + "".join(f"{c[0]:>{width}}" for c in cols))
-    for name, res in results.items():
-        cells = []
-        for _, key, scale, fmt in cols:
-            v = res.get(key)
-            cells.append(f"{'-':>{width}}" if v is None else f"{v * scale:>{width}{fmt}}")
-        print(f"{name:<{name_w}}" + "".join(cells))
+def headline(summary: dict[str, Any], ratio: str) -> dict[str, dict[str, float | None]]:
+    """``{mode: {config: mean ratio}}`` for the suite's summary."""
+    return {m: {c: (r.get(ratio + "_spread") or {}).get("mean") for c, r in b["configs"].items()}
+            for m, b in summary.items()}  # fmt: skip
 
 
-def print_spread(results: dict[str, Any], ratio_key: str, label: str) -> None:
-    """One line per configuration: the ratio's mean and spread over seeds."""
-    for name, res in results.items():
-        s = res.get(ratio_key + "_spread")
-        if s is None:
-            continue
-        seeds = ", ".join(f"{v:.3f}" for v in s["per_seed"])
-        print(f"  {name:<34} {label} {s['mean']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
-              f"stdev {s['stdev']:.3f}; seeds: {seeds})")  # fmt: skip
-
-
-def plot_ttft(results: dict[str, Any], path: Path, title: str, labels: list[str]) -> None:
-    """Box plot of the TTFT samples of each configuration, when matplotlib is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no plot {path.name}")
-        return
-    data = [[t * 1e3 for t in res["ttft_samples_s"]] for res in results.values()]
-    if not any(data):
-        print(f"no TTFT samples: no plot {path.name}")
-        return
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(data)), 4.5))
-    ax.boxplot(data, showmeans=True)
-    ax.set_xticks(range(1, len(data) + 1), labels)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(title + (" (CPU)" if cpu_note() else ""))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_result(out_dir: Path, name: str, doc: dict[str, Any]) -> Path:
-    """``out_dir/NAME.json`` with the machine description and the run's provenance added."""
-    from bench.summary import machine_info, run_info
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    body = {"benchmark": name, "machine": machine_info(), "run": run_info(), **doc}
-    path.write_text(json.dumps(body, indent=2, default=str))
-    return path
-
-
-def bench_main(name: str, run: Callable[..., dict[str, Any]], argv: list[str] | None = None) -> int:
-    """Command line of one end-to-end benchmark: ``--quick``, ``--out DIR``, and the
-    benchmark's own flags; exits non-zero on any integrity violation."""
-    logging.basicConfig(level=logging.WARNING)
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    summary = run(quick=known.quick, out_dir=known.out, argv=rest)
+def main(name: str, run: Callable[..., dict[str, Any]]) -> int:
+    """``python -m bench.NAME``: the benchmark's own flags; non-zero on an integrity violation."""
+    argv = sys.argv[1:]
+    summary = run(quick="--quick" in argv, argv=[a for a in argv if a != "--quick"])
     bad = {k: v for k, v in summary["integrity"].items() if v}
     if bad:
         print(f"[{name}] INTEGRITY VIOLATIONS: {bad}", file=sys.stderr)

@@ -1,8 +1,8 @@
-"""``python -m bench.multiturn``: see :mod:`bench.multiturn.bench`."""
+"""``python -m bench.multiturn``: see ``bench.multiturn.bench``."""
 
 import sys
 
-from bench.e2e.report import bench_main
+from bench.e2e.report import main
 from bench.multiturn.bench import run
 
-sys.exit(bench_main("multiturn", run))
+sys.exit(main("multiturn", run))

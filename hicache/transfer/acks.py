@@ -14,13 +14,17 @@ Each ack carries the ``kernels.CopyWatch`` its copy's ops ran under: when the ac
 argument if the kernel skipped a pair for an out-of-range index (CUDA without debug checks:
 nothing reads the indices on the host, the kernel records the bad pair on the device); the
 controller then treats the copy as failed (``take_failure``), like one that raised.
+
+A controller given a ``CopyTimer`` (a simulator's seam) stamps each ack with ``ready_at``, the
+time on the timer's clock its modelled copy ends; such an ack counts as finished only once the
+clock passed it (and its real copy finished).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -30,7 +34,18 @@ from kernels import CopyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HiCacheAck", "ack_count", "ack_error", "check_indices", "count_finished"]
+__all__ = ["CopyTimer", "HiCacheAck", "ack_count", "ack_error", "check_indices", "count_finished"]
+
+
+class CopyTimer(Protocol):
+    """Modelled copy time: the clock copies are timed on, and the seconds one copy of
+    ``tokens`` tokens (all layers) takes in ``direction`` (``"d2h"`` or ``"h2d"``)."""
+
+    def now(self) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+    def copy_seconds(self, direction: str, tokens: int) -> float: ...
 
 
 class HiCacheAck(NamedTuple):
@@ -49,6 +64,7 @@ class HiCacheAck(NamedTuple):
     # Events whose ``error`` tells whether the copy failed (``(finish_event,)`` when empty).
     step_events: tuple[Event, ...] = ()
     watch: CopyWatch | None = None  # the copy's launches (bad indices found on the device)
+    ready_at: float | None = None  # a timed copy's modelled end (``CopyTimer``'s clock)
 
 
 def ack_error(ack: HiCacheAck) -> BaseException | None:
@@ -68,23 +84,25 @@ def check_indices(ack: HiCacheAck) -> None:
         ack.watch.check()
 
 
-def count_finished(queue: deque[HiCacheAck]) -> int:
-    """Leading acks of ``queue`` whose copy finished on this rank (0 for an empty queue).
-    Never blocks (queries the finish events)."""
+def count_finished(queue: deque[HiCacheAck], now: float | None = None) -> int:
+    """Leading acks of ``queue`` whose copy finished on this rank (0 for an empty queue); a
+    timed ack also needs ``ready_at <= now``. Never blocks (queries the finish events)."""
     n = 0
     for ack in queue:
+        if ack.ready_at is not None and now is not None and ack.ready_at > now:
+            break
         if not ack.finish_event.query():
             break
         n += 1
     return n
 
 
-def ack_count(n: int | None, queue: deque[HiCacheAck]) -> int:
+def ack_count(n: int | None, queue: deque[HiCacheAck], now: float | None = None) -> int:
     """How many acks of ``queue`` to pop: ``n`` (an agreed count), or its leading finished ones
-    (``count_finished``) when ``None``. Raises ``ValueError`` for an ``n`` that is not an int in
-    ``[0, len(queue)]``."""
+    (``count_finished`` at ``now``) when ``None``. Raises ``ValueError`` for an ``n`` that is
+    not an int in ``[0, len(queue)]``."""
     if n is None:
-        return count_finished(queue)
+        return count_finished(queue, now)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
         raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
     return n

@@ -84,7 +84,7 @@ from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.acks import HiCacheAck, ack_error, check_indices
+from hicache.transfer.acks import CopyTimer, HiCacheAck, ack_error, check_indices
 from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
 from hicache.transfer.errors import BackupError, CopyError, LoadBackError
 from hicache.transfer.layer_done_counter import LayerDoneCounter
@@ -119,6 +119,9 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         copy_delay: CPU only, when ``streams`` is not a factory: seconds (or a callable) slept
             before every copy on the side streams, to widen race windows in tests.
         stats: receives bytes moved and copy time as acks complete.
+        copy_timer: a simulator's modelled copy time (``hicache.transfer.acks.CopyTimer``): each
+            ack gets the ``ready_at`` its copy would end at, FIFO per direction (a backup also
+            after the newest load), and is popped only once the timer's clock passed it.
         group: the tensor-parallel cache group that agrees room in the pools (module doc);
             ``None``: a single rank.
     """
@@ -133,6 +136,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         copy_delay: Delay = 0.0,
         stats: CacheStats | None = None,
         group: TPGroup | None = None,
+        copy_timer: CopyTimer | None = None,
     ) -> None:
         if (host_pool.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
             raise ValueError(
@@ -156,6 +160,8 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         self.device = device_pool.device
         self.group = group if group is not None else SingleRankGroup()
         self.stats = stats if stats is not None else CacheStats()
+        self.copy_timer = copy_timer
+        self._stream_free = {"d2h": float("-inf"), "h2d": float("-inf")}  # timed copies' ends
         if streams is None or isinstance(streams, str):
             streams = make_streams(self.device, copy_delay, streams)
         self.streams = streams
@@ -179,9 +185,50 @@ class HiCacheController(ControllerWrites, ControllerLoads):
     def wait_all(self) -> tuple[list[int], list[int]]:
         """Block until every launched copy finished; pop all acks. Returns (written node ids,
         loaded node ids). Queued, unstarted loads stay queued."""
-        for a in list(self.ack_write_queue) + list(self.ack_load_queue):
+        acks = list(self.ack_write_queue) + list(self.ack_load_queue)
+        for a in acks:
             a.finish_event.synchronize()
+        self._wait_ready(acks)
         return self.writing_check(), self.loading_check()
+
+    # ------------------------------------------------------------------ modelled copy time
+    def next_ack_time(self) -> float | None:
+        """When the next timed copy ends, if that is ahead of the timer's clock; ``None``
+        without a copy timer or when no timed copy is ahead."""
+        now = self._timer_now()
+        ahead = [
+            a.ready_at
+            for a in (*self.ack_write_queue, *self.ack_load_queue)
+            if a.ready_at is not None and now is not None and a.ready_at > now
+        ]
+        return min(ahead) if ahead else None
+
+    def loads_ready_at(self) -> float | None:
+        """The modelled end of the newest launched load whose ack is not popped (``None``
+        without a copy timer or such a load): a forward reading loaded layers ends after it."""
+        times = [a.ready_at for a in self.ack_load_queue if a.ready_at is not None]
+        return max(times) if times else None
+
+    def _timer_now(self) -> float | None:
+        return None if self.copy_timer is None else self.copy_timer.now()
+
+    def _ready_at(self, direction: str, tokens: int) -> float | None:
+        """The end of a timed copy launched now: after the previous copy in its direction
+        (and, for a backup, after the newest load, as the streams order it)."""
+        if self.copy_timer is None:
+            return None
+        start = max(self.copy_timer.now(), self._stream_free[direction])
+        if direction == "d2h":
+            start = max(start, self.loads_ready_at() or start)
+        end = start + self.copy_timer.copy_seconds(direction, tokens)
+        self._stream_free[direction] = end
+        return end
+
+    def _wait_ready(self, acks: list[HiCacheAck]) -> None:
+        """A blocking wait for timed copies moves the timer's clock to their end."""
+        ends = [a.ready_at for a in acks if a.ready_at is not None]
+        if ends and self.copy_timer is not None:
+            self.copy_timer.wait_until(max(ends))
 
     # ------------------------------------------------------------------ eviction
     def evict_device(self, device_indices: torch.Tensor) -> int:

@@ -156,6 +156,7 @@ class ControllerLoads:
                 copy_start_event=copy_start,
                 step_events=tuple(lev.load_events),
                 watch=watch,
+                ready_at=self._ready_at("h2d", host_indices.numel()),
             )
         )
         counter.set_consumer(pid)
@@ -212,12 +213,12 @@ class ControllerLoads:
     def count_finished_loads(self) -> int:
         """Leading loads (launch order) whose copy finished on this rank; 0 for an empty queue.
         Never blocks."""
-        return count_finished(self.ack_load_queue)
+        return count_finished(self.ack_load_queue, self._timer_now())
 
     def loading_check(self, n: int | None = None) -> list[int]:
         """Pop the first ``n`` loads in launch order (``None``: every leading finished one);
         returns their node ids. Never blocks for an agreed ``n`` (as ``writing_check``)."""
-        count = ack_count(n, self.ack_load_queue)
+        count = ack_count(n, self.ack_load_queue, self._timer_now())
         done: list[int] = []
         for _ in range(count):
             ack = self.ack_load_queue.popleft()

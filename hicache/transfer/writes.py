@@ -121,7 +121,7 @@ class ControllerWrites:
                 exc,
             ) from exc
         self._busy.add(ack.usages[0])
-        self.ack_write_queue.append(ack)
+        self.ack_write_queue.append(ack._replace(ready_at=self._ready_at("d2h", n)))
         return host_indices
 
     def _launch_backup(
@@ -162,14 +162,14 @@ class ControllerWrites:
     def count_finished_writes(self) -> int:
         """Leading backups (launch order) whose copy finished on this rank; 0 for an empty
         queue. Never blocks. The tree agrees the minimum over ranks and pops that many."""
-        return count_finished(self.ack_write_queue)
+        return count_finished(self.ack_write_queue, self._timer_now())
 
     def writing_check(self, n: int | None = None) -> list[int]:
         """Pop the first ``n`` backups in launch order (``None``: every leading finished one);
         returns their node ids. Releases deferred frees that no copy uses any more. Never
         blocks for an agreed ``n`` (at most ``count_finished_writes()``); a larger one waits for
         those copies. ``ValueError`` when ``n`` exceeds the queue."""
-        count = ack_count(n, self.ack_write_queue)
+        count = ack_count(n, self.ack_write_queue, self._timer_now())
         done: list[int] = []
         for _ in range(count):
             done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
@@ -185,6 +185,7 @@ class ControllerWrites:
         ]
         for a in targets:
             a.finish_event.synchronize()
+        self._wait_ready(targets)
         done: list[int] = []
         for a in targets:
             self.ack_write_queue.remove(a)

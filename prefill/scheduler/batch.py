@@ -190,7 +190,8 @@ class BatchRunner:
     def forward(self, batch: Batch) -> list[torch.Tensor]:
         """One forward pass over ``batch`` (tokens ``[computed_len, computed_len + n)`` of each
         request, attending to ``slots[:computed_len + n]``). Writes the new tokens' KV into
-        their slots, waits per layer for host loads (``tree.layer_wait``), charges the clock.
+        their slots, waits per layer for host loads (``tree.layer_wait``), charges the clock (and
+        with timed copies, ends no earlier than the last timed load plus one layer's compute).
         Returns each request's last-token logits; request state is the caller's to advance.
         Raises ``LoadBackError`` (nothing charged, nothing counted) when a layer's load failed
         while it ran (thread CPU streams)."""
@@ -206,7 +207,12 @@ class BatchRunner:
         )
         n_new = sum(n for _, n in batch)
         if self.cost_model is not None:
-            self.clock.advance(self.cost_model(n_new, sum(r.computed_len for r, _ in batch)))
+            cost = self.cost_model(n_new, sum(r.computed_len for r, _ in batch))
+            self.clock.advance(cost)
+            controller = self.cache.controller
+            loaded = None if controller is None else controller.loads_ready_at()
+            if loaded is not None:  # the last layer computes after its timed load ended
+                self.clock.wait_until(loaded + cost / self.cache.device_pool.layer_num)
         self.stats.forward_passes += 1
         self.stats.chunks += len(batch)
         self.stats.computed_tokens += n_new

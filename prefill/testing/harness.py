@@ -19,7 +19,7 @@ from prefill.clock import Clock, VirtualClock, WallClock
 from prefill.disagg.backends import make_decode_backend
 from prefill.disagg.sim_config import PeerConfig
 from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE
-from prefill.executor import CostModel, ModelledCopies, OptimisticPrefillExecutor
+from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
 from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
@@ -62,7 +62,6 @@ def make_executor(
     group: TPGroup | None = None,
     decode_workers: int | Sequence[Any] = 1,
     worker_options: dict[str, Any] | None = None,
-    modelled_copies: ModelledCopies | None = None,
     streams: str | None = None,
 ) -> OptimisticPrefillExecutor:
     """An executor over ``build_kv_cache(args)`` and the model of ``args``, with a decode side
@@ -70,8 +69,7 @@ def make_executor(
     and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
-    the model, when not given, this rank's ``TPPagedTransformer``. ``modelled_copies``: see
-    ``OptimisticPrefillExecutor``. ``streams``: the CPU stream mode of the cache built here
+    the model, when not given, this rank's ``TPPagedTransformer``. ``streams``: the CPU stream mode of the cache built here
     (``build_cache``).
 
     With ``--disaggregation-transfer-backend mooncake`` the clock defaults to a ``WallClock``
@@ -111,7 +109,6 @@ def make_executor(
                                 decode_prefix_len=peer_config.decode_prefix_len, owned=owned)
     return OptimisticPrefillExecutor(
         args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model,
-        modelled_copies=modelled_copies,
     )
 
 

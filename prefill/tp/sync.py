@@ -94,13 +94,13 @@ class AgreedClock:
         if self.is_virtual:
             self._time += float(dt)
 
-    def wait_until(self, t: float) -> None:
+    def wait_until(self, t: float, poll_s: float | None = None) -> None:
         if self.is_virtual:
             if t > self._time:
                 self._time = float(t)
                 self.inner.wait_until(self._time)
         elif self.group.rank == 0:
-            self.inner.wait_until(t)
+            self.inner.wait_until(t, poll_s)
 
 
 class RankZeroInputs:
