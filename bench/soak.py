@@ -1,113 +1,96 @@
-"""Long-run soak of the optimistic prefill executor on a virtual clock: does memory stay flat and
-does a step cost the same after 100k requests as after 10k?
+"""``python -m bench.soak``: a long run of the optimistic prefill executor (virtual clock, tiny
+model, simulated decode peers that fail and are killed at random: ``prefill.testing.soak``),
+measured on this CPU. Does memory stay flat, and does a step cost the same after 100k requests
+as after 10k?
 
-One executor (tiny model, L2 write_through with optimistic prefill and 2 attempts by default)
-serves a seeded stream of requests sharing prefixes, with bootstrap and transfer failures and
-peers killed at random moments (``prefill.testing.soak``). Results are popped as they come; the
-decode KV of every 1000th success is checked against a full recompute. Every ``--window`` finished
-requests the run records the process RSS (``/proc/self/status`` VmRSS, after ``gc.collect()``),
-the mean cost of a step in that window (process CPU time, ``time.process_time``, which other
-processes on a shared machine disturb less than wall time; wall time is recorded too), the cost
-of one ``decode.next_event_time()`` call, and the executor's live record counts.
-
-The reference is the same run's first window after ``--warmup`` requests: the report gives RSS
-growth and step-cost ratio of every later window against it (targets: RSS growth under 5%,
-step cost flat). The virtual clock only orders events.
-
-``python -m bench.soak [--requests 100000] [--window 5000] [--warmup 10000]
-[--config write_through|write_back|device]`` writes ``results/bench_soak.json``.
+Every ``window`` finished requests: the process RSS (after ``gc.collect()``), the mean CPU time
+of a step in that window (``time.process_time``, which other jobs disturb less than wall time)
+and the executor's live record counts. The reference is the first window after ``warmup``
+requests (targets: RSS growth under 5%, step cost ratio near 1). Writes ``bench_soak.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TRITON_INTERPRET", "0")  # CPU copies: the torch reference of the ops
+from bench.common import Column, table_header, table_row, write_json
+from prefill.testing.harness import single_torch_thread
+from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor
+from server_args import ServerArgs
 
-from bench.common import write_json  # noqa: E402
-from prefill.testing.harness import single_torch_thread  # noqa: E402
-from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor  # noqa: E402
-from server_args import ServerArgs  # noqa: E402
-
+DESCRIPTION = "A long run of the optimistic prefill executor: RSS and step cost over time."
+HICACHE = dict(enable_hierarchical_cache=True, hicache_io_backend="direct")
 CONFIGS: dict[str, dict[str, Any]] = {
     "write_through": dict(
-        enable_hierarchical_cache=True,
-        hicache_write_policy="write_through",
-        optimistic_prefill_write_through=True,
+        **HICACHE, hicache_write_policy="write_through", optimistic_prefill_write_through=True
     ),
-    "write_back": dict(enable_hierarchical_cache=True, hicache_write_policy="write_back"),
+    "write_back": dict(**HICACHE, hicache_write_policy="write_back"),
     "device": dict(enable_hierarchical_cache=False),
 }
+COLUMNS = [
+    Column("finished", "done", 8),
+    Column("rss_mb", "RSS MB", 9, ".1f"),
+    Column("step_us", "step us CPU", 12, ".0f"),
+    Column("tree_nodes", "nodes", 7),
+    Column("in_flight", "in flight", 10),
+    Column("decode_peers", "peers", 7),
+]
+SIZES = {True: (20_000, 2_000, 4_000), False: (100_000, 5_000, 10_000)}  # requests, window, warmup
 
 
 def rss_mb() -> float:
-    """Resident set size of this process in MB (Linux ``/proc/self/status``)."""
+    """Resident set size of this process in MB (Linux)."""
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def build(config: str, seed: int) -> Any:
+def soak(config: str, requests: int, window: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+    """One run of ``CONFIGS[config]`` (module docstring); prints each window."""
     args = ServerArgs(
-        page_size=4, max_total_tokens=2048, chunked_prefill_size=64, device="cpu",
-        dtype="float32", disaggregation_mode="prefill", optimistic_prefill_attempts=2,
-        hicache_io_backend="direct", hicache_mem_layout="page_first_direct", random_seed=seed,
+        page_size=4,
+        max_total_tokens=2048,
+        chunked_prefill_size=64,
+        dtype="float32",
+        device="cpu",
+        hicache_mem_layout="page_first_direct",
+        disaggregation_mode="prefill",
+        optimistic_prefill_attempts=2,
+        random_seed=seed,
         **CONFIGS[config],
-    )  # fmt: skip
-    return soak_executor(
-        args, seed, bootstrap_failure_prob=0.02, transfer_failure_prob=0.01,
-        force_not_ready_prob=0.0, decode_pool_size=8192,
-    )  # fmt: skip
-
-
-def run_config(config: str, requests: int, window: int, warmup: int, seed: int) -> dict[str, Any]:
-    ex = build(config, seed)
+    )
+    ex = soak_executor(
+        args,
+        seed,
+        bootstrap_failure_prob=0.02,
+        transfer_failure_prob=0.01,
+        force_not_ready_prob=0.0,
+        decode_pool_size=8192,
+    )
     windows: list[dict[str, Any]] = []
-    # Each window's costs count from the end of the previous sample (gc, probes, print excluded).
-    last = {"steps": 0, "wall": time.perf_counter(), "cpu": time.process_time()}
+    last = [0, time.process_time()]  # steps and CPU time at the end of the last window
 
     def sample(rep: SoakReport) -> None:
-        cpu, wall = time.process_time() - last["cpu"], time.perf_counter() - last["wall"]
-        steps = rep.steps - last["steps"]
+        step_us = (time.process_time() - last[1]) / max(rep.steps - last[0], 1) * 1e6
         gc.collect()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            ex.decode.next_event_time()
-        net_us = (time.perf_counter() - t0) / 100 * 1e6
         row = {
             "finished": rep.successes + rep.aborted,
             "rss_mb": rss_mb(),
-            "step_us": cpu / steps * 1e6 if steps else None,
-            "step_wall_us": wall / steps * 1e6 if steps else None,
-            "next_event_time_us": net_us,
-            "requests_in_flight": len(ex.requests),
+            "step_us": step_us,
+            "in_flight": len(ex.requests),
             "decode_peers": len(ex.decode.peers),
-            "live_peers": len(ex.decode._live),
-            "send_log": len(ex.decode.send_log),
-            "ttft_reservoir": len(ex.stats.ttft_samples),
             "tree_nodes": sum(1 for _ in ex.tree.all_nodes()),
         }
+        if not windows:
+            print(table_header(COLUMNS))
+        print(table_row(row, COLUMNS), flush=True)
         windows.append(row)
-        last.update(steps=rep.steps, wall=time.perf_counter(), cpu=time.process_time())
-        print(
-            f"  {config:13s} {row['finished']:>7d} done  RSS {row['rss_mb']:7.1f} MB  "
-            f"step {row['step_us']:6.0f} us CPU ({row['step_wall_us']:6.0f} wall)  "
-            f"next_event_time {net_us:5.1f} us  nodes {row['tree_nodes']:4d}  "
-            f"in flight {row['requests_in_flight']:3d}  peers {row['decode_peers']:3d}",
-            flush=True,
-        )
+        last[:] = [rep.steps, time.process_time()]
 
-    cfg = SoakConfig(
-        requests=requests, seed=seed, kill_prob=0.01, verify_every=1000, check_every_step=False
-    )
+    cfg = SoakConfig(requests, seed, kill_prob=0.01, verify_every=1000, check_every_step=False)
     with single_torch_thread():
         rep = run_soak(ex, cfg, on_progress=sample, progress_every=window)
     ex.drain_cache_events()
@@ -115,75 +98,64 @@ def run_config(config: str, requests: int, window: int, warmup: int, seed: int) 
     ex.cache.close()
     base = next((w for w in windows if w["finished"] >= warmup), windows[-1])
     after = [w for w in windows if w["finished"] > base["finished"]] or [base]
-    step_ratios = [w["step_us"] / base["step_us"] for w in after]
+    integrity = {
+        "kv_mismatches": rep.kv_mismatches,
+        "protocol_errors": len(rep.protocol_errors),
+        "speculative_l2_pages": ex.stats.speculative_l2_pages,
+    }
     return {
         "config": config,
         "requests": requests,
         "successes": rep.successes,
         "aborted": rep.aborted,
-        "verified_kv": rep.verified,
-        "kv_mismatches": rep.kv_mismatches,
-        "protocol_errors": len(rep.protocol_errors),
-        "speculative_l2_pages": ex.stats.speculative_l2_pages,
-        "steps": rep.steps,
         "wall_s": rep.wall_s,
-        "virtual_s": rep.virtual_s,
         "warmup_requests": base["finished"],
         "rss_base_mb": base["rss_mb"],
-        "rss_max_after_warmup_mb": max(w["rss_mb"] for w in after),
         "rss_growth_pct": (max(w["rss_mb"] for w in after) / base["rss_mb"] - 1) * 100,
         "step_us_base": base["step_us"],
         "step_us_last": after[-1]["step_us"],
-        "step_cost_ratio_max": max(step_ratios),
-        "step_cost_ratio_median": statistics.median(step_ratios),
-        "next_event_time_us_base": base["next_event_time_us"],
-        "next_event_time_us_last": after[-1]["next_event_time_us"],
+        "step_cost_ratio_max": max(w["step_us"] for w in after) / base["step_us"],
+        "verified_kv": rep.verified,
+        "integrity": integrity,
         "windows": windows,
     }
 
 
-def run(quick: bool, out_dir: Path, config: str = "write_through") -> dict[str, Any]:
-    """``bench`` suite entry: 20k requests (quick) or 100k."""
-    requests, window, warmup = (20_000, 2_000, 4_000) if quick else (100_000, 5_000, 10_000)
-    res = run_config(config, requests, window, warmup, seed=0)
-    report(res)
-    write_json("bench_soak", res, out_dir)
+def run(
+    quick: bool = True,
+    out_dir: Path = Path("results"),
+    config: str = "write_through",
+    sizes: tuple[int, int, int] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """20k requests (``quick``) or 100k, or ``sizes`` (requests, window, warmup); prints the
+    report, writes ``bench_soak.json``, returns it without the windows."""
+    res = soak(config, *(sizes or SIZES[quick]), seed=seed)
+    print(
+        f"[soak] {config}: {res['requests']} requests ({res['successes']} ok, {res['aborted']}"
+        f" aborted) in {res['wall_s']:.0f} s, measured on a CPU; after {res['warmup_requests']}"
+        f" requests: RSS {res['rss_base_mb']:.1f} MB, growth {res['rss_growth_pct']:+.2f}% "
+        f"(target < 5%); step {res['step_us_base']:.0f} us CPU, last {res['step_us_last']:.0f}"
+        f" us, worst window x{res['step_cost_ratio_max']:.2f}; integrity {res['integrity']} "
+        f"({res['verified_kv']} KV checked)"
+    )
+    print(f"[soak] wrote {write_json('bench_soak', res, out_dir)}")
     return {k: v for k, v in res.items() if k != "windows"}
 
 
-def report(res: dict[str, Any]) -> None:
-    print(
-        f"\n{res['config']}: {res['requests']} requests ({res['successes']} ok, "
-        f"{res['aborted']} aborted) in {res['wall_s']:.0f} s wall, {res['steps']} steps\n"
-        f"  RSS after {res['warmup_requests']} requests: {res['rss_base_mb']:.1f} MB; max later "
-        f"{res['rss_max_after_warmup_mb']:.1f} MB (growth {res['rss_growth_pct']:+.2f}%, "
-        f"target < 5%)\n"
-        f"  step cost (CPU): {res['step_us_base']:.0f} us at warm-up, "
-        f"{res['step_us_last']:.0f} us at the end (ratio to warm-up: max "
-        f"{res['step_cost_ratio_max']:.2f}, median {res['step_cost_ratio_median']:.2f})\n"
-        f"  next_event_time: {res['next_event_time_us_base']:.1f} us -> "
-        f"{res['next_event_time_us_last']:.1f} us\n"
-        f"  integrity: {res['kv_mismatches']} KV mismatches of {res['verified_kv']} checked, "
-        f"{res['protocol_errors']} protocol errors, {res['speculative_l2_pages']} speculative "
-        "L2 pages"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.soak", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--requests", type=int, default=100_000)
-    p.add_argument("--window", type=int, default=5_000)
-    p.add_argument("--warmup", type=int, default=10_000)
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=DESCRIPTION)
+    p.add_argument("--quick", action="store_true", help="20k requests (default: 100k).")
+    p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    p.add_argument("--requests", type=int, help="Requests (default: by --quick).")
+    p.add_argument("--window", type=int, help="Finished requests per sample.")
+    p.add_argument("--warmup", type=int, help="Requests before the reference window.")
     p.add_argument("--config", choices=sorted(CONFIGS), default="write_through")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results"))
     a = p.parse_args(argv)
-    res = run_config(a.config, a.requests, a.window, a.warmup, a.seed)
-    report(res)
-    write_json("bench_soak", res, a.out)
-    return 0
+    sizes = [x or d for x, d in zip((a.requests, a.window, a.warmup), SIZES[a.quick], strict=True)]
+    res = run(a.quick, a.out, a.config, tuple(sizes), a.seed)
+    return 1 if any(res["integrity"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,2 +1,3 @@
-"""``python -m bench.l3``: the L3 storage tier (multi-turn rows per tier, a warm restart in a
-second process, L3 read/write bandwidth against plain file copies)."""
+"""The L3 tier's file backend, measured on a CPU (``python -m bench.l3``): a restart's hit rate
+in fresh processes (``bench``) and the backend's page bandwidth against plain files
+(``bandwidth``)."""

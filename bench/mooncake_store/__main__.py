@@ -1,5 +1,10 @@
+"""``python -m bench.mooncake_store``."""
+
+from __future__ import annotations
+
 import sys
 
 from bench.mooncake_store.bench import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,3 @@
-"""``python -m bench.pd``: prefill/decode disaggregation over the real Mooncake transport on
-loopback (wall clock): transfer rate per item size against memcpy and the fitted transfer cost
-model (``engine_rate``, with its receiver process ``receiver``), and TTFT with real decode worker
-processes (``ttft``); ``bench`` runs them, prints the tables and writes ``bench_pd.json``."""
+"""Prefill/decode disaggregation over Mooncake on loopback, measured on a CPU (``python -m
+bench.pd``): the write cost per item size and its ``CopyPath`` (``rate``), and TTFT with decode
+worker processes (``ttft``); ``bench`` runs both and writes ``bench_pd.json``."""

@@ -1,4 +1,4 @@
-"""``python -m bench.pd [--full] [--out DIR]``."""
+"""``python -m bench.pd``."""
 
 from __future__ import annotations
 
@@ -6,4 +6,5 @@ import sys
 
 from bench.pd.bench import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""``bench.l3``: the file backend's bandwidth rows, and a restart in fresh processes finds the
+pages a first process wrote (warm) and none in an empty directory (cold)."""
+
+from __future__ import annotations
+
+from bench.l3 import bandwidth
+from bench.l3.bench import QUESTION, restart
+
+
+def test_every_path_moves_the_pages() -> None:
+    res = bandwidth.measure(pages=4, repeats=1)
+    assert res["bytes"] == 4 * res["page_bytes"] == 4 * 2 * 8 * 8 * 16 * 128 * 2
+    assert min(v for k, v in res.items() if k.endswith("_gbps")) > 0
+
+
+def test_a_warm_restart_reads_what_the_first_process_wrote() -> None:
+    runs = restart(clients=2, prompt=256)
+    assert runs["fill"]["storage"]["backup_tokens"] == 2 * 256
+    assert runs["warm"]["l3_hit_tokens"] == 2 * 256  # every full page of the first prompt
+    assert runs["warm"]["prompt_tokens"] == 2 * (256 + QUESTION)
+    assert runs["cold"]["l3_hit_tokens"] == 0
+    assert all(r["integrity_errors"] == 0 for r in runs.values())
