@@ -1,224 +1,182 @@
-"""The plan of ``bench/gpu_check.sh``: its steps in run order, each one's time limit, what it runs
-and the sizes it uses, and the arithmetic that keeps the whole check within its budget (290 s by
-default, under the 300 s an operator may have on one H100/H200).
+"""The plan of ``bench/gpu_check.sh`` and the headline of what it measured (standard library only:
+the script runs this file directly, without importing the ``bench`` package).
 
-``python -m bench.gpu.plan`` prints the plan (``bash bench/gpu_check.sh OUT --plan`` does, on any
-machine: nothing here touches a GPU; the sizes are the GPU sizes of the benchmarks' own tables);
-``--shell`` prints the limits and flags as shell assignments for the script. The script prints the
-same plan once the probe found a GPU.
+The one source of truth for the steps: their order, time limits, deadline margins and commands,
+and the arithmetic that keeps the whole check inside one device command (``TOTAL_S`` of the
+``DEVICE_LIMIT_S`` a command may run). Each step ends within ``limit + GRACE_S`` (``timeout -k``)
+and is followed by ``OVERHEAD_S`` of archiving. A step's benchmark gets the deadline ``start +
+limit - margin``. The dry run (``--dry-run``) runs the same steps at tiny sizes under the limits
+times ``scale``. Commands name ``$PY`` (the interpreter) and ``$RES`` (the results folder, outside
+``$OUT``), which the script exports.
 
-Order: what the check exists for first. The probe, then every Triton variant the later steps
-launch compiled in parallel into ``$OUT/triton_cache`` (with the kernel tests, run in parallel
-shards, since their own launches are what compiles their variants), the other GPU tests, the
-copy-kernel sweeps, then the end-to-end benchmarks on the wall clock (the default on CUDA) with
-their headline configurations first (optimistic ``attempts_2`` and ``attempts_0`` before
-``attempts_1``; multi-turn L2 ``write_through`` vs ``device_only`` before the rest), the transfer
-grid, one MLA run of each end-to-end benchmark (where ``--use-mla`` exists), and one
-virtual-clock point whose gap to the wall clock is written to ``fidelity.json``.
-
-Arithmetic: every step runs under ``timeout -k KILL_GRACE_S LIMIT``, so it ends within
-``LIMIT + KILL_GRACE_S``; the fixed work between steps (environment capture, the plan itself, the
-fidelity comparison) is ``FIXED_S``. The plan fits when the sum is within the budget; a budget
-too small for it is refused before anything runs.
+``python bench/gpu/plan.py [--dry-run] [--scale S] (--render | --steps | --headline DIR)``
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import io
-import os
-import sys
-from dataclasses import dataclass, field
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-BUDGET_S = 290
-KILL_GRACE_S = 2
-FIXED_S = 9  # env capture, printing the plan, the fidelity comparison (three short processes)
-DEADLINE_MARGIN_S = 6  # a benchmark's deadline is this far before its step's limit
-
-# Flags of the short end-to-end runs (word-split by the script; no spaces inside a flag).
-MLA_OPTIMISTIC_ARGS = ("--use-mla --policies write_back --num-requests 6 --input-len 2048 "
-                       "--chunked-prefill-size 512")  # fmt: skip
-MLA_MULTITURN_ARGS = ("--use-mla --configs device_only write_through --num-clients 3 "
-                      "--num-rounds 2 --request-length 1024 "
-                      "--sub-question-input-length 128")  # fmt: skip
-# The virtual point replays the wall run's calibration (the script adds --calibration when the
-# wall run wrote one): the same arrival rate, so the two runs see the same workload; host time is
-# charged as measured in the run (no host calibration trace: it would not fit the step's limit).
-VIRTUAL_ARGS = "--clock virtual --host-time measured --configs device_only write_through"
-
-PRECOMPILE_SHARDS = 8
-"""Parallel pytest shards of the kernel tests in the precompile step (16 cores on the device)."""
-KERNEL_TEST_FILES = ("tests/kernels/test_kernels_gpu.py",
-                     "tests/kernels/test_sgl_kernel_kvcacheio_port.py")  # fmt: skip
+DEVICE_LIMIT_S = 600
+GRACE_S = 5
+OVERHEAD_S = 2
+DRY_SCALE = 0.4
+FILES_BACK = ("results.tar.gz", "status.txt", "headline.txt", "profile.json", "plan.txt")
+KERNEL_TESTS = tuple(
+    f"tests/kernels/test_{n}.py"
+    for n in (
+        "kernels kernels_gpu kernels_oracle kernel_index_errors kernels_surface launch_plans "
+        "sgl_kernel_kvcacheio_port"
+    ).split()
+)
+GPU_TESTS = tuple(
+    f"tests/{n}.py"
+    for n in (
+        "bench/test_cuda_paths_gpu hicache/memory/test_host_pool hicache/transfer/test_controller "
+        "hicache/transfer/test_streams hicache/tree/test_hiradix_cache prefill/test_executor_mla"
+    ).split()
+)
+PY, E2E = '"$PY" -m', "--clock wall --seeds 0 --no-sweeps"
+MT = f'{PY} bench.multiturn {E2E} --configs device_only write_through --out "$RES/mt"'
+MT_GPU = "--num-clients 8 --num-rounds 3 --request-length 2048 --sub-question-input-length 256"
+MT_DRY = "--num-clients 2 --num-rounds 2 --request-length 64"
+OPT = f'{PY} bench.optimistic {E2E} --attempts 2 0 --out "$RES/opt"'
+OPT_GPU, OPT_DRY = "--num-requests 16 --input-len 4096", "--num-requests 6 --input-len 64"
+PROFILE = f'{PY} bench.gpu.measure_profile --out "$RES/profile.json"'
 
 
 @dataclass(frozen=True)
 class Step:
+    """A step: its command on the GPU and the arguments the dry run appends (later flags win)."""
+
     name: str
     limit_s: int
-    what: str
-    sizes: list[str] = field(default_factory=list)
+    margin_s: int  # the benchmark's deadline is this far before the limit
+    cmd: str
+    dry: str = ""
+
+    def command(self, dry: bool) -> str:
+        return f"{self.cmd} {self.dry}" if dry and self.dry else self.cmd
 
 
-def _gpu_sizes(module: str) -> dict[str, Any]:
-    """The GPU quick sizes of an end-to-end benchmark (its ``SIZES["quick"][1]``)."""
-    return importlib.import_module(module).SIZES["quick"][1]
+STEPS = (
+    Step("probe", 60, 0, f'{PY} bench.gpu.probe --out "$RES/probe.json"', "--cpu"),
+    Step("device_tests", 80, 5, f'{PY} bench.gpu.device_tests --out "$RES"', "--dry-run"),
+    Step("transfer", 60, 4, f'{PY} bench.transfer --quick --part headline --out "$RES"'),
+    Step("corun", 60, 4, f'{PY} bench.transfer --quick --part corun --out "$RES"'),
+    Step("multiturn", 95, 6, f"{MT} {MT_GPU}", MT_DRY),
+    Step("optimistic", 95, 6, f"{OPT} {OPT_GPU}", OPT_DRY),
+    Step("profile", 40, 4, f'{PROFILE} --corun "$RES/bench_transfer_corun.json"', "--tiny"),
+)
+"""Probe; kernel and controller tests beside the kernel precompile; the transfer headline; the
+GEMM co-run and block_quota sweep; the end-to-end pairs (the second configuration is the
+headline); a measured profile."""
 
 
-def has_flag(module: str, flag: str) -> bool:
-    """Whether an end-to-end benchmark's parser has ``flag`` (e.g. ``--use-mla``, added by the
-    MLA work): its ``parse_args`` accepts it."""
-    parse = importlib.import_module(module).parse_args
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # argparse's complaint, when it lacks it
-            parse([flag], True)
-    except SystemExit:
-        return False
-    return True
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-def _model_sizes() -> tuple[str, int]:
-    """The benchmarks' GPU model and its KV bytes per token (all layers, K and V)."""
-    from bench.e2e.setup import GPU_MODEL
-    from server_args import MODEL_PRESETS
-
-    m = MODEL_PRESETS[GPU_MODEL["model_preset"]]
-    per_token = 2 * m["num_layers"] * m["head_num"] * m["head_dim"] * 2  # K and V, bf16
-    desc = (f"{GPU_MODEL['model_preset']} ({m['num_layers']} layers, {m['head_num']} KV heads x "
-            f"{m['head_dim']}, bf16: {per_token // 1024} KiB of KV per token)")  # fmt: skip
-    return desc, per_token
-
-
-def steps() -> list[Step]:
-    """The steps in run order (limits sum, with ``KILL_GRACE_S`` each and ``FIXED_S``, to at
-    most ``BUDGET_S``)."""
-    from bench.transfer.bench import GPU_QUICK
-    from bench.transfer.measure import warp_points
-
-    model, per_token = _model_sizes()
-    opt = _gpu_sizes("bench.optimistic.bench")
-    mt = _gpu_sizes("bench.multiturn.trace")
-    opt_dev = 6 * opt["input_len"]  # --device-pool-inputs 6
-    opt_host = 2 * opt_dev  # --hicache-ratio 2
-    tq = GPU_QUICK
-    items = sorted({*tq.items, *tq.side_items})
+def steps(dry: bool = False, scale: float = DRY_SCALE) -> list[Step]:
+    """The steps, with the dry run's limits and margins scaled by ``scale``."""
+    if not dry:
+        return list(STEPS)
     return [
-        Step("probe", 20, "prerequisites (CUDA torch, triton, compiler, Python.h, libcuda, "
-             "device attributes), trivial Triton launches, registered host memory read as a "
-             "tensor and through int64 and uint64 (kernels.data_ptr_table) pointer tables"),
-        Step("precompile", 40, "every Triton variant of the later steps into "
-             "$OUT/triton_cache (TRITON_CACHE_DIR), in parallel: the kernel tests in "
-             f"{PRECOMPILE_SHARDS} pytest shards (their own launches compile their variants; "
-             "results in precompile_tests_*.log) and the benchmarks' variants through warm-up "
-             "calls with -1 indices (nothing is copied)",
-             [f"tests: {' '.join(KERNEL_TEST_FILES)}",
-              "benchmarks: the e2e pools (page_first, kernel io) MHA and MLA, the decode-side "
-              f"copies, bench.transfer items {items} B in layer_first and page_first at warps "
-              f"{sorted(tq.warps)}"]),
-        Step("gpu_tests", 20, "the other GPU-marked tests (controller, executor, CUDA paths); "
-             "without pytest, bench.gpu.smoke"),
-        Step("transfer_sweep", 22, "launch cost of a per-layer load (plan cache on and off), "
-             "the block_quota sweep, then the GEMM co-run: copy engine, warps per program at "
-             "equal bytes in flight, the other block_quota values",
-             [f"sweep tokens {tq.sweep_tokens}, item 2048 B, block_quota {list(tq.block_quotas)}",
-              f"co-run: bf16 GEMM 8192^3 x10; (warps, programs) {warp_points(tq.warps)}",
-              "launch cost: 32 layers x 16 tokens, 2 KiB items, 3200 calls x 7 rounds"]),
-        Step("bench_optimistic", 52, "optimistic prefill on the wall clock, one pinned host "
-             "pool for the calibrations and every configuration; headline first",
-             [f"model {model}",
-              f"{opt['num_requests']} requests x {opt['input_len']} tokens (80% cached), chunk "
-              f"{opt['chunk']}, seeds {list(opt['seeds'])}",
-              f"device pool {opt_dev} tokens ({_gb(opt_dev * per_token)}), host pool "
-              f"{opt_host} tokens ({_gb(opt_host * per_token)}, registered once)",
-              "order: write_back attempts_2, attempts_0, write_through attempts_2, attempts_0, "
-              "then attempts_1, then _with_failures and _forced_retry"]),
-        Step("bench_multiturn", 34, "multi-turn on the wall clock, one pinned host pool; "
-             "headline first",
-             [f"{mt['num_clients']} clients x {mt['num_rounds']} rounds, first prompt "
-              f"{mt['request_length']} tokens, follow-ups {mt['sub_question_input_length']}, "
-              f"seeds {list(mt['seeds'])}",
-              "order: device_only, write_through, write_back, write_through_selective"]),
-        Step("transfer_grid", 12, "the transfer grid (every method against the copy engine)",
-             [f"item {list(tq.items)} B, tokens {list(tq.tokens)}, pages {list(tq.page_sizes)}; "
-              f"side items {list(tq.side_items)} B at {tq.side_tokens} tokens"]),
-        Step("mla_optimistic", 15, "one MLA run of the optimistic benchmark, wall clock; "
-             "skipped with a line where the benchmark has no --use-mla",
-             [MLA_OPTIMISTIC_ARGS]),
-        Step("mla_multiturn", 13, "one MLA run of the multi-turn benchmark, wall clock; "
-             "skipped with a line where the benchmark has no --use-mla",
-             [MLA_MULTITURN_ARGS]),
-        Step("virtual_point", 22, "the multi-turn headline pair on the virtual clock, the "
-             "bench_multiturn workload on its replayed calibration ($OUT/calibration.json: the "
-             "same arrival rate), host time charged as measured: its ratio and the wall "
-             "clock's, and their gap, go to fidelity.json (issue 20, on a GPU)",
-             [VIRTUAL_ARGS + " [--calibration $OUT/calibration.json]"]),
-    ]  # fmt: skip
+        replace(s, limit_s=math.ceil(s.limit_s * scale), margin_s=math.ceil(s.margin_s * scale))
+        for s in STEPS
+    ]
 
 
 def total_s(plan: list[Step]) -> int:
-    """Seconds the whole check may take by the plan: every step at its limit plus the kill
-    grace, and the fixed work between steps."""
-    return sum(s.limit_s + KILL_GRACE_S for s in plan) + FIXED_S
+    """Seconds the check takes at most: every step at its limit, grace and archiving."""
+    return sum(s.limit_s + GRACE_S + OVERHEAD_S for s in plan)
 
 
-def render(plan: list[Step], budget_s: int) -> str:
-    fits = "fits" if total_s(plan) <= budget_s else "DOES NOT FIT"
-    lines = [f"gpu_check plan: {len(plan)} steps, {total_s(plan)} s at most by their limits "
-             f"(each + {KILL_GRACE_S} s kill grace, + {FIXED_S} s between steps) of a "
-             f"{budget_s} s budget: {fits}"]  # fmt: skip
+def render(plan: list[Step], dry: bool) -> str:
+    lines = [
+        f"gpu_check plan{' (dry run)' if dry else ''}: {len(plan)} steps, {total_s(plan)} s "
+        f"at most (each + {GRACE_S} s kill grace + {OVERHEAD_S} s archiving) of the "
+        f"{DEVICE_LIMIT_S} s a device command may run"
+    ]
     t = 0
     for i, s in enumerate(plan, 1):
-        t += s.limit_s + KILL_GRACE_S
-        lines.append(f"  {i:2d}. {s.name:<17} {s.limit_s:3d} s (done by {t:3d} s)  {s.what}")
-        lines += [f"{'':30}- {size}" for size in s.sizes]
+        t += s.limit_s + GRACE_S + OVERHEAD_S
+        lines.append(f"  {i}. {s.name:<13}{s.limit_s:4d} s (done by {t:3d} s)  {s.command(dry)}")
+    lines.append(f"files back in OUT (at most 8): {', '.join(FILES_BACK)}")
     return "\n".join(lines)
 
 
-def shell(plan: list[Step], budget_s: int) -> str:
-    """``LIMIT_<step>=N`` per step, the short runs' flags, whether the end-to-end benchmarks
-    have ``--use-mla``, the shard count."""
-    out = [f"LIMIT_{s.name}={s.limit_s}" for s in plan]
-    out += [f"KILL_GRACE_S={KILL_GRACE_S}", f"DEADLINE_MARGIN_S={DEADLINE_MARGIN_S}",
-            f"PRECOMPILE_SHARDS={PRECOMPILE_SHARDS}", f"PLAN_TOTAL_S={total_s(plan)}",
-            f"PLAN_BUDGET_S={budget_s}", f"MLA_OPTIMISTIC_ARGS='{MLA_OPTIMISTIC_ARGS}'",
-            f"MLA_MULTITURN_ARGS='{MLA_MULTITURN_ARGS}'",
-            f"VIRTUAL_ARGS='{VIRTUAL_ARGS}'"]  # fmt: skip
-    for module, var in (("bench.optimistic.bench", "HAS_MLA_OPTIMISTIC"),
-                        ("bench.multiturn.trace", "HAS_MLA_MULTITURN")):  # fmt: skip
-        out.append(f"{var}={1 if has_flag(module, '--use-mla') else 0}")
-    return "\n".join(out)
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _e2e(doc: Any) -> str:
+    """``config TTFT ms (ratio)`` of every configuration summary found in an end-to-end JSON."""
+    found: dict[str, str] = {}
+
+    def walk(x: Any, key: str) -> None:
+        if isinstance(x, dict):
+            if "ttft_mean_s" in x and key not in found:
+                ratios = [v for k, v in x.items() if k.startswith("ttft_mean_speedup_vs")]
+                found[key] = f"{key} {x['ttft_mean_s'] * 1e3:.1f} ms"
+                found[key] += "".join(f" (x{r:.3f})" for r in ratios if isinstance(r, float))
+            for k, v in x.items():
+                if "seed" not in k and "spread" not in k:
+                    walk(v, k)
+
+    walk(doc, "")
+    return ", ".join(list(found.values())[:4]) or "no configuration finished"
+
+
+def headline(res: Path) -> list[str]:
+    """A few short lines of the key numbers in the results folder ``res``."""
+    out = []
+    if probe := _load(res / "probe.json"):
+        dev = (probe.get("torch") or {}).get("device")
+        reg = probe.get("register_4gb_s", "-")
+        out.append(f"probe: {dev}; 4 GB register {reg} s; RAM {probe.get('meminfo_gb')}")
+    if tests := _load(res / "device_tests.json"):
+        out.append("; ".join(f"{k}: rc {v['rc']}, {v['summary'][:60]}" for k, v in tests.items()))
+    for name in ("bench_transfer", "bench_transfer_corun"):
+        if doc := _load(res / f"{name}.json"):
+            label = "CPU" if doc.get("cpu_note") else doc.get("device")
+            part = ", ".join(f"{k}: {v}" for k, v in (doc.get("headline") or {}).items())
+            out.append(f"{name} ({label}{', partial' if doc.get('partial') else ''}): {part}")
+    for name, path in (("multiturn", "mt/multiturn.json"), ("optimistic", "opt/optimistic.json")):
+        if (res / path).exists():
+            out.append(f"{name}: {_e2e(_load(res / path))}")
+    if prof := _load(res / "profile.json"):
+        fw, h2d, co = prof["forward"], prof["h2d"]["kernel"]["gbps"], prof["corun_slowdown"]
+        fw_line = f"{fw['per_token_s'] * 1e6:.2f} us/token + {fw['base_s'] * 1e3:.2f} ms"
+        out.append(
+            f"profile ({prof['gpu']}): forward {fw_line}, h2d kernel {h2d:.1f} GB/s, "
+            f"co-run +{co:.1%}"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.plan", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--budget", type=int, default=int(os.environ.get("GPU_CHECK_BUDGET_S", BUDGET_S))
-    )
-    p.add_argument("--shell", action="store_true", help="Shell assignments for gpu_check.sh.")
-    p.add_argument("--render-to", type=str, default=None,
-                   help="With --shell: also write the printed plan to this file.")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="The dry run's commands and limits.")
+    p.add_argument("--scale", type=float, default=DRY_SCALE, help="Dry run: limits x this.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--render", action="store_true", help="Print the plan.")
+    what.add_argument("--steps", action="store_true", help="name, limit, margin, grace, command.")
+    what.add_argument("--headline", type=Path, metavar="DIR", help="Key numbers in DIR.")
     args = p.parse_args(argv)
-    plan = steps()
-    if total_s(plan) > args.budget:
-        print(render(plan, args.budget))
-        print(f"the plan needs {total_s(plan)} s, the budget is {args.budget} s "
-              "(GPU_CHECK_BUDGET_S)", file=sys.stderr if args.shell else sys.stdout,
-              flush=True)  # fmt: skip
-        return 3
-    if args.render_to:
-        with open(args.render_to, "w") as f:
-            f.write(render(plan, args.budget) + "\n")
-    print(shell(plan, args.budget) if args.shell else render(plan, args.budget), flush=True)
+    plan = steps(args.dry_run, args.scale)
+    if args.headline:
+        print("\n".join(headline(args.headline)))
+    elif args.steps:
+        for s in plan:
+            print(f"{s.name}\t{s.limit_s}\t{s.margin_s}\t{GRACE_S}\t{s.command(args.dry_run)}")
+    else:
+        print(render(plan, args.dry_run))
     return 0
 
 
 if __name__ == "__main__":
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a plan never touches a GPU (set before CUDA init)
-    sys.exit(main())
+    raise SystemExit(main())

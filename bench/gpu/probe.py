@@ -1,215 +1,198 @@
-"""What a GPU run needs, checked in seconds before any GPU time is spent on tests or benchmarks:
-``python -m bench.gpu.probe`` (the first step of ``bench/gpu_check.sh``).
+"""What the GPU check needs, checked before any step spends time: ``python -m bench.gpu.probe
+--out FILE [--cpu]`` (the first step of ``bench/gpu_check.sh``).
 
-Checks, in order (each prints one ``[probe] ok`` line; the first failure prints ONE line
-``gpu_check: STOP: ...`` saying what is missing and how to fix it, and exits 3):
-
-1. torch imports, is a CUDA build, and sees a device (without one nothing else can run);
-2. triton imports (and, when kernels would run interpreted, numpy is older than 2.4: numpy 2.4
-   breaks Triton 3.6's CPU interpreter);
-3. a C compiler (``$CC``, gcc or clang): Triton builds its launcher with it;
-4. ``Python.h`` of this interpreter: the launcher includes it;
-5. ``libcuda.so.1``: loadable, and where Triton looks for it (``$TRITON_LIBCUDA_PATH``,
-   ``ldconfig -p``, ``$LD_LIBRARY_PATH``);
-6. the device attributes the kernels rely on, read through the driver API: unified addressing
-   and ``CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`` (the kernels read and write
-   ``cudaHostRegister``-ed host memory through its host pointer);
-7. one trivial Triton launch on device memory, then the ways the kvcacheio kernels reach
-   registered host memory: a host tensor passed as a kernel argument, and a host address loaded
-   from a device pointer table and cast to a pointer, the table int64 and uint64 (the pools'
-   tables are ``kernels.data_ptr_table``'s uint64 ones).
+In order: Python and ``Python.h``; torch and a CUDA device; triton; a C compiler (Triton builds
+its launchers); ``libcuda.so.1`` where Triton finds it; the device attributes the kernels rely
+on; a trivial Triton launch; Triton kernels reading registered host memory (tensor argument,
+int64 and uint64 pointer tables) and ``is_pinned()`` on it; a timed 4 GB ``cudaHostRegister``;
+host RAM (``/proc/meminfo``). The first missing prerequisite prints ONE line ``gpu_check: STOP:
+<cause>`` and exits 3. Registrations take page-aligned memory inside an allocation with slack,
+so no page is shared with another registration. ``--cpu`` (the dry run): the CUDA checks are
+recorded as skipped and the kernels run interpreted on host memory. Results go to ``--out`` as
+they come.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
-CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
-CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+PAGE = 4096
+REGISTER_BYTES = 4 * 10**9
+ATTRIBUTES = {"unified addressing": 41, "host pointer for registered memory": 91}
+CUDA_ONLY = ("libcuda", "device attributes", "launch on the device", "is_pinned", "4 GB register")
 
 
 class Stop(Exception):
-    """A missing prerequisite; the message is the one line the run stops with."""
+    """A missing prerequisite; the message is the line the run stops with."""
 
 
-def ok(what: str) -> None:
-    print(f"[probe] ok: {what}", flush=True)
+class Probe:
+    def __init__(self, out: Path, cpu: bool) -> None:
+        self.out, self.cpu = out, cpu
+        self.doc: dict[str, Any] = {"mode": "cpu" if cpu else "cuda", "skipped_cpu": []}
+
+    def ok(self, key: str, value: Any, line: str) -> None:
+        self.doc[key] = value
+        self.out.write_text(json.dumps(self.doc, indent=2))
+        print(f"[probe] ok: {line}", flush=True)
+
+    def run(self) -> None:
+        py, inc = sys.version.split()[0], sysconfig.get_paths()["include"]
+        if sys.version_info < (3, 10) or not (Path(inc) / "Python.h").exists():
+            raise Stop(f"Python >= 3.10 with Python.h is needed (Python {py}, include {inc})")
+        self.ok("python", py, f"Python {py}, Python.h")
+        torch = self.check_torch()
+        if self.cpu:
+            os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        try:
+            import triton
+        except Exception as exc:
+            raise Stop(f"triton does not import: {exc}") from exc
+        self.ok("triton", triton.__version__, f"triton {triton.__version__}")
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+        if not cc:
+            raise Stop("no C compiler ($CC, gcc or clang): Triton builds its launchers with one")
+        self.ok("cc", cc, f"C compiler {cc}")
+        mods = {m: importlib.util.find_spec(m) is not None for m in ("pytest", "xdist", "numpy")}
+        self.ok("modules", mods, ", ".join(f"{m} {'yes' if v else 'NO'}" for m, v in mods.items()))
+        if self.cpu:
+            self.doc["skipped_cpu"] = list(CUDA_ONLY)
+            print(f"[probe] skipped (they need CUDA): {', '.join(CUDA_ONLY)}", flush=True)
+        else:
+            self.check_driver(torch)
+        self.check_kernels(torch)
+        if not self.cpu:
+            self.time_registration(torch)
+        mem = {k: round(_meminfo(k) / 1e9, 1) for k in ("MemTotal", "MemAvailable")}
+        self.ok("meminfo_gb", mem, ", ".join(f"{k} {v} GB" for k, v in mem.items()))
+
+    def check_torch(self) -> Any:
+        try:
+            import torch
+        except Exception as exc:
+            raise Stop(f"torch does not import with {sys.executable}: {exc}") from exc
+        cuda = torch.version.cuda
+        build = f"torch {torch.__version__}, {f'CUDA {cuda}' if cuda else 'a CPU-only'} build"
+        if not self.cpu and not torch.cuda.is_available():
+            why = "see nvidia-smi, CUDA_VISIBLE_DEVICES" if cuda else "set PYTHON= to a CUDA one"
+            raise Stop(f"no CUDA device: torch.cuda.is_available() is False ({build}; {why})")
+        name = "cpu" if self.cpu else torch.cuda.get_device_name()
+        self.ok("torch", {"version": torch.__version__, "device": name}, f"{build}, {name}")
+        return torch
+
+    def check_driver(self, torch: Any) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise Stop(f"libcuda.so.1 does not load: {exc}") from exc
+        ldconfig = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True)
+        if not os.environ.get("TRITON_LIBCUDA_PATH") and "libcuda.so.1" not in ldconfig.stdout:
+            fix = "run ldconfig or export TRITON_LIBCUDA_PATH=<its folder>"
+            raise Stop(f"libcuda.so.1 is not in `ldconfig -p`, where Triton looks for it: {fix}")
+        self.ok("libcuda", True, "libcuda.so.1, where Triton finds it")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        lib.cuInit(0)
+        lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())
+        for name, attr in ATTRIBUTES.items():
+            rc = lib.cuDeviceGetAttribute(ctypes.byref(value), attr, dev)
+            if rc != 0 or value.value != 1:
+                raise Stop(f"the device lacks {name} (CUresult {rc}, value {value.value})")
+        self.ok("attributes", list(ATTRIBUTES), ", ".join(ATTRIBUTES))
+
+    def check_kernels(self, torch: Any) -> None:
+        from bench.gpu import probe_kernels as k
+
+        dev = torch.device("cpu" if self.cpu else "cuda")
+        src = torch.arange(1000, dtype=torch.int32, device=dev)
+        dst = torch.zeros_like(src)
+        _kernel("a trivial launch", lambda: k.launch_add_one(src, dst), dst, src + 1, torch)
+        self.ok("launch", True, f"trivial Triton launch on {dev}")
+        with registered(torch, 4000, self.cpu) as raw:
+            host = raw[:4000].view(torch.int32)
+            host.copy_(torch.arange(1000, dtype=torch.int32))
+            if not self.cpu and not host.is_pinned():
+                raise Stop("registered host memory does not report is_pinned()")
+            for how in ("tensor", "int64 table", "uint64 table"):
+                run = lambda how=how: k.launch_read_host(host, dst, how)
+                _kernel(f"reading registered host memory ({how})", run, dst, host + 1, torch)
+        line = "kernels read registered host memory (tensor, int64 and uint64 tables)"
+        self.ok("registered_reads", True, line + ("" if self.cpu else "; is_pinned() True"))
+
+    def time_registration(self, torch: Any) -> None:
+        avail = _meminfo("MemAvailable")
+        if avail < REGISTER_BYTES + 4 * 10**9:
+            self.doc["register_4gb_s"] = f"skipped: MemAvailable {avail / 1e9:.1f} GB"
+            return print(f"[probe] 4 GB registration {self.doc['register_4gb_s']}", flush=True)
+        t0 = time.perf_counter()
+        with registered(torch, REGISTER_BYTES, False):
+            took = time.perf_counter() - t0
+        line = f"4 GB malloc + cudaHostRegister in {took:.2f} s"
+        self.ok("register_4gb_s", round(took, 2), line)
 
 
-def check_torch() -> Any:
+def _kernel(what: str, launch: Any, got: Any, want: Any, torch: Any) -> None:
+    got.zero_()
     try:
-        import torch
-    except Exception as exc:  # ImportError, or a broken install
-        raise Stop(f"torch does not import with {sys.executable} ({exc}); install a CUDA build "
-                   "of torch, or set PYTHON= to an interpreter that has one") from exc  # fmt: skip
-    if torch.version.cuda is None:
-        raise Stop(f"torch {torch.__version__} at {sys.executable} is not a CUDA build; "
-                   "install a CUDA build of torch (or set PYTHON= to an interpreter that has "
-                   "one)")  # fmt: skip
-    if not torch.cuda.is_available():
-        raise Stop(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device; "
-                   "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")  # fmt: skip
-    ok(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-       f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} device(s))")  # fmt: skip
-    return torch
-
-
-def check_triton() -> Any:
-    try:
-        import triton
+        launch()
+        if got.is_cuda:
+            torch.cuda.synchronize()
     except Exception as exc:
-        raise Stop(f"triton does not import ({exc}); pip install triton (the version torch "
-                   "pins)") from exc  # fmt: skip
-    from kernels._env import version_tuple  # after triton imported: ``kernels`` imports it
+        first = (str(exc).splitlines() or [""])[0]
+        raise Stop(f"Triton kernel failed, {what}: {type(exc).__name__}: {first}") from exc
+    if not torch.equal(got.cpu(), want.cpu()):
+        raise Stop(f"Triton kernel computed wrong data, {what}")
 
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+class registered:
+    """``nbytes`` (rounded up to pages) of page-aligned host memory, registered with
+    ``cudaHostRegister`` (flags 0, as the host pool) for the block; a page of slack each side."""
+
+    def __init__(self, torch: Any, nbytes: int, cpu: bool) -> None:
+        self.torch, self.cpu, self.size = torch, cpu, -(-nbytes // PAGE) * PAGE
+        self.owner = torch.empty(self.size + 2 * PAGE, dtype=torch.uint8)
+        start = -self.owner.data_ptr() % PAGE
+        self.view = self.owner[start : start + self.size]
+
+    def __enter__(self) -> Any:
+        if not self.cpu:
+            rc = int(self.torch.cuda.cudart().cudaHostRegister(self.view.data_ptr(), self.size, 0))
+            if rc != 0:
+                raise Stop(f"cudaHostRegister of {self.size} bytes failed (cudaError {rc})")
+        return self.view
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+
+
+def _meminfo(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu.probe", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=Path("probe.json"))
+    p.add_argument("--cpu", action="store_true", help="Dry run: CUDA checks recorded as skipped.")
+    args = p.parse_args(argv)
     try:
-        import numpy
-
-        np_version = numpy.__version__
-    except ImportError:
-        np_version = None
-    if (interpret and np_version and version_tuple(triton.__version__) == (3, 6)
-            and version_tuple(np_version) >= (2, 4)):  # fmt: skip
-        raise Stop(f"TRITON_INTERPRET=1 with triton {triton.__version__} and numpy {np_version}: "
-                   "numpy 2.4 breaks Triton 3.6's interpreter; pip install 'numpy<2.4' or unset "
-                   "TRITON_INTERPRET")  # fmt: skip
-    ok(f"triton {triton.__version__} (interpreter {'on' if interpret else 'off'}), "
-       f"numpy {np_version}")  # fmt: skip
-    return triton
-
-
-def check_compiler() -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
-    if not cc or not (Path(cc).exists() or shutil.which(cc)):
-        raise Stop("no C compiler ($CC, gcc or clang): Triton builds its launcher with one; "
-                   "apt-get install gcc")  # fmt: skip
-    ok(f"C compiler {cc}")
-
-
-def check_python_h() -> None:
-    include = sysconfig.get_paths()["include"]
-    if not (Path(include) / "Python.h").exists():
-        minor = f"{sys.version_info.major}.{sys.version_info.minor}"
-        raise Stop(f"Python.h not in {include}: Triton's launcher includes it; apt-get install "
-                   f"python{minor}-dev (or the -dev package of this interpreter)")  # fmt: skip
-    ok(f"Python.h in {include}")
-
-
-def _libcuda_dirs() -> list[str]:
-    if os.environ.get("TRITON_LIBCUDA_PATH"):
-        return [os.environ["TRITON_LIBCUDA_PATH"]]
-    dirs: list[str] = []
-    try:
-        out = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True,
-                             timeout=20).stdout  # fmt: skip
-        dirs = [str(Path(ln.split()[-1]).parent) for ln in out.splitlines() if "libcuda.so.1" in ln]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not dirs:
-        dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":")
-                if d and (Path(d) / "libcuda.so.1").exists()]  # fmt: skip
-    return dirs
-
-
-def check_libcuda() -> ctypes.CDLL:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise Stop(f"libcuda.so.1 does not load ({exc}): the NVIDIA driver's user-space library "
-                   "is missing from this container") from exc  # fmt: skip
-    dirs = _libcuda_dirs()
-    if not dirs:
-        raise Stop("libcuda.so.1 loads but Triton cannot find it (not in `ldconfig -p` nor "
-                   "$LD_LIBRARY_PATH): run ldconfig, or export TRITON_LIBCUDA_PATH=<its "
-                   "folder>")  # fmt: skip
-    ok(f"libcuda.so.1 in {dirs[0]}")
-    return lib
-
-
-def check_device_attributes(lib: ctypes.CDLL, device_index: int) -> None:
-    def call(name: str, *args: Any) -> None:
-        rc = getattr(lib, name)(*args)
-        if rc != 0:
-            raise Stop(f"driver call {name} failed with CUresult {rc}")
-
-    call("cuInit", 0)
-    dev = ctypes.c_int()
-    call("cuDeviceGet", ctypes.byref(dev), device_index)
-    values = {}
-    for name, attr in (("unified addressing", CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING),
-                       ("host pointer for registered memory",
-                        CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)):  # fmt: skip
-        value = ctypes.c_int()
-        call("cuDeviceGetAttribute", ctypes.byref(value), attr, dev)
-        values[name] = value.value
-    missing = [k for k, v in values.items() if v != 1]
-    if missing:
-        raise Stop(f"device {device_index} lacks {', '.join(missing)} (attributes {values}): the "
-                   "kvcacheio kernels address registered host memory through host pointers, "
-                   "which this device cannot do")  # fmt: skip
-    ok(f"device {device_index}: unified addressing, can use host pointers for registered memory")
-
-
-def check_triton_launches(torch: Any) -> None:
-    from bench.gpu import probe_kernels as k
-
-    dev = torch.device("cuda")
-    n = 1000
-    src = torch.arange(n, dtype=torch.int32, device=dev)
-    dst = torch.zeros_like(src)
-    try:
-        k.launch_add_one(src, dst)
-        torch.cuda.synchronize()
-    except Exception as exc:
-        raise Stop(f"a trivial Triton kernel does not compile or launch: {type(exc).__name__}: "
-                   f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc  # fmt: skip
-    if not torch.equal(dst.cpu(), torch.arange(1, n + 1, dtype=torch.int32)):
-        raise Stop("a trivial Triton kernel launched but computed the wrong result")
-    ok("trivial Triton launch on device memory")
-
-    host = torch.arange(n, dtype=torch.int32)
-    cudart = torch.cuda.cudart()
-    rc = int(cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0))
-    if rc != 0:
-        raise Stop(f"cudaHostRegister of 4 KB failed with cudaError {rc}: the host pool pins "
-                   "its buffers this way")  # fmt: skip
-    try:
-        for how in ("tensor", "int64 table", "uint64 table"):
-            dst.zero_()
-            try:
-                k.launch_read_host(host, dst, how)
-                torch.cuda.synchronize()
-            except Exception as exc:
-                raise Stop(f"a Triton kernel cannot read registered host memory passed as a "
-                           f"{how}: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc  # fmt: skip
-            if not torch.equal(dst.cpu(), host + 1):
-                raise Stop(f"a Triton kernel read registered host memory ({how}) but got wrong "
-                           "data")  # fmt: skip
-    finally:
-        torch.cuda.synchronize()
-        cudart.cudaHostUnregister(host.data_ptr())
-    ok("Triton kernels read registered host memory (host tensor argument, int64 and uint64 "
-       "pointer tables)")
-
-
-def main() -> int:
-    try:
-        torch = check_torch()
-        check_triton()
-        check_compiler()
-        check_python_h()
-        lib = check_libcuda()
-        check_device_attributes(lib, torch.cuda.current_device())
-        check_triton_launches(torch)
+        Probe(args.out, args.cpu).run()
     except Stop as stop:
         print(f"gpu_check: STOP: {stop}", flush=True)
         return 3

@@ -1,277 +1,421 @@
-"""Bandwidth of the KV copy ops between device and pinned host memory, against the link ceiling.
+"""KV copies between device and host memory: GB/s per copy path, and what a copy costs a GEMM.
 
-Two directions, as HiCache uses them:
+- ``headline``: 2 KiB items (one token's K or V in one layer of the Llama-3-8B shape), random
+  pages, H2D of one layer on a high-priority stream (as the cache's load stream) and D2H of all
+  layers: the Triton ``kernel`` (page_first host), ``copy_engine`` (gather, one contiguous copy,
+  scatter), ``direct`` (one copy per page, layer_first host), and the kernel on host memory
+  registered as the host pool registers it (``registered``: malloc + ``cudaHostRegister``; the
+  others use ``pin_memory``). GB/s counts the bytes the indices name; each row also has one
+  contiguous copy of the same bytes (``ceiling``). Times: median of repetitions after warm-up
+  (CUDA events, a synchronize before each).
+- ``corun``: a bf16 GEMM's TFLOP/s alone and while each copy path loops on a high-priority side
+  stream (the kernel at each ``block_quota``), and each copy's GB/s alone and beside it.
 
-- ``h2d``: load back one layer (K and V) from the host pool into the device pool
-  (``transfer_kv_per_layer``, ``..._pf_lf``, ``..._direct_pf_lf``).
-- ``d2h``: back up all layers (K and V) from the device pool into the host pool
-  (``transfer_kv_all_layer``, ``..._lf_pf``, ``..._direct_lf_pf``).
+On a CPU: tiny sizes, host memory on both sides, the kernel path is the torch reference of the
+op and a thread stands in for the side stream: CPU numbers, labelled so. Rows are printed and
+written to JSON as measured (``partial`` until the end); none starts within ``MARGIN_S`` of the
+step's deadline (``HICACHE_BENCH_DEADLINE``). ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` makes a run
+hang after its N-th row (how the GPU check's dry run proves a killed step keeps its rows).
 
-Methods, all measured in the same run on the same buffers and indices:
-
-- ``ceiling``: one contiguous pinned ``copy_`` of the same byte count (copy engine): the measured
-  ceiling of this machine's link; every other number is also given as a fraction of it.
-- ``triton``: this repository's kernels (``block_quota`` = SGLang's default 2 unless swept).
-- ``sgl_kernel``: SGLang's CUDA kernels, where ``sgl_kernel`` imports.
-- ``direct``: ``transfer_kv_direct`` / page_first_direct ops (one ``copy_`` per run or page;
-  a Python loop here, a C++ loop in ``sgl_direct``, SGLang's, where it imports).
-- ``torch_gather``: torch indexing: gather on the source side, one contiguous copy through a
-  staging buffer, scatter on the destination side (the CPU does the host half).
-
-Bandwidth = bytes named by the indices (``tokens * 2 * item_size`` per layer) / median time.
-Host-bound methods (``direct``, ``torch_gather``) start with a stream synchronization so that
-their CPU work is inside the timed window. Indices: random pages (page size 1: random slots),
-consecutive slots within a page, device page 0 excluded, as the allocators hand them out.
-
-Also: a ``block_quota`` sweep of the triton kernels, and the slowdown of a bf16 GEMM on the
-compute stream while a copy of each ``block_quota`` runs on a side stream (kernel copies use SMs;
-upstream saw co-running kernels slow by 1.6x and more with uncapped grids).
-
-On a machine without CUDA only a tiny configuration of the torch paths runs (``ceiling``,
-``direct``, ``torch_gather``), all in host memory: those are CPU memcpy numbers, not PCIe numbers,
-and the Triton kernels (interpreted there) are not timed at all.
-
-Files: ``bench.transfer.methods`` (buffers, indices, the methods), ``bench.transfer.measure``
-(grid, sweep, GEMM co-run), ``bench.transfer.report`` (table columns, headline, plot); this file
-holds the configurations, ``run`` and the CLI.
-
-Every row is printed and written to ``bench_transfer.json`` (``"partial": true`` until the end)
-the moment it is measured, and no measurement starts within a few seconds of the deadline that
-``bench/gpu_check.sh`` sets (``HICACHE_BENCH_DEADLINE``): what was skipped is listed under
-``skipped_for_time``.
-
-``python -m bench.transfer [--quick] [--out results]``: table, ``bench_transfer.json``,
-``bench_transfer.png`` (matplotlib, if installed; one panel per direction and page size).
+``python -m bench.transfer [--quick] [--out DIR] [--part headline|corun|all]``
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import contextlib
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from bench.common import Column, table_header, table_row, timer_name, write_json
-from bench.transfer.measure import (
-    GEMM_SIZE,
-    Config,
-    before_deadline,
-    gemm_slowdown,
-    measure_grid,
-    sweep_block_quota,
+import kernels
+from bench.common import Column, table_header, table_row, time_left, write_json
+from hicache.memory import host_ram
+from hicache.transfer.streams import HIGH_PRIORITY
+from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
+
+MARGIN_S = 2.0
+BUDGET_S = 0.3  # seconds of repetitions per measurement, at least 3
+PATHS = ("kernel", "registered", "copy_engine", "direct")
+CPU_NOTE = (
+    "CPU numbers: no CUDA device; host memory on both sides (memcpy rates, not PCIe), "
+    "the kernel path is the torch reference, a thread stands in for the side stream"
 )
-from bench.transfer.methods import (
-    LAYOUTS,
-    NUM_LAYERS,
-    Indices,
-    Pools,
-    ceiling_method,
-    d2h_methods,
-    h2d_methods,
-    load_sgl_kernel,
-    pool_slots,
-)
-from bench.transfer.report import CPU_NOTE, GRID_COLUMNS, headline, plot
-
-__all__ = [
-    "CPU_NOTE",
-    "CPU_TINY",
-    "GPU_FULL",
-    "GPU_QUICK",
-    "LAYOUTS",
-    "NUM_LAYERS",
-    "Config",
-    "Indices",
-    "Pools",
-    "ceiling_method",
-    "d2h_methods",
-    "h2d_methods",
-    "load_sgl_kernel",
-    "main",
-    "pool_slots",
-    "run",
-]
-
-logger = logging.getLogger(__name__)
-
-# Quick: about a minute on one H100/H200. ``direct`` costs ~5-10 us of Python and launch per
-# copy_ call and is timed 5 times: past 40K calls per op (~2 s a measurement) it is skipped.
-GPU_QUICK = Config(
-    items=(2048,), tokens=(1024, 8192, 32768), page_sizes=(1, 16), layouts=LAYOUTS,
-    side_items=(256, 4096), side_tokens=8192, sweep_tokens=16384,
-    block_quotas=(1, 2, 4, 8, 16, 32), max_direct_copies=40_000,
-    methods=("ceiling", "triton", "sgl_kernel", "direct", "sgl_direct", "torch_gather"),
-    rep_ms=25,
-)  # fmt: skip
-GPU_FULL = Config(
-    items=(256, 1024, 2048, 4096), tokens=(1024, 4096, 16384, 65536), page_sizes=(1, 16, 64),
-    layouts=LAYOUTS, side_items=(), side_tokens=0, sweep_tokens=32768,
-    block_quotas=(1, 2, 4, 8, 16, 32), max_direct_copies=600_000,
-    methods=("ceiling", "triton", "sgl_kernel", "direct", "sgl_direct", "torch_gather"),
-    rep_ms=100,
-)  # fmt: skip
-CPU_TINY = Config(
-    items=(2048,), tokens=(256, 1024), page_sizes=(1, 16), layouts=LAYOUTS,
-    side_items=(), side_tokens=0, sweep_tokens=0, block_quotas=(),
-    max_direct_copies=20_000, methods=("ceiling", "direct", "torch_gather"), rep_ms=30,
-)  # fmt: skip
 
 
-PARTS = ("all", "grid", "sweep")
-"""``grid``: the method grid (``bench_transfer.json``); ``sweep``: the ``block_quota`` sweep and
-the GEMM co-run, CUDA only (``bench_transfer_sweep.json``); ``all``: both, one file."""
+@dataclass(frozen=True)
+class Sizes:
+    tokens: tuple[int, ...]  # headline token counts
+    item: int  # bytes per token, layer and K or V
+    layers: int  # layers of the pools (GB/s does not depend on it)
+    page: int
+    reps: int  # most repetitions of one measurement
+    corun_tokens: int
+    gemm: int  # GEMM side (bf16 on CUDA, fp32 on a CPU)
+    gemm_reps: int
+    block_quotas: tuple[int, ...]
 
 
-def run(
-    quick: bool = True, out_dir: Path = Path("results"), part: str = "all"
-) -> dict[str, Any]:
-    """Run the benchmark; print the tables; write JSON (and PNG). Returns the summary dict."""
-    if part not in PARTS:
-        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    cfg = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
-    sgl = load_sgl_kernel()
-    print(f"[bench_transfer] device={device}; timer: {timer_name(device)}; "
-          f"sgl_kernel={'yes' if sgl else 'no'}; layers={NUM_LAYERS}")  # fmt: skip
-    threads = torch.get_num_threads()
-    if not cuda:
-        print(f"[bench_transfer] {CPU_NOTE}")
-        # One torch thread: OpenMP threads on shared cores spin against other processes and
-        # turn a 1 MiB memcpy from ~0.03 ms into ~10 ms.
-        torch.set_num_threads(1)
-    try:
-        return _run(cfg, device, sgl, quick, out_dir, part)
-    finally:
-        torch.set_num_threads(threads)
+GPU_QUICK = Sizes((8192, 32768), 2048, 8, 16, 10, 16384, 8192, 40, (1, 2, 4, 8, 16, 32))
+GPU_FULL = replace(GPU_QUICK, tokens=(1024, 8192, 32768, 131072), reps=30)
+CPU_TINY = Sizes((256, 1024), 2048, 4, 16, 5, 256, 256, 8, (DEFAULT_BLOCK_QUOTA,))
 
 
-SWEEP_COLUMNS = [Column("direction", "dir", 5), Column("tokens", "tokens", 8),
-                 Column("block_quota", "bq", 5), Column("gbps", "GB/s", 9, ".2f"),
-                 Column("ratio", "x ceil", 8, ".2f"), Column("median_ms", "ms", 10, ".3f")]
-GEMM_COLUMNS = [Column("copy", "copy", 24), Column("copy_gbps", "copy GB/s", 10, ".2f"),
-                Column("in_flight_kib", "KiB fly", 8, ".0f"),
-                Column("gemm_ms", "GEMM ms", 10, ".3f"),
-                Column("slowdown", "slowdown", 10, ".3f"), Column("covered", "overlap", 9)]
+class Pools:
+    """Device pool ``[2, L, T, W]`` and host pools: layer_first ``lf`` and page_first ``pf``
+    (pinned on CUDA) and page_first ``reg`` (the host pool's own allocation: registered)."""
+
+    def __init__(
+        self, device: torch.device, item: int, layers: int, max_tokens: int, page: int
+    ) -> None:
+        self.device, self.item, self.layers, self.page = device, item, layers, page
+        self.cuda = device.type == "cuda"
+        self.slots = math.ceil(max_tokens * 1.25 / page) * page + page  # page 0: padding
+        w, bf = item // 2, torch.bfloat16
+        self.dev = torch.zeros(2, layers, self.slots, w, dtype=bf, device=device)
+        self.lf = torch.zeros(2, layers, self.slots, w, dtype=bf, pin_memory=self.cuda)
+        self.pf = torch.zeros(2, self.slots, layers, w, dtype=bf, pin_memory=self.cuda)
+        self.reg, self.registered = host_ram.alloc_host_buffer(self.pf.shape, bf, self.cuda)
+        self.tables = [kernels.data_ptr_table(list(self.dev[kv]), device) for kv in (0, 1)]
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.reg.data_ptr())
+            self.registered = False
+
+    def indices(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(host, device)`` slots of ``n`` tokens in random whole pages (device page 0 is
+        padding), on the CPU."""
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for first in (0, 1):
+            pages = torch.randperm(self.slots // self.page - first, generator=gen) + first
+            rows = pages[: math.ceil(n / self.page), None] * self.page + torch.arange(self.page)
+            out.append(rows.flatten()[:n].contiguous())
+        return out[0], out[1]
+
+    def copy(
+        self,
+        direction: str,
+        path: str,
+        n: int,
+        seed: int = 0,
+        block_quota: int = DEFAULT_BLOCK_QUOTA,
+    ) -> tuple[Callable[[], None], int]:
+        """One copy of ``n`` tokens (``h2d``: one layer; ``d2h``: all layers) by ``path``
+        (``PATHS`` or ``ceiling``) and the bytes it moves."""
+        hc, dc = self.indices(n, seed)
+        h, d = hc.to(self.device), dc.to(self.device)
+        lay, item, ld = self.layers // 2, self.item, self.item * self.layers
+        nbytes = n * 2 * item * (1 if direction == "h2d" else self.layers)
+        dev, host = self.dev, self.reg if path == "registered" else self.pf
+        if path == "ceiling":
+            a, b = dev.view(-1).view(torch.uint8), self.pf.view(-1).view(torch.uint8)
+            src, dst = (b, a) if direction == "h2d" else (a, b)
+            return lambda: dst[:nbytes].copy_(src[:nbytes], non_blocking=True), nbytes
+        if path in ("kernel", "registered") and direction == "h2d":
+            return lambda: kernels.transfer_kv_per_layer_pf_lf(
+                host[0], dev[0, lay], host[1], dev[1, lay], h, d, lay, item, ld, block_quota
+            ), nbytes
+        if path in ("kernel", "registered"):
+            t = self.tables
+            return lambda: kernels.transfer_kv_all_layer_lf_pf(
+                t[0], host[0], t[1], host[1], d, h, item, ld, self.layers, block_quota
+            ), nbytes
+        if path == "direct":
+            if direction == "h2d":
+                srcs, dsts, si, di = [*self.lf[:, lay]], [*dev[:, lay]], hc, dc
+            else:
+                srcs, dsts, si, di = [*dev[0], *dev[1]], [*self.lf[0], *self.lf[1]], dc, hc
+            return lambda: kernels.transfer_kv_direct(srcs, dsts, si, di, self.page), nbytes
+        if direction == "h2d":  # copy_engine: gather on the host, one copy, scatter
+            stage_h = torch.empty(2, n, item // 2, dtype=torch.bfloat16, pin_memory=self.cuda)
+            stage_d = torch.empty_like(stage_h, device=self.device)
+
+            def staged_h2d() -> None:
+                torch.index_select(host[0][:, lay], 0, hc, out=stage_h[0])
+                torch.index_select(host[1][:, lay], 0, hc, out=stage_h[1])
+                stage_d.copy_(stage_h, non_blocking=True)
+                dev[0, lay].index_copy_(0, d, stage_d[0])
+                dev[1, lay].index_copy_(0, d, stage_d[1])
+
+            return staged_h2d, nbytes
+        stage = torch.empty(
+            2, self.layers, n, item // 2, dtype=torch.bfloat16, pin_memory=self.cuda
+        )
+
+        def staged_d2h() -> None:
+            stage.copy_(dev[:, :, d], non_blocking=True)
+            _sync(self.device)  # the host scatters what the copy brought
+            host[:, hc] = stage.transpose(1, 2)
+
+        return staged_d2h, nbytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, reps: int, stream: Any = None) -> float:
+    """Median milliseconds of ``fn`` on ``stream`` after two warm-up calls: up to ``reps``
+    repetitions within about ``BUDGET_S``, each after a synchronize (so host-bound paths count
+    their host time). CUDA events on CUDA, ``perf_counter`` on a CPU."""
+    cuda = device.type == "cuda"
+    with torch.cuda.stream(stream) if cuda and stream is not None else contextlib.nullcontext():
+        samples: list[float] = []
+        for i in range(reps + 2):
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= 2:
+                samples.append(ms)
+                if len(samples) >= 3 and sum(samples) > BUDGET_S * 1e3:
+                    break
+    return statistics.median(samples)
+
+
+COLUMNS = {
+    "rows": [
+        Column("direction", "dir", 5),
+        Column("tokens", "tokens", 8),
+        Column("path", "path", 12),
+        Column("host", "host mem", 11),
+        Column("ms", "ms", 10, ".3f"),
+        Column("gbps", "GB/s", 9, ".2f"),
+        Column("ceiling_gbps", "ceil GB/s", 10, ".2f"),
+        Column("x_ceiling", "x ceil", 8, ".2f"),
+    ],
+    "corun": [
+        Column("path", "copy beside", 12),
+        Column("block_quota", "bq", 4),
+        Column("copy_gbps_alone", "GB/s alone", 11, ".2f"),
+        Column("copy_gbps_beside", "GB/s beside", 12, ".2f"),
+        Column("gemm_tflops", "GEMM TFLOP/s", 13, ".1f"),
+        Column("slowdown", "slowdown", 9, ".3f"),
+        Column("covered", "covered", 8),
+    ],
+}
 
 
 class Recorder:
-    """Prints each row as it is measured (a header before the first row of each table) and
-    rewrites ``bench_transfer.json`` after each one, marked ``partial`` until ``finish``."""
+    """Prints each row as measured and rewrites ``out_dir/<name>.json`` after it (``partial``
+    until ``finish``); ``ok(what)``: whether a measurement may still start."""
 
-    TITLES = {
-        "rows": ("", GRID_COLUMNS),
-        "block_quota_sweep": ("block_quota sweep (triton, page_first, page size 1; x ceil = "
-                              "ceiling time / time)", SWEEP_COLUMNS),
-        "gemm_corun": (f"bf16 GEMM {GEMM_SIZE}^3 x10 on the compute stream, a copy looping on a "
-                       "side stream (H2D one layer, page_first)", GEMM_COLUMNS),
-    }  # fmt: skip
+    def __init__(self, name: str, out_dir: Path, key: str, payload: dict[str, Any]) -> None:
+        self.name, self.out_dir, self.key, self.doc = name, out_dir, key, payload
+        payload.update({key: [], "partial": True, "skipped_for_time": [], "window_left_s": None})
 
-    def __init__(self, payload: dict[str, Any], out_dir: Path, name: str) -> None:
-        self.payload = payload
-        self.out_dir = out_dir
-        self.name = name
-        for key in self.TITLES:
-            payload[key] = []
-        payload["partial"] = True
-        payload["skipped_for_time"] = []
+    def ok(self, what: str) -> bool:
+        left = time_left()
+        if self.doc["window_left_s"] is None:
+            self.doc["window_left_s"] = None if math.isinf(left) else round(left, 1)
+        if left > MARGIN_S:
+            return True
+        self.doc["skipped_for_time"].append(what)
+        print(f"[bench_transfer] deadline near: skipping {what}", flush=True)
+        return False
 
-    def emitter(self, key: str) -> Any:
-        def emit(row: dict[str, Any]) -> None:
-            title, cols = self.TITLES[key]
-            if not self.payload[key]:
-                print(("\n" + title + "\n" if title else "\n") + table_header(cols))
-            self.payload[key].append(row)
-            print(table_row(row, cols), flush=True)
-            self.write()
+    def emit(self, row: dict[str, Any]) -> None:
+        rows = self.doc[self.key]
+        if not rows:
+            print("\n" + table_header(COLUMNS[self.key]))
+        rows.append(row)
+        print(table_row(row, COLUMNS[self.key]), flush=True)
+        self.write()
+        if len(rows) == int(os.environ.get("HICACHE_BENCH_STALL_AFTER_ROWS", "0")):
+            time.sleep(3600)
 
-        return emit
+    def write(self) -> None:
+        write_json(self.name, self.doc, self.out_dir)
 
-    def time_ok(self, what: str) -> Any:
-        def ok() -> bool:
-            if before_deadline():
-                return True
-            if what not in self.payload["skipped_for_time"]:
-                self.payload["skipped_for_time"].append(what)
-                print(f"[bench_transfer] deadline near: skipping {what}", flush=True)
-            return False
-
-        return ok
-
-    def write(self) -> Path:
-        return write_json(self.name, self.payload, self.out_dir)
+    def finish(self, headline: dict[str, Any]) -> dict[str, Any]:
+        self.doc.update(partial=False, headline=headline)
+        self.write()
+        return self.doc
 
 
-def _run(
-    cfg: Config, device: torch.device, sgl: ModuleType | None, quick: bool, out_dir: Path,
-    part: str,
-) -> dict[str, Any]:  # fmt: skip
-    cuda = device.type == "cuda"
-    seed = 0
-    grid, sweep = part in ("all", "grid"), part in ("all", "sweep") and cuda
-    payload: dict[str, Any] = {
-        "part": part,
-        "quick": quick,
-        "timer": timer_name(device),
-        "num_layers": NUM_LAYERS,
-        "sgl_kernel": sgl is not None,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_note": None if cuda else CPU_NOTE,
-    }
-    name = "bench_transfer_sweep" if part == "sweep" else "bench_transfer"
-    rec = Recorder(payload, out_dir, name)
-    if part in ("all", "sweep") and not cuda:
-        payload["sweep_skipped"] = ("block_quota and warps sweeps and the GEMM co-run need CUDA: "
-                                    "interpreted Triton kernels cannot be timed")  # fmt: skip
-        print(f"[bench_transfer] skipped: {payload['sweep_skipped']}", flush=True)
-    rows = rec.emitter("rows")
-    for item in cfg.items:
-        if not grid and not (sweep and item == 2048):
-            continue
-        pools = Pools.allocate(device, item, pool_slots(max(cfg.tokens)))
-        if grid:
-            measure_grid(cfg, device, sgl, item, cfg.tokens, cfg.page_sizes, cfg.layouts, pools,
-                         seed, rows, rec.time_ok(f"grid item {item}"))  # fmt: skip
-        if sweep and item == 2048 and cfg.block_quotas:
-            sweep_block_quota(cfg, device, pools, seed, rec.emitter("block_quota_sweep"),
-                              rec.time_ok("block_quota sweep"))  # fmt: skip
-            gemm_slowdown(cfg, device, pools, seed, rec.emitter("gemm_corun"),
-                          rec.time_ok("gemm co-run"))  # fmt: skip
-        del pools
-    for item in cfg.side_items if grid else ():
-        pools = Pools.allocate(device, item, pool_slots(cfg.side_tokens))
-        measure_grid(cfg, device, sgl, item, (cfg.side_tokens,), (1,),
-                     ("layer_first", "page_first"), pools, seed, rows,
-                     rec.time_ok(f"side item {item}"))  # fmt: skip
-        del pools
+def measure_paths(
+    pools: Pools,
+    tokens: tuple[int, ...],
+    reps: int,
+    emit: Callable[[dict[str, Any]], None] = lambda r: None,
+    ok: Callable[[str], bool] = lambda w: True,
+) -> list[dict[str, Any]]:
+    """Every path in both directions at each token count, each beside the ceiling."""
+    rows, dev = [], pools.device
+    streams = {"h2d": _stream(dev, HIGH_PRIORITY), "d2h": _stream(dev, 0)}
+    for n in tokens:
+        for direction in ("h2d", "d2h"):
+            if not ok(f"{direction} {n} tokens"):
+                return rows
+            fn, nbytes = pools.copy(direction, "ceiling", n)
+            ceil = nbytes / time_ms(fn, dev, reps, streams[direction]) / 1e6
+            for path in PATHS:
+                if (path == "registered" and not pools.registered) or not ok(f"{direction} {path}"):
+                    continue
+                fn, nbytes = pools.copy(direction, path, n, seed=n)
+                ms = time_ms(fn, dev, reps, streams[direction])
+                host = "pinned" if pools.cuda else "pageable"
+                row = dict(direction=direction, tokens=n, path=path, bytes=nbytes, ms=ms)
+                gbps = nbytes / ms / 1e6
+                row.update(host="registered" if path == "registered" else host, gbps=gbps)
+                rows.append(dict(row, ceiling_gbps=ceil, x_ceiling=gbps / ceil))
+                emit(rows[-1])
+    return rows
 
-    payload["headline"] = headline(payload["rows"], payload["block_quota_sweep"],
-                                   payload["gemm_corun"], cpu=not cuda)  # fmt: skip
-    payload["partial"] = False
-    path = rec.write()
-    png = plot(
-        payload["rows"],
-        out_dir / f"{name}.png",
-        f"bench_transfer on {device} ({'CPU memcpy numbers' if not cuda else 'PCIe'})",
-        cpu=not cuda,
+
+def _stream(device: torch.device, priority: int) -> Any:
+    return torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+
+
+def measure_corun(
+    pools: Pools, sz: Sizes, emit: Callable[[dict[str, Any]], None], ok: Callable[[str], bool]
+) -> list[dict[str, Any]]:
+    """The GEMM alone, then beside each copy path (H2D of one layer, looping on a
+    high-priority side stream long enough to cover the GEMMs)."""
+    dev, cuda, n = pools.device, pools.cuda, sz.corun_tokens
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(sz.gemm, sz.gemm, dtype=dtype, device=dev)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    flop = 2 * sz.gemm**3 * sz.gemm_reps
+
+    def gemm() -> None:
+        for _ in range(sz.gemm_reps):
+            torch.mm(a, b, out=c)
+
+    side = _stream(dev, HIGH_PRIORITY)
+    rows: list[dict[str, Any]] = []
+    if not ok("gemm alone"):
+        return rows
+    alone = time_ms(gemm, dev, 5)
+    rows.append(dict(path="none", gemm_tflops=flop / alone / 1e9, slowdown=1.0))
+    emit(rows[-1])
+    paths = [("ceiling", DEFAULT_BLOCK_QUOTA), ("copy_engine", None), ("direct", None)]
+    paths += [("kernel", bq) for bq in sz.block_quotas]
+    for path, bq in paths:
+        if not ok(f"corun {path} bq={bq}"):
+            return rows
+        fn, nbytes = pools.copy("h2d", path, n, block_quota=bq or DEFAULT_BLOCK_QUOTA)
+        copy_ms = time_ms(fn, dev, sz.reps, side)
+        k = max(2, math.ceil(1.2 * alone / copy_ms))
+        runs = sorted(_corun(gemm, fn, k, side, cuda) for _ in range(3))
+        g_ms, c_ms = runs[1]
+        row = dict(path=path, block_quota=bq, copy_gbps_alone=nbytes / copy_ms / 1e6)
+        row.update(copy_gbps_beside=k * nbytes / c_ms / 1e6, gemm_tflops=flop / g_ms / 1e9)
+        rows.append(dict(row, slowdown=g_ms / alone, covered=c_ms >= g_ms))
+        emit(rows[-1])
+    return rows
+
+
+def _corun(
+    gemm: Callable[[], None], copy: Callable[[], None], k: int, side: Any, cuda: bool
+) -> tuple[float, float]:
+    """``(GEMM ms, ms of k copies)`` with the copies beside the GEMMs."""
+    if not cuda:
+        end: list[float] = []
+
+        def loop() -> None:
+            for _ in range(k):
+                copy()
+            end.append(time.perf_counter())
+
+        th, t0 = threading.Thread(target=loop), time.perf_counter()
+        th.start()
+        gemm()
+        g = time.perf_counter() - t0
+        th.join()
+        return g * 1e3, (end[0] - t0) * 1e3
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    torch.cuda.synchronize()
+    ev[0].record()
+    gemm()  # queued first: the copies start beside it
+    ev[1].record()
+    with torch.cuda.stream(side):
+        ev[2].record()
+        for _ in range(k):
+            copy()
+        ev[3].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])
+
+
+def headline(rows: list[dict[str, Any]], corun: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for direction in ("h2d", "d2h"):
+        sel = [r for r in rows if r["direction"] == direction]
+        if sel:
+            n = max(r["tokens"] for r in sel)
+            at = {r["path"]: r for r in sel if r["tokens"] == n}
+            parts = [f"{p} {r['gbps']:.1f}" for p, r in at.items()]
+            ceil = next(iter(at.values()))["ceiling_gbps"]
+            out[f"{direction} {n} tok GB/s"] = ", ".join(parts) + f", ceiling {ceil:.1f}"
+    for r in corun:
+        if r["path"] == "none":
+            out["GEMM TFLOP/s alone"] = round(r["gemm_tflops"], 1)
+        elif r["path"] != "kernel" or r["block_quota"] == DEFAULT_BLOCK_QUOTA:
+            out[f"GEMM slowdown beside {r['path']}"] = round(r["slowdown"], 3)
+    return out
+
+
+def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") -> dict[str, Any]:
+    """Measure ``part`` (headline, corun or all); print tables; write ``bench_transfer.json``
+    and ``bench_transfer_corun.json``. Returns the headline part's document (corun under
+    ``corun``)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sz = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
+    base = dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        cpu_note=None if cuda else CPU_NOTE,
+        sizes=asdict(sz),
+        timer="CUDA events" if cuda else "perf_counter",
     )
-    print(f"\n[bench_transfer] wrote {path}" + (f" and {png}" if png else ""))
-    for k, v in payload["headline"].items():
+    print(f"[bench_transfer] {base['device']}; {CPU_NOTE if not cuda else 'GPU numbers'}")
+    pools = Pools(device, sz.item, sz.layers, max(*sz.tokens, sz.corun_tokens), sz.page)
+    docs: dict[str, Any] = {}
+    try:
+        if part in ("headline", "all"):
+            rec = Recorder("bench_transfer", out_dir, "rows", dict(base))
+            rows = measure_paths(pools, sz.tokens, sz.reps, rec.emit, rec.ok)
+            docs["headline"] = rec.finish(headline(rows, []))
+        if part in ("corun", "all"):
+            rec = Recorder("bench_transfer_corun", out_dir, "corun", dict(base))
+            docs["corun"] = rec.finish(headline([], measure_corun(pools, sz, rec.emit, rec.ok)))
+    finally:
+        pools.close()
+    result = docs.get("headline") or {"headline": {}}
+    if "corun" in docs:
+        result = {**result, "corun": docs["corun"]["corun"]}
+        result["headline"] = {**result["headline"], **docs["corun"]["headline"]}
+    for k, v in result["headline"].items():
         print(f"  {k}: {v}")
-    return payload
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="Under 2 minutes on one GPU.")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
-    parser.add_argument("--part", choices=PARTS, default="all",
-                        help="grid: the methods; sweep: block_quota sweep + GEMM co-run (CUDA); "
-                        "all: both.")  # fmt: skip
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="Quick sizes (about a minute on a GPU).")
+    p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    p.add_argument("--part", choices=("headline", "corun", "all"), default="all")
+    args = p.parse_args(argv)
     run(quick=args.quick, out_dir=args.out, part=args.part)
     return 0
-

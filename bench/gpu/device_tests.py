@@ -1,0 +1,109 @@
+"""Kernel and controller correctness on the device, beside a precompile of the benchmarks' kernel
+variants: ``python -m bench.gpu.device_tests --out DIR [--dry-run]``.
+
+Three jobs at once, each its own process and log in DIR: the kernel test files
+(``plan.KERNEL_TESTS``, whole) and the gpu-marked tests of ``plan.GPU_TESTS`` (``-m gpu``), each
+sharded with pytest-xdist where it is installed (named files only, never the whole tree), and
+``--variants``: every Triton variant the later steps launch compiled into ``TRITON_CACHE_DIR``
+(the end-to-end pools, MHA and MLA, through ``kernels.sglang.warm_up`` with indices of -1, which
+copy nothing; the transfer benchmark's kernel copies). ``DIR/device_tests.json`` holds each job's
+rc, seconds and last summary line, rewritten as each ends. ``--dry-run`` (a CPU): both test
+groups run ``-m gpu`` (they skip there), the variants run on the torch reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.gpu.plan import GPU_TESTS, KERNEL_TESTS
+
+WORKERS = {"kernel_tests": 8, "gpu_tests": 4}  # of the device machine's 16 cores
+
+
+def pytest_cmd(files: tuple[str, ...], marker: str | None, workers: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *files]
+    cmd += ["--durations=10"] + (["-m", marker] if marker else [])
+    return cmd + (["-n", str(workers)] if importlib.util.find_spec("xdist") else [])
+
+
+def variants() -> list[str]:
+    """Launch every kernel variant of the end-to-end pools and the transfer benchmark once."""
+    import torch
+
+    from bench.transfer.bench import GPU_QUICK, Pools
+    from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+    from hicache.memory.host_pool_factory import make_host_pool
+    from kernels.sglang.warm_up import warm_up
+    from server_args import ServerArgs
+
+    done = []
+    for preset, mla in (("llama3-8b-shape", False), ("deepseek-v2-lite-shape", True)):
+        kw = dict(enable_hierarchical_cache=True, hicache_mem_layout="page_first")
+        args = ServerArgs(
+            model_preset=preset,
+            use_mla=mla,
+            dtype="bfloat16",
+            max_total_tokens=256,
+            hicache_io_backend="kernel",
+            **kw,
+        )
+        dev = (MLATokenToKVPool if mla else MHATokenToKVPool).from_server_args(args)
+        host = make_host_pool(dev, 2.0, 0, "page_first")
+        done.append(f"{preset}: {len(warm_up(host, dev).calls)} warm-up calls")
+        host.destroy()
+    sz, device = GPU_QUICK, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pools = Pools(device, sz.item, sz.layers, 64, sz.page)
+    try:
+        for path in ("kernel", "registered") if pools.registered else ("kernel",):
+            for direction in ("h2d", "d2h"):
+                for bq in sz.block_quotas:
+                    pools.copy(direction, path, 64, block_quota=bq)[0]()
+        done.append(f"transfer: item {sz.item} B, block_quota {sz.block_quotas}")
+    finally:
+        pools.close()
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.device_tests", description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--dry-run", action="store_true", help="On a CPU: only -m gpu (they skip).")
+    p.add_argument("--variants", action="store_true", help="Only the precompile job.")
+    args = p.parse_args(argv)
+    if args.variants:
+        for line in variants():
+            print(f"[precompile] {line}", flush=True)
+        return 0
+    kernel_marker = "gpu" if args.dry_run else None
+    jobs = {
+        "kernel_tests": pytest_cmd(KERNEL_TESTS, kernel_marker, WORKERS["kernel_tests"]),
+        "gpu_tests": pytest_cmd(GPU_TESTS, "gpu", WORKERS["gpu_tests"]),
+        "precompile": [sys.executable, "-m", "bench.gpu.device_tests", "--variants"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    env, t0, procs, report = dict(os.environ, HICACHE_TEST_PROGRESS="1"), time.monotonic(), {}, {}
+    for name, cmd in jobs.items():
+        with open(args.out / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    while len(report) < len(procs):  # the step's limit kills this process group, jobs included
+        for name, proc in procs.items():
+            if name not in report and proc.poll() is not None:
+                lines = (args.out / f"{name}.log").read_text().strip().splitlines() or [""]
+                summary = lines[-1].strip("= ")
+                took = round(time.monotonic() - t0, 1)
+                report[name] = dict(rc=proc.returncode, seconds=took, summary=summary)
+                (args.out / "device_tests.json").write_text(json.dumps(report, indent=2))
+                print(f"[device_tests] {name}: rc={proc.returncode} in {took} s: {summary}")
+        time.sleep(0.2)
+    return int(any(r["rc"] != 0 for r in report.values()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""A measured GPU profile (``bench.profile.GpuProfile``, kind ``measured``):
+``python -m bench.gpu.measure_profile --out FILE [--corun FILE] [--tiny]``.
+
+- ``forward``: the project's own model (``prefill.model.factory.build_model`` of the
+  ``llama3-8b-shape`` preset, bf16) timed at a few (new, cached) shapes: wall clock around a
+  synchronize, median of 3 after a warm-up. ``base_s``, ``per_token_s`` and ``per_pair_s`` are a
+  least-squares fit over the compute-bound shapes; ``floor_s`` is the smallest shape's time
+  minus ``base_s`` (reading the weights).
+- ``h2d`` / ``d2h``: latency and GB/s of each copy path from two sizes of the transfer
+  benchmark's copies (``bench.transfer.bench``): ``kernel`` on registered host memory,
+  ``copy_engine`` the contiguous copy, ``direct``; scaled to the model (a load is one call per
+  layer, a backup one call for all layers).
+- ``corun_slowdown``: the GEMM's slowdown beside the kernel copy at the default block_quota,
+  from the co-run step's JSON (``--corun``); without one, the modelled ``h200`` profile's.
+- ``kv_transfer``: the modelled ``h200`` profile's (one GPU has no NIC).
+
+``sources`` says where each number came from, with the measured points. ``--tiny``: the same
+code at tiny sizes (the ``tiny`` preset in fp32; on a CPU the profile names the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.profile import CopyPath, ForwardCost, GpuProfile, load_profile
+from bench.transfer.bench import CPU_TINY, GPU_QUICK, Pools, measure_paths
+from hicache.memory.device_pool import MHATokenToKVPool
+from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
+from prefill.model.factory import build_model
+from prefill.model.paged import ExtendInput
+from server_args import ServerArgs
+
+SHAPES = {
+    False: ((16, 0), (1024, 0), (4096, 0), (8192, 0), (2048, 6144), (1024, 15360)),
+    True: ((4, 0), (32, 0), (64, 0), (128, 0), (32, 96), (16, 240)),
+}
+COPY_TOKENS = {False: (2048, 16384), True: (64, 256)}
+
+
+def _median_s(fn: Callable[[], Any], device: torch.device) -> float:
+    samples = []
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
+def forward_cost(args: ServerArgs, tiny: bool) -> tuple[ForwardCost, str]:
+    """The fitted forward and its points (``new/cached: seconds``)."""
+    model, page, shapes = build_model(args), 16, SHAPES[tiny]
+    size = max(n + c for n, c in shapes) + page
+    pool = MHATokenToKVPool(
+        size, page, args.torch_dtype(), args.head_num, args.head_dim, args.num_layers, model.device
+    )
+    gen, pts = torch.Generator().manual_seed(0), []
+    for new, cached in shapes:
+        ids = torch.randint(0, args.vocab_size, (new,), generator=gen)
+        batch = [ExtendInput(ids, torch.arange(page, page + cached + new), cached)]
+        run = lambda b=batch: model.forward_extend(pool, b)
+        pts.append((new, cached, _median_s(run, model.device)))
+    rows = [[1.0, n, n * c + n * (n + 1) / 2] for n, c, _ in pts[1:]]
+    a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor([t for *_, t in pts[1:]])
+    base, per_token, per_pair = torch.linalg.lstsq(a, y.double()).solution.clamp(min=0).tolist()
+    points = "; ".join(f"{n}/{c}: {t:.6f}" for n, c, t in pts)
+    return ForwardCost(base, per_token, per_pair, max(0.0, pts[0][2] - base)), points
+
+
+def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
+    """``(h2d, d2h, points)``: a ``CopyPath`` per path, fitted on two sizes."""
+    sz, cuda, tokens = CPU_TINY if tiny else GPU_QUICK, torch.cuda.is_available(), COPY_TOKENS[tiny]
+    pools = Pools(torch.device("cuda" if cuda else "cpu"), item, sz.layers, max(tokens), sz.page)
+    try:
+        rows = measure_paths(pools, tokens, sz.reps)
+    finally:
+        pools.close()
+    kernel = "registered" if any(r["path"] == "registered" for r in rows) else "kernel"
+    out: dict[str, dict[str, CopyPath]] = {"h2d": {}, "d2h": {}}
+    for direction, paths in out.items():
+        for name, (path, rate) in {
+            "kernel": (kernel, "gbps"),
+            "direct": ("direct", "gbps"),
+            "copy_engine": ("kernel", "ceiling_gbps"),
+        }.items():
+            sel = [r for r in rows if r["direction"] == direction and r["path"] == path][:2]
+            if len(sel) == 2:
+                (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)
+                gbps = (b2 - b1) / (t2 - t1) / 1e9 if t2 > t1 else b2 / t2 / 1e9
+                lat = max(0.0, t1 - b1 / (gbps * 1e9)) * (layers if direction == "h2d" else 1)
+                paths[name] = CopyPath(lat, gbps)
+    points = "; ".join(
+        f"{r['direction']} {r['path']} {r['bytes']} B {r['ms']:.4f} ms, ceiling "
+        f"{r['ceiling_gbps']:.2f} GB/s"
+        for r in rows
+    )
+    return out["h2d"], out["d2h"], f"kernel on {kernel} host memory; {points}"
+
+
+def measure(tiny: bool, corun: Path | None) -> GpuProfile:
+    preset = "tiny" if tiny else "llama3-8b-shape"
+    args = ServerArgs(model_preset=preset, dtype="float32" if tiny else "bfloat16")
+    elem = torch.empty(0, dtype=args.torch_dtype()).element_size()
+    item = args.head_num * args.head_dim * elem
+    modelled = load_profile("h200")
+    forward, fw_points = forward_cost(args, tiny)
+    h2d, d2h, copy_points = copy_paths(item, args.num_layers, tiny)
+    slowdown, co_src = modelled.corun_slowdown, "the modelled h200 profile's (no co-run JSON)"
+    doc = json.loads(corun.read_text()) if corun and corun.exists() else {}
+    for r in doc.get("corun", []):
+        if r["path"] == "kernel" and r["block_quota"] == DEFAULT_BLOCK_QUOTA:
+            slowdown = max(0.0, r["slowdown"] - 1)
+            co_src = f"{corun}: GEMM beside the kernel copy, block_quota {DEFAULT_BLOCK_QUOTA}"
+    cpu = f"CPU {platform.processor() or platform.machine()}"
+    on = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    return GpuProfile(
+        name="measured",
+        kind="measured",
+        gpu=on,
+        model=f"{preset} {args.dtype}",
+        num_layers=args.num_layers,
+        kv_bytes_per_token=2 * item * args.num_layers,
+        forward=forward,
+        h2d=h2d,
+        d2h=d2h,
+        kv_transfer=modelled.kv_transfer,
+        corun_slowdown=slowdown,
+        sources={
+            "forward": "the project's model (prefill.model.factory.build_model), least squares "
+            f"over (new/cached: s) {fw_points}",
+            "copies": "bench.transfer copies at two sizes (kernel on registered host memory, "
+            f"copy_engine the contiguous copy, direct): {copy_points}",
+            "corun_slowdown": co_src,
+            "kv_transfer": "copied from the modelled h200 profile: a single GPU has no NIC",
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu.measure_profile", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=Path("results/profile.json"))
+    p.add_argument("--corun", type=Path, default=None, help="The co-run step's JSON.")
+    p.add_argument("--tiny", action="store_true", help="Tiny sizes (a dry run on a CPU).")
+    args = p.parse_args(argv)
+    prof = measure(args.tiny, args.corun)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(args.out)
+    fw = prof.forward
+    print(
+        f"[profile] {prof.gpu}, {prof.model}: forward {fw.base_s * 1e3:.3f} ms + "
+        f"{fw.per_token_s * 1e6:.3f} us/token + {fw.per_pair_s * 1e9:.4f} ns/pair, floor "
+        f"{fw.floor_s * 1e3:.3f} ms; co-run +{prof.corun_slowdown:.1%}"
+    )
+    for direction, paths in (("h2d", prof.h2d), ("d2h", prof.d2h)):
+        for name, c in paths.items():
+            print(f"[profile] {direction} {name}: {c.latency_s * 1e6:.1f} us + {c.gbps:.2f} GB/s")
+    print(f"[profile] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
