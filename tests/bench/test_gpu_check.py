@@ -1,161 +1,166 @@
-"""``bench/gpu_check.sh`` on a machine without a GPU: its plan fits its budget by its own
-arithmetic, ``--plan`` prints it, the script runs its steps in the plan's order with the plan's
-limits (checked with a stand-in interpreter that records each command), the probe's kernels read
-host memory through uint64 tables, and the fidelity step computes the clocks' gap. The step
-without a CUDA torch (one line, exit 3) is ``tests/bench/test_bench_e2e.py``'s."""
+"""``bench/gpu_check.sh`` on a machine without a GPU: the plan's arithmetic fits one device
+command, ``--plan`` prints it, the GPU-marked test files are the ones the plan names, a run
+without CUDA stops with one line naming the cause, and ``--dry-run`` runs the same orchestration
+end to end: every step inside its limit, at most 8 files of allowed names in OUT, and a step
+killed at its limit (forced) keeps its partial numbers in the archive."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.gpu import fidelity, plan
+from bench.gpu import plan
+from bench.gpu.probe import CUDA_ONLY
+from bench.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without CUDA")
 
 
-def test_the_plan_fits_its_budget_and_orders_the_headline_first() -> None:
+def test_the_plan_fits_one_device_command_in_the_order_asked() -> None:
     steps = plan.steps()
-    assert plan.total_s(steps) == sum(s.limit_s + plan.KILL_GRACE_S for s in steps) + plan.FIXED_S
-    assert plan.total_s(steps) <= plan.BUDGET_S == 290
-    names = [s.name for s in steps]
-    assert names[:2] == ["probe", "precompile"]  # nothing before the probe; compile next
-    assert names.index("bench_optimistic") < names.index("transfer_grid")
-    assert names.index("bench_multiturn") < names.index("mla_multiturn")
-    text = plan.render(steps, plan.BUDGET_S)
-    assert "fits" in text and "12.9 GB, registered once" in text
-    assert "write_back attempts_2, attempts_0" in text
-    assert "order: device_only, write_through, write_back" in text
+    assert [s.name for s in steps] == [
+        "probe",
+        "device_tests",
+        "transfer",
+        "corun",
+        "multiturn",
+        "optimistic",
+        "profile",
+    ]
+    limits = {s.name: s.limit_s for s in steps}
+    assert limits["probe"] == 60 and limits["device_tests"] <= 80 and limits["profile"] <= 40
+    assert limits["transfer"] <= 60 and limits["corun"] <= 60
+    assert 180 <= limits["multiturn"] + limits["optimistic"] <= 200
+    total = plan.total_s(steps)
+    assert total == sum(s.limit_s + plan.GRACE_S + plan.OVERHEAD_S for s in steps)
+    assert 520 <= total <= 545 and plan.DEVICE_LIMIT_S - total >= 55
+    assert all(0 <= s.margin_s < s.limit_s / 4 for s in steps)
+    assert len(plan.FILES_BACK) <= 8 and all(NAME.match(f) for f in plan.FILES_BACK)
+    dry = plan.steps(dry=True, scale=0.5)
+    assert [s.limit_s for s in dry] == [math.ceil(s.limit_s / 2) for s in steps]
+    mt, opt = (s.command(True) for s in dry[4:6])
+    assert mt.endswith("--num-clients 2 --num-rounds 2 --request-length 64")
+    assert "--configs device_only write_through" in mt and "--attempts 2 0" in opt
+    assert opt.endswith("--num-requests 6 --input-len 64") and "--clock wall" in opt
 
 
-def test_the_scripts_probe_limit_is_the_plans() -> None:
-    """The script runs the probe before it reads the plan, with its own copy of the limit."""
-    script = SCRIPT.read_text()
-    probe = next(s for s in plan.steps() if s.name == "probe")
-    assert f"LIMIT_probe={probe.limit_s} KILL_GRACE_S={plan.KILL_GRACE_S}" in script
+def test_the_plan_names_every_gpu_marked_test_file() -> None:
+    marked = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu|mark\.gpu", p.read_text())
+    }
+    assert set(plan.GPU_TESTS) <= marked <= set(plan.GPU_TESTS) | set(plan.KERNEL_TESTS)
+    assert all((ROOT / f).exists() for f in plan.KERNEL_TESTS)
 
 
-def test_plan_shell_assignments_parse() -> None:
-    steps = plan.steps()
-    values = dict(line.split("=", 1) for line in plan.shell(steps, 290).splitlines())
-    assert {f"LIMIT_{s.name}" for s in steps} <= set(values)
-    assert values["PLAN_TOTAL_S"] == str(plan.total_s(steps))
-    assert values["HAS_MLA_OPTIMISTIC"] in ("0", "1")
-    assert values["VIRTUAL_ARGS"] == f"'{plan.VIRTUAL_ARGS}'"
-
-
-def test_a_budget_too_small_is_refused() -> None:
-    assert plan.main(["--budget", "100"]) == 3
-
-
-def test_gpu_check_plan_prints_the_plan_without_a_gpu(tmp_path: Path) -> None:
+def test_plan_mode_prints_the_plan_and_runs_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), "--plan"],
-                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    first = proc.stdout.splitlines()[0]
-    assert re.match(r"gpu_check plan: 10 steps, \d+ s at most .* 290 s budget: fits", first)
-    assert not (tmp_path / "out" / "status.txt").exists()  # nothing ran
-
-
-FAKE_PYTHON = """#!/usr/bin/env bash
-# Records every command; runs the plan for real, anything else succeeds at once (the wall-clock
-# multi-turn run leaves a calibration.json, as the real one does).
-echo "$*" >> "$FAKE_LOG"
-case "$*" in
-  *bench.gpu.plan*) exec "$REAL_PYTHON" "$@" ;;
-  *"--only multiturn"*)
-    while [ $# -gt 0 ]; do [ "$1" = --out ] && echo '{}' > "$2/calibration.json"; shift; done ;;
-esac
-exit 0
-"""
-
-
-def test_gpu_check_runs_the_plans_steps_in_order(tmp_path: Path) -> None:
-    """With an interpreter that records commands (and pretends the probe passed), the script
-    runs each step of the plan in order, under its limit, and says which steps it skipped."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    log = tmp_path / "calls.log"
-    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable,
-           "FAKE_LOG": str(log)}  # fmt: skip
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True,
-                          timeout=180, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    calls = log.read_text().splitlines()
-    modules = [m.group(1) for c in calls if (m := re.search(r"-m (\S+)", c))]
-    expected = ["bench.gpu.probe", "bench.gpu.plan", "bench.gpu.precompile", "pytest",
-                "bench.transfer.launch_cost", "bench.transfer", "bench", "bench",
-                "bench.transfer"]  # fmt: skip
-    assert modules[: len(expected)] == expected
-    e2e = [c for c in calls if "--only" in c]
-    assert "--only optimistic --clock wall" in e2e[0] and "--only multiturn --clock wall" in e2e[1]
-    assert modules[-2:] == ["bench.multiturn", "bench.gpu.fidelity"]
-    assert plan.VIRTUAL_ARGS in calls[-2]
-    assert "--host-time measured" in plan.VIRTUAL_ARGS
-    assert f"--calibration {out}/calibration.json" in calls[-2]  # the wall run's, replayed
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == plan.render(plan.steps(), dry=False)
+    assert re.match(r"gpu_check plan: 7 steps, 539 s at most .* 600 s", proc.stdout)
+    assert "files back in OUT (at most 8): results.tar.gz" in proc.stdout
+    assert not out.exists()
+
+
+@NO_CUDA
+def test_without_cuda_the_check_stops_with_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("gpu_check: STOP: no CUDA device: torch.cuda.is_available() is ")
     status = (out / "status.txt").read_text().splitlines()
-    ran = [line.split()[0] for line in status]
-    assert ran == ["probe", "precompile", "gpu_tests", "transfer_sweep", "bench_optimistic",
-                   "bench_multiturn", "transfer_grid", "mla_optimistic", "mla_multiturn",
-                   "virtual_point"]  # fmt: skip
-    mla_flag = plan.has_flag("bench.optimistic.bench", "--use-mla")
-    assert ("mla_optimistic skipped" in "\n".join(status)) != mla_flag
-    assert "gpu_check plan: 10 steps" in proc.stdout  # printed once the probe passed
-    assert "(limit 52s," in proc.stdout  # bench_optimistic under the plan's limit
+    assert len(status) == 1 and status[0].startswith("probe rc=3 ")
+    assert {p.name for p in out.iterdir()} <= set(plan.FILES_BACK)
+    assert not list(tmp_path.glob("gpu_check.*"))  # the scratch folder is removed
 
 
-def test_the_probe_reads_host_memory_through_uint64_tables() -> None:
-    """The probe's kernels, interpreted on CPU: a host tensor read as a tensor argument and
-    through int64 and uint64 (``kernels.data_ptr_table``) pointer tables."""
-    from bench.gpu import probe_kernels
-
-    host = torch.arange(300, dtype=torch.int32)
-    for how in ("tensor", "int64 table", "uint64 table"):
-        dst = torch.zeros_like(host)
-        probe_kernels.launch_read_host(host, dst, how)
-        assert torch.equal(dst, host + 1), how
+def _member(tar: tarfile.TarFile, name: str) -> str:
+    f = tar.extractfile(f"./{name}")
+    assert f is not None, name
+    return f.read().decode()
 
 
-def test_fidelity_is_the_virtual_over_the_wall_ratio(tmp_path: Path) -> None:
-    def result(folder: str, ratio: float | None) -> Path:
-        summary = {"device_only": {"ttft_mean_speedup_vs_device_only": 1.0},
-                   "write_through": {"ttft_mean_speedup_vs_device_only": ratio}}  # fmt: skip
-        path = tmp_path / folder / "multiturn.json"
-        path.parent.mkdir()
-        path.write_text(json.dumps({"summary": summary}))
-        return path
-
-    wall, virtual = result("wall", 2.0), result("virtual", 2.5)
-    out = tmp_path / "fidelity.json"
-    assert fidelity.main([str(wall), str(virtual), str(out)]) == 0
-    entry = json.loads(out.read_text())["fidelity"]["multiturn/write_through"]
-    assert entry == {"virtual": 2.5, "wall": 2.0, "gap": pytest.approx(0.25)}
-    assert fidelity.main([str(wall), str(tmp_path / "missing.json"), str(out)]) == 1
-
-
-def test_the_short_runs_flags_are_the_benchmarks_own() -> None:
-    """The MLA runs' and the virtual point's flags parse in the benchmarks' parsers (``--use-mla``
-    only where the MLA work added it: the script skips those runs otherwise)."""
-    from bench.multiturn.trace import parse_args as multiturn_args
-    from bench.optimistic.bench import parse_args as optimistic_args
-
-    for parse, flags, module in (
-        (optimistic_args, plan.MLA_OPTIMISTIC_ARGS, "bench.optimistic.bench"),
-        (multiturn_args, plan.MLA_MULTITURN_ARGS, "bench.multiturn.trace"),
-        (multiturn_args, plan.VIRTUAL_ARGS, "bench.multiturn.trace"),
-    ):
-        argv = flags.split()
-        if not plan.has_flag(module, "--use-mla"):
-            argv = [a for a in argv if a != "--use-mla"]
-        parse(argv, True)
+@NO_CUDA
+def test_the_dry_run_runs_every_step_in_its_window_and_keeps_a_killed_steps_rows(
+    tmp_path: Path,
+) -> None:
+    """The transfer step is made to hang after its second row under a 10 s limit."""
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "GPU_CHECK_STALL_STEP": "transfer",
+        "GPU_CHECK_LIMIT_transfer": "10",
+    }
+    env.pop("PYTHON", None)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(plan.FILES_BACK) and len(files) <= 8
+    assert not list(tmp_path.glob("gpu_check.*"))
+    rows = [
+        dict(kv.split("=") for kv in line.split()[1:])
+        for line in (out / "status.txt").read_text().splitlines()
+    ]
+    names = [line.split()[0] for line in (out / "status.txt").read_text().splitlines()]
+    assert names == [s.name for s in plan.STEPS]
+    for name, row in zip(names, rows, strict=True):
+        if name == "transfer":
+            assert (
+                row["rc"] in ("124", "137") and row["hit_limit"] == "yes" and row["limit"] == "10"
+            )
+        else:
+            assert row["rc"] == "0" and row["hit_limit"] == "no", (name, proc.stdout)
+            assert int(row["seconds"]) <= int(row["limit"])
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert _member(tar, "transfer.log").count("  h2d  ") == 2  # the two rows it printed
+        partial = json.loads(_member(tar, "bench_transfer.json"))
+        assert partial["partial"] is True and len(partial["rows"]) == 2
+        assert partial["window_left_s"] > 0
+        corun = json.loads(_member(tar, "bench_transfer_corun.json"))
+        assert corun["partial"] is False and corun["window_left_s"] > 0
+        assert json.loads(_member(tar, "probe.json"))["skipped_cpu"] == list(CUDA_ONLY)
+        tests = json.loads(_member(tar, "device_tests.json"))
+        assert {k: v["rc"] for k, v in tests.items()} == dict.fromkeys(
+            ("kernel_tests", "gpu_tests", "precompile"), 0
+        )
+    headline = (out / "headline.txt").read_text()
+    assert "bench_transfer (CPU, partial)" in headline
+    assert re.search(r"multiturn: device_only [\d.]+ ms .*write_through [\d.]+ ms", headline)
+    assert re.search(r"optimistic: \S*attempts_2 [\d.]+ ms .*attempts_0 [\d.]+ ms", headline)
+    assert proc.stdout.rstrip().endswith(headline.rstrip())
+    prof = load_profile(out / "profile.json")
+    assert prof.kind == "measured" and prof.gpu.startswith("CPU")
+    assert "bench_transfer_corun.json" in prof.sources["corun_slowdown"]
