@@ -1,46 +1,24 @@
 """Load SGLang's radix trees from a release installed without its dependency tree.
 
 ``make bench-vs-sglang`` installs ``sglang==0.5.23`` with ``pip install --no-deps --target
-.venv-sglang-check/sglang-0.5.23`` (the pin directory of ``make sglang-check``) and runs in that
-check's venv (CPU torch, triton, numpy, psutil, msgspec) plus ``packaging`` (in
-``.venv-sglang-check/bench-deps``), which ``sglang.srt.utils.common`` calls at import time.
-:func:`install` puts both directories first on ``sys.path`` and installs the stub finder of
-``tests/sglang_check/stubs.py`` with the replacements below. Everything SGLang runs in the
-benchmark -- ``radix_cache``, ``unified_radix_cache`` and its ``unified_cache`` package, the Rust
-TreeCore extension (``mem_cache/rust_tree_core/mem_cache.*.so``, compiled, shipped in the wheel),
-the allocators, ``memory_pool``, ``server_args``, ``sglang.srt.utils`` -- is SGLang's file as
-installed (260 of its modules load unchanged).
+.venv-sglang-check/sglang-0.5.23`` and runs in the venv of ``make sglang-check`` (CPU torch,
+triton, numpy, psutil, msgspec) plus ``packaging`` in ``.venv-sglang-check/bench-deps``.
+:func:`install` puts both first on ``sys.path`` and installs the stub finder of
+``tests/sglang_check/stubs.py``; everything the trees run (``radix_cache``,
+``unified_radix_cache``, the Rust TreeCore extension shipped in the wheel, the allocators,
+``memory_pool``, ``sglang.srt.utils``) is SGLang's installed file. Replaced, with the reasons in
+``BARE_PACKAGES`` and ``_STUB_REASONS``:
 
-Bare packages (``__init__`` not run, submodules load from the installed files):
+- bare packages (``__init__`` not run, submodules load from the installed files): ``sglang``,
+  ``sglang.srt.configs``, ``sglang.srt.layers.quantization``;
+- stubbed SGLang modules (never called by the trees):
+  ``sglang.srt.observability.metrics_collector``, ``sglang.srt.managers.schedule_batch``;
+- stubbed third-party packages imported unconditionally by modules the trees never call into:
+  ``orjson``, ``pybase64``, ``requests``, ``PIL``, ``starlette``, ``starlette.routing``,
+  ``pydantic_core``, ``pydantic``, ``zmq``, ``zmq.auth``, ``zmq.auth.thread``, ``tvm_ffi``.
 
-- ``sglang``: its ``__init__`` imports the frontend language and applies HuggingFace patches.
-- ``sglang.srt.configs``: its ``__init__`` imports every model's config class (transformers);
-  ``memory_pool`` needs only ``configs.mamba_utils``.
-- ``sglang.srt.layers.quantization``: its ``__init__`` imports every quantization method and the
-  whole model-layer stack (deep_gemm, MoE runners); ``memory_pool`` needs only
-  ``fp4_kv_cache_quant_method``.
-
-Stubbed SGLang modules (their names are placeholders that raise if called):
-
-- ``sglang.srt.observability.metrics_collector``: Prometheus metrics; imported by
-  ``base_prefix_cache``, used only with ``enable_metrics`` (off here); its own imports reach the
-  model configs and transformers.
-- ``sglang.srt.managers.schedule_batch``: the scheduler's request batch; imported by
-  ``session.streaming_session`` for ``ReqKvInfo``, used only by streaming sessions (none here).
-
-Stubbed third-party packages (unconditional imports of modules the trees never call into):
-
-- ``orjson``, ``pybase64``, ``requests``, ``PIL``, ``starlette`` (+ ``starlette.routing``):
-  HTTP, JSON and image helpers of ``sglang.srt.utils.common``.
-- ``pydantic_core``: ``sglang.srt.utils.msgspec_utils`` (request schema helpers).
-- ``pydantic``: ``sglang.srt.disaggregation.kv_events`` (KV event publishing, off here).
-- ``zmq`` (+ ``zmq.auth``, ``zmq.auth.thread``): IPC sockets of ``sglang.srt.utils.network``.
-- ``tvm_ffi``: JIT CUDA all-reduce kernels, reached from ``memory_pool`` through
-  ``layers.dp_attention``.
-
-A placeholder that is called raises ``StubUsed``, so a stub reached by the trace stops the
-benchmark instead of changing what is measured. :func:`stub_report` lists the replacements this
-process actually used; the benchmark prints it and writes it to its JSON.
+A placeholder that is called raises ``StubUsed``, so a stub reached by a benchmark stops it
+instead of changing what is measured; :func:`stub_report` lists the replacements used.
 """
 
 from __future__ import annotations
@@ -65,17 +43,18 @@ BARE_PACKAGES: dict[str, str] = {
     "the model-layer stack; memory_pool needs only fp4_kv_cache_quant_method",
 }
 
+_UTILS = "in sglang.srt.utils.common"
 _STUB_REASONS: dict[str, str] = {
     "sglang.srt.observability.metrics_collector": "Prometheus metrics, used only with "
     "enable_metrics (off); its imports reach the model configs",
     "sglang.srt.managers.schedule_batch": "scheduler request batch; ReqKvInfo is used only by "
     "streaming sessions (none)",
-    "orjson": "JSON responses in sglang.srt.utils.common",
-    "pybase64": "image decoding in sglang.srt.utils.common",
-    "requests": "file downloads in sglang.srt.utils.common",
-    "PIL": "image loading in sglang.srt.utils.common",
-    "starlette": "HTTP routing in sglang.srt.utils.common",
-    "starlette.routing": "HTTP routing in sglang.srt.utils.common",
+    "orjson": f"JSON responses {_UTILS}",
+    "pybase64": f"image decoding {_UTILS}",
+    "requests": f"file downloads {_UTILS}",
+    "PIL": f"image loading {_UTILS}",
+    "starlette": f"HTTP routing {_UTILS}",
+    "starlette.routing": f"HTTP routing {_UTILS}",
     "pydantic_core": "request schema helpers in sglang.srt.utils.msgspec_utils",
     "pydantic": "KV event messages in sglang.srt.disaggregation.kv_events (events off)",
     "zmq": "IPC sockets in sglang.srt.utils.network",
@@ -91,15 +70,13 @@ def stubs() -> dict[str, Stub]:
 
 
 def install(site: str = DEFAULT_SITE, deps: str | None = DEFAULT_DEPS) -> StubFinder:
-    """Put the pin directory ``site`` (and ``deps`` when it exists) first on ``sys.path`` and
-    install the stub finder. Raises ``ValueError`` naming ``site`` when it holds no ``sglang``;
-    nothing is changed then. Call before the first ``import sglang``."""
+    """Put ``site`` (and ``deps`` when it exists) first on ``sys.path`` and install the stub
+    finder. ``ValueError`` naming ``site`` when it holds no ``sglang``; nothing changes then."""
     if not os.path.isdir(os.path.join(site, "sglang")):
         raise ValueError(f"site={site!r} holds no sglang package: run make bench-vs-sglang")
     if "sglang" in sys.modules:
         logger.warning("sglang was imported before the loader; stubs apply to new imports only")
-    paths = [site] + ([deps] if deps and os.path.isdir(deps) else [])
-    for p in reversed(paths):
+    for p in reversed([site] + ([deps] if deps and os.path.isdir(deps) else [])):
         if p not in sys.path:
             sys.path.insert(0, p)
     return install_importer(stubs(), BARE_PACKAGES)

@@ -1,26 +1,15 @@
-"""SGLang's own radix trees as drivers of the ``bench_cache_ops`` trace (``--against-sglang``).
+"""SGLang's own radix trees as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
 
-Loads SGLang either as installed in this environment (nothing replaced) or, with ``site``, from a
-release installed without its dependency tree (``make bench-vs-sglang``: the pin directory of
-``make sglang-check``, with the unrelated imports stubbed as listed in
-``bench/cache_ops/sglang_loader.py``), and wraps:
-
-- ``SGLangPythonDriver``: ``sglang.srt.mem_cache.radix_cache.RadixCache`` with SGLang's own
-  allocator (``TokenToKVPoolAllocator`` at page 1, ``PagedTokenToKVPoolAllocator`` otherwise)
-  over a one-layer, one-head ``MHATokenToKVPool`` on the CPU;
-- ``SGLangRustDriver``: ``UnifiedRadixCache`` (SGLang's default tree since 0.5.2x) with its
-  Rust TreeCore (``tree_core_backend="rust"``), same allocator.
-
-SGLang's tree, allocator and pool code runs as installed, unpatched (with ``site``, only modules
-unrelated to the trees are stubbed, and any stub called raises); if an import fails,
-``load_sglang`` says which and the benchmark runs without SGLang. Keys are handed to SGLang as
-``RadixKey(array("q", ...))`` built outside the timed region (SGLang's scheduler builds them per
-request, so SGLang's times here are a lower bound). "match" includes ``path_device_indices`` of
-the matched node, which is what the scheduler reads after a match in 0.5.23 (its
-``MatchResult`` carries a length, not indices). No ``ServerArgs`` is published: with HiCache and
-metrics off the trees read no runtime-context config (an unpublished config raises
-``ValueError`` in 0.5.23, so a read would stop the run), and publishing one resolves a model
-config (transformers).
+``load_sglang`` imports SGLang as installed, or with ``site`` from a release installed without
+its dependency tree (``make bench-vs-sglang``; unrelated imports stubbed by ``sglang_loader``,
+any stub called raises). ``SGLangPythonDriver`` wraps ``radix_cache.RadixCache``,
+``SGLangRustDriver`` ``UnifiedRadixCache`` with its Rust TreeCore (``tree_core_backend="rust"``),
+each over SGLang's own allocator (``TokenToKVPoolAllocator`` at page 1, else
+``PagedTokenToKVPoolAllocator``) and a one-layer, one-head ``MHATokenToKVPool`` on the CPU, all
+unpatched. Keys are ``RadixKey(array("q", ...))`` built untimed (SGLang's times are a lower
+bound); "match" includes ``path_device_indices`` of the matched node, which SGLang's scheduler
+reads after a match. No ``ServerArgs`` is published: with HiCache and metrics off the trees read
+none (publishing one resolves a model config).
 """
 
 from __future__ import annotations
@@ -41,15 +30,12 @@ SGLANG_NAMES = {
     "sglang.srt.mem_cache.unified_radix_cache": ("UnifiedRadixCache",),
     "sglang.srt.mem_cache.unified_cache.component_type": ("ComponentType",),
 }
-"""The SGLang names the drivers use, by module (imported in this order)."""
+RUST_CORE_MODULE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
 
 
 def load_sglang(site: str | None = None) -> tuple[Any, str]:
-    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``.
-
-    ``site``: a pin directory (``pip install --no-deps --target``); SGLang is then loaded through
-    :mod:`bench.cache_ops.sglang_loader`; the namespace's ``stub_report()`` lists every replacement
-    used so far (empty without ``site``)."""
+    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``; the
+    namespace's ``stub_report()`` lists every replacement used (empty without ``site``)."""
     finder = None
     try:
         if site is not None:
@@ -73,50 +59,35 @@ def load_sglang(site: str | None = None) -> tuple[Any, str]:
     return type("SGLang", (), ns), version
 
 
-RUST_CORE_MODULE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"
-
-
 def rust_core_file() -> str | None:
     """The file of SGLang's compiled Rust TreeCore extension this process loaded (or None)."""
-    module = sys.modules.get(RUST_CORE_MODULE)
-    return getattr(module, "__file__", None)
-
-
-def _allocator(sgl: Any, pool_tokens: int, page_size: int) -> Any:
-    kv = sgl.MHATokenToKVPool(
-        size=pool_tokens,
-        page_size=page_size,
-        dtype=torch.float16,
-        head_num=1,
-        head_dim=1,
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    if page_size == 1:
-        return sgl.TokenToKVPoolAllocator(
-            size=pool_tokens, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
-        )
-    return sgl.PagedTokenToKVPoolAllocator(
-        size=pool_tokens,
-        page_size=page_size,
-        dtype=torch.float16,
-        device="cpu",
-        kvcache=kv,
-        need_sort=False,
-    )
+    return getattr(sys.modules.get(RUST_CORE_MODULE), "__file__", None)
 
 
 class _SGLangDriver:
     frees_duplicates = False
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
-        self.sgl = sgl
-        self.allocator = _allocator(sgl, pool_tokens, page_size)
-        self.page_size = page_size
+        self.sgl, self.page_size = sgl, page_size
+        kv = sgl.MHATokenToKVPool(
+            size=pool_tokens,
+            page_size=page_size,
+            dtype=torch.float16,
+            head_num=1,
+            head_dim=1,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        common = dict(dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False)
+        if page_size == 1:
+            self.allocator = sgl.TokenToKVPoolAllocator(size=pool_tokens, **common)
+        else:
+            self.allocator = sgl.PagedTokenToKVPoolAllocator(
+                size=pool_tokens, page_size=page_size, **common
+            )
 
     def _cache_params(self, **extra: Any) -> Any:
-        """SGLang's ``CacheInitParams`` of a tree over :attr:`allocator`, plus ``extra``."""
         return self.sgl.CacheInitParams(
             disable=False,
             req_to_token_pool=None,
@@ -125,19 +96,13 @@ class _SGLangDriver:
             **extra,
         )
 
-    def prepare(self, key: list[int]) -> Any:
+    def prepare(self, key: Any) -> Any:
         return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
 
     def match(self, params: Any) -> tuple[int, torch.Tensor, Any]:
         r = self.tree.match_prefix(params)
-        return (
-            r.device_prefix_len,
-            self.tree.path_device_indices(r.last_device_node),
-            (r.last_device_node),
-        )
-
-    def miss(self, params: Any) -> int:
-        return self.tree.match_prefix(params).device_prefix_len
+        node = r.last_device_node
+        return r.device_prefix_len, self.tree.path_device_indices(node), node
 
     def alloc(self, n: int) -> torch.Tensor | None:
         return self.allocator.alloc(n)
@@ -172,13 +137,9 @@ class SGLangPythonDriver(_SGLangDriver):
     def unlock(self, node: Any, token: Any) -> None:
         self.tree.dec_lock_ref(node)
 
-    def size(self) -> int:
-        return self.tree.total_size()
-
 
 class SGLangRustDriver(_SGLangDriver):
-    """``UnifiedRadixCache`` frees the duplicates of an insert itself (``value[prev_prefix_len:
-    prefix_len]``, inside the timed insert), so the caller does not."""
+    """``UnifiedRadixCache`` frees an insert's duplicates itself (inside the timed insert)."""
 
     name = "sglang_rust"
     frees_duplicates = True
@@ -201,7 +162,3 @@ class SGLangRustDriver(_SGLangDriver):
 
     def unlock(self, node: Any, token: Any) -> None:
         self.tree.dec_lock_ref(node, token)
-
-    def size(self) -> int:
-        total = self.tree.total_size()
-        return total[0] if isinstance(total, tuple) else int(total)

@@ -1,11 +1,19 @@
-"""Smoke tests of the tree benchmark at its smallest sizes (keep it from rotting)."""
+"""The tree benchmark at its smallest size (keeps it from rotting), and its SGLang loader: a bad
+site is refused untouched and every replacement is documented. Only the refusing path of the
+loader runs here: a successful ``install`` puts a process-wide import finder in place that stubs
+packages (PIL, requests, pydantic) the rest of the suite may import."""
 
 from __future__ import annotations
 
-from bench.cache_ops.bench import ALL_OPS, run_trace
+import json
+import sys
+
+import pytest
+
+from bench.cache_ops import sglang_loader
+from bench.cache_ops.bench import ALL_OPS, main, run_trace
 from bench.cache_ops.sglang_trees import load_sglang
 from bench.cache_ops.trace import ProjectDriver
-from bench.cache_ops.two_tier import measure_inflight, measure_write_back
 
 
 def test_trace_runs_and_reports_every_op() -> None:
@@ -14,16 +22,36 @@ def test_trace_runs_and_reports_every_op() -> None:
     project = row["trees"]["project"]
     for op in ("match", "miss", "insert", "lock", "unlock"):
         assert project[op]["n"] == 30 and project[op]["mean_us"] > 0
-    assert set(project) == set(ALL_OPS)
+    assert set(project) == set(ALL_OPS) and project["evict_leaf"]["n"] == 3
 
 
-def test_pressure_measurements_run() -> None:
-    r = measure_inflight(50, leaves=10, reps=1, max_copies=50)
-    assert r["copies_in_flight"] == 50 and r["evict_ms"] > 0
-    assert measure_write_back(4096, full=True, real=False, leaves=8) > 0
-    assert measure_write_back(4096, full=True, real=True, leaves=8) > 0
+def test_cli_writes_its_json(tmp_path, capsys) -> None:
+    argv = ["--quick", "--sizes", "10000", "--pages", "16", "--steps", "20", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "bench_cache_ops.json").read_text())
+    assert data["rows"][0]["trees"]["project"]["match"]["n"] == 20
+    assert data["sglang"].startswith("not requested") and "per-op cost" in capsys.readouterr().out
 
 
-def test_sglang_loader_says_why_when_absent() -> None:
+def test_load_sglang_says_why_when_absent() -> None:
     sgl, note = load_sglang()
     assert (sgl is None) == ("not importable" in note)
+
+
+def test_site_without_sglang_is_refused_and_nothing_changes(tmp_path) -> None:
+    path, meta = list(sys.path), list(sys.meta_path)
+    with pytest.raises(ValueError, match="site="):
+        sglang_loader.install(str(tmp_path))
+    assert sys.path == path and sys.meta_path == meta
+    sgl, note = load_sglang(str(tmp_path))
+    assert sgl is None and "site=" in note and str(tmp_path) in note
+    assert sys.meta_path == meta
+
+
+def test_every_replacement_is_named_in_the_module_docstring() -> None:
+    names = list(sglang_loader.BARE_PACKAGES) + list(sglang_loader.stubs())
+    assert names, "no replacements listed"
+    for name in names:
+        assert f"``{name}``" in sglang_loader.__doc__, name
+    for name, stub in sglang_loader.stubs().items():
+        assert stub.reason and not stub.accessed, name

@@ -1,0 +1,2 @@
+"""``python -m bench.trace``: a Mooncake-format trace through the project's tree and tiers
+(``bench.trace.bench``)."""
