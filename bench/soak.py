@@ -20,16 +20,18 @@ from typing import Any
 from bench.common import Column, table_header, table_row, write_json
 from prefill.testing.harness import single_torch_thread
 from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor
-from server_args import ServerArgs
+from server_args import prepare_server_args
 
 DESCRIPTION = "A long run of the optimistic prefill executor: RSS and step cost over time."
-HICACHE = dict(enable_hierarchical_cache=True, hicache_io_backend="direct")
-CONFIGS: dict[str, dict[str, Any]] = {
-    "write_through": dict(
-        **HICACHE, hicache_write_policy="write_through", optimistic_prefill_write_through=True
-    ),
-    "write_back": dict(**HICACHE, hicache_write_policy="write_back"),
-    "device": dict(enable_hierarchical_cache=False),
+FLAGS = (
+    "--page-size 4 --max-total-tokens 2048 --chunked-prefill-size 64 --device cpu --dtype float32 "
+    "--disaggregation-mode prefill --optimistic-prefill-attempts 2 --hicache-io-backend direct "
+    "--hicache-mem-layout page_first_direct"
+).split()
+CONFIGS = {
+    "write_through": "--enable-hierarchical-cache --optimistic-prefill-write-through",
+    "write_back": "--enable-hierarchical-cache --hicache-write-policy write_back",
+    "device": "",
 }
 COLUMNS = [
     Column("finished", "done", 8),
@@ -50,26 +52,9 @@ def rss_mb() -> float:
 
 def soak(config: str, requests: int, window: int, warmup: int, seed: int = 0) -> dict[str, Any]:
     """One run of ``CONFIGS[config]`` (module docstring); prints each window."""
-    args = ServerArgs(
-        page_size=4,
-        max_total_tokens=2048,
-        chunked_prefill_size=64,
-        dtype="float32",
-        device="cpu",
-        hicache_mem_layout="page_first_direct",
-        disaggregation_mode="prefill",
-        optimistic_prefill_attempts=2,
-        random_seed=seed,
-        **CONFIGS[config],
-    )
-    ex = soak_executor(
-        args,
-        seed,
-        bootstrap_failure_prob=0.02,
-        transfer_failure_prob=0.01,
-        force_not_ready_prob=0.0,
-        decode_pool_size=8192,
-    )
+    args = prepare_server_args([*FLAGS, "--random-seed", str(seed), *CONFIGS[config].split()])
+    faults = dict(bootstrap_failure_prob=0.02, transfer_failure_prob=0.01, force_not_ready_prob=0.0)
+    ex = soak_executor(args, seed, decode_pool_size=8192, **faults)
     windows: list[dict[str, Any]] = []
     last = [0, time.process_time()]  # steps and CPU time at the end of the last window
 

@@ -1,29 +1,117 @@
-"""``python -m bench.mooncake_store [--quick] [--out DIR]``: the Mooncake Store as the L3 tier,
-measured on this CPU over TCP loopback (wall clock): ``MooncakeStore`` put / get bandwidth at
-pages of 1, 16 and 64 tokens against a memcpy of the same objects (``bandwidth``), with the
-objects in the client's own segment (``local``: Mooncake copies within the process) or in another
-process's (``remote``: the client mounts none, every byte crosses TCP).
+"""``python -m bench.mooncake_store [--quick] [--out DIR]``: ``MooncakeStore`` (the L3 tier) put /
+get bandwidth against a memcpy of the same objects, measured on this CPU over TCP loopback.
 
-Each client runs in a node process under the loopback shim, each master is started on loopback by
-``hicache.storage.mooncake.master`` and stopped by its pid. Writes ``bench_mooncake_store.json``.
-Without Mooncake: one line, and the benchmark reports itself skipped with the reason.
+The tier's path, 128 pages per call: ``batch_set_v1`` and ``batch_get_v1`` (straight into other
+host slots, checked byte for byte), pages of 1, 16 and 64 tokens of the Llama-3-8B KV shape (one
+object of 64 KiB per token), with the objects in the client's own segment (``local``) or in
+another process's (``remote``: every byte crosses TCP). Each repeat removes its objects, so the
+next reuses touched segment memory (an untimed first round touches it); medians of ``repeats``.
+A Mooncake client needs the loopback shim, so ``measure`` runs in node processes of this module
+(``python -m bench.mooncake_store.bench``: ``prefill.testing.node_stores``'s commands plus
+``bandwidth``). Without Mooncake the benchmark reports itself skipped, with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
+import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
-from bench.mooncake_store import bandwidth
+import torch
+
+from bench.common import Column, print_table, write_json
+from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.memory.host_pool_factory import make_host_pool
 from hicache.mooncake.availability import skip_reason
+from hicache.storage.backend_factory import StorageBackendFactory
+from hicache.storage.base import STORAGE_BATCH_SIZE
+from hicache.storage.config import storage_config_for_pool
 from hicache.storage.mooncake.master import MooncakeMaster
+from prefill.testing.node_main import Node
+from prefill.testing.node_main import main as node_main
 from prefill.testing.node_process import StoreNode, stop_nodes
+from prefill.testing.node_stores import STORE_COMMANDS
 
 MEASURED_ON = "a CPU: Mooncake over TCP loopback, wall clock"
-DESCRIPTION = "MooncakeStore put/get bandwidth against memcpy, measured on this CPU."
-NODE = "bench.mooncake_store.bandwidth"
+NODE = "bench.mooncake_store.bench"  # the node processes' entry
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128  # bfloat16
+PAGE_SIZES = (1, 16, 64)
+COLUMNS = [
+    Column("placement", "placement", 10),
+    Column("page_tokens", "page tok", 9),
+    Column("object_bytes", "object B", 10),
+    Column("put_gbps", "put GB/s", 10, ".2f"),
+    Column("get_gbps", "get GB/s", 10, ".2f"),
+    Column("memcpy_gbps", "memcpy GB/s", 12, ".2f"),
+]
+
+
+def _calls(fn: Any, keys: list[str], slots: torch.Tensor, page: int) -> int:
+    """Pages ``fn`` (``batch_set_v1`` / ``batch_get_v1``) reports done, 128 per call."""
+    done = 0
+    for s in range(0, len(keys), STORAGE_BATCH_SIZE):
+        batch = keys[s : s + STORAGE_BATCH_SIZE]
+        done += sum(fn(batch, slots[s * page : (s + len(batch)) * page]))
+    return done
+
+
+def measure(extra: dict, page: int, total_bytes: int, repeats: int = 3) -> dict[str, Any]:
+    """One row: put, get and memcpy GB/s of ``total_bytes`` in pages of ``page`` tokens."""
+    pages = max(1, total_bytes // (2 * LAYERS * HEADS * HEAD_DIM * 2 * page))
+    tokens = pages * page
+    dev = MHATokenToKVPool(tokens, page, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu")
+    host = make_host_pool(dev, 2.0, 0, "page_first")  # sources, then as many destinations
+    raw = host.kv_buffer.view(torch.uint8)
+    raw[:, :tokens].copy_(torch.randint(0, 256, raw[:, :tokens].shape, dtype=torch.uint8))
+    cfg = storage_config_for_pool(host, f"bench/bw{page}", extra_config=extra)
+    store = StorageBackendFactory.create_backend("mooncake", cfg, host)
+    src = torch.arange(tokens, dtype=torch.int64)
+    src_meta, dst_meta = host.get_page_buffer_meta(src), host.get_page_buffer_meta(src + tokens)
+    nbytes, failed, times = pages * host.page_nbytes, 0, {"put": [], "get": [], "memcpy": []}
+    try:
+        store.register_mem_pool_host(host)
+        for r in range(repeats + 1):
+            keys = [hashlib.sha256(f"bw{page}-{r}-{i}".encode()).hexdigest() for i in range(pages)]
+            raw[:, tokens : 2 * tokens].zero_()
+            t0 = time.perf_counter()
+            failed += pages - _calls(store.batch_set_v1, keys, src, page)
+            t1 = time.perf_counter()
+            failed += pages - _calls(store.batch_get_v1, keys, src + tokens, page)
+            t2 = time.perf_counter()
+            if not failed and not torch.equal(raw[:, :tokens], raw[:, tokens : 2 * tokens]):
+                raise AssertionError(f"page {page}: the bytes read back differ from those put")
+            t3 = time.perf_counter()
+            for d, s, n in zip(dst_meta[0], src_meta[0], src_meta[1], strict=True):
+                ctypes.memmove(d, s, n)
+            t4 = time.perf_counter()
+            store.client.call("remove_all", True)  # forced: objects just read are leased
+            if r:  # round 0 touches the segment
+                for k, t in (("put", t1 - t0), ("get", t2 - t1), ("memcpy", t4 - t3)):
+                    times[k].append(t)
+        out = {
+            "page_tokens": page,
+            "pages": pages,
+            "object_bytes": src_meta[1][0],
+            "bytes": nbytes,
+            "repeats": repeats,
+            "failed_pages": failed,
+        }
+        out |= {f"{k}_gbps": nbytes / statistics.median(t) / 1e9 for k, t in times.items()}
+        return out
+    finally:
+        store.close()
+
+
+def bandwidth_rows(node: Node, msg: dict) -> Any:
+    """The ``bandwidth`` command: ``measure`` for each of ``msg["pages"]`` (rank 0)."""
+    if node.rank != 0:
+        return None
+    return [measure(msg["extra"], p, msg["total_bytes"], msg["repeats"]) for p in msg["pages"]]
 
 
 def missing() -> str | None:
@@ -31,12 +119,12 @@ def missing() -> str | None:
     return skip_reason("store")
 
 
-def measure(mib: int, repeats: int) -> list[dict[str, Any]]:
-    """The ``local`` rows, then the ``remote`` ones (module docstring)."""
+def placements(mib: int, repeats: int) -> list[dict[str, Any]]:
+    """The ``local`` rows, then the ``remote`` ones, from node processes."""
     a = StoreNode(1, module=NODE, name="A", connect=False)
     b = StoreNode(1, module=NODE, name="B", connect=False)
     seg = f"{2 * mib + 64}mb"  # one repeat's objects at a time
-    job = dict(pages=list(bandwidth.PAGE_SIZES), total_bytes=mib << 20, repeats=repeats)
+    job = dict(pages=list(PAGE_SIZES), total_bytes=mib << 20, repeats=repeats)
     rows: list[dict[str, Any]] = []
     try:
         a.connect()
@@ -65,8 +153,8 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
         f"[mooncake_store] measured on {MEASURED_ON}: {mib} MiB per row, median of {repeats}",
         flush=True,
     )
-    rows = measure(mib, repeats)
-    bandwidth.print_table(rows)
+    rows = placements(mib, repeats)
+    print_table(rows, COLUMNS)
     integrity = {"failed_pages": sum(r["failed_pages"] for r in rows)}
     summary = {"measured_on": MEASURED_ON, "bandwidth": rows, "integrity": integrity}
     path = write_json("bench_mooncake_store", {"quick": quick, **summary}, out_dir)
@@ -76,8 +164,15 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.mooncake_store", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.mooncake_store",
+        description="MooncakeStore put/get bandwidth against memcpy, on this CPU.",
+    )
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (about a minute).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
     return 1 if any(run(args.quick, args.out).get("integrity", {}).values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(node_main({**STORE_COMMANDS, "bandwidth": bandwidth_rows}))

@@ -30,31 +30,23 @@ from prefill.request.state import Outcome
 from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
 from prefill.testing.harness import build_cache, decode_kv_and_reference, kv_max_rel_error
 from prefill.testing.mooncake_decode import DecodeWorker, MooncakeDecode, wait_for
-from server_args import ServerArgs
+from server_args import ServerArgs, prepare_server_args
 
 PROMPT, CACHED, PREFIXES, VOCAB = 256, 204, 4, 1024
+FLAGS = (
+    "--device cpu --dtype float32 --num-layers 4 --num-attention-heads 8 --head-num 4 "
+    f"--head-dim 32 --hidden-size 256 --intermediate-size 768 --vocab-size {VOCAB} --page-size 16 "
+    "--max-total-tokens 8192 --chunked-prefill-size 64 --disaggregation-mode prefill "
+    "--disaggregation-transfer-backend mooncake --disaggregation-bootstrap-port 0"
+).split()
 CONFIGS = [(1, 0), (1, 2), (2, 0), (2, 2)]  # (decode workers, optimistic attempts)
 INTEGRITY = ("integrity_errors", "kv_mismatches", "decode_leaked_slots", "decode_late_writes")
 KV_REL_TOL = 1e-3  # float32 KV against a recompute: reduction order only; wrong KV is ~1
 
 
 def server_args(attempts: int) -> ServerArgs:
-    model = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256)
-    return ServerArgs(
-        **model,
-        intermediate_size=768,
-        vocab_size=VOCAB,
-        dtype="float32",
-        device="cpu",
-        page_size=16,
-        max_total_tokens=8192,
-        chunked_prefill_size=64,
-        random_seed=0,
-        disaggregation_mode="prefill",
-        disaggregation_transfer_backend="mooncake",
-        disaggregation_bootstrap_port=0,
-        optimistic_prefill_attempts=attempts,
-    )
+    """The prefill server: a small float32 model on the CPU, Mooncake transport on loopback."""
+    return prepare_server_args([*FLAGS, "--optimistic-prefill-attempts", str(attempts)])
 
 
 class BusyDecode(MooncakeDecode):

@@ -3,12 +3,11 @@ pages a first process wrote (warm) and none in an empty directory (cold)."""
 
 from __future__ import annotations
 
-from bench.l3 import bandwidth
-from bench.l3.bench import QUESTION, restart
+from bench.l3.bench import QUESTION, bandwidth, restart
 
 
 def test_every_path_moves_the_pages() -> None:
-    res = bandwidth.measure(pages=4, repeats=1)
+    res = bandwidth(pages=4)
     assert res["bytes"] == 4 * res["page_bytes"] == 4 * 2 * 8 * 8 * 16 * 128 * 2
     assert min(v for k, v in res.items() if k.endswith("_gbps")) > 0
 

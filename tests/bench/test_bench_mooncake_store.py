@@ -4,7 +4,6 @@ with the reason."""
 
 from __future__ import annotations
 
-from bench.mooncake_store import bandwidth
 from bench.mooncake_store import bench as mc_bench
 from hicache.storage.mooncake.store import MooncakeStore
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
@@ -14,7 +13,7 @@ def test_a_bandwidth_row_moves_and_checks_the_bytes(monkeypatch) -> None:
     cluster = FakeCluster()
     monkeypatch.setattr(MooncakeStore, "store_factory", cluster.factory)
     extra = {"master_server_address": "127.0.0.1:1", "protocol": "tcp", "global_segment_size": 0}
-    row = bandwidth.measure(extra, page=16, total_bytes=2 << 20, repeats=1)
+    row = mc_bench.measure(extra, page=16, total_bytes=2 << 20, repeats=1)
     assert row["pages"] == 1 and row["object_bytes"] == 16 * 32 * 8 * 128 * 2
     assert row["failed_pages"] == 0 and row["bytes"] == 2 << 20
     assert min(row["put_gbps"], row["get_gbps"], row["memcpy_gbps"]) > 0
