@@ -1,15 +1,10 @@
-"""``python -m bench.l3 [--quick] [--out DIR]``: the L3 tier's file backend, measured on this CPU
-(wall clock). Writes ``bench_l3.json``.
+"""``python -m bench.l3 [--quick] [--out DIR]``: the L3 file backend, measured on this CPU.
 
-1. **Restart**: a process serves ``clients`` prompts one at a time with L2 + L3 (``FLAGS``),
-   finishes its backups and exits; a fresh process over the same directory serves each prompt
-   extended by a question (warm), another over an empty directory does the same (cold). Per
-   process: TTFT mean, the share of prompt tokens fetched from L3 (hit rate), ``check_integrity``.
-2. **Bandwidth**: the tier's page path, 128 pages per call as the storage threads call it (write:
-   ``get_data_page`` then ``HiCacheFile.batch_set``, a temporary file and a rename per page;
-   read: ``batch_get`` then ``set_from_flat_data_page``), against one plain file per page (one
-   ``write``; one ``readinto``) of the same bytes; medians of 3 after a warm-up, reads from the
-   page cache.
+- **Restart**: a process serves prompts with L2 + L3 (``FLAGS``) and exits; a fresh one over its
+  directory serves them extended by a question (warm), another over an empty one (cold). Per
+  process: TTFT mean, the share of prompt tokens read from L3 (hit rate), ``check_integrity``.
+- **Bandwidth**: the tier's page writes (``get_data_page``, ``batch_set``) and reads (``batch_get``,
+  ``set_from_flat_data_page``), 128 pages a call, against a plain file per page; page cache.
 """
 
 from __future__ import annotations
@@ -136,15 +131,9 @@ def bandwidth(pages: int) -> dict[str, Any]:
                 with open(os.path.join(d, f"{i}.bin"), "rb", buffering=0) as f:
                     f.readinto(memoryview(back)[i * size : (i + 1) * size])
 
-        fns = {
-            "l3_write": l3_write,
-            "l3_read": l3_read,
-            "files_write": files_write,
-            "files_read": files_read,
-        }
-        cpu = torch.device("cpu")
+        timed, cpu = (l3_write, l3_read, files_write, files_read), torch.device("cpu")
         gbps = {
-            f"{k}_gbps": nbytes / time_ms(fn, cpu, rep_ms=0).median / 1e6 for k, fn in fns.items()
+            f"{f.__name__}_gbps": nbytes / time_ms(f, cpu, rep_ms=0).median / 1e6 for f in timed
         }
     return {"pages": pages, "page_bytes": size, "bytes": nbytes, **gbps}
 

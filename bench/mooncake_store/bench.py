@@ -1,14 +1,10 @@
 """``python -m bench.mooncake_store [--quick] [--out DIR]``: ``MooncakeStore`` (the L3 tier) put /
 get bandwidth against a memcpy of the same objects, measured on this CPU over TCP loopback.
 
-The tier's path, 128 pages per call: ``batch_set_v1`` and ``batch_get_v1`` (straight into other
-host slots, checked byte for byte), pages of 1, 16 and 64 tokens of the Llama-3-8B KV shape (one
-object of 64 KiB per token), with the objects in the client's own segment (``local``) or in
-another process's (``remote``: every byte crosses TCP). Each repeat removes its objects, so the
-next reuses touched segment memory (an untimed first round touches it); medians of ``repeats``.
-A Mooncake client needs the loopback shim, so ``measure`` runs in node processes of this module
-(``python -m bench.mooncake_store.bench``: ``prefill.testing.node_stores``'s commands plus
-``bandwidth``). Without Mooncake the benchmark reports itself skipped, with the reason.
+``batch_set_v1`` / ``batch_get_v1``, 128 pages a call, pages of 1, 16 and 64 tokens of the
+Llama-3-8B KV shape, objects in the client's own segment (``local``) or another process's
+(``remote``); bytes checked, medians of ``repeats`` after an untimed round. Clients run in node
+processes of this module (``NODE``: a client needs the loopback shim). Without Mooncake: skipped.
 """
 
 from __future__ import annotations

@@ -1,3 +1,2 @@
-"""Prefill/decode disaggregation over Mooncake on loopback, measured on a CPU (``python -m
-bench.pd``): the write cost per item size and its ``CopyPath`` (``rate``), and TTFT with decode
-worker processes (``ttft``); ``bench`` runs both and writes ``bench_pd.json``."""
+"""PD disaggregation over Mooncake on loopback, measured on a CPU (``python -m bench.pd``,
+``bench``): Mooncake's write cost as a ``CopyPath``, and TTFT with decode workers (``ttft``)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.pd import bench as pd_bench
-from bench.pd.rate import ITEM_SIZES, fit_copy_path, measure
+from bench.pd.bench import ITEM_SIZES, fit_copy_path, write_cost
 from bench.pd.ttft import INTEGRITY, aggregate
 from bench.profile import CopyPath
 from hicache.mooncake.availability import skip_reason
@@ -48,7 +48,7 @@ def test_without_mooncake_the_section_is_skipped(monkeypatch, tmp_path, capsys) 
 
 @pytest.mark.skipif(skip_reason("engine", shim_in_process=True) is not None, reason="no Mooncake")
 def test_the_write_cost_is_measured_checked_and_fitted() -> None:
-    res = measure(quick=True)  # raises when a write fails or the receiver's bytes differ
+    res = write_cost(quick=True)  # raises when a write fails or the receiver's bytes differ
     assert [r["item_bytes"] for r in res["rows"]] == list(ITEM_SIZES)
     assert all(0 < r["gbps"] <= r["best_gbps"] for r in res["rows"])
     path = res["kv_transfer_measured"]
