@@ -1,2 +1,2 @@
-"""GPU readiness: the probe (``python -m bench.gpu.probe``), its kernels, and the CUDA-path smoke
-checks (``python -m bench.gpu.smoke``); ``bench/gpu_check.sh`` runs them first."""
+"""The GPU check's modules: its plan and headline, the probe, the device tests beside the kernel
+precompile, and the measured profile; ``bench/gpu_check.sh`` runs them."""

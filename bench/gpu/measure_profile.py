@@ -44,6 +44,11 @@ SHAPES = {
     True: ((4, 0), (32, 0), (64, 0), (128, 0), (32, 96), (16, 240)),
 }
 COPY_TOKENS = {False: (2048, 16384), True: (64, 256)}
+SOURCES = (
+    ("kernel", "", "gbps"),
+    ("direct", "direct", "gbps"),
+    ("copy_engine", "kernel", "ceiling_gbps"),
+)
 
 
 def _median_s(fn: Callable[[], Any], device: torch.device) -> float:
@@ -63,9 +68,8 @@ def forward_cost(args: ServerArgs, tiny: bool) -> tuple[ForwardCost, str]:
     """The fitted forward and its points (``new/cached: seconds``)."""
     model, page, shapes = build_model(args), 16, SHAPES[tiny]
     size = max(n + c for n, c in shapes) + page
-    pool = MHATokenToKVPool(
-        size, page, args.torch_dtype(), args.head_num, args.head_dim, args.num_layers, model.device
-    )
+    geometry = (args.torch_dtype(), args.head_num, args.head_dim, args.num_layers, model.device)
+    pool = MHATokenToKVPool(size, page, *geometry)
     gen, pts = torch.Generator().manual_seed(0), []
     for new, cached in shapes:
         ids = torch.randint(0, args.vocab_size, (new,), generator=gen)
@@ -90,11 +94,8 @@ def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
     kernel = "registered" if any(r["path"] == "registered" for r in rows) else "kernel"
     out: dict[str, dict[str, CopyPath]] = {"h2d": {}, "d2h": {}}
     for direction, paths in out.items():
-        for name, (path, rate) in {
-            "kernel": (kernel, "gbps"),
-            "direct": ("direct", "gbps"),
-            "copy_engine": ("kernel", "ceiling_gbps"),
-        }.items():
+        for name, path, rate in SOURCES:
+            path = kernel if name == "kernel" else path
             sel = [r for r in rows if r["direction"] == direction and r["path"] == path][:2]
             if len(sel) == 2:
                 (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)
@@ -112,46 +113,43 @@ def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
 def measure(tiny: bool, corun: Path | None) -> GpuProfile:
     preset = "tiny" if tiny else "llama3-8b-shape"
     args = ServerArgs(model_preset=preset, dtype="float32" if tiny else "bfloat16")
-    elem = torch.empty(0, dtype=args.torch_dtype()).element_size()
-    item = args.head_num * args.head_dim * elem
-    modelled = load_profile("h200")
+    item = args.head_num * args.head_dim * torch.empty(0, dtype=args.torch_dtype()).element_size()
+    modelled, layers = load_profile("h200"), args.num_layers
     forward, fw_points = forward_cost(args, tiny)
-    h2d, d2h, copy_points = copy_paths(item, args.num_layers, tiny)
+    h2d, d2h, copy_points = copy_paths(item, layers, tiny)
     slowdown, co_src = modelled.corun_slowdown, "the modelled h200 profile's (no co-run JSON)"
-    doc = json.loads(corun.read_text()) if corun and corun.exists() else {}
-    for r in doc.get("corun", []):
+    for r in (json.loads(corun.read_text()) if corun and corun.exists() else {}).get("corun", []):
         if r["path"] == "kernel" and r["block_quota"] == DEFAULT_BLOCK_QUOTA:
             slowdown = max(0.0, r["slowdown"] - 1)
             co_src = f"{corun}: GEMM beside the kernel copy, block_quota {DEFAULT_BLOCK_QUOTA}"
+    src = {
+        "forward": f"prefill.model.factory.build_model, least squares; new/cached: s {fw_points}",
+        "copies": f"bench.transfer copies at two sizes, copy_engine the contiguous copy; "
+        f"{copy_points}",
+        "corun_slowdown": co_src,
+        "kv_transfer": "copied from the modelled h200 profile: a single GPU has no NIC",
+    }
     cpu = f"CPU {platform.processor() or platform.machine()}"
-    on = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
+    kv, model = 2 * item * layers, f"{preset} {args.dtype}"
     return GpuProfile(
-        name="measured",
-        kind="measured",
-        gpu=on,
-        model=f"{preset} {args.dtype}",
-        num_layers=args.num_layers,
-        kv_bytes_per_token=2 * item * args.num_layers,
-        forward=forward,
-        h2d=h2d,
-        d2h=d2h,
-        kv_transfer=modelled.kv_transfer,
-        corun_slowdown=slowdown,
-        sources={
-            "forward": "the project's model (prefill.model.factory.build_model), least squares "
-            f"over (new/cached: s) {fw_points}",
-            "copies": "bench.transfer copies at two sizes (kernel on registered host memory, "
-            f"copy_engine the contiguous copy, direct): {copy_points}",
-            "corun_slowdown": co_src,
-            "kv_transfer": "copied from the modelled h200 profile: a single GPU has no NIC",
-        },
+        "measured",
+        "measured",
+        gpu,
+        model,
+        layers,
+        kv,
+        forward,
+        h2d,
+        d2h,
+        modelled.kv_transfer,
+        slowdown,
+        src,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.gpu.measure_profile", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.measure_profile", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("results/profile.json"))
     p.add_argument("--corun", type=Path, default=None, help="The co-run step's JSON.")
     p.add_argument("--tiny", action="store_true", help="Tiny sizes (a dry run on a CPU).")
@@ -162,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     fw = prof.forward
     print(
         f"[profile] {prof.gpu}, {prof.model}: forward {fw.base_s * 1e3:.3f} ms + "
-        f"{fw.per_token_s * 1e6:.3f} us/token + {fw.per_pair_s * 1e9:.4f} ns/pair, floor "
-        f"{fw.floor_s * 1e3:.3f} ms; co-run +{prof.corun_slowdown:.1%}"
+        f"{fw.per_token_s * 1e6:.3f} us/token + {fw.per_pair_s * 1e9:.4f} ns/pair (floor "
+        f"{fw.floor_s * 1e3:.3f} ms); co-run +{prof.corun_slowdown:.1%}"
     )
     for direction, paths in (("h2d", prof.h2d), ("d2h", prof.d2h)):
-        for name, c in paths.items():
-            print(f"[profile] {direction} {name}: {c.latency_s * 1e6:.1f} us + {c.gbps:.2f} GB/s")
+        costs = (f"{k} {c.latency_s * 1e6:.1f} us + {c.gbps:.2f} GB/s" for k, c in paths.items())
+        print(f"[profile] {direction}: {'; '.join(costs)}")
     print(f"[profile] wrote {args.out}")
     return 0
 

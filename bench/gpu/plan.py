@@ -45,7 +45,8 @@ MT = f'{PY} bench.multiturn {E2E} --configs device_only write_through --out "$RE
 MT_GPU = "--num-clients 8 --num-rounds 3 --request-length 2048 --sub-question-input-length 256"
 MT_DRY = "--num-clients 2 --num-rounds 2 --request-length 64"
 OPT = f'{PY} bench.optimistic {E2E} --attempts 2 0 --out "$RES/opt"'
-OPT_GPU, OPT_DRY = "--num-requests 16 --input-len 4096", "--num-requests 6 --input-len 64"
+OPT_GPU = "--num-requests 16 --input-len 4096 --chunked-prefill-size 512"  # a 6.4 GB host pool
+OPT_DRY = "--num-requests 6 --input-len 64 --chunked-prefill-size 32"
 PROFILE = f'{PY} bench.gpu.measure_profile --out "$RES/profile.json"'
 
 

@@ -2,14 +2,13 @@
 --out FILE [--cpu]`` (the first step of ``bench/gpu_check.sh``).
 
 In order: Python and ``Python.h``; torch and a CUDA device; triton; a C compiler (Triton builds
-its launchers); ``libcuda.so.1`` where Triton finds it; the device attributes the kernels rely
-on; a trivial Triton launch; Triton kernels reading registered host memory (tensor argument,
-int64 and uint64 pointer tables) and ``is_pinned()`` on it; a timed 4 GB ``cudaHostRegister``;
-host RAM (``/proc/meminfo``). The first missing prerequisite prints ONE line ``gpu_check: STOP:
-<cause>`` and exits 3. Registrations take page-aligned memory inside an allocation with slack,
-so no page is shared with another registration. ``--cpu`` (the dry run): the CUDA checks are
-recorded as skipped and the kernels run interpreted on host memory. Results go to ``--out`` as
-they come.
+its launchers); ``libcuda.so.1`` where Triton finds it; a trivial Triton launch; Triton kernels
+reading registered host memory (tensor argument, int64 and uint64 pointer tables) and
+``is_pinned()`` on it; a timed 4 GB ``cudaHostRegister``; host RAM (``/proc/meminfo``). The
+first missing prerequisite prints ONE line ``gpu_check: STOP: <cause>`` and exits 3.
+Registrations take page-aligned memory inside an allocation with slack, so no page is shared
+with another registration. ``--cpu`` (the dry run): the CUDA checks are recorded as skipped and
+the kernels run interpreted on host memory. Results go to ``--out`` as they come.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ from typing import Any
 
 PAGE = 4096
 REGISTER_BYTES = 4 * 10**9
-ATTRIBUTES = {"unified addressing": 41, "host pointer for registered memory": 91}
-CUDA_ONLY = ("libcuda", "device attributes", "launch on the device", "is_pinned", "4 GB register")
+CUDA_ONLY = ("libcuda", "launch on the device", "is_pinned", "4 GB register")
 
 
 class Stop(Exception):
@@ -70,7 +68,7 @@ class Probe:
             self.doc["skipped_cpu"] = list(CUDA_ONLY)
             print(f"[probe] skipped (they need CUDA): {', '.join(CUDA_ONLY)}", flush=True)
         else:
-            self.check_driver(torch)
+            self.check_driver()
         self.check_kernels(torch)
         if not self.cpu:
             self.time_registration(torch)
@@ -91,9 +89,9 @@ class Probe:
         self.ok("torch", {"version": torch.__version__, "device": name}, f"{build}, {name}")
         return torch
 
-    def check_driver(self, torch: Any) -> None:
+    def check_driver(self) -> None:
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
+            ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise Stop(f"libcuda.so.1 does not load: {exc}") from exc
         ldconfig = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True)
@@ -101,14 +99,6 @@ class Probe:
             fix = "run ldconfig or export TRITON_LIBCUDA_PATH=<its folder>"
             raise Stop(f"libcuda.so.1 is not in `ldconfig -p`, where Triton looks for it: {fix}")
         self.ok("libcuda", True, "libcuda.so.1, where Triton finds it")
-        dev, value = ctypes.c_int(), ctypes.c_int()
-        lib.cuInit(0)
-        lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device())
-        for name, attr in ATTRIBUTES.items():
-            rc = lib.cuDeviceGetAttribute(ctypes.byref(value), attr, dev)
-            if rc != 0 or value.value != 1:
-                raise Stop(f"the device lacks {name} (CUresult {rc}, value {value.value})")
-        self.ok("attributes", list(ATTRIBUTES), ", ".join(ATTRIBUTES))
 
     def check_kernels(self, torch: Any) -> None:
         from bench.gpu import probe_kernels as k

@@ -82,7 +82,7 @@ def test_run_on_cpu_writes_both_tables_labelled_cpu(
     paths = [(r["path"], r.get("block_quota")) for r in corun["corun"]]
     assert paths == [
         ("none", None),
-        ("ceiling", 2),
+        ("ceiling", None),
         ("copy_engine", None),
         ("direct", None),
         ("kernel", 2),
