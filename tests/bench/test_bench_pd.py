@@ -7,10 +7,17 @@ from __future__ import annotations
 import pytest
 
 from bench.pd import bench as pd_bench
+from bench.pd import ttft
 from bench.pd.bench import ITEM_SIZES, fit_copy_path, write_cost
 from bench.pd.ttft import INTEGRITY, aggregate
 from bench.profile import CopyPath
 from hicache.mooncake.availability import skip_reason
+from prefill.model.factory import build_model
+from prefill.testing.mooncake_decode import start_workers
+
+needs_engine = pytest.mark.skipif(
+    skip_reason("engine", shim_in_process=True) is not None, reason="Mooncake unavailable"
+)
 
 
 def test_fit_recovers_a_known_copy_path() -> None:
@@ -46,7 +53,7 @@ def test_without_mooncake_the_section_is_skipped(monkeypatch, tmp_path, capsys) 
     assert capsys.readouterr().out.count("[pd] skipped: no wheel (x)") == 2
 
 
-@pytest.mark.skipif(skip_reason("engine", shim_in_process=True) is not None, reason="no Mooncake")
+@needs_engine
 def test_the_write_cost_is_measured_checked_and_fitted() -> None:
     res = write_cost(quick=True)  # raises when a write fails or the receiver's bytes differ
     assert [r["item_bytes"] for r in res["rows"]] == list(ITEM_SIZES)
@@ -54,3 +61,17 @@ def test_the_write_cost_is_measured_checked_and_fitted() -> None:
     path = res["kv_transfer_measured"]
     assert path is not None and path["measured_on"] == "cpu loopback"
     CopyPath(path["latency_s"], path["gbps"])  # a valid profile entry
+
+
+@needs_engine
+def test_a_ttft_run_over_a_busy_decode_worker_is_audited_clean() -> None:
+    workers = start_workers(1, pool_tokens=4096, max_running_requests=16, check_free_pages=True)
+    try:
+        args = ttft.server_args(attempts=2)
+        ex = ttft.executor(args, build_model(args), workers, {"req-0": 0.05, "req-2": 0.05})
+        prompts = [[1 + (7 * i + t) % 1000 for t in range(80)] for i in range(4)]
+        run = ttft.drive(ex, prompts, [0.0, 0.0, 0.01, 0.02])
+    finally:
+        workers[0].stop()
+    assert run["requests"] == len(run["ttfts_ms"]) == 4 and min(run["ttfts_ms"]) > 0
+    assert run["integrity"] == dict.fromkeys(INTEGRITY, 0) and run["items_per_send"] > 0
