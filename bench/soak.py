@@ -1,12 +1,7 @@
-"""``python -m bench.soak``: a long run of the optimistic prefill executor (virtual clock, tiny
-model, simulated decode peers that fail and are killed at random: ``prefill.testing.soak``),
-measured on this CPU. Does memory stay flat, and does a step cost the same after 100k requests
-as after 10k?
-
-Every ``window`` finished requests: the process RSS (after ``gc.collect()``), the mean CPU time
-of a step in that window (``time.process_time``, which other jobs disturb less than wall time)
-and the executor's live record counts. The reference is the first window after ``warmup``
-requests (targets: RSS growth under 5%, step cost ratio near 1). Writes ``bench_soak.json``.
+"""``python -m bench.soak``: a long run of the optimistic prefill executor (virtual clock, simulated
+decode peers failing and killed at random: ``prefill.testing.soak``), measured on this CPU: per
+``window`` of finished requests the RSS, the CPU time of a step and the live record counts,
+against the first window after ``warmup`` (targets: RSS growth under 5%, step cost flat).
 """
 
 from __future__ import annotations
