@@ -45,12 +45,13 @@ def server_args(attempts: int) -> ServerArgs:
 class BusyDecode(MooncakeDecode):
     """The decode workers, each preallocating request ``rid`` ``delays[rid]`` seconds late."""
 
-    def __init__(self, backend: Any, workers: list[DecodeWorker], delays: dict[str, float]):
+    def __init__(self, backend: Any, workers: list[DecodeWorker], delays: dict[str, float]) -> None:
         super().__init__(backend, workers, owned=[])  # the workers outlive the executor
         self.delay_s = lambda rid: delays.get(rid, 0.0)
 
 
 def executor(args: ServerArgs, model: Any, workers: list, delays: dict[str, float]) -> Executor:
+    """A wall-clock executor over ``args`` whose decode side is ``BusyDecode(workers, delays)``."""
     cache, clock = build_cache(args), WallClock()
     rows = metadata_buffer_count(DEFAULT_MAX_RUNNING_REQUESTS)
     backend = make_decode_backend(args, cache.device_pool, clock, rows, 0, keep_received=True)

@@ -4,12 +4,16 @@ with the reason."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from bench.mooncake_store import bench as mc_bench
 from hicache.storage.mooncake.store import MooncakeStore
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 
 
-def test_a_bandwidth_row_moves_and_checks_the_bytes(monkeypatch) -> None:
+def test_a_bandwidth_row_moves_and_checks_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = FakeCluster()
     monkeypatch.setattr(MooncakeStore, "store_factory", cluster.factory)
     extra = {"master_server_address": "127.0.0.1:1", "protocol": "tcp", "global_segment_size": 0}
@@ -20,7 +24,9 @@ def test_a_bandwidth_row_moves_and_checks_the_bytes(monkeypatch) -> None:
     assert cluster.objects == {}  # removed after each repeat
 
 
-def test_without_mooncake_the_benchmark_reports_itself_skipped(monkeypatch, tmp_path, capsys):
+def test_without_mooncake_the_benchmark_reports_itself_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(mc_bench, "missing", lambda: "import mooncake.store failed (x)")
     assert mc_bench.run(quick=True, out_dir=tmp_path) == {
         "skipped": "import mooncake.store failed (x)",

@@ -4,6 +4,8 @@ it, the write cost of every item size is measured, checked and fitted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.pd import bench as pd_bench
@@ -45,7 +47,9 @@ def test_aggregate_takes_the_median_of_the_runs_means() -> None:
     assert row["ttft_p90_ms"] == pytest.approx(100) and row["integrity"]["decode_leaked_slots"] == 3
 
 
-def test_without_mooncake_the_section_is_skipped(monkeypatch, tmp_path, capsys) -> None:
+def test_without_mooncake_the_section_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
     monkeypatch.setattr(pd_bench, "module_reason", lambda module: "no wheel (x)")
     assert pd_bench.run(quick=True, out_dir=tmp_path) == {"skipped": "no wheel (x)"}

@@ -4,11 +4,12 @@ integrity, and writes its JSON."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench import soak
 
 
-def test_a_short_soak_reports_every_window(tmp_path) -> None:
+def test_a_short_soak_reports_every_window(tmp_path: Path) -> None:
     res = soak.run(out_dir=tmp_path, sizes=(300, 100, 100))
     assert res["successes"] + res["aborted"] == 300 and res["warmup_requests"] == 100
     assert res["rss_base_mb"] > 0 and res["step_cost_ratio_max"] > 0
