@@ -132,30 +132,47 @@ def _e2e(doc: Any) -> str:
     return ", ".join(list(found.values())[:4]) or "no configuration finished"
 
 
+def _transfer(doc: dict[str, Any]) -> str:
+    label = "CPU" if doc["cpu_note"] else doc["device"]
+    if doc["partial"]:
+        return f"({label}, partial: {len(doc.get('rows', doc.get('corun', [])))} rows)"
+    return f"({label}): " + ", ".join(f"{k}: {v}" for k, v in doc["headline"].items())
+
+
+def _profile(p: dict[str, Any]) -> str:
+    fw, h2d = p["forward"], p["h2d"]["kernel"]["gbps"]
+    return (
+        f"({p['gpu']}): forward {fw['per_token_s'] * 1e6:.2f} us/token + "
+        f"{fw['base_s'] * 1e3:.2f} ms, h2d kernel {h2d:.1f} GB/s, co-run "
+        f"+{p['corun_slowdown']:.1%}"
+    )
+
+
+LINES = {
+    "probe.json": lambda p: (
+        f"{p.get('torch', {}).get('device', 'no device')}; 4 GB register "
+        f"{p.get('register_4gb_s', '-')} s; RAM {p.get('meminfo_gb', '-')}"
+    ),
+    "device_tests.json": lambda t: "; ".join(
+        f"{k} rc {v['rc']}: {v['summary'][:60]}" for k, v in t.items()
+    ),
+    "bench_transfer.json": _transfer,
+    "bench_transfer_corun.json": _transfer,
+    "mt/multiturn.json": _e2e,
+    "opt/optimistic.json": _e2e,
+    "profile.json": _profile,
+}
+
+
 def headline(res: Path) -> list[str]:
-    """A few short lines of the key numbers in the results folder ``res``."""
+    """A short line of the key numbers of each result file in the results folder ``res``."""
     out = []
-    if probe := _load(res / "probe.json"):
-        dev = (probe.get("torch") or {}).get("device")
-        reg = probe.get("register_4gb_s", "-")
-        out.append(f"probe: {dev}; 4 GB register {reg} s; RAM {probe.get('meminfo_gb')}")
-    if tests := _load(res / "device_tests.json"):
-        out.append("; ".join(f"{k}: rc {v['rc']}, {v['summary'][:60]}" for k, v in tests.items()))
-    for name in ("bench_transfer", "bench_transfer_corun"):
-        if doc := _load(res / f"{name}.json"):
-            label = "CPU" if doc.get("cpu_note") else doc.get("device")
-            part = ", ".join(f"{k}: {v}" for k, v in (doc.get("headline") or {}).items())
-            out.append(f"{name} ({label}{', partial' if doc.get('partial') else ''}): {part}")
-    for name, path in (("multiturn", "mt/multiturn.json"), ("optimistic", "opt/optimistic.json")):
-        if (res / path).exists():
-            out.append(f"{name}: {_e2e(_load(res / path))}")
-    if prof := _load(res / "profile.json"):
-        fw, h2d, co = prof["forward"], prof["h2d"]["kernel"]["gbps"], prof["corun_slowdown"]
-        fw_line = f"{fw['per_token_s'] * 1e6:.2f} us/token + {fw['base_s'] * 1e3:.2f} ms"
-        out.append(
-            f"profile ({prof['gpu']}): forward {fw_line}, h2d kernel {h2d:.1f} GB/s, "
-            f"co-run +{co:.1%}"
-        )
+    for name, line in LINES.items():
+        if (doc := _load(res / name)) is not None:
+            try:
+                out.append(f"{name}: {line(doc)}")
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                out.append(f"{name}: unreadable ({exc!r})")
     return out
 
 

@@ -157,9 +157,10 @@ def test_the_dry_run_runs_every_step_in_its_window_and_keeps_a_killed_steps_rows
             ("kernel_tests", "gpu_tests", "precompile"), 0
         )
     headline = (out / "headline.txt").read_text()
-    assert "bench_transfer (CPU, partial)" in headline
-    assert re.search(r"multiturn: device_only [\d.]+ ms .*write_through [\d.]+ ms", headline)
-    assert re.search(r"optimistic: \S*attempts_2 [\d.]+ ms .*attempts_0 [\d.]+ ms", headline)
+    assert "bench_transfer.json: (CPU, partial: 2 rows)" in headline
+    assert re.search(r"multiturn\.json: device_only [\d.]+ ms .*write_through [\d.]+ ms", headline)
+    assert re.search(r"optimistic\.json: \S*attempts_2 [\d.]+ ms .*attempts_0 [\d.]+ ms", headline)
+    assert "unreadable" not in headline and "probe.json: cpu; 4 GB register - s" in headline
     assert proc.stdout.rstrip().endswith(headline.rstrip())
     prof = load_profile(out / "profile.json")
     assert prof.kind == "measured" and prof.gpu.startswith("CPU")
