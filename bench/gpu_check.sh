@@ -1,21 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: one device command of about 540 s (a device command may run 600 s).
-#
-#   bash bench/gpu_check.sh OUT            the plan's steps on a machine with one NVIDIA GPU
-#   bash bench/gpu_check.sh OUT --plan     print the steps, their limits, the total, the files back
-#   bash bench/gpu_check.sh OUT --dry-run  the same orchestration on a CPU: tiny sizes, the limits
-#                                          times GPU_CHECK_SCALE (0.4), CUDA checks skipped
-#
-# Steps, limits, deadline margins and commands: bench/gpu/plan.py (PYTHON= picks the interpreter).
-# Each step runs in its own process under `timeout -k GRACE LIMIT`, its benchmark told the deadline
-# HICACHE_BENCH_DEADLINE = start + LIMIT - MARGIN; logs and JSON go to a results folder in a
-# scratch folder outside OUT, beside the Triton cache. After every step, OUT is rewritten with at
-# most five files: results.tar.gz (every log and JSON so far), status.txt (a line per step: rc,
-# seconds, limit, whether it hit the limit), headline.txt (the key numbers, printed last),
-# profile.json (the measured profile) and plan.txt. A probe failure ends the run with one line,
-# `gpu_check: STOP: <cause>` (exit 3); any other failed step gives exit 1 after the rest ran.
-# Test hooks: GPU_CHECK_LIMIT_<step>=S overrides a step's limit; GPU_CHECK_STALL_STEP=<step> makes
-# that step's benchmark hang after two rows, to prove a step killed at its limit keeps its rows.
+#   bash bench/gpu_check.sh OUT [--plan|--dry-run]   (PYTHON= picks the interpreter)
+# --plan prints the steps, limits, total and files back; --dry-run runs the same orchestration on
+# a CPU at tiny sizes under the limits x GPU_CHECK_SCALE (0.4). Steps: bench/gpu/plan.py, each in
+# its own process under `timeout -k GRACE LIMIT`, told HICACHE_BENCH_DEADLINE; logs, JSON and the
+# Triton cache stay in a scratch folder. After every step OUT gets results.tar.gz (all so far),
+# status.txt, headline.txt (printed last), profile.json, plan.txt. A probe failure ends the run
+# with one line `gpu_check: STOP: <cause>` (exit 3); another failed step gives exit 1 at the end.
+# Test hooks: GPU_CHECK_LIMIT_<step>=S overrides a limit; GPU_CHECK_STALL_STEP=<step> hangs that
+# step's benchmark after two rows (a step killed at its limit must keep its rows).
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu_check.sh OUT [--plan|--dry-run]}
 MODE=${2:-run}

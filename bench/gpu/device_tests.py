@@ -1,15 +1,8 @@
-"""Kernel and controller correctness on the device, beside a precompile of the benchmarks' kernel
-variants: ``python -m bench.gpu.device_tests --out DIR [--dry-run]``.
-
-Three jobs at once, each its own process and log in DIR: the kernel test files
-(``plan.KERNEL_TESTS``, whole) and the gpu-marked tests of ``plan.GPU_TESTS`` (``-m gpu``), each
-sharded with pytest-xdist where it is installed (named files only, never the whole tree), and
-``--variants``: every Triton variant the later steps launch compiled into ``TRITON_CACHE_DIR``
-(the end-to-end pools, MHA and MLA, through ``kernels.sglang.warm_up`` with indices of -1, which
-copy nothing; the transfer benchmark's kernel copies). ``DIR/device_tests.json`` holds each job's
-rc, seconds and last summary line, rewritten as each ends. ``--dry-run`` (a CPU): both test
-groups run ``-m gpu`` (they skip there), the variants run on the torch reference.
-"""
+"""Kernel and controller correctness on the device (``python -m bench.gpu.device_tests --out DIR
+[--dry-run]``): the kernel test files whole and the gpu-marked files ``-m gpu``, named in
+``bench.gpu.plan`` and sharded with pytest-xdist where installed, beside ``--variants``, which
+compiles every Triton variant the later steps launch into ``TRITON_CACHE_DIR``. Each job's rc and
+summary go to ``DIR/device_tests.json`` as it ends. ``--dry-run``: ``-m gpu`` only (all skip)."""
 
 from __future__ import annotations
 

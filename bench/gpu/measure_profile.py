@@ -1,22 +1,9 @@
-"""A measured GPU profile (``bench.profile.GpuProfile``, kind ``measured``):
-``python -m bench.gpu.measure_profile --out FILE [--corun FILE] [--tiny]``.
-
-- ``forward``: the project's own model (``prefill.model.factory.build_model`` of the
-  ``llama3-8b-shape`` preset, bf16) timed at a few (new, cached) shapes: wall clock around a
-  synchronize, median of 3 after a warm-up. ``base_s``, ``per_token_s`` and ``per_pair_s`` are a
-  least-squares fit over the compute-bound shapes; ``floor_s`` is the smallest shape's time
-  minus ``base_s`` (reading the weights).
-- ``h2d`` / ``d2h``: latency and GB/s of each copy path from two sizes of the transfer
-  benchmark's copies (``bench.transfer.bench``): ``kernel`` on registered host memory,
-  ``copy_engine`` the contiguous copy, ``direct``; scaled to the model (a load is one call per
-  layer, a backup one call for all layers).
-- ``corun_slowdown``: the GEMM's slowdown beside the kernel copy at the default block_quota,
-  from the co-run step's JSON (``--corun``); without one, the modelled ``h200`` profile's.
-- ``kv_transfer``: the modelled ``h200`` profile's (one GPU has no NIC).
-
-``sources`` says where each number came from, with the measured points. ``--tiny``: the same
-code at tiny sizes (the ``tiny`` preset in fp32; on a CPU the profile names the CPU).
-"""
+"""A measured ``bench.profile.GpuProfile`` (``python -m bench.gpu.measure_profile --out FILE
+[--corun FILE] [--tiny]``): the forward fitted on the project's own Llama-3-8B-shaped model at a
+few (new, cached) shapes, each copy path's latency and GB/s from two sizes of ``bench.transfer``'s
+copies, the co-run slowdown from the co-run step's JSON and ``kv_transfer`` from the modelled
+h200 profile (one GPU has no NIC); ``sources`` says which. ``--tiny``: the same code at tiny
+sizes (on a CPU the profile names the CPU)."""
 
 from __future__ import annotations
 
@@ -44,11 +31,7 @@ SHAPES = {
     True: ((4, 0), (32, 0), (64, 0), (128, 0), (32, 96), (16, 240)),
 }
 COPY_TOKENS = {False: (2048, 16384), True: (64, 256)}
-SOURCES = (
-    ("kernel", "", "gbps"),
-    ("direct", "direct", "gbps"),
-    ("copy_engine", "kernel", "ceiling_gbps"),
-)
+SOURCES = {"kernel": "gbps", "direct": "gbps", "copy_engine": "ceiling_gbps"}  # the rows' rate
 
 
 def _median_s(fn: Callable[[], Any], device: torch.device) -> float:
@@ -94,8 +77,8 @@ def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
     kernel = "registered" if any(r["path"] == "registered" for r in rows) else "kernel"
     out: dict[str, dict[str, CopyPath]] = {"h2d": {}, "d2h": {}}
     for direction, paths in out.items():
-        for name, path, rate in SOURCES:
-            path = kernel if name == "kernel" else path
+        for name, rate in SOURCES.items():
+            path = {"kernel": kernel, "copy_engine": "kernel"}.get(name, name)
             sel = [r for r in rows if r["direction"] == direction and r["path"] == path][:2]
             if len(sel) == 2:
                 (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)

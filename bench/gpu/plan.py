@@ -1,16 +1,8 @@
-"""The plan of ``bench/gpu_check.sh`` and the headline of what it measured (standard library only:
-the script runs this file directly, without importing the ``bench`` package).
-
-The one source of truth for the steps: their order, time limits, deadline margins and commands,
-and the arithmetic that keeps the whole check inside one device command (``TOTAL_S`` of the
-``DEVICE_LIMIT_S`` a command may run). Each step ends within ``limit + GRACE_S`` (``timeout -k``)
-and is followed by ``OVERHEAD_S`` of archiving. A step's benchmark gets the deadline ``start +
-limit - margin``. The dry run (``--dry-run``) runs the same steps at tiny sizes under the limits
-times ``scale``. Commands name ``$PY`` (the interpreter) and ``$RES`` (the results folder, outside
-``$OUT``), which the script exports.
-
-``python bench/gpu/plan.py [--dry-run] [--scale S] (--render | --steps | --headline DIR)``
-"""
+"""The plan of ``bench/gpu_check.sh``, its one source of truth, and the headline of what it measured
+(``python bench/gpu/plan.py [--dry-run] [--scale S] (--render | --steps | --headline DIR)``;
+standard library only). Each step ends within ``limit + GRACE_S``, then ``OVERHEAD_S`` of
+archiving; the total stays under ``DEVICE_LIMIT_S``. A step's benchmark gets the deadline
+``start + limit - margin``. Commands name ``$PY`` and ``$RES``, which the script exports."""
 
 from __future__ import annotations
 

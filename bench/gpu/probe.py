@@ -1,19 +1,13 @@
-"""What the GPU check needs, checked before any step spends time: ``python -m bench.gpu.probe
---out FILE [--cpu]`` (the first step of ``bench/gpu_check.sh``).
-
-In order: Python and ``Python.h``; torch and a CUDA device; triton; a C compiler (Triton builds
-its launchers); ``libcuda.so.1`` where Triton finds it; a trivial Triton launch; Triton kernels
-reading registered host memory (tensor argument, int64 and uint64 pointer tables) and
-``is_pinned()`` on it; a timed 4 GB ``cudaHostRegister``; host RAM (``/proc/meminfo``). The
-first missing prerequisite prints ONE line ``gpu_check: STOP: <cause>`` and exits 3.
-Registrations take page-aligned memory inside an allocation with slack, so no page is shared
-with another registration. ``--cpu`` (the dry run): the CUDA checks are recorded as skipped and
-the kernels run interpreted on host memory. Results go to ``--out`` as they come.
-"""
+"""The GPU check's prerequisites, checked before any step spends time (``python -m
+bench.gpu.probe --out FILE [--cpu]``): Python.h, CUDA torch and a device, triton, a C compiler,
+libcuda where Triton finds it, Triton launches reading registered host memory, ``is_pinned()``,
+a timed 4 GB ``cudaHostRegister``, host RAM. The first missing one prints ONE line ``gpu_check:
+STOP: <cause>`` (exit 3). ``--cpu`` (the dry run): the CUDA checks recorded as skipped."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -23,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,27 +139,22 @@ def _kernel(what: str, launch: Any, got: Any, want: Any, torch: Any) -> None:
         raise Stop(f"Triton kernel computed wrong data, {what}")
 
 
-class registered:
-    """``nbytes`` (rounded up to pages) of page-aligned host memory, registered with
-    ``cudaHostRegister`` (flags 0, as the host pool) for the block; a page of slack each side."""
-
-    def __init__(self, torch: Any, nbytes: int, cpu: bool) -> None:
-        self.torch, self.cpu, self.size = torch, cpu, -(-nbytes // PAGE) * PAGE
-        self.owner = torch.empty(self.size + 2 * PAGE, dtype=torch.uint8)
-        start = -self.owner.data_ptr() % PAGE
-        self.view = self.owner[start : start + self.size]
-
-    def __enter__(self) -> Any:
-        if not self.cpu:
-            rc = int(self.torch.cuda.cudart().cudaHostRegister(self.view.data_ptr(), self.size, 0))
-            if rc != 0:
-                raise Stop(f"cudaHostRegister of {self.size} bytes failed (cudaError {rc})")
-        return self.view
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.cpu:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+@contextlib.contextmanager
+def registered(torch: Any, nbytes: int, cpu: bool) -> Iterator[Any]:
+    """``nbytes`` (whole pages) of page-aligned host memory with a page of slack each side,
+    registered with ``cudaHostRegister`` (flags 0, as the host pool) for the block."""
+    size = -(-nbytes // PAGE) * PAGE
+    owner = torch.empty(size + 2 * PAGE, dtype=torch.uint8)
+    view = owner[-owner.data_ptr() % PAGE :][:size]
+    rc = 0 if cpu else int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, 0))
+    if rc != 0:
+        raise Stop(f"cudaHostRegister of {size} bytes failed (cudaError {rc})")
+    try:
+        yield view
+    finally:
+        if not cpu:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(view.data_ptr())
 
 
 def _meminfo(field: str) -> int:

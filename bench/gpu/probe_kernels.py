@@ -1,7 +1,6 @@
-"""The probe's Triton kernels (``bench.gpu.probe``): one trivial add, and a read of registered host
-memory reached the ways the kvcacheio kernels reach it (a tensor argument; an int64 or uint64
-pointer table). Imported only after the probe found a
-CUDA torch and triton."""
+"""The probe's Triton kernels: ``dst = src + 1``, with ``src`` read from a tensor argument or
+through an int64 or uint64 pointer table (the ways the kvcacheio kernels reach registered host
+memory). Imported once the probe found triton."""
 
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ def launch_add_one(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def launch_read_host(host: torch.Tensor, dst: torch.Tensor, how: str) -> None:
-    """``dst = host + 1`` where ``host`` is registered host memory, passed as a tensor argument
-    (``how="tensor"``) or as its address in a device table: int64 (``how="int64 table"``, as
-    SGLang's older pools) or uint64 built by ``kernels.data_ptr_table`` (``how="uint64 table"``,
-    what this project's pools and SGLang's newer ones hold)."""
+    """``dst = host + 1``, ``host`` passed as ``how``: ``tensor``, ``int64 table`` (SGLang's older
+    pools) or ``uint64 table`` (``kernels.data_ptr_table``, this project's pools)."""
     if how == "tensor":
         launch_add_one(host, dst)
         return

@@ -1,24 +1,10 @@
-"""KV copies between device and host memory: GB/s per copy path, and what a copy costs a GEMM.
-
-- ``headline``: 2 KiB items (one token's K or V in one layer of the Llama-3-8B shape), random
-  pages, H2D of one layer on a high-priority stream (as the cache's load stream) and D2H of all
-  layers: the Triton ``kernel`` (page_first host), ``copy_engine`` (gather, one contiguous copy,
-  scatter), ``direct`` (one copy per page, layer_first host), and the kernel on host memory
-  registered as the host pool registers it (``registered``: malloc + ``cudaHostRegister``; the
-  others use ``pin_memory``). GB/s counts the bytes the indices name; each row also has one
-  contiguous copy of the same bytes (``ceiling``). Times: median of repetitions after two
-  warm-ups, a synchronize before each (CUDA events).
-- ``corun``: a bf16 GEMM's TFLOP/s alone and while each copy path loops on a high-priority side
-  stream (the kernel at each ``block_quota``), and each copy's GB/s alone and beside it.
-
-On a CPU: tiny sizes, host memory on both sides, the kernel path is the torch reference of the
-op and a thread stands in for the side stream: CPU numbers, labelled so. Rows are printed and
-written to JSON as measured (``partial`` until the end); none starts within ``MARGIN_S`` of the
-step's deadline (``HICACHE_BENCH_DEADLINE``). ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` makes a run
-hang after its N-th row (how the GPU check's dry run proves a killed step keeps its rows).
-
-``python -m bench.transfer [--quick] [--out DIR] [--part headline|corun|all]``
-"""
+"""KV copies between device and host memory (``python -m bench.transfer [--quick] [--out DIR]
+[--part headline|corun|all]``): GB/s of each copy path, H2D of one layer on a high-priority
+stream and D2H of all layers, counting the bytes the indices name, beside one contiguous copy of
+the same bytes (the ceiling); and a bf16 GEMM's TFLOP/s alone and beside each copy path. On a CPU:
+tiny sizes, labelled CPU numbers. Rows go to JSON as measured; none starts within ``MARGIN_S`` of
+the step's deadline (``HICACHE_BENCH_DEADLINE``); ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` hangs a
+run after its N-th row (the GPU check's dry run kills it so)."""
 
 from __future__ import annotations
 
