@@ -31,12 +31,9 @@ SIZES = (10_000, 100_000, 1_000_000)
 def stats(samples: list[float]) -> dict[str, Any]:
     """Mean, median, p99 (microseconds) and count."""
     s = sorted(samples) or [0.0]
-    return {
-        "mean_us": round(statistics.fmean(s), 2),
-        "median_us": round(statistics.median(s), 2),
-        "p99_us": round(s[int(0.99 * (len(s) - 1))], 2),
-        "n": len(samples),
-    }
+    q = (statistics.fmean(s), statistics.median(s), s[int(0.99 * (len(s) - 1))])
+    keys = ("mean_us", "median_us", "p99_us")
+    return {**{k: round(x, 2) for k, x in zip(keys, q, strict=True)}, "n": len(samples)}
 
 
 def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -> dict[str, Any]:
@@ -45,7 +42,7 @@ def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -
     pool = page_ceil(capacity + 16_384 + capacity // 50, page_size)
     drivers = [f(pool, page_size) for f in factories]
     project = drivers[0]
-    while project.size() < capacity:
+    while project.tree.total_size() < capacity:
         step = next(trace)
         for d in drivers:
             play_step(d, step, None)
@@ -72,7 +69,7 @@ def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -
             evict(order, chunk, "evict_1pct")
         if s % 10 == 5:
             evict(order, page_size, "evict_leaf")
-    project.check()  # raises on a broken invariant or a leak
+    project.tree.check_integrity()  # raises on a broken invariant or a leak
     row = {
         "tokens": capacity,
         "page_size": page_size,
@@ -153,14 +150,6 @@ def run(
         "sglang_stubs": stubs,
         "sglang_rust_core": rust,
         "rows": rows,
-        "headline": {
-            f"{op} @ {r['tokens']} tokens page {r['page_size']} (mean us)": r["trees"]["project"][
-                op
-            ]["mean_us"]
-            for r in rows
-            if r["tokens"] == max(sizes)
-            for op in ("match", "insert", "evict_1pct")
-        },
         "integrity": {"leaked_slots": 0},  # every row ended with check_integrity()
     }
     out = Path(out_dir)
@@ -170,17 +159,10 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.cache_ops", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser("python -m bench.cache_ops", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="300 steps instead of 3000.")
     ap.add_argument("--against-sglang", action="store_true", help="Also drive SGLang's trees.")
-    ap.add_argument(
-        "--sglang-site",
-        default=None,
-        help="SGLang pin directory (pip --no-deps "
-        "--target; sglang_loader.py); default: SGLang as installed.",
-    )
+    ap.add_argument("--sglang-site", help="SGLang pin dir (sglang_loader); default: installed.")
     ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="Tree tokens.")
     ap.add_argument("--pages", type=int, nargs="*", default=[1, 16], help="Page sizes.")
     ap.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")

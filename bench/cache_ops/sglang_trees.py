@@ -69,32 +69,24 @@ class _SGLangDriver:
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
         self.sgl, self.page_size = sgl, page_size
+        common = dict(size=pool_tokens, dtype=torch.float16, device="cpu")
         kv = sgl.MHATokenToKVPool(
-            size=pool_tokens,
             page_size=page_size,
-            dtype=torch.float16,
             head_num=1,
             head_dim=1,
             layer_num=1,
-            device="cpu",
             enable_memory_saver=False,
+            **common,
         )
-        common = dict(dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False)
+        common.update(kvcache=kv, need_sort=False)
         if page_size == 1:
-            self.allocator = sgl.TokenToKVPoolAllocator(size=pool_tokens, **common)
+            self.allocator = sgl.TokenToKVPoolAllocator(**common)
         else:
-            self.allocator = sgl.PagedTokenToKVPoolAllocator(
-                size=pool_tokens, page_size=page_size, **common
-            )
+            self.allocator = sgl.PagedTokenToKVPoolAllocator(page_size=page_size, **common)
 
     def _cache_params(self, **extra: Any) -> Any:
-        return self.sgl.CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=self.page_size,
-            **extra,
-        )
+        extra.update(token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)
+        return self.sgl.CacheInitParams(disable=False, req_to_token_pool=None, **extra)
 
     def prepare(self, key: Any) -> Any:
         return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
@@ -104,23 +96,11 @@ class _SGLangDriver:
         node = r.last_device_node
         return r.device_prefix_len, self.tree.path_device_indices(node), node
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        return self.allocator.alloc(n)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots)
-
     def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
         return self.tree.insert(self.sgl.InsertParams(key=params.key, value=slots)).prefix_len
 
     def evict(self, n: int) -> int:
         return self.tree.evict(self.sgl.EvictParams(num_tokens=n)).num_tokens_evicted
-
-    def available(self) -> int:
-        return self.allocator.available_size()
-
-    def check(self) -> None:
-        return None
 
 
 class SGLangPythonDriver(_SGLangDriver):

@@ -17,7 +17,6 @@ import random
 import time
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +29,7 @@ VOCAB = 50_000
 OPS = ("match", "miss", "insert", "lock", "unlock")
 
 
-@dataclass(frozen=True)
-class Step:
-    key: list[int]
-    miss_key: list[int]
+Step = tuple[list[int], list[int]]  # a request's key, a pure-miss key
 
 
 class MultiTurnTrace:
@@ -69,11 +65,12 @@ class MultiTurnTrace:
                     active.append(key)
                 else:
                     active[rng.randrange(len(active))] = key
-            yield Step(key, [VOCAB + 1] + self._tokens(511))
+            yield key, [VOCAB + 1] + self._tokens(511)
 
 
 class ProjectDriver:
-    """This project's device-only ``RadixCache`` over its own allocator."""
+    """This project's device-only ``RadixCache`` over its own allocator (``allocator``: the
+    drivers' allocators share ``alloc``, ``free`` and ``available_size``)."""
 
     name = "project"
     frees_duplicates = False  # the caller frees value[matched:returned]
@@ -96,49 +93,40 @@ class ProjectDriver:
     def unlock(self, node: Any, token: Any) -> None:
         self.tree.dec_lock_ref(token)
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        return self.allocator.alloc(n)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.allocator.free(slots)
-
     def insert(self, key: array, slots: torch.Tensor, matched: int) -> int:
         return self.tree.insert(key, slots)
 
     def evict(self, n: int) -> int:
         return self.tree.evict(n)
 
-    def size(self) -> int:
-        return self.tree.total_size()
 
-    def available(self) -> int:
-        return self.allocator.available_size()
-
-    def check(self) -> None:
-        self.tree.check_integrity()
+def alloc(driver: Any, n: int) -> torch.Tensor:
+    """``n`` slots from the driver's allocator, evicting the shortfall first when short."""
+    slots = driver.allocator.alloc(n)
+    if slots is None:
+        driver.evict(n - driver.allocator.available_size())
+        slots = driver.allocator.alloc(n)
+    return slots
 
 
 def play_step(driver: Any, step: Step, samples: dict[str, list[float]] | None) -> tuple[int, int]:
     """One step on ``driver``, each op's microseconds appended to ``samples`` (when given).
     Returns ``(matched tokens, new tokens)``."""
-    key, miss_key = driver.prepare(step.key), driver.prepare(step.miss_key)
+    key, miss_key = driver.prepare(step[0]), driver.prepare(step[1])
     clock = time.perf_counter_ns
     t0 = clock()
     matched, indices, node = driver.match(key)
     t1 = clock()
     token = driver.lock(node)
     t2 = clock()
-    need = len(step.key) - matched
-    slots = driver.alloc(need)
-    if slots is None:
-        driver.evict(need - driver.available())
-        slots = driver.alloc(need)
+    need = len(step[0]) - matched
+    slots = alloc(driver, need)
     full = torch.cat([indices, slots])
     t3 = clock()
     present = driver.insert(key, full, matched)
     t4 = clock()
     if present > matched and not driver.frees_duplicates:
-        driver.free(full[matched:present])
+        driver.allocator.free(full[matched:present])
     t5 = clock()
     driver.unlock(node, token)
     t6 = clock()

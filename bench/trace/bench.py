@@ -55,66 +55,44 @@ def run(
     t0 = time.perf_counter()
     limit = limit or (QUICK_REQUESTS if quick else None)
     reqs = load_trace(trace, limit)
-    n = np.array([r.input_length for r in reqs])
-    at = np.array([r.arrival_s for r in reqs])
-    span, total, unbounded = float(at.max() - at.min()), int(n.sum()), lru_hits(reqs, None, BLOCK)
-    res: dict[str, Any] = {
-        "trace": {
-            "path": str(trace),
-            "requests": len(reqs),
-            "prompt_tokens": total,
-            "span_s": span,
-            "subset": f"first {limit} requests" if limit else "whole trace",
-        },
-        "paper": PAPER,
-        "measured": "hit rates and tree costs measured on this CPU; TTFT modelled from profiles",
-        "hit_rate_unbounded_capacity": float(unbounded.sum() / total),
-        "hit_rate_unbounded_capacity_request_mean": float(np.mean(unbounded / n)),
-        "lru_curve": [
-            {"capacity_tokens": c, "hit_rate": float(lru_hits(reqs, c, BLOCK).sum()) / total}
-            for c in (QUICK_CURVE if quick else CURVE)
-        ],
-    }
+    n, at = (np.array([getattr(r, f) for r in reqs]) for f in ("input_length", "arrival_s"))
+    total, unbounded = int(n.sum()), lru_hits(reqs, None, BLOCK)
+    res: dict[str, Any] = {"trace": str(trace), "requests": len(reqs), "prompt_tokens": total}
+    res["subset"] = f"first {limit} requests" if limit else "whole trace"
+    res.update(paper=PAPER, measured="hit rates, tree costs: on this CPU; TTFT: modelled")
+    res["hit_rate_unbounded_capacity"] = float(unbounded.sum() / total)
+    res["hit_rate_unbounded_capacity_request_mean"] = float(np.mean(unbounded / n))
+    curve = QUICK_CURVE if quick else CURVE
+    res["lru_curve"] = [
+        {"capacity_tokens": c, "hit_rate": lru_hits(reqs, c, BLOCK).sum() / total} for c in curve
+    ]
     runs: dict[tuple[Tiers, str], dict] = {}
     todo = [(t, "write_through") for t in (QUICK_GRID if quick else GRID)]
     for t, p in todo + [(POLICY_TIERS, p) for p in POLICIES]:
         if (t, p) not in runs:
             runs[t, p] = replay_tiers(reqs, t, p, BLOCK)
             print(f"[trace] {t.label()} {p}: {runs[t, p]['wall_s']:.1f} s", flush=True)
-    res["tiers"] = [
-        {
-            "device_tokens": t.device,
-            "host_tokens": t.host,
-            "l3_tokens": t.l3,
-            "label": t.label(),
-            "policy": p if t.host else "-",
-            "pages": r["pages"],
-            "wall_s": round(r["wall_s"], 1),
-            "hit_rate": {k: float(v.sum() / total) for k, v in r["hits"].items()},
-        }
-        for (t, p), r in runs.items()
-    ]
+    res["tiers"] = []
+    for (t, p), r in runs.items():
+        rate = {k: float(v.sum() / total) for k, v in r["hits"].items()}
+        row = {"tokens": vars(t), "label": t.label(), "policy": p if t.host else "-"}
+        res["tiers"].append({**row, "hit_rate": rate, "pages": r["pages"], "wall_s": r["wall_s"]})
     res["ttft"] = {}
     for name in profiles:
-        prof = load_profile(name)
-        scale = time_scale(at, n, prof)
-        res["ttft"][prof.name] = {
-            "source": f"modelled from profile {prof.name} ({prof.kind}: {prof.gpu}, {prof.model})",
-            "time_scale": scale,
-            "target_util_no_cache": UTIL,
-            "l3_gbps": l3_gbps,
-            "rows": [
-                {"label": t.label(), **ttft(at, n, r["hits"], prof, l3_gbps, scale)}
-                for (t, p), r in runs.items()
-                if t.device == DEV and p == "write_through"
-            ],
-        }
+        prof, picked = load_profile(name), [k for k in runs if k[0].device == DEV]
+        s = time_scale(at, n, prof)
+        rows = [
+            {"tiers": t.label(), "policy": p, **ttft(at, n, runs[t, p]["hits"], prof, l3_gbps, s)}
+            for t, p in picked
+        ]
+        src = f"modelled from profile {prof.name} ({prof.kind}: {prof.gpu}, {prof.model})"
+        res["ttft"][prof.name] = {"source": src, "time_scale": s, "l3_gbps": l3_gbps, "rows": rows}
     res["tree_cost"] = tree_cost(trace, limit, DEV, BLOCK, sglang_site)
     res["integrity"] = {"leaked_slots": 0}  # every replay ended with check_integrity()
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# Trace replay: {res['trace']['subset']} of `{Path(trace).name}`"]
+    md = [f"# Trace replay: {res['subset']} of `{Path(trace).name}`"]
     for title, head, rows in _tables(res):
         cells = [head] + [[_fmt(x) for x in r] for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
@@ -221,7 +199,7 @@ def _plot(res: dict[str, Any], path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.trace", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser("python -m bench.trace", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"First {QUICK_REQUESTS} requests.")
     ap.add_argument("--out", type=Path, default=Path("results/trace"), help="Output folder.")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL.")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.cache_ops.trace import ProjectDriver
+from bench.cache_ops.trace import ProjectDriver, alloc
 from bench.trace.load import key_array, load_trace, tokens
 
 
@@ -41,19 +41,17 @@ def _replay(driver: Any, keys: Any) -> dict[str, float]:
         got, indices, node = driver.match(p)
         token = driver.lock(node)
         need = len(key) - got
-        slots = driver.alloc(need)
-        if slots is None:
-            driver.evict(need - driver.available())
-            slots = driver.alloc(need)
+        slots = alloc(driver, need)
         present = driver.insert(p, torch.cat([indices, slots]), got)
         if present > got and not driver.frees_duplicates:
-            driver.free(slots[: present - got])
+            driver.allocator.free(slots[: present - got])
         driver.unlock(node, token)
         spent += clock() - t0
         matched += got
         if n % 256 == 0:
             peak = max(peak, _rss_mib())
-    driver.check()
+    if driver.name == "project":
+        driver.tree.check_integrity()
     peak = max(peak, _rss_mib())
     return {
         "requests_per_s": n / spent,

@@ -146,7 +146,7 @@ def test_cli_writes_the_report(tmp_path, capsys) -> None:
     assert "--quick" in capsys.readouterr().out
     assert trace_bench.main(["--quick", "--requests", "120", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "trace.json").read_text())
-    assert res["trace"]["requests"] == 120 and 0 < res["hit_rate_unbounded_capacity"] < 1
+    assert res["requests"] == 120 and 0 < res["hit_rate_unbounded_capacity"] < 1
     assert {r["label"] for r in res["tiers"]} >= {"1Mi/-/-", "1Mi/4Mi/inf"}
     assert res["tree_cost"]["project"]["requests_per_s"] > 0
     assert "modelled from profile h200" in res["ttft"]["h200"]["source"]
