@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.mooncake_store",
         description="MooncakeStore put/get bandwidth against memcpy, on this CPU.",
     )
-    parser.add_argument("--quick", action="store_true", help="Smaller sizes (about a minute).")
+    parser.add_argument("--quick", action="store_true", help="Smaller sizes (under a minute).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
     return 1 if any(run(args.quick, args.out).get("integrity", {}).values()) else 0

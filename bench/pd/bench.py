@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         description="PD disaggregation over Mooncake on TCP loopback, measured on this CPU: the "
         "write cost per item size and TTFT with decode worker processes.",
     )
-    parser.add_argument("--quick", action="store_true", help="Smaller sizes (under a minute).")
+    parser.add_argument("--quick", action="store_true", help="Smaller sizes (about a minute).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
     if (reason := skip_reason()) is not None:
