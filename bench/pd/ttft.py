@@ -93,7 +93,7 @@ def drive(ex: Executor, prompts: list[list[int]], arrivals: list[float]) -> dict
     return {
         "ttfts_ms": ttfts,
         "requests": results,
-        "items_per_send": items / ex.stats.sends,
+        "items_per_send": items / max(ex.stats.sends, 1),
         "integrity": audit(ex, kept),
     }
 
