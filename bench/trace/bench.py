@@ -82,7 +82,8 @@ def run(
         prof, picked = load_profile(name), [k for k in runs if k[0].device == DEV]
         s = time_scale(at, n, prof)
         rows = [
-            {"tiers": t.label(), "policy": p, **ttft(at, n, runs[t, p]["hits"], prof, l3_gbps, s)}
+            {"tiers": t.label(), "policy": p if t.host else "-"}
+            | ttft(at, n, runs[t, p]["hits"], prof, l3_gbps, s)
             for t, p in picked
         ]
         src = f"modelled from profile {prof.name} ({prof.kind}: {prof.gpu}, {prof.model})"
@@ -111,7 +112,7 @@ def run(
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+        return f"{x:.3f}" if abs(x) < 100 else f"{x:.1f}"
     return str(x)
 
 
