@@ -4,10 +4,10 @@
 capacity by its own LRU eviction after each insert, so any capacity works. ``replay_tiers``:
 ``build_kv_cache`` at full size with 1 layer, 1 KV head, head_dim 1, float16 (4 bytes a token):
 device pool, host pool, ``HiCacheController`` on inline CPU streams and ``HiRadixCache``; as L3
-``HiCacheFile`` in a temporary directory (one 2 KiB file a page, ``max_size`` = L3 tokens x 4
-bytes under its LRU). Per request as the executor does: L3 prefetch (``wait_complete``), match,
-load back, lock, allocate, insert, unlock; then every copy and storage operation is drained, so
-a replay is deterministic. ``check_integrity`` ends every replay.
+``HiCacheFile`` in a temporary directory (one file a page, 2 KiB at 512 tokens; ``max_size`` = L3
+tokens x 4 bytes, its LRU evicting down to 90% when full). Per request as the executor does: L3
+prefetch (``wait_complete``), match, load back, lock, allocate, insert, unlock; then every copy
+and storage operation is drained, so a replay is deterministic; ``check_integrity`` ends it.
 """
 
 from __future__ import annotations
