@@ -12,6 +12,7 @@
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu_check.sh OUT [--plan|--dry-run]}
 MODE=${2:-run}
+case "$OUT" in /*) ;; *) OUT=$PWD/$OUT ;; esac
 cd "$(dirname "$0")/.." || exit 2
 case "$MODE" in
   run | --plan) PLAN_ARGS=() ;;
@@ -25,7 +26,7 @@ if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && { [ "$MODE" != run ] || .v
 fi
 if [ "$MODE" = --plan ]; then exec "$PY" bench/gpu/plan.py --render; fi
 
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+mkdir -p "$OUT" || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
 RES=$WORK/results
 trap 'rm -rf "$WORK"' EXIT

@@ -18,6 +18,12 @@ from pathlib import Path
 from bench.gpu.plan import GPU_TESTS, KERNEL_TESTS
 
 WORKERS = {"kernel_tests": 8, "gpu_tests": 4}  # of the device machine's 16 cores
+POOL = dict(
+    max_total_tokens=256,
+    enable_hierarchical_cache=True,
+    hicache_mem_layout="page_first",
+    hicache_io_backend="kernel",
+)  # as the end-to-end benchmarks' pools
 
 
 def pytest_cmd(files: tuple[str, ...], marker: str | None, workers: int) -> list[str]:
@@ -38,15 +44,7 @@ def variants() -> list[str]:
 
     done = []
     for preset, mla in (("llama3-8b-shape", False), ("deepseek-v2-lite-shape", True)):
-        kw = dict(enable_hierarchical_cache=True, hicache_mem_layout="page_first")
-        args = ServerArgs(
-            model_preset=preset,
-            use_mla=mla,
-            dtype="bfloat16",
-            max_total_tokens=256,
-            hicache_io_backend="kernel",
-            **kw,
-        )
+        args = ServerArgs(model_preset=preset, use_mla=mla, dtype="bfloat16", **POOL)
         dev = (MLATokenToKVPool if mla else MHATokenToKVPool).from_server_args(args)
         host = make_host_pool(dev, 2.0, 0, "page_first")
         done.append(f"{preset}: {len(warm_up(host, dev).calls)} warm-up calls")

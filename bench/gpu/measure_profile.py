@@ -83,8 +83,8 @@ def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
             if len(sel) == 2:
                 (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)
                 gbps = (b2 - b1) / (t2 - t1) / 1e9 if t2 > t1 else b2 / t2 / 1e9
-                lat = max(0.0, t1 - b1 / (gbps * 1e9)) * (layers if direction == "h2d" else 1)
-                paths[name] = CopyPath(lat, gbps)
+                lat = max(0.0, t1 - b1 / (gbps * 1e9))  # a load: a call per layer, a backup: one
+                paths[name] = CopyPath(lat * (layers if direction == "h2d" else 1), gbps)
     points = "; ".join(
         f"{r['direction']} {r['path']} {r['bytes']} B {r['ms']:.4f} ms, ceiling "
         f"{r['ceiling_gbps']:.2f} GB/s"

@@ -89,10 +89,18 @@ class Probe:
             ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise Stop(f"libcuda.so.1 does not load: {exc}") from exc
-        ldconfig = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True)
-        if not os.environ.get("TRITON_LIBCUDA_PATH") and "libcuda.so.1" not in ldconfig.stdout:
+        try:  # where Triton looks: $TRITON_LIBCUDA_PATH, `/sbin/ldconfig -p`, $LD_LIBRARY_PATH
+            listed = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+        except OSError:
+            listed = ""
+        dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+        if not (
+            os.environ.get("TRITON_LIBCUDA_PATH")
+            or "libcuda.so.1" in listed
+            or any(Path(d, "libcuda.so.1").exists() for d in dirs)
+        ):
             fix = "run ldconfig or export TRITON_LIBCUDA_PATH=<its folder>"
-            raise Stop(f"libcuda.so.1 is not in `ldconfig -p`, where Triton looks for it: {fix}")
+            raise Stop(f"libcuda.so.1 loads but Triton would not find it: {fix}")
         self.ok("libcuda", True, "libcuda.so.1, where Triton finds it")
 
     def check_kernels(self, torch: Any) -> None:
