@@ -2,12 +2,12 @@
 
 - :func:`time_ms`: median and 20/80 % quantiles of one call, in milliseconds. On CUDA it is
   ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions); on CPU a
-  ``perf_counter`` loop. Say which in the output (:func:`timer_name`).
+  ``perf_counter`` loop.
 - :func:`write_json`: ``out_dir/<name>.json`` with the machine description added.
 - :func:`print_table`: fixed-width table from a list of dicts and column specs
   (:func:`table_header` and :func:`table_row` print one line at a time).
 - :func:`time_left`: seconds until the deadline ``bench/gpu_check.sh`` gives each step.
-- :func:`call_timer` / :func:`sync_device`: the clock the deterministic mode's calibration reads.
+- :func:`sync_device`: wait for the device's queued work.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from bench.summary import machine_info
 __all__ = [
     "Column",
     "Timing",
-    "TIMERS",
-    "call_timer",
-    "default_timer",
     "machine_info",
     "print_table",
     "sync_device",
@@ -38,7 +35,6 @@ __all__ = [
     "table_row",
     "time_left",
     "time_ms",
-    "timer_name",
     "write_json",
 ]
 
@@ -69,33 +65,6 @@ def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-TIMERS = ("cpu", "wall")
-"""Calibration timers: ``cpu`` (the calling thread's CPU time), ``wall`` (``perf_counter``)."""
-
-
-def default_timer(device: torch.device) -> str:
-    """The calibration's default timer: ``wall`` on CUDA, ``cpu`` on a CPU."""
-    return "wall" if device.type == "cuda" else "cpu"
-
-
-def call_timer(device: torch.device, timer: str | None = None) -> Callable[[], float]:
-    """The clock a calibration reads. ``timer`` (``TIMERS``; default ``default_timer``):
-    ``wall``: ``time.perf_counter`` (on CUDA read around a ``sync_device``); ``cpu``: this
-    thread's CPU time, which time spent descheduled by other jobs on a shared machine does not
-    inflate (the benchmarks run torch ops on the calling thread: one intra-op thread). A
-    calibration compared with wall-clock runs (``bench.fidelity``) uses ``wall``."""
-    timer = timer or default_timer(device)
-    if timer not in TIMERS:
-        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
-    return time.perf_counter if timer == "wall" else time.thread_time
-
-
-def timer_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "CUDA events (triton.testing.do_bench, L2 flushed), median"
-    return "CPU wall clock (time.perf_counter), median"
 
 
 def time_ms(

@@ -66,107 +66,29 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-# (metric, unit label, scale) rows of the final table's end-to-end sections.
-_ROWS = {
-    "multiturn": [
-        ("ttft_mean_s", "TTFT mean ms", 1e3), ("ttft_p50_s", "TTFT p50 ms", 1e3),
-        ("ttft_p90_s", "TTFT p90 ms", 1e3), ("device_hit_tokens", "device hit tok", 1),
-        ("host_hit_tokens", "host hit tok", 1), ("prefill_tokens_computed", "computed tok", 1),
-        ("ttft_mean_speedup_vs_device_only", "vs device-only", 1),
-    ],
-    "optimistic": [
-        ("ttft_mean_s", "TTFT mean ms", 1e3), ("ttft_p50_s", "TTFT p50 ms", 1e3),
-        ("ttft_p90_s", "TTFT p90 ms", 1e3), ("yields", "yields", 1), ("parks", "parks", 1),
-        ("aborts", "aborts", 1), ("recomputed_tokens_per_yield", "recomputed/yield", 1),
-        ("ttft_mean_speedup_vs_0", "vs 0 attempts", 1),
-    ],
-}  # fmt: skip
-_ROWS["optimistic_write_through"] = _ROWS["optimistic"]
-
-
-W = 17
-"""Width of one configuration's column in the final table."""
-
-
-def _cell(value: Any, scale: float, exact: bool = False) -> str:
-    if value is None:
-        return f"{'-':>{W}}"
-    if not exact and (isinstance(value, int) or (scale == 1 and float(value).is_integer())):
-        return f"{int(value):>{W}d}"
-    return f"{value * scale:>{W}.2f}"
+HEADLINES = {"multiturn": "mean TTFT speedup vs device-only",
+             "optimistic": "mean TTFT speedup vs 0 attempts"}  # fmt: skip
 
 
 def print_summary_table(summary: dict[str, Any]) -> None:
-    """Print one fixed-width table per section that has per-configuration results, with the
-    spread over seeds of each headline ratio."""
+    """The end-to-end headline ratios per clock mode (measured or modelled, as labelled), the
+    seconds each family took and the integrity counters."""
     print()
     print("=" * 78)
     run = summary.get("run", {})
     device = summary.get("machine", {}).get("device", "?")
     print(f"summary on {device}; commit {str(run.get('commit', '?'))[:12]}; "
           f"load average {run.get('loadavg_1_5_15')}")  # fmt: skip
-    for section, rows in _ROWS.items():
-        configs = summary.get(section)
-        if not isinstance(configs, dict):
+    for section, label in HEADLINES.items():
+        body = summary.get(section)
+        if not isinstance(body, dict) or "headline" not in body:
             continue
-        # Headline configurations only; each benchmark prints its variants in its own table.
-        names = [
-            k
-            for k, v in configs.items()
-            if isinstance(v, dict) and "ttft_mean_s" in v and "_with" not in k and "_util" not in k
-        ]
-        if not names:
-            continue
-        print(f"\n{section} ({configs.get('mode', 'wall')} clock, seeds {configs.get('seeds')})")
-        print(f"{'metric':<18}" + "".join(f"{n[:W - 2]:>{W}}" for n in names))
-        for metric, label, scale in rows:
-            exact = metric.startswith("ttft_mean_speedup")
-            print(f"{label:<18}" + "".join(_cell(configs[n].get(metric), scale, exact)
-                                           for n in names))  # fmt: skip
-        ratio = rows[-1][0]
-        spreads = [configs[n].get(ratio + "_spread") for n in names]
-        if any(spreads):
-            print(f"{'  min..max':<18}" + "".join(
-                f"{'-':>{W}}" if s is None else f"{s['min']:>{W - 7}.2f}..{s['max']:<5.2f}"
-                for s in spreads))  # fmt: skip
-        curve = configs.get("forward_curve")
-        if curve:
-            print(f"  calibration ({configs.get('calibration_source', '?')}): forward "
-                  f"{curve['intercept_ms']:.2f} ms + {curve['slope_us_per_token']:.1f} us/token; "
-                  f"{curve['long_n']} / {curve['short_n']} tokens after {curve['prefix']}: "
-                  f"x{curve['long_over_short']:.2f}"
-                  + (f"; zero-load ceiling {configs['ceiling_zero_load']:.3f}"
-                     if configs.get("ceiling_zero_load") else ""))  # fmt: skip
-        for axis, points in (configs.get("sweeps") or {}).items():
-            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
-                continue
-            cells = []
-            for pt in points:
-                x = pt.get(axis if axis in pt else {"load": "load",
-                           "working_set": "working_set_ratio"}.get(axis, axis))  # fmt: skip
-                r = "/".join(f"{v:.2f}" for v in pt["ratios"].values())
-                cells.append(f"{x:g}: {r}" + (f" (ceil {pt['ceiling']:.2f})"
-                                              if "ceiling" in pt else ""))  # fmt: skip
-            print(f"  sweep {axis}: " + ", ".join(cells))
-    fidelity = summary.get("fidelity")
-    if isinstance(fidelity, dict) and fidelity.get("entries"):
-        print(f"\nfidelity (virtual vs wall clock; target |gap| <= "
-              f"{fidelity.get('gap_target', 0.15):.0%}; load average "
-              f"{fidelity.get('loadavg_before')} -> {fidelity.get('loadavg_after')})")  # fmt: skip
-        for name, e in fidelity["entries"].items():
-            u = e.get("virtual_uncharged")
-            extra = "" if u is None else f"   uncharged {u:.3f} ({e['gap_uncharged']:+.1%})"
-            print(f"  {name:<36} virtual {e['virtual']:.3f}  wall {e['wall']:.3f}  "
-                  f"gap {e['gap']:+.1%}{extra}")  # fmt: skip
-    transfer = summary.get("transfer")
-    if isinstance(transfer, dict) and transfer.get("headline"):
-        print("\ntransfer")
-        for name, value in transfer["headline"].items():
-            print(f"  {name:<40} {value}")
-    integrity = summary.get("integrity", {})
-    print(
-        "\nintegrity: "
-        + ", ".join(f"{k}={v}" for k, v in integrity.items())
-        + ("  (all zero)" if not any(integrity.values()) else "  (VIOLATIONS)")
-    )
-    print("=" * 78)
+        print(f"\n{section}: {label} (mean over seeds)")
+        for mode, ratios in body["headline"].items():
+            cells = ", ".join(f"{c} {v:.3f}" for c, v in ratios.items()
+                              if v is not None and v != 1.0)  # fmt: skip
+            print(f"  {body['modes'].get(mode, mode)}: {cells}")
+    print()
+    times = {k: v["seconds"] for k, v in summary.items() if isinstance(v, dict) and "seconds" in v}
+    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(f"integrity: {summary.get('integrity')}")

@@ -48,16 +48,20 @@ CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) firs
         enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"
     ),
 }
-SIZES = {  # (cpu, cuda)
+SIZES = {  # (cpu wall clock, cpu on a profile, cuda)
     "quick": (
         dict(num_clients=24, num_rounds=5, request_length=192, sub_question_input_length=48,
              max_parallel=4, seeds=(0, 1, 2), kv_sample_every=20, chunked_prefill_size=512),
-        dict(num_clients=8, num_rounds=3, request_length=2048, sub_question_input_length=256,
+        dict(num_clients=8, num_rounds=3, request_length=1024, sub_question_input_length=128,
              max_parallel=4, seeds=(0, 1, 2), kv_sample_every=8, chunked_prefill_size=4096),
+        dict(num_clients=8, num_rounds=3, request_length=2048, sub_question_input_length=256,
+             max_parallel=4, seeds=(0,), kv_sample_every=4, chunked_prefill_size=4096),
     ),
     "full": (
         dict(num_clients=64, num_rounds=6, request_length=384, sub_question_input_length=96,
              max_parallel=8, seeds=(0, 1, 2, 3, 4), kv_sample_every=8, chunked_prefill_size=512),
+        dict(num_clients=16, num_rounds=4, request_length=2048, sub_question_input_length=256,
+             max_parallel=8, seeds=(0, 1, 2), kv_sample_every=8, chunked_prefill_size=4096),
         dict(num_clients=32, num_rounds=5, request_length=4096, sub_question_input_length=512,
              max_parallel=16, seeds=(0, 1, 2), kv_sample_every=4, chunked_prefill_size=4096),
     ),
@@ -178,7 +182,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     grid = Grid("multiturn", out_dir, RATIO, lambda c: "device_only", {"workload": vars(opts)})
     rates, model = {}, None
     for profile in modes(opts):
-        o = sized(opts, quick, gpu=profile is not None or on_cuda())
+        o = sized(opts, quick, modelled=profile is not None)
         host = SharedHostPool()  # one per size: every configuration of it shares the pool
         bench = MultiTurn(o, model, host)
         model = bench.model
@@ -207,9 +211,10 @@ WORKLOAD = ("num_clients", "num_rounds", "request_length", "sub_question_input_l
             "max_parallel", "seeds", "kv_sample_every", "chunked_prefill_size")  # fmt: skip
 
 
-def sized(opts: argparse.Namespace, quick: bool, gpu: bool) -> argparse.Namespace:
-    """``opts`` with every workload flag not given filled from the CPU or CUDA size."""
-    size = SIZES["quick" if quick else "full"][1 if gpu else 0]
+def sized(opts: argparse.Namespace, quick: bool, modelled: bool) -> argparse.Namespace:
+    """``opts`` with every workload flag not given filled from this machine's size (a CPU's
+    modelled runs: the GPU workload, cut to what the CPU model computes in seconds)."""
+    size = SIZES["quick" if quick else "full"][2 if on_cuda() else int(modelled)]
     return argparse.Namespace(**{**vars(opts), **{k: size[k] for k in WORKLOAD
                                                   if getattr(opts, k) is None}})  # fmt: skip
 

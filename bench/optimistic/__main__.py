@@ -1,8 +1,8 @@
-"""``python -m bench.optimistic``: see :mod:`bench.optimistic.bench`."""
+"""``python -m bench.optimistic``: see ``bench.optimistic.bench``."""
 
 import sys
 
-from bench.e2e.report import bench_main
+from bench.e2e.report import main
 from bench.optimistic.bench import run
 
-sys.exit(bench_main("optimistic", run))
+sys.exit(main("optimistic", run))
