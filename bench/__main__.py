@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.summary import machine_info, print_summary_table, run_info
+from bench.summary import machine_info, print_summary_table, run_info, write_results_readme
 from kernels._env import cuda_available, ensure_triton_interpret
 
 ensure_triton_interpret()
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["run"]["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
     path.write_text(json.dumps(summary, indent=2, default=str))
     print_summary_table(summary)
+    write_results_readme(summary, args.out / "README.md")
     print(f"[bench] wrote {path} ({summary['run']['suite_wall_s']} s)")
     bad = {k: v for k, v in summary["integrity"].items() if v}
     if bad:
