@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # Host RAM left free when sizing the host pool: SGLang's 10 GiB, capped at a quarter of the
 # machine's RAM so small machines (CI, laptops) can still build small pools.
 HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
+RESERVE_ENV = "HICACHE_HOST_MEMORY_RESERVE_BYTES"
+"""Overrides the reserve (bytes, an integer >= 0): a VM whose MemAvailable is still growing."""
 
 
 def _meminfo_bytes(field: str) -> int | None:
@@ -53,7 +55,14 @@ def host_memory_available_bytes() -> int:
 
 
 def host_memory_reserve_bytes() -> int:
-    """Bytes of available RAM the host pool must leave free."""
+    """Bytes of available RAM the host pool must leave free (``$HICACHE_HOST_MEMORY_RESERVE_BYTES``
+    when set; ``ValueError`` naming it when it is not an integer >= 0)."""
+    override = os.environ.get(RESERVE_ENV)
+    if override is not None:
+        if not override.strip().isdigit():
+            raise ValueError(f"{RESERVE_ENV} must be an integer >= 0 (bytes), got {override!r}")
+        logger.info("host RAM reserve set by %s: %s bytes", RESERVE_ENV, override.strip())
+        return int(override)
     total = _meminfo_bytes("MemTotal")
     if total is None:
         return HOST_MEMORY_RESERVE_BYTES

@@ -175,3 +175,13 @@ def test_cpu_host_pool_is_not_pinned() -> None:
     host = MHATokenToKVPoolHost(device_pool(False, 1), 2.0, 0, 1, "layer_first")
     assert not host.pinned and not host._registered
     assert host.k_data_ptrs.device.type == "cpu"
+
+
+def test_the_host_ram_reserve_can_be_overridden_and_a_bad_value_is_named(monkeypatch) -> None:
+    from hicache.memory import host_ram
+
+    monkeypatch.setenv(host_ram.RESERVE_ENV, "1234")
+    assert host_ram.host_memory_reserve_bytes() == 1234
+    monkeypatch.setenv(host_ram.RESERVE_ENV, "nan")
+    with pytest.raises(ValueError, match=host_ram.RESERVE_ENV):
+        host_ram.host_memory_reserve_bytes()
