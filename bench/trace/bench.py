@@ -112,7 +112,7 @@ def run(
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        return f"{x:.3f}" if abs(x) < 100 else f"{x:.1f}"
+        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
     return str(x)
 
 

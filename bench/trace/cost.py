@@ -15,7 +15,6 @@ import ctypes
 import gc
 import multiprocessing
 import os
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ def _replay(driver: Any, keys: Any) -> dict[str, float]:
         driver.tree.check_integrity()
     peak = max(peak, _rss_mib())
     return {
-        "requests_per_s": n / spent,
+        "requests_per_s": round(n / spent, 1),
         "matched_tokens": matched,
         "peak_rss_growth_mib": round(peak - base, 1),
     }
@@ -86,7 +85,6 @@ def _run(path: str, limit: int | None, capacity: int, block: int, site: str | No
         del driver
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed pages back before the next tree
-    out["process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
