@@ -22,19 +22,31 @@ from kernels._env import cuda_available, ensure_triton_interpret
 
 ensure_triton_interpret()
 
-SUITE = ["transfer", "cache_ops", "multiturn", "optimistic", "pd", "l3", "mooncake_store",
-         "trace"]  # fmt: skip
-INTEGRITY_KEYS = ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends",
-                  "integrity_errors", "attempt_budget_exceeded", "decode_leaked_slots",
-                  "decode_late_writes", "failed_pages")  # fmt: skip
+SUITE = ["transfer", "cache_ops", "multiturn", "optimistic", "pd", "l3", "mooncake_store", "trace"]
+INTEGRITY_KEYS = (
+    "leaked_slots",
+    "leaked_locks",
+    "kv_mismatches",
+    "aborted_sends",
+    "integrity_errors",
+    "attempt_budget_exceeded",
+    "decode_leaked_slots",
+    "decode_late_writes",
+    "failed_pages",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
-    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                        help=f"Run only these ({', '.join(SUITE)}), merged into the summary.")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help=f"Run only these ({', '.join(SUITE)}), merged into the summary.",
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.only or () if n not in SUITE]
     if unknown:
@@ -44,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = load_summary(path) if args.only else {}
     summary.update(machine=machine_info(), run=run_info())
     failures: list[str] = []
-    print(f"[bench] device: {'cuda' if cuda_available() else 'cpu'}; quick={not args.full}; "
-          f"out={args.out}")  # fmt: skip
+    print(
+        f"[bench] device: {'cuda' if cuda_available() else 'cpu'}; quick={not args.full}; "
+        f"out={args.out}"
+    )
     t_suite = time.perf_counter()
     for key in SUITE:
         if args.only and key not in args.only:

@@ -417,7 +417,10 @@ class OptimisticPrefillExecutor:
 
     def is_idle(self) -> bool:
         return not (
-            self.bootstrap_queue or self.waiting_queue or self.chunked_req or self.inflight_queue
+            self.bootstrap_queue
+            or self.waiting_queue
+            or self.chunked_req
+            or self.inflight_queue
             or self.draining_queue
         )
 

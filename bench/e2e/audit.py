@@ -73,6 +73,5 @@ def config_summary(run: TraceRun) -> dict[str, Any]:
         "backed_up_tokens": stats["backed_up_tokens"],
         "loaded_tokens": stats["loaded_tokens"],
         "wall_s": run.wall_s,
-        "executor": {k: v for k, v in run.executor.stats.to_dict().items()
-                     if k != "ttft_samples"},  # fmt: skip
+        "executor": {k: v for k, v in run.executor.stats.to_dict().items() if k != "ttft_samples"},
     }

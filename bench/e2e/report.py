@@ -19,8 +19,14 @@ from bench.e2e.setup import mode_label, on_cuda
 from bench.profile import GpuProfile, load_profile
 
 Column = tuple[str, str, float, str]  # header, key, scale, format
-INTEGRITY_KEYS = ("leaked_slots", "leaked_locks", "kv_mismatches", "aborted_sends",
-                  "integrity_errors", "attempt_budget_exceeded")  # fmt: skip
+INTEGRITY_KEYS = (
+    "leaked_slots",
+    "leaked_locks",
+    "kv_mismatches",
+    "aborted_sends",
+    "integrity_errors",
+    "attempt_budget_exceeded",
+)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -28,18 +34,34 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     sizes' defaults apply to flags left ``None``)."""
     p.add_argument("--quick", action="store_true", help="Quick sizes (the suite's default).")
     p.add_argument("--out", type=Path, default=None, help="Output folder (default results).")
-    p.add_argument("--clock", choices=("wall", "profile", "both"), default=None,
-                   help="wall: this machine's time; profile: a virtual clock charged by each "
-                   "--profile; both (default on a CPU; wall only on CUDA unless --profile).")
-    p.add_argument("--profile", nargs="*", default=None, metavar="NAME|FILE",
-                   help="GPU profiles of the modelled runs (default h100 h200 on a CPU; none "
-                   "on CUDA, where the GPU check passes its measured one).")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "profile", "both"),
+        default=None,
+        help="wall: this machine's time; profile: a virtual clock charged by each "
+        "--profile; both (default on a CPU; wall only on CUDA unless --profile).",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        metavar="NAME|FILE",
+        help="GPU profiles of the modelled runs (default h100 h200 on a CPU; none "
+        "on CUDA, where the GPU check passes its measured one).",
+    )
     p.add_argument("--seeds", type=int, nargs="+")
-    p.add_argument("--kv-sample-every", type=int,
-                   help="Every N-th success is checked against a full recompute.")
+    p.add_argument(
+        "--kv-sample-every",
+        type=int,
+        help="Every N-th success is checked against a full recompute.",
+    )
     p.add_argument("--use-mla", action="store_true", help="MLA pools (DeepSeek's latent KV).")
-    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=False,
-                   help="Also sweep the load on the first modelled profile (one seed).")
+    p.add_argument(
+        "--sweeps",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Also sweep the load on the first modelled profile (one seed).",
+    )
 
 
 def modes(opts: argparse.Namespace) -> list[GpuProfile | None]:
@@ -54,14 +76,30 @@ def modes(opts: argparse.Namespace) -> list[GpuProfile | None]:
     return out
 
 
+def sized(
+    opts: argparse.Namespace, fields: list[str], sizes: dict, quick: bool, modelled: bool
+) -> argparse.Namespace:
+    """``opts`` with each workload flag in ``fields`` that was not given filled from the size of
+    this run: ``sizes[quick|full]`` holds one row for a CPU's wall clock, one for a CPU run on a
+    GPU profile (the GPU workload cut to seconds of CPU model work) and one for CUDA."""
+    row = sizes["quick" if quick else "full"][2 if on_cuda() else int(modelled)]
+    missing = {k: v for k, v in zip(fields, row, strict=True) if getattr(opts, k) is None}
+    return argparse.Namespace(**{**vars(opts), **missing})
+
+
 def spread(values: list[float | None]) -> dict[str, Any] | None:
     """Mean, min, max, stdev (0 for one value) and the values; None if any is missing."""
     if not values or any(v is None for v in values):
         return None
     vals = [float(v) for v in values if v is not None]
     sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-    return {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "stdev": sd,
-            "per_seed": vals}  # fmt: skip
+    return {
+        "mean": statistics.fmean(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "stdev": sd,
+        "per_seed": vals,
+    }
 
 
 class Grid:
@@ -70,8 +108,14 @@ class Grid:
     deadline (``HICACHE_BENCH_DEADLINE``) no longer allows, and keeps ``per_seed`` results.
     ``baseline(config)`` names the configuration a ratio divides by."""
 
-    def __init__(self, name: str, out_dir: Path, ratio: str,
-                 baseline: Callable[[str], str], doc: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        out_dir: Path,
+        ratio: str,
+        baseline: Callable[[str], str],
+        doc: dict[str, Any],
+    ) -> None:
         self.name, self.out_dir, self.ratio, self.baseline = name, out_dir, ratio, baseline
         self.doc = doc
         self.per_seed: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
@@ -79,9 +123,14 @@ class Grid:
         self.skipped: list[str] = []
         self._slowest = 0.0
 
-    def run(self, profiles: list[GpuProfile | None], seeds: list[int], configs: list[str],
-            run_one: Callable[[GpuProfile | None, int, str], dict[str, Any]],
-            suffix: str = "") -> None:  # fmt: skip
+    def run(
+        self,
+        profiles: list[GpuProfile | None],
+        seeds: list[int],
+        configs: list[str],
+        run_one: Callable[[GpuProfile | None, int, str], dict[str, Any]],
+        suffix: str = "",
+    ) -> None:
         """``suffix``: appended to the mode's key (a sweep's point)."""
         for profile in profiles:
             key, label = mode_label(profile)
@@ -100,9 +149,12 @@ class Grid:
                     results = self.per_seed.setdefault(key, {}).setdefault(seed, {})
                     results[config] = res
                     self._ratios(results)
-                    print(f"    {tag}: {res['successes']} ok, TTFT mean "
-                          f"{res['ttft_mean_s'] * 1e3:.2f} ms "
-                          f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+                    print(
+                        f"    {tag}: {res['successes']} ok, TTFT mean "
+                        f"{res['ttft_mean_s'] * 1e3:.2f} ms "
+                        f"({time.perf_counter() - t0:.1f} s)",
+                        flush=True,
+                    )
                     self.write(partial=True)
 
     def _ratios(self, results: dict[str, dict[str, Any]]) -> None:
@@ -139,9 +191,17 @@ class Grid:
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"{self.name}.json"
-        body = {"benchmark": self.name, "machine": machine_info(), "run": run_info(),
-                **self.doc, "partial": partial, "modes": self.labels,
-                "skipped_for_time": self.skipped, "per_seed": self.per_seed, **extra}  # fmt: skip
+        body = {
+            "benchmark": self.name,
+            "machine": machine_info(),
+            "run": run_info(),
+            **self.doc,
+            "partial": partial,
+            "modes": self.labels,
+            "skipped_for_time": self.skipped,
+            "per_seed": self.per_seed,
+            **extra,
+        }
         path.write_text(json.dumps(body, indent=2, default=str))
         return path
 
@@ -158,21 +218,27 @@ def print_tables(summary: dict[str, Any], cols: list[Column], ratio: str, label:
         w = max(26, max(len(n) for n in configs) + 2)
         print(f"  {'config':<{w}}" + "".join(f"{c[0]:>14}" for c in cols))
         for name, res in configs.items():
-            cells = [f"{'-':>14}" if res.get(k) is None else f"{res[k] * s:>14{f}}"
-                     for _, k, s, f in cols]  # fmt: skip
+            cells = [
+                f"{'-':>14}" if res.get(k) is None else f"{res[k] * s:>14{f}}"
+                for _, k, s, f in cols
+            ]
             print(f"  {name:<{w}}" + "".join(cells))
         for name, res in configs.items():
             s = res.get(ratio + "_spread")
             if s is not None:
                 vals = ", ".join(f"{v:.3f}" for v in s["per_seed"])
-                print(f"    {name:<{w}} {label} {s['mean']:.3f} (min {s['min']:.3f}, "
-                      f"max {s['max']:.3f}; seeds: {vals})")  # fmt: skip
+                print(
+                    f"    {name:<{w}} {label} {s['mean']:.3f} (min {s['min']:.3f}, "
+                    f"max {s['max']:.3f}; seeds: {vals})"
+                )
 
 
 def headline(summary: dict[str, Any], ratio: str) -> dict[str, dict[str, float | None]]:
     """``{mode: {config: mean ratio}}`` for the suite's summary."""
-    return {m: {c: (r.get(ratio + "_spread") or {}).get("mean") for c, r in b["configs"].items()}
-            for m, b in summary.items()}  # fmt: skip
+    return {
+        m: {c: (r.get(ratio + "_spread") or {}).get("mean") for c, r in b["configs"].items()}
+        for m, b in summary.items()
+    }
 
 
 def main(name: str, run: Callable[..., dict[str, Any]]) -> int:

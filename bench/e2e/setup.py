@@ -29,13 +29,23 @@ from prefill.testing.harness import make_executor
 from server_args import ServerArgs
 
 # The CPU model: small enough for minutes on 2 cores. On CUDA the Llama-3-8B shape in bf16.
-CPU_MODEL = dict(num_layers=4, num_attention_heads=8, head_num=4, head_dim=32, hidden_size=256,
-                 intermediate_size=768, vocab_size=1024, dtype="float32")  # fmt: skip
+CPU_MODEL = dict(
+    num_layers=4,
+    num_attention_heads=8,
+    head_num=4,
+    head_dim=32,
+    hidden_size=256,
+    intermediate_size=768,
+    vocab_size=1024,
+    dtype="float32",
+)
 GPU_MODEL = dict(model_preset="llama3-8b-shape", dtype="bfloat16", vocab_size=32000)
-CPU_MLA = dict(use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-               v_head_dim=32)  # fmt: skip
-GPU_MLA_MODEL = dict(model_preset="deepseek-v2-lite-shape", use_mla=True, dtype="bfloat16",
-                     vocab_size=32000)  # fmt: skip
+CPU_MLA = dict(
+    use_mla=True, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32
+)
+GPU_MLA_MODEL = dict(
+    model_preset="deepseek-v2-lite-shape", use_mla=True, dtype="bfloat16", vocab_size=32000
+)
 
 
 def on_cuda() -> bool:
@@ -123,12 +133,14 @@ def new_executor(
     when depends on the modelled times only."""
     common = dict(keep_received=True, send_log_size=None, decode_pool_size=decode_tokens)
     if profile is None:
-        ex = make_executor(args, model=model, peer_config=peer, clock=WallClock(),
-                           cache=host.build(args), **common)  # fmt: skip
+        ex = make_executor(
+            args, model=model, peer_config=peer, clock=WallClock(), cache=host.build(args), **common
+        )
         return ex, None
     clock = VirtualClock()
-    timing = ProfileTiming(profile, clock, "kernel" if args.hicache_io_backend == "kernel"
-                           else "direct")  # fmt: skip
+    timing = ProfileTiming(
+        profile, clock, "kernel" if args.hicache_io_backend == "kernel" else "direct"
+    )
     cache = host.build(args, streams="inline", copy_timer=timing)
     timing.controller = cache.controller
     per_token = cache.device_pool.get_size_per_token()  # this model's KV bytes per token
@@ -138,8 +150,15 @@ def new_executor(
         transfer_latency_s=transfer.latency_s,
         transfer_bandwidth=transfer.gbps * 1e9 * per_token / profile.kv_bytes_per_token,
     )
-    ex = make_executor(args, model=model, peer_config=peer, clock=clock, cache=cache,
-                       cost_model=timing.forward, **common)  # fmt: skip
+    ex = make_executor(
+        args,
+        model=model,
+        peer_config=peer,
+        clock=clock,
+        cache=cache,
+        cost_model=timing.forward,
+        **common,
+    )
     return ex, timing
 
 

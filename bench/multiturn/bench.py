@@ -24,13 +24,12 @@ from typing import Any
 
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, TraceRun
-from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables
+from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables, sized
 from bench.e2e.setup import (
     SharedHostPool,
     mode_label,
     model_args,
     new_executor,
-    on_cuda,
     release_executor,
     shared_model,
 )
@@ -48,32 +47,39 @@ CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) firs
         enable_hierarchical_cache=True, hicache_write_policy="write_through_selective"
     ),
 }
-SIZES = {  # (cpu wall clock, cpu on a profile, cuda)
+# Workload flags a size fills when not given (``sized``), and the sizes: quick / full, each for
+# the CPU's wall clock, a CPU run on a GPU profile (the GPU workload cut to seconds of CPU model
+# work), and CUDA.
+WORKLOAD = (
+    "num_clients num_rounds request_length sub_question_input_length max_parallel seeds "
+    "kv_sample_every chunked_prefill_size"
+).split()
+SIZES = {
     "quick": (
-        dict(num_clients=24, num_rounds=5, request_length=192, sub_question_input_length=48,
-             max_parallel=4, seeds=(0, 1, 2), kv_sample_every=20, chunked_prefill_size=512),
-        dict(num_clients=8, num_rounds=3, request_length=1024, sub_question_input_length=128,
-             max_parallel=4, seeds=(0, 1, 2), kv_sample_every=8, chunked_prefill_size=4096),
-        dict(num_clients=8, num_rounds=3, request_length=2048, sub_question_input_length=256,
-             max_parallel=4, seeds=(0,), kv_sample_every=4, chunked_prefill_size=4096),
+        (24, 5, 192, 48, 4, (0, 1, 2), 20, 512),
+        (8, 3, 1024, 128, 4, (0, 1, 2), 8, 4096),
+        (8, 3, 2048, 256, 4, (0,), 4, 4096),
     ),
     "full": (
-        dict(num_clients=64, num_rounds=6, request_length=384, sub_question_input_length=96,
-             max_parallel=8, seeds=(0, 1, 2, 3, 4), kv_sample_every=8, chunked_prefill_size=512),
-        dict(num_clients=16, num_rounds=4, request_length=2048, sub_question_input_length=256,
-             max_parallel=8, seeds=(0, 1, 2), kv_sample_every=8, chunked_prefill_size=4096),
-        dict(num_clients=32, num_rounds=5, request_length=4096, sub_question_input_length=512,
-             max_parallel=16, seeds=(0, 1, 2), kv_sample_every=4, chunked_prefill_size=4096),
+        (64, 6, 384, 96, 8, (0, 1, 2, 3, 4), 8, 512),
+        (16, 4, 2048, 256, 8, (0, 1, 2), 8, 4096),
+        (32, 5, 4096, 512, 16, (0, 1, 2), 4, 4096),
     ),
-}  # fmt: skip
+}
 RATIO = "ttft_mean_speedup_vs_device_only"
-KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "device_hit_tokens", "host_hit_tokens",
-        "prefill_tokens_computed", "backed_up_tokens", "loaded_tokens", RATIO)  # fmt: skip
-COLUMNS = [("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"), ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
-           ("p90 ms", "ttft_p90_s", 1e3, ".2f"), ("dev hit tok", "device_hit_tokens", 1, ".0f"),
-           ("host hit tok", "host_hit_tokens", 1, ".0f"),
-           ("computed tok", "prefill_tokens_computed", 1, ".0f"),
-           ("vs dev-only", RATIO, 1, ".3f")]  # fmt: skip
+KEYS = (
+    "ttft_mean_s ttft_p50_s ttft_p90_s device_hit_tokens host_hit_tokens "
+    "prefill_tokens_computed backed_up_tokens loaded_tokens"
+).split() + [RATIO]
+COLUMNS = [
+    ("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"),
+    ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
+    ("p90 ms", "ttft_p90_s", 1e3, ".2f"),
+    ("dev hit tok", "device_hit_tokens", 1, ".0f"),
+    ("host hit tok", "host_hit_tokens", 1, ".0f"),
+    ("computed tok", "prefill_tokens_computed", 1, ".0f"),
+    ("vs dev-only", RATIO, 1, ".3f"),
+]
 
 
 class MultiTurn:
@@ -97,17 +103,29 @@ class MultiTurn:
 
     def conversations(self, seed: int) -> list[Conversation]:
         o = self.opts
-        return make_conversations(o.num_clients, o.num_rounds, o.request_length,
-                                  o.sub_question_input_length, self.vocab, seed)  # fmt: skip
+        return make_conversations(
+            o.num_clients,
+            o.num_rounds,
+            o.request_length,
+            o.sub_question_input_length,
+            self.vocab,
+            seed,
+        )
 
     def server_args(self, config: str) -> ServerArgs:
         o = self.opts
-        return ServerArgs(**model_args(o.use_mla), **CONFIGS[config], page_size=o.page_size,
-                          max_total_tokens=self.device_tokens,
-                          chunked_prefill_size=o.chunked_prefill_size,
-                          hicache_ratio=o.hicache_ratio, hicache_mem_layout="page_first",
-                          hicache_io_backend="kernel", disaggregation_mode="prefill",
-                          random_seed=0)  # fmt: skip
+        return ServerArgs(
+            **model_args(o.use_mla),
+            **CONFIGS[config],
+            page_size=o.page_size,
+            max_total_tokens=self.device_tokens,
+            chunked_prefill_size=o.chunked_prefill_size,
+            hicache_ratio=o.hicache_ratio,
+            hicache_mem_layout="page_first",
+            hicache_io_backend="kernel",
+            disaggregation_mode="prefill",
+            random_seed=0,
+        )
 
     def rate(self, profile: GpuProfile | None) -> float:
         """Requests/s: ``--load`` / the mean time to prefill one prompt of each round from
@@ -116,11 +134,18 @@ class MultiTurn:
         if key not in self.rates:
             o = self.opts
             rng = random.Random(12345)
-            lengths = [o.request_length + r * (o.sub_question_input_length + 1)
-                       for r in range(o.num_rounds)]  # fmt: skip
-            ex, _ = new_executor(self.server_args("device_only"), PeerConfig(),
-                                 page_ceil(4 * max(lengths), o.page_size),
-                                 self.model, profile, self.host)  # fmt: skip
+            lengths = [
+                o.request_length + r * (o.sub_question_input_length + 1)
+                for r in range(o.num_rounds)
+            ]
+            ex, _ = new_executor(
+                self.server_args("device_only"),
+                PeerConfig(),
+                page_ceil(4 * max(lengths), o.page_size),
+                self.model,
+                profile,
+                self.host,
+            )
             times = []
             for i, n in enumerate([lengths[0], *lengths]):  # the first one warms up
                 ex.submit(f"p{i}", [rng.randrange(1, self.vocab) for _ in range(n)])
@@ -135,8 +160,9 @@ class MultiTurn:
     def run_one(self, profile: GpuProfile | None, seed: int, config: str) -> dict[str, Any]:
         rate = self.rate(profile)
         args = self.server_args(config)
-        ex, timing = new_executor(args, PeerConfig(seed=seed), self.decode_tokens, self.model,
-                                  profile, self.host)  # fmt: skip
+        ex, timing = new_executor(
+            args, PeerConfig(seed=seed), self.decode_tokens, self.model, profile, self.host
+        )
         run = self.drive(ex, self.conversations(seed), rate, seed)
         out = {**config_summary(run), "integrity": audit(run), "arrival_rate_per_s": rate}
         if timing is not None:
@@ -170,8 +196,9 @@ class MultiTurn:
             if not convs[c].done:
                 ready.append((c, res.finish_time))
 
-        return driver.drive(next_due, pop_request, on_result,
-                            done=lambda: all(c.done for c in convs))  # fmt: skip
+        return driver.drive(
+            next_due, pop_request, on_result, done=lambda: all(c.done for c in convs)
+        )
 
 
 def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
@@ -182,20 +209,28 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     grid = Grid("multiturn", out_dir, RATIO, lambda c: "device_only", {"workload": vars(opts)})
     rates, model = {}, None
     for profile in modes(opts):
-        o = sized(opts, quick, modelled=profile is not None)
+        o = sized(opts, WORKLOAD, SIZES, quick, modelled=profile is not None)
         host = SharedHostPool()  # one per size: every configuration of it shares the pool
         bench = MultiTurn(o, model, host)
         model = bench.model
-        print(f"[multiturn] {mode_label(profile)[1]}: {o.num_clients} clients x {o.num_rounds} "
-              f"rounds of {o.request_length} + {o.sub_question_input_length} tokens; working "
-              f"set {bench.working_set} tokens, device pool {bench.device_tokens}; seeds "
-              f"{o.seeds}", flush=True)  # fmt: skip
+        print(
+            f"[multiturn] {mode_label(profile)[1]}: {o.num_clients} clients x {o.num_rounds} "
+            f"rounds of {o.request_length} + {o.sub_question_input_length} tokens; working "
+            f"set {bench.working_set} tokens, device pool {bench.device_tokens}; seeds "
+            f"{o.seeds}",
+            flush=True,
+        )
         grid.run([profile], o.seeds, o.configs, bench.run_one)
         if o.sweeps and profile is not None:
             for load in (0.4, 0.95):
                 sweep = MultiTurn(argparse.Namespace(**{**vars(o), "load": load}), model, host)
-                grid.run([profile], o.seeds[:1], ["device_only", "write_through"], sweep.run_one,
-                         suffix=f"_load_{load:g}")  # fmt: skip
+                grid.run(
+                    [profile],
+                    o.seeds[:1],
+                    ["device_only", "write_through"],
+                    sweep.run_one,
+                    suffix=f"_load_{load:g}",
+                )
         rates.update(bench.rates)
         host.release()
     summary = grid.summary(KEYS)
@@ -203,39 +238,43 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     print_tables(summary, COLUMNS, RATIO, "mean TTFT speedup vs device-only")
     path = grid.write(summary=summary, arrival_rates_per_s=rates)
     print(f"[multiturn] wrote {path}")
-    return {"headline": headline(summary, RATIO), "modes": grid.labels,
-            "integrity": grid.integrity()}
-
-
-WORKLOAD = ("num_clients", "num_rounds", "request_length", "sub_question_input_length",
-            "max_parallel", "seeds", "kv_sample_every", "chunked_prefill_size")  # fmt: skip
-
-
-def sized(opts: argparse.Namespace, quick: bool, modelled: bool) -> argparse.Namespace:
-    """``opts`` with every workload flag not given filled from this machine's size (a CPU's
-    modelled runs: the GPU workload, cut to what the CPU model computes in seconds)."""
-    size = SIZES["quick" if quick else "full"][2 if on_cuda() else int(modelled)]
-    return argparse.Namespace(**{**vars(opts), **{k: size[k] for k in WORKLOAD
-                                                  if getattr(opts, k) is None}})  # fmt: skip
+    return {
+        "headline": headline(summary, RATIO),
+        "modes": grid.labels,
+        "integrity": grid.integrity(),
+    }
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     """The flags; workload flags left ``None`` take the size of each mode (``sized``)."""
-    p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.multiturn",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--num-clients", type=int)
     p.add_argument("--num-rounds", type=int)
     p.add_argument("--request-length", type=int)
     p.add_argument("--sub-question-input-length", type=int)
-    p.add_argument("--load", type=float, default=0.7,
-                   help="Arrival rate as a fraction of device-only prefill capacity.")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="Arrival rate as a fraction of device-only prefill capacity.",
+    )
     p.add_argument("--max-parallel", type=int)
-    p.add_argument("--working-set-ratio", type=float, default=4.0, help="Working set / device pool.")
+    p.add_argument(
+        "--working-set-ratio", type=float, default=4.0, help="Working set / device pool."
+    )
     p.add_argument("--hicache-ratio", type=float, default=5.0)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int)
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
-                   help="Default: all but write_through_selective (quick), all (full).")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        help="Default: all but write_through_selective (quick), all (full).",
+    )
     add_common_args(p)
     opts = p.parse_args(argv)
     if opts.configs is None:

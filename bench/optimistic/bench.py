@@ -26,13 +26,12 @@ from typing import Any
 
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver
-from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables
+from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables, sized
 from bench.e2e.setup import (
     SharedHostPool,
     mode_label,
     model_args,
     new_executor,
-    on_cuda,
     release_executor,
     shared_model,
 )
@@ -45,31 +44,35 @@ from server_args import ServerArgs
 
 RATIO = "ttft_mean_speedup_vs_0"
 WRITE_THROUGH_FLAG = "optimistic_prefill_write_through"
-SIZES = {  # (cpu wall clock, cpu on a profile, cuda)
+# Workload flags a size fills when not given, and the sizes (``bench.e2e.report.sized``).
+WORKLOAD = "num_requests input_len chunk seeds kv_sample_every attempts".split()
+SIZES = {
     "quick": (
-        dict(num_requests=60, input_len=256, chunk=32, seeds=(0, 1, 2), kv_sample_every=10,
-             attempts=(2, 0)),
-        dict(num_requests=12, input_len=2048, chunk=256, seeds=(0, 1), kv_sample_every=6,
-             attempts=(2, 0)),
-        dict(num_requests=24, input_len=8192, chunk=1024, seeds=(0,), kv_sample_every=6,
-             attempts=(2, 0)),
+        (60, 256, 32, (0, 1, 2), 10, (2, 0)),
+        (12, 2048, 256, (0, 1), 6, (2, 0)),
+        (24, 8192, 1024, (0,), 6, (2, 0)),
     ),
     "full": (
-        dict(num_requests=400, input_len=1024, chunk=128, seeds=(0, 1, 2, 3, 4),
-             kv_sample_every=8, attempts=(2, 0, 1)),
-        dict(num_requests=64, input_len=8192, chunk=1024, seeds=(0, 1, 2), kv_sample_every=8,
-             attempts=(2, 0, 1)),
-        dict(num_requests=64, input_len=32768, chunk=4096, seeds=(0, 1, 2), kv_sample_every=4,
-             attempts=(2, 0, 1)),
+        (400, 1024, 128, (0, 1, 2, 3, 4), 8, (2, 0, 1)),
+        (64, 8192, 1024, (0, 1, 2), 8, (2, 0, 1)),
+        (64, 32768, 4096, (0, 1, 2), 4, (2, 0, 1)),
     ),
-}  # fmt: skip
-KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "successes", "yields", "parks", "aborts",
-        "retries", "recomputed_tokens_per_yield", RATIO)  # fmt: skip
-COLUMNS = [("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"), ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
-           ("p90 ms", "ttft_p90_s", 1e3, ".2f"), ("ok", "successes", 1, ".0f"),
-           ("yields", "yields", 1, ".1f"), ("parks", "parks", 1, ".1f"),
-           ("aborts", "aborts", 1, ".1f"), ("recomp/yield", "recomputed_tokens_per_yield", 1,
-           ".1f"), ("vs 0", RATIO, 1, ".3f")]  # fmt: skip
+}
+KEYS = (
+    "ttft_mean_s ttft_p50_s ttft_p90_s successes yields parks aborts retries "
+    "recomputed_tokens_per_yield"
+).split() + [RATIO]
+COLUMNS = [
+    ("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"),
+    ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
+    ("p90 ms", "ttft_p90_s", 1e3, ".2f"),
+    ("ok", "successes", 1, ".0f"),
+    ("yields", "yields", 1, ".1f"),
+    ("parks", "parks", 1, ".1f"),
+    ("aborts", "aborts", 1, ".1f"),
+    ("recomp/yield", "recomputed_tokens_per_yield", 1, ".1f"),
+    ("vs 0", RATIO, 1, ".3f"),
+]
 VARIANTS = {"": (0.0, 0.0), "_with_failures": (1.0, 0.0), "_forced_retry": (0.0, 1.0)}
 """suffix -> (times --failure-prob, times --forced-retry-prob)."""
 
@@ -105,14 +108,22 @@ class Optimistic:
     def server_args(self, attempts: int, policy: str, failure_prob: float = 0.0) -> ServerArgs:
         o = self.opts
         extra = {WRITE_THROUGH_FLAG: True} if policy == "write_through" else {}
-        return ServerArgs(**model_args(o.use_mla), page_size=o.page_size,
-                          max_total_tokens=page_ceil(6 * o.input_len, o.page_size),
-                          chunked_prefill_size=o.chunk, enable_hierarchical_cache=True,
-                          hicache_write_policy=policy, hicache_ratio=2.0,
-                          hicache_mem_layout="page_first", hicache_io_backend="kernel",
-                          disaggregation_mode="prefill", optimistic_prefill_attempts=attempts,
-                          disaggregation_bootstrap_failure_prob=failure_prob, random_seed=0,
-                          **extra)  # fmt: skip
+        return ServerArgs(
+            **model_args(o.use_mla),
+            page_size=o.page_size,
+            max_total_tokens=page_ceil(6 * o.input_len, o.page_size),
+            chunked_prefill_size=o.chunk,
+            enable_hierarchical_cache=True,
+            hicache_write_policy=policy,
+            hicache_ratio=2.0,
+            hicache_mem_layout="page_first",
+            hicache_io_backend="kernel",
+            disaggregation_mode="prefill",
+            optimistic_prefill_attempts=attempts,
+            disaggregation_bootstrap_failure_prob=failure_prob,
+            random_seed=0,
+            **extra,
+        )
 
     def prompts(self, seed: int, n: int) -> list[list[int]]:
         o = self.opts
@@ -133,8 +144,14 @@ class Optimistic:
         key = "wall" if profile is None else profile.name
         if key not in self.prefill_s:
             prompts = self.prompts(12345, self.opts.num_prefixes + 5)
-            ex, _ = new_executor(self.server_args(0, "write_back"), PeerConfig(),
-                                 self.opts.input_len * 8, self.model, profile, self.host)  # fmt: skip
+            ex, _ = new_executor(
+                self.server_args(0, "write_back"),
+                PeerConfig(),
+                self.opts.input_len * 8,
+                self.model,
+                profile,
+                self.host,
+            )
             self._warm(ex, prompts)
             times = []
             for i, p in enumerate(prompts):
@@ -159,13 +176,22 @@ class Optimistic:
         fail_x, forced_x = VARIANTS[rest[len("attempts_N") :]]
         prefill_s = self.measure_prefill_s(profile)
         args = self.server_args(attempts, policy, fail_x * o.failure_prob)
-        peer = PeerConfig(bootstrap_delay=self.delay(profile),
-                          bootstrap_failure_prob=fail_x * o.failure_prob,
-                          force_not_ready_prob=forced_x * o.forced_retry_prob, seed=seed)  # fmt: skip
+        peer = PeerConfig(
+            bootstrap_delay=self.delay(profile),
+            bootstrap_failure_prob=fail_x * o.failure_prob,
+            force_not_ready_prob=forced_x * o.forced_retry_prob,
+            seed=seed,
+        )
         prompts = self.prompts(seed, o.num_requests)
         arrivals = poisson_arrivals(o.num_requests, o.utilization / prefill_s, seed)
-        ex, _ = new_executor(args, peer, o.input_len * (o.num_requests + o.num_prefixes + 2),
-                             self.model, profile, self.host)  # fmt: skip
+        ex, _ = new_executor(
+            args,
+            peer,
+            o.input_len * (o.num_requests + o.num_prefixes + 2),
+            self.model,
+            profile,
+            self.host,
+        )
         self._warm(ex, prompts)
         before = ex.stats.to_dict()
         queue = collections.deque(range(o.num_requests))
@@ -176,21 +202,31 @@ class Optimistic:
             i = queue.popleft()
             return f"req-{i}", prompts[i]
 
-        run = driver.drive(lambda: t0 + arrivals[queue[0]] if queue else None, pop_request,
-                           on_result=lambda r: None, done=lambda: not queue)  # fmt: skip
+        run = driver.drive(
+            lambda: t0 + arrivals[queue[0]] if queue else None,
+            pop_request,
+            on_result=lambda r: None,
+            done=lambda: not queue,
+        )
         integrity = audit(run)
-        stats = {k: v - before.get(k, 0) for k, v in ex.stats.to_dict().items()
-                 if isinstance(v, int)}  # fmt: skip
+        stats = {
+            k: v - before.get(k, 0) for k, v in ex.stats.to_dict().items() if isinstance(v, int)
+        }
         out = config_summary(run)
         used = max((r.attempts for r in run.results), default=0)
         integrity["attempt_budget_exceeded"] = int(used > max(attempts, int(forced_x > 0)))
         recomputed = stats.get("yield_recomputed_tokens", 0)
-        out.update(integrity=integrity, yields=stats["yields"], parks=stats["parks"],
-                   aborts=stats["aborts"], retries=stats["retries"],
-                   failed_requests=sum(r.outcome == Outcome.ABORTED for r in run.results),
-                   recomputed_tokens=recomputed, prefill_s=prefill_s,
-                   recomputed_tokens_per_yield=recomputed / stats["yields"] if stats["yields"]
-                   else None)  # fmt: skip
+        out.update(
+            integrity=integrity,
+            yields=stats["yields"],
+            parks=stats["parks"],
+            aborts=stats["aborts"],
+            retries=stats["retries"],
+            failed_requests=sum(r.outcome == Outcome.ABORTED for r in run.results),
+            recomputed_tokens=recomputed,
+            prefill_s=prefill_s,
+            recomputed_tokens_per_yield=recomputed / stats["yields"] if stats["yields"] else None,
+        )
         release_executor(ex, self.host)
         return out
 
@@ -200,26 +236,43 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     opts = parse_args(argv or [], quick)
     out_dir = opts.out or out_dir
     pols = [p for p in policies() if p in opts.policies]
-    grid = Grid("optimistic", out_dir, RATIO, lambda c: c.replace(c[c.index(":") + 1 :][:10],
-                "attempts_0"), {"workload": vars(opts)})  # fmt: skip
+    grid = Grid(
+        "optimistic",
+        out_dir,
+        RATIO,
+        lambda c: c.replace(c[c.index(":") + 1 :][:10], "attempts_0"),
+        {"workload": vars(opts)},
+    )
     model, ceilings = None, {}
     for profile in modes(opts):
-        o = sized(opts, quick, modelled=profile is not None)
-        configs = [f"{p}:attempts_{a}{v}" for v in VARIANTS for p in pols for a in o.attempts
-                   if not (v == "_with_failures" and p != "write_back")]  # fmt: skip
+        o = sized(opts, WORKLOAD, SIZES, quick, modelled=profile is not None)
+        configs = [
+            f"{p}:attempts_{a}{v}"
+            for v in VARIANTS
+            for p in pols
+            for a in o.attempts
+            if not (v == "_with_failures" and p != "write_back")
+        ]
         host = SharedHostPool()
         bench = Optimistic(o, model, host)
         model = bench.model
         key, label = mode_label(profile)
         p = bench.measure_prefill_s(profile)
         delay = bench.delay(profile)
-        ceilings[key] = {"prefill_s": p, "delay_low_s": delay.a, "delay_high_s": delay.b,
-                         "ceiling_zero_load": ceiling(delay, p),
-                         "arrival_rate_per_s": o.utilization / p}  # fmt: skip
-        print(f"[optimistic] {label}: {o.num_requests} requests of {o.input_len} tokens "
-              f"({o.cached_fraction:.0%} cached); prefill {p * 1e3:.2f} ms; bootstrap uniform "
-              f"[{delay.a * 1e3:.2f}, {delay.b * 1e3:.2f}] ms; zero-load ceiling "
-              f"{ceiling(delay, p):.3f}; seeds {o.seeds}", flush=True)  # fmt: skip
+        ceilings[key] = {
+            "prefill_s": p,
+            "delay_low_s": delay.a,
+            "delay_high_s": delay.b,
+            "ceiling_zero_load": ceiling(delay, p),
+            "arrival_rate_per_s": o.utilization / p,
+        }
+        print(
+            f"[optimistic] {label}: {o.num_requests} requests of {o.input_len} tokens "
+            f"({o.cached_fraction:.0%} cached); prefill {p * 1e3:.2f} ms; bootstrap uniform "
+            f"[{delay.a * 1e3:.2f}, {delay.b * 1e3:.2f}] ms; zero-load ceiling "
+            f"{ceiling(delay, p):.3f}; seeds {o.seeds}",
+            flush=True,
+        )
         grid.run([profile], o.seeds, configs, bench.run_one)
         host.release()
     summary = grid.summary(KEYS)
@@ -229,43 +282,68 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     print_tables(summary, COLUMNS, RATIO, "mean TTFT speedup vs 0 attempts")
     path = grid.write(summary=summary)
     print(f"[optimistic] wrote {path}")
-    return {"headline": headline(summary, RATIO), "modes": grid.labels,
-            "ceilings": ceilings, "integrity": grid.integrity()}  # fmt: skip
-
-
-WORKLOAD = ("num_requests", "input_len", "chunk", "seeds", "kv_sample_every", "attempts")
-
-
-def sized(opts: argparse.Namespace, quick: bool, modelled: bool) -> argparse.Namespace:
-    """``opts`` with every workload flag not given filled from this machine's size (a CPU's
-    modelled runs: the GPU workload, cut to what the CPU model computes in seconds)."""
-    size = SIZES["quick" if quick else "full"][2 if on_cuda() else int(modelled)]
-    return argparse.Namespace(**{**vars(opts), **{k: size[k] for k in WORKLOAD
-                                                  if getattr(opts, k) is None}})  # fmt: skip
+    return {
+        "headline": headline(summary, RATIO),
+        "modes": grid.labels,
+        "ceilings": ceilings,
+        "integrity": grid.integrity(),
+    }
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.optimistic", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.optimistic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--num-requests", type=int)
     p.add_argument("--input-len", type=int)
     p.add_argument("--cached-fraction", type=float, default=0.8)
     p.add_argument("--num-prefixes", type=int, default=4)
-    p.add_argument("--utilization", type=float, default=0.25,
-                   help="Arrival rate as a fraction of one-at-a-time prefill capacity.")
-    p.add_argument("--delay-scale", type=float, default=1.0,
-                   help="Mean bootstrap delay / the prefill time of one request.")
-    p.add_argument("--failure-prob", type=float, default=0.1,
-                   help="Bootstrap failure probability of the _with_failures rows.")
-    p.add_argument("--forced-retry-prob", type=float, default=0.5,
-                   help="Probability a peer reports not-ready to a first attempt (_forced_retry).")
+    p.add_argument(
+        "--utilization",
+        type=float,
+        default=0.25,
+        help="Arrival rate as a fraction of one-at-a-time prefill capacity.",
+    )
+    p.add_argument(
+        "--delay-scale",
+        type=float,
+        default=1.0,
+        help="Mean bootstrap delay / the prefill time of one request.",
+    )
+    p.add_argument(
+        "--failure-prob",
+        type=float,
+        default=0.1,
+        help="Bootstrap failure probability of the _with_failures rows.",
+    )
+    p.add_argument(
+        "--forced-retry-prob",
+        type=float,
+        default=0.5,
+        help="Probability a peer reports not-ready to a first attempt (_forced_retry).",
+    )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", dest="chunk", type=int,
-                   help="Small enough that the uncached part takes several chunks.")
-    p.add_argument("--attempts", type=int, nargs="+", choices=(0, 1, 2),
-                   help="Attempt counts (0, the baseline, is always run).")
-    p.add_argument("--policies", nargs="+", default=["write_back", "write_through"],
-                   choices=("write_back", "write_through"))
+    p.add_argument(
+        "--chunked-prefill-size",
+        dest="chunk",
+        type=int,
+        help="Small enough that the uncached part takes several chunks.",
+    )
+    p.add_argument(
+        "--attempts",
+        type=int,
+        nargs="+",
+        choices=(0, 1, 2),
+        help="Attempt counts (0, the baseline, is always run).",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["write_back", "write_through"],
+        choices=("write_back", "write_through"),
+    )
     add_common_args(p)
     opts = p.parse_args(argv)
     if opts.attempts is not None and 0 not in opts.attempts:

@@ -357,9 +357,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
                 ids,
                 error,
             )
-        layer = next(
-            (i for i, ev in enumerate(ack.step_events) if getattr(ev, "error", None)), -1
-        )
+        layer = next((i for i, ev in enumerate(ack.step_events) if getattr(ev, "error", None)), -1)
         return LoadBackError(
             f"load_to_device_per_layer(layer_id={layer})",
             f"the load of node ids {ids} failed while it ran",

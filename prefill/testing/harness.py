@@ -69,8 +69,8 @@ def make_executor(
     and a ``VirtualClock`` default. ``send_log_size``: sends the decode side remembers
     (``None``: all). ``group``: the tensor-parallel cache group, when ``cache`` is not given
     (the cache's otherwise); with more than one rank the clock becomes an ``AgreedClock`` and
-    the model, when not given, this rank's ``TPPagedTransformer``. ``streams``: the CPU stream mode of the cache built here
-    (``build_cache``).
+    the model, when not given, this rank's ``TPPagedTransformer``. ``streams``: the CPU stream
+    mode of the cache built here (``build_cache``).
 
     With ``--disaggregation-transfer-backend mooncake`` the clock defaults to a ``WallClock``
     (a virtual one raises ``ValueError``) and ``decode_workers`` decode worker processes are
@@ -105,10 +105,20 @@ def make_executor(
             owned = workers
         else:
             workers, owned = list(decode_workers), []
-        decode = MooncakeDecode(decode, workers, keep_received=keep_received,
-                                decode_prefix_len=peer_config.decode_prefix_len, owned=owned)
+        decode = MooncakeDecode(
+            decode,
+            workers,
+            keep_received=keep_received,
+            decode_prefix_len=peer_config.decode_prefix_len,
+            owned=owned,
+        )
     return OptimisticPrefillExecutor(
-        args, cache=cache, model=model, clock=clock, decode=decode, cost_model=cost_model,
+        args,
+        cache=cache,
+        model=model,
+        clock=clock,
+        decode=decode,
+        cost_model=cost_model,
     )
 
 

@@ -19,9 +19,11 @@ from prefill.clock import VirtualClock
 from prefill.disagg.sim_config import DelayDistribution
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-MT = ("--clock profile --profile h200 --seeds 0 --configs device_only write_through "
-      "--num-clients 3 --num-rounds 3 --request-length 96 --sub-question-input-length 16 "
-      "--working-set-ratio 3 --kv-sample-every 2").split()  # fmt: skip
+MT = (
+    "--clock profile --profile h200 --seeds 0 --configs device_only write_through "
+    "--num-clients 3 --num-rounds 3 --request-length 96 --sub-question-input-length 16 "
+    "--working-set-ratio 3 --kv-sample-every 2"
+).split()
 
 
 def test_the_profiles_load_and_their_costs_add_up() -> None:
@@ -84,8 +86,10 @@ def test_a_modelled_multiturn_run_is_deterministic_and_clean(tmp_path: Path) -> 
 
 
 def test_a_modelled_optimistic_run_counts_its_yields(tmp_path: Path) -> None:
-    argv = ("--clock profile --profile h100 --seeds 0 --attempts 2 --policies write_back "
-            "--num-requests 6 --input-len 128 --chunked-prefill-size 32").split()  # fmt: skip
+    argv = (
+        "--clock profile --profile h100 --seeds 0 --attempts 2 --policies write_back "
+        "--num-requests 6 --input-len 128 --chunked-prefill-size 32"
+    ).split()
     out = bo.run(quick=True, out_dir=tmp_path, argv=argv)
     assert not any(out["integrity"].values()), out["integrity"]
     ratios = out["headline"]["modelled_h100"]

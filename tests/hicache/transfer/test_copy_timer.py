@@ -84,8 +84,13 @@ def test_a_backup_starts_after_the_newest_load_and_loads_report_their_end() -> N
 def test_without_a_timer_acks_carry_no_time() -> None:
     pool = MHATokenToKVPool(16, 1, torch.float32, 2, 4, 2, "cpu")
     alloc = TokenToKVPoolAllocator(16, 1, "cpu")
-    c = HiCacheController(alloc, pool, make_host_pool(pool, 2.0, 0, "layer_first"), "kernel",
-                          streams=make_streams("cpu", 0.0, "inline"))
+    c = HiCacheController(
+        alloc,
+        pool,
+        make_host_pool(pool, 2.0, 0, "layer_first"),
+        "kernel",
+        streams=make_streams("cpu", 0.0, "inline"),
+    )
     c.write(alloc.alloc(4), node_id=1)
     assert c.ack_write_queue[0].ready_at is None and c.next_ack_time() is None
     assert c.writing_check() == [1]
