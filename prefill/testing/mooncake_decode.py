@@ -256,6 +256,7 @@ class MooncakeDecode:
         keep_received: workers keep a successful request's pages until ``release(rid)``.
         decode_prefix_len: tokens each decode worker claims to hold already (page-aligned, capped
             to leave one token to send), as the simulation's ``PeerConfig.decode_prefix_len``.
+        delay_s: seconds a worker waits before preallocating request ``rid`` (a busy decode).
     """
 
     def __init__(
@@ -265,6 +266,7 @@ class MooncakeDecode:
         keep_received: bool = True,
         decode_prefix_len: int = 0,
         owned: Sequence[DecodeWorker] | None = None,
+        delay_s: Callable[[str], float] | None = None,
     ) -> None:
         self.backend = backend
         self.workers = list(workers)
@@ -273,7 +275,7 @@ class MooncakeDecode:
         self.decode_prefix_len = decode_prefix_len
         self.route: Callable[[str], DecodeWorker] | None = None
         self.hold: Callable[[str], bool] = lambda rid: False
-        self.delay_s: Callable[[str], float] = lambda rid: 0.0
+        self.delay_s: Callable[[str], float] = delay_s or (lambda rid: 0.0)
         self.worker_of: dict[str, DecodeWorker] = {}
         self.first_tokens: dict[str, int | None] = {}
         self._next = 0
