@@ -9,7 +9,7 @@ CPU_TORCH ?= torch==2.13.0
 # Linux torch wheel is the CUDA one). When it cannot be reached, the default index is used.
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: test bench lint clean sglang-check bench-vs-sglang mooncake
+.PHONY: test bench bench-trace lint clean sglang-check bench-vs-sglang mooncake
 
 # Mooncake's transfer engine (the PD transport, bench.pd) and the loopback shim: optional,
 # installed by the stamp below; one line each, never failing the make.
@@ -100,12 +100,19 @@ $(BENCH_VS_SITE)/.done: | $(SGLANG_VENV)/.installed
 
 $(SGLANG_VENV)/bench-deps/.done: | $(SGLANG_VENV)/.installed
 	rm -rf $(SGLANG_VENV)/bench-deps
-	$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(SGLANG_VENV)/bench-deps packaging
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(SGLANG_VENV)/bench-deps packaging \
+		psutil msgspec
 	@touch $@
 
 bench-vs-sglang: $(BENCH_VS_SITE)/.done $(SGLANG_VENV)/bench-deps/.done
 	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m bench.cache_ops \
 		--against-sglang --sglang-site $(BENCH_VS_SITE) $(BENCH_VS_ARGS)
+
+# The whole Mooncake FAST'25 conversation trace through the tree and tiers (about 10 minutes on
+# 2 cores), with SGLang 0.5.23's trees beside the project's for the bookkeeping cost.
+bench-trace: $(STAMP) $(BENCH_VS_SITE)/.done $(SGLANG_VENV)/bench-deps/.done
+	OMP_NUM_THREADS=1 PYTHONPATH=$(SGLANG_VENV)/bench-deps $(BIN)/python -m bench.trace \
+		--sglang-site $(BENCH_VS_SITE) --out results/trace
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache
