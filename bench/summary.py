@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -106,11 +107,9 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         body = summary.get(section)
         if not isinstance(body, dict) or "headline" not in body:
             continue
-        print(f"\n{section}: {label} (mean over seeds)")
+        print(f"\n{section}: {label} (mean over seeds, min..max)")
         for mode, ratios in body["headline"].items():
-            cells = ", ".join(
-                f"{c} {v:.3f}" for c, v in ratios.items() if v is not None and v != 1.0
-            )
+            cells = ", ".join(f"{c} {_ratio(v)}" for c, v in ratios.items() if v and v[2] != 1.0)
             print(f"  {body['modes'].get(mode, mode)}: {cells}")
     print()
     times = {k: v["seconds"] for k, v in summary.items() if isinstance(v, dict) and "seconds" in v}
@@ -138,22 +137,51 @@ def write_results_readme(summary: dict[str, Any], path: Path) -> None:
         body = summary.get(section)
         if not isinstance(body, dict) or "headline" not in body:
             continue
-        configs = list(dict.fromkeys(c for r in body["headline"].values() for c in r))
+        modes = list(body["headline"])
+        rows = dict.fromkeys(
+            c for r in body["headline"].values() for c in r if r[c] and r[c][2] != 1.0
+        )
         lines += [
             f"## {section}: {label}",
             "",
-            f"`{section}.json`; mean over seeds.",
+            f"`{section}.json`; mean over seeds (min..max).",
             "",
-            "| mode | " + " | ".join(configs) + " |",
-            "|---|" + "---|" * len(configs),
+            "| configuration | " + " | ".join(body["modes"].get(m, m) for m in modes) + " |",
+            "|---|" + "---|" * len(modes),
         ]
-        for mode, ratios in body["headline"].items():
-            cells = ["-" if ratios.get(c) is None else f"{ratios[c]:.3f}" for c in configs]
-            lines.append(f"| {body['modes'].get(mode, mode)} | " + " | ".join(cells) + " |")
+        for config in rows:
+            cells = [body["headline"][m].get(config) for m in modes]
+            lines.append(f"| {config} | " + " | ".join(_ratio(v) for v in cells) + " |")
         lines.append("")
-    lines += ["## Every family", "", "| benchmark | seconds | file |", "|---|---|---|"]
+    trace = summary.get("trace")
+    if isinstance(trace, dict) and "hit_rate_unbounded_capacity" in trace:
+        lines += [
+            "## trace: Mooncake FAST'25 conversation trace",
+            "",
+            f"Suite run ({trace.get('subset', 'whole trace')}): prefix hit rate at unbounded "
+            f"capacity {trace['hit_rate_unbounded_capacity']:.1%} of prompt tokens "
+            f"(per-request mean {trace['hit_rate_unbounded_capacity_request_mean']:.1%}); "
+            "`trace.json`, `trace.md`, `trace_hit_rate.png`.",
+        ]
+        full = path.parent / "trace" / "trace.json"
+        if full.exists():
+            doc = json.loads(full.read_text())
+            lines += [
+                "",
+                f"Whole trace (`make bench-trace`, {doc['requests']} requests): "
+                f"{doc['hit_rate_unbounded_capacity']:.1%} of prompt tokens at unbounded "
+                f"capacity (per-request mean {doc['hit_rate_unbounded_capacity_request_mean']:.1%}"
+                "; the paper's Table 2: 40%); tables in [`trace/trace.md`](trace/trace.md).",
+            ]
+        lines.append("")
+    lines += ["## Every family", "", "| benchmark | seconds |", "|---|---|"]
     for key, body in summary.items():
         if isinstance(body, dict) and "seconds" in body:
-            lines.append(f"| {key} | {body['seconds']:.0f} | `{key}` JSON in this folder |")
+            lines.append(f"| {key} | {body['seconds']:.0f} |")
     lines += ["", f"Integrity counters (all must be 0): `{summary.get('integrity')}`", ""]
     path.write_text("\n".join(lines))
+
+
+def _ratio(v: list[float] | None) -> str:
+    """``mean (min..max)`` of a ratio over seeds."""
+    return "-" if not v else f"{v[0]:.3f} ({v[1]:.2f}..{v[2]:.2f})"

@@ -233,12 +233,13 @@ def print_tables(summary: dict[str, Any], cols: list[Column], ratio: str, label:
                 )
 
 
-def headline(summary: dict[str, Any], ratio: str) -> dict[str, dict[str, float | None]]:
-    """``{mode: {config: mean ratio}}`` for the suite's summary."""
-    return {
-        m: {c: (r.get(ratio + "_spread") or {}).get("mean") for c, r in b["configs"].items()}
-        for m, b in summary.items()
-    }
+def headline(summary: dict[str, Any], ratio: str) -> dict[str, dict[str, list[float] | None]]:
+    """``{mode: {config: [mean, min, max] of the ratio over seeds}}`` for the suite's summary."""
+    out: dict[str, dict[str, list[float] | None]] = {}
+    for mode, body in summary.items():
+        spreads = {c: r.get(ratio + "_spread") for c, r in body["configs"].items()}
+        out[mode] = {c: s and [s["mean"], s["min"], s["max"]] for c, s in spreads.items()}
+    return out
 
 
 def main(name: str, run: Callable[..., dict[str, Any]]) -> int:
