@@ -60,7 +60,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         "--sweeps",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="Also sweep the load on the first modelled profile (one seed).",
+        help="Also sweep the load (multiturn) or the bootstrap delay (optimistic) on each "
+        "modelled profile, one seed.",
     )
 
 

@@ -274,6 +274,13 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
             flush=True,
         )
         grid.run([profile], o.seeds, configs, bench.run_one)
+        if o.sweeps and profile is not None:  # the ratio against the bootstrap delay
+            pair = ["write_back:attempts_2", "write_back:attempts_0"]
+            for scale in (0.5, 2.0):
+                sweep = Optimistic(
+                    argparse.Namespace(**{**vars(o), "delay_scale": scale}), model, host
+                )
+                grid.run([profile], o.seeds[:1], pair, sweep.run_one, suffix=f"_delay_{scale:g}")
         host.release()
     summary = grid.summary(KEYS)
     for mode, body in summary.items():
