@@ -17,7 +17,6 @@ from prefill.testing.harness import single_torch_thread
 from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor
 from server_args import prepare_server_args
 
-DESCRIPTION = "A long run of the optimistic prefill executor: RSS and step cost over time."
 FLAGS = (
     "--page-size 4 --max-total-tokens 2048 --chunked-prefill-size 64 --device cpu --dtype float32 "
     "--disaggregation-mode prefill --optimistic-prefill-attempts 2 --hicache-io-backend direct "
@@ -45,32 +44,33 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def soak(config: str, requests: int, window: int, warmup: int, seed: int = 0) -> dict[str, Any]:
-    """One run of ``CONFIGS[config]`` (module docstring); prints each window."""
-    args = prepare_server_args([*FLAGS, "--random-seed", str(seed), *CONFIGS[config].split()])
+def run(
+    quick: bool = True,
+    out_dir: Path = Path("results"),
+    config: str = "write_through",
+    sizes: tuple[int, int, int] | None = None,
+) -> dict[str, Any]:
+    """A soak of ``CONFIGS[config]`` at ``SIZES[quick]`` or ``sizes`` (requests, window, warmup):
+    prints each window and the report, writes ``bench_soak.json``, returns it without windows."""
+    requests, window, warmup = sizes or SIZES[quick]
+    args = prepare_server_args([*FLAGS, "--random-seed", "0", *CONFIGS[config].split()])
     faults = dict(bootstrap_failure_prob=0.02, transfer_failure_prob=0.01, force_not_ready_prob=0.0)
-    ex = soak_executor(args, seed, decode_pool_size=8192, **faults)
+    ex = soak_executor(args, 0, decode_pool_size=8192, **faults)
     windows: list[dict[str, Any]] = []
     last = [0, time.process_time()]  # steps and CPU time at the end of the last window
 
     def sample(rep: SoakReport) -> None:
         step_us = (time.process_time() - last[1]) / max(rep.steps - last[0], 1) * 1e6
         gc.collect()
-        row = {
-            "finished": rep.successes + rep.aborted,
-            "rss_mb": rss_mb(),
-            "step_us": step_us,
-            "in_flight": len(ex.requests),
-            "decode_peers": len(ex.decode.peers),
-            "tree_nodes": sum(1 for _ in ex.tree.all_nodes()),
-        }
-        if not windows:
-            print(table_header(COLUMNS))
+        row = {"finished": rep.successes + rep.aborted, "rss_mb": rss_mb(), "step_us": step_us}
+        row |= {"in_flight": len(ex.requests), "decode_peers": len(ex.decode.peers)}
+        row["tree_nodes"] = sum(1 for _ in ex.tree.all_nodes())
         print(table_row(row, COLUMNS), flush=True)
         windows.append(row)
         last[:] = [rep.steps, time.process_time()]
 
-    cfg = SoakConfig(requests, seed, kill_prob=0.01, verify_every=1000, check_every_step=False)
+    cfg = SoakConfig(requests, 0, kill_prob=0.01, verify_every=1000, check_every_step=False)
+    print(table_header(COLUMNS))
     with single_torch_thread():
         rep = run_soak(ex, cfg, on_progress=sample, progress_every=window)
     ex.drain_cache_events()
@@ -78,64 +78,33 @@ def soak(config: str, requests: int, window: int, warmup: int, seed: int = 0) ->
     ex.cache.close()
     base = next((w for w in windows if w["finished"] >= warmup), windows[-1])
     after = [w for w in windows if w["finished"] > base["finished"]] or [base]
-    integrity = {
-        "kv_mismatches": rep.kv_mismatches,
-        "protocol_errors": len(rep.protocol_errors),
-        "speculative_l2_pages": ex.stats.speculative_l2_pages,
-    }
-    return {
-        "config": config,
-        "requests": requests,
-        "successes": rep.successes,
-        "aborted": rep.aborted,
-        "wall_s": rep.wall_s,
-        "warmup_requests": base["finished"],
-        "rss_base_mb": base["rss_mb"],
-        "rss_growth_pct": (max(w["rss_mb"] for w in after) / base["rss_mb"] - 1) * 100,
-        "step_us_base": base["step_us"],
-        "step_us_last": after[-1]["step_us"],
-        "step_cost_ratio_max": max(w["step_us"] for w in after) / base["step_us"],
-        "verified_kv": rep.verified,
-        "integrity": integrity,
-        "windows": windows,
-    }
-
-
-def run(
-    quick: bool = True,
-    out_dir: Path = Path("results"),
-    config: str = "write_through",
-    sizes: tuple[int, int, int] | None = None,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """20k requests (``quick``) or 100k, or ``sizes`` (requests, window, warmup); prints the
-    report, writes ``bench_soak.json``, returns it without the windows."""
-    res = soak(config, *(sizes or SIZES[quick]), seed=seed)
+    integrity = {"kv_mismatches": rep.kv_mismatches, "protocol_errors": len(rep.protocol_errors)}
+    integrity["speculative_l2_pages"] = ex.stats.speculative_l2_pages
+    res = {"config": config, "requests": requests, "successes": rep.successes}
+    res |= {"aborted": rep.aborted, "wall_s": rep.wall_s, "warmup_requests": base["finished"]}
+    res["rss_base_mb"] = base["rss_mb"]
+    res["rss_growth_pct"] = (max(w["rss_mb"] for w in after) / base["rss_mb"] - 1) * 100
+    res |= {"step_us_base": base["step_us"], "step_us_last": after[-1]["step_us"]}
+    res["step_cost_ratio_max"] = max(w["step_us"] for w in after) / base["step_us"]
+    res |= {"verified_kv": rep.verified, "integrity": integrity}
     print(
-        f"[soak] {config}: {res['requests']} requests ({res['successes']} ok, {res['aborted']}"
-        f" aborted) in {res['wall_s']:.0f} s, measured on a CPU; after {res['warmup_requests']}"
-        f" requests: RSS {res['rss_base_mb']:.1f} MB, growth {res['rss_growth_pct']:+.2f}% "
-        f"(target < 5%); step {res['step_us_base']:.0f} us CPU, last {res['step_us_last']:.0f}"
-        f" us, worst window x{res['step_cost_ratio_max']:.2f}; integrity {res['integrity']} "
-        f"({res['verified_kv']} KV checked)"
+        f"[soak] {config}: {requests} requests ({rep.successes} ok, {rep.aborted} aborted) in "
+        f"{rep.wall_s:.0f} s, measured on a CPU; after {res['warmup_requests']} requests: RSS "
+        f"{res['rss_base_mb']:.1f} MB, growth {res['rss_growth_pct']:+.2f}% (target < 5%); step "
+        f"{res['step_us_base']:.0f} us CPU, last {res['step_us_last']:.0f} us, worst window "
+        f"x{res['step_cost_ratio_max']:.2f}; integrity {integrity} ({rep.verified} KV checked)"
     )
-    print(f"[soak] wrote {write_json('bench_soak', res, out_dir)}")
-    return {k: v for k, v in res.items() if k != "windows"}
+    print(f"[soak] wrote {write_json('bench_soak', {**res, 'windows': windows}, out_dir)}")
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     p.add_argument("--quick", action="store_true", help="20k requests (default: 100k).")
     p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
-    p.add_argument("--requests", type=int, help="Requests (default: by --quick).")
-    p.add_argument("--window", type=int, help="Finished requests per sample.")
-    p.add_argument("--warmup", type=int, help="Requests before the reference window.")
     p.add_argument("--config", choices=sorted(CONFIGS), default="write_through")
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    sizes = [x or d for x, d in zip((a.requests, a.window, a.warmup), SIZES[a.quick], strict=True)]
-    res = run(a.quick, a.out, a.config, tuple(sizes), a.seed)
-    return 1 if any(res["integrity"].values()) else 0
+    return 1 if any(run(a.quick, a.out, a.config)["integrity"].values()) else 0
 
 
 if __name__ == "__main__":

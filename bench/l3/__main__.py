@@ -1,6 +1,7 @@
 """``python -m bench.l3``."""
 
+from __future__ import annotations
+
 from bench.l3.bench import main
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+raise SystemExit(main())

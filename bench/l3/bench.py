@@ -1,10 +1,8 @@
 """``python -m bench.l3 [--quick] [--out DIR]``: the L3 file backend, measured on this CPU.
-
-- **Restart**: a process serves prompts with L2 + L3 (``FLAGS``) and exits; a fresh one over its
-  directory serves them extended by a question (warm), another over an empty one (cold). Per
-  process: TTFT mean, the share of prompt tokens read from L3 (hit rate), ``check_integrity``.
-- **Bandwidth**: the tier's page writes (``get_data_page``, ``batch_set``) and reads (``batch_get``,
-  ``set_from_flat_data_page``), 128 pages a call, against a plain file per page; page cache.
+Restart: a process serves prompts with L2 + L3 (``FLAGS``) and exits; a fresh one over its
+directory serves them extended by a question (warm), another over an empty one (cold); per process
+TTFT, L3 hit rate, ``check_integrity``. Bandwidth: the tier's page writes and reads, 128 pages a
+call, against a plain file per page (page cache).
 """
 
 from __future__ import annotations
@@ -24,10 +22,13 @@ import torch
 from bench.common import time_ms, write_json
 from hicache.memory.device_pool import MHATokenToKVPool
 from hicache.memory.host_pool_factory import make_host_pool
-from hicache.storage.base import STORAGE_BATCH_SIZE
+from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
 from hicache.storage.config import storage_config_for_pool
 from hicache.storage.file_backend import HiCacheFile
 from hicache.storage.hash_keys import page_hashes
+from prefill.clock import WallClock
+from prefill.testing.harness import make_executor, single_torch_thread
+from server_args import prepare_server_args
 
 MEASURED_ON = "a CPU, wall clock"
 FLAGS = (
@@ -43,10 +44,6 @@ LAYERS, HEADS, HEAD_DIM, PAGE = 8, 8, 128, 16  # bandwidth: 512 KiB pages in bfl
 
 def serve(argv: list[str], prompts: list[list[int]]) -> dict[str, Any]:
     """In a fresh process: ``prompts`` one at a time on the wall clock, the backups finished."""
-    from prefill.clock import WallClock
-    from prefill.testing.harness import make_executor, single_torch_thread
-    from server_args import prepare_server_args
-
     ex = make_executor(prepare_server_args(argv), clock=WallClock(), keep_received=False)
     results = []
     with single_torch_thread():
@@ -64,15 +61,9 @@ def serve(argv: list[str], prompts: list[list[int]]) -> dict[str, Any]:
     ex.cache.close()
     tokens, hits = sum(r.num_tokens for r in results), sum(r.cached_storage_tokens for r in results)
     ttft_ms = statistics.fmean(r.ttft for r in results) * 1e3
-    return {
-        "requests": len(results),
-        "ttft_mean_ms": ttft_ms,
-        "prompt_tokens": tokens,
-        "l3_hit_tokens": hits,
-        "hit_rate": hits / tokens,
-        "integrity_errors": errors,
-        "storage": storage,
-    }
+    out = {"requests": len(results), "ttft_mean_ms": ttft_ms, "prompt_tokens": tokens}
+    out |= {"l3_hit_tokens": hits, "hit_rate": hits / tokens}
+    return out | {"integrity_errors": errors, "storage": storage}
 
 
 def restart(clients: int, prompt: int) -> dict[str, dict[str, Any]]:
@@ -99,10 +90,8 @@ def bandwidth(pages: int) -> dict[str, Any]:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
     size, nbytes = host.page_nbytes, pages * host.page_nbytes
     keys = page_hashes(list(range(pages * PAGE)), PAGE)
-    batches = [
-        range(i, min(i + STORAGE_BATCH_SIZE, pages)) for i in range(0, pages, STORAGE_BATCH_SIZE)
-    ]
-    flat = [host.get_dummy_flat_data_page() for _ in range(STORAGE_BATCH_SIZE)]
+    batches = [range(pages)[i : i + BATCH] for i in range(0, pages, BATCH)]
+    flat = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
     data, back = raw.numpy().reshape(-1)[:nbytes], bytearray(nbytes)
     with tempfile.TemporaryDirectory(prefix="bench_l3_") as d:
         extra = {"file_storage_path": os.path.join(d, "l3")}
@@ -123,18 +112,16 @@ def bandwidth(pages: int) -> dict[str, Any]:
 
         def files_write() -> None:
             for i in range(pages):
-                with open(os.path.join(d, f"{i}.bin"), "wb") as f:
-                    f.write(memoryview(data[i * size : (i + 1) * size]))
+                Path(d, f"{i}.bin").write_bytes(data[i * size : (i + 1) * size])
 
         def files_read() -> None:
             for i in range(pages):
                 with open(os.path.join(d, f"{i}.bin"), "rb", buffering=0) as f:
                     f.readinto(memoryview(back)[i * size : (i + 1) * size])
 
-        timed, cpu = (l3_write, l3_read, files_write, files_read), torch.device("cpu")
-        gbps = {
-            f"{f.__name__}_gbps": nbytes / time_ms(f, cpu, rep_ms=0).median / 1e6 for f in timed
-        }
+        cpu = torch.device("cpu")
+        fns = (l3_write, l3_read, files_write, files_read)
+        gbps = {f"{f.__name__}_gbps": nbytes / time_ms(f, cpu, rep_ms=0).median / 1e6 for f in fns}
     return {"pages": pages, "page_bytes": size, "bytes": nbytes, **gbps}
 
 
@@ -159,10 +146,7 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.l3",
-        description="The L3 file backend on this CPU: restart hit rate and TTFT, page bandwidth.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (seconds).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)

@@ -1,2 +1,1 @@
-"""The Mooncake Store as the L3 tier, measured on a CPU (``python -m bench.mooncake_store``,
-``bench``): put / get bandwidth against memcpy."""
+"""The Mooncake Store as the L3 tier on a CPU (``python -m bench.mooncake_store``, ``bench``)."""

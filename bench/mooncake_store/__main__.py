@@ -1,6 +1,7 @@
 """``python -m bench.mooncake_store``."""
 
+from __future__ import annotations
+
 from bench.mooncake_store.bench import main
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+raise SystemExit(main())

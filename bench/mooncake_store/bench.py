@@ -1,10 +1,8 @@
 """``python -m bench.mooncake_store [--quick] [--out DIR]``: ``MooncakeStore`` (the L3 tier) put /
-get bandwidth against a memcpy of the same objects, measured on this CPU over TCP loopback.
-
-``batch_set_v1`` / ``batch_get_v1``, 128 pages a call, pages of 1, 16 and 64 tokens of the
-Llama-3-8B KV shape, objects in the client's own segment (``local``) or another process's
-(``remote``); bytes checked, medians of ``repeats`` after an untimed round. Clients run in node
-processes of this module (``NODE``: a client needs the loopback shim). Without Mooncake: skipped.
+get bandwidth against a memcpy of the same objects, measured on this CPU over TCP loopback:
+``batch_set_v1`` / ``batch_get_v1``, 128 pages a call, pages of 1, 16 and 64 tokens of Llama-3-8B's
+KV shape, objects in the client's own segment (``local``) or another process's (``remote``); bytes
+checked, medians after an untimed round. Clients run in node processes of this module (``NODE``).
 """
 
 from __future__ import annotations
@@ -89,36 +87,21 @@ def measure(extra: dict, page: int, total_bytes: int, repeats: int = 3) -> dict[
             if r:  # round 0 touches the segment
                 for k, t in (("put", t1 - t0), ("get", t2 - t1), ("memcpy", t4 - t3)):
                     times[k].append(t)
-        out = {
-            "page_tokens": page,
-            "pages": pages,
-            "object_bytes": src_meta[1][0],
-            "bytes": nbytes,
-            "repeats": repeats,
-            "failed_pages": failed,
-        }
-        out |= {f"{k}_gbps": nbytes / statistics.median(t) / 1e9 for k, t in times.items()}
-        return out
+        out = {"page_tokens": page, "pages": pages, "object_bytes": src_meta[1][0], "bytes": nbytes}
+        out |= {"repeats": repeats, "failed_pages": failed}
+        return out | {f"{k}_gbps": nbytes / statistics.median(t) / 1e9 for k, t in times.items()}
     finally:
         store.close()
 
 
-def bandwidth_rows(node: Node, msg: dict) -> Any:
-    """The ``bandwidth`` command: ``measure`` for each of ``msg["pages"]`` (rank 0)."""
-    if node.rank != 0:
-        return None
+def bandwidth_rows(node: Node, msg: dict) -> list[dict[str, Any]]:
+    """The node command ``bandwidth``: ``measure`` for each of ``msg["pages"]``."""
     return [measure(msg["extra"], p, msg["total_bytes"], msg["repeats"]) for p in msg["pages"]]
-
-
-def missing() -> str | None:
-    """Why the benchmark cannot run here (``mooncake.store`` or the loopback shim), or ``None``."""
-    return skip_reason("store")
 
 
 def placements(mib: int, repeats: int) -> list[dict[str, Any]]:
     """The ``local`` rows, then the ``remote`` ones, from node processes."""
-    a = StoreNode(1, module=NODE, name="A", connect=False)
-    b = StoreNode(1, module=NODE, name="B", connect=False)
+    a, b = (StoreNode(1, module=NODE, name=name, connect=False) for name in "AB")
     seg = f"{2 * mib + 64}mb"  # one repeat's objects at a time
     job = dict(pages=list(PAGE_SIZES), total_bytes=mib << 20, repeats=repeats)
     rows: list[dict[str, Any]] = []
@@ -140,34 +123,27 @@ def placements(mib: int, repeats: int) -> list[dict[str, Any]]:
 
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
     """The table and ``bench_mooncake_store.json``; ``{"skipped": reason}`` without Mooncake."""
-    reason = missing()
-    if reason is not None:
+    if (reason := skip_reason("store")) is not None:
         print(f"[mooncake_store] skipped: {reason}")
         return {"skipped": reason, "integrity": {}}
     mib, repeats = (64, 3) if quick else (256, 5)
-    print(
-        f"[mooncake_store] measured on {MEASURED_ON}: {mib} MiB per row, median of {repeats}",
-        flush=True,
-    )
+    head = f"[mooncake_store] measured on {MEASURED_ON}: {mib} MiB per row, median of {repeats}"
+    print(head, flush=True)
     rows = placements(mib, repeats)
     print_table(rows, COLUMNS)
     integrity = {"failed_pages": sum(r["failed_pages"] for r in rows)}
     summary = {"measured_on": MEASURED_ON, "bandwidth": rows, "integrity": integrity}
     path = write_json("bench_mooncake_store", {"quick": quick, **summary}, out_dir)
-    print(f"[mooncake_store] integrity: {integrity}")
-    print(f"[mooncake_store] wrote {path}")
+    print(f"[mooncake_store] integrity: {integrity}\n[mooncake_store] wrote {path}")
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.mooncake_store",
-        description="MooncakeStore put/get bandwidth against memcpy, on this CPU.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.mooncake_store", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (under a minute).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
-    return 1 if any(run(args.quick, args.out).get("integrity", {}).values()) else 0
+    return 1 if any(run(args.quick, args.out)["integrity"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,2 +1,1 @@
-"""PD disaggregation over Mooncake on loopback, measured on a CPU (``python -m bench.pd``,
-``bench``): Mooncake's write cost as a ``CopyPath``, and TTFT with decode workers (``ttft``)."""
+"""PD disaggregation over Mooncake on loopback (``python -m bench.pd``, ``bench``)."""

@@ -1,6 +1,7 @@
 """``python -m bench.pd``."""
 
+from __future__ import annotations
+
 from bench.pd.bench import main
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+raise SystemExit(main())

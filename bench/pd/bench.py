@@ -1,23 +1,26 @@
 """``python -m bench.pd [--quick] [--out DIR]``: PD disaggregation over Mooncake on TCP loopback,
-measured on this CPU: TTFT with decode worker processes (``bench.pd.ttft``), and the write cost
-per item size (``write_cost``: two engines here, scattered items, bytes checked, against an
-in-memory copy), fitted as ``kv_transfer_measured``, a ``bench.profile.CopyPath`` (least squares
-of ``seconds per item = latency_s + bytes / (gbps * 1e9)`` over each size's best repeat). The
-measuring process needs the loopback shim: ``main`` / ``run`` start it as a child under it, with
-``MC_LOG_LEVEL=ERROR`` (unless set); the line each engine still logs at start-up (``NOISE``) is
-counted, not shown.
+measured on this CPU under the loopback shim (in a child when needed; the engines' start-up lines,
+``NOISE``, counted, not shown). Write cost per item size: two engines, scattered items, bytes
+checked, against an in-memory copy; fitted as ``kv_transfer_measured`` (a ``CopyPath``). TTFT
+(arrival to the transfer's ``Success``) with one or two decode worker processes: cached-prefix
+prompts arrive (Poisson) at half the prefill rate; a worker preallocates a request after 0.5 to
+1.5 prefill times (a busy decode), which optimistic prefill (attempts 2) can use and the baseline
+(0) waits out; the configurations take turns, every run ends with ``audit`` (``INTEGRITY``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+import timeit
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +29,31 @@ import numpy as np
 from bench.common import Column, print_table, write_json
 from bench.profile import CopyPath
 from hicache.mooncake import loopback
-from hicache.mooncake.availability import module_reason
+from hicache.mooncake.availability import skip_reason
+from prefill.clock import WallClock
+from prefill.disagg.backends import make_decode_backend
 from prefill.disagg.mooncake.engine import KVTransferEngine
+from prefill.executor import OptimisticPrefillExecutor as Executor
+from prefill.model.factory import build_model
+from prefill.request.state import Outcome
+from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
+from prefill.testing import harness
+from prefill.testing.mooncake_decode import DecodeWorker, MooncakeDecode, start_workers, wait_for
+from server_args import ServerArgs, prepare_server_args
 
 MEASURED_ON = "a CPU: Mooncake over TCP loopback, wall clock"
 NOISE = ("Local segment descriptor not found", "Logging before InitGoogleLogging")
 ITEM_SIZES = (2 << 10, 8 << 10, 32 << 10, 128 << 10, 512 << 10)
+PROMPT, CACHED, PREFIXES, VOCAB = 256, 204, 4, 1024
+FLAGS = (
+    "--device cpu --dtype float32 --num-layers 4 --num-attention-heads 8 --head-num 4 "
+    f"--head-dim 32 --hidden-size 256 --intermediate-size 768 --vocab-size {VOCAB} --page-size 16 "
+    "--max-total-tokens 8192 --chunked-prefill-size 64 --disaggregation-mode prefill "
+    "--disaggregation-transfer-backend mooncake --disaggregation-bootstrap-port 0"
+).split()
+CONFIGS = [(1, 0), (1, 2), (2, 0), (2, 2)]  # (decode workers, optimistic attempts)
+INTEGRITY = ("integrity_errors", "kv_mismatches", "decode_leaked_slots", "decode_late_writes")
+KV_REL_TOL = 1e-3  # float32 KV against a recompute: reduction order only; wrong KV is ~1
 RATE_COLUMNS = [
     Column("item_bytes", "item B", 8),
     Column("us_per_item", "us/item", 9, ".1f"),
@@ -64,16 +86,6 @@ def fit_copy_path(item_bytes: Sequence[float], seconds: Sequence[float]) -> dict
     return {"latency_s": path.latency_s, "gbps": path.gbps, "max_rel_residual": float(residual)}
 
 
-def _times(reps: int, fn: Callable[..., Any], *args: Any) -> list[float]:
-    """Seconds of each of ``reps`` calls ``fn(*args)``."""
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _write(engine: KVTransferEngine, session: str, srcs: list, dsts: list, size: int) -> None:
     if engine.write(session, srcs, dsts, [size] * len(srcs)) != 0:
         raise RuntimeError(f"batch_transfer_sync_write of {size}-byte items failed")
@@ -84,53 +96,158 @@ def _copy(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray) -> N
 
 
 def write_cost(quick: bool) -> dict[str, Any]:
-    """Rows of Mooncake's write cost per item size, and ``kv_transfer_measured`` (docstring)."""
+    """Mooncake's write cost per item size (medians) and its fit over the best repeats."""
     total, reps = (8 << 20, 5) if quick else (32 << 20, 9)
-    space = 4 * total
     rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, space, dtype=np.uint8)
-    dst = np.zeros(space, dtype=np.uint8)
+    src = rng.integers(0, 256, 4 * total, dtype=np.uint8)
+    dst = np.zeros_like(src)
     sender, receiver = KVTransferEngine("127.0.0.1"), KVTransferEngine("127.0.0.1")
     rows = []
     try:
-        sender.register([(src.ctypes.data, space)])
-        receiver.register([(dst.ctypes.data, space)])
+        sender.register([(src.ctypes.data, src.size)])
+        receiver.register([(dst.ctypes.data, dst.size)])
         for size in ITEM_SIZES:
-            n = total // size
-            si, di = rng.permutation(space // size)[:n], rng.permutation(space // size)[:n]
-            srcs = (src.ctypes.data + si * size).tolist()
-            call = (sender, receiver.session_id, srcs, (dst.ctypes.data + di * size).tolist(), size)
-            _write(*call)
-            src_rows, dst_rows = src.reshape(-1, size), dst.reshape(-1, size)
+            n, src_rows, dst_rows = total // size, src.reshape(-1, size), dst.reshape(-1, size)
+            si, di = rng.permutation(len(src_rows))[:n], rng.permutation(len(dst_rows))[:n]
+            addrs = [(a.ctypes.data + i * size).tolist() for a, i in ((src, si), (dst, di))]
+            write = partial(_write, sender, receiver.session_id, *addrs, size)
+            write()
             if not np.array_equal(dst_rows[di], src_rows[si]):
                 raise RuntimeError(f"{size}-byte items: the receiver's bytes differ")
-            times = _times(reps, _write, *call)
-            copy = statistics.median(_times(reps, _copy, dst_rows, di, src_rows, si))
-            t, best = statistics.median(times), min(times)
-            rows.append(
-                {
-                    "item_bytes": size,
-                    "us_per_item": t / n * 1e6,
-                    "gbps": total / t / 1e9,
-                    "best_gbps": total / best / 1e9,
-                    "memcpy_gbps": total / copy / 1e9,
-                }
-            )
+            times = timeit.repeat(write, number=1, repeat=reps)
+            copy = timeit.repeat(partial(_copy, dst_rows, di, src_rows, si), number=1, repeat=reps)
+            t, best, copy_s = statistics.median(times), min(times), statistics.median(copy)
+            cells = (size, t / n * 1e6, total / t / 1e9, total / best / 1e9, total / copy_s / 1e9)
+            rows.append({c.key: v for c, v in zip(RATE_COLUMNS, cells, strict=True)})
     finally:
         sender.close()
         receiver.close()
-    sizes = [r["item_bytes"] for r in rows]
-    fit = fit_copy_path(sizes, [b / r["best_gbps"] / 1e9 for b, r in zip(sizes, rows, strict=True)])
+    fit = fit_copy_path(ITEM_SIZES, [r["item_bytes"] / r["best_gbps"] / 1e9 for r in rows])
     measured = None if fit is None else {**fit, "measured_on": "cpu loopback", "per": "item"}
     return {"rows": rows, "total_bytes": total, "repeats": reps, "kv_transfer_measured": measured}
 
 
-def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
-    """Both tables, in this process (the shim loaded); writes the JSON."""
-    from bench.pd import ttft
-    from prefill.testing.harness import single_torch_thread
-    from prefill.testing.mooncake_decode import start_workers
+def server_args(attempts: int) -> ServerArgs:
+    """The prefill server: a small float32 model on the CPU, Mooncake transport on loopback."""
+    return prepare_server_args([*FLAGS, "--optimistic-prefill-attempts", str(attempts)])
 
+
+def executor(args: ServerArgs, model: Any, workers: list, delays: dict[str, float]) -> Executor:
+    """A wall-clock executor; its decode ``workers`` preallocate ``rid`` ``delays[rid]`` s late."""
+    cache, clock = harness.build_cache(args), WallClock()
+    rows = metadata_buffer_count(DEFAULT_MAX_RUNNING_REQUESTS)
+    backend = make_decode_backend(args, cache.device_pool, clock, rows, 0, keep_received=True)
+    decode = MooncakeDecode(backend, workers, owned=[], delay_s=lambda rid: delays.get(rid, 0.0))
+    return Executor(args, cache=cache, model=model, clock=clock, decode=decode)
+
+
+def one_by_one(ex: Executor, prompts: list[list[int]], tag: str) -> list[Any]:
+    """Each prompt alone until its result (returned); its decode KV released."""
+    out = []
+    for i, p in enumerate(prompts):
+        ex.submit(f"{tag}-{i}", p)
+        ex.run_until_idle()
+        out += ex.pop_results()
+        ex.release_received(f"{tag}-{i}")
+    return out
+
+
+def drive(ex: Executor, prompts: list[list[int]], arrivals: list[float]) -> dict[str, Any]:
+    """``req-i`` submitted ``arrivals[i]`` s from now; steps until every result is in; ``audit``."""
+    t0, sent, due_now, results, ttfts, kept = ex.clock.now(), 0, 0, 0, [], []
+    while results < len(prompts):
+        while sent < len(prompts) and t0 + arrivals[sent] <= ex.clock.now():
+            ex.submit(f"req-{sent}", prompts[sent])
+            sent += 1
+        progressed = ex.step()
+        for r in ex.pop_results():
+            results += 1
+            if r.outcome == Outcome.SUCCESS:
+                ttfts.append((r.finish_time - t0 - arrivals[int(r.rid[4:])]) * 1e3)
+                if len(ttfts) % 4 == 1:
+                    kept.append(r.rid)  # its decode KV is checked by the audit
+                else:
+                    ex.release_received(r.rid)
+        nxt = t0 + arrivals[sent] if sent < len(prompts) else None
+        due_now = 0 if progressed else ex.wait_for_next_event(due_now, also=nxt, local=True)
+    items = sum(s["items"] for s in ex.decode.backend.transport.stats()["sessions"].values())
+    out = {"ttfts_ms": ttfts, "requests": results, "items_per_send": items / max(ex.stats.sends, 1)}
+    return out | {"integrity": audit(ex, kept)}
+
+
+def audit(ex: Executor, kept: list[str]) -> dict[str, int]:
+    """``INTEGRITY`` of a run (module docstring); closes the prefill side."""
+    out = dict.fromkeys(INTEGRITY, 0)
+    ex.drain_cache_events()
+    try:
+        ex.check_integrity()
+    except AssertionError:
+        out["integrity_errors"] = 1
+    for rid in kept:
+        error = harness.kv_max_rel_error(harness.decode_kv_and_reference(ex, rid))
+        out["kv_mismatches"] += error > KV_REL_TOL
+        ex.release_received(rid)
+    ex.decode.close()
+    freed = lambda s: s["held"] == 0 and s["free_tokens"] == s["pool_tokens"]
+    for w in ex.decode.workers:
+        wait_for(lambda w=w: freed(w.call("stats")[0]), 30)
+        stats = w.call("stats")[0]
+        out["decode_leaked_slots"] += stats["pool_tokens"] - stats["free_tokens"]
+        out["decode_late_writes"] += stats["late_writes"]
+    return out
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's repeats: median (min, max) of their mean TTFT, p90 of all; sums."""
+    means = sorted(statistics.fmean(r["ttfts_ms"]) for r in runs if r["ttfts_ms"])
+    pooled = [t for r in runs for t in r["ttfts_ms"]]
+    return {
+        "requests": sum(r["requests"] for r in runs),
+        "succeeded": len(pooled),
+        "ttft_mean_ms": statistics.median(means) if means else None,
+        "ttft_mean_min_ms": min(means, default=None),
+        "ttft_mean_max_ms": max(means, default=None),
+        "ttft_p90_ms": float(np.percentile(pooled, 90)) if pooled else None,
+        "items_per_send": statistics.fmean(r["items_per_send"] for r in runs),
+        "integrity": {k: sum(r["integrity"][k] for r in runs) for k in INTEGRITY},
+    }
+
+
+def ttft_rows(quick: bool, workers: list[DecodeWorker]) -> dict[str, Any]:
+    """The TTFT table's rows (module docstring)."""
+    n, repeats = (40, 3) if quick else (160, 5)
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(CACHED)] for _ in range(PREFIXES)]
+    prompts = [
+        prefixes[i % PREFIXES] + [rng.randrange(1, VOCAB) for _ in range(PROMPT - CACHED)]
+        for i in range(n + 5)
+    ]
+    model = build_model(server_args(0))
+    ex = executor(server_args(0), model, workers[:1], {})
+    one_by_one(ex, prefixes, "warm")
+    prefill_s = statistics.median(r.prefill_latency for r in one_by_one(ex, prompts[n:], "cal"))
+    ex.decode.close()
+    delays = {f"req-{i}": rng.uniform(0.5, 1.5) * prefill_s for i in range(n)}
+    arrivals = list(itertools.accumulate(rng.expovariate(0.5 / prefill_s) for _ in range(n)))
+    runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in CONFIGS}
+    for r in range(repeats):
+        for k, attempts in CONFIGS[r % 4 :] + CONFIGS[: r % 4]:
+            ex = executor(server_args(attempts), model, workers[:k], delays)
+            one_by_one(ex, prefixes, "warm")
+            runs[(k, attempts)].append(drive(ex, prompts[:n], arrivals))
+    rows = [
+        {"config": f"{k} worker(s), attempts {a}", "workers": k, "attempts": a, **aggregate(rs)}
+        for (k, a), rs in runs.items()
+    ]
+    for base, opt in zip(rows[0::2], rows[1::2], strict=True):
+        if base["ttft_mean_ms"] and opt["ttft_mean_ms"]:
+            opt["ttft_speedup_vs_0"] = base["ttft_mean_ms"] / opt["ttft_mean_ms"]
+    info = {"prefill_ms": prefill_s * 1e3, "arrival_rate_per_s": 0.5 / prefill_s}
+    return {"rows": rows, "requests": n, "repeats": repeats, **info}
+
+
+def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """Both tables, in this process (the shim loaded); writes ``bench_pd.json``."""
     print(f"[pd] measured on {MEASURED_ON}; write cost per item size (medians)", flush=True)
     cost = write_cost(quick)
     print_table(cost["rows"], RATE_COLUMNS)
@@ -142,30 +259,23 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     print("[pd] TTFT (ms), optimistic prefill attempts 0 and 2, busy decode workers", flush=True)
     workers = start_workers(2, pool_tokens=32768, max_running_requests=64, check_free_pages=False)
     try:
-        with single_torch_thread():
-            latency = ttft.measure(quick, workers)
+        with harness.single_torch_thread():
+            latency = ttft_rows(quick, workers)
     finally:
         for w in workers:
             w.stop()
     print_table(latency["rows"], TTFT_COLUMNS)
-    integrity = {k: sum(r["integrity"][k] for r in latency["rows"]) for k in ttft.INTEGRITY}
-    payload = {
-        "quick": quick,
-        "measured_on": MEASURED_ON,
-        "kv_transfer_measured": path,
-        "rate": cost,
-        "ttft": latency,
-        "integrity": integrity,
-    }
+    integrity = {k: sum(r["integrity"][k] for r in latency["rows"]) for k in INTEGRITY}
+    payload = {"quick": quick, "measured_on": MEASURED_ON, "kv_transfer_measured": path}
+    payload |= {"rate": cost, "ttft": latency, "integrity": integrity}
     print(f"[pd] integrity: {integrity}\n[pd] wrote {write_json('bench_pd', payload, out_dir)}")
     return payload
 
 
 def child(quick: bool, out_dir: Path) -> int:
-    """``python -m bench.pd`` under the shim, ``NOISE`` dropped from its stderr (docstring)."""
+    """``python -m bench.pd`` under the shim, ``NOISE`` dropped from its stderr and counted."""
     cmd = [sys.executable, "-m", "bench.pd", "--out", str(out_dir)] + (["--quick"] if quick else [])
     proc = subprocess.Popen(cmd, env=loopback.preload_env(), stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
     hidden = 0
     for line in proc.stderr:
         if any(n in line for n in NOISE):
@@ -176,23 +286,17 @@ def child(quick: bool, out_dir: Path) -> int:
     return proc.wait()
 
 
-def skip_reason() -> str | None:
-    """Why Mooncake's engine or the shim is not usable here, or ``None``."""
+def missing() -> str | None:
+    """Why Mooncake's engine or the loopback shim is not usable here, or ``None``."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before any engine; children inherit it
-    reason = module_reason("engine")
-    if reason is None:
-        try:
-            loopback.build_shim()
-        except loopback.ShimUnavailable as e:
-            reason = str(e)
-    return reason
+    return skip_reason("engine")
 
 
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
-    """The suite's entry: the summary section, or ``{"skipped": reason}``."""
-    if (reason := skip_reason()) is not None:
+    """The summary section (measured here or in a child under the shim), or ``skipped``."""
+    if (reason := missing()) is not None:
         print(f"[pd] skipped: {reason}")
-        return {"skipped": reason}
+        return {"skipped": reason, "integrity": {}}
     path = out_dir / "bench_pd.json"
     if loopback.shim_loaded():
         payload = measure(quick, out_dir)
@@ -202,27 +306,15 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
         if not path.exists():
             raise RuntimeError(f"python -m bench.pd exited {rc} without writing {path}")
         payload = json.loads(path.read_text())
-    return {
-        "measured_on": payload["measured_on"],
-        "kv_transfer_measured": payload["kv_transfer_measured"],
-        "gbps_by_item_bytes": {r["item_bytes"]: r["gbps"] for r in payload["rate"]["rows"]},
-        "ttft_mean_ms": {r["config"]: r["ttft_mean_ms"] for r in payload["ttft"]["rows"]},
-        "integrity": payload["integrity"],
-    }
+    section = {k: payload[k] for k in ("measured_on", "kv_transfer_measured", "integrity")}
+    section["gbps_by_item_bytes"] = {r["item_bytes"]: r["gbps"] for r in payload["rate"]["rows"]}
+    section["ttft_mean_ms"] = {r["config"]: r["ttft_mean_ms"] for r in payload["ttft"]["rows"]}
+    return section
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.pd",
-        description="PD disaggregation over Mooncake on TCP loopback, measured on this CPU: the "
-        "write cost per item size and TTFT with decode worker processes.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (about a minute).")
     parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
     args = parser.parse_args(argv)
-    if (reason := skip_reason()) is not None:
-        print(f"[pd] skipped: {reason}")
-        return 0
-    if not loopback.shim_loaded():
-        return child(args.quick, args.out)
-    return 1 if any(measure(args.quick, args.out)["integrity"].values()) else 0
+    return 1 if any(run(args.quick, args.out)["integrity"].values()) else 0

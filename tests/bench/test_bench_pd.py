@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.pd import bench as pd_bench
-from bench.pd import ttft
-from bench.pd.bench import ITEM_SIZES, fit_copy_path, write_cost
-from bench.pd.ttft import INTEGRITY, aggregate
+from bench.pd.bench import INTEGRITY, ITEM_SIZES, aggregate, fit_copy_path, write_cost
 from bench.profile import CopyPath
 from hicache.mooncake.availability import skip_reason
 from prefill.model.factory import build_model
@@ -50,9 +48,10 @@ def test_aggregate_takes_the_median_of_the_runs_means() -> None:
 def test_without_mooncake_the_section_is_skipped(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setattr(pd_bench, "skip_reason", lambda module: "no wheel (x)")
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
-    monkeypatch.setattr(pd_bench, "module_reason", lambda module: "no wheel (x)")
-    assert pd_bench.run(quick=True, out_dir=tmp_path) == {"skipped": "no wheel (x)"}
+    section = pd_bench.run(quick=True, out_dir=tmp_path)  # no "seconds": the suite adds them
+    assert section == {"skipped": "no wheel (x)", "integrity": {}}
     assert pd_bench.main(["--quick", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("[pd] skipped: no wheel (x)") == 2
 
@@ -71,10 +70,10 @@ def test_the_write_cost_is_measured_checked_and_fitted() -> None:
 def test_a_ttft_run_over_a_busy_decode_worker_is_audited_clean() -> None:
     workers = start_workers(1, pool_tokens=4096, max_running_requests=16, check_free_pages=True)
     try:
-        args = ttft.server_args(attempts=2)
-        ex = ttft.executor(args, build_model(args), workers, {"req-0": 0.05, "req-2": 0.05})
+        args = pd_bench.server_args(attempts=2)
+        ex = pd_bench.executor(args, build_model(args), workers, {"req-0": 0.05, "req-2": 0.05})
         prompts = [[1 + (7 * i + t) % 1000 for t in range(80)] for i in range(4)]
-        run = ttft.drive(ex, prompts, [0.0, 0.0, 0.01, 0.02])
+        run = pd_bench.drive(ex, prompts, [0.0, 0.0, 0.01, 0.02])
     finally:
         workers[0].stop()
     assert run["requests"] == len(run["ttfts_ms"]) == 4 and min(run["ttfts_ms"]) > 0
