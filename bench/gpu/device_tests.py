@@ -17,16 +17,9 @@ from pathlib import Path
 
 from bench.gpu.plan import GPU_TESTS, KERNEL_TESTS
 
-WORKERS = {"kernel_tests": 8, "gpu_tests": 4}  # of the device machine's 16 cores
-POOL = dict(
-    max_total_tokens=256,
-    enable_hierarchical_cache=True,
-    hicache_mem_layout="page_first",
-    hicache_io_backend="kernel",
-)  # as the end-to-end benchmarks' pools
-
 
 def pytest_cmd(files: tuple[str, ...], marker: str | None, workers: int) -> list[str]:
+    """pytest on ``files`` (``-m marker`` if given), ``workers`` xdist workers if installed."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *files]
     cmd += ["--durations=10"] + (["-m", marker] if marker else [])
     return cmd + (["-n", str(workers)] if importlib.util.find_spec("xdist") else [])
@@ -36,7 +29,8 @@ def variants() -> list[str]:
     """Launch every kernel variant of the end-to-end pools and the transfer benchmark once."""
     import torch
 
-    from bench.transfer.bench import GPU_QUICK, Pools
+    from bench.transfer.bench import GPU_QUICK as SZ
+    from bench.transfer.bench import Pools
     from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
     from hicache.memory.host_pool_factory import make_host_pool
     from kernels.sglang.warm_up import warm_up
@@ -44,22 +38,21 @@ def variants() -> list[str]:
 
     done = []
     for preset, mla in (("llama3-8b-shape", False), ("deepseek-v2-lite-shape", True)):
-        args = ServerArgs(model_preset=preset, use_mla=mla, dtype="bfloat16", **POOL)
+        args = ServerArgs(model_preset=preset, use_mla=mla, dtype="bfloat16", max_total_tokens=256)
         dev = (MLATokenToKVPool if mla else MHATokenToKVPool).from_server_args(args)
-        host = make_host_pool(dev, 2.0, 0, "page_first")
+        host = make_host_pool(dev, 2.0, 0, "page_first")  # as the end-to-end benchmarks' pools
         done.append(f"{preset}: {len(warm_up(host, dev).calls)} warm-up calls")
         host.destroy()
-    sz, device = GPU_QUICK, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    pools = Pools(device, sz.item, sz.layers, 64, sz.page)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pools = Pools(device, SZ.item, SZ.layers, 64, SZ.page)
     try:
         for path in ("kernel", "registered") if pools.registered else ("kernel",):
             for direction in ("h2d", "d2h"):
-                for bq in sz.block_quotas:
+                for bq in SZ.block_quotas:
                     pools.copy(direction, path, 64, block_quota=bq)[0]()
-        done.append(f"transfer: item {sz.item} B, block_quota {sz.block_quotas}")
     finally:
         pools.close()
-    return done
+    return [*done, f"transfer: item {SZ.item} B, block_quota {SZ.block_quotas}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", action="store_true", help="Only the precompile job.")
     args = p.parse_args(argv)
     if args.variants:
-        for line in variants():
-            print(f"[precompile] {line}", flush=True)
+        print("\n".join(f"[precompile] {line}" for line in variants()), flush=True)
         return 0
-    kernel_marker = "gpu" if args.dry_run else None
-    jobs = {
-        "kernel_tests": pytest_cmd(KERNEL_TESTS, kernel_marker, WORKERS["kernel_tests"]),
-        "gpu_tests": pytest_cmd(GPU_TESTS, "gpu", WORKERS["gpu_tests"]),
+    jobs = {  # 12 of the device machine's 16 cores
+        "kernel_tests": pytest_cmd(KERNEL_TESTS, "gpu" if args.dry_run else None, 8),
+        "gpu_tests": pytest_cmd(GPU_TESTS, "gpu", 4),
         "precompile": [sys.executable, "-m", "bench.gpu.device_tests", "--variants"],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -87,11 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, proc in procs.items():
             if name not in report and proc.poll() is not None:
                 lines = (args.out / f"{name}.log").read_text().strip().splitlines() or [""]
-                summary = lines[-1].strip("= ")
-                took = round(time.monotonic() - t0, 1)
-                report[name] = dict(rc=proc.returncode, seconds=took, summary=summary)
+                rc, took, summary = proc.returncode, round(time.monotonic() - t0, 1), lines[-1]
+                report[name] = dict(rc=rc, seconds=took, summary=summary.strip("= "))
                 (args.out / "device_tests.json").write_text(json.dumps(report, indent=2))
-                print(f"[device_tests] {name}: rc={proc.returncode} in {took} s: {summary}")
+                print(f"[device_tests] {name}: rc={rc} in {took} s: {summary.strip('= ')}")
         time.sleep(0.2)
     return int(any(r["rc"] != 0 for r in report.values()))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from bench.common import sync_device
 from bench.profile import CopyPath, ForwardCost, GpuProfile, load_profile
 from bench.transfer.bench import CPU_TINY, GPU_QUICK, Pools, measure_paths
 from hicache.memory.device_pool import MHATokenToKVPool
@@ -35,14 +36,13 @@ SOURCES = {"kernel": "gbps", "direct": "gbps", "copy_engine": "ceiling_gbps"}  #
 
 
 def _median_s(fn: Callable[[], Any], device: torch.device) -> float:
+    """Median seconds of three calls after a warm-up."""
     samples = []
     for _ in range(4):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync_device(device)
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync_device(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples[1:])
 
@@ -76,15 +76,13 @@ def copy_paths(item: int, layers: int, tiny: bool) -> tuple[dict, dict, str]:
         pools.close()
     kernel = "registered" if any(r["path"] == "registered" for r in rows) else "kernel"
     out: dict[str, dict[str, CopyPath]] = {"h2d": {}, "d2h": {}}
-    for direction, paths in out.items():
-        for name, rate in SOURCES.items():
-            path = {"kernel": kernel, "copy_engine": "kernel"}.get(name, name)
-            sel = [r for r in rows if r["direction"] == direction and r["path"] == path][:2]
-            if len(sel) == 2:
-                (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)
-                gbps = (b2 - b1) / (t2 - t1) / 1e9 if t2 > t1 else b2 / t2 / 1e9
-                lat = max(0.0, t1 - b1 / (gbps * 1e9))  # a load: a call per layer, a backup: one
-                paths[name] = CopyPath(lat * (layers if direction == "h2d" else 1), gbps)
+    for (direction, paths), (name, rate) in ((d, s) for d in out.items() for s in SOURCES.items()):
+        path = {"kernel": kernel, "copy_engine": "kernel"}.get(name, name)
+        sel = [r for r in rows if r["direction"] == direction and r["path"] == path]
+        (b1, t1), (b2, t2) = ((r["bytes"], r["bytes"] / r[rate] / 1e9) for r in sel)
+        gbps = (b2 - b1) / (t2 - t1) / 1e9 if t2 > t1 else b2 / t2 / 1e9
+        lat = max(0.0, t1 - b1 / (gbps * 1e9))  # a load: a call per layer, a backup: one
+        paths[name] = CopyPath(lat * (layers if direction == "h2d" else 1), gbps)
     points = "; ".join(
         f"{r['direction']} {r['path']} {r['bytes']} B {r['ms']:.4f} ms, ceiling "
         f"{r['ceiling_gbps']:.2f} GB/s"
@@ -107,28 +105,15 @@ def measure(tiny: bool, corun: Path | None) -> GpuProfile:
             co_src = f"{corun}: GEMM beside the kernel copy, block_quota {DEFAULT_BLOCK_QUOTA}"
     src = {
         "forward": f"prefill.model.factory.build_model, least squares; new/cached: s {fw_points}",
-        "copies": f"bench.transfer copies at two sizes, copy_engine the contiguous copy; "
-        f"{copy_points}",
+        "copies": "bench.transfer copies at two sizes, copy_engine the contiguous copy; "
+        + copy_points,
         "corun_slowdown": co_src,
         "kv_transfer": "copied from the modelled h200 profile: a single GPU has no NIC",
     }
     cpu = f"CPU {platform.processor() or platform.machine()}"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
-    kv, model = 2 * item * layers, f"{preset} {args.dtype}"
-    return GpuProfile(
-        "measured",
-        "measured",
-        gpu,
-        model,
-        layers,
-        kv,
-        forward,
-        h2d,
-        d2h,
-        modelled.kv_transfer,
-        slowdown,
-        src,
-    )
+    gpu, m = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu, "measured"
+    kv, model, kvt = 2 * item * layers, f"{preset} {args.dtype}", modelled.kv_transfer
+    return GpuProfile(m, m, gpu, model, layers, kv, forward, h2d, d2h, kvt, slowdown, src)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="Tiny sizes (a dry run on a CPU).")
     args = p.parse_args(argv)
     prof = measure(args.tiny, args.corun)
+    fw = prof.forward
     args.out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
-    fw = prof.forward
     print(
         f"[profile] {prof.gpu}, {prof.model}: forward {fw.base_s * 1e3:.3f} ms + "
         f"{fw.per_token_s * 1e6:.3f} us/token + {fw.per_pair_s * 1e9:.4f} ns/pair (floor "

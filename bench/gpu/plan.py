@@ -13,11 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-DEVICE_LIMIT_S = 600
-GRACE_S = 5
-OVERHEAD_S = 2
-DRY_SCALE = 0.4
-FILES_BACK = ("results.tar.gz", "status.txt", "headline.txt", "profile.json", "plan.txt")
+DEVICE_LIMIT_S, GRACE_S, OVERHEAD_S, DRY_SCALE = 600, 5, 2, 0.4
+FILES_BACK = tuple("results.tar.gz status.txt headline.txt profile.json plan.txt".split())
 KERNEL_TESTS = tuple(
     f"tests/kernels/test_{n}.py"
     for n in (
@@ -56,6 +53,8 @@ class Step:
         return f"{self.cmd} {self.dry}" if dry and self.dry else self.cmd
 
 
+# Probe; kernel and controller tests beside the precompile; the transfer headline; the GEMM co-run
+# and block_quota sweep; the end-to-end pairs (the second is the headline); a measured profile.
 STEPS = (
     Step("probe", 60, 0, f'{PY} bench.gpu.probe --out "$RES/probe.json"', "--cpu"),
     Step("device_tests", 80, 5, f'{PY} bench.gpu.device_tests --out "$RES"', "--dry-run"),
@@ -65,19 +64,12 @@ STEPS = (
     Step("optimistic", 95, 6, f"{OPT} {OPT_GPU}", OPT_DRY),
     Step("profile", 40, 4, f'{PROFILE} --corun "$RES/bench_transfer_corun.json"', "--tiny"),
 )
-"""Probe; kernel and controller tests beside the kernel precompile; the transfer headline; the
-GEMM co-run and block_quota sweep; the end-to-end pairs (the second configuration is the
-headline); a measured profile."""
 
 
 def steps(dry: bool = False, scale: float = DRY_SCALE) -> list[Step]:
     """The steps, with the dry run's limits and margins scaled by ``scale``."""
-    if not dry:
-        return list(STEPS)
-    return [
-        replace(s, limit_s=math.ceil(s.limit_s * scale), margin_s=math.ceil(s.margin_s * scale))
-        for s in STEPS
-    ]
+    c = lambda x: math.ceil(x * scale)
+    return [replace(s, limit_s=c(s.limit_s), margin_s=c(s.margin_s)) if dry else s for s in STEPS]
 
 
 def total_s(plan: list[Step]) -> int:
@@ -91,19 +83,10 @@ def render(plan: list[Step], dry: bool) -> str:
         f"at most (each + {GRACE_S} s kill grace + {OVERHEAD_S} s archiving) of the "
         f"{DEVICE_LIMIT_S} s a device command may run"
     ]
-    t = 0
     for i, s in enumerate(plan, 1):
-        t += s.limit_s + GRACE_S + OVERHEAD_S
+        t = total_s(plan[:i])
         lines.append(f"  {i}. {s.name:<13}{s.limit_s:4d} s (done by {t:3d} s)  {s.command(dry)}")
-    lines.append(f"files back in OUT (at most 8): {', '.join(FILES_BACK)}")
-    return "\n".join(lines)
-
-
-def _load(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return "\n".join([*lines, f"files back in OUT (at most 8): {', '.join(FILES_BACK)}"])
 
 
 def _e2e(doc: Any) -> str:
@@ -160,11 +143,12 @@ def headline(res: Path) -> list[str]:
     """A short line of the key numbers of each result file in the results folder ``res``."""
     out = []
     for name, line in LINES.items():
-        if (doc := _load(res / name)) is not None:
-            try:
-                out.append(f"{name}: {line(doc)}")
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                out.append(f"{name}: unreadable ({exc!r})")
+        try:
+            out.append(f"{name}: {line(json.loads((res / name).read_text()))}")
+        except (OSError, json.JSONDecodeError):  # not written (yet)
+            pass
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            out.append(f"{name}: unreadable ({exc!r})")
     return out
 
 

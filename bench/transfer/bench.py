@@ -1,10 +1,9 @@
 """KV copies between device and host memory (``python -m bench.transfer [--quick] [--out DIR]
-[--part headline|corun|all]``): GB/s of each copy path, H2D of one layer on a high-priority
-stream and D2H of all layers, counting the bytes the indices name, beside one contiguous copy of
-the same bytes (the ceiling); and a bf16 GEMM's TFLOP/s alone and beside each copy path. On a CPU:
-tiny sizes, labelled CPU numbers. Rows go to JSON as measured; none starts within ``MARGIN_S`` of
-the step's deadline (``HICACHE_BENCH_DEADLINE``); ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` hangs a
-run after its N-th row (the GPU check's dry run kills it so)."""
+[--part headline|corun|all]``): GB/s of each copy path (H2D of one layer on a high-priority stream,
+D2H of all layers) beside one contiguous copy of the same bytes (the ceiling), and a GEMM's TFLOP/s
+alone and beside each path; on a CPU tiny sizes, labelled CPU numbers. Rows go to JSON as measured,
+none within ``MARGIN_S`` of ``HICACHE_BENCH_DEADLINE``; ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` hangs
+a run after its N-th row (the GPU check's test)."""
 
 from __future__ import annotations
 
@@ -73,7 +72,6 @@ class Pools:
         if self.registered:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.reg.data_ptr())
-            self.registered = False
 
     def indices(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(host, device)`` CPU slots of ``n`` tokens in random whole pages."""
@@ -97,9 +95,8 @@ class Pools:
         hc, dc = self.indices(n, seed)
         h, d, one = hc.to(self.device), dc.to(self.device), direction == "h2d"
         lay, item, ld, dev = self.layers // 2, self.item, self.item * self.layers, self.dev
-        nbytes, host = n * 2 * item * (1 if one else self.layers), self.pf
-        if path == "registered":
-            host = self.reg
+        nbytes = n * 2 * item * (1 if one else self.layers)
+        host = self.reg if path == "registered" else self.pf
         if path == "ceiling":
             a, b = dev.view(-1).view(torch.uint8), host.view(-1).view(torch.uint8)
             src, dst = (b, a) if one else (a, b)
@@ -174,9 +171,8 @@ def _columns(spec: str) -> list[Column]:
 
 COLUMNS = {
     "rows": _columns(
-        "direction|dir|5, tokens|tokens|8, path|path|12, host|host mem|11, "
-        "ms|ms|10|.3f, gbps|GB/s|9|.2f, ceiling_gbps|ceil GB/s|10|.2f, "
-        "x_ceiling|x ceil|8|.2f"
+        "direction|dir|5, tokens|tokens|8, path|path|12, host|host mem|11, ms|ms|10|.3f, "
+        "gbps|GB/s|9|.2f, ceiling_gbps|ceil GB/s|10|.2f, x_ceiling|x ceil|8|.2f"
     ),
     "corun": _columns(
         "path|copy beside|12, block_quota|bq|4, copy_gbps_alone|GB/s alone|11|.2f, "
@@ -216,7 +212,7 @@ class Recorder:
     def finish(self, headline: dict[str, Any]) -> dict[str, Any]:
         self.doc.update(partial=False, headline=headline)
         write_json(self.name, self.doc, self.out_dir)
-        return self.doc
+        return headline
 
 
 def measure_paths(
@@ -261,7 +257,7 @@ def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> list[Row]:
         return []
     alone = time_ms(gemm, dev, 5)
     rec.emit(dict(path="none", gemm_tflops=flop / alone / 1e9, slowdown=1.0))
-    paths = [("ceiling", None), ("copy_engine", None), ("direct", None)]
+    paths = [(p, None) for p in ("ceiling", "copy_engine", "direct")]
     for path, bq in paths + [("kernel", bq) for bq in sz.block_quotas]:
         if not rec.ok(f"corun {path} bq={bq}"):
             break
@@ -325,9 +321,8 @@ def headline(rows: list[Row], corun: list[Row]) -> dict[str, Any]:
 
 
 def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") -> dict[str, Any]:
-    """Measure ``part`` (headline, corun or all); print the tables; write
-    ``bench_transfer.json`` / ``bench_transfer_corun.json``. Returns the rows, the co-run rows
-    (``corun``) and the headline of both."""
+    """Measure ``part`` (headline, corun or all) into ``bench_transfer.json`` and
+    ``bench_transfer_corun.json``; returns the rows, the co-run rows and their headline."""
     cuda = torch.cuda.is_available()
     sz = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -340,11 +335,11 @@ def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") 
         if part in ("headline", "all"):
             rec = Recorder("bench_transfer", out_dir, "rows", dict(base))
             result["rows"] = measure_paths(pools, sz.tokens, sz.reps, rec)
-            result["headline"] = rec.finish(headline(result["rows"], []))["headline"]
+            result["headline"] = rec.finish(headline(result["rows"], []))
         if part in ("corun", "all"):
             rec = Recorder("bench_transfer_corun", out_dir, "corun", dict(base))
             result["corun"] = measure_corun(pools, sz, rec)
-            result["headline"].update(rec.finish(headline([], result["corun"]))["headline"])
+            result["headline"].update(rec.finish(headline([], result["corun"])))
     finally:
         pools.close()
     for k, v in result["headline"].items():
