@@ -49,7 +49,7 @@ def variants() -> list[str]:
         for path in ("kernel", "registered") if pools.registered else ("kernel",):
             for direction in ("h2d", "d2h"):
                 for bq in SZ.block_quotas:
-                    pools.copy(direction, path, 64, block_quota=bq)[0]()
+                    pools.copy(direction, path, 64, bq=bq)[0]()
     finally:
         pools.close()
     return [*done, f"transfer: item {SZ.item} B, block_quota {SZ.block_quotas}"]

@@ -83,12 +83,7 @@ class Pools:
         return out[0], out[1]
 
     def copy(
-        self,
-        direction: str,
-        path: str,
-        n: int,
-        seed: int = 0,
-        block_quota: int = DEFAULT_BLOCK_QUOTA,
+        self, direction: str, path: str, n: int, seed: int = 0, bq: int = DEFAULT_BLOCK_QUOTA
     ) -> tuple[Callable[[], None], int]:
         """One copy of ``n`` tokens (``h2d``: one layer; ``d2h``: all layers) by ``path``
         (``PATHS`` or ``ceiling``), and the bytes it moves."""
@@ -102,11 +97,11 @@ class Pools:
             src, dst = (b, a) if one else (a, b)
             return lambda: dst[:nbytes].copy_(src[:nbytes], non_blocking=True), nbytes
         if path in ("kernel", "registered") and one:
-            args = (host[0], dev[0, lay], host[1], dev[1, lay], h, d, lay, item, ld, block_quota)
+            args = (host[0], dev[0, lay], host[1], dev[1, lay], h, d, lay, item, ld, bq)
             return lambda: kernels.transfer_kv_per_layer_pf_lf(*args), nbytes
         if path in ("kernel", "registered"):
             t, layers = self.tables, self.layers
-            args = (t[0], host[0], t[1], host[1], d, h, item, ld, layers, block_quota)
+            args = (t[0], host[0], t[1], host[1], d, h, item, ld, layers, bq)
             return lambda: kernels.transfer_kv_all_layer_lf_pf(*args), nbytes
         if path == "direct":
             src_l, dst_l = [*self.lf[:, lay]], [*dev[:, lay]]
@@ -261,7 +256,7 @@ def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> list[Row]:
     for path, bq in paths + [("kernel", bq) for bq in sz.block_quotas]:
         if not rec.ok(f"corun {path} bq={bq}"):
             break
-        fn, nbytes = pools.copy("h2d", path, n, block_quota=bq or DEFAULT_BLOCK_QUOTA)
+        fn, nbytes = pools.copy("h2d", path, n, bq=bq or DEFAULT_BLOCK_QUOTA)
         copy_ms = time_ms(fn, dev, sz.reps, side)
         k = max(2, math.ceil(1.2 * alone / copy_ms))
         g_ms, c_ms = sorted(_corun(gemm, fn, k, side, cuda) for _ in range(3))[1]
