@@ -1,8 +1,6 @@
-"""Workloads for the end-to-end benchmarks: multi-turn conversations and long cached prompts.
-
-Token ids are deterministic functions of the seed, so every configuration of a benchmark replays
-the same trace.
-"""
+"""Workloads of the end-to-end benchmarks: multi-turn conversations and long prompts with a
+shared cached prefix. Token ids are functions of the seed: every configuration replays the same
+trace."""
 
 from __future__ import annotations
 
@@ -12,13 +10,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Conversation:
-    """One client: a first prompt, then one new question per later round.
+    """One client: a first prompt, then one question per later round. Round ``r``'s prompt is
+    the whole history (every earlier prompt and its one output token) plus the new question
+    (SGLang ``bench_multiturn``, output length 1)."""
 
-    Round ``r``'s prompt is the whole history: every earlier prompt, the one output token each
-    produced, and the new question (SGLang ``bench_multiturn``, output length 1).
-    """
-
-    client_id: int
     first_prompt: list[int]
     questions: list[list[int]]
     output_tokens: list[int]
@@ -26,65 +21,40 @@ class Conversation:
     round: int = 0
 
     @property
-    def num_rounds(self) -> int:
-        return 1 + len(self.questions)
+    def done(self) -> bool:
+        return self.round > len(self.questions)
 
     def next_prompt(self) -> list[int]:
-        """The prompt of the current round (history plus this round's new tokens)."""
-        new = self.first_prompt if self.round == 0 else self.questions[self.round - 1]
-        return self.history + new
+        return self.history + (self.questions[self.round - 1] if self.round else self.first_prompt)
 
     def complete_round(self, prompt: list[int]) -> None:
-        """Record that this round's prompt was answered with its one output token."""
         self.history = prompt + [self.output_tokens[self.round]]
         self.round += 1
 
-    @property
-    def done(self) -> bool:
-        return self.round >= self.num_rounds
+    def tokens(self) -> int:
+        """Tokens of KV the conversation leaves: every prompt and output token."""
+        return len(self.first_prompt) + sum(map(len, self.questions)) + len(self.output_tokens)
 
 
 def make_conversations(
-    num_clients: int,
-    num_rounds: int,
-    request_length: int,
-    sub_question_input_length: int,
-    vocab_size: int,
-    seed: int,
+    clients: int, rounds: int, first: int, question: int, vocab: int, seed: int
 ) -> list[Conversation]:
-    """Clients with random first prompts of ``request_length`` tokens and questions of
-    ``sub_question_input_length`` tokens; token ids in ``[1, vocab_size)``."""
+    """``clients`` conversations of ``rounds`` rounds: a ``first``-token prompt, then
+    ``question``-token questions; ids in ``[1, vocab)``."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(1, vocab_size) for _ in range(n)]
+        return [rng.randrange(1, vocab) for _ in range(n)]
 
     return [
-        Conversation(
-            client_id=c,
-            first_prompt=tokens(request_length),
-            questions=[tokens(sub_question_input_length) for _ in range(num_rounds - 1)],
-            output_tokens=tokens(num_rounds),
-        )
-        for c in range(num_clients)
+        Conversation(tokens(first), [tokens(question) for _ in range(rounds - 1)], tokens(rounds))
+        for _ in range(clients)
     ]
 
 
-def working_set_tokens(conversations: list[Conversation]) -> int:
-    """Tokens of KV the whole trace would keep if every final history stayed cached."""
-    total = 0
-    for conv in conversations:
-        total += len(conv.first_prompt) + sum(len(q) for q in conv.questions) + conv.num_rounds
-    return total
-
-
 def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
-    """``num`` arrival offsets (seconds) of a Poisson process with ``rate`` per second;
-    ``rate <= 0`` or infinite means all at time 0."""
-    if rate <= 0 or rate == float("inf"):
-        return [0.0] * num
-    rng = random.Random(seed)
-    t, out = 0.0, []
+    """``num`` arrival times (s) of a Poisson process of ``rate`` per second."""
+    rng, t, out = random.Random(seed), 0.0, []
     for _ in range(num):
         t += rng.expovariate(rate)
         out.append(t)
@@ -92,22 +62,14 @@ def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
 
 
 def cached_prompts(
-    num_requests: int,
-    input_len: int,
-    cached_fraction: float,
-    num_prefixes: int,
-    vocab_size: int,
-    seed: int,
+    num: int, length: int, cached_fraction: float, prefixes: int, vocab: int, seed: int
 ) -> list[list[int]]:
-    """Long prompts whose first ``cached_fraction`` comes from one of ``num_prefixes`` shared
-    prefixes (the upstream optimistic-prefill measurement: long inputs, ~80% cached)."""
+    """``num`` prompts of ``length`` tokens whose first ``cached_fraction`` is one of
+    ``prefixes`` shared prefixes (long inputs, mostly cached: the optimistic workload)."""
     rng = random.Random(seed)
-    prefix_len = int(input_len * cached_fraction)
-    prefixes = [
-        [rng.randrange(1, vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)
-    ]
+    n = int(length * cached_fraction)
+    shared = [[rng.randrange(1, vocab) for _ in range(n)] for _ in range(prefixes)]
     return [
-        prefixes[i % num_prefixes]
-        + [rng.randrange(1, vocab_size) for _ in range(input_len - prefix_len)]
-        for i in range(num_requests)
+        shared[i % prefixes] + [rng.randrange(1, vocab) for _ in range(length - n)]
+        for i in range(num)
     ]

@@ -33,7 +33,7 @@ from bench.e2e.setup import (
     release_executor,
     shared_model,
 )
-from bench.e2e.workload import Conversation, make_conversations, working_set_tokens
+from bench.e2e.workload import Conversation, make_conversations
 from bench.profile import GpuProfile
 from hicache.memory.allocator import page_ceil
 from prefill.disagg.sim_config import PeerConfig
@@ -88,7 +88,7 @@ class MultiTurn:
     def __init__(self, opts: argparse.Namespace, model: Any, host: SharedHostPool) -> None:
         self.opts = opts
         self.vocab = model_args(opts.use_mla)["vocab_size"]
-        self.working_set = working_set_tokens(self.conversations(0))
+        self.working_set = sum(c.tokens() for c in self.conversations(0))
         longest = opts.request_length + (opts.num_rounds - 1) * (opts.sub_question_input_length + 1)
         page = opts.page_size
         device = int(self.working_set / opts.working_set_ratio) // page * page
