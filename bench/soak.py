@@ -27,6 +27,7 @@ CONFIGS = {
     "write_back": "--enable-hierarchical-cache --hicache-write-policy write_back",
     "device": "",
 }
+CONFIG = "write_through"  # the default
 COLUMNS = [
     Column("finished", "done", 8),
     Column("rss_mb", "RSS MB", 9, ".1f"),
@@ -38,19 +39,10 @@ COLUMNS = [
 SIZES = {True: (20_000, 2_000, 4_000), False: (100_000, 5_000, 10_000)}  # requests, window, warmup
 
 
-def rss_mb() -> float:
-    """Resident set size of this process in MB (Linux)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def run(
-    quick: bool = True,
-    out_dir: Path = Path("results"),
-    config: str = "write_through",
-    sizes: tuple[int, int, int] | None = None,
+    quick: bool = True, out_dir: Path = Path("results"), sizes: tuple = (), config: str = CONFIG
 ) -> dict[str, Any]:
-    """A soak of ``CONFIGS[config]`` at ``SIZES[quick]`` or ``sizes`` (requests, window, warmup):
+    """A soak of ``CONFIGS[config]`` at ``sizes`` (requests, window, warmup) or ``SIZES[quick]``:
     prints each window and the report, writes ``bench_soak.json``, returns it without windows."""
     requests, window, warmup = sizes or SIZES[quick]
     args = prepare_server_args([*FLAGS, "--random-seed", "0", *CONFIGS[config].split()])
@@ -62,7 +54,9 @@ def run(
     def sample(rep: SoakReport) -> None:
         step_us = (time.process_time() - last[1]) / max(rep.steps - last[0], 1) * 1e6
         gc.collect()
-        row = {"finished": rep.successes + rep.aborted, "rss_mb": rss_mb(), "step_us": step_us}
+        with open("/proc/self/status") as f:  # the resident set size, in MB
+            rss = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+        row = {"finished": rep.successes + rep.aborted, "rss_mb": rss, "step_us": step_us}
         row |= {"in_flight": len(ex.requests), "decode_peers": len(ex.decode.peers)}
         row["tree_nodes"] = sum(1 for _ in ex.tree.all_nodes())
         print(table_row(row, COLUMNS), flush=True)
@@ -102,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     p.add_argument("--quick", action="store_true", help="20k requests (default: 100k).")
     p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="write_through")
+    p.add_argument("--config", choices=sorted(CONFIGS), default=CONFIG)
     a = p.parse_args(argv)
-    return 1 if any(run(a.quick, a.out, a.config)["integrity"].values()) else 0
+    return 1 if any(run(a.quick, a.out, config=a.config)["integrity"].values()) else 0
 
 
 if __name__ == "__main__":

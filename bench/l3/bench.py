@@ -1,8 +1,7 @@
-"""``python -m bench.l3 [--quick] [--out DIR]``: the L3 file backend, measured on this CPU.
-Restart: a process serves prompts with L2 + L3 (``FLAGS``) and exits; a fresh one over its
-directory serves them extended by a question (warm), another over an empty one (cold); per process
-TTFT, L3 hit rate, ``check_integrity``. Bandwidth: the tier's page writes and reads, 128 pages a
-call, against a plain file per page (page cache).
+"""``python -m bench.l3 [--quick] [--out DIR]``: the L3 file backend, measured on this CPU. Restart:
+a process serves prompts with L2 + L3 (``FLAGS``) and exits; fresh ones serve them extended by a
+question over its directory (warm) or an empty one (cold): TTFT, L3 hit rate, ``check_integrity``.
+Bandwidth: the tier's page writes and reads, 128 pages a call, against a plain file per page.
 """
 
 from __future__ import annotations
@@ -119,8 +118,7 @@ def bandwidth(pages: int) -> dict[str, Any]:
                 with open(os.path.join(d, f"{i}.bin"), "rb", buffering=0) as f:
                     f.readinto(memoryview(back)[i * size : (i + 1) * size])
 
-        cpu = torch.device("cpu")
-        fns = (l3_write, l3_read, files_write, files_read)
+        fns, cpu = (l3_write, l3_read, files_write, files_read), torch.device("cpu")
         gbps = {f"{f.__name__}_gbps": nbytes / time_ms(f, cpu, rep_ms=0).median / 1e6 for f in fns}
     return {"pages": pages, "page_bytes": size, "bytes": nbytes, **gbps}
 

@@ -1,8 +1,7 @@
 """``python -m bench.mooncake_store [--quick] [--out DIR]``: ``MooncakeStore`` (the L3 tier) put /
-get bandwidth against a memcpy of the same objects, measured on this CPU over TCP loopback:
-``batch_set_v1`` / ``batch_get_v1``, 128 pages a call, pages of 1, 16 and 64 tokens of Llama-3-8B's
-KV shape, objects in the client's own segment (``local``) or another process's (``remote``); bytes
-checked, medians after an untimed round. Clients run in node processes of this module (``NODE``).
+get bandwidth (``batch_set_v1`` / ``batch_get_v1``, 128 pages a call) against memcpy, on this CPU
+over TCP loopback: pages of 1, 16, 64 tokens of Llama-3-8B's KV, objects in the client's segment
+(``local``) or another process's (``remote``), bytes checked; clients in node processes (``NODE``).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from hicache.memory.device_pool import MHATokenToKVPool
 from hicache.memory.host_pool_factory import make_host_pool
 from hicache.mooncake.availability import skip_reason
 from hicache.storage.backend_factory import StorageBackendFactory
-from hicache.storage.base import STORAGE_BATCH_SIZE
+from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
 from hicache.storage.config import storage_config_for_pool
 from hicache.storage.mooncake.master import MooncakeMaster
 from prefill.testing.node_main import Node
@@ -47,11 +46,8 @@ COLUMNS = [
 
 def _calls(fn: Any, keys: list[str], slots: torch.Tensor, page: int) -> int:
     """Pages ``fn`` (``batch_set_v1`` / ``batch_get_v1``) reports done, 128 per call."""
-    done = 0
-    for s in range(0, len(keys), STORAGE_BATCH_SIZE):
-        batch = keys[s : s + STORAGE_BATCH_SIZE]
-        done += sum(fn(batch, slots[s * page : (s + len(batch)) * page]))
-    return done
+    starts = range(0, len(keys), BATCH)
+    return sum(sum(fn(keys[s : s + BATCH], slots[s * page : (s + BATCH) * page])) for s in starts)
 
 
 def measure(extra: dict, page: int, total_bytes: int, repeats: int = 3) -> dict[str, Any]:
@@ -127,8 +123,7 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
         print(f"[mooncake_store] skipped: {reason}")
         return {"skipped": reason, "integrity": {}}
     mib, repeats = (64, 3) if quick else (256, 5)
-    head = f"[mooncake_store] measured on {MEASURED_ON}: {mib} MiB per row, median of {repeats}"
-    print(head, flush=True)
+    print(f"[mooncake_store] measured on {MEASURED_ON}: {mib} MiB, median of {repeats}", flush=True)
     rows = placements(mib, repeats)
     print_table(rows, COLUMNS)
     integrity = {"failed_pages": sum(r["failed_pages"] for r in rows)}

@@ -1,17 +1,15 @@
 """``python -m bench.pd [--quick] [--out DIR]``: PD disaggregation over Mooncake on TCP loopback,
-measured on this CPU under the loopback shim (in a child when needed; the engines' start-up lines,
-``NOISE``, counted, not shown). Write cost per item size: two engines, scattered items, bytes
-checked, against an in-memory copy; fitted as ``kv_transfer_measured`` (a ``CopyPath``). TTFT
-(arrival to the transfer's ``Success``) with one or two decode worker processes: cached-prefix
-prompts arrive (Poisson) at half the prefill rate; a worker preallocates a request after 0.5 to
-1.5 prefill times (a busy decode), which optimistic prefill (attempts 2) can use and the baseline
-(0) waits out; the configurations take turns, every run ends with ``audit`` (``INTEGRITY``).
+measured on this CPU under the loopback shim (a child when needed; start-up ``NOISE`` counted).
+Write cost per item size (two engines, scattered items, bytes checked, against an in-memory copy),
+fitted as ``kv_transfer_measured`` (a ``CopyPath``). TTFT with 1 or 2 decode worker processes:
+cached-prefix prompts arrive (Poisson) at half the prefill rate; a worker preallocates each after
+0.5 to 1.5 prefill times (a busy decode), which optimistic prefill (attempts 2) uses and attempts 0
+waits out; the configurations take turns; each run ends with ``audit`` (``INTEGRITY``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import random
@@ -91,10 +89,6 @@ def _write(engine: KVTransferEngine, session: str, srcs: list, dsts: list, size:
         raise RuntimeError(f"batch_transfer_sync_write of {size}-byte items failed")
 
 
-def _copy(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray) -> None:
-    dst[di] = src[si]
-
-
 def write_cost(quick: bool) -> dict[str, Any]:
     """Mooncake's write cost per item size (medians) and its fit over the best repeats."""
     total, reps = (8 << 20, 5) if quick else (32 << 20, 9)
@@ -115,7 +109,8 @@ def write_cost(quick: bool) -> dict[str, Any]:
             if not np.array_equal(dst_rows[di], src_rows[si]):
                 raise RuntimeError(f"{size}-byte items: the receiver's bytes differ")
             times = timeit.repeat(write, number=1, repeat=reps)
-            copy = timeit.repeat(partial(_copy, dst_rows, di, src_rows, si), number=1, repeat=reps)
+            names = {"dst": dst_rows, "di": di, "src": src_rows, "si": si}  # the in-memory copy
+            copy = timeit.repeat("dst[di] = src[si]", number=1, repeat=reps, globals=names)
             t, best, copy_s = statistics.median(times), min(times), statistics.median(copy)
             cells = (size, t / n * 1e6, total / t / 1e9, total / best / 1e9, total / copy_s / 1e9)
             rows.append({c.key: v for c, v in zip(RATE_COLUMNS, cells, strict=True)})
@@ -217,18 +212,16 @@ def ttft_rows(quick: bool, workers: list[DecodeWorker]) -> dict[str, Any]:
     """The TTFT table's rows (module docstring)."""
     n, repeats = (40, 3) if quick else (160, 5)
     rng = random.Random(1)
-    prefixes = [[rng.randrange(1, VOCAB) for _ in range(CACHED)] for _ in range(PREFIXES)]
-    prompts = [
-        prefixes[i % PREFIXES] + [rng.randrange(1, VOCAB) for _ in range(PROMPT - CACHED)]
-        for i in range(n + 5)
-    ]
+    draw = lambda k: [rng.randrange(1, VOCAB) for _ in range(k)]
+    prefixes = [draw(CACHED) for _ in range(PREFIXES)]
+    prompts = [prefixes[i % PREFIXES] + draw(PROMPT - CACHED) for i in range(n + 5)]
     model = build_model(server_args(0))
     ex = executor(server_args(0), model, workers[:1], {})
     one_by_one(ex, prefixes, "warm")
     prefill_s = statistics.median(r.prefill_latency for r in one_by_one(ex, prompts[n:], "cal"))
     ex.decode.close()
     delays = {f"req-{i}": rng.uniform(0.5, 1.5) * prefill_s for i in range(n)}
-    arrivals = list(itertools.accumulate(rng.expovariate(0.5 / prefill_s) for _ in range(n)))
+    arrivals = np.cumsum([rng.expovariate(0.5 / prefill_s) for _ in range(n)]).tolist()
     runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     for r in range(repeats):
         for k, attempts in CONFIGS[r % 4 :] + CONFIGS[: r % 4]:
@@ -252,10 +245,8 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     cost = write_cost(quick)
     print_table(cost["rows"], RATE_COLUMNS)
     if (path := cost["kv_transfer_measured"]) is not None:
-        print(
-            f"[pd] least squares: {path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f}"
-            f" GB/s (largest residual {path['max_rel_residual']:.0%})"
-        )
+        fit = f"{path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f} GB/s"
+        print(f"[pd] least squares: {fit} (largest residual {path['max_rel_residual']:.0%})")
     print("[pd] TTFT (ms), optimistic prefill attempts 0 and 2, busy decode workers", flush=True)
     workers = start_workers(2, pool_tokens=32768, max_running_requests=64, check_free_pages=False)
     try:
@@ -272,37 +263,27 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     return payload
 
 
-def child(quick: bool, out_dir: Path) -> int:
-    """``python -m bench.pd`` under the shim, ``NOISE`` dropped from its stderr and counted."""
-    cmd = [sys.executable, "-m", "bench.pd", "--out", str(out_dir)] + (["--quick"] if quick else [])
-    proc = subprocess.Popen(cmd, env=loopback.preload_env(), stderr=subprocess.PIPE, text=True)
-    hidden = 0
-    for line in proc.stderr:
-        if any(n in line for n in NOISE):
-            hidden += 1
-        else:
-            sys.stderr.write(line)
-    print(f"[pd] {hidden} lines of Mooncake start-up logging ({NOISE[0]!r}) not shown")
-    return proc.wait()
-
-
-def missing() -> str | None:
-    """Why Mooncake's engine or the loopback shim is not usable here, or ``None``."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before any engine; children inherit it
-    return skip_reason("engine")
-
-
 def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
     """The summary section (measured here or in a child under the shim), or ``skipped``."""
-    if (reason := missing()) is not None:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before any engine; children inherit it
+    if (reason := skip_reason("engine")) is not None:
         print(f"[pd] skipped: {reason}")
         return {"skipped": reason, "integrity": {}}
     path = out_dir / "bench_pd.json"
     if loopback.shim_loaded():
         payload = measure(quick, out_dir)
     else:
-        path.unlink(missing_ok=True)
-        rc = child(quick, out_dir)
+        path.unlink(missing_ok=True)  # the child's: under the shim, NOISE dropped and counted
+        cmd = [sys.executable, "-m", "bench.pd", "--out", str(out_dir)] + ["--quick"] * quick
+        proc = subprocess.Popen(cmd, env=loopback.preload_env(), stderr=subprocess.PIPE, text=True)
+        hidden = 0
+        for line in proc.stderr:
+            if any(n in line for n in NOISE):
+                hidden += 1
+            else:
+                sys.stderr.write(line)
+        print(f"[pd] {hidden} lines of Mooncake start-up logging ({NOISE[0]!r}) not shown")
+        rc = proc.wait()
         if not path.exists():
             raise RuntimeError(f"python -m bench.pd exited {rc} without writing {path}")
         payload = json.loads(path.read_text())
