@@ -1,16 +1,13 @@
 """Host-side cost of the radix tree's bookkeeping per op on a multi-turn trace (CPU; no KV bytes).
 
-Each tree is filled to N tokens (10K, 100K, 1M) with the trace of ``bench/cache_ops/trace.py``,
-then plays ``--steps`` steps: 1% of N is evicted after each 1% inserted (``evict_1pct``), and
-every 10th step one leaf on its own (``evict_leaf``). Mean, median and p99 per op, microseconds
-per call, at page 1 and 16. With ``--against-sglang`` every step and eviction runs on each tree in
-turn, rotating which goes first: this project's ``RadixCache`` and SGLang 0.5.23's Python
-``RadixCache`` and ``UnifiedRadixCache`` with its Rust TreeCore (``sglang_trees``), each over its
-own allocator; the table gives the ratios project / SGLang and the steps where the project's match
-length differs from SGLang's Python tree (both evict LRU leaves). Run with ``OMP_NUM_THREADS=1``.
-
-``python -m bench.cache_ops [--quick] [--against-sglang [--sglang-site DIR]] [--steps N]
-[--sizes ...] [--pages ...] [--out results]`` prints the table, writes ``bench_cache_ops.json``.
+Each tree is filled to N tokens (10K, 100K, 1M) with the trace of ``trace.py``, then plays
+``--steps`` steps: 1% of N is evicted after each 1% inserted (``evict_1pct``) and every 10th step
+one leaf (``evict_leaf``); mean, median and p99 microseconds per call at page 1 and 16. With
+``--against-sglang`` every step and eviction also runs on SGLang 0.5.23's Python ``RadixCache``
+and its ``UnifiedRadixCache`` with the Rust TreeCore (``sglang_loader``), each over its own
+allocator, rotating which tree goes first; the table gives the ratios project / SGLang and the
+steps whose match length differs from SGLang's Python tree (both evict LRU leaves). Run with
+``OMP_NUM_THREADS=1``; writes ``bench_cache_ops.json``.
 """
 
 from __future__ import annotations
@@ -18,14 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step, timed_evict
+from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step
 from hicache.memory.allocator import page_ceil
 
 ALL_OPS = OPS + ("evict_1pct", "evict_leaf")
 SIZES = (10_000, 100_000, 1_000_000)
+RUST_CORE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"  # its compiled TreeCore
 
 
 def stats(samples: list[float]) -> dict[str, Any]:
@@ -53,8 +53,9 @@ def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -
     def evict(order: list[Any], n: int, op: str) -> None:
         nonlocal balance
         for d in order:
-            us, freed = timed_evict(d, n)
-            samples[d.name][op].append(us)
+            t0 = time.perf_counter_ns()
+            freed = d.evict(n)
+            samples[d.name][op].append((time.perf_counter_ns() - t0) / 1e3)
             balance -= freed if d is project else 0
 
     for s in range(steps):
@@ -70,14 +71,9 @@ def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -
         if s % 10 == 5:
             evict(order, page_size, "evict_leaf")
     project.tree.check_integrity()  # raises on a broken invariant or a leak
-    row = {
-        "tokens": capacity,
-        "page_size": page_size,
-        "steps": steps,
-        "evict_tokens": chunk,
-        "nodes": len(project.tree.all_nodes()),
-        "trees": {d.name: {op: stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers},
-    }
+    trees = {d.name: {op: stats(samples[d.name][op]) for op in ALL_OPS} for d in drivers}
+    row = dict(tokens=capacity, page_size=page_size, steps=steps, evict_tokens=chunk)
+    row.update(nodes=len(project.tree.all_nodes()), trees=trees)
     if len(drivers) > 1:
         row["match_len_mismatch_steps_vs_sglang_python"] = mismatches
     return row
@@ -119,39 +115,28 @@ def run(
     """Every size and page (steps: 300 quick, 3000 full); prints the table, writes
     ``bench_cache_ops.json`` under ``out_dir`` and returns the summary dict."""
     factories: list[Any] = [ProjectDriver]
-    note, stubs, rust = "not requested (--against-sglang)", [], None
+    sgl, note, stubs, rust = None, "not requested (--against-sglang)", [], None
     if against_sglang:
-        from bench.cache_ops import sglang_trees as st
+        from bench.cache_ops.sglang_loader import sglang_drivers
 
-        sgl, version = st.load_sglang(sglang_site)
-        if sgl is None and sglang_site is not None:  # asked for that install: no silent fallback
-            raise RuntimeError(f"--sglang-site {sglang_site}: {version}")
-        note = version if sgl is None else f"sglang {version}"
-        if sgl is not None:
-            factories += [
-                lambda p, ps: st.SGLangPythonDriver(sgl, p, ps),
-                lambda p, ps: st.SGLangRustDriver(sgl, p, ps),
-            ]
+        sgl, note, more = sglang_drivers(sglang_site)
+        factories += more.values()
         print(f"[cache_ops] SGLang: {note}")
     n_steps = steps if steps is not None else (300 if quick else 3000)
     rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
-    if len(factories) > 1:
-        from bench.cache_ops.sglang_loader import stub_lines
-
-        stubs, rust = sgl.stub_report(), st.rust_core_file()
+    if sgl is not None:
+        stubs, rust = sgl.stub_report(), getattr(sys.modules.get(RUST_CORE), "__file__", None)
         print(f"[cache_ops] SGLang Rust TreeCore: {rust}")
         if stubs:
             print("SGLang imports replaced (the rest is SGLang's installed code):")
-            print("\n".join(stub_lines(stubs)))
+        for r in stubs:
+            names = ", ".join(r.get("placeholders", [])) or "none"
+            tail = f" [names imported: {names}]" if r["kind"] == "stub" else ""
+            print(f"  - {r['module']} ({r['kind']}): {r['reason']}{tail}")
     print_rows(rows)
-    result = {
-        "unit": "microseconds per call, measured on this CPU",
-        "sglang": note,
-        "sglang_stubs": stubs,
-        "sglang_rust_core": rust,
-        "rows": rows,
-        "integrity": {"leaked_slots": 0},  # every row ended with check_integrity()
-    }
+    result = {"unit": "microseconds per call, measured on this CPU", "sglang": note}
+    result.update(sglang_stubs=stubs, sglang_rust_core=rust, rows=rows)
+    result["integrity"] = {"leaked_slots": 0}  # every row ended with check_integrity()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_cache_ops.json").write_text(json.dumps(result, indent=2))

@@ -1,40 +1,31 @@
-"""Load SGLang's radix trees from a release installed without its dependency tree.
+"""SGLang's radix trees, as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
 
-``make bench-vs-sglang`` installs ``sglang==0.5.23`` with ``pip install --no-deps --target
-.venv-sglang-check/sglang-0.5.23`` and runs in the venv of ``make sglang-check`` (CPU torch,
-triton, numpy, psutil, msgspec) plus ``packaging`` in ``.venv-sglang-check/bench-deps``.
-:func:`install` puts both first on ``sys.path`` and installs the stub finder of
-``tests/sglang_check/stubs.py``; everything the trees run (``radix_cache``,
-``unified_radix_cache``, the Rust TreeCore extension shipped in the wheel, the allocators,
-``memory_pool``, ``sglang.srt.utils``) is SGLang's installed file. Replaced, with the reasons in
-``BARE_PACKAGES`` and ``_STUB_REASONS``:
-
-- bare packages (``__init__`` not run, submodules load from the installed files): ``sglang``,
-  ``sglang.srt.configs``, ``sglang.srt.layers.quantization``;
-- stubbed SGLang modules (never called by the trees):
-  ``sglang.srt.observability.metrics_collector``, ``sglang.srt.managers.schedule_batch``;
-- stubbed third-party packages imported unconditionally by modules the trees never call into:
-  ``orjson``, ``pybase64``, ``requests``, ``PIL``, ``starlette``, ``starlette.routing``,
-  ``pydantic_core``, ``pydantic``, ``zmq``, ``zmq.auth``, ``zmq.auth.thread``, ``tvm_ffi``.
-
-A placeholder that is called raises ``StubUsed``, so a stub reached by a benchmark stops it
-instead of changing what is measured; :func:`stub_report` lists the replacements used.
+``load_sglang`` imports SGLang as installed or, with ``site``, from a release installed with
+``pip install --no-deps --target`` (``make bench-vs-sglang``): ``install`` puts it (and
+``.venv-sglang-check/bench-deps``) first on ``sys.path`` with the stub finder of
+``tests/sglang_check/stubs.py``. The trees, allocators, ``memory_pool`` and ``sglang.srt.utils``
+run as installed; ``BARE_PACKAGES`` (``__init__`` not run) and ``STUB_REASONS`` (modules the
+trees never call into) list what is replaced and why. A stub that is called raises ``StubUsed``.
+``SGLangPythonDriver`` wraps ``RadixCache``, ``SGLangRustDriver`` ``UnifiedRadixCache`` with the
+Rust TreeCore, each over SGLang's allocator and a one-layer ``MHATokenToKVPool`` on the CPU,
+unpatched. Keys (``RadixKey``) are built untimed; "match" includes ``path_device_indices``, which
+SGLang's scheduler reads after a match. No ``ServerArgs`` is published (the trees read none).
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
 import os
 import sys
+from array import array
+from functools import partial
 from typing import Any
+
+import torch
 
 from tests.sglang_check.stubs import Stub, StubFinder, install_importer, report
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_SITE = ".venv-sglang-check/sglang-0.5.23"
 DEFAULT_DEPS = ".venv-sglang-check/bench-deps"
-
 BARE_PACKAGES: dict[str, str] = {
     "sglang": "package __init__ imports the frontend language and HF patches",
     "sglang.srt.configs": "package __init__ imports every model config (transformers); "
@@ -42,9 +33,8 @@ BARE_PACKAGES: dict[str, str] = {
     "sglang.srt.layers.quantization": "package __init__ imports every quantization method and "
     "the model-layer stack; memory_pool needs only fp4_kv_cache_quant_method",
 }
-
-_UTILS = "in sglang.srt.utils.common"
-_STUB_REASONS: dict[str, str] = {
+_UTILS, _NET = "in sglang.srt.utils.common", "IPC sockets in sglang.srt.utils.network"
+STUB_REASONS: dict[str, str] = {
     "sglang.srt.observability.metrics_collector": "Prometheus metrics, used only with "
     "enable_metrics (off); its imports reach the model configs",
     "sglang.srt.managers.schedule_batch": "scheduler request batch; ReqKvInfo is used only by "
@@ -57,40 +47,132 @@ _STUB_REASONS: dict[str, str] = {
     "starlette.routing": f"HTTP routing {_UTILS}",
     "pydantic_core": "request schema helpers in sglang.srt.utils.msgspec_utils",
     "pydantic": "KV event messages in sglang.srt.disaggregation.kv_events (events off)",
-    "zmq": "IPC sockets in sglang.srt.utils.network",
-    "zmq.auth": "IPC sockets in sglang.srt.utils.network",
-    "zmq.auth.thread": "IPC sockets in sglang.srt.utils.network",
+    **dict.fromkeys(("zmq", "zmq.auth", "zmq.auth.thread"), _NET),
     "tvm_ffi": "JIT CUDA all-reduce kernels, reached from memory_pool via layers.dp_attention",
+}
+MEM = "sglang.srt.mem_cache."
+SGLANG_NAMES = {
+    "allocator": "TokenToKVPoolAllocator PagedTokenToKVPoolAllocator",
+    "memory_pool": "MHATokenToKVPool",
+    "cache_init_params": "CacheInitParams",
+    "radix_cache": "RadixCache RadixKey",
+    "base_prefix_cache": "MatchPrefixParams InsertParams EvictParams",
+    "unified_radix_cache": "UnifiedRadixCache",
+    "unified_cache.component_type": "ComponentType",
 }
 
 
-def stubs() -> dict[str, Stub]:
-    """A fresh :class:`Stub` per stubbed module (each records the names imported from it)."""
-    return {name: Stub(reason) for name, reason in _STUB_REASONS.items()}
-
-
-def install(site: str = DEFAULT_SITE, deps: str | None = DEFAULT_DEPS) -> StubFinder:
+def install(site: str, deps: str | None = DEFAULT_DEPS) -> StubFinder:
     """Put ``site`` (and ``deps`` when it exists) first on ``sys.path`` and install the stub
     finder. ``ValueError`` naming ``site`` when it holds no ``sglang``; nothing changes then."""
     if not os.path.isdir(os.path.join(site, "sglang")):
         raise ValueError(f"site={site!r} holds no sglang package: run make bench-vs-sglang")
-    if "sglang" in sys.modules:
-        logger.warning("sglang was imported before the loader; stubs apply to new imports only")
     for p in reversed([site] + ([deps] if deps and os.path.isdir(deps) else [])):
         if p not in sys.path:
             sys.path.insert(0, p)
-    return install_importer(stubs(), BARE_PACKAGES)
+    stubs = {name: Stub(reason) for name, reason in STUB_REASONS.items()}
+    return install_importer(stubs, BARE_PACKAGES)
 
 
-def stub_report(finder: StubFinder) -> list[dict[str, Any]]:
-    """Every bare package and stub this process used, with its reason and placeholder names."""
-    return report(finder)
+def load_sglang(site: str | None = None) -> tuple[Any, str]:
+    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``; the
+    namespace's ``stub_report()`` lists every replacement used (empty without ``site``)."""
+    try:
+        finder = None if site is None else install(site)
+        sglang = importlib.import_module("sglang")
+        ns: dict[str, Any] = {
+            name: getattr(importlib.import_module(MEM + module), name)
+            for module, names in SGLANG_NAMES.items()
+            for name in names.split()
+        }
+        ns["stub_report"] = staticmethod(lambda: [] if finder is None else report(finder))
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"SGLang is not importable here ({type(exc).__name__}: {exc})"
+    version = getattr(sglang, "__version__", None)  # a bare package has none
+    if version is None:
+        version = getattr(importlib.import_module("sglang.version"), "__version__", "unknown")
+    return type("SGLang", (), ns), version
 
 
-def stub_lines(rows: list[dict[str, Any]]) -> list[str]:
-    out = []
-    for r in rows:
-        names = ", ".join(r.get("placeholders", [])) or "none"
-        tail = f" [names imported: {names}]" if r["kind"] == "stub" else ""
-        out.append(f"  - {r['module']} ({r['kind']}): {r['reason']}{tail}")
-    return out
+def sglang_drivers(site: str | None) -> tuple[Any, str, dict[str, Any]]:
+    """``load_sglang``'s namespace and note (``"sglang VERSION"`` or why not) and a factory
+    ``(pool_tokens, page_size) -> driver`` per SGLang tree; a ``site`` that fails raises."""
+    sgl, note = load_sglang(site)
+    if sgl is None and site is not None:  # asked for that install: no silent fallback
+        raise RuntimeError(f"--sglang-site {site}: {note}")
+    if sgl is None:
+        return None, note, {}
+    drivers = {"sglang_python": SGLangPythonDriver, "sglang_rust": SGLangRustDriver}
+    return sgl, f"sglang {note}", {k: partial(d, sgl) for k, d in drivers.items()}
+
+
+class _SGLangDriver:
+    frees_duplicates = False
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        self.sgl, self.page_size = sgl, page_size
+        common = dict(size=pool_tokens, dtype=torch.float16, device="cpu")
+        one = dict(head_num=1, head_dim=1, layer_num=1, enable_memory_saver=False)
+        kv = sgl.MHATokenToKVPool(page_size=page_size, **one, **common)
+        common.update(kvcache=kv, need_sort=False)
+        if page_size == 1:
+            self.allocator = sgl.TokenToKVPoolAllocator(**common)
+        else:
+            self.allocator = sgl.PagedTokenToKVPoolAllocator(page_size=page_size, **common)
+
+    def _cache_params(self, **extra: Any) -> Any:
+        extra.update(token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)
+        return self.sgl.CacheInitParams(disable=False, req_to_token_pool=None, **extra)
+
+    def prepare(self, key: Any) -> Any:
+        return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
+
+    def match(self, params: Any) -> tuple[int, torch.Tensor, Any]:
+        r = self.tree.match_prefix(params)
+        node = r.last_device_node
+        return r.device_prefix_len, self.tree.path_device_indices(node), node
+
+    def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
+        return self.tree.insert(self.sgl.InsertParams(key=params.key, value=slots)).prefix_len
+
+    def evict(self, n: int) -> int:
+        return self.tree.evict(self.sgl.EvictParams(num_tokens=n)).num_tokens_evicted
+
+
+class SGLangPythonDriver(_SGLangDriver):
+    name = "sglang_python"
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        super().__init__(sgl, pool_tokens, page_size)
+        self.tree = sgl.RadixCache(self._cache_params())
+
+    def lock(self, node: Any) -> Any:
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def unlock(self, node: Any, token: Any) -> None:
+        self.tree.dec_lock_ref(node)
+
+
+class SGLangRustDriver(_SGLangDriver):
+    """``UnifiedRadixCache`` frees an insert's duplicates itself (inside the timed insert)."""
+
+    name = "sglang_rust"
+    frees_duplicates = True
+
+    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
+        super().__init__(sgl, pool_tokens, page_size)
+        rust = dict(tree_components=(sgl.ComponentType.FULL,), tree_core_backend="rust")
+        self.tree = sgl.UnifiedRadixCache(params=self._cache_params(**rust))
+        if self.tree._tree_core_backend != "rust":
+            raise RuntimeError(f"SGLang fell back to the {self.tree._tree_core_backend} core")
+
+    def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
+        p = self.sgl.InsertParams(key=params.key, value=slots, prev_prefix_len=matched)
+        return self.tree.insert(p).prefix_len
+
+    def lock(self, node: Any) -> Any:
+        return self.tree.inc_lock_ref(node).to_dec_params()
+
+    def unlock(self, node: Any, token: Any) -> None:
+        self.tree.dec_lock_ref(node, token)

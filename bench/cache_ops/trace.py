@@ -1,14 +1,10 @@
 """The multi-turn trace of ``bench.cache_ops`` and the project's driver that plays it on a tree.
 
-Trace (deterministic per seed): 4 shared system prompts; each step continues one of the active
-conversations (80%) or starts a new one; its key is the conversation so far plus a user turn and
-a reply, every segment a multiple of 16 tokens (whole pages at page 1 and 16). A conversation past
-``max_conv_tokens`` is retired. Each step also carries a pure-miss key.
-
-``play_step`` times each op alone: ``match`` (with the hit's device indices), ``lock``,
-``insert``, ``unlock``, ``miss`` (a match of the pure-miss key); allocation and frees of
-duplicates are untimed. A driver (``ProjectDriver`` here, SGLang's in ``sglang_trees``) takes keys
-as ``array('q')`` (SGLang 0.5.23's key type), built outside the timed region.
+Trace (deterministic per seed): 4 shared system prompts; each step continues an active
+conversation (80%) or starts one, adding a user turn and a reply (multiples of 16 tokens); one
+past ``max_conv_tokens`` is retired. Each step also carries a pure-miss key. ``play_step`` times
+each op alone: ``match`` (with the hit's device indices), ``lock``, ``insert``, ``unlock``,
+``miss``; allocation, frees of duplicates and the drivers' ``array('q')`` keys are untimed.
 """
 
 from __future__ import annotations
@@ -24,11 +20,8 @@ import torch
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.tree.radix_cache import RadixCache
 
-SEGMENT = 16
-VOCAB = 50_000
+SEGMENT, VOCAB = 16, 50_000
 OPS = ("match", "miss", "insert", "lock", "unlock")
-
-
 Step = tuple[list[int], list[int]]  # a request's key, a pure-miss key
 
 
@@ -69,8 +62,7 @@ class MultiTurnTrace:
 
 
 class ProjectDriver:
-    """This project's device-only ``RadixCache`` over its own allocator (``allocator``: the
-    drivers' allocators share ``alloc``, ``free`` and ``available_size``)."""
+    """This project's device-only ``RadixCache`` over its own allocator."""
 
     name = "project"
     frees_duplicates = False  # the caller frees value[matched:returned]
@@ -120,8 +112,7 @@ def play_step(driver: Any, step: Step, samples: dict[str, list[float]] | None) -
     token = driver.lock(node)
     t2 = clock()
     need = len(step[0]) - matched
-    slots = alloc(driver, need)
-    full = torch.cat([indices, slots])
+    full = torch.cat([indices, alloc(driver, need)])
     t3 = clock()
     present = driver.insert(key, full, matched)
     t4 = clock()
@@ -136,10 +127,3 @@ def play_step(driver: Any, step: Step, samples: dict[str, list[float]] | None) -
         for op, ns in zip(OPS, (t1 - t0, t7 - t6, t4 - t3, t2 - t1, t6 - t5), strict=True):
             samples[op].append(ns / 1e3)
     return matched, need
-
-
-def timed_evict(driver: Any, n: int) -> tuple[float, int]:
-    """``driver.evict(n)``: (microseconds, tokens freed)."""
-    t0 = time.perf_counter_ns()
-    freed = driver.evict(n)
-    return (time.perf_counter_ns() - t0) / 1e3, freed

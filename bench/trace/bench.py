@@ -3,7 +3,7 @@
 Writes ``DIR/trace.json``, ``trace.md`` and ``trace_hit_rate.png``: the LRU hit rate against
 capacity (``replay.lru_hits``) beside the paper's figures; hit rates per tier on a grid of device
 / host / L3 capacities and pages backed up, loaded back and recomputed per write policy
-(``replay.replay_tiers``), measured on this CPU; TTFT modelled from GPU profiles (``model``); the
+(``replay.replay_tiers``), measured on this CPU; TTFT modelled from GPU profiles (``ttft``); the
 tree's own cost beside SGLang's trees (``cost``). Hit rates are shares of prompt tokens (whole
 pages of the prefix). Quick: the first ``QUICK_REQUESTS`` requests and fewer capacities.
 """
@@ -13,22 +13,27 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.profile import load_profile
+from bench.profile import GpuProfile, load_profile
 from bench.trace.cost import tree_cost
-from bench.trace.load import BLOCK, DEFAULT_TRACE, load_trace
-from bench.trace.model import UTIL, time_scale, ttft
-from bench.trace.replay import UNBOUNDED, Tiers, lru_hits, replay_tiers
+from bench.trace.replay import (
+    BLOCK,
+    DEFAULT_TRACE,
+    UNBOUNDED,
+    Tiers,
+    load_trace,
+    lru_hits,
+    replay_tiers,
+)
 
-QUICK_REQUESTS = 2000
-Mi = 2**20
+QUICK_REQUESTS, Mi, UTIL = 2000, 2**20, 0.8
 DEV = Mi  # about an H200's KV for the profiles' model: (141 - 16) GB at 128 KiB a token
-CURVE = [10**4, 3 * 10**4, 10**5, 3 * 10**5, 10**6, 3 * 10**6, 10**7, 3 * 10**7, 5 * 10**7]
-CURVE += [10**8, 10**9]
+CURVE = [int(float(c)) for c in "1e4 3e4 1e5 3e5 1e6 3e6 1e7 3e7 5e7 1e8 1e9".split()]
 QUICK_CURVE = [10**5, 10**6, 3 * 10**6, 10**7, 10**9]
 GRID = [Tiers(DEV // 4), Tiers(DEV), Tiers(4 * DEV), Tiers(DEV, 4 * Mi), Tiers(DEV, 16 * Mi)]
 GRID += [Tiers(DEV, 4 * Mi, 32 * Mi), Tiers(DEV, 4 * Mi, UNBOUNDED), Tiers(DEV, 16 * Mi, UNBOUNDED)]
@@ -40,6 +45,42 @@ PAPER = {
     "figure9": "LRU, capacity 1e4..1e9 tokens: 3M well under the maximum, about 50M reach it",
     "readme_block_lru_unbounded": 0.374,
 }
+
+
+def time_scale(arrival_s: np.ndarray, lengths: np.ndarray, profile: GpuProfile) -> float:
+    """The arrival-time scale at which prefill with no cache fills ``UTIL`` of the scaled span,
+    so every cache configuration is a load the profile's GPU can serve."""
+    busy = sum(profile.forward_s(int(n), 0) for n in lengths)
+    span = float(arrival_s.max() - arrival_s.min())
+    return busy / (UTIL * span) if span > 0 else 1.0
+
+
+def ttft(
+    arrival_s: np.ndarray,
+    lengths: np.ndarray,
+    hits: dict[str, np.ndarray],
+    profile: GpuProfile,
+    l3_gbps: float,
+    scale: float,
+) -> dict[str, float]:
+    """Mean / P50 / P90 TTFT and mean prefill GPU time (s), modelled: one FIFO prefill server;
+    request ``i`` arrives at ``scale * arrival_i`` and its L3 pages are read at ``l3_gbps`` from
+    then on; it starts when the server is free and its L3 read done, and holds the server for its
+    load back (``copy_s("h2d", host + L3 tokens)``, not overlapped) plus its forward."""
+    free = 0.0
+    out, gpu = np.empty(len(lengths)), np.empty(len(lengths))
+    per_token = profile.kv_bytes_per_token / (l3_gbps * 1e9)
+    for i, n in enumerate(lengths):
+        dev, host, l3 = (int(hits[k][i]) for k in ("device", "host", "l3"))
+        cached = dev + host + l3
+        arrive = scale * float(arrival_s[i])
+        load = profile.copy_s("h2d", host + l3) if host + l3 else 0.0
+        gpu[i] = load + profile.forward_s(int(n) - cached, cached)
+        free = max(free, arrive + l3 * per_token) + gpu[i]
+        out[i] = free - arrive
+    p50, p90 = (float(x) for x in np.percentile(out, [50, 90]))
+    res = {"ttft_mean_s": float(out.mean()), "ttft_p50_s": p50, "ttft_p90_s": p90}
+    return res | {"prefill_gpu_mean_s": float(gpu.mean())}
 
 
 def run(
@@ -62,9 +103,9 @@ def run(
     res.update(paper=PAPER, measured="hit rates, tree costs: on this CPU; TTFT: modelled")
     res["hit_rate_unbounded_capacity"] = float(unbounded.sum() / total)
     res["hit_rate_unbounded_capacity_request_mean"] = float(np.mean(unbounded / n))
-    curve = QUICK_CURVE if quick else CURVE
     res["lru_curve"] = [
-        {"capacity_tokens": c, "hit_rate": lru_hits(reqs, c, BLOCK).sum() / total} for c in curve
+        {"capacity_tokens": c, "hit_rate": lru_hits(reqs, c, BLOCK).sum() / total}
+        for c in (QUICK_CURVE if quick else CURVE)
     ]
     runs: dict[tuple[Tiers, str], dict] = {}
     todo = [(t, "write_through") for t in (QUICK_GRID if quick else GRID)]
@@ -98,9 +139,8 @@ def run(
         cells = [head] + [[_fmt(x) for x in r] for r in rows]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         print(f"\n{title}")
-        print(
-            "\n".join("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells)
-        )
+        for c in cells:
+            print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
         md += [f"\n{title}\n", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         md += ["| " + " | ".join(c) + " |" for c in cells[1:]]
     (out / "trace.md").write_text("\n".join(md) + "\n")
@@ -111,59 +151,42 @@ def run(
 
 
 def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
-    return str(x)
+    return (f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}") if isinstance(x, float) else str(x)
 
 
-def _tables(res: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any]]]]:
+    """Each printed table: its title, header and rows."""
     u, mean = res["hit_rate_unbounded_capacity"], res["hit_rate_unbounded_capacity_request_mean"]
     curve = [(f"{c['capacity_tokens']:.0e}", c["hit_rate"]) for c in res["lru_curve"]]
-    pages = list(res["tiers"][0]["pages"])
-    out = [
-        (
-            f"LRU prefix hit rate, measured on this CPU (paper: Table 2 cache ratio 40%; the mean "
-            f"of per-request ratios here {100 * mean:.1f}%)",
-            ["capacity (tokens)", "hit rate %", "of unbounded %"],
-            [[c, 100 * h, 100 * h / u] for c, h in curve + [("unbounded", u)]],
-        ),
-        (
-            "hit rate per tier (% of prompt tokens) and pages (512 tokens) by write policy; "
-            "capacities device/host/L3 in tokens; measured on this CPU",
-            ["tiers", "policy", "device %", "host %", "L3 %", "total %", *pages, "wall s"],
-            [
-                [
-                    r["label"],
-                    r["policy"],
-                    *(100 * x for x in r["hit_rate"].values()),
-                    100 * sum(r["hit_rate"].values()),
-                    *r["pages"].values(),
-                    r["wall_s"],
-                ]
-                for r in res["tiers"]
-            ],
-        ),
-    ]
+    yield (
+        f"LRU prefix hit rate, measured on this CPU (paper: Table 2 cache ratio 40%; the mean of "
+        f"per-request ratios here {100 * mean:.1f}%)",
+        ["capacity (tokens)", "hit rate %", "of unbounded %"],
+        [[c, 100 * h, 100 * h / u] for c, h in curve + [("unbounded", u)]],
+    )
+    head = ["tiers", "policy", "device %", "host %", "L3 %", "total %"]
+    rows = []
+    for r in res["tiers"]:
+        rate = r["hit_rate"].values()
+        cells = [*(100 * x for x in rate), 100 * sum(rate), *r["pages"].values(), r["wall_s"]]
+        rows.append([r["label"], r["policy"], *cells])
+    yield (
+        "hit rate per tier (% of prompt tokens) and pages (512 tokens) by write policy; "
+        "capacities device/host/L3 in tokens; measured on this CPU",
+        [*head, *res["tiers"][0]["pages"], "wall s"],
+        rows,
+    )
     for m in res["ttft"].values():
-        out.append(
-            (
-                f"TTFT and prefill GPU time per request (s), {m['source']}; arrivals x"
-                f"{m['time_scale']:.3f} (no-cache load {UTIL:.0%}), L3 read {m['l3_gbps']} GB/s",
-                list(m["rows"][0]),
-                [list(r.values()) for r in m["rows"]],
-            )
+        title = (
+            f"TTFT and prefill GPU time per request (s), {m['source']}; arrivals x"
+            f"{m['time_scale']:.3f} (no-cache load {UTIL:.0%}), L3 read {m['l3_gbps']} GB/s"
         )
+        yield title, list(m["rows"][0]), [list(r.values()) for r in m["rows"]]
     tc = res["tree_cost"]
     trees = [k for k in ("project", "sglang_python", "sglang_rust") if k in tc]
-    out.append(
-        (
-            f"tree bookkeeping at {tc['capacity_tokens']} device tokens, measured "
-            f"{tc['measured']}; SGLang: {tc['sglang']}",
-            ["tree", *tc["project"]],
-            [[k, *tc[k].values()] for k in trees],
-        )
-    )
-    return out
+    title = f"tree bookkeeping at {tc['capacity_tokens']} device tokens, measured {tc['measured']}"
+    rows = [[k, *tc[k].values()] for k in trees]
+    yield f"{title}; SGLang: {tc['sglang']}", ["tree", *tc["project"]], rows
 
 
 def _plot(res: dict[str, Any], path: Path) -> str:

@@ -1,13 +1,15 @@
-"""A trace through the project's own trees: the LRU curve and the tiered replay.
+"""A Mooncake-format trace, and its replay through the project's own trees.
 
-``lru_hits``: the device-only ``RadixCache`` as a simulated tree (no allocator), trimmed to the
-capacity by its own LRU eviction after each insert, so any capacity works. ``replay_tiers``:
-``build_kv_cache`` at full size with 1 layer, 1 KV head, head_dim 1, float16 (4 bytes a token):
-device pool, host pool, ``HiCacheController`` on inline CPU streams and ``HiRadixCache``; as L3
-``HiCacheFile`` in a temporary directory (one file a page, 2 KiB at 512 tokens; ``max_size`` = L3
-tokens x 4 bytes, its LRU evicting down to 90% when full). Per request as the executor does: L3
-prefetch (``wait_complete``), match, load back, lock, allocate, insert, unlock; then every copy
-and storage operation is drained, so a replay is deterministic; ``check_integrity`` ends it.
+One JSON object a line: ``timestamp`` (ms), ``input_length``, ``hash_ids`` (one per ``block``
+tokens, each covering its block and all before it). ``tokens``: block ``h`` is the ids
+``h * block ..  h * block + block - 1`` (equal hash ids give equal tokens, different ids disjoint
+ones; a partial last block is the start of its ids). ``lru_hits``: the device-only ``RadixCache``
+as a simulated tree, trimmed to the capacity by its LRU after each insert. ``replay_tiers``:
+``build_kv_cache`` with 1 layer, 1 head, head_dim 1, float16 (4 bytes a token): device and host
+pools, inline CPU streams, ``HiRadixCache``, as L3 ``HiCacheFile`` in a temporary directory
+(``max_size`` = L3 tokens x 4 bytes). Per request as the executor does: L3 prefetch
+(``wait_complete``), match, load back, lock, allocate, insert, unlock; then every copy and storage
+operation is drained, so a replay is deterministic; ``check_integrity`` ends it.
 """
 
 from __future__ import annotations
@@ -17,19 +19,47 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench.trace.load import Request, tokens
 from hicache.builder import KVCache, build_kv_cache
 from hicache.storage.io.operations import CacheRequestHandle
 from hicache.tree.radix_cache import RadixCache
 from server_args import ServerArgs
 
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / "data/mooncake_fast25/conversation_trace.jsonl"
+)
+BLOCK = 512
 TOKEN_BYTES = 4  # K and V of one layer, one head, head_dim 1, float16
 UNBOUNDED = -1  # an L3 tier without a byte budget
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival_s: float
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: Path | str = DEFAULT_TRACE, limit: int | None = None) -> list[Request]:
+    """The first ``limit`` requests of ``path`` (all when ``None``), in file order."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in islice((x for x in f if x.strip()), limit)]
+    return [Request(r["timestamp"] / 1e3, r["input_length"], tuple(r["hash_ids"])) for r in rows]
+
+
+def tokens(req: Request, block: int = BLOCK) -> np.ndarray:
+    """The prompt's token ids (int64, ``input_length`` of them; module docstring)."""
+    n = len(req.hash_ids)
+    if n != -(-req.input_length // block) or n == 0:
+        raise ValueError(f"{n} hash ids for {req.input_length} tokens of blocks of {block}")
+    ids = np.asarray(req.hash_ids, dtype=np.int64)
+    return (ids[:, None] * block + np.arange(block, dtype=np.int64)).reshape(-1)[: req.input_length]
 
 
 @dataclass(frozen=True)
@@ -42,16 +72,15 @@ class Tiers:
 
     def label(self) -> str:
         def size(n: int) -> str:
-            return (
-                "inf" if n < 0 else "-" if n == 0 else f"{n / 2**20:g}Mi" if n >= 2**18 else str(n)
+            return {UNBOUNDED: "inf", 0: "-"}.get(n) or (
+                f"{n / 2**20:g}Mi" if n >= 2**18 else str(n)
             )
 
-        return f"{size(self.device)}/{size(self.host)}/{size(self.l3)}"
+        return "/".join(size(n) for n in (self.device, self.host, self.l3))
 
 
 def lru_hits(reqs: list[Request], capacity: int | None, block: int) -> np.ndarray:
-    """Tokens each request finds cached in an LRU tree of ``capacity`` tokens (``None``: no
-    limit)."""
+    """Tokens each request finds in an LRU tree of ``capacity`` tokens (``None``: no limit)."""
     tree = RadixCache(None, block)
     hits = np.zeros(len(reqs), dtype=np.int64)
     for i, r in enumerate(reqs):
@@ -65,26 +94,17 @@ def lru_hits(reqs: list[Request], capacity: int | None, block: int) -> np.ndarra
 
 
 def _args(t: Tiers, policy: str, block: int, l3_dir: str) -> ServerArgs:
-    extra = {"file_storage_path": l3_dir, "prefetch_threshold": block}
-    extra.update({"max_size": t.l3 * TOKEN_BYTES} if t.l3 > 0 else {})
-    return ServerArgs(
-        device="cpu",
-        dtype="float16",
-        num_layers=1,
-        head_num=1,
-        head_dim=1,
-        max_total_tokens=t.device,
-        page_size=block,
-        load_back_threshold=block,
-        enable_hierarchical_cache=bool(t.host),
-        hicache_ratio=max(t.host, 1) / t.device,
-        hicache_write_policy=policy,
-        hicache_mem_layout="layer_first",
-        hicache_io_backend="direct",
-        hicache_storage_backend="file" if t.l3 else None,
-        hicache_storage_backend_extra_config=json.dumps(extra) if t.l3 else None,
-        hicache_storage_prefetch_policy="wait_complete",
-    )
+    model = dict(device="cpu", dtype="float16", num_layers=1, head_num=1, head_dim=1)
+    pages = dict(max_total_tokens=t.device, page_size=block, load_back_threshold=block)
+    hi = dict(enable_hierarchical_cache=bool(t.host), hicache_ratio=max(t.host, 1) / t.device)
+    hi.update(hicache_write_policy=policy, hicache_mem_layout="layer_first")
+    hi.update(hicache_io_backend="direct", hicache_storage_prefetch_policy="wait_complete")
+    if t.l3:
+        extra = {"file_storage_path": l3_dir, "prefetch_threshold": block}
+        extra.update({"max_size": t.l3 * TOKEN_BYTES} if t.l3 > 0 else {})
+        hi.update(hicache_storage_backend="file")
+        hi.update(hicache_storage_backend_extra_config=json.dumps(extra))
+    return ServerArgs(**model, **pages, **hi)
 
 
 def _serve(kv: KVCache, key: np.ndarray, rid: str) -> tuple[int, int, int]:
@@ -111,16 +131,12 @@ def _serve(kv: KVCache, key: np.ndarray, rid: str) -> tuple[int, int, int]:
         tree.ready_to_load_host_cache()
         prefix = torch.cat([prefix, loaded])
     tree.inc_lock_ref(last)
-    if tree.insert(key, torch.cat([prefix, kv.alloc_device(len(key) - len(prefix))])) != len(
-        prefix
-    ):
+    slots = torch.cat([prefix, kv.alloc_device(len(key) - len(prefix))])
+    if tree.insert(key, slots) != len(prefix):
         raise AssertionError(f"request {rid}: insert found more than the match")
     tree.dec_lock_ref(last)
-    while kv.hierarchical and (
-        tree.ongoing_write_through
-        or tree.ongoing_load_back
-        or (st is not None and st.ops_in_flight())
-    ):
+    busy = lambda: tree.ongoing_write_through or tree.ongoing_load_back
+    while kv.hierarchical and (busy() or (st is not None and st.ops_in_flight())):
         tick()
     tree.check_hicache_events()
     dev = len(m.device_indices)
@@ -149,18 +165,12 @@ def replay_tiers(reqs: list[Request], t: Tiers, policy: str, block: int) -> dict
             wall = time.perf_counter() - t0
             kv.check_integrity()
             c, s = kv.stats, kv.storage.stats if kv.storage is not None else None
-            pages = {
-                "computed": sum(r.input_length // block for r in reqs) - int(hits.sum()) // block,
-                "backed_up": c.backed_up_tokens // block,
-                "loaded_back": c.loaded_tokens // block,
-                "recomputed": recomputed,
-                "stored_l3": s.backup_tokens // block if s else 0,
-                "fetched_l3": s.prefetch_inserted_tokens // block if s else 0,
-            }
+            computed = sum(r.input_length // block for r in reqs) - int(hits.sum()) // block
+            pages = {"computed": computed, "backed_up": c.backed_up_tokens // block}
+            pages.update(loaded_back=c.loaded_tokens // block, recomputed=recomputed)
+            pages["stored_l3"] = s.backup_tokens // block if s else 0
+            pages["fetched_l3"] = s.prefetch_inserted_tokens // block if s else 0
         finally:
             kv.close()
-    return {
-        "hits": dict(zip(("device", "host", "l3"), hits.T, strict=True)),
-        "pages": pages,
-        "wall_s": wall,
-    }
+    hits_by_tier = dict(zip(("device", "host", "l3"), hits.T, strict=True))
+    return {"hits": hits_by_tier, "pages": pages, "wall_s": wall}

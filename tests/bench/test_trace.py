@@ -10,9 +10,8 @@ import pytest
 
 from bench.profile import CopyPath, ForwardCost, GpuProfile
 from bench.trace import bench as trace_bench
-from bench.trace.load import Request, load_trace, tokens
-from bench.trace.model import ttft
-from bench.trace.replay import UNBOUNDED, Tiers, lru_hits, replay_tiers
+from bench.trace.bench import ttft
+from bench.trace.replay import UNBOUNDED, Request, Tiers, load_trace, lru_hits, replay_tiers, tokens
 from hicache.builder import KVCache
 
 
@@ -48,15 +47,8 @@ def test_blocks_expand_to_shared_prefixes_and_a_partial_last_block() -> None:
 # partial block: L3 has R1's pages -> fetched, loaded back (8 L3 tokens); the fetch drops R2 from
 # the host. R5 = R2: from L3 again (it drops R3). R6 = R5: on the device. R7 = R1 + 1 token: R1's
 # host copy (made by the fetch) is loaded back: a host hit.
-HAND = [
-    req(0, 1),
-    req(2, 3),
-    req(4, 5),
-    req(0, 1, 6, n=10),
-    req(2, 3),
-    req(2, 3),
-    req(0, 1, 7, n=9),
-]
+HAND = [req(0, 1), req(2, 3), req(4, 5), req(0, 1, 6, n=10), req(2, 3), req(2, 3)]
+HAND.append(req(0, 1, 7, n=9))
 
 
 def test_hand_made_trace_hits_each_tier_as_computed_by_hand(checks: list[int]) -> None:
@@ -67,14 +59,9 @@ def test_hand_made_trace_hits_each_tier_as_computed_by_hand(checks: list[int]) -
         "l3": [0, 0, 0, 8, 8, 0, 0],
     }
     # 16 pages in all: 6 computed (R1-R3), 6 hit, R4 and R7's partial blocks are not pages
-    assert r["pages"] == {
-        "computed": 6,
-        "backed_up": 6,
-        "loaded_back": 6,
-        "recomputed": 0,
-        "stored_l3": 6,
-        "fetched_l3": 4,
-    }
+    assert r["pages"] == dict(
+        computed=6, backed_up=6, loaded_back=6, recomputed=0, stored_l3=6, fetched_l3=4
+    )
     # Device only, 16 tokens: R1..R5 each evict the oldest; R6 and R7 hit the device.
     d = replay_tiers(HAND, Tiers(16), "write_through", 4)
     assert d["hits"]["device"].tolist() == [0, 0, 0, 0, 0, 8, 8] == lru_hits(HAND, 16, 4).tolist()
@@ -118,19 +105,8 @@ def test_write_policy_counters_are_consistent(policy: str, checks: list[int]) ->
 def test_ttft_model_of_two_requests_by_hand() -> None:
     # Forward: 10 ms a new token, nothing else; H2D: 1 ms a token; L3 read: 2 ms a token.
     kernel = CopyPath(latency_s=0.0, gbps=1.0)
-    prof = GpuProfile(
-        "t",
-        "modelled",
-        "test",
-        "test",
-        1,
-        10**6,
-        ForwardCost(0.0, 0.01, 0.0),
-        {"kernel": kernel},
-        {"kernel": kernel},
-        kernel,
-        0.0,
-    )
+    cost, paths = ForwardCost(0.0, 0.01, 0.0), {"kernel": kernel}
+    prof = GpuProfile("t", "modelled", "test", "test", 1, 10**6, cost, paths, paths, kernel, 0.0)
     hits = {"device": np.array([0, 10]), "host": np.array([0, 20]), "l3": np.array([0, 20])}
     # R1 at 0: 100 new -> 1.0 s. R2 at 0.5 (x2 scale: 1.0): 50 new (0.5 s) + 40 loaded (0.04 s);
     # its L3 read ends at 1.04, the server frees at 1.0 -> 1.04 + 0.54 = 1.58: TTFT 0.58.
