@@ -1,13 +1,10 @@
 """Host-side cost of the radix tree's bookkeeping per op on a multi-turn trace (CPU; no KV bytes).
 
-Each tree is filled to N tokens (10K, 100K, 1M) with the trace of ``trace.py``, then plays
-``--steps`` steps: 1% of N is evicted after each 1% inserted (``evict_1pct``) and every 10th step
-one leaf (``evict_leaf``); mean, median and p99 microseconds per call at page 1 and 16. With
-``--against-sglang`` every step and eviction also runs on SGLang 0.5.23's Python ``RadixCache``
-and its ``UnifiedRadixCache`` with the Rust TreeCore (``sglang_loader``), each over its own
-allocator, rotating which tree goes first; the table gives the ratios project / SGLang and the
-steps whose match length differs from SGLang's Python tree (both evict LRU leaves). Run with
-``OMP_NUM_THREADS=1``; writes ``bench_cache_ops.json``.
+Each tree is filled to N tokens with the trace of ``trace.py``, then plays ``--steps`` steps: 1%
+of N evicted after each 1% inserted (``evict_1pct``), one leaf every 10th step (``evict_leaf``).
+``--against-sglang`` plays every step on SGLang 0.5.23's trees too (``sglang_loader``), rotating
+which goes first, and adds ratios project / SGLang and the steps whose match length differs from
+SGLang's Python tree. Microseconds per call, measured on this CPU; run with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cache_ops.sglang_loader import sglang_drivers
 from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step
 from hicache.memory.allocator import page_ceil
 
@@ -117,8 +115,6 @@ def run(
     factories: list[Any] = [ProjectDriver]
     sgl, note, stubs, rust = None, "not requested (--against-sglang)", [], None
     if against_sglang:
-        from bench.cache_ops.sglang_loader import sglang_drivers
-
         sgl, note, more = sglang_drivers(sglang_site)
         factories += more.values()
         print(f"[cache_ops] SGLang: {note}")

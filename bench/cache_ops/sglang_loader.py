@@ -1,15 +1,13 @@
-"""SGLang's radix trees, as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
+"""SGLang's radix trees as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
 
-``load_sglang`` imports SGLang as installed or, with ``site``, from a release installed with
-``pip install --no-deps --target`` (``make bench-vs-sglang``): ``install`` puts it (and
-``.venv-sglang-check/bench-deps``) first on ``sys.path`` with the stub finder of
-``tests/sglang_check/stubs.py``. The trees, allocators, ``memory_pool`` and ``sglang.srt.utils``
-run as installed; ``BARE_PACKAGES`` (``__init__`` not run) and ``STUB_REASONS`` (modules the
-trees never call into) list what is replaced and why. A stub that is called raises ``StubUsed``.
+``load_sglang`` imports SGLang as installed or, with ``site``, from a ``pip install --no-deps
+--target`` release (``make bench-vs-sglang``) with the stub finder of
+``tests/sglang_check/stubs.py``: ``BARE_PACKAGES`` and ``STUB_REASONS`` list what is replaced and
+why (a stub that is called raises); trees, allocators and ``memory_pool`` run as installed.
 ``SGLangPythonDriver`` wraps ``RadixCache``, ``SGLangRustDriver`` ``UnifiedRadixCache`` with the
 Rust TreeCore, each over SGLang's allocator and a one-layer ``MHATokenToKVPool`` on the CPU,
-unpatched. Keys (``RadixKey``) are built untimed; "match" includes ``path_device_indices``, which
-SGLang's scheduler reads after a match. No ``ServerArgs`` is published (the trees read none).
+unpatched. Keys are built untimed; "match" includes ``path_device_indices`` (SGLang's scheduler
+reads them after a match). No ``ServerArgs`` is published: the trees read none.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ STUB_REASONS: dict[str, str] = {
     "pybase64": f"image decoding {_UTILS}",
     "requests": f"file downloads {_UTILS}",
     "PIL": f"image loading {_UTILS}",
-    "starlette": f"HTTP routing {_UTILS}",
-    "starlette.routing": f"HTTP routing {_UTILS}",
+    **dict.fromkeys(("starlette", "starlette.routing"), f"HTTP routing {_UTILS}"),
     "pydantic_core": "request schema helpers in sglang.srt.utils.msgspec_utils",
     "pydantic": "KV event messages in sglang.srt.disaggregation.kv_events (events off)",
     **dict.fromkeys(("zmq", "zmq.auth", "zmq.auth.thread"), _NET),
@@ -114,11 +111,9 @@ class _SGLangDriver:
         common = dict(size=pool_tokens, dtype=torch.float16, device="cpu")
         one = dict(head_num=1, head_dim=1, layer_num=1, enable_memory_saver=False)
         kv = sgl.MHATokenToKVPool(page_size=page_size, **one, **common)
-        common.update(kvcache=kv, need_sort=False)
-        if page_size == 1:
-            self.allocator = sgl.TokenToKVPoolAllocator(**common)
-        else:
-            self.allocator = sgl.PagedTokenToKVPoolAllocator(page_size=page_size, **common)
+        paged = {} if page_size == 1 else {"page_size": page_size}
+        cls = sgl.PagedTokenToKVPoolAllocator if paged else sgl.TokenToKVPoolAllocator
+        self.allocator = cls(kvcache=kv, need_sort=False, **paged, **common)
 
     def _cache_params(self, **extra: Any) -> Any:
         extra.update(token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)

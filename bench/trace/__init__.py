@@ -1,2 +1,1 @@
-"""``python -m bench.trace``: a Mooncake-format trace through the project's tree and tiers
-(``bench.trace.bench``)."""
+"""``python -m bench.trace``: a Mooncake-format trace through the project's tree and tiers."""

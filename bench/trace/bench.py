@@ -21,16 +21,10 @@ import numpy as np
 
 from bench.profile import GpuProfile, load_profile
 from bench.trace.cost import tree_cost
-from bench.trace.replay import (
-    BLOCK,
-    DEFAULT_TRACE,
-    UNBOUNDED,
-    Tiers,
-    load_trace,
-    lru_hits,
-    replay_tiers,
-)
+from bench.trace.replay import BLOCK, UNBOUNDED, Tiers, load_trace, lru_hits, replay_tiers
 
+DATA = Path(__file__).resolve().parents[1] / "data"
+DEFAULT_TRACE = DATA / "mooncake_fast25/conversation_trace.jsonl"
 QUICK_REQUESTS, Mi, UTIL = 2000, 2**20, 0.8
 DEV = Mi  # about an H200's KV for the profiles' model: (141 - 16) GB at 128 KiB a token
 CURVE = [int(float(c)) for c in "1e4 3e4 1e5 3e5 1e6 3e6 1e7 3e7 5e7 1e8 1e9".split()]

@@ -1,15 +1,12 @@
-"""A Mooncake-format trace, and its replay through the project's own trees.
+"""A Mooncake-format trace and its replay through the project's own trees.
 
-One JSON object a line: ``timestamp`` (ms), ``input_length``, ``hash_ids`` (one per ``block``
-tokens, each covering its block and all before it). ``tokens``: block ``h`` is the ids
-``h * block ..  h * block + block - 1`` (equal hash ids give equal tokens, different ids disjoint
-ones; a partial last block is the start of its ids). ``lru_hits``: the device-only ``RadixCache``
-as a simulated tree, trimmed to the capacity by its LRU after each insert. ``replay_tiers``:
-``build_kv_cache`` with 1 layer, 1 head, head_dim 1, float16 (4 bytes a token): device and host
-pools, inline CPU streams, ``HiRadixCache``, as L3 ``HiCacheFile`` in a temporary directory
-(``max_size`` = L3 tokens x 4 bytes). Per request as the executor does: L3 prefetch
-(``wait_complete``), match, load back, lock, allocate, insert, unlock; then every copy and storage
-operation is drained, so a replay is deterministic; ``check_integrity`` ends it.
+A line: ``timestamp`` (ms), ``input_length``, ``hash_ids`` (one per ``block`` tokens, each
+covering its block and all before it); in ``tokens`` block ``h`` is the ids ``h * block`` onwards,
+so equal ids give equal tokens and different ids disjoint ones. ``lru_hits``: the device-only
+``RadixCache``, trimmed to the capacity by its LRU after each insert. ``replay_tiers``: the
+product's cache at 4 bytes a token (1 layer, 1 head, head_dim 1, float16; L3 ``HiCacheFile`` in a
+temporary directory), every copy drained after each request, so a replay is deterministic;
+``check_integrity`` ends it.
 """
 
 from __future__ import annotations
@@ -31,9 +28,6 @@ from hicache.storage.io.operations import CacheRequestHandle
 from hicache.tree.radix_cache import RadixCache
 from server_args import ServerArgs
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1] / "data/mooncake_fast25/conversation_trace.jsonl"
-)
 BLOCK = 512
 TOKEN_BYTES = 4  # K and V of one layer, one head, head_dim 1, float16
 UNBOUNDED = -1  # an L3 tier without a byte budget
@@ -46,7 +40,7 @@ class Request:
     hash_ids: tuple[int, ...]
 
 
-def load_trace(path: Path | str = DEFAULT_TRACE, limit: int | None = None) -> list[Request]:
+def load_trace(path: Path | str, limit: int | None = None) -> list[Request]:
     """The first ``limit`` requests of ``path`` (all when ``None``), in file order."""
     with open(path) as f:
         rows = [json.loads(line) for line in islice((x for x in f if x.strip()), limit)]
@@ -108,7 +102,8 @@ def _args(t: Tiers, policy: str, block: int, l3_dir: str) -> ServerArgs:
 
 
 def _serve(kv: KVCache, key: np.ndarray, rid: str) -> tuple[int, int, int]:
-    """One request (module docstring); its (device, host, L3) hit tokens."""
+    """One request as the executor serves it: L3 prefetch (``wait_complete``), match, load back,
+    lock, allocate, insert, unlock; its (device, host, L3) hit tokens."""
     tree, st = kv.tree, kv.storage
 
     def tick() -> None:

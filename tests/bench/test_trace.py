@@ -10,7 +10,7 @@ import pytest
 
 from bench.profile import CopyPath, ForwardCost, GpuProfile
 from bench.trace import bench as trace_bench
-from bench.trace.bench import ttft
+from bench.trace.bench import DEFAULT_TRACE, ttft
 from bench.trace.replay import UNBOUNDED, Request, Tiers, load_trace, lru_hits, replay_tiers, tokens
 from hicache.builder import KVCache
 
@@ -36,7 +36,7 @@ def test_blocks_expand_to_shared_prefixes_and_a_partial_last_block() -> None:
     a, b = tokens(req(3, 7, 9, n=10), 4), tokens(req(3, 8, n=6), 4)
     assert a.tolist() == [12, 13, 14, 15, 28, 29, 30, 31, 36, 37]
     assert b[:4].tolist() == a[:4].tolist() and not set(b[4:]) & set(a[4:])
-    assert len(tokens(load_trace(limit=1)[0])) == 6758  # 13 blocks of 512 and one of 166
+    assert len(tokens(load_trace(DEFAULT_TRACE, 1)[0])) == 6758  # 13 blocks of 512 and one of 166
     with pytest.raises(ValueError, match="hash ids"):
         tokens(req(1, 2, n=9), 4)
 
@@ -70,7 +70,7 @@ def test_hand_made_trace_hits_each_tier_as_computed_by_hand(checks: list[int]) -
 
 
 def test_lru_tree_matches_a_plain_block_count_and_the_real_device_tree(checks: list[int]) -> None:
-    reqs = load_trace(limit=300)
+    reqs = load_trace(DEFAULT_TRACE, 300)
     seen: set[int] = set()
     expected = []
     for r in reqs:  # blocks seen before, from the first, whole blocks only
@@ -89,7 +89,7 @@ def test_lru_tree_matches_a_plain_block_count_and_the_real_device_tree(checks: l
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_write_policy_counters_are_consistent(policy: str, checks: list[int]) -> None:
-    reqs = load_trace(limit=150)
+    reqs = load_trace(DEFAULT_TRACE, 150)
     r = replay_tiers(reqs, Tiers(2**18, 2**19), policy, 512)
     p, hits = r["pages"], sum(int(v.sum()) for v in r["hits"].values()) // 512
     assert p["computed"] + hits == sum(x.input_length // 512 for x in reqs)
