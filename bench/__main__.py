@@ -17,23 +17,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.summary import machine_info, print_summary_table, run_info, write_results_readme
+from bench.summary import (
+    INTEGRITY_KEYS,
+    machine_info,
+    print_summary_table,
+    run_info,
+    write_results_readme,
+)
 from kernels._env import cuda_available, ensure_triton_interpret
 
 ensure_triton_interpret()
 
 SUITE = ["transfer", "cache_ops", "multiturn", "optimistic", "pd", "l3", "mooncake_store", "trace"]
-INTEGRITY_KEYS = (
-    "leaked_slots",
-    "leaked_locks",
-    "kv_mismatches",
-    "aborted_sends",
-    "integrity_errors",
-    "attempt_budget_exceeded",
-    "decode_leaked_slots",
-    "decode_late_writes",
-    "failed_pages",
-)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,11 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+INTEGRITY_KEYS = (
+    "leaked_slots leaked_locks kv_mismatches aborted_sends integrity_errors "
+    "attempt_budget_exceeded decode_leaked_slots decode_late_writes failed_pages"
+).split()
+"""Integrity counters the suite adds up over every family; each must be 0."""
 HEADLINES = {
     "multiturn": "mean TTFT speedup vs device-only",
     "optimistic": "mean TTFT speedup vs 0 attempts",

@@ -17,16 +17,23 @@ from typing import Any
 from bench.common import time_left
 from bench.e2e.setup import mode_label, on_cuda
 from bench.profile import GpuProfile, load_profile
+from bench.summary import INTEGRITY_KEYS, machine_info, run_info
 
 Column = tuple[str, str, float, str]  # header, key, scale, format
-INTEGRITY_KEYS = (
-    "leaked_slots",
-    "leaked_locks",
-    "kv_mismatches",
-    "aborted_sends",
-    "integrity_errors",
-    "attempt_budget_exceeded",
-)
+TTFT_COLUMNS: list[Column] = [
+    ("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"),
+    ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
+    ("p90 ms", "ttft_p90_s", 1e3, ".2f"),
+]
+
+
+def new_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with the flags every end-to-end benchmark shares (below)."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_args(p)
+    return p
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +184,15 @@ class Grid:
             out[mode] = {"what": self.labels[mode], "configs": configs}
         return out
 
+    def result(self, summary: dict[str, Any], ratio: str, **extra: Any) -> dict[str, Any]:
+        """The suite's section: the headline ratios per mode, their labels, the integrity."""
+        return {
+            "headline": headline(summary, ratio),
+            "modes": self.labels,
+            **extra,
+            "integrity": self.integrity(),
+        }
+
     def integrity(self) -> dict[str, int]:
         total = dict.fromkeys(INTEGRITY_KEYS, 0)
         for by_seed in self.per_seed.values():
@@ -188,8 +204,6 @@ class Grid:
         return total
 
     def write(self, partial: bool = False, **extra: Any) -> Path:
-        from bench.summary import machine_info, run_info
-
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"{self.name}.json"
         body = {

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, TraceRun
-from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables, sized
+from bench.e2e.report import TTFT_COLUMNS, Grid, modes, new_parser, print_tables, sized
 from bench.e2e.setup import (
     SharedHostPool,
     mode_label,
@@ -72,9 +72,7 @@ KEYS = (
     "prefill_tokens_computed backed_up_tokens loaded_tokens"
 ).split() + [RATIO]
 COLUMNS = [
-    ("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"),
-    ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
-    ("p90 ms", "ttft_p90_s", 1e3, ".2f"),
+    *TTFT_COLUMNS,
     ("dev hit tok", "device_hit_tokens", 1, ".0f"),
     ("host hit tok", "host_hit_tokens", 1, ".0f"),
     ("computed tok", "prefill_tokens_computed", 1, ".0f"),
@@ -238,20 +236,12 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     print_tables(summary, COLUMNS, RATIO, "mean TTFT speedup vs device-only")
     path = grid.write(summary=summary, arrival_rates_per_s=rates)
     print(f"[multiturn] wrote {path}")
-    return {
-        "headline": headline(summary, RATIO),
-        "modes": grid.labels,
-        "integrity": grid.integrity(),
-    }
+    return grid.result(summary, RATIO)
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     """The flags; workload flags left ``None`` take the size of each mode (``sized``)."""
-    p = argparse.ArgumentParser(
-        prog="python -m bench.multiturn",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = new_parser("python -m bench.multiturn", __doc__)
     p.add_argument("--num-clients", type=int)
     p.add_argument("--num-rounds", type=int)
     p.add_argument("--request-length", type=int)
@@ -275,7 +265,6 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
         choices=list(CONFIGS),
         help="Default: all but write_through_selective (quick), all (full).",
     )
-    add_common_args(p)
     opts = p.parse_args(argv)
     if opts.configs is None:
         opts.configs = list(CONFIGS)[:3] if quick else list(CONFIGS)

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver
-from bench.e2e.report import Grid, add_common_args, headline, modes, print_tables, sized
+from bench.e2e.report import TTFT_COLUMNS, Grid, modes, new_parser, print_tables, sized
 from bench.e2e.setup import (
     SharedHostPool,
     mode_label,
@@ -63,9 +63,7 @@ KEYS = (
     "recomputed_tokens_per_yield"
 ).split() + [RATIO]
 COLUMNS = [
-    ("TTFT mean ms", "ttft_mean_s", 1e3, ".2f"),
-    ("p50 ms", "ttft_p50_s", 1e3, ".2f"),
-    ("p90 ms", "ttft_p90_s", 1e3, ".2f"),
+    *TTFT_COLUMNS,
     ("ok", "successes", 1, ".0f"),
     ("yields", "yields", 1, ".1f"),
     ("parks", "parks", 1, ".1f"),
@@ -289,20 +287,11 @@ def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | N
     print_tables(summary, COLUMNS, RATIO, "mean TTFT speedup vs 0 attempts")
     path = grid.write(summary=summary)
     print(f"[optimistic] wrote {path}")
-    return {
-        "headline": headline(summary, RATIO),
-        "modes": grid.labels,
-        "ceilings": ceilings,
-        "integrity": grid.integrity(),
-    }
+    return grid.result(summary, RATIO, ceilings=ceilings)
 
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.optimistic",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = new_parser("python -m bench.optimistic", __doc__)
     p.add_argument("--num-requests", type=int)
     p.add_argument("--input-len", type=int)
     p.add_argument("--cached-fraction", type=float, default=0.8)
@@ -351,7 +340,6 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
         default=["write_back", "write_through"],
         choices=("write_back", "write_through"),
     )
-    add_common_args(p)
     opts = p.parse_args(argv)
     if opts.attempts is not None and 0 not in opts.attempts:
         opts.attempts = [*opts.attempts, 0]
