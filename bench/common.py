@@ -1,14 +1,6 @@
-"""Small helpers shared by the benchmarks: timing, result files, fixed-width tables.
-
-- :func:`time_ms`: median and 20/80 % quantiles of one call, in milliseconds. On CUDA it is
-  ``triton.testing.do_bench`` (CUDA events, L2 flushed between repetitions); on CPU a
-  ``perf_counter`` loop.
-- :func:`write_json`: ``out_dir/<name>.json`` with the machine description added.
-- :func:`print_table`: fixed-width table from a list of dicts and column specs
-  (:func:`table_header` and :func:`table_row` print one line at a time).
-- :func:`time_left`: seconds until the deadline ``bench/gpu_check.sh`` gives each step.
-- :func:`sync_device`: wait for the device's queued work.
-"""
+"""Helpers the benchmarks share: the deadline ``bench/gpu_check.sh`` gives a step
+(``time_left``), timing one call (``time_ms``: CUDA events on a GPU, ``perf_counter`` on a CPU),
+result files with the machine and commit (``write_json``) and fixed-width tables."""
 
 from __future__ import annotations
 
@@ -23,21 +15,7 @@ from typing import Any
 
 import torch
 
-from bench.summary import machine_info
-
-__all__ = [
-    "Column",
-    "Timing",
-    "machine_info",
-    "print_table",
-    "sync_device",
-    "table_header",
-    "table_row",
-    "time_left",
-    "time_ms",
-    "write_json",
-]
-
+from bench.summary import machine_info, run_info
 
 DEADLINE_ENV = "HICACHE_BENCH_DEADLINE"
 """Unix time by which a benchmark should have written its results (set by gpu_check.sh)."""
@@ -119,10 +97,10 @@ def _time_cuda(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, min_reps:
 
 
 def write_json(name: str, payload: dict[str, Any], out_dir: Path) -> Path:
-    """Write ``payload`` (plus ``machine``) to ``out_dir/<name>.json``; returns the path."""
+    """Write ``payload`` (plus ``machine`` and ``run``: commit, time) to ``out_dir/NAME.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    body = {"machine": machine_info(), **payload}
+    body = {"machine": machine_info(), "run": run_info(), **payload}
     path.write_text(json.dumps(body, indent=2, default=str))
     return path
 

@@ -16,35 +16,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
     """``{"commit": sha or "unknown", "dirty": bool or None}`` of the checkout at ``root``
     (``dirty``: tracked files outside ``results/`` differ from the commit)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        done.check_returncode()
+        return done.stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        # Outputs of earlier runs (results/) do not make the code dirty.
-        status = subprocess.run(
-            [
-                "git",
-                "status",
-                "--porcelain",
-                "--untracked-files=no",
-                "--",
-                ".",
-                ":(exclude)results",
-            ],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
+        sha = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results")
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": None}
-    return {"commit": sha or "unknown", "dirty": bool(status.strip())}
+    return {"commit": sha or "unknown", "dirty": bool(status)}
 
 
 def run_info() -> dict[str, Any]:
