@@ -1,20 +1,20 @@
 """Host-side cost of the radix tree's bookkeeping per op on a multi-turn trace (CPU; no KV bytes).
 
-Each tree is filled to N tokens with the trace of ``trace.py``, then plays ``--steps`` steps: 1%
-of N evicted after each 1% inserted (``evict_1pct``), one leaf every 10th step (``evict_leaf``).
-``--against-sglang`` plays every step on SGLang 0.5.23's trees too (``sglang_loader``), rotating
-which goes first, and adds ratios project / SGLang and the steps whose match length differs from
-SGLang's Python tree. Microseconds per call, measured on this CPU; run with ``OMP_NUM_THREADS=1``.
+Each tree is filled to N tokens with the trace of ``trace.py``, then plays ``--steps`` steps: 1% of
+N evicted after each 1% inserted (``evict_1pct``), one leaf every 10th step (``evict_leaf``).
+``--against-sglang`` plays every step on SGLang 0.5.23's trees too, rotating which goes first, and
+adds ratios project / SGLang and the steps whose match length differs from SGLang's Python tree.
+Microseconds per call, measured on this CPU; run with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+from statistics import fmean, median
 from typing import Any
 
 from bench.cache_ops.sglang_loader import sglang_drivers
@@ -23,15 +23,15 @@ from hicache.memory.allocator import page_ceil
 
 ALL_OPS = OPS + ("evict_1pct", "evict_leaf")
 SIZES = (10_000, 100_000, 1_000_000)
+UNITS = ("mean_us", "median_us")
 RUST_CORE = "sglang.srt.mem_cache.rust_tree_core.mem_cache"  # its compiled TreeCore
 
 
 def stats(samples: list[float]) -> dict[str, Any]:
     """Mean, median, p99 (microseconds) and count."""
     s = sorted(samples) or [0.0]
-    q = (statistics.fmean(s), statistics.median(s), s[int(0.99 * (len(s) - 1))])
-    keys = ("mean_us", "median_us", "p99_us")
-    return {**{k: round(x, 2) for k, x in zip(keys, q, strict=True)}, "n": len(samples)}
+    q = [round(x, 2) for x in (fmean(s), median(s), s[int(0.99 * (len(s) - 1))])]
+    return dict(mean_us=q[0], median_us=q[1], p99_us=q[2], n=len(samples))
 
 
 def run_trace(capacity: int, page_size: int, steps: int, factories: list[Any]) -> dict[str, Any]:
@@ -94,10 +94,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             t = {n: r["trees"][n][op] for n in names}
             cells = [f"{t[n]['mean_us']:>10.1f} /{t[n]['median_us']:>7.1f}" for n in names]
             for n in names[1:]:
-                x = [
-                    t["project"][k] / t[n][k] if t[n][k] else 0.0 for k in ("mean_us", "median_us")
-                ]
-                cells.append(f"{x[0]:>12.2f} [{x[1]:.2f}]")
+                m, d = (t["project"][k] / t[n][k] if t[n][k] else 0.0 for k in UNITS)
+                cells.append(f"{m:>12.2f} [{d:.2f}]")
             print(f"{op:>11}" + "".join(cells))
 
 
@@ -112,23 +110,21 @@ def run(
 ) -> dict[str, Any]:
     """Every size and page (steps: 300 quick, 3000 full); prints the table, writes
     ``bench_cache_ops.json`` under ``out_dir`` and returns the summary dict."""
-    factories: list[Any] = [ProjectDriver]
-    sgl, note, stubs, rust = None, "not requested (--against-sglang)", [], None
+    sgl, note, more = None, "not requested (--against-sglang)", {}
     if against_sglang:
         sgl, note, more = sglang_drivers(sglang_site)
-        factories += more.values()
         print(f"[cache_ops] SGLang: {note}")
     n_steps = steps if steps is not None else (300 if quick else 3000)
-    rows = [run_trace(n, ps, n_steps, factories) for ps in pages for n in sizes]
+    rows = [run_trace(n, p, n_steps, [ProjectDriver, *more.values()]) for p in pages for n in sizes]
+    stubs, rust = [], None
     if sgl is not None:
         stubs, rust = sgl.stub_report(), getattr(sys.modules.get(RUST_CORE), "__file__", None)
         print(f"[cache_ops] SGLang Rust TreeCore: {rust}")
         if stubs:
             print("SGLang imports replaced (the rest is SGLang's installed code):")
         for r in stubs:
-            names = ", ".join(r.get("placeholders", [])) or "none"
-            tail = f" [names imported: {names}]" if r["kind"] == "stub" else ""
-            print(f"  - {r['module']} ({r['kind']}): {r['reason']}{tail}")
+            tail = f" [names imported: {', '.join(r.get('placeholders', [])) or 'none'}]"
+            print(f"  - {r['module']} ({r['kind']}): {r['reason']}{tail * (r['kind'] == 'stub')}")
     print_rows(rows)
     result = {"unit": "microseconds per call, measured on this CPU", "sglang": note}
     result.update(sglang_stubs=stubs, sglang_rust_core=rust, rows=rows)

@@ -1,13 +1,10 @@
 """SGLang's radix trees as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
 
 ``load_sglang`` imports SGLang as installed or, with ``site``, from a ``pip install --no-deps
---target`` release (``make bench-vs-sglang``) with the stub finder of
-``tests/sglang_check/stubs.py``: ``BARE_PACKAGES`` and ``STUB_REASONS`` list what is replaced and
-why (a stub that is called raises); trees, allocators and ``memory_pool`` run as installed.
-``SGLangPythonDriver`` wraps ``RadixCache``, ``SGLangRustDriver`` ``UnifiedRadixCache`` with the
-Rust TreeCore, each over SGLang's allocator and a one-layer ``MHATokenToKVPool`` on the CPU,
-unpatched. Keys are built untimed; "match" includes ``path_device_indices`` (SGLang's scheduler
-reads them after a match). No ``ServerArgs`` is published: the trees read none.
+--target`` release (``make bench-vs-sglang``) through the stub finder of
+``tests/sglang_check/stubs.py``: ``BARE_PACKAGES`` and ``STUB_REASONS`` say what is replaced and
+why (a called stub raises); trees, allocators and ``memory_pool`` run as installed, unpatched, on
+the CPU. "match" includes ``path_device_indices`` (SGLang's scheduler reads them after a match).
 """
 
 from __future__ import annotations
@@ -47,77 +44,70 @@ STUB_REASONS: dict[str, str] = {
     **dict.fromkeys(("zmq", "zmq.auth", "zmq.auth.thread"), _NET),
     "tvm_ffi": "JIT CUDA all-reduce kernels, reached from memory_pool via layers.dp_attention",
 }
-MEM = "sglang.srt.mem_cache."
-SGLANG_NAMES = {
-    "allocator": "TokenToKVPoolAllocator PagedTokenToKVPoolAllocator",
-    "memory_pool": "MHATokenToKVPool",
-    "cache_init_params": "CacheInitParams",
-    "radix_cache": "RadixCache RadixKey",
-    "base_prefix_cache": "MatchPrefixParams InsertParams EvictParams",
-    "unified_radix_cache": "UnifiedRadixCache",
-    "unified_cache.component_type": "ComponentType",
-}
+SGLANG_NAMES = (  # module.Name under sglang.srt.mem_cache
+    "allocator.TokenToKVPoolAllocator allocator.PagedTokenToKVPoolAllocator "
+    "memory_pool.MHATokenToKVPool cache_init_params.CacheInitParams radix_cache.RadixCache "
+    "radix_cache.RadixKey base_prefix_cache.MatchPrefixParams base_prefix_cache.InsertParams "
+    "base_prefix_cache.EvictParams unified_radix_cache.UnifiedRadixCache "
+    "unified_cache.component_type.ComponentType"
+).split()
 
 
 def install(site: str, deps: str | None = DEFAULT_DEPS) -> StubFinder:
     """Put ``site`` (and ``deps`` when it exists) first on ``sys.path`` and install the stub
-    finder. ``ValueError`` naming ``site`` when it holds no ``sglang``; nothing changes then."""
+    finder; ``ValueError`` naming ``site``, with nothing changed, when it holds no ``sglang``."""
     if not os.path.isdir(os.path.join(site, "sglang")):
         raise ValueError(f"site={site!r} holds no sglang package: run make bench-vs-sglang")
     for p in reversed([site] + ([deps] if deps and os.path.isdir(deps) else [])):
         if p not in sys.path:
             sys.path.insert(0, p)
-    stubs = {name: Stub(reason) for name, reason in STUB_REASONS.items()}
-    return install_importer(stubs, BARE_PACKAGES)
+    return install_importer({n: Stub(r) for n, r in STUB_REASONS.items()}, BARE_PACKAGES)
 
 
 def load_sglang(site: str | None = None) -> tuple[Any, str]:
-    """``(namespace of the SGLang names used here, version)``, or ``(None, reason)``; the
-    namespace's ``stub_report()`` lists every replacement used (empty without ``site``)."""
+    """``(namespace of SGLANG_NAMES, version)`` or ``(None, reason)``; the namespace's
+    ``stub_report()`` lists every replacement used (empty without ``site``)."""
     try:
         finder = None if site is None else install(site)
-        sglang = importlib.import_module("sglang")
-        ns: dict[str, Any] = {
-            name: getattr(importlib.import_module(MEM + module), name)
-            for module, names in SGLANG_NAMES.items()
-            for name in names.split()
-        }
-        ns["stub_report"] = staticmethod(lambda: [] if finder is None else report(finder))
+        mods = [n.rsplit(".", 1) for n in SGLANG_NAMES]
+        ns = {n: getattr(importlib.import_module(f"sglang.srt.mem_cache.{m}"), n) for m, n in mods}
+        version = importlib.import_module("sglang.version").__version__
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
         return None, f"SGLang is not importable here ({type(exc).__name__}: {exc})"
-    version = getattr(sglang, "__version__", None)  # a bare package has none
-    if version is None:
-        version = getattr(importlib.import_module("sglang.version"), "__version__", "unknown")
+    ns["stub_report"] = staticmethod(lambda: [] if finder is None else report(finder))
     return type("SGLang", (), ns), version
 
 
 def sglang_drivers(site: str | None) -> tuple[Any, str, dict[str, Any]]:
-    """``load_sglang``'s namespace and note (``"sglang VERSION"`` or why not) and a factory
+    """``load_sglang``'s namespace, a note (``"sglang VERSION"`` or why not) and a factory
     ``(pool_tokens, page_size) -> driver`` per SGLang tree; a ``site`` that fails raises."""
     sgl, note = load_sglang(site)
     if sgl is None and site is not None:  # asked for that install: no silent fallback
         raise RuntimeError(f"--sglang-site {site}: {note}")
     if sgl is None:
         return None, note, {}
-    drivers = {"sglang_python": SGLangPythonDriver, "sglang_rust": SGLangRustDriver}
-    return sgl, f"sglang {note}", {k: partial(d, sgl) for k, d in drivers.items()}
+    drivers = (SGLangPythonDriver, SGLangRustDriver)
+    return sgl, f"sglang {note}", {d.name: partial(d, sgl) for d in drivers}
 
 
-class _SGLangDriver:
-    frees_duplicates = False
+class SGLangPythonDriver:
+    """SGLang's ``RadixCache`` over its allocator and a one-layer ``MHATokenToKVPool``."""
+
+    name, frees_duplicates = "sglang_python", False
 
     def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
-        self.sgl, self.page_size = sgl, page_size
+        self.sgl = sgl
         common = dict(size=pool_tokens, dtype=torch.float16, device="cpu")
         one = dict(head_num=1, head_dim=1, layer_num=1, enable_memory_saver=False)
         kv = sgl.MHATokenToKVPool(page_size=page_size, **one, **common)
         paged = {} if page_size == 1 else {"page_size": page_size}
         cls = sgl.PagedTokenToKVPoolAllocator if paged else sgl.TokenToKVPoolAllocator
         self.allocator = cls(kvcache=kv, need_sort=False, **paged, **common)
+        p = dict(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator)
+        self.tree = self._tree(sgl, page_size=page_size, **p)
 
-    def _cache_params(self, **extra: Any) -> Any:
-        extra.update(token_to_kv_pool_allocator=self.allocator, page_size=self.page_size)
-        return self.sgl.CacheInitParams(disable=False, req_to_token_pool=None, **extra)
+    def _tree(self, sgl: Any, **params: Any) -> Any:
+        return sgl.RadixCache(sgl.CacheInitParams(**params))
 
     def prepare(self, key: Any) -> Any:
         return self.sgl.MatchPrefixParams(key=self.sgl.RadixKey(array("q", key)))
@@ -133,14 +123,6 @@ class _SGLangDriver:
     def evict(self, n: int) -> int:
         return self.tree.evict(self.sgl.EvictParams(num_tokens=n)).num_tokens_evicted
 
-
-class SGLangPythonDriver(_SGLangDriver):
-    name = "sglang_python"
-
-    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
-        super().__init__(sgl, pool_tokens, page_size)
-        self.tree = sgl.RadixCache(self._cache_params())
-
     def lock(self, node: Any) -> Any:
         self.tree.inc_lock_ref(node)
         return node
@@ -149,18 +131,17 @@ class SGLangPythonDriver(_SGLangDriver):
         self.tree.dec_lock_ref(node)
 
 
-class SGLangRustDriver(_SGLangDriver):
-    """``UnifiedRadixCache`` frees an insert's duplicates itself (inside the timed insert)."""
+class SGLangRustDriver(SGLangPythonDriver):
+    """``UnifiedRadixCache`` on the Rust TreeCore; it frees an insert's duplicates itself."""
 
-    name = "sglang_rust"
-    frees_duplicates = True
+    name, frees_duplicates = "sglang_rust", True
 
-    def __init__(self, sgl: Any, pool_tokens: int, page_size: int) -> None:
-        super().__init__(sgl, pool_tokens, page_size)
+    def _tree(self, sgl: Any, **params: Any) -> Any:
         rust = dict(tree_components=(sgl.ComponentType.FULL,), tree_core_backend="rust")
-        self.tree = sgl.UnifiedRadixCache(params=self._cache_params(**rust))
-        if self.tree._tree_core_backend != "rust":
-            raise RuntimeError(f"SGLang fell back to the {self.tree._tree_core_backend} core")
+        tree = sgl.UnifiedRadixCache(params=sgl.CacheInitParams(**params, **rust))
+        if tree._tree_core_backend != "rust":
+            raise RuntimeError(f"SGLang fell back to the {tree._tree_core_backend} core")
+        return tree
 
     def insert(self, params: Any, slots: torch.Tensor, matched: int) -> int:
         p = self.sgl.InsertParams(key=params.key, value=slots, prev_prefix_len=matched)

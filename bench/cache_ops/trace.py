@@ -1,10 +1,8 @@
 """The multi-turn trace of ``bench.cache_ops`` and the project's driver that plays it on a tree.
 
-Trace (deterministic per seed): 4 shared system prompts; each step continues an active
-conversation (80%) or starts one, adding a user turn and a reply (multiples of 16 tokens); one
-past ``max_conv_tokens`` is retired. Each step also carries a pure-miss key. ``play_step`` times
-each op alone: ``match`` (with the hit's device indices), ``lock``, ``insert``, ``unlock``,
-``miss``; allocation, frees of duplicates and the drivers' ``array('q')`` keys are untimed.
+Deterministic per seed: 4 shared system prompts; a step continues a chat (80%) or starts one with
+a user turn and a reply (multiples of 16 tokens), plus a pure-miss key. ``play_step`` times each op
+alone; allocation, frees of duplicates and building the ``array('q')`` keys are untimed.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ class MultiTurnTrace:
             if active and rng.random() < 0.8:
                 i = rng.randrange(len(active))
                 key = active[i] + turn
-                if len(key) > self.max_conv_tokens:
+                if len(key) > self.max_conv_tokens:  # retired
                     active.pop(i)
                 else:
                     active[i] = key
@@ -102,8 +100,8 @@ def alloc(driver: Any, n: int) -> torch.Tensor:
 
 
 def play_step(driver: Any, step: Step, samples: dict[str, list[float]] | None) -> tuple[int, int]:
-    """One step on ``driver``, each op's microseconds appended to ``samples`` (when given).
-    Returns ``(matched tokens, new tokens)``."""
+    """One step on ``driver``, each op's microseconds appended to ``samples`` (when given);
+    returns ``(matched tokens, new tokens)``."""
     key, miss_key = driver.prepare(step[0]), driver.prepare(step[1])
     clock = time.perf_counter_ns
     t0 = clock()
