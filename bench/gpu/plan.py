@@ -15,20 +15,12 @@ from typing import Any
 
 DEVICE_LIMIT_S, GRACE_S, OVERHEAD_S, DRY_SCALE = 600, 5, 2, 0.4
 FILES_BACK = tuple("results.tar.gz status.txt headline.txt profile.json plan.txt".split())
-KERNEL_TESTS = tuple(
-    f"tests/kernels/test_{n}.py"
-    for n in (
-        "kernels kernels_gpu kernels_oracle kernel_index_errors kernels_surface launch_plans "
-        "sgl_kernel_kvcacheio_port"
-    ).split()
-)
-GPU_TESTS = tuple(
-    f"tests/{n}.py"
-    for n in (
-        "bench/test_cuda_paths_gpu hicache/memory/test_host_pool hicache/transfer/test_controller "
-        "hicache/transfer/test_streams hicache/tree/test_hiradix_cache prefill/test_executor_mla"
-    ).split()
-)
+KT = """kernels kernels_gpu kernels_oracle kernel_index_errors kernels_surface launch_plans
+    sgl_kernel_kvcacheio_port"""
+GT = """bench/test_cuda_paths_gpu hicache/memory/test_host_pool hicache/transfer/test_controller
+    hicache/transfer/test_streams hicache/tree/test_hiradix_cache prefill/test_executor_mla"""
+KERNEL_TESTS = tuple(f"tests/kernels/test_{n}.py" for n in KT.split())
+GPU_TESTS = tuple(f"tests/{n}.py" for n in GT.split())
 PY, E2E = '"$PY" -m', "--clock wall --seeds 0 --no-sweeps"
 MT = f'{PY} bench.multiturn {E2E} --configs device_only write_through --out "$RES/mt"'
 MT_GPU = "--num-clients 8 --num-rounds 3 --request-length 2048 --sub-question-input-length 256"
@@ -36,7 +28,7 @@ MT_DRY = "--num-clients 2 --num-rounds 2 --request-length 64"
 OPT = f'{PY} bench.optimistic {E2E} --attempts 2 0 --out "$RES/opt"'
 OPT_GPU = "--num-requests 16 --input-len 4096 --chunked-prefill-size 512"  # a 6.4 GB host pool
 OPT_DRY = "--num-requests 6 --input-len 64 --chunked-prefill-size 32"
-PROFILE = f'{PY} bench.gpu.measure_profile --out "$RES/profile.json"'
+PROFILE = f'{PY} bench.gpu.measure_profile --results "$RES" --out "$RES/profile.json"'
 
 
 @dataclass(frozen=True)
@@ -62,7 +54,7 @@ STEPS = (
     Step("corun", 60, 4, f'{PY} bench.transfer --quick --part corun --out "$RES"'),
     Step("multiturn", 95, 6, f"{MT} {MT_GPU}", MT_DRY),
     Step("optimistic", 95, 6, f"{OPT} {OPT_GPU}", OPT_DRY),
-    Step("profile", 40, 4, f'{PROFILE} --corun "$RES/bench_transfer_corun.json"', "--tiny"),
+    Step("profile", 40, 4, PROFILE, "--tiny"),
 )
 
 
