@@ -1,11 +1,9 @@
 """``python -m bench.trace``: a Mooncake-format trace through the project's tree and tiers.
 
 Writes ``DIR/trace.json``, ``trace.md`` and ``trace_hit_rate.png``: the LRU hit rate against
-capacity (``replay.lru_hits``) beside the paper's figures; hit rates per tier on a grid of device
-/ host / L3 capacities and pages backed up, loaded back and recomputed per write policy
-(``replay.replay_tiers``), measured on this CPU; TTFT modelled from GPU profiles (``ttft``); the
-tree's own cost beside SGLang's trees (``cost``). Hit rates are shares of prompt tokens (whole
-pages of the prefix). Quick: the first ``QUICK_REQUESTS`` requests and fewer capacities.
+capacity beside the paper's figures, hit rates per tier and pages per write policy on a grid of
+device / host / L3 capacities (shares of prompt tokens, measured on this CPU), TTFT modelled from
+GPU profiles, and the tree's own cost beside SGLang's. Quick: the first ``QUICK_REQUESTS``.
 """
 
 from __future__ import annotations
@@ -34,19 +32,8 @@ GRID += [Tiers(DEV, 4 * Mi, 32 * Mi), Tiers(DEV, 4 * Mi, UNBOUNDED), Tiers(DEV, 
 QUICK_GRID = [Tiers(DEV), Tiers(DEV, 4 * Mi), Tiers(DEV, 4 * Mi, UNBOUNDED)]
 POLICY_TIERS = Tiers(DEV, 4 * Mi)
 POLICIES = ("write_through", "write_through_selective", "write_back")
-PAPER = {
-    "table2_cache_ratio": 0.40,
-    "figure9": "LRU, capacity 1e4..1e9 tokens: 3M well under the maximum, about 50M reach it",
-    "readme_block_lru_unbounded": 0.374,
-}
-
-
-def time_scale(arrival_s: np.ndarray, lengths: np.ndarray, profile: GpuProfile) -> float:
-    """The arrival-time scale at which prefill with no cache fills ``UTIL`` of the scaled span,
-    so every cache configuration is a load the profile's GPU can serve."""
-    busy = sum(profile.forward_s(int(n), 0) for n in lengths)
-    span = float(arrival_s.max() - arrival_s.min())
-    return busy / (UTIL * span) if span > 0 else 1.0
+PAPER = {"table2_cache_ratio": 0.40, "readme_block_lru_unbounded": 0.374}
+PAPER["figure9"] = "LRU, capacity 1e4..1e9 tokens: 3M well under the maximum, about 50M reach it"
 
 
 def ttft(
@@ -57,10 +44,9 @@ def ttft(
     l3_gbps: float,
     scale: float,
 ) -> dict[str, float]:
-    """Mean / P50 / P90 TTFT and mean prefill GPU time (s), modelled: one FIFO prefill server;
-    request ``i`` arrives at ``scale * arrival_i`` and its L3 pages are read at ``l3_gbps`` from
-    then on; it starts when the server is free and its L3 read done, and holds the server for its
-    load back (``copy_s("h2d", host + L3 tokens)``, not overlapped) plus its forward."""
+    """Mean / P50 / P90 TTFT and mean prefill GPU time (s) of one FIFO prefill server: request
+    ``i`` arrives at ``scale * arrival_i``, starts when the server is free and its L3 pages are read
+    at ``l3_gbps``, and holds the server for its load back (``copy_s("h2d")``) and forward."""
     free = 0.0
     out, gpu = np.empty(len(lengths)), np.empty(len(lengths))
     per_token = profile.kv_bytes_per_token / (l3_gbps * 1e9)
@@ -97,30 +83,24 @@ def run(
     res.update(paper=PAPER, measured="hit rates, tree costs: on this CPU; TTFT: modelled")
     res["hit_rate_unbounded_capacity"] = float(unbounded.sum() / total)
     res["hit_rate_unbounded_capacity_request_mean"] = float(np.mean(unbounded / n))
+    curve = QUICK_CURVE if quick else CURVE
     res["lru_curve"] = [
-        {"capacity_tokens": c, "hit_rate": lru_hits(reqs, c, BLOCK).sum() / total}
-        for c in (QUICK_CURVE if quick else CURVE)
+        {"capacity_tokens": c, "hit_rate": lru_hits(reqs, c, BLOCK).sum() / total} for c in curve
     ]
-    runs: dict[tuple[Tiers, str], dict] = {}
-    todo = [(t, "write_through") for t in (QUICK_GRID if quick else GRID)]
-    for t, p in todo + [(POLICY_TIERS, p) for p in POLICIES]:
-        if (t, p) not in runs:
-            runs[t, p] = replay_tiers(reqs, t, p, BLOCK)
-            print(f"[trace] {t.label()} {p}: {runs[t, p]['wall_s']:.1f} s", flush=True)
-    res["tiers"] = []
-    for (t, p), r in runs.items():
+    dev, res["tiers"], res["ttft"] = [], [], {}  # dev: (label, policy, hits) at device DEV
+    grid = [(t, "write_through") for t in (QUICK_GRID if quick else GRID)]
+    for t, p in dict.fromkeys(grid + [(POLICY_TIERS, p) for p in POLICIES]):
+        r = replay_tiers(reqs, t, p, BLOCK)
+        print(f"[trace] {t.label()} {p}: {r['wall_s']:.1f} s", flush=True)
         rate = {k: float(v.sum() / total) for k, v in r["hits"].items()}
         row = {"tokens": vars(t), "label": t.label(), "policy": p if t.host else "-"}
         res["tiers"].append({**row, "hit_rate": rate, "pages": r["pages"], "wall_s": r["wall_s"]})
-    res["ttft"] = {}
-    for name in profiles:
-        prof, picked = load_profile(name), [k for k in runs if k[0].device == DEV]
-        s = time_scale(at, n, prof)
-        rows = [
-            {"tiers": t.label(), "policy": p if t.host else "-"}
-            | ttft(at, n, runs[t, p]["hits"], prof, l3_gbps, s)
-            for t, p in picked
-        ]
+        if t.device == DEV:
+            dev.append((row["label"], row["policy"], r["hits"]))
+    span = float(at.max() - at.min())
+    for prof in map(load_profile, profiles):  # arrivals scaled so no cache loads the GPU to UTIL
+        s = sum(prof.forward_s(int(x), 0) for x in n) / (UTIL * span) if span > 0 else 1.0
+        rows = [{"tiers": lb, "policy": p} | ttft(at, n, h, prof, l3_gbps, s) for lb, p, h in dev]
         src = f"modelled from profile {prof.name} ({prof.kind}: {prof.gpu}, {prof.model})"
         res["ttft"][prof.name] = {"source": src, "time_scale": s, "l3_gbps": l3_gbps, "rows": rows}
     res["tree_cost"] = tree_cost(trace, limit, DEV, BLOCK, sglang_site)
@@ -131,10 +111,8 @@ def run(
     md = [f"# Trace replay: {res['subset']} of `{Path(trace).name}`"]
     for title, head, rows in _tables(res):
         cells = [head] + [[_fmt(x) for x in r] for r in rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-        print(f"\n{title}")
-        for c in cells:
-            print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+        widths = [max(map(len, col)) for col in zip(*cells, strict=True)]
+        print(f"\n{title}\n" + "\n".join("  ".join(map(str.rjust, c, widths)) for c in cells))
         md += [f"\n{title}\n", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         md += ["| " + " | ".join(c) + " |" for c in cells[1:]]
     (out / "trace.md").write_text("\n".join(md) + "\n")
@@ -158,7 +136,7 @@ def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any
         ["capacity (tokens)", "hit rate %", "of unbounded %"],
         [[c, 100 * h, 100 * h / u] for c, h in curve + [("unbounded", u)]],
     )
-    head = ["tiers", "policy", "device %", "host %", "L3 %", "total %"]
+    head = ["tiers", "policy", "device %", "host %", "L3 %", "total %", *res["tiers"][0]["pages"]]
     rows = []
     for r in res["tiers"]:
         rate = r["hit_rate"].values()
@@ -167,7 +145,7 @@ def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any
     yield (
         "hit rate per tier (% of prompt tokens) and pages (512 tokens) by write policy; "
         "capacities device/host/L3 in tokens; measured on this CPU",
-        [*head, *res["tiers"][0]["pages"], "wall s"],
+        [*head, "wall s"],
         rows,
     )
     for m in res["ttft"].values():
@@ -177,9 +155,8 @@ def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any
         )
         yield title, list(m["rows"][0]), [list(r.values()) for r in m["rows"]]
     tc = res["tree_cost"]
-    trees = [k for k in ("project", "sglang_python", "sglang_rust") if k in tc]
     title = f"tree bookkeeping at {tc['capacity_tokens']} device tokens, measured {tc['measured']}"
-    rows = [[k, *tc[k].values()] for k in trees]
+    rows = [[k, *tc[k].values()] for k in ("project", "sglang_python", "sglang_rust") if k in tc]
     yield f"{title}; SGLang: {tc['sglang']}", ["tree", *tc["project"]], rows
 
 

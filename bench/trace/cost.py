@@ -1,10 +1,8 @@
-"""The tree's own cost on a trace, beside SGLang 0.5.23's trees replaying the same operations.
+"""The tree's own cost on a trace beside SGLang 0.5.23's trees, measured on this CPU.
 
-In one spawned process, so SGLang's import stubs never reach the caller: the drivers of
-``bench.cache_ops`` one after another, each with its own allocator over ``capacity`` tokens. Per
-request, timed together: match (+ device indices), lock, allocate (evicting the shortfall),
-insert, free duplicates, unlock; the key is built untimed. Peak RSS: sampled every 256 requests
-(``/proc/self/statm``), less what the process held before the tree was built. Measured on this CPU.
+A spawned process (SGLang's import stubs never reach the caller) replays the trace through each
+``bench.cache_ops`` driver in turn, timing match, lock, allocate, insert, free, unlock together per
+request. Peak RSS: sampled every 256 requests, less what the process held before the tree.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from bench.trace.replay import load_trace, tokens
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _replay(driver: Any, keys: Iterable[array]) -> dict[str, float]:
@@ -69,11 +66,9 @@ def _run(path: str, limit: int | None, capacity: int, block: int, site: str | No
     return out
 
 
-def tree_cost(
-    path: Path | str, limit: int | None, capacity: int, block: int, site: str | None
-) -> dict[str, Any]:
+def tree_cost(path: Path | str, limit: int | None, cap: int, block: int, site: str | None) -> dict:
     """The comparison (module docstring), run in a spawned process."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        out = pool.apply(_run, (str(path), limit, capacity, block, site))
-    out.update(capacity_tokens=capacity, measured="on this CPU, one process, trees in turn")
+        out = pool.apply(_run, (str(path), limit, cap, block, site))
+    out.update(capacity_tokens=cap, measured="on this CPU, one process, trees in turn")
     return out

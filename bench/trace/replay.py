@@ -1,12 +1,8 @@
-"""A Mooncake-format trace and its replay through the project's own trees.
-
-A line: ``timestamp`` (ms), ``input_length``, ``hash_ids`` (one per ``block`` tokens, each
-covering its block and all before it); in ``tokens`` block ``h`` is the ids ``h * block`` onwards,
-so equal ids give equal tokens and different ids disjoint ones. ``lru_hits``: the device-only
-``RadixCache``, trimmed to the capacity by its LRU after each insert. ``replay_tiers``: the
-product's cache at 4 bytes a token (1 layer, 1 head, head_dim 1, float16; L3 ``HiCacheFile`` in a
-temporary directory), every copy drained after each request, so a replay is deterministic;
-``check_integrity`` ends it.
+"""A Mooncake-format trace (``timestamp`` ms, ``input_length``, a ``hash_ids`` entry per block
+covering it and all before) and its replay through the project's trees: ``lru_hits`` on the
+device-only ``RadixCache``, ``replay_tiers`` on the product's cache at 4 bytes a token with an L3
+``HiCacheFile`` in a temporary directory, every copy drained after each request (deterministic)
+and ``check_integrity`` at the end.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -48,7 +44,8 @@ def load_trace(path: Path | str, limit: int | None = None) -> list[Request]:
 
 
 def tokens(req: Request, block: int = BLOCK) -> np.ndarray:
-    """The prompt's token ids (int64, ``input_length`` of them; module docstring)."""
+    """The prompt's ``input_length`` token ids (int64): block ``h`` is ``h * block`` onwards, so
+    equal hash ids give equal tokens and different ones disjoint tokens."""
     n = len(req.hash_ids)
     if n != -(-req.input_length // block) or n == 0:
         raise ValueError(f"{n} hash ids for {req.input_length} tokens of blocks of {block}")
@@ -65,12 +62,10 @@ class Tiers:
     l3: int = 0
 
     def label(self) -> str:
-        def size(n: int) -> str:
-            return {UNBOUNDED: "inf", 0: "-"}.get(n) or (
-                f"{n / 2**20:g}Mi" if n >= 2**18 else str(n)
-            )
-
-        return "/".join(size(n) for n in (self.device, self.host, self.l3))
+        s = {UNBOUNDED: "inf", 0: "-"}
+        return "/".join(
+            s.get(n, f"{n / 2**20:g}Mi" if n >= 2**18 else str(n)) for n in astuple(self)
+        )
 
 
 def lru_hits(reqs: list[Request], capacity: int | None, block: int) -> np.ndarray:
