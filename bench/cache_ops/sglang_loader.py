@@ -84,10 +84,8 @@ def sglang_drivers(site: str | None) -> tuple[Any, str, dict[str, Any]]:
     sgl, note = load_sglang(site)
     if sgl is None and site is not None:  # asked for that install: no silent fallback
         raise RuntimeError(f"--sglang-site {site}: {note}")
-    if sgl is None:
-        return None, note, {}
-    drivers = (SGLangPythonDriver, SGLangRustDriver)
-    return sgl, f"sglang {note}", {d.name: partial(d, sgl) for d in drivers}
+    drivers = (SGLangPythonDriver, SGLangRustDriver) if sgl else ()
+    return sgl, f"sglang {note}" if sgl else note, {d.name: partial(d, sgl) for d in drivers}
 
 
 class SGLangPythonDriver:

@@ -32,30 +32,22 @@ GRID += [Tiers(DEV, 4 * Mi, 32 * Mi), Tiers(DEV, 4 * Mi, UNBOUNDED), Tiers(DEV, 
 QUICK_GRID = [Tiers(DEV), Tiers(DEV, 4 * Mi), Tiers(DEV, 4 * Mi, UNBOUNDED)]
 POLICY_TIERS = Tiers(DEV, 4 * Mi)
 POLICIES = ("write_through", "write_through_selective", "write_back")
+Arr = np.ndarray
 PAPER = {"table2_cache_ratio": 0.40, "readme_block_lru_unbounded": 0.374}
 PAPER["figure9"] = "LRU, capacity 1e4..1e9 tokens: 3M well under the maximum, about 50M reach it"
 
 
-def ttft(
-    arrival_s: np.ndarray,
-    lengths: np.ndarray,
-    hits: dict[str, np.ndarray],
-    profile: GpuProfile,
-    l3_gbps: float,
-    scale: float,
-) -> dict[str, float]:
+def ttft(at: Arr, n: Arr, hits: dict, prof: GpuProfile, l3_gbps: float, scale: float) -> dict:
     """Mean / P50 / P90 TTFT and mean prefill GPU time (s) of one FIFO prefill server: request
-    ``i`` arrives at ``scale * arrival_i``, starts when the server is free and its L3 pages are read
-    at ``l3_gbps``, and holds the server for its load back (``copy_s("h2d")``) and forward."""
-    free = 0.0
-    out, gpu = np.empty(len(lengths)), np.empty(len(lengths))
-    per_token = profile.kv_bytes_per_token / (l3_gbps * 1e9)
-    for i, n in enumerate(lengths):
+    ``i`` arrives at ``scale * at[i]``, starts when the server is free and its L3 pages are read at
+    ``l3_gbps``, and holds the server for its load back (``copy_s("h2d")``) and forward."""
+    free, per_token = 0.0, prof.kv_bytes_per_token / (l3_gbps * 1e9)
+    out, gpu = np.empty(len(n)), np.empty(len(n))
+    for i, length in enumerate(n):
         dev, host, l3 = (int(hits[k][i]) for k in ("device", "host", "l3"))
-        cached = dev + host + l3
-        arrive = scale * float(arrival_s[i])
-        load = profile.copy_s("h2d", host + l3) if host + l3 else 0.0
-        gpu[i] = load + profile.forward_s(int(n) - cached, cached)
+        cached, arrive = dev + host + l3, scale * float(at[i])
+        load = prof.copy_s("h2d", host + l3) if host + l3 else 0.0
+        gpu[i] = load + prof.forward_s(int(length) - cached, cached)
         free = max(free, arrive + l3 * per_token) + gpu[i]
         out[i] = free - arrive
     p50, p90 = (float(x) for x in np.percentile(out, [50, 90]))
@@ -130,30 +122,22 @@ def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any
     """Each printed table: its title, header and rows."""
     u, mean = res["hit_rate_unbounded_capacity"], res["hit_rate_unbounded_capacity_request_mean"]
     curve = [(f"{c['capacity_tokens']:.0e}", c["hit_rate"]) for c in res["lru_curve"]]
-    yield (
-        f"LRU prefix hit rate, measured on this CPU (paper: Table 2 cache ratio 40%; the mean of "
-        f"per-request ratios here {100 * mean:.1f}%)",
-        ["capacity (tokens)", "hit rate %", "of unbounded %"],
-        [[c, 100 * h, 100 * h / u] for c, h in curve + [("unbounded", u)]],
-    )
+    t = "LRU prefix hit rate, measured on this CPU (paper: Table 2 cache ratio 40%; the mean of"
+    rows = [[c, 100 * h, 100 * h / u] for c, h in curve + [("unbounded", u)]]
+    head = ["capacity (tokens)", "hit rate %", "of unbounded %"]
+    yield f"{t} per-request ratios here {100 * mean:.1f}%)", head, rows
     head = ["tiers", "policy", "device %", "host %", "L3 %", "total %", *res["tiers"][0]["pages"]]
     rows = []
     for r in res["tiers"]:
         rate = r["hit_rate"].values()
         cells = [*(100 * x for x in rate), 100 * sum(rate), *r["pages"].values(), r["wall_s"]]
         rows.append([r["label"], r["policy"], *cells])
-    yield (
-        "hit rate per tier (% of prompt tokens) and pages (512 tokens) by write policy; "
-        "capacities device/host/L3 in tokens; measured on this CPU",
-        [*head, "wall s"],
-        rows,
-    )
+    t = "hit rate per tier (% of prompt tokens) and pages (512 tokens) by write policy; capacities"
+    yield f"{t} device/host/L3 in tokens; measured on this CPU", [*head, "wall s"], rows
     for m in res["ttft"].values():
-        title = (
-            f"TTFT and prefill GPU time per request (s), {m['source']}; arrivals x"
-            f"{m['time_scale']:.3f} (no-cache load {UTIL:.0%}), L3 read {m['l3_gbps']} GB/s"
-        )
-        yield title, list(m["rows"][0]), [list(r.values()) for r in m["rows"]]
+        t = f"{m['source']}; arrivals x{m['time_scale']:.3f} (no-cache load {UTIL:.0%})"
+        t = f"TTFT and prefill GPU time per request (s), {t}, L3 read {m['l3_gbps']} GB/s"
+        yield t, list(m["rows"][0]), [list(r.values()) for r in m["rows"]]
     tc = res["tree_cost"]
     title = f"tree bookkeeping at {tc['capacity_tokens']} device tokens, measured {tc['measured']}"
     rows = [[k, *tc[k].values()] for k in ("project", "sglang_python", "sglang_rust") if k in tc]
@@ -162,12 +146,10 @@ def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any
 
 def _plot(res: dict[str, Any], path: Path) -> str:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"skipped: matplotlib not importable ({exc})"
+    plt.switch_backend("Agg")
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     curve = res["lru_curve"]
     a.semilogx([c["capacity_tokens"] for c in curve], [100 * c["hit_rate"] for c in curve], "o-")
@@ -177,16 +159,14 @@ def _plot(res: dict[str, Any], path: Path) -> str:
         a.axvline(x, ls=":", c="grey")
         a.text(x, 2, txt, rotation=90, fontsize=7)
     a.set(xlabel="capacity (tokens)", ylabel="hit rate (% of prompt tokens)", title="LRU, CPU")
-    a.legend(fontsize=8)
-    base = np.zeros(len(res["tiers"]))
-    for k in ("device", "host", "l3"):
-        v = np.array([100 * r["hit_rate"][k] for r in res["tiers"]])
-        b.bar(range(len(v)), v, bottom=base, label=k)
-        base += v
+    rates = np.array([[100 * x for x in r["hit_rate"].values()] for r in res["tiers"]])
+    for i, k in enumerate(res["tiers"][0]["hit_rate"]):  # device, host, l3 stacked
+        b.bar(range(len(rates)), rates[:, i], bottom=rates[:, :i].sum(1), label=k)
     names = [f"{r['label']}\n{r['policy']}" for r in res["tiers"]]
     b.set_xticks(range(len(names)), names, fontsize=6, rotation=60)
     b.set(ylabel="hit rate (% of prompt tokens)", title="per tier (device/host/L3 tokens), CPU")
-    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

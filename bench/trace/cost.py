@@ -30,8 +30,7 @@ def _rss_mib() -> float:
 
 def _replay(driver: Any, keys: Iterable[array]) -> dict[str, float]:
     base = peak = _rss_mib()
-    spent, matched, n = 0.0, 0, 0
-    clock = time.perf_counter
+    spent, matched, n, clock = 0.0, 0, 0, time.perf_counter
     for n, key in enumerate(keys, 1):
         p = driver.prepare(key)
         t0 = clock()

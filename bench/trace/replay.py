@@ -129,8 +129,7 @@ def _serve(kv: KVCache, key: np.ndarray, rid: str) -> tuple[int, int, int]:
     while kv.hierarchical and (busy() or (st is not None and st.ops_in_flight())):
         tick()
     tree.check_hicache_events()
-    dev = len(m.device_indices)
-    l3 = min(from_l3, len(prefix) - dev)
+    dev, l3 = len(m.device_indices), min(from_l3, len(prefix) - len(m.device_indices))
     return dev, len(prefix) - dev - l3, l3
 
 
@@ -141,8 +140,7 @@ def replay_tiers(reqs: list[Request], t: Tiers, policy: str, block: int) -> dict
     if "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR" in os.environ:
         raise ValueError("unset SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR: it overrides the L3 dir")
     hits = np.zeros((len(reqs), 3), dtype=np.int64)
-    seen: set[int] = set()
-    recomputed = 0
+    seen, recomputed = set(), 0  # hash ids computed before, pages computed again
     with tempfile.TemporaryDirectory(prefix="trace-l3-") as l3_dir:
         kv = build_kv_cache(_args(t, policy, block, l3_dir), streams="inline" if t.host else None)
         try:
