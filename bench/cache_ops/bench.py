@@ -1,10 +1,9 @@
 """Host-side cost of the radix tree's bookkeeping per op on a multi-turn trace (CPU; no KV bytes).
 
-Each tree is filled to N tokens with the trace of ``trace.py``, then plays ``--steps`` steps: 1% of
-N evicted after each 1% inserted (``evict_1pct``), one leaf every 10th step (``evict_leaf``).
-``--against-sglang`` plays every step on SGLang 0.5.23's trees too, rotating which goes first, and
-adds ratios project / SGLang and the steps whose match length differs from SGLang's Python tree.
-Microseconds per call, measured on this CPU; run with ``OMP_NUM_THREADS=1``.
+Each tree is filled to N tokens by ``trace.py``, then plays ``--steps`` steps: 1% of N evicted
+after each 1% inserted (``evict_1pct``), a leaf every 10th step (``evict_leaf``).
+``--against-sglang`` also plays SGLang 0.5.23's trees (rotating which goes first): ratios and
+match-length mismatches. Microseconds per call on this CPU; run with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -85,10 +84,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     )
     for r in rows:
         miss = r.get("match_len_mismatch_steps_vs_sglang_python", "-")
-        print(
-            f"-- {r['tokens']} tokens, page {r['page_size']}, {r['nodes']} nodes; steps whose "
-            f"match length differs from SGLang Python: {miss}"
-        )
+        print(f"-- {r['tokens']} tokens, page {r['page_size']}, {r['nodes']} nodes; ", end="")
+        print(f"steps whose match length differs from SGLang Python: {miss}")
         print(f"{'op':>11}" + "".join(f"{n:>19}" for n in names + ["/" + n for n in names[1:]]))
         for op in ALL_OPS:
             t = {n: r["trees"][n][op] for n in names}

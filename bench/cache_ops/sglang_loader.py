@@ -1,10 +1,9 @@
 """SGLang's radix trees as drivers of the benchmarks' traces (``ProjectDriver``'s interface).
 
-``load_sglang`` imports SGLang as installed or, with ``site``, from a ``pip install --no-deps
---target`` release (``make bench-vs-sglang``) through the stub finder of
-``tests/sglang_check/stubs.py``: ``BARE_PACKAGES`` and ``STUB_REASONS`` say what is replaced and
-why (a called stub raises); trees, allocators and ``memory_pool`` run as installed, unpatched, on
-the CPU. "match" includes ``path_device_indices`` (SGLang's scheduler reads them after a match).
+``load_sglang`` imports SGLang as installed or from a ``pip install --no-deps --target`` ``site``
+through ``tests/sglang_check/stubs.py``'s finder (``BARE_PACKAGES``, ``STUB_REASONS``: what is
+replaced and why); trees, allocators and ``memory_pool`` run unpatched on the CPU. "match"
+includes ``path_device_indices`` (SGLang's scheduler reads them after a match).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``python -m bench.trace``: a Mooncake-format trace through the project's tree and tiers.
 
-Writes ``DIR/trace.json``, ``trace.md`` and ``trace_hit_rate.png``: the LRU hit rate against
-capacity beside the paper's figures, hit rates per tier and pages per write policy on a grid of
-device / host / L3 capacities (shares of prompt tokens, measured on this CPU), TTFT modelled from
-GPU profiles, and the tree's own cost beside SGLang's. Quick: the first ``QUICK_REQUESTS``.
+Writes ``trace.json``, ``trace.md``, ``trace_hit_rate.png``: LRU hit rate against capacity vs the
+paper; hit rates per tier and pages per write policy on a grid of capacities (on this CPU); TTFT
+modelled from GPU profiles; the tree's cost beside SGLang's. Quick: the first ``QUICK_REQUESTS``.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from bench.profile import GpuProfile, load_profile
 from bench.trace.cost import tree_cost
 from bench.trace.replay import BLOCK, UNBOUNDED, Tiers, load_trace, lru_hits, replay_tiers
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-DEFAULT_TRACE = DATA / "mooncake_fast25/conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).parents[1] / "data/mooncake_fast25/conversation_trace.jsonl"
 QUICK_REQUESTS, Mi, UTIL = 2000, 2**20, 0.8
 DEV = Mi  # about an H200's KV for the profiles' model: (141 - 16) GB at 128 KiB a token
 CURVE = [int(float(c)) for c in "1e4 3e4 1e5 3e5 1e6 3e6 1e7 3e7 5e7 1e8 1e9".split()]
@@ -100,9 +98,10 @@ def run(
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    fmt = lambda x: (f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}") if isinstance(x, float) else str(x)
     md = [f"# Trace replay: {res['subset']} of `{Path(trace).name}`"]
     for title, head, rows in _tables(res):
-        cells = [head] + [[_fmt(x) for x in r] for r in rows]
+        cells = [head] + [[fmt(x) for x in r] for r in rows]
         widths = [max(map(len, col)) for col in zip(*cells, strict=True)]
         print(f"\n{title}\n" + "\n".join("  ".join(map(str.rjust, c, widths)) for c in cells))
         md += [f"\n{title}\n", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -114,12 +113,7 @@ def run(
     return res
 
 
-def _fmt(x: Any) -> str:
-    return (f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}") if isinstance(x, float) else str(x)
-
-
 def _tables(res: dict[str, Any]) -> Iterator[tuple[str, list[str], list[list[Any]]]]:
-    """Each printed table: its title, header and rows."""
     u, mean = res["hit_rate_unbounded_capacity"], res["hit_rate_unbounded_capacity_request_mean"]
     curve = [(f"{c['capacity_tokens']:.0e}", c["hit_rate"]) for c in res["lru_curve"]]
     t = "LRU prefix hit rate, measured on this CPU (paper: Table 2 cache ratio 40%; the mean of"

@@ -1,9 +1,7 @@
-"""The tree's own cost on a trace beside SGLang 0.5.23's trees, measured on this CPU.
-
-A spawned process (SGLang's import stubs never reach the caller) replays the trace through each
-``bench.cache_ops`` driver in turn, timing match, lock, allocate, insert, free, unlock together per
-request. Peak RSS: sampled every 256 requests, less what the process held before the tree.
-"""
+"""The tree's own cost on a trace beside SGLang 0.5.23's trees, measured on this CPU: a spawned
+process (SGLang's stubs never reach the caller) replays it through each ``bench.cache_ops`` driver
+in turn, timing match, lock, allocate, insert, free, unlock together per request; peak RSS growth
+sampled every 256 requests."""
 
 from __future__ import annotations
 
@@ -69,5 +67,4 @@ def tree_cost(path: Path | str, limit: int | None, cap: int, block: int, site: s
     """The comparison (module docstring), run in a spawned process."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         out = pool.apply(_run, (str(path), limit, cap, block, site))
-    out.update(capacity_tokens=cap, measured="on this CPU, one process, trees in turn")
-    return out
+    return out | dict(capacity_tokens=cap, measured="on this CPU, one process, trees in turn")

@@ -1,8 +1,7 @@
-"""A Mooncake-format trace (``timestamp`` ms, ``input_length``, a ``hash_ids`` entry per block
-covering it and all before) and its replay through the project's trees: ``lru_hits`` on the
-device-only ``RadixCache``, ``replay_tiers`` on the product's cache at 4 bytes a token with an L3
-``HiCacheFile`` in a temporary directory, every copy drained after each request (deterministic)
-and ``check_integrity`` at the end.
+"""A Mooncake-format trace (``timestamp`` ms, ``input_length``, a ``hash_ids`` entry per block,
+covering it and all before) replayed by ``lru_hits`` (device-only ``RadixCache``) and
+``replay_tiers`` (the product's cache at 4 bytes a token, L3 ``HiCacheFile`` in a temporary
+directory, copies drained after each request so it is deterministic; ``check_integrity`` ends it).
 """
 
 from __future__ import annotations
@@ -101,10 +100,7 @@ def _serve(kv: KVCache, key: np.ndarray, rid: str) -> tuple[int, int, int]:
     lock, allocate, insert, unlock; its (device, host, L3) hit tokens."""
     tree, st = kv.tree, kv.storage
 
-    def tick() -> None:
-        tree.check_hicache_events()
-        time.sleep(1e-4)
-
+    tick = lambda: (tree.check_hicache_events(), time.sleep(1e-4))
     from_l3 = 0
     if st is not None:
         m, h = tree.match_prefix(key), CacheRequestHandle(rid, 0)
