@@ -17,12 +17,13 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PAGE, REGISTER_BYTES = 4096, 4 * 10**9
+PAGE, REGISTER_BYTES, BLOCK = 4096, 4 * 10**9, 256
 CUDA_ONLY = ("libcuda", "launch on the device", "is_pinned", "4 GB register")
+tl: Any = None  # triton.language, once the probe found triton (after TRITON_INTERPRET is set)
 
 
 class Stop(Exception):
@@ -31,6 +32,7 @@ class Stop(Exception):
 
 def probe(out: Path, cpu: bool) -> None:
     """Each prerequisite in turn, recorded in ``out`` as found; ``Stop`` at the first missing."""
+    global tl
     doc: dict[str, Any] = {"mode": "cpu" if cpu else "cuda", "skipped_cpu": []}
 
     def ok(key: str, value: Any, line: str) -> None:
@@ -57,6 +59,7 @@ def probe(out: Path, cpu: bool) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     try:
         import triton
+        import triton.language as tl
     except Exception as exc:
         raise Stop(f"triton does not import: {exc}") from exc
     ok("triton", triton.__version__, f"triton {triton.__version__}")
@@ -71,12 +74,10 @@ def probe(out: Path, cpu: bool) -> None:
     else:
         check_driver()
         ok("libcuda", True, "libcuda.so.1, where Triton finds it")
-    from bench.gpu.probe_kernels import launch
-
-    dev = torch.device("cpu" if cpu else "cuda")
+    kernel, dev = triton.jit(_add_one), torch.device("cpu" if cpu else "cuda")
     src = torch.arange(1000, dtype=torch.int32, device=dev)
     dst = torch.zeros_like(src)
-    check_kernel("a trivial launch", lambda: launch(src, dst), dst, src + 1)
+    check_kernel(kernel, src, dst, "tensor", "a trivial launch")
     ok("launch", True, f"trivial Triton launch on {dev}")
     with registered(torch, 4000, cpu) as raw:
         host = raw[:4000].view(torch.int32)
@@ -84,8 +85,7 @@ def probe(out: Path, cpu: bool) -> None:
         if not cpu and not host.is_pinned():
             raise Stop("registered host memory does not report is_pinned()")
         for how in ("tensor", "int64 table", "uint64 table"):
-            run = lambda how=how: launch(host, dst, how)
-            check_kernel(f"reading registered host memory ({how})", run, dst, host + 1)
+            check_kernel(kernel, host, dst, how, f"reading registered host memory ({how})")
     line = "kernels read registered host memory (tensor, int64 and uint64 tables)"
     ok("registered_reads", True, line + ("" if cpu else "; is_pinned() True"))
     if not cpu and (avail := _meminfo("MemAvailable")) < REGISTER_BYTES + 4 * 10**9:
@@ -98,6 +98,16 @@ def probe(out: Path, cpu: bool) -> None:
         ok("register_4gb_s", round(took, 2), f"4 GB malloc + cudaHostRegister in {took:.2f} s")
     mem = {k: round(_meminfo(k) / 1e9, 1) for k in ("MemTotal", "MemAvailable")}
     ok("meminfo_gb", mem, ", ".join(f"{k} {v} GB" for k, v in mem.items()))
+
+
+def _add_one(src, dst, n, TABLE: tl.constexpr, BLOCK: tl.constexpr):
+    """``dst = src + 1`` (int32), ``src`` read through a pointer table if ``TABLE``; the probe
+    jits it once triton imports (``tl`` is then triton.language)."""
+    if TABLE:
+        src = tl.load(src).to(tl.pointer_type(tl.int32))
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask) + 1, mask=mask)
 
 
 def check_driver() -> None:
@@ -117,18 +127,29 @@ def check_driver() -> None:
         raise Stop(f"libcuda.so.1 loads but Triton would not find it: {fix}")
 
 
-def check_kernel(what: str, launch: Callable[[], None], got: Any, want: Any) -> None:
+def check_kernel(kernel: Any, src: Any, dst: Any, how: str, what: str) -> None:
+    """``dst = src + 1`` by ``kernel``, ``src`` passed as ``how`` (the ways the kvcacheio kernels
+    reach registered host memory): ``tensor``, ``int64 table`` (SGLang's older pools) or
+    ``uint64 table`` (``kernels.data_ptr_table``, this project's pools)."""
     import torch
 
-    got.zero_()
+    dst.zero_()
     try:
-        launch()
-        if got.is_cuda:
+        ptr = src
+        if how == "uint64 table":
+            import kernels
+
+            ptr = kernels.data_ptr_table([src], dst.device)
+        elif how == "int64 table":
+            ptr = torch.tensor([src.data_ptr()], dtype=torch.int64, device=dst.device)
+        n = dst.numel()
+        kernel[(-(-n // BLOCK),)](ptr, dst, n, TABLE=how != "tensor", BLOCK=BLOCK)
+        if dst.is_cuda:
             torch.cuda.synchronize()
     except Exception as exc:
         first = (str(exc).splitlines() or [""])[0]
         raise Stop(f"Triton kernel failed, {what}: {type(exc).__name__}: {first}") from exc
-    if not torch.equal(got.cpu(), want.cpu()):
+    if not torch.equal(dst.cpu(), (src + 1).cpu()):
         raise Stop(f"Triton kernel computed wrong data, {what}")
 
 

@@ -204,39 +204,29 @@ class Recorder:
         if len(rows) == int(os.environ.get("HICACHE_BENCH_STALL_AFTER_ROWS", "0")):
             time.sleep(3600)
 
-    def finish(self, headline: dict[str, Any]) -> dict[str, Any]:
-        self.doc.update(partial=False, headline=headline)
-        write_json(self.name, self.doc, self.out_dir)
-        return headline
 
-
-def measure_paths(
-    pools: Pools, tokens: tuple[int, ...], reps: int, rec: Recorder | None = None
-) -> list[Row]:
+def measure_paths(pools: Pools, sz: Sizes, rec: Recorder) -> None:
     """Every path in both directions at each token count, each beside the ceiling."""
-    rows, dev, ok = [], pools.device, rec.ok if rec else lambda what: True
+    dev, host = pools.device, "pinned" if pools.cuda else "plain"
     streams = {"h2d": _stream(dev, HIGH_PRIORITY), "d2h": _stream(dev, 0)}
-    for n in tokens:
+    paths = [p for p in PATHS if pools.registered or p != "registered"]
+    for n in sz.tokens:
         for direction in ("h2d", "d2h"):
-            if not ok(f"{direction} {n} tokens"):
-                return rows
+            if not rec.ok(f"{direction} {n} tokens"):
+                return
             fn, nbytes = pools.copy(direction, "ceiling", n)
-            ceil = nbytes / time_ms(fn, dev, reps, streams[direction]) / 1e6
-            for path in PATHS:
-                if (path == "registered" and not pools.registered) or not ok(f"{direction} {path}"):
-                    continue
+            ceil = nbytes / time_ms(fn, dev, sz.reps, streams[direction]) / 1e6
+            for path in (p for p in paths if rec.ok(f"{direction} {p}")):
                 fn, nbytes = pools.copy(direction, path, n, seed=n)
-                ms = time_ms(fn, dev, reps, streams[direction])
-                host = "registered" if path == "registered" else "pinned" if pools.cuda else "plain"
+                ms = time_ms(fn, dev, sz.reps, streams[direction])
                 row = dict(direction=direction, tokens=n, path=path, host=host, bytes=nbytes)
-                gbps = nbytes / ms / 1e6
-                rows.append(dict(row, ms=ms, gbps=gbps, ceiling_gbps=ceil, x_ceiling=gbps / ceil))
-                if rec:
-                    rec.emit(rows[-1])
-    return rows
+                if path == "registered":
+                    row["host"] = path
+                row.update(ms=ms, gbps=(gbps := nbytes / ms / 1e6), ceiling_gbps=ceil)
+                rec.emit(dict(row, x_ceiling=gbps / ceil))
 
 
-def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> list[Row]:
+def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> None:
     """The GEMM alone, then beside each copy path (H2D of one layer looping on a high-priority
     side stream, enough copies to cover the GEMMs)."""
     dev, cuda, n = pools.device, pools.cuda, sz.corun_tokens
@@ -249,13 +239,13 @@ def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> list[Row]:
             torch.mm(a, b, out=c)
 
     if not rec.ok("gemm alone"):
-        return []
+        return
     alone = time_ms(gemm, dev, 5)
     rec.emit(dict(path="none", gemm_tflops=flop / alone / 1e9, slowdown=1.0))
     paths = [(p, None) for p in ("ceiling", "copy_engine", "direct")]
     for path, bq in paths + [("kernel", bq) for bq in sz.block_quotas]:
         if not rec.ok(f"corun {path} bq={bq}"):
-            break
+            return
         fn, nbytes = pools.copy("h2d", path, n, bq=bq or DEFAULT_BLOCK_QUOTA)
         copy_ms = time_ms(fn, dev, sz.reps, side)
         k = max(2, math.ceil(1.2 * alone / copy_ms))
@@ -263,7 +253,6 @@ def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> list[Row]:
         row = dict(path=path, block_quota=bq, copy_gbps_alone=nbytes / copy_ms / 1e6)
         row.update(copy_gbps_beside=k * nbytes / c_ms / 1e6, gemm_tflops=flop / g_ms / 1e9)
         rec.emit(dict(row, slowdown=g_ms / alone, covered=c_ms >= g_ms))
-    return rec.doc["corun"]
 
 
 def _corun(
@@ -298,21 +287,26 @@ def _corun(
     return ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])
 
 
-def headline(rows: list[Row], corun: list[Row]) -> dict[str, Any]:
+def headline(key: str, rows: list[Row]) -> dict[str, Any]:
+    """The key numbers of ``rows`` (``key``: ``rows`` or ``corun``)."""
     out: dict[str, Any] = {}
-    for direction in ("h2d", "d2h"):
+    for direction in ("h2d", "d2h") if key == "rows" else ():
         if sel := [r for r in rows if r["direction"] == direction]:
-            n = max(r["tokens"] for r in sel)
-            at = [r for r in sel if r["tokens"] == n]
-            parts = [f"{r['path']} {r['gbps']:.1f}" for r in at]
-            parts.append(f"ceiling {at[0]['ceiling_gbps']:.1f}")
-            out[f"{direction} {n} tok GB/s"] = ", ".join(parts)
-    for r in corun:
+            at = [r for r in sel if r["tokens"] == (n := max(r["tokens"] for r in sel))]
+            parts = [(r["path"], r["gbps"]) for r in at] + [("ceiling", at[0]["ceiling_gbps"])]
+            out[f"{direction} {n} tok GB/s"] = ", ".join(f"{k} {v:.1f}" for k, v in parts)
+    for r in rows if key == "corun" else ():
         if r["path"] == "none":
             out["GEMM TFLOP/s alone"] = round(r["gemm_tflops"], 3)
         elif r["block_quota"] in (None, DEFAULT_BLOCK_QUOTA):
             out[f"GEMM slowdown beside {r['path']}"] = round(r["slowdown"], 3)
     return out
+
+
+PARTS = {
+    "headline": ("bench_transfer", "rows", measure_paths),
+    "corun": ("bench_transfer_corun", "corun", measure_corun),
+}
 
 
 def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") -> dict[str, Any]:
@@ -327,18 +321,16 @@ def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") 
     pools = Pools(device, sz.item, sz.layers, max(*sz.tokens, sz.corun_tokens), sz.page)
     result: dict[str, Any] = {"rows": [], "corun": [], "headline": {}}
     try:
-        if part in ("headline", "all"):
-            rec = Recorder("bench_transfer", out_dir, "rows", dict(base))
-            result["rows"] = measure_paths(pools, sz.tokens, sz.reps, rec)
-            result["headline"] = rec.finish(headline(result["rows"], []))
-        if part in ("corun", "all"):
-            rec = Recorder("bench_transfer_corun", out_dir, "corun", dict(base))
-            result["corun"] = measure_corun(pools, sz, rec)
-            result["headline"].update(rec.finish(headline([], result["corun"])))
+        for file, key, measure in (PARTS[p] for p in PARTS if part in (p, "all")):
+            rec = Recorder(file, out_dir, key, dict(base))
+            measure(pools, sz, rec)
+            result[key] = rec.doc[key]
+            rec.doc.update(partial=False, headline=headline(key, result[key]))
+            write_json(file, rec.doc, out_dir)
+            result["headline"].update(rec.doc["headline"])
     finally:
         pools.close()
-    for k, v in result["headline"].items():
-        print(f"  {k}: {v}")
+    print("\n".join(f"  {k}: {v}" for k, v in result["headline"].items()))
     return {**base, **result}
 
 
