@@ -1,8 +1,7 @@
-"""Kernel and controller correctness on the device (``python -m bench.gpu.device_tests --out DIR
-[--dry-run]``): the kernel test files whole and the gpu-marked files ``-m gpu``, named in
-``bench.gpu.plan`` and sharded with pytest-xdist where installed, beside ``--variants``, which
-compiles every Triton variant the later steps launch into ``TRITON_CACHE_DIR``. Each job's rc and
-summary go to ``DIR/device_tests.json`` as it ends. ``--dry-run``: ``-m gpu`` only (all skip)."""
+"""Kernel and controller tests on the device (``python -m bench.gpu.device_tests --out DIR
+[--dry-run]``): ``bench.gpu.plan``'s test files (xdist-sharded where installed) beside
+``--variants``, which compiles every Triton variant later steps launch into ``TRITON_CACHE_DIR``;
+each job's rc and summary go to ``DIR/device_tests.json``. ``--dry-run``: ``-m gpu`` only."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """A measured ``bench.profile.GpuProfile`` (``python -m bench.gpu.measure_profile --out FILE
-[--results DIR] [--tiny]``): the forward fitted on the project's own Llama-3-8B-shaped model at a
-few (new, cached) shapes; from the transfer and co-run steps' JSON in DIR, each copy path's latency
-and GB/s (fitted on the smallest and largest size) and the co-run slowdown; anything missing there
-and ``kv_transfer`` (one GPU has no NIC) from the modelled h200 profile; ``sources`` says which.
-``--tiny``: the same code at tiny sizes (on a CPU the profile names the CPU)."""
+[--results DIR] [--tiny]``): the forward fitted on the Llama-3-8B-shaped model; copy costs and the
+co-run slowdown from ``bench.transfer``'s JSON in DIR; what that lacks and ``kv_transfer`` (one GPU
+has no NIC) from the modelled h200 profile, ``sources`` says which. ``--tiny``: tiny sizes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The plan of ``bench/gpu_check.sh``, its one source of truth, and the headline of what it measured
-(``python bench/gpu/plan.py [--dry-run] [--scale S] (--render | --steps | --headline DIR)``;
-standard library only). Each step ends within ``limit + GRACE_S``, then ``OVERHEAD_S`` of
-archiving; the total stays under ``DEVICE_LIMIT_S``. A step's benchmark gets the deadline
-``start + limit - margin``. Commands name ``$PY`` and ``$RES``, which the script exports."""
+"""The plan of ``bench/gpu_check.sh`` and the headline of what it measured (stdlib only).
+``python bench/gpu/plan.py [--dry-run] [--scale S] (--render | --steps | --headline DIR)``. A step
+ends within ``limit + GRACE_S`` plus ``OVERHEAD_S`` of archiving, all under ``DEVICE_LIMIT_S``; its
+benchmark's deadline is ``start + limit - margin``."""
 
 from __future__ import annotations
 

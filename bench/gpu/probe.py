@@ -1,8 +1,7 @@
-"""The GPU check's prerequisites, checked before any step spends time (``python -m
-bench.gpu.probe --out FILE [--cpu]``): Python.h, CUDA torch and a device, triton, a C compiler,
-libcuda where Triton finds it, Triton launches reading registered host memory, ``is_pinned()``,
-a timed 4 GB ``cudaHostRegister``, host RAM. The first missing one prints ONE line ``gpu_check:
-STOP: <cause>`` (exit 3). ``--cpu`` (the dry run): the CUDA checks recorded as skipped."""
+"""The GPU check's prerequisites (``python -m bench.gpu.probe --out FILE [--cpu]``): Python.h, CUDA
+torch, triton, a C compiler, libcuda, Triton reading registered host memory, a timed 4 GB
+``cudaHostRegister``, host RAM. The first missing one prints ONE line ``gpu_check: STOP: <cause>``
+(exit 3). ``--cpu`` (the dry run): the CUDA checks recorded as skipped."""
 
 from __future__ import annotations
 
@@ -101,8 +100,8 @@ def probe(out: Path, cpu: bool) -> None:
 
 
 def _add_one(src, dst, n, TABLE: tl.constexpr, BLOCK: tl.constexpr):
-    """``dst = src + 1`` (int32), ``src`` read through a pointer table if ``TABLE``; the probe
-    jits it once triton imports (``tl`` is then triton.language)."""
+    """``dst = src + 1`` (int32), ``src`` read through a pointer table if ``TABLE``; jitted once
+    the probe imported triton as ``tl``."""
     if TABLE:
         src = tl.load(src).to(tl.pointer_type(tl.int32))
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -128,9 +127,8 @@ def check_driver() -> None:
 
 
 def check_kernel(kernel: Any, src: Any, dst: Any, how: str, what: str) -> None:
-    """``dst = src + 1`` by ``kernel``, ``src`` passed as ``how`` (the ways the kvcacheio kernels
-    reach registered host memory): ``tensor``, ``int64 table`` (SGLang's older pools) or
-    ``uint64 table`` (``kernels.data_ptr_table``, this project's pools)."""
+    """``dst = src + 1`` by ``kernel``, ``src`` passed as ``how``: ``tensor``, ``int64 table``
+    (SGLang's older pools) or ``uint64 table`` (``kernels.data_ptr_table``, this project's)."""
     import torch
 
     dst.zero_()

@@ -1,14 +1,12 @@
 """KV copies between device and host memory (``python -m bench.transfer [--quick] [--out DIR]
-[--part headline|corun|all]``): GB/s of each copy path (H2D of one layer on a high-priority stream,
-D2H of all layers) beside one contiguous copy of the same bytes (the ceiling), and a GEMM's TFLOP/s
-alone and beside each path; on a CPU tiny sizes, labelled CPU numbers. Rows go to JSON as measured,
-none within ``MARGIN_S`` of ``HICACHE_BENCH_DEADLINE``; ``HICACHE_BENCH_STALL_AFTER_ROWS=N`` hangs
-a run after its N-th row (the GPU check's test)."""
+[--part headline|corun|all]``): GB/s of each copy path beside one contiguous copy of the same bytes
+(the ceiling), and a GEMM's TFLOP/s alone and beside each path; on a CPU tiny sizes, labelled CPU
+numbers. Rows go to JSON as measured, none within ``MARGIN_S`` of ``HICACHE_BENCH_DEADLINE``;
+``HICACHE_BENCH_STALL_AFTER_ROWS=N`` hangs a run after its N-th row (the GPU check's test)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
@@ -33,7 +31,7 @@ CPU_NOTE = (
     "CPU numbers: no CUDA device; host memory on both sides (memcpy rates, not PCIe), "
     "the kernel path is the torch reference, a thread stands in for the side stream"
 )
-Row = dict[str, Any]
+Row, Copy, BQ = dict[str, Any], tuple[Callable[[], None], int], DEFAULT_BLOCK_QUOTA
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ class Sizes:
 
 GPU_QUICK = Sizes((8192, 32768), 2048, 8, 16, 10, 16384, 8192, 40, (1, 2, 4, 8, 16, 32))
 GPU_FULL = replace(GPU_QUICK, tokens=(1024, 8192, 32768, 131072), reps=30)
-CPU_TINY = Sizes((256, 1024), 2048, 4, 16, 5, 256, 256, 8, (DEFAULT_BLOCK_QUOTA,))
+CPU_TINY = Sizes((256, 1024), 2048, 4, 16, 5, 256, 256, 8, (BQ,))
 
 
 class Pools:
@@ -82,11 +80,9 @@ class Pools:
             out.append(rows.flatten()[:n].contiguous())
         return out[0], out[1]
 
-    def copy(
-        self, direction: str, path: str, n: int, seed: int = 0, bq: int = DEFAULT_BLOCK_QUOTA
-    ) -> tuple[Callable[[], None], int]:
-        """One copy of ``n`` tokens (``h2d``: one layer; ``d2h``: all layers) by ``path``
-        (``PATHS`` or ``ceiling``), and the bytes it moves."""
+    def copy(self, direction: str, path: str, n: int, seed: int = 0, bq: int = BQ) -> Copy:
+        """One copy of ``n`` tokens (``h2d``: one layer; ``d2h``: all) by ``path`` (``PATHS`` or
+        ``ceiling``), and the bytes it moves."""
         hc, dc = self.indices(n, seed)
         h, d, one = hc.to(self.device), dc.to(self.device), direction == "h2d"
         lay, item, ld, dev = self.layers // 2, self.item, self.item * self.layers, self.dev
@@ -136,10 +132,10 @@ def _stream(device: torch.device, priority: int) -> Any:
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, reps: int, stream: Any = None) -> float:
-    """Median ms of ``fn`` on ``stream`` after two warm-ups: up to ``reps`` repetitions in
-    about ``BUDGET_S``, each after a synchronize (host-bound paths count their host time)."""
+    """Median ms of ``fn`` on ``stream`` after two warm-ups, up to ``reps`` in about ``BUDGET_S``,
+    each after a synchronize (host-bound paths count their host time)."""
     cuda, samples = device.type == "cuda", []
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.cuda.stream(stream):  # None: the current stream
         for i in range(reps + 2):
             _sync(device)
             if cuda:
@@ -178,8 +174,8 @@ COLUMNS = {
 
 
 class Recorder:
-    """Prints each row as measured and rewrites ``out_dir/<name>.json`` after it (``partial``
-    until ``finish``); ``ok(what)``: whether a measurement may still start."""
+    """Prints each row and rewrites ``out_dir/<name>.json`` after it; ``ok(what)``: whether a
+    measurement may still start."""
 
     def __init__(self, name: str, out_dir: Path, key: str, doc: dict[str, Any]) -> None:
         self.name, self.out_dir, self.key, self.doc = name, out_dir, key, doc
@@ -246,7 +242,7 @@ def measure_corun(pools: Pools, sz: Sizes, rec: Recorder) -> None:
     for path, bq in paths + [("kernel", bq) for bq in sz.block_quotas]:
         if not rec.ok(f"corun {path} bq={bq}"):
             return
-        fn, nbytes = pools.copy("h2d", path, n, bq=bq or DEFAULT_BLOCK_QUOTA)
+        fn, nbytes = pools.copy("h2d", path, n, bq=bq or BQ)
         copy_ms = time_ms(fn, dev, sz.reps, side)
         k = max(2, math.ceil(1.2 * alone / copy_ms))
         g_ms, c_ms = sorted(_corun(gemm, fn, k, side, cuda) for _ in range(3))[1]
@@ -298,7 +294,7 @@ def headline(key: str, rows: list[Row]) -> dict[str, Any]:
     for r in rows if key == "corun" else ():
         if r["path"] == "none":
             out["GEMM TFLOP/s alone"] = round(r["gemm_tflops"], 3)
-        elif r["block_quota"] in (None, DEFAULT_BLOCK_QUOTA):
+        elif r["block_quota"] in (None, BQ):
             out[f"GEMM slowdown beside {r['path']}"] = round(r["slowdown"], 3)
     return out
 
@@ -310,8 +306,7 @@ PARTS = {
 
 
 def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") -> dict[str, Any]:
-    """Measure ``part`` (headline, corun or all) into ``bench_transfer.json`` and
-    ``bench_transfer_corun.json``; returns the rows, the co-run rows and their headline."""
+    """Measure ``part`` (headline, corun or all) into ``bench_transfer[_corun].json``."""
     cuda = torch.cuda.is_available()
     sz = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
     name = torch.cuda.get_device_name() if cuda else "cpu"
