@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -195,7 +196,8 @@ class ServerArgs:
         None, "MLA: width of the cached latent (unset: the preset's, else 512).", type=int
     )
     qk_rope_head_dim: int | None = _opt(
-        None, "MLA: width of the rotary key cached beside the latent (unset: preset's, else 64).",
+        None,
+        "MLA: width of the rotary key cached beside the latent (unset: preset's, else 64).",
         type=int,
     )
     qk_nope_head_dim: int | None = _opt(
@@ -391,6 +393,10 @@ class ServerArgs:
     # ------------------------------------------------------------------ validation
     def _validation_errors(self) -> list[str]:
         errors: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.init and isinstance(value, float) and not math.isfinite(value):
+                errors.append(f"{_flag(f.name)}={value!r} must be a finite number")
 
         def choice(name: str, allowed: tuple[str, ...]) -> None:
             value = getattr(self, name)
@@ -491,9 +497,7 @@ class ServerArgs:
             if isinstance(rope, int) and not isinstance(rope, bool) and rope > 0 and rope % 2:
                 errors.append(f"--qk-rope-head-dim={rope} must be even (rotary pairs)")
         elif self.model_preset in MLA_PRESETS:
-            errors.append(
-                f"--model-preset={self.model_preset} is an MLA model: it needs --use-mla"
-            )
+            errors.append(f"--model-preset={self.model_preset} is an MLA model: it needs --use-mla")
 
         delay = self.disaggregation_bootstrap_delay
         kind, _, params = str(delay).partition(":")
@@ -505,12 +509,12 @@ class ServerArgs:
         if (
             arity is None
             or len(values) != arity
-            or any(v < 0 for v in values)
+            or any(not math.isfinite(v) or v < 0 for v in values)
             or (kind == "uniform" and values[1] < values[0])
         ):
             errors.append(
                 f"--disaggregation-bootstrap-delay={delay!r} must be fixed:S, uniform:LO,HI "
-                "(LO <= HI) or exponential:MEAN with non-negative seconds"
+                "(LO <= HI) or exponential:MEAN with finite, non-negative seconds"
             )
         for name in ("disaggregation_transfer_latency_s", "disaggregation_transfer_bandwidth_gbps"):
             value = getattr(self, name)

@@ -151,7 +151,8 @@ def build_kv_cache(
 
     Raises ``ValueError`` for configurations the runtime cannot run (``pp_size > 1``, mamba
     models, ``disable_radix_cache``, a storage backend that cannot be built, named with its
-    flag or key), for a host pool larger than the RAM
+    flag or key), for a device pool larger than its device can hold (``--max-total-tokens``,
+    before allocating), for a host pool larger than the RAM
     that may be used (on every rank, when any rank's is), and for a group that does not match
     ``tp_size``. Allocates everything up front; nothing blocks afterwards.
     """

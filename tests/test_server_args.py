@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -84,6 +85,7 @@ GATE_TABLE = [
     (lambda c: c["mamba"], GATE_MAMBA),
 ]
 
+
 # With --optimistic-prefill-write-through the hicache rule is SGLang 0.5.23's: L2 write_back and
 # write_through with no storage backend keep the attempts, and so does L3 in buffer_only host
 # memory under write_through; the pp and mamba rules are unchanged.
@@ -94,10 +96,12 @@ def _l3_buffer_only_write_through(c: dict) -> bool:
 GATE_TABLE_WRITE_THROUGH = [
     (lambda c: c["pp_size"] > 1, GATE_PP),
     (
-        lambda c: c["hicache"]
-        and (
-            (c["storage"] is not None and not _l3_buffer_only_write_through(c))
-            or (c["storage"] is None and _policy(c) not in ("write_back", "write_through"))
+        lambda c: (
+            c["hicache"]
+            and (
+                (c["storage"] is not None and not _l3_buffer_only_write_through(c))
+                or (c["storage"] is None and _policy(c) not in ("write_back", "write_through"))
+            )
         ),
         GATE_HICACHE_WRITE_THROUGH,
     ),
@@ -141,8 +145,10 @@ def test_gate_cross_product(case, flag):
         uses_mamba_radix_cache=case["mamba"],
         hicache_host_memory_mode=case["host_mode"],
     )
-    if case["hicache"] and case["host_mode"] == "buffer_only" and (
-        case["storage"] is None or case["mode"] == "decode"
+    if (
+        case["hicache"]
+        and case["host_mode"] == "buffer_only"
+        and (case["storage"] is None or case["mode"] == "decode")
     ):  # SGLang's validate_hicache_host_memory_mode refuses these
         with pytest.raises(ValueError, match="--hicache-host-memory-mode buffer_only"):
             ServerArgs(**kwargs)
@@ -542,8 +548,10 @@ def test_storage_flags_have_sglangs_names_and_defaults():
 def test_extra_config_reads_json_toml_and_yaml_files(tmp_path):
     (tmp_path / "c.json").write_text('{"prefetch_threshold": 64}')
     (tmp_path / "c.toml").write_text('prefetch_threshold = 64\nfile_storage_path = "/x"\n')
-    for name, want in (("c.json", {"prefetch_threshold": 64}),
-                       ("c.toml", {"prefetch_threshold": 64, "file_storage_path": "/x"})):
+    for name, want in (
+        ("c.json", {"prefetch_threshold": 64}),
+        ("c.toml", {"prefetch_threshold": 64, "file_storage_path": "/x"}),
+    ):
         args = ServerArgs(hicache_storage_backend_extra_config=f"@{tmp_path / name}")
         assert args.storage_extra_config() == want  # fmt: skip
     (tmp_path / "c.yaml").write_text("prefetch_threshold: 64\n")
@@ -590,3 +598,69 @@ def test_storage_model_name_follows_the_weights():
     assert a.storage_model_name() != b.storage_model_name()
     assert a.storage_model_name() == ServerArgs().storage_model_name()
     assert ServerArgs(served_model_name="Qwen/Qwen3-8B").storage_model_name() == "Qwen/Qwen3-8B"
+
+
+# ---------------------------------------------------------------- non-finite floats, sizes, alloc
+FLOAT_FIELDS = [
+    f.name
+    for f in dataclasses.fields(ServerArgs)
+    if f.init and typing.get_type_hints(ServerArgs)[f.name] in (float, float | None)
+]
+NON_FINITE = ["nan", "inf", "-inf"]
+
+
+def test_float_fields_are_found():
+    assert {"hicache_ratio", "hicache_size", "disaggregation_transfer_latency_s"} <= set(
+        FLOAT_FIELDS
+    )
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_float_flags_refuse_non_finite_values(name, value):
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag}={value} must be a finite number"):
+        prepare_server_args([f"{flag}={value}"])  # "-inf" alone reads as a flag
+    with pytest.raises(ValueError, match=f"{flag}={value} must be a finite number"):
+        ServerArgs(**{name: float(value)})
+
+
+@pytest.mark.parametrize("delay", ["fixed:nan", "uniform:0,inf", "exponential:inf"])
+def test_bootstrap_delay_refuses_non_finite_seconds(delay):
+    with pytest.raises(ValueError, match="--disaggregation-bootstrap-delay"):
+        prepare_server_args(["--disaggregation-bootstrap-delay", delay])
+
+
+def test_cli_main_refuses_nan_instead_of_printing_it(capsys):
+    from server_args import main
+
+    assert main(["--hicache-ratio", "nan"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "--hicache-ratio=nan" in out.err
+
+
+def test_device_pool_larger_than_the_device_is_refused_with_the_flag(monkeypatch):
+    from hicache.builder import build_kv_cache
+    from hicache.memory import host_ram
+
+    with pytest.raises(ValueError, match="--max-total-tokens=1000000000000"):
+        build_kv_cache(ServerArgs(device="cpu", max_total_tokens=10**12))
+
+    # 16384 tokens x 4 layers x 2 heads x 16 dims x (K, V) x 4 bytes = 16 MiB > 1 MiB free.
+    monkeypatch.setattr(host_ram, "host_memory_available_bytes", lambda: 2**20)
+    with pytest.raises(ValueError, match="--max-total-tokens=16384"):
+        build_kv_cache(ServerArgs(device="cpu"))
+    monkeypatch.setattr(host_ram, "host_memory_available_bytes", lambda: 2**30)
+    cache = build_kv_cache(ServerArgs(device="cpu"))
+    cache.check_integrity()
+    cache.close()
+
+
+@pytest.mark.parametrize("need", [4.0, True, "4"])
+def test_alloc_refuses_a_non_integer_size_and_changes_nothing(need):
+    from hicache.memory.allocator import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(64, 1, "cpu")
+    with pytest.raises(ValueError, match="need_size"):
+        alloc.alloc(need)
+    assert alloc.available_size() == 64 and alloc.alloc(4).numel() == 4

@@ -12,6 +12,7 @@ page 0 (padding); the host allocator (``reserve_padding=False``) hands out every
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +33,8 @@ def page_ceil(tokens: int, page_size: int) -> int:
     """``tokens`` rounded up to whole pages of ``page_size`` tokens (the project's one
     page-rounding rule; ``page_ceil(n, ps) // ps`` is the page count)."""
     return -(-tokens // page_size) * page_size
+
+
 _PADDING = 3
 
 
@@ -111,6 +114,12 @@ class TokenToKVPoolAllocator:
     # --- alloc / free --------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Take ``need_size`` slots (a multiple of ``page_size``); ``None`` when short."""
+        try:
+            if isinstance(need_size, bool):
+                raise TypeError
+            need_size = operator.index(need_size)
+        except TypeError:
+            raise ValueError(f"need_size must be an integer, got {need_size!r}") from None
         if need_size < 0 or need_size % self.page_size != 0:
             raise ValueError(
                 f"need_size must be a non-negative multiple of page_size={self.page_size}, "

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kernels
+from hicache.memory import host_ram
 from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
@@ -329,5 +330,33 @@ def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> K
     ``MLATokenToKVPool`` with ``--use-mla``, else an ``MHATokenToKVPool`` of this rank's KV
     heads. The one place the prefill side chooses between the two."""
     cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
+    _check_pool_fits_device(args, size)
     return cls.from_server_args(args, size=size)
 
+
+def device_free_bytes(device: torch.device) -> int:
+    """Bytes a new pool may take on ``device``: free CUDA memory (with what torch's caching
+    allocator holds unused), else the available host RAM."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
+    return host_ram.host_memory_available_bytes()
+
+
+def _check_pool_fits_device(args: ServerArgs, size: int | None) -> None:
+    """``ValueError`` naming ``--max-total-tokens`` (or ``size``) when the pool ``args``
+    describe is larger than its device can hold, before anything is allocated."""
+    device, dtype = args.resolved_device(), args.torch_dtype()
+    if getattr(args, "use_mla", False):
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+    else:
+        width = 2 * args.kv_heads_per_rank() * args.head_dim  # K and V
+    per_token = args.num_layers * width * torch.empty(0, dtype=dtype).element_size()
+    tokens = args.max_total_tokens if size is None else size
+    need, free = (tokens + args.page_size) * per_token, device_free_bytes(device)
+    if need > free:
+        name = "--max-total-tokens" if size is None else "size"
+        raise ValueError(
+            f"{name}={tokens}: the device pool needs {need / 1e9:.3f} GB ({per_token} bytes per "
+            f"token), more than the {free / 1e9:.3f} GB free on {device}"
+        )
