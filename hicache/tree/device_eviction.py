@@ -60,6 +60,8 @@ class EvictionTree(Protocol):
 
     def _ack_write(self, node_id: int) -> bool: ...
 
+    def _disown(self, slots: torch.Tensor) -> None: ...
+
 
 class DeviceEviction:
     """The state of one ``HiRadixCache.evict`` call (see this module's docstring).
@@ -176,4 +178,6 @@ class DeviceEviction:
         self.kept = []
         if self.frees:
             frees, self.frees = self.frees, []
-            self.tree.controller.evict_device(frees[0] if len(frees) == 1 else torch.cat(frees))
+            slots = frees[0] if len(frees) == 1 else torch.cat(frees)
+            self.tree.controller.evict_device(slots)
+            self.tree._disown(slots)

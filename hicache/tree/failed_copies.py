@@ -48,6 +48,8 @@ class RevertTree(Protocol):
 
     def dec_lock_ref(self, node: TreeNode) -> int: ...
 
+    def _disown(self, slots: torch.Tensor) -> None: ...
+
 
 def drop_failed_backup(tree: RevertTree, node: TreeNode, host_slots: torch.Tensor) -> None:
     """``node``'s backup into ``host_slots`` failed: ``node`` and the upper halves split off it
@@ -142,7 +144,9 @@ def revert_loads(tree: RevertTree, node_ids: Iterable[int]) -> int:
             tree._device_queue.push_if_candidate(ancestor)
         logger.warning("load back of node %d undone: %d nodes host-only again", nid, len(chain))
     if frees:
-        tree.controller.evict_device(frees[0] if len(frees) == 1 else torch.cat(frees))
+        slots = frees[0] if len(frees) == 1 else torch.cat(frees)
+        tree.controller.evict_device(slots)
+        tree._disown(slots)
     if tree.stats is not None and total:
         tree.stats.record_load(-total)  # counted at init_load_back; these tokens never arrived
     return total

@@ -309,6 +309,7 @@ class HiRadixTransfers(RadixCache):
             offset += len(x.host_value)
             x.parent.device_children += 1
             self._add_device_tokens(x, len(x.value))
+        self._own(device_indices)
         self.ongoing_load_back[last_host_node.id] = last_host_node
         self._load_ancestors[last_host_node.id] = ancestor
         self.inc_lock_ref(last_host_node)

@@ -12,7 +12,8 @@
   holds exactly one entry in that tier's queue, no entry is later than its node's access time,
   and no node is in a queue twice (eviction may pop without walking the tree);
 - ``evictable_size + protected_size`` equals the device tokens in the tree, split by lock state;
-- no device slot and no host slot appears twice in the tree; every one is allocated;
+- no device slot and no host slot appears twice in the tree; every one is allocated; the
+  tree's map of owned device pages (``_owned_pages``) names exactly its nodes' pages;
 - device ledger: free + freed in an open free group + in tree + request-owned + in flight ==
   total; host ledger: free + in tree + in flight == total (HiRadixCache);
 - a host copy whose D2H write has not been acked belongs to a device-resident node (it is not
@@ -153,6 +154,7 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
     if tree.allocator is None:  # a simulated tree: no pool to balance
         return
     n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
+    _check_owned_pages(tree, device_slots)
     in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
     pending = tree.allocator.group_freed_size()
     allocated = tree.allocator.size - tree.allocator.available_size() - pending
@@ -177,6 +179,18 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
             f"{host_in_flight} (free {host_alloc.available_size()}, total {host_alloc.size})"
         )
     _check_unacked(tree, nodes)
+
+
+def _check_owned_pages(tree: TreeView, device_slots: list[torch.Tensor]) -> None:
+    owned = getattr(tree, "_owned_pages", None)
+    if owned is None:
+        return
+    ps = tree.page_size
+    pages = torch.empty((0,), dtype=torch.int64)
+    if device_slots:
+        pages = torch.unique(torch.cat([s.cpu() for s in device_slots]) // ps)
+    if not torch.equal(torch.nonzero(owned.cpu()).flatten(), pages):
+        _fail("the map of owned device pages disagrees with the nodes' device slots")
 
 
 def _check_queues(tree: TreeView, nodes: list[TreeNode]) -> None:

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.tree.integrity import check_tree
-from hicache.tree.keys import TOKEN_BYTES, key_bytes, list_bytes
+from hicache.tree.keys import TOKEN_BYTES, key_bytes, list_bytes, match_bytes
 from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate
 from hicache.tree.node import MatchResult, TreeNode, check_insert_args, descend
+from kernels.ops.checks import content_checks
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
@@ -41,7 +42,8 @@ class RadixCache:
             frees slots of evicted nodes into it. ``None`` makes a simulated tree (SGLang's
             ``RadixCache.create_simulated``): ``insert`` may omit ``value`` (token ids stand in
             for slots) and eviction frees nothing.
-        page_size: tokens per page; every stored key is a whole number of pages.
+        page_size: tokens per page; every stored key is a whole number of pages. Must be the
+            allocator's page size.
         device: device of the slot tensors (defaults to the allocator's, CPU when simulated).
 
     Nothing here blocks; all calls are host-side bookkeeping on the scheduler thread.
@@ -55,6 +57,11 @@ class RadixCache:
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        alloc_page_size = getattr(allocator, "page_size", page_size)
+        if allocator is not None and alloc_page_size != page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the allocator's page_size {alloc_page_size}"
+            )
         self.allocator = allocator
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES  # a child's entry: its first page's bytes
@@ -78,6 +85,11 @@ class RadixCache:
         self._empty_indices = self._empty()
         # A miss returns this one result: no key copy, no tensor, no tick.
         self._empty_match = MatchResult(self._empty_indices, self.root_node, self.root_node, 0)
+        # Pages whose device slots a node owns (insert checks new slots against it in O(slots)).
+        pages = getattr(self.allocator, "page_table_size", None)
+        self._owned_pages = (
+            None if pages is None else torch.zeros(pages, dtype=torch.bool, device=self.device)
+        )
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -189,13 +201,16 @@ class RadixCache:
         ``chunked`` marks an insert of an unfinished (chunk-prefilled) request.
         Returns the length of the prefix whose KV was already device-resident; the caller frees
         its own slots for that prefix. Raises ``ValueError`` (state unchanged) on mismatched
-        lengths, a non-int64 value or a missing value in a tree with an allocator.
+        lengths, a non-int64 value, a missing value in a tree with an allocator, or slots the
+        tree could not own (``_check_slots``).
         """
         kb, value = check_insert_args(
             key, value, self.device, self.page_size, self.allocator is None
         )
         if not kb:
             return 0
+        if self.allocator is not None:
+            self._own(value[self._check_slots(kb, value) :])
         pb = self.page_bytes
         end = len(kb)
         now = self._tick()
@@ -229,6 +244,59 @@ class RadixCache:
             if new.lock_ref == 0:
                 self._device_queue.push(new)
         return present
+
+    def _check_slots(self, kb: bytes, value: torch.Tensor) -> int:
+        """Returns where the slots the tree would take begin (the device-resident prefix of
+        ``kb``, found by a walk that changes nothing). ``ValueError`` unless every slot of
+        ``value`` is allocated (no negative or padding slot) and the slots the tree would take
+        are whole pages the allocator would take back, none already a node's. O(len(value));
+        the contents are read where ``content_checks`` allows (on CUDA: debug checks only)."""
+        pb = self.page_bytes
+        end = len(kb)
+        off = 0
+        child = self.root_node.children.get(kb[:pb])
+        while child is not None and child.value is not None:
+            tokens = child.tokens
+            if off + len(tokens) > end or not kb.startswith(tokens, off):
+                off += match_bytes(tokens, kb, off, end, pb)
+                break
+            off += len(tokens)
+            child = child.children.get(kb[off : off + pb]) if off < end else None
+        present = off // TOKEN_BYTES
+        if not content_checks(value):
+            return present
+        slots = value.cpu()
+        lo = int(slots.min())
+        if lo < 0:
+            raise ValueError(f"value holds negative slots (min {lo}); slots come from alloc()")
+        if not self.allocator.is_allocated(slots):
+            raise ValueError("value holds slots that are not allocated (free, padding or beyond)")
+        try:
+            self.allocator.check_free(slots[present:])
+        except ValueError as e:
+            raise ValueError(
+                f"value[{present}:], the slots this insert gives the tree, could not be freed "
+                f"at eviction: {e}"
+            ) from e
+        owned = self._owned_pages
+        if owned is not None and bool(
+            owned[value[present:][:: self.page_size] // self.page_size].any()
+        ):
+            raise ValueError(
+                f"value[{present}:] holds slots owned by the tree (another node's); only the "
+                "prefix already cached may repeat the tree's slots"
+            )
+        return present
+
+    def _own(self, slots: torch.Tensor) -> None:
+        """The tree now owns these device slots (whole pages)."""
+        if self._owned_pages is not None and slots.numel():
+            self._owned_pages[slots[:: self.page_size] // self.page_size] = True
+
+    def _disown(self, slots: torch.Tensor) -> None:
+        """These device slots (whole pages) left the tree."""
+        if self._owned_pages is not None and slots.numel():
+            self._owned_pages[slots[:: self.page_size] // self.page_size] = False
 
     def _add_device_tokens(self, node: TreeNode, n: int) -> None:
         if node.lock_ref > 0:
@@ -327,32 +395,46 @@ class RadixCache:
 
     # Slot ownership during evict: every slot of an evicted leaf goes back to the allocator
     # (one free for the whole call); locked nodes (a request, a pending backup or a pending load
-    # holds them) are never candidates.
+    # holds them) are never candidates. A free the allocator refuses relinks every leaf taken.
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens from unlocked leaves in LRU order, or as
-        many as are evictable. Returns the tokens freed. O(k log n) for k leaves evicted."""
+        many as are evictable. Returns the tokens freed. O(k log n) for k leaves evicted.
+        When the allocator refuses the free, its ``ValueError`` propagates, tree unchanged."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         queue = self._device_queue
         root = self.root_node
         freed = 0
-        slots: list[torch.Tensor] = []
+        taken: list[tuple[TreeNode, TreeNode]] = []
         while freed < num_tokens:
             x = queue.pop()
             if x is None:
                 break
             parent = x.parent
-            n = len(x.value)
-            slots.append(x.value)
-            freed += n
+            freed += len(x.value)
+            taken.append((x, parent))
             self._delete_leaf(x)
             parent.device_children -= 1
             if parent is not root:
                 queue.push_if_candidate(parent)
+        if taken and self.allocator is not None:
+            slots = taken[0][0].value if len(taken) == 1 else torch.cat([x.value for x, _ in taken])
+            try:
+                self.allocator.free(slots)
+            except ValueError:
+                self._relink(taken)
+                raise
+            self._disown(slots)
         self.evictable_size_ -= freed
-        if slots and self.allocator is not None:
-            self.allocator.free(slots[0] if len(slots) == 1 else torch.cat(slots))
         return freed
+
+    def _relink(self, taken: list[tuple[TreeNode, TreeNode]]) -> None:
+        """Undo ``evict``'s unlinking of ``taken`` (leaves with their parents, in order)."""
+        for x, parent in reversed(taken):
+            x.parent = parent
+            parent.children[x.tokens[: self.page_bytes]] = x
+            parent.device_children += 1
+            self._device_queue.push(x)
 
     def evict_host(self, num_tokens: int) -> int:
         """No host tier: frees nothing."""
