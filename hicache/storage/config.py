@@ -21,6 +21,9 @@ Fields:
 - ``extra_config``: the backend's settings (``--hicache-storage-backend-extra-config``), a dict.
 - ``dcp_size``, ``dcp_rank``, ``logical_page_size``: decode context parallelism (SGLang shards MLA
   pages over it); kept for compatibility, ``dcp_size`` must be 1.
+- ``format_tag`` (not SGLang's): the page-format tag ``model_name`` carries, set by
+  ``storage_config_for_pool``; ``None`` means SGLang's untagged names and, for ``HiCacheFile``,
+  its pages without an integrity check.
 
 Bad values raise ``ValueError`` naming the field.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.storage.extra_config import as_extra_config
-from hicache.storage.format_tag import AUTO, FORMAT_TAG_KEY, tagged_model_name
+from hicache.storage.format_tag import AUTO, FORMAT_TAG_KEY, resolve_format_tag, tagged_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +69,15 @@ class HiCacheStorageConfig:
     dcp_size: int = 1
     dcp_rank: int = 0
     logical_page_size: int | None = None
+    format_tag: str | None = None
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size, "tp_rank", "tp_size")
         _check_rank(self.pp_rank, self.pp_size, "pp_rank", "pp_size")
         _check_rank(self.attn_cp_rank, self.attn_cp_size, "attn_cp_rank", "attn_cp_size")
-        if self.model_name is not None and not isinstance(self.model_name, str):
-            raise ValueError(f"model_name must be a str or None, got {self.model_name!r}")
+        for name in ("model_name", "format_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a str or None, got {getattr(self, name)!r}")
         if self.extra_config is not None:
             self.extra_config = as_extra_config(self.extra_config)
         if self.should_split_heads:
@@ -103,10 +108,12 @@ def storage_config_for_pool(
 ) -> HiCacheStorageConfig:
     """The config of ``host_pool``'s rank, as SGLang's controller builds it: ``is_mla_model`` from
     the pool's kind (an MLA pool has ``kv_cache_dim``), ``is_page_first_layout`` from its layout,
-    ``model_name`` tagged with the page format. The extra-config key ``storage_format_tag`` is
-    consumed here (``format_tag``); the rest goes to the backend."""
+    ``model_name`` tagged with the page format (and that tag in ``format_tag``). The extra-config
+    key ``storage_format_tag`` is consumed here (``format_tag`` module); the rest goes to the
+    backend."""
     extra = as_extra_config(extra_config)
     setting = extra.pop(FORMAT_TAG_KEY, AUTO)
+    tag = resolve_format_tag(setting, host_pool)
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -118,4 +125,5 @@ def storage_config_for_pool(
         model_name=tagged_model_name(model_name, host_pool, setting),
         dp_rank=dp_rank,
         extra_config=extra,
+        format_tag=tag,
     )

@@ -13,10 +13,18 @@ and dtype).
 For tokens 1..16 at page 16, model ``Qwen/Qwen3-8B``, TP rank 0 of 1:
 ``77d735ce…9b07_Qwen-Qwen3-8B_0_1.bin`` (MLA ``77d735ce…9b07_Qwen-Qwen3-8B.bin``).
 
-**Bytes.** The host pool's flat page (``get_data_page(index, flat=True)``) and nothing else: no
-header, as SGLang. A write goes to ``.{uuid4 hex}.tmp`` in the same directory and is renamed over
-the final name (``os.replace``, atomic on POSIX), so a reader sees no file or a whole one, never a
-half-written page. No ``fsync``: after a power loss a renamed page may read short, which is a miss.
+**Bytes.** The host pool's flat page (``get_data_page(index, flat=True)``), then a 16-byte footer:
+``HCKVCRC1`` and the CRC-32 (``zlib.crc32``, little-endian) of the file's name (key and suffix,
+without ``.bin``) followed by the page bytes, then 4 zero bytes. Every read checks it: a page of
+random bytes, another key's page or one of another size is a miss, counted. SGLang reads only the
+page's bytes and ignores the footer. Interop mode (``storage_format_tag: "none"``, the config's
+``format_tag`` is ``None``): pages are SGLang's, the bytes alone, and carry **no check**; a damaged
+page of the right size is then read as KV. Pages of older versions of this backend (no footer)
+have the wrong size: misses, rewritten by the next ``set``.
+
+A write goes to ``.{uuid4 hex}.tmp`` in the same directory and is renamed over the final name
+(``os.replace``, atomic on POSIX), so a reader sees no file or a whole one, never a half-written
+page. No ``fsync``: after a power loss a renamed page may read short, which is a miss.
 
 **Format tag.** A file does not say in which byte order or dtype it was written, so a page of
 another format but the same size would read as wrong KV. The storage config's ``model_name``
@@ -27,16 +35,18 @@ the untagged name and misses our pages (and we its pages) unless the extra confi
 ``storage_format_tag: "none"`` (then one layout and dtype per directory is the operator's
 promise) or SGLang is served under the tagged model name.
 
-**Misses, never wrong KV.** ``get`` reads only a file whose size is exactly the target's; a
-missing, truncated or longer file, or one that shrinks while being read, is a miss (``None``),
-counted by cause. SGLang raises ``IOError`` on a short read instead. Once a host pool is
-registered, ``exists`` also requires the page's size, and ``set`` rewrites a file of the wrong
-size (SGLang keeps any existing file).
+**Misses, never wrong KV.** ``get`` reads only a file whose size is exactly the target's (plus
+the footer) and whose check holds; a missing, truncated or longer file, one that shrinks while
+being read, or a failed check is a miss (``None``), counted by cause; a page failing its check is
+removed. SGLang raises ``IOError`` on a short read instead. Once a host pool is registered,
+``exists`` also requires the page's size (it does not read the check), and ``set`` rewrites a file
+of the wrong size (SGLang keeps any existing file).
 
 **Directory.** ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` if set, else the extra-config key
-``file_storage_path``, else ``file_path`` (default ``/tmp/hicache``), SGLang's precedence. Every
-rank creates it (``exist_ok``; SGLang only rank 0) and writes a probe file at construction: an
-unusable directory is a ``ValueError`` naming where the path came from.
+``file_storage_path``, else ``file_path`` (default ``/tmp/hicache-{uid}``, per user; SGLang's is
+``/tmp/hicache``), SGLang's precedence. Every rank creates it (mode 0700, ``exist_ok``; SGLang
+only rank 0) and writes a probe file at construction; pages are written 0600. A directory owned by
+another user, or unusable, is a ``ValueError`` naming it and where the path came from.
 
 **Budget.** ``max_size``, ``min_free_space``, ``eviction_ratio`` (``lru_file_evictor``): off by
 default; a refused write is ``False`` and counted.
@@ -47,10 +57,10 @@ counted (``get_stats()``); nothing raises into the calling thread except bad arg
 ``/``, a target that is not a contiguous CPU tensor). Thread-safe; every call blocks on the
 filesystem.
 
-``clear()`` removes every page file (``*.bin``, all ranks and models, as SGLang) and leftover
-temporary files in the directory, nothing else (SGLang removes every file in it). SGLang's
-positive existence cache (``enable_metadata_cache``) is not implemented: an existence check is
-one ``stat``.
+``clear()`` removes every page file (``{64 hex digits}[_…].bin``, all ranks and models) and
+leftover temporary files in the directory, nothing else (SGLang removes every file in it); the
+budget likewise evicts only page files. SGLang's positive existence cache
+(``enable_metadata_cache``) is not implemented: an existence check is one ``stat``.
 """
 
 from __future__ import annotations
@@ -59,7 +69,9 @@ import logging
 import os
 import re
 import stat
+import struct
 import uuid
+import zlib
 from typing import Any
 
 import torch
@@ -72,9 +84,17 @@ from hicache.storage.lru_file_evictor import LRUFileEvictor
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DIR = "/tmp/hicache"
+DEFAULT_DIR = f"/tmp/hicache-{os.getuid()}"
 ENV_DIR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 _TMP_NAME = re.compile(r"\.[0-9a-f]{32}\.tmp")
+PAGE_NAME = re.compile(r"[0-9a-f]{64}(?:_.*)?\.bin", re.DOTALL)
+FOOTER = struct.Struct("<8sI4x")
+MAGIC = b"HCKVCRC1"
+
+
+def page_checksum(name: str, data) -> int:
+    """CRC-32 of ``name`` (the file's name without ``.bin``) then ``data`` (the page's bytes)."""
+    return zlib.crc32(data, zlib.crc32(name.encode()))
 
 
 def file_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
@@ -104,7 +124,13 @@ def _storage_dir(extra: dict, default: str) -> tuple[str, str]:
 def _prepare_dir(path: str, source: str) -> None:
     probe = os.path.join(path, f".{uuid.uuid4().hex}.tmp")
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        owner = os.stat(path).st_uid
+        if owner != os.geteuid():
+            raise ValueError(
+                f"{source}={path!r} is owned by uid {owner}, not by this user "
+                f"(uid {os.geteuid()}): its pages cannot be trusted"
+            )
         with open(probe, "wb"):
             pass
         os.remove(probe)
@@ -117,6 +143,17 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
     except OSError:
         pass
+
+
+def _read_into(f: Any, view: memoryview) -> bool:
+    """Fill ``view`` from ``f``; ``False`` if the file ends first."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            return False
+        got += n
+    return True
 
 
 def _is_cpu_contiguous(t: torch.Tensor) -> bool:
@@ -136,10 +173,14 @@ class HiCacheFile(HiCacheStorage):
         self.file_path, source = _storage_dir(extra, file_path)
         _prepare_dir(self.file_path, source)
         self.config_suffix, self.tp_config_suffix = file_suffixes(storage_config)
+        self.checked = storage_config.format_tag is not None
+        self._footer = FOOTER.size if self.checked else 0
         owned: tuple[str, ...] = (self.tp_config_suffix,)
         if storage_config.is_mla_model and storage_config.is_storage_writer:
             owned += (self.config_suffix,)
-        self._evictor = LRUFileEvictor(self.file_path, owned_suffixes=owned, extra_config=extra)
+        self._evictor = LRUFileEvictor(
+            self.file_path, owned_suffixes=owned, extra_config=extra, key_pattern=r"[0-9a-f]{64}"
+        )
         self._counters = FileCounters()
         self._page_bytes: int | None = None
         if extra.get("enable_metadata_cache"):
@@ -168,16 +209,17 @@ class HiCacheFile(HiCacheStorage):
         if not isinstance(target, torch.Tensor) or not _is_cpu_contiguous(target):
             raise ValueError("HiCacheFile.get: target_location must be a contiguous CPU tensor")
         expected = target.numel() * target.element_size()
+        footer = bytearray(self._footer)
         try:
             with open(path, "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != expected:
+                st = os.fstat(f.fileno())
+                if st.st_size != expected + self._footer:
                     return self._bad_size(key)
-                view, got = _byte_view(target), 0
-                while got < expected:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        return self._bad_size(key)
-                    got += n
+                view = _byte_view(target)
+                if not (_read_into(f, view) and _read_into(f, memoryview(footer))):
+                    return self._bad_size(key)
+            if self.checked and bytes(footer) != FOOTER.pack(MAGIC, page_checksum(name, view)):
+                return self._corrupt(key, path, st)
         except FileNotFoundError:
             self._counters.add("read_misses")
             return None
@@ -192,7 +234,9 @@ class HiCacheFile(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         size = self._file_size(self._names(key)[1])
-        return size is not None and (self._page_bytes is None or size == self._page_bytes)
+        if size is None or size < self._footer:
+            return False
+        return self._page_bytes is None or size == self._page_bytes + self._footer
 
     # --- writes --------------------------------------------------------------------------------
     def set(
@@ -207,7 +251,7 @@ class HiCacheFile(HiCacheStorage):
         name, path = self._names(key)
         if not isinstance(value, torch.Tensor):
             raise ValueError("HiCacheFile.set: value must be a tensor")
-        nbytes = value.numel() * value.element_size()
+        nbytes = value.numel() * value.element_size() + self._footer
         if self._file_size(path) == nbytes:
             self._evictor.touch(name, path)
             self._counters.add("writes_skipped")
@@ -217,9 +261,12 @@ class HiCacheFile(HiCacheStorage):
             return False
         tmp = os.path.join(self.file_path, f".{uuid.uuid4().hex}.tmp")
         try:
-            data = value.detach().cpu().contiguous()
+            data = _byte_view(value.detach().cpu().contiguous())
             with open(tmp, "wb") as f:
-                f.write(_byte_view(data))
+                os.chmod(tmp, 0o600)  # before any byte is in it
+                f.write(data)
+                if self.checked:
+                    f.write(FOOTER.pack(MAGIC, page_checksum(name, data)))
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - a failed write is a result, never an exception
             self._evictor.abort(name)
@@ -242,7 +289,7 @@ class HiCacheFile(HiCacheStorage):
             logger.error("HiCacheFile: clearing %s failed: %s", self.file_path, e)
             return False
         for name in names:
-            if name.endswith(".bin") or _TMP_NAME.fullmatch(name):
+            if PAGE_NAME.fullmatch(name) or _TMP_NAME.fullmatch(name):
                 try:
                     os.remove(os.path.join(self.file_path, name))
                 except FileNotFoundError:
@@ -275,6 +322,18 @@ class HiCacheFile(HiCacheStorage):
         except OSError:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _corrupt(self, key: str, path: str, st: os.stat_result) -> None:
+        """Count a page failing its check and remove it (unless it was replaced meanwhile)."""
+        self._counters.add("read_corrupt")
+        logger.warning("HiCacheFile: %s fails its checksum (damaged or another page); removed", key)
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.remove(path)
+        except OSError:
+            pass
+        return None
 
     def _bad_size(self, key: str) -> None:
         self._counters.add("read_bad_size")

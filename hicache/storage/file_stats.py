@@ -15,15 +15,17 @@ class HiCacheFileStats:
     """What a ``HiCacheFile`` did since it was built (pages unless named ``bytes``).
 
     Misses are split by cause: ``read_misses`` (no such file), ``read_bad_size`` (a file of
-    another size: truncated, or written for another geometry), ``read_errors`` (any other IO
-    error). Failed writes likewise: ``write_failures`` (IO errors, a full disk), ``writes_refused``
-    (the byte budget said no). ``evicted_*`` and ``budget_bytes`` come from the budget (0 when it
-    is off).
+    another size: truncated, written for another geometry or by an older version),
+    ``read_corrupt`` (the page's checksum fails: damaged, or another page's bytes),
+    ``read_errors`` (any other IO error). Failed writes likewise: ``write_failures`` (IO errors,
+    a full disk), ``writes_refused`` (the byte budget said no). ``evicted_*`` and
+    ``budget_bytes`` come from the budget (0 when it is off).
     """
 
     read_hits: int = 0
     read_misses: int = 0
     read_bad_size: int = 0
+    read_corrupt: int = 0
     read_errors: int = 0
     writes: int = 0
     writes_skipped: int = 0

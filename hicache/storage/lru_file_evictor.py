@@ -13,8 +13,9 @@ With neither limit set the evictor is inert: every write is admitted, nothing is
 one set:
 
 - ``max_size`` is clamped to the filesystem's size minus ``min_free_space`` (with a warning);
-- at start the LRU is seeded with this rank's existing page files, oldest ``mtime`` first, and
-  trimmed to the limits;
+- at start the LRU is seeded with this rank's existing page files (``{key}{owned suffix}.bin``
+  with ``key`` matching ``key_pattern``; no other file is seeded), oldest
+  ``mtime`` first, and trimmed to the limits;
 - a write is admitted by ``reserve(key, nbytes)``: refused (``False``) for a key this rank does
   not own (another TP rank's file, or an MLA page on a non-writer rank), for a page larger than
   the cap, or when eviction cannot make room; when ``total + nbytes`` would exceed the cap, the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -58,8 +60,10 @@ class LRUFileEvictor:
         *,
         owned_suffixes: tuple[str, ...],
         extra_config: Mapping | None = None,
+        key_pattern: str = r"[^/]+",
     ) -> None:
         extra = extra_config or {}
+        self._key_re = re.compile(key_pattern)
         self.directory = directory
         self.max_size_bytes = read_size(extra, "max_size", ENV_MAX_SIZE)
         self.min_free_bytes = read_size(extra, "min_free_space", ENV_MIN_FREE)
@@ -109,6 +113,13 @@ class LRUFileEvictor:
 
     def owns(self, key: str) -> bool:
         return key.endswith(self._owned)
+
+    def _is_page(self, name: str) -> bool:
+        """Whether ``name`` is ``{key}{owned suffix}`` with ``key`` matching ``key_pattern``."""
+        return any(
+            name.endswith(s) and self._key_re.fullmatch(name[: len(name) - len(s)])
+            for s in self._owned
+        )
 
     # --- the write lifecycle ------------------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -241,7 +252,7 @@ class LRUFileEvictor:
             return
         found = []
         for name in names:
-            if not name.endswith(".bin") or not self.owns(name[:-4]):
+            if not name.endswith(".bin") or not self._is_page(name[:-4]):
                 continue
             try:
                 st = os.stat(os.path.join(self.directory, name))

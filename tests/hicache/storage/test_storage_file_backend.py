@@ -253,7 +253,7 @@ def test_without_the_tag_other_formats_read_as_wrong_kv(tmp_path) -> None:
 def test_budget_evicts_least_recently_used(tmp_path) -> None:
     host = host_pool("mha", "page_first")
     fill_random(host, 7)
-    page = host.page_nbytes
+    page = host.page_nbytes + file_backend.FOOTER.size  # a page file: the page and its check
     backend = backend_for(host, tmp_path, max_size=4 * page, eviction_ratio=0.5)
     keys = pages(6)
     assert backend.batch_set_v1(keys[:4], torch.arange(16)) == [True] * 4
@@ -278,15 +278,16 @@ def test_budget_starts_from_the_files_on_disk(tmp_path) -> None:
     assert other_rank.set(keys[0], torch.zeros(10_000))  # not this rank's: never evicted by it
     for age, key in enumerate(reversed(keys)):  # keys[2] oldest
         os.utime(plain.path_of(key), (1000 + age, 1000 + age))
-    bounded = backend_for(host, tmp_path, max_size=2 * host.page_nbytes, eviction_ratio=1.0)
+    page = host.page_nbytes + file_backend.FOOTER.size
+    bounded = backend_for(host, tmp_path, max_size=2 * page, eviction_ratio=1.0)
     assert [bounded.exists(k) for k in keys] == [True, True, False]
     assert os.path.exists(other_rank.path_of(keys[0]))
-    assert bounded.get_stats().budget_bytes == 2 * host.page_nbytes
+    assert bounded.get_stats().budget_bytes == 2 * page
 
 
 def test_min_free_space_evicts_before_the_disk_fills(tmp_path, monkeypatch) -> None:
     host = host_pool("mha", "page_first")
-    page = host.page_nbytes
+    page = host.page_nbytes + file_backend.FOOTER.size  # a page file: the page and its check
     min_free = 10 * page
     disk = 3 * page + min_free  # room for three pages above the watermark
 
