@@ -53,8 +53,10 @@ mooncake: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The suite's results are committed: make bench writes them to results/ (a plain
+# `python -m bench` writes to the ignored bench-out/).
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench --out results
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff && $(BIN)/ruff check .
@@ -106,7 +108,7 @@ $(SGLANG_VENV)/bench-deps/.done: | $(SGLANG_VENV)/.installed
 
 bench-vs-sglang: $(BENCH_VS_SITE)/.done $(SGLANG_VENV)/bench-deps/.done
 	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m bench.cache_ops \
-		--against-sglang --sglang-site $(BENCH_VS_SITE) $(BENCH_VS_ARGS)
+		--against-sglang --sglang-site $(BENCH_VS_SITE) --out results $(BENCH_VS_ARGS)
 
 # The whole Mooncake FAST'25 conversation trace through the tree and tiers (about 10 minutes on
 # 2 cores), with SGLang 0.5.23's trees beside the project's for the bookkeeping cost.

@@ -33,7 +33,7 @@ SUITE = ["transfer", "cache_ops", "multiturn", "optimistic", "pd", "l3", "moonca
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     parser.add_argument("--full", action="store_true", help="Full sizes (default: quick).")
     parser.add_argument(
         "--only",

@@ -40,7 +40,7 @@ SIZES = {True: (20_000, 2_000, 4_000), False: (100_000, 5_000, 10_000)}  # reque
 
 
 def run(
-    quick: bool = True, out_dir: Path = Path("results"), sizes: tuple = (), config: str = CONFIG
+    quick: bool = True, out_dir: Path = Path("bench-out"), sizes: tuple = (), config: str = CONFIG
 ) -> dict[str, Any]:
     """A soak of ``CONFIGS[config]`` at ``sizes`` (requests, window, warmup) or ``SIZES[quick]``:
     prints each window and the report, writes ``bench_soak.json``, returns it without windows."""
@@ -95,7 +95,7 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     p.add_argument("--quick", action="store_true", help="20k requests (default: 100k).")
-    p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     p.add_argument("--config", choices=sorted(CONFIGS), default=CONFIG)
     a = p.parse_args(argv)
     return 1 if any(run(a.quick, a.out, config=a.config)["integrity"].values()) else 0

@@ -98,7 +98,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def run(
     quick: bool = True,
-    out_dir: Path | str = "results",
+    out_dir: Path | str = "bench-out",
     against_sglang: bool = False,
     sizes: tuple[int, ...] = SIZES,
     pages: tuple[int, ...] = (1, 16),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="Tree tokens.")
     ap.add_argument("--pages", type=int, nargs="*", default=[1, 16], help="Page sizes.")
     ap.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")
-    ap.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     a = ap.parse_args(argv)
     run(a.quick, a.out, a.against_sglang, tuple(a.sizes), tuple(a.pages), a.steps, a.sglang_site)
     return 0

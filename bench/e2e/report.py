@@ -40,7 +40,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     """The clock flags, ``--seeds``, ``--kv-sample-every``, ``--use-mla``, ``--sweeps`` (the
     sizes' defaults apply to flags left ``None``)."""
     p.add_argument("--quick", action="store_true", help="Quick sizes (the suite's default).")
-    p.add_argument("--out", type=Path, default=None, help="Output folder (default results).")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Output folder (default bench-out; make bench writes results/).",
+    )
     p.add_argument(
         "--clock",
         choices=("wall", "profile", "both"),

@@ -56,7 +56,7 @@ def variants() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.device_tests", description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
     p.add_argument("--dry-run", action="store_true", help="On a CPU: only -m gpu (they skip).")
     p.add_argument("--variants", action="store_true", help="Only the precompile job.")
     args = p.parse_args(argv)

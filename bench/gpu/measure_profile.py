@@ -98,8 +98,10 @@ def measure(tiny: bool, results: Path) -> GpuProfile:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.measure_profile", description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("results/profile.json"))
-    p.add_argument("--results", type=Path, default=Path("results"), help="bench.transfer's --out.")
+    p.add_argument("--out", type=Path, default=Path("bench-out/profile.json"))
+    p.add_argument(
+        "--results", type=Path, default=Path("bench-out"), help="bench.transfer's --out."
+    )
     p.add_argument("--tiny", action="store_true", help="Tiny sizes (a dry run on a CPU).")
     args = p.parse_args(argv)
     prof = measure(args.tiny, args.results)

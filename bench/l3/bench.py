@@ -123,7 +123,7 @@ def bandwidth(pages: int) -> dict[str, Any]:
     return {"pages": pages, "page_bytes": size, "bytes": nbytes, **gbps}
 
 
-def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
+def run(quick: bool = True, out_dir: Path = Path("bench-out")) -> dict[str, Any]:
     """Both parts; prints them and writes ``bench_l3.json``."""
     clients, prompt, pages = (16, 256, 64) if quick else (64, 1024, 512)
     print(f"[l3] measured on {MEASURED_ON}; restart over {clients} prompts of {prompt} tokens")
@@ -146,6 +146,6 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.l3", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (seconds).")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     args = parser.parse_args(argv)
     return 1 if any(run(args.quick, args.out)["integrity"].values()) else 0

@@ -117,7 +117,7 @@ def placements(mib: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
+def run(quick: bool = True, out_dir: Path = Path("bench-out")) -> dict[str, Any]:
     """The table and ``bench_mooncake_store.json``; ``{"skipped": reason}`` without Mooncake."""
     if (reason := skip_reason("store")) is not None:
         print(f"[mooncake_store] skipped: {reason}")
@@ -136,7 +136,7 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.mooncake_store", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (under a minute).")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     args = parser.parse_args(argv)
     return 1 if any(run(args.quick, args.out)["integrity"].values()) else 0
 

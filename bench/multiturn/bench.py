@@ -199,7 +199,9 @@ class MultiTurn:
         )
 
 
-def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
+def run(
+    quick: bool = True, out_dir: Path = Path("bench-out"), argv: list[str] | None = None
+) -> dict:
     """Every configuration under every clock mode and seed; returns the suite's summary. The
     modelled runs use the CUDA sizes (the profiles model an 8B model on a GPU)."""
     opts = parse_args(argv or [], quick)

@@ -229,7 +229,9 @@ class Optimistic:
         return out
 
 
-def run(quick: bool = True, out_dir: Path = Path("results"), argv: list[str] | None = None) -> dict:
+def run(
+    quick: bool = True, out_dir: Path = Path("bench-out"), argv: list[str] | None = None
+) -> dict:
     """Every configuration under every clock mode and seed; returns the suite's summary."""
     opts = parse_args(argv or [], quick)
     out_dir = opts.out or out_dir

@@ -263,7 +263,7 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     return payload
 
 
-def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
+def run(quick: bool = True, out_dir: Path = Path("bench-out")) -> dict[str, Any]:
     """The summary section (measured here or in a child under the shim), or ``skipped``."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before any engine; children inherit it
     if (reason := skip_reason("engine")) is not None:
@@ -296,6 +296,6 @@ def run(quick: bool = True, out_dir: Path = Path("results")) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pd", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="Smaller sizes (about a minute).")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     args = parser.parse_args(argv)
     return 1 if any(run(args.quick, args.out)["integrity"].values()) else 0

@@ -55,7 +55,7 @@ def ttft(at: Arr, n: Arr, hits: dict, prof: GpuProfile, l3_gbps: float, scale: f
 
 def run(
     quick: bool = True,
-    out_dir: Path = Path("results"),
+    out_dir: Path = Path("bench-out"),
     trace: Path | str = DEFAULT_TRACE,
     profiles: tuple[str, ...] = ("h200", "h100"),
     sglang_site: str | None = None,
@@ -170,7 +170,7 @@ def _plot(res: dict[str, Any], path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser("python -m bench.trace", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"First {QUICK_REQUESTS} requests.")
-    ap.add_argument("--out", type=Path, default=Path("results/trace"), help="Output folder.")
+    ap.add_argument("--out", type=Path, default=Path("bench-out/trace"), help="Output folder.")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL.")
     ap.add_argument("--requests", type=int, default=None, help="Only the first N requests.")
     ap.add_argument("--profile", action="append", help="GPU profile NAME|FILE (repeatable).")

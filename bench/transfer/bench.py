@@ -305,7 +305,7 @@ PARTS = {
 }
 
 
-def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") -> dict[str, Any]:
+def run(quick: bool = True, out_dir: Path = Path("bench-out"), part: str = "all") -> dict[str, Any]:
     """Measure ``part`` (headline, corun or all) into ``bench_transfer[_corun].json``."""
     cuda = torch.cuda.is_available()
     sz = (GPU_QUICK if quick else GPU_FULL) if cuda else CPU_TINY
@@ -332,7 +332,7 @@ def run(quick: bool = True, out_dir: Path = Path("results"), part: str = "all") 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="Quick sizes (about a minute on a GPU).")
-    p.add_argument("--out", type=Path, default=Path("results"), help="Output folder.")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     p.add_argument("--part", choices=("headline", "corun", "all"), default="all")
     args = p.parse_args(argv)
     run(quick=args.quick, out_dir=args.out, part=args.part)
