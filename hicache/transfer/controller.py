@@ -218,8 +218,9 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         if self.copy_timer is None:
             return None
         start = max(self.copy_timer.now(), self._stream_free[direction])
-        if direction == "d2h":
-            start = max(start, self.loads_ready_at() or start)
+        loads = self.loads_ready_at() if direction == "d2h" else None
+        if loads is not None:
+            start = max(start, loads)
         end = start + self.copy_timer.copy_seconds(direction, tokens)
         self._stream_free[direction] = end
         return end

@@ -1,27 +1,7 @@
-"""How the kernel-backend KV copy ops address their buffers, as plain data.
-
-Every ``transfer_kv_*`` op of the kernel backend is ``dst[dst_indices[i]] = src[src_indices[i]]``
-for each layer it covers, K and V (MHA) or the one latent buffer (MLA). The ops differ only in
-how each side is laid out, which an :class:`Addressing` names (one constant per SGLang op pair,
-shared by the MHA and MLA twins). A call's arguments by role form a :class:`KVCopy`
-(:mod:`kernels.ops.kernel_backend` builds one per op call); the validator and launcher
-(:mod:`kernels.ops.dispatch`) and the torch reference (:mod:`kernels.ops.reference`) all read that
-one description.
-
-Byte address of token slot ``t``, layer ``l`` (``item_size`` = one token, one layer, K or V;
-``layout_dim = item_size * L``), which a :class:`Side` records as strides:
-
-- layer_first tensor (one layer ``[T, ...]``): ``base + t * item_size``
-- page_first tensor ``[T, L, ...]``: ``base + t * layout_dim + l * item_size``
-- pointer table (``data_ptr()`` per layer, SGLang's ``k_data_ptrs``): ``table[l] + t * item_size``
-- page_head tensor ``[T / P, H, P, L, D]`` (``P`` = page_size, ``H`` = head_num): one token's
-  heads are not adjacent, so the page_head ops copy head by head (``item_size / H`` bytes each);
-  head ``h`` of slot ``t`` sits at ``base + (t // P) * P * layout_dim + h * P * layout_dim / H
-  + (t % P) * layout_dim / H + l * item_size / H``, and on the other side at the slot's address
-  plus ``h * item_size / H``.
-
-K and V may differ in bytes per token (K head 192, V head 128): the MHA ops take ``item_size``
-(and ``layout_dim``) of K, as upstream, and V's come from the V tensors (:meth:`KVCopy.parts`).
+"""How the kernel-backend KV copy ops address their buffers, as plain data: an :class:`Addressing`
+names each side's layout (one per SGLang op pair), a :class:`KVCopy` a call's arguments by role,
+which the validator, launcher and torch reference all read. The byte address of a slot in each
+layout: ``docs/DESIGN.md`` ("Copy-op addressing").
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Launch plans of the kernel-backend ops, cached per (pool buffers, op, layer, launch shape).
-
-A per-layer load launches the same op over the same pool tensors at every layer of every
-forward (32 calls before a 32-layer forward may start). Validating those tensors and planning
-the launch (word, hints, tile, word views, strides, bounds) is the same work each time, so it is
-done once: a :class:`Plan` holds the validated parts and their
-:class:`kernels.triton.launch.PartPlan`; a call that finds a plan whose guards hold checks only
-its indices (:mod:`kernels.ops.dispatch`).
-
-Key: the addressing, every scalar argument (``item_size``, ``layout_dim``, ``layer_id``,
-``num_layers``, ``page_size``, ``head_num``, ``block_quota``, ``num_warps_per_block``; plain
-ints only, anything else is validated afresh), the indices' device, and per buffer its identity:
-for a view, its base tensor's ``id`` with the view's offset, shape and strides (SGLang's host
-pools index ``k_buffer[layer_id]`` afresh on every call, which makes a new view object each time),
-else the tensor's ``id``.
-
-Guards, checked on every hit, so an entry is never used for other memory:
-
-- every identity's tensor is still the same object (a weak reference: an ``id`` may be reused
-  once its tensor died);
-- every buffer's ``data_ptr()`` is the planned one (a storage swapped in place);
-- every pointer table's version counter and its alignment and bound record
-  (:func:`kernels.layout.ptr_tables.table_record`) are the planned ones (a table rewritten in
-  place, or verified again).
-
-An entry is dropped as soon as one of its tensors dies (weak-reference callback), so a cached
-word view never keeps a dropped pool's memory alive; :func:`clear_plans` drops them all (a host
-pool calls it when it unregisters its pinned memory); at most ``MAX_PLANS`` entries are kept
-(the oldest planned goes first).
+"""Launch plans of the kernel-backend ops, cached per (pool buffers, op, layer, launch shape): a
+call whose plan's guards hold (same tensors, same ``data_ptr()``, same table records) checks only
+its indices. Entries die with their tensors; :func:`clear_plans` drops them all; at most
+``MAX_PLANS`` are kept. Keys and guards: ``docs/DESIGN.md`` ("Launch-plan cache").
 """
 
 from __future__ import annotations
