@@ -4,7 +4,9 @@ result files with the machine and commit (``write_json``) and fixed-width tables
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -136,3 +138,31 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> No
     print(table_header(columns))
     for row in rows:
         print(table_row(row, columns))
+
+
+def number(
+    kind: type, low: float = 0.0, high: float = math.inf, low_ok: bool = False
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind`` (int or float) parsed from the flag, refused unless finite
+    and in (``low``, ``high``] (``low`` included when ``low_ok``): a run over nothing is an error,
+    not an empty table."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        above = value >= low if low_ok else value > low
+        if not math.isfinite(value) or not above or value > high:
+            where = f"{'[' if low_ok else '('}{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"must be {noun} in {where}, got {text!r}")
+        return value
+
+    parse.__name__ = noun
+    return parse
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """``number(kind)``: finite and above zero."""
+    return number(kind)

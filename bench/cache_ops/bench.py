@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.cache_ops.sglang_loader import sglang_drivers
 from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step
+from bench.common import positive
 from hicache.memory.allocator import page_ceil
 
 ALL_OPS = OPS + ("evict_1pct", "evict_leaf")
@@ -137,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="300 steps instead of 3000.")
     ap.add_argument("--against-sglang", action="store_true", help="Also drive SGLang's trees.")
     ap.add_argument("--sglang-site", help="SGLang pin dir (sglang_loader); default: installed.")
-    ap.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="Tree tokens.")
-    ap.add_argument("--pages", type=int, nargs="*", default=[1, 16], help="Page sizes.")
-    ap.add_argument("--steps", type=int, default=None, help="Steady-state steps per row.")
+    ap.add_argument(
+        "--sizes", type=positive(int), nargs="*", default=list(SIZES), help="Tree tokens."
+    )
+    ap.add_argument("--pages", type=positive(int), nargs="*", default=[1, 16], help="Page sizes.")
+    ap.add_argument("--steps", type=positive(int), default=None, help="Steady-state steps per row.")
     ap.add_argument("--out", type=Path, default=Path("bench-out"), help="Output folder.")
     a = ap.parse_args(argv)
     run(a.quick, a.out, a.against_sglang, tuple(a.sizes), tuple(a.pages), a.steps, a.sglang_site)

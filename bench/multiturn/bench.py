@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.common import positive
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver, TraceRun
 from bench.e2e.report import TTFT_COLUMNS, Grid, modes, new_parser, print_tables, sized
@@ -244,23 +245,23 @@ def run(
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     """The flags; workload flags left ``None`` take the size of each mode (``sized``)."""
     p = new_parser("python -m bench.multiturn", __doc__)
-    p.add_argument("--num-clients", type=int)
-    p.add_argument("--num-rounds", type=int)
-    p.add_argument("--request-length", type=int)
-    p.add_argument("--sub-question-input-length", type=int)
+    p.add_argument("--num-clients", type=positive(int))
+    p.add_argument("--num-rounds", type=positive(int))
+    p.add_argument("--request-length", type=positive(int))
+    p.add_argument("--sub-question-input-length", type=positive(int))
     p.add_argument(
         "--load",
-        type=float,
+        type=positive(float),
         default=0.7,
         help="Arrival rate as a fraction of device-only prefill capacity.",
     )
-    p.add_argument("--max-parallel", type=int)
+    p.add_argument("--max-parallel", type=positive(int))
     p.add_argument(
-        "--working-set-ratio", type=float, default=4.0, help="Working set / device pool."
+        "--working-set-ratio", type=positive(float), default=4.0, help="Working set / device pool."
     )
-    p.add_argument("--hicache-ratio", type=float, default=5.0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--hicache-ratio", type=positive(float), default=5.0)
+    p.add_argument("--page-size", type=positive(int), default=16)
+    p.add_argument("--chunked-prefill-size", type=positive(int))
     p.add_argument(
         "--configs",
         nargs="+",

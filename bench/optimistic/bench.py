@@ -24,6 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.common import number, positive
 from bench.e2e.audit import audit, config_summary
 from bench.e2e.driver import Driver
 from bench.e2e.report import TTFT_COLUMNS, Grid, modes, new_parser, print_tables, sized
@@ -294,10 +295,10 @@ def run(
 
 def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
     p = new_parser("python -m bench.optimistic", __doc__)
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--input-len", type=int)
-    p.add_argument("--cached-fraction", type=float, default=0.8)
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--num-requests", type=positive(int))
+    p.add_argument("--input-len", type=positive(int))
+    p.add_argument("--cached-fraction", type=number(float, 0.0, 1.0, low_ok=True), default=0.8)
+    p.add_argument("--num-prefixes", type=positive(int), default=4)
     p.add_argument(
         "--utilization",
         type=float,
@@ -322,7 +323,7 @@ def parse_args(argv: list[str], quick: bool) -> argparse.Namespace:
         default=0.5,
         help="Probability a peer reports not-ready to a first attempt (_forced_retry).",
     )
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=positive(int), default=16)
     p.add_argument(
         "--chunked-prefill-size",
         dest="chunk",

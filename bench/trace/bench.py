@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import positive
 from bench.profile import GpuProfile, load_profile
 from bench.trace.cost import tree_cost
 from bench.trace.replay import BLOCK, UNBOUNDED, Tiers, load_trace, lru_hits, replay_tiers
@@ -172,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"First {QUICK_REQUESTS} requests.")
     ap.add_argument("--out", type=Path, default=Path("bench-out/trace"), help="Output folder.")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL.")
-    ap.add_argument("--requests", type=int, default=None, help="Only the first N requests.")
+    ap.add_argument(
+        "--requests", type=positive(int), default=None, help="Only the first N requests."
+    )
     ap.add_argument("--profile", action="append", help="GPU profile NAME|FILE (repeatable).")
-    ap.add_argument("--l3-gbps", type=float, default=10.0, help="L3 read bandwidth (GB/s).")
+    ap.add_argument(
+        "--l3-gbps", type=positive(float), default=10.0, help="L3 read bandwidth (GB/s)."
+    )
     ap.add_argument("--sglang-site", default=None, help="SGLang pin dir (bench.cache_ops).")
     a = ap.parse_args(argv)
     profiles = tuple(a.profile or ("h200", "h100"))
