@@ -16,8 +16,8 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -38,28 +38,21 @@ class CacheRequestHandle(NamedTuple):
     attempt: int
 
 
+@dataclass(eq=False)
 class StorageOperation:
     """One backup: host slots (``len(hash_value) * page_size``) and the page keys to store them
     under; ``completed_tokens`` grows batch by batch on the backup thread."""
 
-    def __init__(
-        self,
-        host_indices: torch.Tensor,
-        hash_value: list[str],
-        *,
-        prefix_keys: list[str] | None = None,
-        node: Any = None,
-        staging: bool = False,
-    ) -> None:
-        self.id = next(_ids)
-        self.host_indices = host_indices
-        self.hash_value = hash_value
-        self.prefix_keys = prefix_keys
-        self.node = node  # the tree node whose host copy is protected until the ack (cache mode)
-        self.staging = staging  # buffer_only: the host slots are freed at the ack
-        self.completed_tokens = 0
-        self.failed = False
-        self.error: str | None = None
+    host_indices: torch.Tensor
+    hash_value: list[str]
+    _: KW_ONLY
+    prefix_keys: list[str] | None = None
+    node: Any = None  # the tree node whose host copy is protected until the ack (cache mode)
+    staging: bool = False  # buffer_only: the host slots are freed at the ack
+    id: int = field(init=False, default_factory=lambda: next(_ids))
+    completed_tokens: int = field(init=False, default=0)
+    failed: bool = field(init=False, default=False)
+    error: str | None = field(init=False, default=None)
 
 
 class PrefetchOperation:
@@ -246,16 +239,12 @@ class StorageWorkers:
         try:
             keys = page_hashes(op.token_ids, self.page_size, op.last_hash)
             op.all_hash_values = keys
-            prefix = op.prefix_keys
             if not op.is_terminated():
-                for start in range(0, len(keys), STORAGE_BATCH_SIZE):
-                    batch = keys[start : start + STORAGE_BATCH_SIZE]
-                    n = int(self.backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix)))
+                for batch, _, extra in self._batches(keys, op.prefix_keys):
+                    n = int(self.backend.batch_exists(batch, extra))
                     hits += max(0, min(n, len(batch)))
                     if n < len(batch):
                         break
-                    if prefix is not None:
-                        prefix = prefix + batch
         except Exception:  # noqa: BLE001 - a failed query is a miss on this rank
             logger.exception("storage existence query failed for %s", op.handle)
             hits = 0
@@ -266,29 +255,39 @@ class StorageWorkers:
         """Read the hit pages into ``op.host_indices``; one progress ack per batch, then one
         completion ack, whatever happens."""
         ps = self.page_size
-        ok, pages, prefix = True, 0, op.prefix_keys
+        ok, pages = True, 0
         try:
-            for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
-                if ok and op.is_terminated():
-                    ok = False
+            batches = self._batches(op.hash_value, op.prefix_keys, op.host_indices)
+            for batch, slots, extra in batches:
+                ok = ok and not op.is_terminated()
                 if ok:
-                    batch = op.hash_value[start : start + STORAGE_BATCH_SIZE]
-                    assert op.host_indices is not None
-                    slots = op.host_indices[start * ps : (start + len(batch)) * ps]
                     try:
-                        got = self._page_get(op, batch, slots, HiCacheStorageExtraInfo(prefix))
+                        got = self._page_get(op, batch, slots, extra)
                     except Exception:  # noqa: BLE001 - a failed read is a shorter hit
                         logger.exception("storage read failed for %s", op.handle)
                         got = 0
                     if got != len(batch):
                         ok = False
                     pages += got
-                    if prefix is not None:
-                        prefix = prefix + batch
                 op.local_completed_tokens = pages * ps
                 self.ack_queue.put(PrefetchAck(op, completed_tokens=pages * ps))
         finally:
             self.ack_queue.put(PrefetchAck(op, completed_req=True))
+
+    def _batches(
+        self, keys: list[str], prefix: list[str] | None, host_indices: torch.Tensor | None = None
+    ) -> Iterator[tuple[list[str], torch.Tensor | None, HiCacheStorageExtraInfo]]:
+        """``(keys, host slots, extra info)`` of each ``STORAGE_BATCH_SIZE``-page slice; the
+        prefix keys (when not ``None``) grow by each slice."""
+        ps = self.page_size
+        for start in range(0, len(keys), STORAGE_BATCH_SIZE):
+            batch = keys[start : start + STORAGE_BATCH_SIZE]
+            slots = None
+            if host_indices is not None:
+                slots = host_indices[start * ps : (start + len(batch)) * ps]
+            yield batch, slots, HiCacheStorageExtraInfo(prefix)
+            if prefix is not None:
+                prefix = prefix + batch
 
     def _page_get(
         self,
@@ -341,11 +340,7 @@ class StorageWorkers:
 
     def _page_backup(self, op: StorageOperation) -> None:
         ps, pool = self.page_size, self.host_pool
-        prefix = op.prefix_keys
-        for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
-            batch = op.hash_value[start : start + STORAGE_BATCH_SIZE]
-            slots = op.host_indices[start * ps : (start + len(batch)) * ps]
-            extra = HiCacheStorageExtraInfo(prefix)
+        for batch, slots, extra in self._batches(op.hash_value, op.prefix_keys, op.host_indices):
             if self.zero_copy:
                 ok = all(self.backend.batch_set_v1(batch, slots, extra))
             else:
@@ -358,6 +353,4 @@ class StorageWorkers:
                 logger.warning("storage backup: a batch of %d pages failed", len(batch))
                 op.failed, op.error = True, "batch failed"
                 return
-            if prefix is not None:
-                prefix = prefix + batch
             op.completed_tokens += ps * len(batch)
