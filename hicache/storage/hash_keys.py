@@ -72,6 +72,11 @@ def _prior_digest(prior_hash: str | None) -> bytes | None:
     return digest
 
 
+def _check_page_size(page_size: Any) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
 def _hash_page(tokens: np.ndarray, prior: bytes | None) -> bytes:
     h = hashlib.sha256()
     if prior is not None:
@@ -92,8 +97,7 @@ def get_hash_str(
     prior = _prior_digest(prior_hash)
     if page_size is None:
         return _hash_page(tokens, prior).hex()
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    _check_page_size(page_size)
     keys: list[str] = []
     for start in range(0, tokens.size, page_size):
         prior = _hash_page(tokens[start : start + page_size], prior)
@@ -144,8 +148,7 @@ def page_hashes(
     ``None`` starts a new chain, seeded with the namespace of ``extra_key`` / ``cache_salt``.
     """
     tokens = _as_tokens(token_ids)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    _check_page_size(page_size)
     if tokens.size % page_size:
         raise ValueError(f"{tokens.size} tokens are not whole pages of {page_size}")
     if prior_hash is None:
