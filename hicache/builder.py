@@ -146,7 +146,7 @@ def build_kv_cache(
     closed. One rank only.
     ``copy_timer``: the controller's modelled copy time (a simulator's; ``HiCacheController``).
 
-    With ``hicache_storage_backend`` the L3 tier too (``hicache.storage.io.setup``): its backend,
+    With ``hicache_storage_backend`` the L3 tier too (``storage.io.controller``): its backend,
     IO threads and controller, attached to the tree (``KVCache.storage``).
 
     Raises ``ValueError`` for configurations the runtime cannot run (``pp_size > 1``, mamba
@@ -209,7 +209,7 @@ def build_kv_cache(
     )
     storage = None
     if args.hicache_storage_backend is not None:
-        from hicache.storage.io.setup import build_storage_controller
+        from hicache.storage.io.controller import build_storage_controller
 
         try:
             storage = build_storage_controller(args, tree, host_pool, group)

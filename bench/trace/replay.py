@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hicache.builder import KVCache, build_kv_cache
-from hicache.storage.io.operations import CacheRequestHandle
+from hicache.storage.io.workers import CacheRequestHandle
 from hicache.tree.radix_cache import RadixCache
 from server_args import ServerArgs
 

@@ -1,29 +1,11 @@
 """``StorageBackendFactory``: a backend by name (``--hicache-storage-backend``), SGLang 0.5.23's
-registry and ``dynamic`` loading.
+registry and ``dynamic`` loading: built in ``file`` (``cls(storage_config)``) and ``mooncake``
+(``cls(storage_config, mem_pool_host)``); registered names and ``dynamic`` (the extra config's
+``module_path`` / ``class_name``) are built as ``cls(storage_config, kwargs)``.
 
-Names:
-
-- built in: ``file`` (``HiCacheFile``, built as ``cls(storage_config)``) and ``mooncake``
-  (``hicache.storage.mooncake.store.MooncakeStore``, built as ``cls(storage_config,
-  mem_pool_host)``, SGLang's shape; its module imports Mooncake only when a store is built);
-- registered: ``register_backend(name, module_path_or_class, class_name=None)`` with a module path
-  and class name (imported when first built) or a class. A name already registered is replaced,
-  with a warning. A registered name that is not built in is built as a ``dynamic`` one is (below),
-  where SGLang 0.5.23 refuses every name outside its built-in list;
-- ``dynamic``: the extra config names the class, keys ``backend_name`` (for logs),
-  ``module_path`` and ``class_name``; it is built as ``cls(storage_config, kwargs)``, ``kwargs``
-  being ``create_backend``'s extra keyword arguments as one dict (SGLang's convention; the host
-  pool comes later through ``register_mem_pool_host``).
-
-Every class must subclass ``HiCacheStorage``. Every backend built is wrapped by the fault injector
-when its test variables are set (``fault_injector``). Errors are ``ValueError``s naming what is
-wrong: an unknown name (listing the valid ones), a missing or non-string ``dynamic`` key (naming
-it), a module that does not import (naming ``module_path``), a class that is missing or not a
-``HiCacheStorage`` (naming ``class_name``). SGLang raises ``ImportError`` / ``AttributeError`` /
-``TypeError`` for the last three.
-
-The factory does not register the host pool: the caller (the controller) calls
-``register_mem_pool_host`` on what it returns, as SGLang's does.
+Invariants: every class is a ``HiCacheStorage`` subclass; every backend built passes through the
+fault injector's check; every error is a ``ValueError`` naming what is wrong (SGLang raises
+``ImportError`` / ``AttributeError`` / ``TypeError`` for some). The caller registers the host pool.
 """
 
 from __future__ import annotations
@@ -175,8 +157,12 @@ class StorageBackendFactory:
                 )
         name = extra["backend_name"]
         backend_cls = load_backend_class(extra["module_path"], extra["class_name"], name)
-        logger.info("creating dynamic storage backend %r (%s.%s)", name, extra["module_path"],
-                    extra["class_name"])  # fmt: skip
+        logger.info(
+            "creating dynamic storage backend %r (%s.%s)",
+            name,
+            extra["module_path"],
+            extra["class_name"],
+        )
         return backend_cls(storage_config, kwargs)
 
 

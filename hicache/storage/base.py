@@ -1,31 +1,11 @@
 """``HiCacheStorage``: the interface every L3 backend implements (SGLang 0.5.23's names and return
-conventions), and ``HiCacheStorageExtraInfo``.
+conventions, one object per KV page under its page key), and ``HiCacheStorageExtraInfo``.
 
-A backend stores one object per KV page under its page key (``hash_keys``); what an object holds
-is the host pool's flat page (``hicache.memory.host_pool_pages``). Calls and what they return:
-
-| call | returns |
-|---|---|
-| ``get(key, target_location)`` | ``target_location`` filled, or ``None`` on a miss |
-| ``batch_get(keys, target_locations)`` | one tensor or ``None`` per key |
-| ``set(key, value)`` | ``True`` when stored (or already there) |
-| ``batch_set(keys, values)`` | ``True`` only if every page was stored |
-| ``exists(key)`` | ``bool`` |
-| ``batch_exists(keys)`` | how many keys exist consecutively from the start (``int``) |
-| ``batch_get_v1(keys, host_indices)`` | one ``bool`` per key: page read into the host pool |
-| ``batch_set_v1(keys, host_indices)`` | one ``bool`` per key: page stored from the host pool |
-| ``clear()`` / ``get_stats()`` / ``close()`` | backend-defined / stats or ``None`` / ``None`` |
-
-``host_indices`` (v1): 1-D int host slots, ``len(keys) * page_size`` of them; page ``i`` starts at
-``host_indices[i * page_size]``. Runtime failures (a missing or damaged object, a full disk, an
-unreachable server) are results (``None``, ``False``, a shorter count), never exceptions; bad
-arguments raise ``ValueError``. Calls may come from several threads at once (SGLang's prefetch IO
-and backup threads); each may block on IO.
-
-Where SGLang's base class leaves the v1 calls empty (returning ``None``), this one implements
-them over the registered host pool with ``get`` / ``set`` and the pool's flat pages (SGLang's
-generic, copying path), so every backend answers v1; zero-copy backends override them.
-SGLang's base has no ``close()`` (its failure injector calls one anyway); here it is a no-op.
+Invariants: runtime failures (a missing or damaged object, a full disk, an unreachable server) are
+results (``None``, ``False``, a shorter count), never exceptions; bad arguments raise
+``ValueError``. Calls may come from several threads at once. Where SGLang's base leaves the v1
+calls empty, this one implements them over the registered host pool with ``get`` / ``set`` (the
+generic, copying path); zero-copy backends override them.
 """
 
 from __future__ import annotations

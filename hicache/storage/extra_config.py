@@ -1,12 +1,8 @@
-"""Typed readers of backend settings: an extra-config key first, then its environment variable,
-then the default (SGLang's precedence for the file backend's budget). A malformed value raises a
-``ValueError`` naming the key or the variable, where SGLang 0.5.23 warns and disables the budget
-(a typo such as ``"200GB"`` would otherwise silently leave the disk unbounded).
-
-Sizes: a non-negative int (bytes), or a string of a plain integer or a number with an SI suffix
-(``k``, ``M``, ``G``, ``T``: powers of 1000, decimals allowed) or an IEC suffix (``Ki``, ``Mi``,
-``Gi``, ``Ti``: powers of 1024, integers only), case-sensitive, as SGLang's ``human_readable_int``.
-``0`` (or an empty string) means "off".
+"""The extra config (``--hicache-storage-backend-extra-config``) read into typed values: the
+controller's ``StorageSettings`` (``split_extra_config``, SGLang 0.5.23's keys and defaults) and
+the backends' typed readers (an extra-config key first, then its environment variable, then the
+default). A malformed value raises a ``ValueError`` naming the key or the variable, where SGLang
+warns and goes on (a typo such as ``"200GB"`` would otherwise leave the disk unbounded).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -25,6 +22,51 @@ _IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
 
 FLAG = "--hicache-storage-backend-extra-config"
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HOST_MEMORY_MODES = ("cache", "buffer_only")
+_CONTROLLER_DEFAULTS: dict[str, Any] = {
+    "prefetch_threshold": 256,
+    "prefetch_timeout_base": 1.0,
+    "prefetch_timeout_per_ki_token": 0.25,
+    "hicache_storage_pass_prefix_keys": False,
+}
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """How the controller runs the storage tier: ``prefetch_policy``
+    (``--hicache-storage-prefetch-policy``), ``host_memory_mode``
+    (``--hicache-host-memory-mode``), the rest from the extra config (SGLang's defaults)."""
+
+    prefetch_policy: str = "timeout"
+    prefetch_threshold: int = 256
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_ki_token: float = 0.25
+    pass_prefix_keys: bool = False
+    host_memory_mode: str = "cache"
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"--hicache-storage-prefetch-policy={self.prefetch_policy!r} is not one of "
+                f"{', '.join(PREFETCH_POLICIES)}"
+            )
+        if self.host_memory_mode not in HOST_MEMORY_MODES:
+            raise ValueError(
+                f"--hicache-host-memory-mode={self.host_memory_mode!r} is not one of "
+                f"{', '.join(HOST_MEMORY_MODES)}"
+            )
+
+    @property
+    def buffer_only(self) -> bool:
+        return self.host_memory_mode == "buffer_only"
+
+    def timeout_s(self, requested_tokens: int, page_size: int) -> float:
+        """The wait budget of a prefetch of ``requested_tokens`` (page-aligned) tokens."""
+        pages = requested_tokens // page_size
+        return self.prefetch_timeout_base + pages * (
+            page_size / 1024 * self.prefetch_timeout_per_ki_token
+        )
 
 
 def as_extra_config(extra_config: Any) -> dict:
@@ -37,7 +79,9 @@ def as_extra_config(extra_config: Any) -> dict:
 
 
 def parse_size(value: Any, name: str) -> int:
-    """Bytes of a size setting (module docstring); ``ValueError`` naming ``name``."""
+    """Bytes of a size: a non-negative int, or a string of an integer or a number with an SI
+    (``k``, ``M``, ``G``, ``T``: powers of 1000) or IEC suffix (``Ki``..``Ti``: powers of 1024,
+    integers only), case-sensitive, as SGLang's ``human_readable_int``; ``0`` or ``""``: off."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '1Gi'), got {value!r}")
     if isinstance(value, int | float):
@@ -66,6 +110,47 @@ def parse_size(value: Any, name: str) -> int:
     if size < 0:
         raise ValueError(f"{name} must be a non-negative size, got {value!r}")
     return size
+
+
+def _number(name: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, int | float) if kind is float else isinstance(value, kind)
+    if isinstance(value, bool) and kind is not bool:
+        ok = False
+    if not ok:
+        want = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise ValueError(f"extra config key {name!r} ({FLAG}) must be {want}, got {value!r}")
+    if kind in (int, float) and value < 0:
+        raise ValueError(f"extra config key {name!r} ({FLAG}) must be >= 0, got {value!r}")
+    return kind(value)
+
+
+def split_extra_config(
+    extra_config: Any,
+    *,
+    page_size: int,
+    prefetch_policy: str = "timeout",
+    host_memory_mode: str = "cache",
+) -> tuple[StorageSettings, dict]:
+    """``(settings, what the backend gets)``: the controller's keys are type-checked and taken
+    out (SGLang's ``parse_storage_backend_extra_config``); ``prefetch_threshold`` is raised to
+    at least one page; the rest is returned untouched."""
+    extra = as_extra_config(extra_config)
+    values = {
+        name: _number(name, extra.pop(name), type(default)) if name in extra else default
+        for name, default in _CONTROLLER_DEFAULTS.items()
+    }
+    threshold = max(values["prefetch_threshold"], page_size)
+    if threshold != values["prefetch_threshold"]:
+        logger.info("prefetch_threshold raised to one page (%d tokens)", threshold)
+    settings = StorageSettings(
+        prefetch_policy=prefetch_policy,
+        prefetch_threshold=threshold,
+        prefetch_timeout_base=values["prefetch_timeout_base"],
+        prefetch_timeout_per_ki_token=values["prefetch_timeout_per_ki_token"],
+        pass_prefix_keys=values["hicache_storage_pass_prefix_keys"],
+        host_memory_mode=host_memory_mode,
+    )
+    return settings, extra
 
 
 def _setting(extra: Mapping, key: str, env: str) -> tuple[Any, str] | None:

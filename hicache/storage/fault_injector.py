@@ -1,33 +1,17 @@
 """``HiCacheStorageFailureInjector``: random delays and failures in front of any backend (SGLang
-0.5.23's test injector), for tests and soak runs.
-
-Before each data call it sleeps ``uniform(0, random_delay_limit)`` seconds, then with probability
-``failure_prob`` answers SGLang's failure value without calling the backend:
-
-| call | failure value |
-|---|---|
-| ``exists`` | ``False`` |
-| ``batch_exists`` | ``0`` |
-| ``get`` | ``None`` |
-| ``batch_get`` | ``[None] * len(keys)`` |
-| ``set``, ``batch_set`` | ``False`` |
-| ``batch_get_v1``, ``batch_set_v1`` | ``[False] * len(keys)`` |
-
-``register_mem_pool_host``, ``clear``, ``get_stats`` and ``close`` pass straight through.
-
-Randomness. Without a seed each thread draws from its own unseeded ``random.Random`` (SGLang: TP
-ranks start with one global seed, and their injected faults must differ). With ``seed`` one
-``random.Random(seed)`` serves every call under a lock, so a single-threaded sequence of calls
-meets the same faults on every run (property tests).
-
-``maybe_wrap_hicache_storage_failure_injector(backend)`` wraps ``backend`` when
-``SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY`` (seconds, >= 0) or
-``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`` (probability in [0, 1]) is set, as SGLang's
-factory does; a malformed value raises ``ValueError`` naming the variable.
+0.5.23's test injector), switched on by ``maybe_wrap_hicache_storage_failure_injector`` when
+``SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY`` (seconds) or ``..._RANDOM_FAILURE`` (a probability)
+is set. Before each data call it sleeps ``uniform(0, random_delay_limit)``, then with probability
+``failure_prob`` answers SGLang's failure value (``FAILURE_VALUES``) without calling the backend;
+the other calls pass straight through. Without a seed each thread draws from its own generator
+(TP ranks must meet different faults); with one, a single generator under a lock makes a
+single-threaded sequence of calls meet the same faults on every run.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import random
 import threading
@@ -36,15 +20,38 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
+from hicache.storage.base import HiCacheStorage
 from hicache.storage.extra_config import read_env_float
 
 logger = logging.getLogger(__name__)
 
 ENV_DELAY = "SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY"
 ENV_FAILURE = "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"
+FAILURE_VALUES: dict[str, Callable[[Any], Any]] = {
+    "exists": lambda _key: False,
+    "batch_exists": lambda _keys: 0,
+    "get": lambda _key: None,
+    "batch_get": lambda keys: [None] * len(keys),
+    "set": lambda _key: False,
+    "batch_set": lambda _keys: False,
+    "batch_get_v1": lambda keys: [False] * len(keys),
+    "batch_set_v1": lambda keys: [False] * len(keys),
+}
+"""SGLang's failure value of each data call, from its first argument (the key or keys)."""
+
+
+def _injected(call: str) -> Callable[..., Any]:
+    """``call`` of the wrapped backend, or its failure value when a fault is injected."""
+    base = getattr(HiCacheStorage, call)
+    first = list(inspect.signature(base).parameters)[1]
+
+    @functools.wraps(base, updated=())  # not its __isabstractmethod__
+    def method(self: HiCacheStorageFailureInjector, *args: Any, **kwargs: Any) -> Any:
+        if self._fails(call):
+            return FAILURE_VALUES[call](args[0] if args else kwargs[first])
+        return getattr(self.backend, call)(*args, **kwargs)
+
+    return method
 
 
 class HiCacheStorageFailureInjector(HiCacheStorage):
@@ -100,7 +107,7 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
             return True
         return False
 
-    # --- pass-through --------------------------------------------------------------------------
+    # --- calls: pass-through, then the data calls --------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._backend.register_mem_pool_host(mem_pool_host)
@@ -114,77 +121,14 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
     def close(self) -> None:
         self._backend.close()
 
-    # --- data calls ----------------------------------------------------------------------------
-    def get(
-        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
-    ) -> torch.Tensor | None:
-        if self._fails("get"):
-            return None
-        return self._backend.get(key, target_location, target_sizes)
-
-    def batch_get(
-        self,
-        keys: list[str],
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        if self._fails("batch_get"):
-            return [None] * len(keys)
-        return self._backend.batch_get(keys, target_locations, target_sizes)
-
-    def set(
-        self,
-        key: str,
-        value: Any | None = None,
-        target_location: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        if self._fails("set"):
-            return False
-        return self._backend.set(key, value, target_location, target_sizes)
-
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any | None = None,
-        target_locations: Any | None = None,
-        target_sizes: Any | None = None,
-    ) -> bool:
-        if self._fails("batch_set"):
-            return False
-        return self._backend.batch_set(keys, values, target_locations, target_sizes)
-
-    def exists(self, key: str) -> bool:
-        if self._fails("exists"):
-            return False
-        return self._backend.exists(key)
-
-    def batch_exists(
-        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> int:
-        if self._fails("batch_exists"):
-            return 0
-        return self._backend.batch_exists(keys, extra_info)
-
-    def batch_get_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        if self._fails("batch_get_v1"):
-            return [False] * len(keys)
-        return self._backend.batch_get_v1(keys, host_indices, extra_info)
-
-    def batch_set_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        if self._fails("batch_set_v1"):
-            return [False] * len(keys)
-        return self._backend.batch_set_v1(keys, host_indices, extra_info)
+    exists = _injected("exists")
+    batch_exists = _injected("batch_exists")
+    get = _injected("get")
+    batch_get = _injected("batch_get")
+    set = _injected("set")
+    batch_set = _injected("batch_set")
+    batch_get_v1 = _injected("batch_get_v1")
+    batch_set_v1 = _injected("batch_set_v1")
 
 
 def maybe_wrap_hicache_storage_failure_injector(backend: HiCacheStorage) -> HiCacheStorage:
@@ -197,6 +141,9 @@ def maybe_wrap_hicache_storage_failure_injector(backend: HiCacheStorage) -> HiCa
         raise ValueError(f"environment variable {ENV_DELAY}={delay} must be >= 0 (seconds)")
     if failure is not None and not 0 <= failure <= 1:
         raise ValueError(f"environment variable {ENV_FAILURE}={failure} must be in [0, 1]")
-    logger.info("HiCache storage fault injector on (delay <= %.3fs, failure p=%.3f)",
-                delay or 0.0, failure or 0.0)  # fmt: skip
+    logger.info(
+        "HiCache storage fault injector on (delay <= %.3fs, failure p=%.3f)",
+        delay or 0.0,
+        failure or 0.0,
+    )
     return HiCacheStorageFailureInjector(backend, delay or 0.0, failure or 0.0)

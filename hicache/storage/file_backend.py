@@ -1,66 +1,14 @@
-"""``HiCacheFile``: the embedded L3 backend, one file per KV page (SGLang 0.5.23's ``HiCacheFile``,
-same names and bytes, so either side reads what the other wrote for the same model name, layout
-and dtype).
+"""``HiCacheFile``: the embedded L3 backend, one file per KV page (SGLang 0.5.23's ``HiCacheFile``:
+same names and page bytes), and its counters (``HiCacheFileStats``).
 
-**Names.** ``{key}{suffix}.bin`` in one flat directory, with ``model`` the config's
-``model_name`` with ``/`` replaced by ``-`` (``""`` when unset) and
-
-- MHA: ``suffix = _{model}_{tp_rank}_{tp_size}{shard}`` (one file per page and TP shard);
-- MLA: ``suffix = _{model}{shard}`` (one file per page for every rank);
-- ``shard = _{pp_size}_{pp_rank}`` when ``pp_size > 1``, plus ``_cp{rank}_{size}`` when
-  ``attn_cp_size > 1``; empty otherwise.
-
-For tokens 1..16 at page 16, model ``Qwen/Qwen3-8B``, TP rank 0 of 1:
-``77d735ce…9b07_Qwen-Qwen3-8B_0_1.bin`` (MLA ``77d735ce…9b07_Qwen-Qwen3-8B.bin``).
-
-**Bytes.** The host pool's flat page (``get_data_page(index, flat=True)``), then a 16-byte footer:
-``HCKVCRC1`` and the CRC-32 (``zlib.crc32``, little-endian) of the file's name (key and suffix,
-without ``.bin``) followed by the page bytes, then 4 zero bytes. Every read checks it: a page of
-random bytes, another key's page or one of another size is a miss, counted. SGLang reads only the
-page's bytes and ignores the footer. Interop mode (``storage_format_tag: "none"``, the config's
-``format_tag`` is ``None``): pages are SGLang's, the bytes alone, and carry **no check**; a damaged
-page of the right size is then read as KV. Pages of older versions of this backend (no footer)
-have the wrong size: misses, rewritten by the next ``set``.
-
-A write goes to ``.{uuid4 hex}.tmp`` in the same directory and is renamed over the final name
-(``os.replace``, atomic on POSIX), so a reader sees no file or a whole one, never a half-written
-page. No ``fsync``: after a power loss a renamed page may read short, which is a miss.
-
-**Format tag.** A file does not say in which byte order or dtype it was written, so a page of
-another format but the same size would read as wrong KV. The storage config's ``model_name``
-carries the page format (``"{model}-{dtype}-{layer-major|token-major}"``, built by
-``storage_config_for_pool``; see ``format_tag`` for the table): pages of another format then have
-other names and are misses. The cost: stock SGLang, whose MHA / MLA pools carry no tag, looks for
-the untagged name and misses our pages (and we its pages) unless the extra config sets
-``storage_format_tag: "none"`` (then one layout and dtype per directory is the operator's
-promise) or SGLang is served under the tagged model name.
-
-**Misses, never wrong KV.** ``get`` reads only a file whose size is exactly the target's (plus
-the footer) and whose check holds; a missing, truncated or longer file, one that shrinks while
-being read, or a failed check is a miss (``None``), counted by cause; a page failing its check is
-removed. SGLang raises ``IOError`` on a short read instead. Once a host pool is registered,
-``exists`` also requires the page's size (it does not read the check), and ``set`` rewrites a file
-of the wrong size (SGLang keeps any existing file).
-
-**Directory.** ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` if set, else the extra-config key
-``file_storage_path``, else ``file_path`` (default ``/tmp/hicache-{uid}``, per user; SGLang's is
-``/tmp/hicache``), SGLang's precedence. Every rank creates it (mode 0700, ``exist_ok``; SGLang
-only rank 0) and writes a probe file at construction; pages are written 0600. A directory owned by
-another user, or unusable, is a ``ValueError`` naming it and where the path came from.
-
-**Budget.** ``max_size``, ``min_free_space``, ``eviction_ratio`` (``lru_file_evictor``): off by
-default; a refused write is ``False`` and counted.
-
-**Errors.** Bad settings raise ``ValueError`` at construction, naming the key or variable. At run
-time a failed write (full disk, IO error) returns ``False`` and a failed read ``None``, logged and
-counted (``get_stats()``); nothing raises into the calling thread except bad arguments (a key with
-``/``, a target that is not a contiguous CPU tensor). Thread-safe; every call blocks on the
-filesystem.
-
-``clear()`` removes every page file (``{64 hex digits}[_…].bin``, all ranks and models) and
-leftover temporary files in the directory, nothing else (SGLang removes every file in it); the
-budget likewise evicts only page files. SGLang's positive existence cache
-(``enable_metadata_cache``) is not implemented: an existence check is one ``stat``.
+Invariants: a read returns a page or a miss, never wrong KV. A page file is ``{key}{suffix}.bin``
+holding the host pool's flat page then a 16-byte footer (``HCKVCRC1``, the CRC-32 of the file's
+name then the page bytes, 4 zero bytes), checked on every read; interop pages
+(``storage_format_tag: "none"``) are SGLang's bytes alone and carry no check. Any other size or a
+failed check is a miss, counted (a failed check removes the file). Writes go to a temporary file
+renamed into place, so a reader sees no file or a whole one. The directory is this user's (created
+0700, refused when another user owns it); pages are written 0600. Runtime failures are results
+(``None`` / ``False``), never exceptions. Naming, byte format and budget: docs/GUIDE.md.
 """
 
 from __future__ import annotations
@@ -70,8 +18,10 @@ import os
 import re
 import stat
 import struct
+import threading
 import uuid
 import zlib
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -79,7 +29,6 @@ import torch
 from hicache.storage.base import HiCacheStorage
 from hicache.storage.config import HiCacheStorageConfig
 from hicache.storage.extra_config import as_extra_config
-from hicache.storage.file_stats import FileCounters, HiCacheFileStats
 from hicache.storage.lru_file_evictor import LRUFileEvictor
 
 logger = logging.getLogger(__name__)
@@ -92,7 +41,51 @@ FOOTER = struct.Struct("<8sI4x")
 MAGIC = b"HCKVCRC1"
 
 
-def page_checksum(name: str, data) -> int:
+@dataclass(frozen=True)
+class HiCacheFileStats:
+    """What a ``HiCacheFile`` did since it was built (pages unless named ``bytes``). Misses by
+    cause: no such file, another size (truncated, another geometry), a failed check (damaged or
+    another page's bytes), any other IO error; ``evicted_*`` / ``budget_bytes`` are the budget's.
+    """
+
+    read_hits: int = 0
+    read_misses: int = 0
+    read_bad_size: int = 0
+    read_corrupt: int = 0
+    read_errors: int = 0
+    writes: int = 0
+    writes_skipped: int = 0
+    write_failures: int = 0
+    writes_refused: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evicted_files: int = 0
+    evicted_bytes: int = 0
+    budget_bytes: int = 0
+
+
+_COUNTED = tuple(f.name for f in fields(HiCacheFileStats))
+
+
+class FileCounters:
+    """Thread-safe increments of ``HiCacheFileStats`` fields."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(_COUNTED, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def snapshot(self, **overrides: int) -> HiCacheFileStats:
+        with self._lock:
+            values = dict(self._values)
+        values.update(overrides)
+        return HiCacheFileStats(**values)
+
+
+def page_checksum(name: str, data: bytes | memoryview) -> int:
     """CRC-32 of ``name`` (the file's name without ``.bin``) then ``data`` (the page's bytes)."""
     return zlib.crc32(data, zlib.crc32(name.encode()))
 
@@ -166,7 +159,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 class HiCacheFile(HiCacheStorage):
-    """One file per page in a directory (module docstring)."""
+    """One file per page in a directory (module docstring); ``file_path`` is the default
+    directory, after ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` and ``file_storage_path``."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, file_path: str = DEFAULT_DIR) -> None:
         extra = as_extra_config(storage_config.extra_config)
@@ -185,8 +179,9 @@ class HiCacheFile(HiCacheStorage):
         self._page_bytes: int | None = None
         if extra.get("enable_metadata_cache"):
             logger.warning("HiCacheFile: enable_metadata_cache is not implemented; ignored")
-        logger.info("HiCacheFile at %s (%s), names *%s.bin", self.file_path, source,
-                    self.config_suffix)  # fmt: skip
+        logger.info(
+            "HiCacheFile at %s (%s), names *%s.bin", self.file_path, source, self.config_suffix
+        )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Also learns the page size in bytes, which ``exists`` then checks."""
@@ -303,9 +298,10 @@ class HiCacheFile(HiCacheStorage):
     def get_stats(self) -> HiCacheFileStats:
         ev = self._evictor
         return self._counters.snapshot(
-            evicted_files=ev.evicted_files, evicted_bytes=ev.evicted_bytes,
+            evicted_files=ev.evicted_files,
+            evicted_bytes=ev.evicted_bytes,
             budget_bytes=ev.total_bytes,
-        )  # fmt: skip
+        )
 
     # --- helpers -------------------------------------------------------------------------------
     def _names(self, key: str) -> tuple[str, str]:

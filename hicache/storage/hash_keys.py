@@ -1,31 +1,11 @@
-"""Page keys for L3 storage: SGLang 0.5.23's SHA-256 chain, byte for byte.
+"""Page keys for L3 storage: SGLang 0.5.23's SHA-256 chain, byte for byte (``get_hash_str``,
+``get_storage_hash_str``, ``storage_namespace_seed``), and ``page_hashes``, the keys a storage
+lookup or backup passes to a backend.
 
-Page ``p``'s key is the lowercase hex SHA-256 of
-
-    [previous page's 32-byte digest] + the page's token ids as little-endian uint32
-
-where the first page has no previous digest unless a ``prior_hash`` (64 hex characters) or a
-namespace seed is given. A page holding a token above ``2**32 - 1`` is hashed instead as
-``[previous digest] + b"\\xff" + its token ids as little-endian uint64`` (SGLang's "wide" pages;
-the odd byte count keeps them apart from uint32 pages). Tokens must be non-negative and fit in
-int64 (``ValueError`` otherwise, as SGLang's native hash refuses them).
-
-- ``get_hash_str(token_ids, prior_hash=None, page_size=None)``: SGLang's function. With
-  ``page_size`` a list of one key per page (a final partial page is hashed too); without it one
-  key over all tokens. An empty ``prior_hash`` counts as none (SGLang tests ``if prior_hash``).
-- ``storage_namespace_seed(extra_key, cache_salt)``: the chain seed for requests of a LoRA
-  adapter / extra key or a cache salt: ``None`` when both are ``None``, else the hex SHA-256 of
-  ``b"sglang-cache-namespace-v1"`` followed, for each of the two, by ``b"\\x00"`` (absent) or
-  ``b"\\x01" + len(utf8).to_bytes(8, "little") + utf8``. An empty ``extra_key`` is a namespace of
-  its own; an empty ``cache_salt`` is no salt (SGLang's ``RadixKey`` turns ``""`` into ``None``).
-- ``get_storage_hash_str(key, prior_hash=None, page_size=None)``: SGLang's storage-side wrapper,
-  seeding a new chain (``prior_hash is None``) with the key's namespace (``key.extra_key``,
-  ``key.cache_salt`` where the key has them).
-- ``page_hashes(token_ids, page_size, ...)``: the keys of a page-aligned token list, one per
-  page, what a storage lookup or backup passes to a backend.
-
-TP rank, PP stage and model name are not hashed; backends add them to the name of the object.
-Pure CPU, no locks; hashing 1M tokens takes a few milliseconds.
+A page's key is the hex SHA-256 of the previous page's digest (none for the first, unless a
+``prior_hash`` or a namespace seed is given) and its token ids as little-endian uint32; a page
+holding a token above ``2**32 - 1`` hashes ``b"\\xff"`` and uint64 ids instead. TP rank, PP stage
+and model name are not hashed (backends add them to the object's name). Pure CPU, no locks.
 """
 
 from __future__ import annotations
@@ -92,6 +72,11 @@ def _prior_digest(prior_hash: str | None) -> bytes | None:
     return digest
 
 
+def _check_page_size(page_size: Any) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
 def _hash_page(tokens: np.ndarray, prior: bytes | None) -> bytes:
     h = hashlib.sha256()
     if prior is not None:
@@ -112,8 +97,7 @@ def get_hash_str(
     prior = _prior_digest(prior_hash)
     if page_size is None:
         return _hash_page(tokens, prior).hex()
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    _check_page_size(page_size)
     keys: list[str] = []
     for start in range(0, tokens.size, page_size):
         prior = _hash_page(tokens[start : start + page_size], prior)
@@ -164,8 +148,7 @@ def page_hashes(
     ``None`` starts a new chain, seeded with the namespace of ``extra_key`` / ``cache_salt``.
     """
     tokens = _as_tokens(token_ids)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    _check_page_size(page_size)
     if tokens.size % page_size:
         raise ValueError(f"{tokens.size} tokens are not whole pages of {page_size}")
     if prior_hash is None:

@@ -1,35 +1,10 @@
-"""``LRUFileEvictor``: the byte budget of a ``HiCacheFile`` directory (SGLang 0.5.23's semantics).
+"""``LRUFileEvictor``: the byte budget of a ``HiCacheFile`` directory (SGLang 0.5.23's
+``max_size``, ``min_free_space`` and ``eviction_ratio``, extra-config key first, then the
+``SGLANG_HICACHE_FILE_BACKEND_*`` variable). With neither limit set it is inert.
 
-Settings (extra-config key first, then the environment variable; ``extra_config`` module):
-
-- ``max_size`` / ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`` (default off): bytes this rank's page
-  files may hold;
-- ``min_free_space`` / ``SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE`` (default ``"0"``, off): free
-  bytes to leave on the filesystem;
-- ``eviction_ratio`` / ``SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO`` (default 0.9): evict down to
-  this fraction of ``max_size``.
-
-With neither limit set the evictor is inert: every write is admitted, nothing is tracked. With
-one set:
-
-- ``max_size`` is clamped to the filesystem's size minus ``min_free_space`` (with a warning);
-- at start the LRU is seeded with this rank's existing page files (``{key}{owned suffix}.bin``
-  with ``key`` matching ``key_pattern``; no other file is seeded), oldest
-  ``mtime`` first, and trimmed to the limits;
-- a write is admitted by ``reserve(key, nbytes)``: refused (``False``) for a key this rank does
-  not own (another TP rank's file, or an MLA page on a non-writer rank), for a page larger than
-  the cap, or when eviction cannot make room; when ``total + nbytes`` would exceed the cap, the
-  least recently used files are unlinked until ``total <= cap * eviction_ratio - nbytes``; then
-  files are unlinked while the free space (``statvfs``) after the write would fall below
-  ``min_free_space``. An admitted key sits at the most-recent end, marked in flight so that no
-  concurrent eviction removes it, until ``commit`` (the file is in place) or ``abort`` (it is
-  not; the bytes are refunded);
-- ``touch`` moves a key to the most-recent end (read hits, writes skipped because the page was
-  there), adopting a file it did not know;
-- an evicted file is unlinked; a reader that already opened it still reads it whole (POSIX).
-
-Thread-safe (one lock; ``statvfs`` and unlinks happen under it). Counters: ``evicted_files``,
-``evicted_bytes``, ``refused_writes``.
+Invariants: only this rank's page files are tracked and evicted (least recently used first); a
+key between ``reserve`` and ``commit`` / ``abort`` is never evicted; a refused write reserves
+nothing. Thread-safe (one lock; ``statvfs`` and unlinks happen under it).
 """
 
 from __future__ import annotations

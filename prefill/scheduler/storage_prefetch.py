@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hicache.storage.io.operations import CacheRequestHandle
+from hicache.storage.io.workers import CacheRequestHandle
 from prefill.clock import Clock
 from prefill.request.state import PrefillRequest
 

@@ -1,84 +1,76 @@
-"""``HiCacheStorageController``: the L3 tier as the tree and the executor see it (SGLang 0.5.23's
-storage part of ``HiCacheController`` and of its radix cache), over one backend.
+"""``HiCacheStorageController``: the L3 tier of one rank as the tree and the executor see it
+(SGLang 0.5.23's storage part of ``HiCacheController`` and of its radix cache), over one backend:
+the IO threads (``StorageWorkers``), the prefetches (``PrefetchBook``) and the backups; and
+``build_storage_controller``, which builds it from ``ServerArgs``.
 
-It owns the IO threads (``workers``), the prefetches (``prefetch.PrefetchBook``) and the backups
-(``backup.BackupBook``), and implements the tree's ``StorageHooks``. Every change it makes to the
-tree or the host pool happens on the scheduler thread, in ``check_events`` (once per tick, from
-``HiRadixCache.check_hicache_events``) or in a call the scheduler makes (``prefetch``,
-``check_prefetch_progress``, ``release``, ``attach_staged``).
-
-Tensor parallelism: each rank has its own backend, threads and host pool (its shard of the KV
-heads; MLA pages are written by rank 0 only). The threads' results are rank-local; the tick
-agrees them on the cache group, so every rank applies the same results in the same order:
-
-| what | agreed |
-|---|---|
-| hits, prefetch acks, backup acks to apply | ``agree_min_many`` of the queue lengths, every tick |
-| each hit | MIN of the ranks' hit pages (``agree_min_many`` over the hits applied) |
-| each prefetch ack | MIN of the ranks' progress (``agree_min_many`` over the acks applied) |
-| host slots for a hit | ``agreed_alloc`` (room on every rank, else host eviction everywhere) |
-| a ``timeout`` expiry | ``agree_any`` |
-
-Operations are submitted in the same order on every rank (the trees are identical), and each
-produces the same number of results on every rank whatever its storage did, so the i-th result
-of a queue is the same operation on every rank.
-
-Slot accounting (``check_integrity`` and the tree's host ledger): host slots held outside the
-tree are ``host_slots_held()`` (prefetch slots and ``buffer_only`` staging after the D2H ack).
+Invariants: every change to the tree or the host pool happens on the scheduler thread, in
+``check_events`` (once per tick) or in a call the scheduler makes. Under tensor parallelism the
+threads' results are rank-local; the tick agrees them on the cache group (queue lengths, hits
+and progress by MIN, a timeout by ANY), so every rank applies the same results in the same
+order. Host slots held outside the tree are ``host_slots_held()``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from hicache.storage.backend_factory import StorageBackendFactory
 from hicache.storage.base import HiCacheStorage
-from hicache.storage.io.backup import BackupBook, WriteObserver
-from hicache.storage.io.operations import CacheRequestHandle
-from hicache.storage.io.prefetch import PrefetchBook, StagedPrefetch
-from hicache.storage.io.settings import StorageSettings
-from hicache.storage.io.stats import StorageStats
-from hicache.storage.io.workers import StorageWorkers
+from hicache.storage.config import storage_config_for_pool
+from hicache.storage.extra_config import StorageSettings, split_extra_config
+from hicache.storage.io.prefetch import PrefetchBook, StorageTree
+from hicache.storage.io.workers import (
+    CacheRequestHandle,
+    StorageOperation,
+    StorageStats,
+    StorageWorkers,
+    uses_zero_copy,
+)
+from hicache.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
+BELIEFS_CAPACITY = 512 * 1024
 
-class StorageTree(Protocol):
-    """What the storage tier needs of its ``HiRadixCache`` (it imports nothing of the tree)."""
+WriteObserver = Callable[[list[str]], None]
+"""Told of the keys of each backup's pages that reached storage (scheduler thread)."""
 
-    page_size: int
-    root_node: Any
-    host_allocator: Any  # the host pool's TokenToKVPoolAllocator
-    controller: Any  # HiCacheController: evict_host (deferred frees)
-    group: Any  # TPGroup
-    load_back_threshold: int
 
-    def _protect_host(self, node: Any) -> None: ...
+class StoredBeliefs:
+    """``buffer_only`` (SGLang's existence beliefs): a bounded LRU set of the keys this rank
+    started to store, so a node inserted again is not staged twice; a key is dropped when a
+    prefetch query agreed that its page is absent."""
 
-    def _release_host(self, node: Any) -> None: ...
+    def __init__(self, capacity: int = BELIEFS_CAPACITY) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
 
-    def evict_host(self, num_tokens: int) -> int: ...
+    def __len__(self) -> int:
+        return len(self._keys)
 
-    def insert_host(
-        self, anchor: Any, key: list[int], host_indices: torch.Tensor, hashes: list[str]
-    ) -> int: ...
+    def add(self, keys: list[str]) -> None:
+        for k in keys:
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
 
-    def match_prefix(self, key: list[int]) -> Any: ...
+    def contains_all(self, keys: list[str] | None) -> bool:
+        return bool(keys) and all(k in self._keys for k in keys)
+
+    def discard(self, keys: list[str]) -> None:
+        for k in keys:
+            self._keys.pop(k, None)
 
 
 class HiCacheStorageController:
-    """The storage tier of one rank (module docstring).
-
-    Args:
-        tree: the ``HiRadixCache`` (``StorageTree``); call ``tree.attach_storage(self)`` after.
-        backend: the ``HiCacheStorage`` (host pool registered).
-        settings: ``StorageSettings``.
-        zero_copy: use the backend's v1 calls (``workers.uses_zero_copy``).
-        is_storage_writer: ``False`` on MLA ranks other than 0.
-        backend_name: for logs and stats.
-    """
+    """The storage tier of one rank; ``tree.attach_storage(self)`` after building it.
+    ``is_storage_writer``: ``False`` on MLA ranks other than 0."""
 
     def __init__(
         self,
@@ -97,36 +89,53 @@ class HiCacheStorageController:
         self.page_size = tree.page_size
         self.stats = StorageStats()
         self.workers = StorageWorkers(
-            backend, tree.controller.host_pool, zero_copy=zero_copy,
+            backend,
+            tree.controller.host_pool,
+            zero_copy=zero_copy,
             is_storage_writer=is_storage_writer,
-        )  # fmt: skip
-        self.backups = BackupBook(tree, self.workers, self.stats, settings.pass_prefix_keys)
+        )
+        self.backups: dict[int, StorageOperation] = {}
+        self.beliefs = StoredBeliefs()
+        self.observers: list[WriteObserver] = []
         self.prefetches = PrefetchBook(
-            tree, self.workers, settings, self.stats,
-            write_staged_tokens=self._write_staged_tokens, absent=self.backups.beliefs.discard,
-        )  # fmt: skip
+            tree,
+            self.workers,
+            settings,
+            self.stats,
+            write_staged_tokens=self._write_staged_tokens,
+            absent=self.beliefs.discard,
+        )
         self._closed = False
 
-    # ------------------------------------------------------------------ StorageHooks
+    # ------------------------------------------------------------------ the tree's hooks
     @property
     def buffer_only(self) -> bool:
         return self.settings.buffer_only
 
     def backup_node(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
-        self.backups.backup_node(node, host_indices, keys)
+        """Cache mode: store ``node``'s acked host copy, protected until the storage ack."""
+        op = StorageOperation(
+            host_indices.clone(), list(keys), prefix_keys=self._prefix_keys(node), node=node
+        )
+        self.tree._protect_host(node)
+        self._submit_backup(op)
 
     def backup_staged(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
-        self.backups.backup_staged(node, host_indices, keys)
+        """``buffer_only``: store the acked staging, freed at the storage ack."""
+        op = StorageOperation(
+            host_indices, list(keys), prefix_keys=self._prefix_keys(node), staging=True
+        )
+        self._submit_backup(op)
 
     def believed_stored(self, keys: list[str] | None) -> bool:
-        return self.backups.beliefs.contains_all(keys)
+        return self.beliefs.contains_all(keys)
 
     def note_staging(self, keys: list[str]) -> None:
-        self.backups.beliefs.add(keys)
+        self.beliefs.add(keys)
 
     def check_events(self) -> None:
-        """Apply the threads' results that every rank has, in queue order (module docstring).
-        Never blocks (except for the group's collectives)."""
+        """Apply the threads' results that every rank has, in queue order. Never blocks
+        (except for the group's collectives)."""
         w, group = self.workers, self.tree.group
         n_hits, n_acks, n_backups = group.agree_min_many(
             [w.hit_queue.qsize(), w.ack_queue.qsize(), w.backup_ack_queue.qsize()],
@@ -146,15 +155,15 @@ class HiCacheStorageController:
             for ack, n in zip(acks, done, strict=True):
                 self.prefetches.on_ack(ack, n)
         for _ in range(n_backups):
-            self.backups.on_ack(w.backup_ack_queue.get_nowait())
+            self._on_backup_ack(w.backup_ack_queue.get_nowait())
 
     def host_slots_held(self) -> int:
-        return self.prefetches.held_slots() + self.backups.held_slots()
+        return self.prefetches.held_slots() + self._staged_backup_slots()
 
     def ops_in_flight(self) -> int:
-        return self.prefetches.in_flight() + len(self.backups.ongoing)
+        return self.prefetches.in_flight() + len(self.backups)
 
-    # ------------------------------------------------------------------ scheduler API
+    # ------------------------------------------------------------------ the scheduler's calls
     def prefetch(
         self,
         handle: CacheRequestHandle,
@@ -167,7 +176,7 @@ class HiCacheStorageController:
         last_hash = anchor.hash_value[-1] if anchor.hash_value else None
         prefix = None
         if self.settings.pass_prefix_keys:
-            prefix = self.backups._prefix_keys(anchor) + list(anchor.hash_value or [])
+            prefix = self._prefix_keys(anchor) + list(anchor.hash_value or [])
         return self.prefetches.prefetch(
             handle, anchor, new_tokens, last_hash, storage_start, prefix_keys=prefix
         )
@@ -190,9 +199,8 @@ class HiCacheStorageController:
 
     def attach_staged(self, handle: CacheRequestHandle, token_ids: list[int]) -> int:
         """``buffer_only``, at the attempt's admission: its fetched pages enter the tree as a
-        host-only node after the prefix they continue, for the load back that follows (which
-        frees the staging at its H2D ack). Returns the tokens attached (0: nothing staged, or
-        the prefix they continue is no longer in the tree, or they are below the load-back
+        host-only node after the prefix they continue, for the load back that follows. Returns
+        the tokens attached (0: nothing staged, the prefix is gone, or below the load-back
         threshold: the staging is freed)."""
         staged = self.prefetches.take_staged(handle)
         if staged is None:
@@ -204,26 +212,72 @@ class HiCacheStorageController:
             self.prefetches.drop_staged(staged)
             return 0
         present = self.tree.insert_host(
-            m.last_host_node, token_ids[start : start + n], staged.host_indices,
+            m.last_host_node,
+            token_ids[start : start + n],
+            staged.host_indices,
             staged.hash_value,
-        )  # fmt: skip
-        self.prefetches._free(staged.host_indices[:present])
+        )
+        self.prefetches.free_slots(staged.host_indices[:present])
         self.stats.prefetch_inserted_tokens += n - present
         return n - present
 
     def add_write_observer(self, observer: WriteObserver) -> None:
         """``observer(keys)`` is told, at each applied backup ack, of the keys it stored."""
-        self.backups.observers.append(observer)
+        self.observers.append(observer)
+
+    # ------------------------------------------------------------------ backups
+    def _submit_backup(self, op: StorageOperation) -> None:
+        self.backups[op.id] = op
+        self.stats.backup_ops += 1
+        self.workers.submit_backup(op)
+
+    def _prefix_keys(self, node: Any) -> list[str] | None:
+        """The keys of the pages before ``node`` (``hicache_storage_pass_prefix_keys``)."""
+        if not self.settings.pass_prefix_keys:
+            return None
+        chain = []
+        x = node.parent
+        while x is not None and x.hash_value:
+            chain.append(x.hash_value)
+            x = x.parent
+        return [k for part in reversed(chain) for k in part]
+
+    def _on_backup_ack(self, op: StorageOperation) -> None:
+        self.backups.pop(op.id, None)
+        if op.node is not None:
+            self.tree._release_host(op.node)
+        if op.staging:
+            self.tree.controller.evict_host(op.host_indices)
+        if not self.workers.is_storage_writer:
+            self.stats.backup_skipped_ops += 1
+            return
+        if op.failed:
+            self.stats.backup_failed_ops += 1
+            logger.warning(
+                "storage backup failed after %d of %d tokens (%s)",
+                op.completed_tokens,
+                op.host_indices.numel(),
+                op.error,
+            )
+        self.stats.backup_tokens += op.completed_tokens
+        written = op.hash_value[: op.completed_tokens // self.page_size]
+        if written:
+            for observer in self.observers:
+                observer(written)
+
+    def _staged_backup_slots(self) -> int:
+        """Host slots of ``buffer_only`` staging held until the storage ack."""
+        return sum(op.host_indices.numel() for op in self.backups.values() if op.staging)
 
     def _write_staged_tokens(self) -> int:
         staged = getattr(self.tree, "_storage_writes", {})
-        return self.backups.held_slots() + sum(h.numel() for h, _ in staged.values())
+        return self._staged_backup_slots() + sum(h.numel() for h, _ in staged.values())
 
     # ------------------------------------------------------------------ lifecycle
     def check_integrity(self) -> None:
         """``AssertionError`` unless every host slot the tier holds is allocated and held once."""
         held = self.prefetches.held_slot_tensors() + [
-            op.host_indices for op in self.backups.ongoing.values() if op.staging
+            op.host_indices for op in self.backups.values() if op.staging
         ]
         if not held:
             return
@@ -244,4 +298,59 @@ class HiCacheStorageController:
             self.backend.close()
 
 
-__all__ = ["HiCacheStorageController", "StagedPrefetch", "StorageTree"]
+def build_storage_controller(
+    args: Any, tree: StorageTree, host_pool: Any, group: TPGroup
+) -> HiCacheStorageController:
+    """This rank's storage tier from ``args`` (a ``ServerArgs``), attached to ``tree``. A backend
+    that cannot be built on some rank fails every rank with one ``ValueError`` naming the flag or
+    key, before any thread starts."""
+    name = args.hicache_storage_backend
+    backend, error = None, None
+    try:
+        settings, backend_extra = split_extra_config(
+            args.storage_extra_config(),
+            page_size=args.page_size,
+            prefetch_policy=args.hicache_storage_prefetch_policy,
+            host_memory_mode=args.hicache_host_memory_mode,
+        )
+        config = storage_config_for_pool(
+            host_pool,
+            args.storage_model_name(),
+            tp_rank=group.rank,
+            tp_size=group.size,
+            extra_config=backend_extra,
+        )
+        backend = StorageBackendFactory.create_backend(name, config, host_pool)
+        backend.register_mem_pool_host(host_pool)
+    except ValueError as e:
+        error = e
+    if not group.agree_all(error is None, tag="storage_backend_built"):
+        if backend is not None:
+            backend.close()
+        raise ValueError(
+            f"--hicache-storage-backend={name}: "
+            f"{error if error is not None else 'another rank could not build its backend'}"
+        ) from error
+    assert backend is not None
+    controller = HiCacheStorageController(
+        tree,
+        backend,
+        settings,
+        zero_copy=uses_zero_copy(name, backend_extra),
+        is_storage_writer=config.is_storage_writer,
+        backend_name=name,
+    )
+    try:
+        tree.attach_storage(controller)
+    except ValueError:
+        controller.close()
+        raise
+    logger.info(
+        "L3 storage %s (%s, prefetch %s, threshold %d tokens) for model %s",
+        name,
+        settings.host_memory_mode,
+        settings.prefetch_policy,
+        settings.prefetch_threshold,
+        config.model_name,
+    )
+    return controller

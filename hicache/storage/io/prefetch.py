@@ -1,39 +1,12 @@
 """``PrefetchBook``: the scheduler-thread side of prefetches from storage (SGLang 0.5.23's
-``prefetch_from_storage``, ``check_prefetch_progress`` and ``_handle_prefetch_result``).
+``prefetch_from_storage``, ``check_prefetch_progress`` and ``_handle_prefetch_result``): issue,
+agreed hit, host slots, agreed acks, the stop policy at admission, the result (a host-only node
+in cache mode, a ``StagedPrefetch`` of the attempt in ``buffer_only``).
 
-One prefetch, step by step (every step on the scheduler thread except the two IO phases):
-
-1. **issue** (``prefetch``, at a request's arrival): the page-aligned tokens after what the tree
-   matched, keyed by the attempt (``CacheRequestHandle``). Declined below
-   ``prefetch_threshold`` or when rate-limited (cache mode: reserved tokens at half the host
-   pool; ``buffer_only``: the host pool, less write staging, 90% used). Cache mode protects the
-   anchor (the node the pages will hang from) and reserves the requested tokens.
-2. *query thread*: this rank's existence answer.
-3. **hit** (``on_hit``, agreed: the MIN over ranks): revoked below the threshold or when
-   terminated; else host slots for the hit only (cache mode: host eviction first when short,
-   then whatever is free down to the threshold; ``buffer_only``: the whole hit or nothing).
-4. *IO thread*: pages read into those slots, one progress ack per 128-page batch.
-5. **acks** (``on_ack``, agreed position by position: the MIN of each ack's progress): progress
-   sets ``completed_tokens``; the completion ack applies the result if the attempt still waits.
-6. **admission** (``check_progress``, the stop policy): ``best_effort`` takes what has landed at
-   the first poll; ``wait_complete`` waits for the completion ack; ``timeout`` waits up to
-   ``StorageSettings.timeout_s`` on the executor's clock from the first blocked poll (a rank
-   that sees it expired ends it for all: ``agree_any``), unless every hit page has landed.
-7. **result** (``_apply_result``): cache mode, the fetched pages become a host-only node under
-   the anchor (``tree.insert_host``; pages the tree already holds are freed), anchor and
-   reservation released, ``take_loaded`` tells admission how many tokens came from storage;
-   ``buffer_only``, nothing enters the tree: the pages wait as a ``StagedPrefetch`` of this
-   attempt (``take_staged`` at its admission). Host slots past ``completed_tokens`` stay with
-   the operation until its completion ack (the IO thread may still write them), then are freed.
-
-Attempt scoping: a yield or abort calls ``release(handle)``: the operation is terminated, the
-anchor and reservation are released at once, its host slots and any staged pages are freed (at
-the completion ack, if the IO thread still holds them), and nothing of it can reach the next
-attempt, whose handle differs: a late ack finds no waiting attempt and only frees.
-
-Host slot ownership: from ``on_hit`` the slots are the operation's (``held_slots``); at the
-result ``[:completed]`` go to the tree (cache) or the staging (``buffer_only``), the rest stay
-the operation's until its completion ack.
+Invariants: nothing of a released attempt reaches the next one (its handle differs; a late ack
+only frees). From the hit on, the host slots are the operation's (``held_slots``); at the result
+``[:completed]`` go to the tree or the staging, the rest stay the operation's until its
+completion ack (the IO thread may still write them), then are freed.
 """
 
 from __future__ import annotations
@@ -41,21 +14,48 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from hicache.storage.io.operations import CacheRequestHandle, PrefetchAck, PrefetchOperation
-from hicache.storage.io.settings import (
-    BUFFER_PREFETCH_CAPACITY_FRACTION,
-    CACHE_PREFETCH_CAPACITY_FRACTION,
-    StorageSettings,
+from hicache.storage.extra_config import StorageSettings
+from hicache.storage.io.workers import (
+    CacheRequestHandle,
+    PrefetchAck,
+    PrefetchOperation,
+    StorageStats,
+    StorageWorkers,
 )
-from hicache.storage.io.stats import StorageStats
-from hicache.storage.io.workers import StorageWorkers
 from hicache.tp.agreed import agreed_alloc
+from hicache.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
+
+CACHE_PREFETCH_CAPACITY_FRACTION = 0.5  # of the host pool, reserved by prefetches
+BUFFER_PREFETCH_CAPACITY_FRACTION = 0.9  # SGLang HICACHE_LOAD_POOL_USAGE_FRACTION
+
+
+class StorageTree(Protocol):
+    """What the storage tier needs of its ``HiRadixCache`` (it imports nothing of the tree)."""
+
+    page_size: int
+    root_node: Any
+    host_allocator: Any  # the host pool's TokenToKVPoolAllocator
+    controller: Any  # HiCacheController: evict_host (deferred frees)
+    group: TPGroup
+    load_back_threshold: int
+
+    def _protect_host(self, node: Any) -> None: ...
+
+    def _release_host(self, node: Any) -> None: ...
+
+    def evict_host(self, num_tokens: int) -> int: ...
+
+    def insert_host(
+        self, anchor: Any, key: list[int], host_indices: torch.Tensor, hashes: list[str]
+    ) -> int: ...
+
+    def match_prefix(self, key: list[int]) -> Any: ...
 
 
 @dataclass
@@ -77,20 +77,12 @@ class StagedPrefetch:
 
 
 class PrefetchBook:
-    """Prefetches in flight (module docstring).
-
-    Args:
-        tree: the ``StorageTree`` (host allocator, protection, ``insert_host``, frees).
-        workers: the IO threads.
-        settings: policy, threshold, timeouts, host memory mode.
-        stats: counters.
-        write_staged_tokens: ``buffer_only``: host tokens held by write staging.
-        absent: told of keys a query agreed are not stored (``StoredBeliefs.discard``).
-    """
+    """Prefetches in flight, by attempt. ``write_staged_tokens``: host tokens held by write
+    staging (``buffer_only``); ``absent``: told of keys a query agreed are not stored."""
 
     def __init__(
         self,
-        tree: Any,
+        tree: StorageTree,
         workers: StorageWorkers,
         settings: StorageSettings,
         stats: StorageStats,
@@ -218,7 +210,7 @@ class PrefetchBook:
         op.done = True
         orphan = self.orphans.pop(op.id, None)
         if orphan is not None:
-            self._free(op.host_indices[orphan[1] :])
+            self.free_slots(op.host_indices[orphan[1] :])
             return
         entry = self.ongoing.get(op.handle)
         if entry is not None and entry.op is op:
@@ -301,13 +293,13 @@ class PrefetchBook:
                 present = self.tree.insert_host(
                     entry.anchor, op.token_ids[:done], slots[:done], op.hash_value[: done // ps]
                 )
-                self._free(slots[:present])
+                self.free_slots(slots[:present])
                 inserted = done - present
                 self.stats.prefetch_inserted_tokens += inserted
             self._release_anchor(entry)
             self.loaded[op.handle] = inserted
         if op.done:
-            self._free(slots[done:])
+            self.free_slots(slots[done:])
         else:
             self.orphans[op.id] = (op, done)
         logger.debug("prefetch %s: %d of %d tokens", op.handle, done, op.requested_tokens)
@@ -323,7 +315,7 @@ class PrefetchBook:
             self.stats.prefetch_released += 1
             if op.host_indices is not None:
                 if op.done:
-                    self._free(op.host_indices)
+                    self.free_slots(op.host_indices)
                 else:
                     self.orphans[op.id] = (op, 0)
         staged = self.staged.pop(handle, None)
@@ -333,9 +325,9 @@ class PrefetchBook:
 
     def drop_staged(self, staged: StagedPrefetch) -> None:
         self.stats.prefetch_dropped_tokens += staged.num_tokens
-        self._free(staged.host_indices)
+        self.free_slots(staged.host_indices)
 
-    def _free(self, slots: torch.Tensor) -> None:
+    def free_slots(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self.tree.controller.evict_host(slots)
 

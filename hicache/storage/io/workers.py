@@ -1,40 +1,141 @@
-"""``StorageWorkers``: a storage backend and the three IO threads that drive it (SGLang 0.5.23's
-``prefetch_thread_func``, ``prefetch_io_aux_func`` and ``backup_thread_func``).
+"""``StorageWorkers``: a storage backend and its three IO threads (SGLang 0.5.23's
+``prefetch_thread_func``, ``prefetch_io_aux_func``, ``backup_thread_func``), and the records the
+threads and the scheduler thread hand each other (``CacheRequestHandle``, ``StorageOperation``,
+``PrefetchOperation``, ``PrefetchAck``) and the tier's counters (``StorageStats``).
 
-- **query** (``query_queue`` -> ``hit_queue``): hashes the tokens (``page_hashes``) and asks
-  ``batch_exists`` in slices of ``STORAGE_BATCH_SIZE`` pages, stopping at the first short one;
-- **IO** (``io_queue`` -> ``ack_queue``): reads the hit pages into the host slots the scheduler
-  allocated, batch by batch; after a failure or a termination it keeps emitting one ack per
-  batch (the same count on every rank), then one completion ack;
-- **backup** (``backup_queue`` -> ``backup_ack_queue``): stores host pages batch by batch; the
-  first failed batch ends the backup.
-
-Each thread blocks on its queue (1 s timeouts, to see ``close``) and on the backend's IO; the
-scheduler thread never waits for them: it counts what each output queue holds and pops as many
-as every rank has (``controller``). What this rank found (hits, pages read, pages written) is
-only ever an input to that agreement.
-
-Paths (SGLang's dispatch): zero-copy ``batch_get_v1`` / ``batch_set_v1`` for backends that
-implement them (``ZERO_COPY_BACKENDS``, or ``dynamic`` with ``interface_v1`` in the extra
-config); otherwise the generic path, ``batch_get`` into flat pages then
-``set_from_flat_data_page`` / ``batch_set`` of ``get_data_page`` (``file``). A page is written into
-the host pool only after it was read whole; a read that stops early leaves later pages as they
-were. A backend that raises is logged and answers as a failure (0 hits, a failed batch); nothing
-escapes a thread. Non-writer ranks (MLA ranks other than 0) skip the IO of a backup and ack it.
+Invariant: nothing escapes a thread (a backend that raises answers a failure), and every
+operation yields the same number of results on every rank whatever its storage did, so the
+scheduler can agree the queues position by position. Fields a thread writes are read by the
+scheduler only after the queue hand-off that follows the write.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, NamedTuple
+
+import torch
 
 from hicache.storage.base import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageExtraInfo
 from hicache.storage.hash_keys import page_hashes
-from hicache.storage.io.operations import PrefetchAck, PrefetchOperation, StorageOperation
 
 logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+class CacheRequestHandle(NamedTuple):
+    """One attempt of one request (SGLang's ``CacheRequestHandle(rid, attempt_id)``): a late ack
+    of attempt ``N`` finds no prefetch of attempt ``N + 1`` to complete."""
+
+    rid: str
+    attempt: int
+
+
+@dataclass(eq=False)
+class StorageOperation:
+    """One backup: host slots (``len(hash_value) * page_size``) and the page keys to store them
+    under; ``completed_tokens`` grows batch by batch on the backup thread."""
+
+    host_indices: torch.Tensor
+    hash_value: list[str]
+    _: KW_ONLY
+    prefix_keys: list[str] | None = None
+    node: Any = None  # the tree node whose host copy is protected until the ack (cache mode)
+    staging: bool = False  # buffer_only: the host slots are freed at the ack
+    id: int = field(init=False, default_factory=lambda: next(_ids))
+    completed_tokens: int = field(init=False, default=0)
+    failed: bool = field(init=False, default=False)
+    error: str | None = field(init=False, default=None)
+
+
+class PrefetchOperation:
+    """One prefetch into the host pool: the query thread sets ``local_hit_pages``, the scheduler
+    the agreed ``hash_value`` and the ``host_indices`` of the hit, the IO thread reads into them.
+    ``mark_terminate`` asks the threads to stop between batches."""
+
+    def __init__(
+        self,
+        handle: CacheRequestHandle,
+        token_ids: list[int],
+        last_hash: str | None,
+        *,
+        prefix_keys: list[str] | None = None,
+        storage_start: int = 0,
+    ) -> None:
+        self.id = next(_ids)
+        self.handle = handle
+        self.token_ids = token_ids
+        self.last_hash = last_hash
+        self.prefix_keys = prefix_keys
+        self.storage_start = storage_start  # tokens before the first fetched one
+        self.requested_tokens = len(token_ids)
+        self.all_hash_values: list[str] = []  # every queried page key (query thread)
+        self.local_hit_pages = 0  # this rank's existence answer (query thread)
+        self.hash_value: list[str] = []  # agreed hit, then trimmed to what was allocated
+        self.host_indices: torch.Tensor | None = None
+        self.completed_tokens = 0  # agreed progress (scheduler)
+        self.local_completed_tokens = 0  # this rank's progress (IO thread)
+        self.deadline_expired = False
+        self.wait_started: float | None = None  # executor clock of the first blocked poll
+        self.done = False  # the completion ack was drained
+        self._terminated = threading.Event()
+
+    def mark_terminate(self) -> None:
+        self._terminated.set()
+
+    def is_terminated(self) -> bool:
+        return self._terminated.is_set()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefetchOperation({self.handle}, requested={self.requested_tokens}, "
+            f"hit={len(self.hash_value)} pages, completed={self.completed_tokens})"
+        )
+
+
+@dataclass
+class PrefetchAck:
+    """This rank's cumulative progress after one batch, or ``completed_req`` (the last ack).
+    Every rank emits ``ceil(pages / 128) + 1`` acks per operation, failures included."""
+
+    operation: PrefetchOperation
+    completed_tokens: int | None = None
+    completed_req: bool = False
+
+
+@dataclass
+class StorageStats:
+    """Counters of the storage tier, counted on the scheduler thread from agreed results (tokens
+    unless named ``ops``). ``prefetch_revoked``: ended after its query (below the threshold, no
+    host room, released first); ``prefetch_unused_tokens``: inserted tokens their attempt's
+    admission did not load from the host; ``backup_skipped_ops``: non-writer ranks."""
+
+    prefetch_issued: int = 0
+    prefetch_too_short: int = 0
+    prefetch_rate_limited: int = 0
+    prefetch_revoked: int = 0
+    prefetch_terminated: int = 0
+    prefetch_released: int = 0
+    prefetch_hit_tokens: int = 0
+    prefetch_fetched_tokens: int = 0
+    prefetch_inserted_tokens: int = 0
+    prefetch_dropped_tokens: int = 0
+    prefetch_unused_tokens: int = 0
+    backup_ops: int = 0
+    backup_tokens: int = 0
+    backup_failed_ops: int = 0
+    backup_skipped_ops: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
 
 ZERO_COPY_BACKENDS = frozenset(
     {"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast", "seaweedfs"}
@@ -53,14 +154,9 @@ def uses_zero_copy(backend_name: str, extra_config: dict | None) -> bool:
 
 
 class StorageWorkers:
-    """The backend and its IO threads (module docstring).
-
-    Args:
-        backend: the ``HiCacheStorage`` (its host pool already registered).
-        host_pool: the host pool pages are read into and written from.
-        zero_copy: use ``batch_get_v1`` / ``batch_set_v1`` (see ``uses_zero_copy``).
-        is_storage_writer: ``False`` on MLA ranks other than 0 (backups are skipped, acked).
-    """
+    """The backend and three threads: query (``query_queue`` -> ``hit_queue``), IO (``io_queue``
+    -> ``ack_queue``), backup (``backup_queue`` -> ``backup_ack_queue``). ``zero_copy``: the v1
+    calls (``uses_zero_copy``); ``is_storage_writer``: ``False`` on MLA ranks other than 0."""
 
     def __init__(
         self,
@@ -84,14 +180,15 @@ class StorageWorkers:
         self._stop = threading.Event()
         self._scratch: dict[str, list[Any]] = {"io": [], "backup": []}
         self._threads = [
-            threading.Thread(target=self._loop, args=(q, fn), name=f"hicache-storage-{name}",
-                             daemon=True)
+            threading.Thread(
+                target=self._loop, args=(q, fn), name=f"hicache-storage-{name}", daemon=True
+            )
             for name, q, fn in (
                 ("query", self.query_queue, self._query),
                 ("io", self.io_queue, self._transfer),
                 ("backup", self.backup_queue, self._backup),
             )
-        ]  # fmt: skip
+        ]
         for t in self._threads:
             t.start()
 
@@ -122,7 +219,7 @@ class StorageWorkers:
             raise RuntimeError(f"storage threads did not stop within {JOIN_TIMEOUT_S} s: {alive}")
 
     # ------------------------------------------------------------------ threads
-    def _loop(self, q: queue.Queue, fn: Any) -> None:
+    def _loop(self, q: queue.Queue, fn: Callable[[Any], None]) -> None:
         while True:
             try:
                 item = q.get(timeout=1.0)
@@ -142,16 +239,12 @@ class StorageWorkers:
         try:
             keys = page_hashes(op.token_ids, self.page_size, op.last_hash)
             op.all_hash_values = keys
-            prefix = op.prefix_keys
             if not op.is_terminated():
-                for start in range(0, len(keys), STORAGE_BATCH_SIZE):
-                    batch = keys[start : start + STORAGE_BATCH_SIZE]
-                    n = int(self.backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix)))
+                for batch, _, extra in self._batches(keys, op.prefix_keys):
+                    n = int(self.backend.batch_exists(batch, extra))
                     hits += max(0, min(n, len(batch)))
                     if n < len(batch):
                         break
-                    if prefix is not None:
-                        prefix = prefix + batch
         except Exception:  # noqa: BLE001 - a failed query is a miss on this rank
             logger.exception("storage existence query failed for %s", op.handle)
             hits = 0
@@ -162,31 +255,47 @@ class StorageWorkers:
         """Read the hit pages into ``op.host_indices``; one progress ack per batch, then one
         completion ack, whatever happens."""
         ps = self.page_size
-        ok, pages, prefix = True, 0, op.prefix_keys
+        ok, pages = True, 0
         try:
-            for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
-                if ok and op.is_terminated():
-                    ok = False
+            batches = self._batches(op.hash_value, op.prefix_keys, op.host_indices)
+            for batch, slots, extra in batches:
+                ok = ok and not op.is_terminated()
                 if ok:
-                    batch = op.hash_value[start : start + STORAGE_BATCH_SIZE]
-                    assert op.host_indices is not None
-                    slots = op.host_indices[start * ps : (start + len(batch)) * ps]
                     try:
-                        got = self._page_get(op, batch, slots, HiCacheStorageExtraInfo(prefix))
+                        got = self._page_get(op, batch, slots, extra)
                     except Exception:  # noqa: BLE001 - a failed read is a shorter hit
                         logger.exception("storage read failed for %s", op.handle)
                         got = 0
                     if got != len(batch):
                         ok = False
                     pages += got
-                    if prefix is not None:
-                        prefix = prefix + batch
                 op.local_completed_tokens = pages * ps
                 self.ack_queue.put(PrefetchAck(op, completed_tokens=pages * ps))
         finally:
             self.ack_queue.put(PrefetchAck(op, completed_req=True))
 
-    def _page_get(self, op: PrefetchOperation, keys: list[str], slots: Any, extra: Any) -> int:
+    def _batches(
+        self, keys: list[str], prefix: list[str] | None, host_indices: torch.Tensor | None = None
+    ) -> Iterator[tuple[list[str], torch.Tensor | None, HiCacheStorageExtraInfo]]:
+        """``(keys, host slots, extra info)`` of each ``STORAGE_BATCH_SIZE``-page slice; the
+        prefix keys (when not ``None``) grow by each slice."""
+        ps = self.page_size
+        for start in range(0, len(keys), STORAGE_BATCH_SIZE):
+            batch = keys[start : start + STORAGE_BATCH_SIZE]
+            slots = None
+            if host_indices is not None:
+                slots = host_indices[start * ps : (start + len(batch)) * ps]
+            yield batch, slots, HiCacheStorageExtraInfo(prefix)
+            if prefix is not None:
+                prefix = prefix + batch
+
+    def _page_get(
+        self,
+        op: PrefetchOperation,
+        keys: list[str],
+        slots: torch.Tensor,
+        extra: HiCacheStorageExtraInfo,
+    ) -> int:
         pool, ps = self.host_pool, self.page_size
         if self.zero_copy:
             results = self.backend.batch_get_v1(keys, slots, extra)
@@ -231,22 +340,17 @@ class StorageWorkers:
 
     def _page_backup(self, op: StorageOperation) -> None:
         ps, pool = self.page_size, self.host_pool
-        prefix = op.prefix_keys
-        for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
-            batch = op.hash_value[start : start + STORAGE_BATCH_SIZE]
-            slots = op.host_indices[start * ps : (start + len(batch)) * ps]
-            extra = HiCacheStorageExtraInfo(prefix)
+        for batch, slots, extra in self._batches(op.hash_value, op.prefix_keys, op.host_indices):
             if self.zero_copy:
                 ok = all(self.backend.batch_set_v1(batch, slots, extra))
             else:
                 bufs = self._buffers("backup", len(batch))
-                data = [pool.get_data_page(int(slots[i * ps]), out=buf)
-                        for i, buf in enumerate(bufs)]  # fmt: skip
+                data = [
+                    pool.get_data_page(int(slots[i * ps]), out=buf) for i, buf in enumerate(bufs)
+                ]
                 ok = bool(self.backend.batch_set(batch, data))
             if not ok:
                 logger.warning("storage backup: a batch of %d pages failed", len(batch))
                 op.failed, op.error = True, "batch failed"
                 return
-            if prefix is not None:
-                prefix = prefix + batch
             op.completed_tokens += ps * len(batch)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.storage.fault_injector import ENV_DELAY, ENV_FAILURE
-from hicache.storage.io.operations import CacheRequestHandle
+from hicache.storage.io.workers import CacheRequestHandle
 from tests.hicache.storage.io.io_helpers import STORES, build, drain
 from tests.support.kv_content import check_device, write_device
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from hicache.builder import build_kv_cache
 from hicache.storage.hash_keys import page_hashes
-from hicache.storage.io.operations import CacheRequestHandle
+from hicache.storage.io.workers import CacheRequestHandle
 from hicache.tp.digest import tree_state
 from hicache.tp.group import new_cache_group
 from prefill.model.paged import ModelConfig
