@@ -3,69 +3,19 @@ then the default (SGLang's precedence for the file backend's budget). A malforme
 ``ValueError`` naming the key or the variable, where SGLang 0.5.23 warns and disables the budget
 (a typo such as ``"200GB"`` would otherwise silently leave the disk unbounded).
 
-Sizes: a non-negative int (bytes), or a string of a plain integer or a number with an SI suffix
-(``k``, ``M``, ``G``, ``T``: powers of 1000, decimals allowed) or an IEC suffix (``Ki``, ``Mi``,
-``Gi``, ``Ti``: powers of 1024, integers only), case-sensitive, as SGLang's ``human_readable_int``.
-``0`` (or an empty string) means "off".
+Sizes: ``hicache.storage.config.parse_size``; ``0`` means "off".
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any
 
+from hicache.storage.config import FLAG, parse_size
+
 logger = logging.getLogger(__name__)
-
-_SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
-
-FLAG = "--hicache-storage-backend-extra-config"
-
-
-def as_extra_config(extra_config: Any) -> dict:
-    """The extra config as a dict (``{}`` for ``None``); ``ValueError`` for anything else."""
-    if extra_config is None:
-        return {}
-    if not isinstance(extra_config, Mapping):
-        raise ValueError(f"{FLAG} must be a JSON object, got {type(extra_config).__name__}")
-    return dict(extra_config)
-
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes of a size setting (module docstring); ``ValueError`` naming ``name``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '1Gi'), got {value!r}")
-    if isinstance(value, int | float):
-        if value < 0 or value != value:
-            raise ValueError(f"{name} must be a non-negative size, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '1Gi'), got {value!r}")
-    text = value.strip()
-    if not text:
-        return 0
-    match = _SIZE_RE.fullmatch(text)
-    if match:
-        number, suffix = match.groups()
-        if suffix in _IEC:
-            if "." in number:
-                raise ValueError(f"{name}={value!r}: IEC suffixes take integers only")
-            return int(number) * _IEC[suffix]
-        return int(Decimal(number) * _SI[suffix])
-    try:
-        size = int(text)
-    except ValueError:
-        raise ValueError(
-            f"{name}={value!r} is not a size: use bytes, SI (1k, 200G) or IEC (1Ki, 1Gi) suffixes"
-        ) from None
-    if size < 0:
-        raise ValueError(f"{name} must be a non-negative size, got {value!r}")
-    return size
 
 
 def _setting(extra: Mapping, key: str, env: str) -> tuple[Any, str] | None:

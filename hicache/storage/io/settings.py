@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.storage.extra_config import FLAG, as_extra_config
+from hicache.storage.config import FLAG, as_extra_config
 
 logger = logging.getLogger(__name__)
 

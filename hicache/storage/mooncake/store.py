@@ -57,7 +57,7 @@ import torch
 
 from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
 from hicache.storage.config import HiCacheStorageConfig
-from hicache.storage.extra_config import FLAG, as_extra_config
+from hicache.storage.config import FLAG, as_extra_config
 from hicache.storage.mooncake.client import (
     HEALTHY,
     MooncakeClient,
