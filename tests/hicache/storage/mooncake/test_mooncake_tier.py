@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from hicache.storage.mooncake.page_footers import PageFooters
 from hicache.storage.mooncake.store import MooncakeStore
 from prefill.disagg.sim_config import PeerConfig
 from prefill.request.state import Outcome
@@ -109,7 +110,7 @@ def test_a_down_master_costs_storage_not_service_and_service_resumes(cluster):
 
 @pytest.mark.parametrize("mode", ["cache", "buffer_only"])
 def test_a_full_store_is_counted_and_leaves_no_host_page_behind(cluster, mode):
-    cluster.capacity_bytes = 5 * PAGE_BYTES
+    cluster.capacity_bytes = 5 * (PAGE_BYTES + 2 * PageFooters.size)  # K and V carry a footer
     ex = make(mode)
     p = prompt(40, seed=40)  # 10 pages, 5 fit
     serve(ex, {"a": p})
