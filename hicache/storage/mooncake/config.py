@@ -13,15 +13,12 @@ variable or file.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.storage.config import FLAG, parse_size
-
-logger = logging.getLogger(__name__)
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 DEFAULT_TENANT_ID = "default"
@@ -89,7 +86,8 @@ def split_address(address: str, name: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _bool(value: Any, name: str) -> bool:
+def parse_bool(value: Any, name: str) -> bool:
+    """A bool setting: a bool or ``1/0``, ``true/false``, ``yes/no``, ``on/off``."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
@@ -124,10 +122,10 @@ _CHECKS = {
     "protocol": lambda v, n: _text(v, n),
     "device_name": lambda v, n: _text(v, n, empty_ok=True),
     "master_metrics_port": _port,
-    "check_server": _bool,
-    "standalone_storage": _bool,
+    "check_server": parse_bool,
+    "standalone_storage": parse_bool,
     "client_server_address": lambda v, n: _text(v, n),
-    "enable_ssd_offload": _bool,
+    "enable_ssd_offload": parse_bool,
     "ssd_offload_path": lambda v, n: _text(v, n),
     "tenant_id": lambda v, n: str(v).strip() or DEFAULT_TENANT_ID,
 }

@@ -31,6 +31,7 @@ from hicache.storage.mooncake.config import (
     MooncakeStoreConfig,
     device_for_rank,
     load_mooncake_config,
+    parse_bool,
 )
 from hicache.storage.mooncake.names import ObjectNames
 from hicache.storage.mooncake.page_footers import GET_CALL, PUT_CALL, PageFooters
@@ -67,7 +68,9 @@ class MooncakeStore(HiCacheStorage):
         self.names = ObjectNames.for_config(cfg, extra.get("extra_backend_tag"))
         self.is_writer = cfg.is_storage_writer
         group_semantics = extra.get("enable_group_semantics", False)
-        self.group_semantics = _as_bool(group_semantics, "enable_group_semantics")
+        self.group_semantics = parse_bool(
+            group_semantics, f"extra config key 'enable_group_semantics' ({FLAG})"
+        )
         self.segment_bytes = self.config.global_segment_size // (cfg.tp_size * cfg.pp_size)
         device_source = self.config.source("device_name")
         device = device_for_rank(self.config.device_name, cfg.tp_rank, device_source)
@@ -433,9 +436,3 @@ class MooncakeStore(HiCacheStorage):
         """Close the client after the calls in flight (idempotent); the objects in this
         process's segment leave the store with it."""
         self.client.close()
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"extra config key {key!r} ({FLAG}) must be true or false, got {value!r}")

@@ -12,12 +12,9 @@ from. Every failed object is a miss, never KV.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
