@@ -11,7 +11,6 @@ stay ``False`` and ``dcp_size`` 1 (kept for attribute compatibility). Bad values
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Mapping
@@ -20,8 +19,6 @@ from decimal import Decimal
 from typing import Any
 
 from hicache.storage.format_tag import AUTO, FORMAT_TAG_KEY, resolve_format_tag, tagged_model_name
-
-logger = logging.getLogger(__name__)
 
 FLAG = "--hicache-storage-backend-extra-config"
 

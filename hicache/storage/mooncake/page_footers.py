@@ -57,9 +57,13 @@ class PageFooters:
         self._local.buf = new
         return new
 
-    def addresses(self, buf: torch.Tensor, n: int) -> list[int]:
+    def buffers(
+        self, buf: torch.Tensor, ptrs: list[int], sizes: list[int]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """The multi-buffer call's addresses and lengths: each part, then its footer slot."""
         base = buf.data_ptr()
-        return [base + i * self.size for i in range(n)]
+        parts = [[ptr, base + i * self.size] for i, ptr in enumerate(ptrs)]
+        return parts, [[size, self.size] for size in sizes]
 
     def write(self, buf: torch.Tensor, slot: int, name: str, ptr: int, size: int) -> None:
         """Put the footer of object ``name`` (``size`` bytes at ``ptr``) in ``slot``."""

@@ -96,16 +96,12 @@ class MooncakeStore(HiCacheStorage):
         self._warned_size = False
         self._health_lock = threading.Lock()
         logger.info(
-            "MooncakeStore rank %d/%d: master %s (%s), segment %d MiB, protocol %s, names "
-            "%s<key>%s, %s",
+            "MooncakeStore rank %d/%d: master %s, %d MiB segment, objects %s (%s)",
             cfg.tp_rank,
             cfg.tp_size,
             self.config.master_server_address,
-            self.config.source("master_server_address"),
             self.segment_bytes >> 20,
-            self.config.protocol,
-            (self.names.prefix + "_") if self.names.prefix else "",
-            "|".join(self.names.suffixes),
+            self.names.objects(["<key>"]),
             "no integrity check" if self.footers is None else "checked",
         )
 
@@ -136,7 +132,6 @@ class MooncakeStore(HiCacheStorage):
             return None
         return ReplicateConfig
 
-    # ------------------------------------------------------------------ host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Register the host pool's buffers with Mooncake (zero copy). ``ValueError`` for a
         ``layer_first`` pool (each part's page must be contiguous) or a refused buffer."""
@@ -192,7 +187,6 @@ class MooncakeStore(HiCacheStorage):
             base += size
         return [key], self.names.objects([key]), ptrs, list(self._object_sizes)
 
-    # ------------------------------------------------------------------ health
     def _healthy(self) -> bool:
         """Whether Mooncake's master is reachable now; a call is skipped (counted) if not."""
         state = self.client.health()
@@ -232,7 +226,6 @@ class MooncakeStore(HiCacheStorage):
         k = self.names.per_page
         return [all(ok[i : i + k]) for i in range(0, len(ok), k)]
 
-    # ------------------------------------------------------------------ existence
     def _exists(self, names: list[str]) -> list[int]:
         """``batch_is_exist`` of ``names`` (1 exists, 0 not, < 0 error)."""
         self.counters.add(exists_queries=1)
@@ -254,7 +247,6 @@ class MooncakeStore(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # ------------------------------------------------------------------ reads
     def _get(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
         """Read each object into its address; per object whether it arrived whole and checked.
         Failures are counted."""
@@ -268,9 +260,7 @@ class MooncakeStore(HiCacheStorage):
             if buf is None:
                 self.counters.add(call_errors=1)
                 return [False] * len(names)
-            parts = [[p, f] for p, f in zip(ptrs, footers.addresses(buf, len(names)), strict=True)]
-            lens = [[size, footers.size] for size in sizes]
-            result = self.client.call(call, names, parts, lens)
+            result = self.client.call(call, names, *footers.buffers(buf, ptrs, sizes))
             whole = [size + footers.size for size in sizes]
         ok = []
         rcs = self._codes(call, result, len(names))
@@ -339,7 +329,6 @@ class MooncakeStore(HiCacheStorage):
         ok = self._read(*self._flat_meta(key, target_location, "get"))[0]
         return target_location if ok else None
 
-    # ------------------------------------------------------------------ writes
     def _put(self, names: list[str], ptrs: list[int], sizes: list[int], groups: list[str]) -> Any:
         """Mooncake's answer to putting each object from its address (with its footer)."""
         config: tuple[Any, ...] = ()
@@ -355,9 +344,7 @@ class MooncakeStore(HiCacheStorage):
             return None
         for i, (name, ptr, size) in enumerate(zip(names, ptrs, sizes, strict=True)):
             footers.write(buf, i, name, ptr, size)
-        parts = [[p, f] for p, f in zip(ptrs, footers.addresses(buf, len(names)), strict=True)]
-        lens = [[size, footers.size] for size in sizes]
-        return self.client.call(PUT_CALL, names, parts, lens, *config)
+        return self.client.call(PUT_CALL, names, *footers.buffers(buf, ptrs, sizes), *config)
 
     def _write(
         self, keys: list[str], names: list[str], ptrs: list[int], sizes: list[int]
@@ -421,7 +408,6 @@ class MooncakeStore(HiCacheStorage):
         """Store ``value`` (one flat page, a contiguous CPU tensor) under ``key``."""
         return self._write(*self._flat_meta(key, value, "set"))[0]
 
-    # ------------------------------------------------------------------ housekeeping
     def clear(self) -> bool:
         """SGLang's ``clear``: ``remove_all()`` of the whole store (every instance's objects;
         objects read in the last lease period, 10 s by default, stay)."""
