@@ -1,43 +1,70 @@
 """``HiCacheStorageConfig``: what every storage backend is built from (SGLang 0.5.23's fields, in
-its order, so backends written for SGLang read the same attributes), and
-``storage_config_for_pool``, the config of one rank's host pool.
+its order, so backends written for SGLang read the same attributes); ``storage_config_for_pool``,
+the config of one rank's host pool; ``as_extra_config`` and ``parse_size``, the extra config's
+shape and the one size grammar of every backend setting.
 
-Fields:
-
-- ``tp_rank``, ``tp_size``: the attention TP rank and size (file names and Mooncake keys carry
-  them for MHA; an MLA page is the same on every rank).
-- ``pp_rank``, ``pp_size``, ``attn_cp_rank``, ``attn_cp_size``: pipeline stage and attention
-  context-parallel shard; they enter key names only when the size is above 1.
-- ``is_mla_model``: SGLang's name for "rank-replicated KV" (MLA): one object per page for all
-  ranks, written by rank 0 only (``is_storage_writer``).
-- ``enable_storage_metrics``: whether the controller collects storage metrics.
-- ``is_page_first_layout``: the host layout is ``page_first`` (SGLang's test; ``page_first_direct``
-  is not).
-- ``model_name``: the served model name, tagged with the page format (``format_tag``).
-- ``tp_lcm_size``, ``should_split_heads``: SGLang's heterogeneous-TP head splitting, which needs
-  the ``page_head`` layout; kept for attribute compatibility, and ``should_split_heads`` must stay
-  ``False`` (no ``page_head`` here).
-- ``dp_rank``: the data-parallel rank under DP attention.
-- ``extra_config``: the backend's settings (``--hicache-storage-backend-extra-config``), a dict.
-- ``dcp_size``, ``dcp_rank``, ``logical_page_size``: decode context parallelism (SGLang shards MLA
-  pages over it); kept for compatibility, ``dcp_size`` must be 1.
-- ``format_tag`` (not SGLang's): the page-format tag ``model_name`` carries, set by
-  ``storage_config_for_pool``; ``None`` means SGLang's untagged names and, for ``HiCacheFile``,
-  its pages without an integrity check.
-
-Bad values raise ``ValueError`` naming the field.
+Fields beyond SGLang's: ``format_tag``, the page-format tag ``model_name`` carries (``None``:
+SGLang's untagged names, and pages that carry no integrity check). ``should_split_heads`` must
+stay ``False`` and ``dcp_size`` 1 (kept for attribute compatibility). Bad values raise
+``ValueError`` naming the field.
 """
 
 from __future__ import annotations
 
-import logging
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
-from hicache.storage.extra_config import as_extra_config
 from hicache.storage.format_tag import AUTO, FORMAT_TAG_KEY, resolve_format_tag, tagged_model_name
 
-logger = logging.getLogger(__name__)
+FLAG = "--hicache-storage-backend-extra-config"
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|i|b)?)?", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def as_extra_config(extra_config: Any) -> dict:
+    """The extra config as a dict (``{}`` for ``None``); ``ValueError`` for anything else."""
+    if extra_config is None:
+        return {}
+    if not isinstance(extra_config, Mapping):
+        raise ValueError(f"{FLAG} must be a JSON object, got {type(extra_config).__name__}")
+    return dict(extra_config)
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes of a size setting; ``ValueError`` naming ``name``.
+
+    A non-negative int, or a string: an integer, or a number and a unit, case-insensitive, spaces
+    allowed between. ``K``, ``M``, ``G``, ``T`` are powers of 1000 (SGLang's ``human_readable_int``;
+    decimals allowed: ``"25.6k"``); with ``B`` (SGLang Mooncake's ``"4gb"``) or ``i`` / ``iB``
+    (IEC) powers of 1024, integers only. Negative, NaN, infinite, empty and other text is refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '4GB'), got {value!r}")
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a non-negative size, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(
+            f"{name}={value!r} is not a size: use bytes or a unit (200G, 25.6k, 4GB, 1Gi, 512MiB)"
+        )
+    number, unit, binary = match.groups()
+    if unit is None:
+        if "." in number:
+            raise ValueError(f"{name}={value!r}: a size without a unit is a whole number of bytes")
+        return int(number)
+    power = _POWERS[unit.lower()]
+    if binary is None:
+        return int(Decimal(number) * 1000**power)
+    if "." in number:
+        raise ValueError(f"{name}={value!r}: binary units (KB, KiB, ...) take integers only")
+    return int(number) * 1024**power
 
 
 def _check_rank(rank: Any, size: Any, rank_name: str, size_name: str) -> None:

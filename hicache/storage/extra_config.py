@@ -2,26 +2,22 @@
 controller's ``StorageSettings`` (``split_extra_config``, SGLang 0.5.23's keys and defaults) and
 the backends' typed readers (an extra-config key first, then its environment variable, then the
 default). A malformed value raises a ``ValueError`` naming the key or the variable, where SGLang
-warns and goes on (a typo such as ``"200GB"`` would otherwise leave the disk unbounded).
+warns and goes on (a typo such as ``"200GBs"`` would otherwise leave the disk unbounded). Sizes:
+``hicache.storage.config.parse_size``; ``0`` means "off".
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
+
+from hicache.storage.config import FLAG, as_extra_config, parse_size
 
 logger = logging.getLogger(__name__)
 
-_SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
-
-FLAG = "--hicache-storage-backend-extra-config"
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_MEMORY_MODES = ("cache", "buffer_only")
 _CONTROLLER_DEFAULTS: dict[str, Any] = {
@@ -67,49 +63,6 @@ class StorageSettings:
         return self.prefetch_timeout_base + pages * (
             page_size / 1024 * self.prefetch_timeout_per_ki_token
         )
-
-
-def as_extra_config(extra_config: Any) -> dict:
-    """The extra config as a dict (``{}`` for ``None``); ``ValueError`` for anything else."""
-    if extra_config is None:
-        return {}
-    if not isinstance(extra_config, Mapping):
-        raise ValueError(f"{FLAG} must be a JSON object, got {type(extra_config).__name__}")
-    return dict(extra_config)
-
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes of a size: a non-negative int, or a string of an integer or a number with an SI
-    (``k``, ``M``, ``G``, ``T``: powers of 1000) or IEC suffix (``Ki``..``Ti``: powers of 1024,
-    integers only), case-sensitive, as SGLang's ``human_readable_int``; ``0`` or ``""``: off."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '1Gi'), got {value!r}")
-    if isinstance(value, int | float):
-        if value < 0 or value != value:
-            raise ValueError(f"{name} must be a non-negative size, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '1Gi'), got {value!r}")
-    text = value.strip()
-    if not text:
-        return 0
-    match = _SIZE_RE.fullmatch(text)
-    if match:
-        number, suffix = match.groups()
-        if suffix in _IEC:
-            if "." in number:
-                raise ValueError(f"{name}={value!r}: IEC suffixes take integers only")
-            return int(number) * _IEC[suffix]
-        return int(Decimal(number) * _SI[suffix])
-    try:
-        size = int(text)
-    except ValueError:
-        raise ValueError(
-            f"{name}={value!r} is not a size: use bytes, SI (1k, 200G) or IEC (1Ki, 1Gi) suffixes"
-        ) from None
-    if size < 0:
-        raise ValueError(f"{name} must be a non-negative size, got {value!r}")
-    return size
 
 
 def _number(name: str, value: Any, kind: type) -> Any:

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from hicache.storage.base import HiCacheStorage
-from hicache.storage.config import HiCacheStorageConfig
-from hicache.storage.extra_config import as_extra_config
+from hicache.storage.config import HiCacheStorageConfig, as_extra_config
 from hicache.storage.lru_file_evictor import LRUFileEvictor
 
 logger = logging.getLogger(__name__)

@@ -1,24 +1,8 @@
 """The Mooncake Store as the L3 backend (``--hicache-storage-backend mooncake``, SGLang 0.5.23's
 ``mem_cache/storage/mooncake_store``): several prefill instances share one distributed KV store.
 
-One module per concern (import each name from its home module):
-
-- ``store``: ``MooncakeStore``, the ``HiCacheStorage`` backend (zero-copy v1 calls, health
-  gating, counted failures);
-- ``config``: ``MooncakeStoreConfig`` and ``load_mooncake_config`` (extra config, JSON file or
-  environment, SGLang's keys, variables and precedence);
-- ``names``: ``ObjectNames``, SGLang's object names of a page's parts;
-- ``client``: ``MooncakeClient`` and ``open_client`` (setup with clear startup errors, the
-  close guard, return-code names);
-- ``stats``: ``MooncakeStoreStats``;
-- ``master``: ``MooncakeMaster``, a master on loopback this project starts and stops, or one it
-  connects to (``python -m hicache.storage.mooncake.master``);
-
-What every Mooncake user in the project shares lives in ``hicache.mooncake``: ``availability``
-(whether ``mooncake.store`` imports, the one-line skip reason) and ``loopback`` (the
-``LD_PRELOAD`` shim that keeps a client's listeners on loopback; tests and benchmarks start every
-Mooncake client process with it).
-
-Nothing here imports ``mooncake`` at module import: without Mooncake installed, building the
-backend raises one ``ValueError`` saying what is missing, and everything else works.
+``store`` (the backend), ``config`` (its settings), ``names`` (SGLang's object names),
+``page_footers`` (the pages' integrity check), ``client`` (the guarded Mooncake client),
+``store_stats`` (its counters). Nothing here imports ``mooncake`` at module import: without it,
+building the backend raises one ``ValueError`` saying what is missing.
 """

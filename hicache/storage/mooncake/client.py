@@ -1,27 +1,11 @@
 """``MooncakeClient``: one process's ``mooncake.store.MooncakeDistributedStore``, set up against
-its master with clear startup errors, and guarded so that nothing touches it after ``close()``
-(Mooncake 0.3.13 segfaults on any call after ``close()``).
+its master with clear startup errors (``open_client``), and guarded so that nothing touches it
+after ``close()`` (Mooncake 0.3.13 segfaults on any call after ``close()``).
 
-Facts it follows (Mooncake 0.3.13.post1, measured on loopback):
-
-- ``setup`` with no master listening blocks about 90 s (20 internal retries) and returns -1;
-  with ``MC_STORE_CLIENT_SETUP_RETRIES=1`` about 4.4 s. An address where something else listens
-  blocks ``MC_STORE_CLIENT_SETUP_RETRIES`` times ``MC_RPC_TIMEOUT_MS`` (30 s each by default).
-  So ``open_client`` first connects to the master's TCP port (``probe_master``, 2 s), which
-  turns "nothing there" into an error at once;
-- a ``global_segment_size`` below 16 MiB (other than 0) makes ``setup`` fail with -600;
-- with segment 0 and no other client's segment mounted, every put fails with -200: the warm-up
-  put at startup says so;
-- calls return codes (never raise): a missing key -704, a buffer smaller than the object -600,
-  a full store -200, an owner process that died -800 (about 1 s per call until the master
-  expires it after ``client_ttl``, 10 s), a master that is down -900 (about 4.4 s per call once
-  it has been down for a few seconds), an object whose put has not ended -703;
-- ``health_check()`` is instant (cached heartbeat state): 0 healthy, 1 closed, 2 master
-  unreachable (within about 3 s of the master's death, back to 0 about 2 s after a master
-  restarts on the same address, which the client rejoins by itself).
-
-Every call blocks its thread (the binding releases the GIL). ``call`` returns ``None`` instead
-of calling once the client is closed, and when the binding raises (logged).
+Every call blocks its thread (the binding releases the GIL); return codes are results, never
+exceptions. ``open_client`` probes the master's TCP port first (2 s), since ``setup`` against
+nothing blocks for about 90 s. ``call`` returns ``None`` once the client is closed, and when the
+binding raises (logged).
 """
 
 from __future__ import annotations
@@ -125,24 +109,36 @@ class MooncakeClient:
         rc = self.call("health_check")
         return CLOSED if rc is None else int(rc)
 
+    def supports(self, name: str) -> bool:
+        """Whether the installed Mooncake has the call ``name``."""
+        return hasattr(self._store, name)
+
     def register(self, regions: list[tuple[int, int]]) -> None:
         """``register_buffer`` each ``(address, bytes)`` region (zero-length ones skipped);
-        ``ValueError`` (the ones done so far undone) when Mooncake refuses one."""
+        ``ValueError`` (every registration undone) when Mooncake refuses one."""
         for ptr, n in regions:
             if n <= 0:
                 continue
-            rc = self.call("register_buffer", ptr, n)
+            rc = self.register_one(ptr, n)
             if rc != 0:
                 self.unregister()
                 raise ValueError(
                     f"Mooncake register_buffer of a {n}-byte host buffer failed "
                     f"({error_name(rc) if isinstance(rc, int) else rc})"
                 )
-            self._registered.append(ptr)
 
-    def unregister(self) -> None:
-        while self._registered:
-            self.call("unregister_buffer", self._registered.pop())
+    def register_one(self, ptr: int, n: int) -> Any:
+        """``register_buffer(ptr, n)``, remembered for ``unregister``; Mooncake's answer."""
+        rc = self.call("register_buffer", ptr, n)
+        if rc == 0:
+            self._registered.append(ptr)
+        return rc
+
+    def unregister(self, ptr: int | None = None) -> None:
+        """Unregister ``ptr`` (``None``: every registered buffer)."""
+        for p in list(self._registered) if ptr is None else [ptr]:
+            self._registered.remove(p)
+            self.call("unregister_buffer", p)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Unregister the buffers and close the store, once no call is in flight (waits up to
@@ -156,8 +152,11 @@ class MooncakeClient:
             if not self._lock.wait_for(lambda: self._busy == 0, timeout=wait_s):
                 logger.error(
                     "Mooncake client %s: %d calls still running after %.0f s; not closing it "
-                    "under them", self.description, self._busy, wait_s,
-                )  # fmt: skip
+                    "under them",
+                    self.description,
+                    self._busy,
+                    wait_s,
+                )
                 return
         try:
             self._store.close()
@@ -204,9 +203,16 @@ def open_client(
     store = factory()
     try:
         rc = store.setup(
-            config.local_hostname, config.metadata_server, segment_bytes, LOCAL_BUFFER_SIZE,
-            config.protocol, device_name, config.master_server_address, None, **kwargs,
-        )  # fmt: skip
+            config.local_hostname,
+            config.metadata_server,
+            segment_bytes,
+            LOCAL_BUFFER_SIZE,
+            config.protocol,
+            device_name,
+            config.master_server_address,
+            None,
+            **kwargs,
+        )
     except TypeError as e:
         raise ValueError(f"the installed Mooncake's setup() refuses {sorted(kwargs)}: {e}") from e
     if rc != 0:

@@ -1,60 +1,24 @@
 """``MooncakeStoreConfig``: where the Mooncake client finds its master and how it joins the store
-(SGLang 0.5.23's ``MooncakeStoreConfig``, same fields, sources, precedence and defaults).
+(SGLang 0.5.23's ``MooncakeStoreConfig``: same fields, sources, precedence and defaults).
 
-Sources, the first that applies wins (SGLang's order):
-
-1. the extra config (``--hicache-storage-backend-extra-config``) when it sets
-   ``master_server_address`` (or ``client_server_address``);
-2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
-3. else the environment (``MOONCAKE_MASTER`` required).
-
-| field | extra-config / JSON key | environment variable | default |
-|---|---|---|---|
-| ``master_server_address`` | ``master_server_address`` | ``MOONCAKE_MASTER`` | (required) |
-| ``local_hostname`` | ``local_hostname`` | ``MOONCAKE_LOCAL_HOSTNAME`` (*) | ``localhost`` |
-| ``metadata_server`` | ``metadata_server`` | ``MOONCAKE_TE_META_DATA_SERVER`` | ``P2PHANDSHAKE`` |
-| ``global_segment_size`` | ``global_segment_size`` | ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` | ``4gb`` |
-| ``protocol`` | ``protocol`` | ``MOONCAKE_PROTOCOL`` | ``rdma`` |
-| ``device_name`` | ``device_name`` | ``MOONCAKE_DEVICE`` | ``""`` |
-| ``master_metrics_port`` | ``master_metrics_port`` | ``MOONCAKE_MASTER_METRICS_PORT`` | 9003 |
-| ``check_server`` | ``check_server`` | ``MOONCAKE_CHECK_SERVER`` | false |
-| ``standalone_storage`` | ``standalone_storage`` | ``MOONCAKE_STANDALONE_STORAGE`` | false |
-| ``client_server_address`` | ``client_server_address`` | ``MOONCAKE_CLIENT`` | none |
-| ``enable_ssd_offload`` | ``enable_ssd_offload`` | ``MOONCAKE_ENABLE_SSD_OFFLOAD`` | false |
-| ``ssd_offload_path`` | ``ssd_offload_path`` | ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` | none |
-| ``tenant_id`` | ``tenant_id`` | ``MOONCAKE_TENANT_ID`` | ``default`` |
-
-(*) or ``LOCAL_HOSTNAME``.
-
-As in SGLang, a key missing from the extra config or the JSON file takes the default, not the
-environment variable, with two exceptions: ``protocol`` falls back to ``MOONCAKE_PROTOCOL`` and
-``local_hostname`` prefers ``MOONCAKE_LOCAL_HOSTNAME`` / ``LOCAL_HOSTNAME`` over every source
-(each node of a cluster names itself).
-
-``global_segment_size``: bytes this process contributes to the store (divided among the TP and
-PP ranks of one server, as SGLang does): an int, SGLang's ``"4gb"`` form (binary; ``"512mb"``
-too) or a size with an SI / IEC suffix (``"4G"``, ``"4Gi"``, ``hicache.storage.extra_config``).
-``0``: no segment (the objects this process writes live in other clients' segments).
-
-Refused with a ``ValueError`` naming the key, variable or file (SGLang warns or fails later):
-a malformed value; no master configured; ``standalone_storage`` / ``client_server_address``
-(SGLang's dummy-client mode, which needs Mooncake's own host allocator: not supported here); an
-unreadable or non-object JSON file.
+The first source that applies wins: the extra config when it sets ``master_server_address``, else
+the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the ``MOONCAKE_*``
+environment (``FIELDS``: key -> variable, default). A key missing from a dict source takes the
+default, except ``protocol`` (falls back to ``MOONCAKE_PROTOCOL``) and ``local_hostname``
+(``MOONCAKE_LOCAL_HOSTNAME`` / ``LOCAL_HOSTNAME`` win over every source). A malformed value, no
+master, or SGLang's dummy-client mode (not supported) is a ``ValueError`` naming the key,
+variable or file.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.storage.extra_config import FLAG, parse_size
-
-logger = logging.getLogger(__name__)
+from hicache.storage.config import FLAG, parse_size
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 DEFAULT_TENANT_ID = "default"
@@ -78,7 +42,6 @@ FIELDS: dict[str, tuple[str, Any]] = {
 BACKEND_KEYS = frozenset(FIELDS) | {"extra_backend_tag", "enable_group_semantics"}
 """Every extra-config key the Mooncake backend reads (the others are warned about)."""
 
-_GB_RE = re.compile(r"(\d+)\s*(gb|mb)", re.IGNORECASE)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -123,18 +86,8 @@ def split_address(address: str, name: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def parse_segment_size(value: Any, name: str) -> int:
-    """Bytes of ``global_segment_size``: SGLang's int / ``"4gb"`` forms, ``"512mb"``, or an SI /
-    IEC size (``parse_size``); ``ValueError`` naming ``name``."""
-    if isinstance(value, str):
-        m = _GB_RE.fullmatch(value.strip())
-        if m:
-            unit = 1 << 30 if m.group(2).lower() == "gb" else 1 << 20
-            return int(m.group(1)) * unit
-    return parse_size(value, name)
-
-
-def _bool(value: Any, name: str) -> bool:
+def parse_bool(value: Any, name: str) -> bool:
+    """A bool setting: a bool or ``1/0``, ``true/false``, ``yes/no``, ``on/off``."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
@@ -165,16 +118,16 @@ _CHECKS = {
     "master_server_address": lambda v, n: _text(v, n),
     "local_hostname": lambda v, n: _text(v, n),
     "metadata_server": lambda v, n: _text(v, n),
-    "global_segment_size": parse_segment_size,
+    "global_segment_size": parse_size,
     "protocol": lambda v, n: _text(v, n),
     "device_name": lambda v, n: _text(v, n, empty_ok=True),
     "master_metrics_port": _port,
-    "check_server": _bool,
-    "standalone_storage": _bool,
+    "check_server": parse_bool,
+    "standalone_storage": parse_bool,
     "client_server_address": lambda v, n: _text(v, n),
-    "enable_ssd_offload": _bool,
+    "enable_ssd_offload": parse_bool,
     "ssd_offload_path": lambda v, n: _text(v, n),
-    "tenant_id": lambda v, n: (str(v).strip() or DEFAULT_TENANT_ID),
+    "tenant_id": lambda v, n: str(v).strip() or DEFAULT_TENANT_ID,
 }
 
 

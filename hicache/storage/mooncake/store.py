@@ -1,47 +1,15 @@
 """``MooncakeStore``: the Mooncake Store as the L3 backend (``--hicache-storage-backend mooncake``,
-SGLang 0.5.23's ``MooncakeStore``): every prefill instance on one Mooncake master reuses the KV
-pages any other instance (or an SGLang server) stored.
+SGLang 0.5.23's ``MooncakeStore``): every prefill instance on one master reuses the KV pages any
+other instance (or an SGLang server) stored.
 
-**Objects.** One page is one object per part (``names``: ``{model}_{hash}_{tp_rank}_k`` / ``_v``
-for MHA, ``{model}_{hash}__k`` for MLA). An object holds the part's bytes of the page as the
-host pool lays them out (``get_page_buffer_meta``: ``page_first`` token-major, ``page_first_direct``
-layer-major; the format tag in the model name keeps the two apart). ``layer_first`` pools are
-refused (SGLang resolves them to ``page_first`` for Mooncake; so does ``server_args``).
-
-**Zero copy.** ``register_mem_pool_host`` registers the host pool's buffers with Mooncake
-(``register_buffer``, needed by RDMA); the v1 calls hand Mooncake the host pages' addresses:
-
-- ``batch_exists(keys)``: ``batch_is_exist`` of every object; the pages from the first whose
-  objects all exist;
-- ``batch_get_v1(keys, host_indices)``: ``batch_get_into`` straight into the host slots; a page is
-  read only when every object of it returned exactly its part's size (Mooncake returns the
-  object's size, so an object of another geometry under the same name would otherwise pass);
-- ``batch_set_v1(keys, host_indices)``: ``batch_is_exist``, then ``batch_put_from`` of the objects
-  that are missing only (a put of an existing key is a no-op in Mooncake); a page is stored when
-  every object of it exists or was put (return code 0). MLA ranks other than 0 write nothing
-  (rank 0 stores the page for all) and answer whether the page is in the store.
-
-A failed read may leave partial bytes in the host slots it was given; those slots belong to the
-prefetch that asked, which never inserts a page that was not read whole, and frees them.
-
-**Faults.** Every call is gated on ``health_check()``: with the master unreachable a call is
-answered as a failure at once (``skipped_unhealthy``) instead of waiting about 4.4 s in Mooncake;
-calls resume by themselves when a master serves the address again (its objects are gone: a
-Mooncake master keeps everything in memory). Mooncake's return codes are counted per object
-(``get_stats()``, ``stats.MooncakeStoreStats``); runtime failures are results (``False``, a
-shorter count), never exceptions; bad arguments raise ``ValueError``. Startup errors (no master,
-a bad setting, a segment below 16 MiB, nowhere to put) are one ``ValueError`` naming the setting.
-
-**Where objects live.** The master places each object in a random mounted segment (one per
-client: ``global_segment_size`` divided among this server's TP x PP ranks). An object lives in
-its segment owner's memory and is gone when that process exits. Readers of a killed owner get
--800 (about 1 s per call) until the master drops it (``client_ttl``, 10 s).
-
-**Threads.** Calls come from the storage IO threads (query, prefetch IO, backup), never from the
-scheduler thread; each blocks on Mooncake. ``close()`` waits for calls in flight, then closes the
-client; every later call is a failure. Not implemented from SGLang: the dummy-client mode
-(``standalone_storage``), heterogeneous-TP head splitting, decode context parallelism and the
-hybrid (v2) pools.
+A page is one object per part (``names``), holding the part's bytes as the host pool lays them
+out and, unless the pages are SGLang's (``storage_format_tag: "none"``), an integrity footer
+(``page_footers``). The v1 calls move bytes zero-copy between Mooncake and the host pool's
+registered buffers. Invariant: a page is found, stored or read only when every object of it
+succeeded, and read only when each object is whole (its exact size, its footer holding);
+anything else is a counted miss, never KV. Runtime failures are results (``False``, a shorter
+count), never exceptions; every call is gated on ``health_check()``, so a down master costs a
+counted skip instead of Mooncake's ~4.4 s wait. ``close()`` waits for the calls in flight.
 """
 
 from __future__ import annotations
@@ -56,22 +24,18 @@ from typing import Any, ClassVar
 import torch
 
 from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
-from hicache.storage.config import HiCacheStorageConfig
-from hicache.storage.extra_config import FLAG, as_extra_config
-from hicache.storage.mooncake.client import (
-    HEALTHY,
-    MooncakeClient,
-    error_name,
-    open_client,
-)
+from hicache.storage.config import FLAG, HiCacheStorageConfig, as_extra_config
+from hicache.storage.mooncake.client import HEALTHY, MooncakeClient, error_name, open_client
 from hicache.storage.mooncake.config import (
     BACKEND_KEYS,
     MooncakeStoreConfig,
     device_for_rank,
     load_mooncake_config,
+    parse_bool,
 )
 from hicache.storage.mooncake.names import ObjectNames
-from hicache.storage.mooncake.stats import MooncakeCounters, MooncakeStoreStats
+from hicache.storage.mooncake.page_footers import GET_CALL, PUT_CALL, PageFooters
+from hicache.storage.mooncake.store_stats import MooncakeCounters, MooncakeStoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +43,9 @@ _Meta = tuple[list[str], list[str], list[int], list[int]]  # keys, object names,
 
 
 class MooncakeStore(HiCacheStorage):
-    """The Mooncake Store backend of one rank (module docstring).
-
-    Args:
-        storage_config: this rank's ``HiCacheStorageConfig`` (its ``extra_config`` holds the
-            Mooncake keys; ``None``: rank 0 of 1, settings from the file or environment).
-        mem_pool_host: accepted for SGLang's constructor shape; the host pool is registered by
-            ``register_mem_pool_host``.
-
-    Construction connects to the master and blocks for the probe and the setup (well under a
-    second on loopback).
-    """
+    """The Mooncake Store backend of one rank. ``storage_config=None``: rank 0 of 1, settings
+    from the file or environment; ``mem_pool_host`` is accepted for SGLang's constructor shape
+    (``register_mem_pool_host`` registers the pool). Construction connects to the master."""
 
     store_factory: ClassVar[Callable[[], Any] | None] = None
     """Builds the raw ``MooncakeDistributedStore`` (tests substitute a fake; ``None``: Mooncake)."""
@@ -101,8 +57,7 @@ class MooncakeStore(HiCacheStorage):
         extra = as_extra_config(cfg.extra_config)
         unknown = sorted(set(extra) - BACKEND_KEYS)
         if unknown:
-            logger.warning("MooncakeStore: extra config keys %s are not Mooncake settings; "
-                           "ignored", unknown)  # fmt: skip
+            logger.warning("MooncakeStore: extra config keys %s are not Mooncake settings", unknown)
         if cfg.attn_cp_size > 1:
             raise ValueError(
                 f"attn_cp_size={cfg.attn_cp_size}: Mooncake object names do not carry the "
@@ -112,15 +67,28 @@ class MooncakeStore(HiCacheStorage):
         self.config: MooncakeStoreConfig = load_mooncake_config(extra)
         self.names = ObjectNames.for_config(cfg, extra.get("extra_backend_tag"))
         self.is_writer = cfg.is_storage_writer
-        self.group_semantics = _as_bool(extra.get("enable_group_semantics", False),
-                                        "enable_group_semantics")  # fmt: skip
+        group_semantics = extra.get("enable_group_semantics", False)
+        self.group_semantics = parse_bool(
+            group_semantics, f"extra config key 'enable_group_semantics' ({FLAG})"
+        )
         self.segment_bytes = self.config.global_segment_size // (cfg.tp_size * cfg.pp_size)
-        device = device_for_rank(self.config.device_name, cfg.tp_rank,
-                                 self.config.source("device_name"))  # fmt: skip
+        device_source = self.config.source("device_name")
+        device = device_for_rank(self.config.device_name, cfg.tp_rank, device_source)
         self.client: MooncakeClient = open_client(
-            self.config, device_name=device, segment_bytes=self.segment_bytes,
-            ssd_offload_path=self._ssd_path(cfg), factory=type(self).store_factory,
-        )  # fmt: skip
+            self.config,
+            device_name=device,
+            segment_bytes=self.segment_bytes,
+            ssd_offload_path=self._ssd_path(cfg),
+            factory=type(self).store_factory,
+        )
+        self.footers = None if cfg.format_tag is None else PageFooters(self.client)
+        if self.footers is not None and not all(map(self.client.supports, (PUT_CALL, GET_CALL))):
+            self.client.close()
+            raise ValueError(
+                f"this Mooncake has no {PUT_CALL} / {GET_CALL}, which the pages' integrity "
+                "footer needs: upgrade Mooncake, or set the extra-config key storage_format_tag "
+                "to 'none' (SGLang's pages, without a check)"
+            )
         self._replicate_config = self._group_config_class() if self.group_semantics else None
         self.counters = MooncakeCounters()
         self._object_sizes: list[int] = []
@@ -128,20 +96,22 @@ class MooncakeStore(HiCacheStorage):
         self._warned_size = False
         self._health_lock = threading.Lock()
         logger.info(
-            "MooncakeStore rank %d/%d: master %s (%s), segment %d MiB, protocol %s, names "
-            "%s<key>%s", cfg.tp_rank, cfg.tp_size, self.config.master_server_address,
-            self.config.source("master_server_address"), self.segment_bytes >> 20,
-            self.config.protocol, (self.names.prefix + "_") if self.names.prefix else "",
-            "|".join(self.names.suffixes),
-        )  # fmt: skip
+            "MooncakeStore rank %d/%d: master %s, %d MiB segment, objects %s (%s)",
+            cfg.tp_rank,
+            cfg.tp_size,
+            self.config.master_server_address,
+            self.segment_bytes >> 20,
+            self.names.objects(["<key>"]),
+            "no integrity check" if self.footers is None else "checked",
+        )
 
     def _ssd_path(self, cfg: HiCacheStorageConfig) -> str | None:
         """SGLang's per-rank subfolder of ``ssd_offload_path`` (ranks must not share one)."""
         base = self.config.ssd_offload_path
         if base is None:
             return None
-        path = os.path.join(base, f"rank_{cfg.dp_rank}_{cfg.tp_rank}_{cfg.pp_rank}"
-                                  f"_{cfg.attn_cp_rank}")  # fmt: skip
+        rank = f"rank_{cfg.dp_rank}_{cfg.tp_rank}_{cfg.pp_rank}_{cfg.attn_cp_rank}"
+        path = os.path.join(base, rank)
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
@@ -155,16 +125,16 @@ class MooncakeStore(HiCacheStorage):
         except ImportError:
             return None
         if not hasattr(ReplicateConfig(), "group_ids"):
-            logger.warning("enable_group_semantics: this Mooncake has no ReplicateConfig."
-                           "group_ids; objects are put without groups")  # fmt: skip
+            logger.warning(
+                "enable_group_semantics: this Mooncake has no ReplicateConfig.group_ids; "
+                "objects are put without groups"
+            )
             return None
         return ReplicateConfig
 
-    # ------------------------------------------------------------------ host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Register the host pool's buffers with Mooncake (zero copy). ``ValueError`` for a
-        ``layer_first`` pool (one object per part needs each part's page contiguous) or when
-        Mooncake refuses a buffer."""
+        ``layer_first`` pool (each part's page must be contiguous) or a refused buffer."""
         layout = getattr(mem_pool_host, "layout", None)
         if layout == "layer_first":
             raise ValueError(
@@ -191,30 +161,53 @@ class MooncakeStore(HiCacheStorage):
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{call}: storage keys must be non-empty strings, got {key!r}")
         n = int(host_indices.numel()) if isinstance(host_indices, torch.Tensor) else -1
-        if n != len(keys) * pool.page_size:
-            logger.error("%s: %d keys need %d host indices, got %d", call, len(keys),
-                         len(keys) * pool.page_size, n)  # fmt: skip
+        needed = len(keys) * pool.page_size
+        if n != needed:
+            logger.error("%s: %d keys need %d host indices, got %d", call, len(keys), needed, n)
             return None
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         return keys, self.names.objects(keys), ptrs, sizes
 
-    # ------------------------------------------------------------------ health
-    def _healthy(self, n_objects: int) -> bool:
+    def _flat_meta(self, key: str, page: Any, call: str) -> _Meta:
+        """Object names, addresses and sizes of one flat page tensor (parts back to back)."""
+        if not self._object_sizes:
+            raise ValueError(f"MooncakeStore.{call}: register_mem_pool_host first")
+        if not (
+            isinstance(page, torch.Tensor) and page.device.type == "cpu" and page.is_contiguous()
+        ):
+            raise ValueError(f"MooncakeStore.{call}: the page must be a contiguous CPU tensor")
+        total = sum(self._object_sizes)
+        if page.numel() * page.element_size() != total:
+            raise ValueError(f"MooncakeStore.{call}: the page must hold {total} bytes")
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"MooncakeStore.{call}: the key must be a non-empty string")
+        base, ptrs = page.data_ptr(), []
+        for size in self._object_sizes:
+            ptrs.append(base)
+            base += size
+        return [key], self.names.objects([key]), ptrs, list(self._object_sizes)
+
+    def _healthy(self) -> bool:
         """Whether Mooncake's master is reachable now; a call is skipped (counted) if not."""
         state = self.client.health()
         with self._health_lock:
             if state == HEALTHY:
                 if self._unhealthy_since is not None:
-                    logger.warning("Mooncake master %s reachable again after %.1f s",
-                                   self.config.master_server_address,
-                                   time.monotonic() - self._unhealthy_since)  # fmt: skip
+                    logger.warning(
+                        "Mooncake master %s reachable again after %.1f s",
+                        self.config.master_server_address,
+                        time.monotonic() - self._unhealthy_since,
+                    )
                     self._unhealthy_since = None
                 return True
             if self._unhealthy_since is None:
                 self._unhealthy_since = time.monotonic()
-                logger.warning("Mooncake health_check=%d (master %s unreachable or client "
-                               "closed): storage calls answer as failures until it is back",
-                               state, self.config.master_server_address)  # fmt: skip
+                logger.warning(
+                    "Mooncake health_check=%d (master %s unreachable or client closed): storage "
+                    "calls answer as failures until it is back",
+                    state,
+                    self.config.master_server_address,
+                )
         self.counters.add(skipped_unhealthy=1)
         return False
 
@@ -224,22 +217,20 @@ class MooncakeStore(HiCacheStorage):
             return [int(r) for r in result]
         if result is None:
             self.counters.add(call_errors=1)
-        else:
-            logger.warning("Mooncake %s answered %r for %d objects", name, result, n)
-            code = result[0] if isinstance(result, list) and result else -1
-            return [int(code)] * n
-        return [-1] * n
+            return [-1] * n
+        logger.warning("Mooncake %s answered %r for %d objects", name, result, n)
+        code = result[0] if isinstance(result, list) and result else -1
+        return [int(code)] * n
 
     def _per_page(self, ok: list[bool]) -> list[bool]:
         k = self.names.per_page
         return [all(ok[i : i + k]) for i in range(0, len(ok), k)]
 
-    # ------------------------------------------------------------------ existence
     def _exists(self, names: list[str]) -> list[int]:
         """``batch_is_exist`` of ``names`` (1 exists, 0 not, < 0 error)."""
         self.counters.add(exists_queries=1)
-        return self._codes("batch_is_exist", self.client.call("batch_is_exist", names),
-                           len(names))  # fmt: skip
+        result = self.client.call("batch_is_exist", names)
+        return self._codes("batch_is_exist", result, len(names))
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
@@ -248,7 +239,7 @@ class MooncakeStore(HiCacheStorage):
         if not keys:
             return 0
         names = self.names.objects(keys)
-        if not self._healthy(len(names)):
+        if not self._healthy():
             return 0
         pages = self._per_page([r == 1 for r in self._exists(names)])
         return next((i for i, ok in enumerate(pages) if not ok), len(pages))
@@ -256,18 +247,29 @@ class MooncakeStore(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # ------------------------------------------------------------------ reads
-    def _read(
-        self, keys: list[str], names: list[str], ptrs: list[int], sizes: list[int]
-    ) -> list[bool]:
-        if not self._healthy(len(names)):
-            return [False] * (len(names) // self.names.per_page)
-        rcs = self._codes("batch_get_into",
-                          self.client.call("batch_get_into", names, ptrs, sizes), len(names))
+    def _get(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        """Read each object into its address; per object whether it arrived whole and checked.
+        Failures are counted."""
+        footers, buf, call = self.footers, None, "batch_get_into"
+        if footers is None:
+            result = self.client.call(call, names, ptrs, sizes)
+            whole = sizes
+        else:
+            call = GET_CALL
+            buf = footers.staging(len(names))
+            if buf is None:
+                self.counters.add(call_errors=1)
+                return [False] * len(names)
+            result = self.client.call(call, names, *footers.buffers(buf, ptrs, sizes))
+            whole = [size + footers.size for size in sizes]
         ok = []
-        for rc, size in zip(rcs, sizes, strict=True):
+        rcs = self._codes(call, result, len(names))
+        for i, (rc, size) in enumerate(zip(rcs, whole, strict=True)):
             if rc == size:
-                ok.append(True)
+                good = buf is None or footers.holds(buf, i, names[i], ptrs[i], sizes[i])
+                if not good:
+                    self._corrupt(names[i])
+                ok.append(good)
                 continue
             ok.append(False)
             if rc > 0:
@@ -279,12 +281,31 @@ class MooncakeStore(HiCacheStorage):
                 logger.warning(
                     "Mooncake objects of another size under this server's names (read %d "
                     "bytes into %d): another TP size or geometry writes the same names; give "
-                    "it its own extra_backend_tag. Those pages are misses.", rc, size,
-                )  # fmt: skip
+                    "it its own extra_backend_tag. Those pages are misses.",
+                    rc,
+                    size,
+                )
+        return ok
+
+    def _corrupt(self, name: str) -> None:
+        """Count an object failing its footer and remove it, so that a writer can put it again."""
+        self.counters.add(read_corrupt=1)
+        logger.warning("Mooncake object %s fails its check (damaged or another's); removed", name)
+        self.client.call("remove", name, True)
+
+    def _read(
+        self, keys: list[str], names: list[str], ptrs: list[int], sizes: list[int]
+    ) -> list[bool]:
+        if not self._healthy():
+            return [False] * (len(names) // self.names.per_page)
+        ok = self._get(names, ptrs, sizes)
         pages = self._per_page(ok)
         good = sum(pages)
-        self.counters.add(pages_read=good, pages_read_failed=len(pages) - good,
-                          bytes_read=sum(s for s, o in zip(sizes, ok, strict=True) if o))
+        self.counters.add(
+            pages_read=good,
+            pages_read_failed=len(pages) - good,
+            bytes_read=sum(s for s, o in zip(sizes, ok, strict=True) if o),
+        )
         return pages
 
     def batch_get_v1(
@@ -293,8 +314,8 @@ class MooncakeStore(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read each page straight into its host slots; one ``bool`` per key (module
-        docstring)."""
+        """Read each page straight into its host slots; one ``bool`` per key. A failed page may
+        leave partial bytes in its slots, which the prefetch that asked frees."""
         if not keys:
             return []
         meta = self._meta(keys, host_indices, "batch_get_v1")
@@ -308,60 +329,61 @@ class MooncakeStore(HiCacheStorage):
         ok = self._read(*self._flat_meta(key, target_location, "get"))[0]
         return target_location if ok else None
 
-    def _flat_meta(self, key: str, page: Any, call: str) -> _Meta:
-        """Object names, addresses and sizes of one flat page tensor (parts back to back)."""
-        if not self._object_sizes:
-            raise ValueError(f"MooncakeStore.{call}: register_mem_pool_host first")
-        if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not (
-            page.is_contiguous()
-        ):
-            raise ValueError(f"MooncakeStore.{call}: the page must be a contiguous CPU tensor")
-        if page.numel() * page.element_size() != sum(self._object_sizes):
-            raise ValueError(f"MooncakeStore.{call}: the page must hold "
-                             f"{sum(self._object_sizes)} bytes")  # fmt: skip
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"MooncakeStore.{call}: the key must be a non-empty string")
-        base, ptrs = page.data_ptr(), []
-        for size in self._object_sizes:
-            ptrs.append(base)
-            base += size
-        return [key], self.names.objects([key]), ptrs, list(self._object_sizes)
+    def _put(self, names: list[str], ptrs: list[int], sizes: list[int], groups: list[str]) -> Any:
+        """Mooncake's answer to putting each object from its address (with its footer)."""
+        config: tuple[Any, ...] = ()
+        if self._replicate_config is not None:
+            replicate = self._replicate_config()
+            replicate.group_ids = groups
+            config = (replicate,)
+        footers = self.footers
+        if footers is None:
+            return self.client.call("batch_put_from", names, ptrs, sizes, *config)
+        buf = footers.staging(len(names))
+        if buf is None:
+            return None
+        for i, (name, ptr, size) in enumerate(zip(names, ptrs, sizes, strict=True)):
+            footers.write(buf, i, name, ptr, size)
+        return self.client.call(PUT_CALL, names, *footers.buffers(buf, ptrs, sizes), *config)
 
-    # ------------------------------------------------------------------ writes
     def _write(
         self, keys: list[str], names: list[str], ptrs: list[int], sizes: list[int]
     ) -> list[bool]:
+        """Put the objects the store lacks (a put of an existing name is a no-op in Mooncake);
+        a page is stored when every object of it exists or was put. MLA ranks other than 0 put
+        nothing and answer whether the page is in the store."""
         n_pages = len(names) // self.names.per_page
-        if not self._healthy(len(names)):
+        if not self._healthy():
             return [False] * n_pages
         present = [r == 1 for r in self._exists(names)]
-        if not self.is_writer:  # MLA, rank > 0: rank 0 stores the page for every rank
+        if not self.is_writer:
             return self._per_page(present)
         missing = [i for i, p in enumerate(present) if not p]
         ok = list(present)
         if missing:
-            put = ([names[i] for i in missing], [ptrs[i] for i in missing],
-                   [sizes[i] for i in missing])  # fmt: skip
-            args: tuple[Any, ...] = put
-            if self._replicate_config is not None:
-                rc_config = self._replicate_config()
-                groups = [f"sglang-hicache:{self.names.tagged(k)}" for k in keys
-                          for _ in self.names.suffixes]  # fmt: skip
-                rc_config.group_ids = [groups[i] for i in missing]
-                args = (*put, rc_config)
-            rcs = self._codes("batch_put_from", self.client.call("batch_put_from", *args),
-                              len(missing))  # fmt: skip
+            groups = [f"sglang-hicache:{self.names.tagged(k)}" for k in keys]
+            result = self._put(
+                [names[i] for i in missing],
+                [ptrs[i] for i in missing],
+                [sizes[i] for i in missing],
+                [groups[i // self.names.per_page] for i in missing],
+            )
+            rcs = self._codes("batch_put_from", result, len(missing))
             for i, rc in zip(missing, rcs, strict=True):
                 ok[i] = rc == 0
                 if rc != 0:
                     self.counters.error(error_name(rc))
             written = [i for i, rc in zip(missing, rcs, strict=True) if rc == 0]
-            self.counters.add(objects_written=len(written),
-                              bytes_written=sum(sizes[i] for i in written))  # fmt: skip
+            self.counters.add(
+                objects_written=len(written), bytes_written=sum(sizes[i] for i in written)
+            )
         pages = self._per_page(ok)
         good = sum(pages)
-        self.counters.add(objects_already_stored=sum(present), pages_stored=good,
-                          pages_store_failed=n_pages - good)  # fmt: skip
+        self.counters.add(
+            objects_already_stored=sum(present),
+            pages_stored=good,
+            pages_store_failed=n_pages - good,
+        )
         return pages
 
     def batch_set_v1(
@@ -370,8 +392,7 @@ class MooncakeStore(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Store each page straight from its host slots, putting only the objects the store
-        lacks; one ``bool`` per key (module docstring)."""
+        """Store each page straight from its host slots; one ``bool`` per key."""
         if not keys:
             return []
         meta = self._meta(keys, host_indices, "batch_set_v1")
@@ -387,7 +408,6 @@ class MooncakeStore(HiCacheStorage):
         """Store ``value`` (one flat page, a contiguous CPU tensor) under ``key``."""
         return self._write(*self._flat_meta(key, value, "set"))[0]
 
-    # ------------------------------------------------------------------ housekeeping
     def clear(self) -> bool:
         """SGLang's ``clear``: ``remove_all()`` of the whole store (every instance's objects;
         objects read in the last lease period, 10 s by default, stay)."""
@@ -399,12 +419,6 @@ class MooncakeStore(HiCacheStorage):
         return self.counters.snapshot()
 
     def close(self) -> None:
-        """Close the client after the calls in flight (idempotent). The objects in this
+        """Close the client after the calls in flight (idempotent); the objects in this
         process's segment leave the store with it."""
         self.client.close()
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"extra config key {key!r} ({FLAG}) must be true or false, got {value!r}")

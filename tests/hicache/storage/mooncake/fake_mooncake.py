@@ -8,7 +8,9 @@ and writes nothing; a missing name reads -704; a buffer smaller than the object 
 one the object's size; a full store -200; a master that is down -900 (``batch_is_exist`` as one
 ``[-900]``); ``health_check`` 0 / 1 after close / 2 while the master is down. Tests force codes
 per name (``put_codes``, ``get_codes``) and record every call with its thread (``calls``). Any
-call after ``close()`` raises (the real one segfaults).
+call after ``close()`` raises (the real one segfaults). The multi-buffer calls (an object from or
+into several buffers, back to back) answer as the single-buffer ones; a smaller object reads as
+its size (the real 0.3.13.post1 answers -800 there: a miss either way).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FakeCluster:
     def data_calls(self) -> list[tuple[str, str]]:
         """Calls that move or query data (not setup, warm-up or health)."""
         data = {"batch_is_exist", "batch_put_from", "batch_get_into"}
+        data |= {"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"}
         return [c for c in self.calls if c[0] in data]
 
 
@@ -88,14 +91,29 @@ class FakeDistributedStore:
         with self.cluster.lock:
             return [1 if n in self.cluster.objects else 0 for n in names]
 
-    def batch_put_from(self, names: list[str], ptrs: list[int], sizes: list[int],
-                       config: Any = None) -> list[int]:  # fmt: skip
+    def batch_put_from(
+        self, names: list[str], ptrs: list[int], sizes: list[int], config: Any = None
+    ) -> list[int]:
         self._record("batch_put_from")
+        values = [ctypes.string_at(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]
+        return self._put_values(names, values, config)
+
+    def batch_put_from_multi_buffers(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]], config: Any = None
+    ) -> list[int]:
+        self._record("batch_put_from_multi_buffers")
+        values = [
+            b"".join(ctypes.string_at(p, n) for p, n in zip(ps, ns, strict=True))
+            for ps, ns in zip(ptrs, sizes, strict=True)
+        ]
+        return self._put_values(names, values, config)
+
+    def _put_values(self, names: list[str], values: list[bytes], config: Any) -> list[int]:
         if config is not None:
             self.cluster.group_ids.append(list(config.group_ids))
         out = []
         with self.cluster.lock:
-            for name, ptr, size in zip(names, ptrs, sizes, strict=True):
+            for name, value in zip(names, values, strict=True):
                 self.cluster.put_names.append(name)
                 if self.cluster.master_down:
                     out.append(-900)
@@ -103,19 +121,30 @@ class FakeDistributedStore:
                     out.append(self.cluster.put_codes[name])
                 elif name in self.cluster.objects:
                     out.append(0)  # no overwrite
-                elif size <= 0:
+                elif not value:
                     out.append(-600)
                 elif self.cluster.capacity_bytes is not None and (
-                    self.cluster.used() + size > self.cluster.capacity_bytes
+                    self.cluster.used() + len(value) > self.cluster.capacity_bytes
                 ):
                     out.append(-200)
                 else:
-                    self.cluster.objects[name] = ctypes.string_at(ptr, size)
+                    self.cluster.objects[name] = value
                     out.append(0)
         return out
 
     def batch_get_into(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         self._record("batch_get_into")
+        return self._get_into(names, [[p] for p in ptrs], [[n] for n in sizes])
+
+    def batch_get_into_multi_buffers(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        self._record("batch_get_into_multi_buffers")
+        return self._get_into(names, ptrs, sizes)
+
+    def _get_into(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
         out = []
         with self.cluster.lock:
             for name, ptr, size in zip(names, ptrs, sizes, strict=True):
@@ -126,10 +155,14 @@ class FakeDistributedStore:
                     out.append(self.cluster.get_codes[name])
                 elif obj is None:
                     out.append(-704)
-                elif len(obj) > size:
+                elif len(obj) > sum(size):
                     out.append(-600)
                 else:
-                    ctypes.memmove(ptr, obj, len(obj))
+                    at = 0
+                    for p, n in zip(ptr, size, strict=True):
+                        part = obj[at : at + n]
+                        ctypes.memmove(p, part, len(part))
+                        at += len(part)
                     out.append(len(obj))
         return out
 

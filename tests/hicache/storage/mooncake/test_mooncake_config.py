@@ -7,12 +7,8 @@ import json
 
 import pytest
 
-from hicache.storage.mooncake.config import (
-    ENV_CONFIG_PATH,
-    device_for_rank,
-    load_mooncake_config,
-    parse_segment_size,
-)
+from hicache.storage.config import parse_size
+from hicache.storage.mooncake.config import ENV_CONFIG_PATH, device_for_rank, load_mooncake_config
 
 MASTER = {"master_server_address": "127.0.0.1:50051"}
 
@@ -43,8 +39,11 @@ def test_json_file_then_environment(tmp_path):
     path.write_text(json.dumps({"master_server_address": "127.0.0.1:7", "protocol": "tcp",
                                 "global_segment_size": 123456, "tenant_id": " "}))  # fmt: skip
     c = load_mooncake_config({}, {ENV_CONFIG_PATH: str(path), "MOONCAKE_MASTER": "x:1"})
-    assert (c.master_server_address, c.protocol, c.global_segment_size) == ("127.0.0.1:7",
-                                                                           "tcp", 123456)
+    assert (c.master_server_address, c.protocol, c.global_segment_size) == (
+        "127.0.0.1:7",
+        "tcp",
+        123456,
+    )
     assert c.tenant_id == "default" and ENV_CONFIG_PATH in c.source("protocol")
     env = {"MOONCAKE_MASTER": "127.0.0.1:9", "MOONCAKE_PROTOCOL": "tcp",
            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "512mb", "MOONCAKE_CHECK_SERVER": "1",
@@ -68,8 +67,11 @@ def test_json_file_then_environment(tmp_path):
         ({**MASTER, "master_metrics_port": "x"}, {}, "'master_metrics_port'"),
         ({**MASTER, "standalone_storage": True}, {}, "dummy-client mode"),
         ({"client_server_address": "127.0.0.1:50052"}, {}, "dummy-client mode"),
-        ({}, {"MOONCAKE_MASTER": "127.0.0.1:1", "MOONCAKE_CHECK_SERVER": "yes please"},
-         "MOONCAKE_CHECK_SERVER"),
+        (
+            {},
+            {"MOONCAKE_MASTER": "127.0.0.1:1", "MOONCAKE_CHECK_SERVER": "yes please"},
+            "MOONCAKE_CHECK_SERVER",
+        ),
         ({}, {ENV_CONFIG_PATH: "/nonexistent/mc.json"}, f"{ENV_CONFIG_PATH}.*cannot read"),
     ],
 )
@@ -89,10 +91,10 @@ def test_a_config_file_without_a_master_or_not_an_object(tmp_path):
 
 
 def test_segment_sizes_in_sglangs_and_this_projects_forms():
-    assert parse_segment_size("4gb", "k") == parse_segment_size("4GB", "k") == 4 << 30
-    assert parse_segment_size("64mb", "k") == 64 << 20
-    assert parse_segment_size("1Gi", "k") == 1 << 30 and parse_segment_size("2G", "k") == 2 * 10**9
-    assert parse_segment_size(0, "k") == 0 and parse_segment_size("17", "k") == 17
+    assert parse_size("4gb", "k") == parse_size("4GB", "k") == 4 << 30
+    assert parse_size("64mb", "k") == 64 << 20
+    assert parse_size("1Gi", "k") == 1 << 30 and parse_size("2G", "k") == 2 * 10**9
+    assert parse_size(0, "k") == 0 and parse_size("17", "k") == 17
 
 
 def test_per_rank_devices_from_sglangs_json_form():

@@ -239,3 +239,54 @@ def test_no_master_at_the_address_is_one_error_at_once():
     port = free_port()
     with pytest.raises(ValueError, match=f"'master_server_address'=127.0.0.1:{port}.*no Mooncake"):
         client_module.probe_master("127.0.0.1", port, "extra config key 'master_server_address'")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("damage", ["random", "swapped"])
+def test_a_damaged_or_swapped_object_is_a_counted_miss_never_kv(cluster, kind, damage):
+    pool = host_pool(kind, "page_first")
+    fill_random(pool, seed=8)
+    store = make(pool)
+    keys = page_hashes(list(range(3 * PAGE)), PAGE)
+    assert store.batch_set_v1(keys, slots(0, 3)) == [True] * 3
+    names = store.names.objects(keys)
+    victim, other = names[store.names.per_page], names[0]  # page 1's first object, page 0's
+    size = len(cluster.objects[victim])
+    if damage == "random":
+        cluster.objects[victim] = (
+            torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+        )
+    else:  # another page's object, footer and all, under page 1's name
+        cluster.objects[victim] = cluster.objects[other]
+    assert store.batch_get_v1(keys, slots(4, 3)) == [True, False, True]
+    s = store.get_stats()
+    assert (s.read_corrupt, s.pages_read, s.pages_read_failed, s.errors) == (1, 2, 1, {})
+    assert same_slots(pool, slots(0), pool, slots(4)) and same_slots(pool, slots(2), pool, slots(6))
+    assert victim not in cluster.objects  # removed: the next backup puts it again
+    assert store.batch_exists(keys) == 1
+    flat = pool.get_dummy_flat_data_page()
+    assert store.get(keys[1], flat) is None
+    assert store.batch_set_v1(keys, slots(0, 3)) == [True] * 3
+    assert store.batch_get_v1(keys[1:2], slots(5)) == [True]
+    assert same_slots(pool, slots(1), pool, slots(5))
+
+
+def test_sglangs_pages_carry_no_check_and_say_so(cluster):
+    pool = host_pool("mha", "page_first")
+    fill_random(pool, seed=9)
+    store = make(pool, storage_format_tag="none")
+    assert store.footers is None
+    key = page_hashes(list(range(PAGE)), PAGE)[0]
+    assert store.batch_set_v1([key], slots(0)) == [True]
+    names = store.names.objects([key])
+    assert [len(cluster.objects[n]) for n in names] == store._object_sizes  # SGLang's bytes only
+    assert {c[0] for c in cluster.data_calls()} == {"batch_is_exist", "batch_put_from"}
+
+
+def test_a_mooncake_without_multi_buffer_calls_is_refused_for_checked_pages(cluster, monkeypatch):
+    from tests.hicache.storage.mooncake.fake_mooncake import FakeDistributedStore
+
+    monkeypatch.delattr(FakeDistributedStore, "batch_get_into_multi_buffers")
+    with pytest.raises(ValueError, match="storage_format_tag"):
+        make(host_pool("mha", "page_first"))
+    assert cluster.clients[-1].closed

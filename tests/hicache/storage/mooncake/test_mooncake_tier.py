@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from hicache.storage.mooncake.page_footers import PageFooters
 from hicache.storage.mooncake.store import MooncakeStore
 from prefill.disagg.sim_config import PeerConfig
 from prefill.request.state import Outcome
@@ -109,7 +111,7 @@ def test_a_down_master_costs_storage_not_service_and_service_resumes(cluster):
 
 @pytest.mark.parametrize("mode", ["cache", "buffer_only"])
 def test_a_full_store_is_counted_and_leaves_no_host_page_behind(cluster, mode):
-    cluster.capacity_bytes = 5 * PAGE_BYTES
+    cluster.capacity_bytes = 5 * (PAGE_BYTES + 2 * PageFooters.size)  # K and V carry a footer
     ex = make(mode)
     p = prompt(40, seed=40)  # 10 pages, 5 fit
     serve(ex, {"a": p})
@@ -143,6 +145,28 @@ def test_a_failed_read_is_recomputed_counted_and_leaves_no_host_page_behind(clus
     assert (st.prefetch_hit_tokens, st.prefetch_fetched_tokens) == (40, 16)  # agreed, then read
     assert bs.pages_read_failed >= 1
     assert (bs.wrong_size if code == "smaller" else sum(bs.errors.values())) >= 1
+    assert host_free(reader)
+    writer.cache.close()
+    reader.cache.close()
+
+
+@pytest.mark.parametrize("mode, damage", [("cache", "random"), ("buffer_only", "swapped")])
+def test_a_damaged_or_swapped_page_is_recomputed_never_served(cluster, mode, damage):
+    p = prompt(40, seed=60)  # 10 pages
+    writer = make(mode)
+    serve(writer, {"a": p})
+    values = [n for n in cluster.put_names if n.endswith("_v")]
+    size = len(cluster.objects[values[4]])
+    if damage == "random":
+        noise = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator())
+        cluster.objects[values[4]] = noise.numpy().tobytes()
+    else:  # page 5's V object under page 4's name: the right size, the wrong KV
+        cluster.objects[values[4]] = cluster.objects[values[5]]
+    reader = make(mode)
+    r = serve(reader, {"b": p + [1]})["b"]  # KV checked against the decode side's recompute
+    assert (r.cached_storage_tokens, r.computed_tokens) == (16, 25)  # pages 0-3 read, 4 failed
+    bs = backend(reader).get_stats()
+    assert bs.read_corrupt == 1 and bs.pages_read_failed >= 1 and bs.errors == {}
     assert host_free(reader)
     writer.cache.close()
     reader.cache.close()

@@ -1,29 +1,25 @@
-"""``MooncakeStoreStats``: what a ``MooncakeStore`` did, counted by the IO threads that call it
-(``MooncakeCounters``, lock-protected) and handed out as a frozen snapshot by ``get_stats()``.
+"""``MooncakeStoreStats``: what a ``MooncakeStore`` did, counted under a lock by the IO threads
+that call it (``MooncakeCounters``) and handed out as a frozen snapshot by ``get_stats()``.
 
-Pages count whole pages (every object of the page); objects count Mooncake objects (2 per MHA
-page, 1 per MLA page). ``errors`` counts failed objects by Mooncake return code name
-(``client.error_name``: ``"-704 OBJECT_NOT_FOUND"``, ``"-200 NO_AVAILABLE_HANDLE"``, ...);
-``wrong_size`` the objects a read returned with a size other than the page part's (another
-geometry under the same name: a miss, never loaded); ``skipped_unhealthy`` the calls answered as
-failures without reaching Mooncake because ``health_check()`` said the master is unreachable;
-``call_errors`` the calls the client raised from (logged, answered as failures).
+``pages_*`` count whole pages, ``objects_*`` Mooncake objects (2 per MHA page, 1 per MLA page);
+``errors`` failed objects by return-code name (``"-704 OBJECT_NOT_FOUND"``); ``wrong_size``
+objects read with a size other than the part's; ``read_corrupt`` objects read whole whose
+integrity footer failed (damaged, or another object's bytes); ``skipped_unhealthy`` calls
+answered as failures because the master was unreachable; ``call_errors`` calls the client raised
+from. Every failed object is a miss, never KV.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class MooncakeStoreStats:
-    """A snapshot of the counters (module docstring)."""
+    """A snapshot of the counters."""
 
     exists_queries: int = 0
     pages_read: int = 0
@@ -35,6 +31,7 @@ class MooncakeStoreStats:
     bytes_read: int = 0
     bytes_written: int = 0
     wrong_size: int = 0
+    read_corrupt: int = 0
     skipped_unhealthy: int = 0
     call_errors: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -63,6 +60,4 @@ class MooncakeCounters:
     def snapshot(self) -> MooncakeStoreStats:
         with self._lock:
             names = {f.name for f in dataclasses.fields(MooncakeStoreStats)} - {"errors"}
-            return MooncakeStoreStats(
-                **{k: self._n[k] for k in names}, errors=dict(self._errors)
-            )
+            return MooncakeStoreStats(**{k: self._n[k] for k in names}, errors=dict(self._errors))
