@@ -1,3 +1,2 @@
 """Prefill side of PD disaggregation: the optimistic prefill executor (``executor``), its
-scheduler delegates, requests, the paged model, the decode-peer protocol and its simulation,
-tensor parallelism, and test support."""
+scheduler delegates, requests, the paged model, the decode-peer protocol and its simulation."""

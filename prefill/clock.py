@@ -1,9 +1,6 @@
-"""Time sources for the executor and the simulated decode peer.
-
-``VirtualClock`` makes tests deterministic: time moves only when someone calls ``advance`` (the
-executor charges modeled compute time) or ``wait_until`` (the executor is idle until the next
-peer event). ``WallClock`` is real monotonic time for benchmarks: ``advance`` is a no-op because
-the compute really took that long, and ``wait_until`` sleeps.
+"""Time sources of the executor and the simulated decode side: ``VirtualClock`` (moves only on
+``advance`` / ``wait_until``, for deterministic tests) and ``WallClock`` (monotonic time;
+``advance`` is a no-op, ``wait_until`` sleeps).
 """
 
 from __future__ import annotations

@@ -1,44 +1,35 @@
 """Accounting checks of the optimistic prefill executor (tests call them after every step).
 
-``check_executor(ex)`` raises ``AssertionError`` naming the first broken invariant:
-
-- every request in flight is in exactly one queue and its ``stage`` says which, and the
-  executor knows no other request (a finished one is forgotten once its result is reported);
-- requests in the bootstrap or waiting queue hold no KV (no slots, no lock); running,
-  inflight and draining ones (aborted, waiting for the transport to stop reading their sends)
-  hold a lock on their ``last_node``;
-- metadata buffers: every admitted request (waiting, running, inflight) holds one, requests in
-  the bootstrap queue hold none, and held + free == the pool;
-- under a tree that backs up at insert, a pending request owns all of its computed KV (nothing
-  of it was inserted past its matched prefix);
-- no host page was ever written from an attempt that was not finalized
-  (``stats.speculative_l2_pages == 0``), and no L3 page stored from one
-  (``stats.speculative_l3_pages == 0``);
-- every tree node's ``lock_ref`` is at least the number of this executor's requests locking it
-  or a descendant (the cache's own locks, for pending backups and loads, come on top);
-- the tree's ledger balances with the request-owned count: free + in tree + request-owned +
-  in flight == total (``tree.check_integrity``), so no slot leaks and none is owned twice.
+``check_executor(ex)`` raises ``AssertionError`` naming the first broken invariant: every
+request in flight in exactly one queue matching its ``stage``; KV held exactly by running,
+inflight and draining requests; metadata buffers held by every admitted request and balanced
+with the pool; pending KV unpublished under a tree that backs up at insert; no speculative L2
+or L3 page; tree locks covering the requests' locks; the tree's slot ledger balanced with the
+request-owned slots.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from prefill.executor_stats import ExecutorStats
 from prefill.request.state import PrefillRequest, Stage
+
+if TYPE_CHECKING:
+    from prefill.scheduler.admission import ReqToMetadataIdxAllocator
 
 logger = logging.getLogger(__name__)
 
 
 class ExecutorView(Protocol):
-    """What the checks read of the executor (``OptimisticPrefillExecutor`` provides it; it
-    imports this module, never the other way round)."""
+    """What the checks read of the executor (``OptimisticPrefillExecutor``)."""
 
-    stats: Any  # prefill.stats.ExecutorStats
+    stats: ExecutorStats
     requests: dict[str, PrefillRequest]
     unpublished_pending: bool
-    tree: Any  # the cache's RadixCache or HiRadixCache
-    metadata: Any  # ReqToMetadataIdxAllocator
+    tree: Any  # RadixCache or HiRadixCache
+    metadata: ReqToMetadataIdxAllocator
     bootstrap_queue: list[PrefillRequest]
     waiting_queue: list[PrefillRequest]
     inflight_queue: list[PrefillRequest]
@@ -59,8 +50,9 @@ def check_executor(ex: ExecutorView) -> None:
     spec = ex.stats.speculative_l2_pages
     _require(spec == 0, f"{spec} host pages written from attempts not finalized")
     spec3 = ex.stats.speculative_l3_pages
-    _require(spec3 == 0, f"speculative_l3_pages: {spec3} pages stored in L3 from attempts "
-             "not finalized")  # fmt: skip
+    _require(
+        spec3 == 0, f"speculative_l3_pages: {spec3} pages stored in L3 from attempts not finalized"
+    )
     queues = {
         Stage.BOOTSTRAP: ex.bootstrap_queue,
         Stage.WAITING: ex.waiting_queue,

@@ -34,7 +34,7 @@ from prefill.disagg.mooncake.engine import KVTransferEngine
 from prefill.executor import OptimisticPrefillExecutor as Executor
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
-from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
+from prefill.scheduler.admission import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
 from prefill.testing import harness
 from prefill.testing.mooncake_decode import DecodeWorker, MooncakeDecode, start_workers, wait_for
 from server_args import ServerArgs, prepare_server_args

@@ -1,7 +1,6 @@
-"""``build_model(args)``: the model ``ServerArgs`` describe, on one rank or this rank's shard under
-tensor parallelism. The one place that chooses between grouped-query attention
-(``prefill.model.paged``, ``prefill.model.tp``) and DeepSeek's multi-head latent attention
-(``--use-mla``: ``prefill.model.mla``, ``prefill.model.mla_tp``)."""
+"""``build_model(args)``: the model ``ServerArgs`` describe, on one rank or this rank's shard
+under tensor parallelism; the one place that chooses grouped-query attention or DeepSeek's
+multi-head latent attention (``--use-mla``)."""
 
 from __future__ import annotations
 

@@ -1,45 +1,19 @@
 """A DeepSeek-shaped decoder with multi-head latent attention (MLA) over an MLA KV pool.
 
-The blocks are ``prefill.model.paged``'s (RMSNorm, SwiGLU MLP, random weights from the seed);
-only the attention differs, as in DeepSeek-V2/V3:
-
-- query: ``q = q_b(RMSNorm(q_a(x)))`` with ``q_lora_rank > 0`` (V3), else ``q = q_proj(x)``
-  (V2-Lite); per head ``qk_nope_head_dim`` values without rotary and ``qk_rope_head_dim`` with;
-- key/value latent: ``kv_a(x)`` splits into ``c`` (``kv_lora_rank``, then RMSNorm) and one
-  rotary key ``k_pe`` (``qk_rope_head_dim``) shared by every head;
-- **the cache is ``[c, rope(k_pe)]`` per token and layer**: ``C = kv_lora_rank +
-  qk_rope_head_dim`` values, written into the pool's ``[size + page_size, 1, C]`` layer buffer at
-  the token's slot (``MLATokenToKVPool.set_mla_kv_buffer``);
-- ``kv_b(c)`` expands the latent into each head's non-rotary key (``qk_nope_head_dim``) and value
-  (``v_head_dim``); scores use the softmax scale ``1 / sqrt(qk_nope_head_dim +
-  qk_rope_head_dim)`` (no YaRN factor); ``o`` maps the heads' values back to the hidden size.
-
-Rotary embeddings use the rotate-half pairing over the ``qk_rope_head_dim`` values (DeepSeek's
-checkpoints interleave them; with random weights the two are the same function up to a fixed
-permutation of weight columns).
-
-**Two forms of the same attention.** ``forward_extend`` uses the *naive* form (SGLang's prefill
-path for MLA): it reads the request's whole latent (cached prefix + new tokens) back from the pool
-by slot, expands it through ``kv_b`` into per-head K and V, and runs causal SDPA with the mask
-aligned to the bottom right. ``forward_reference`` (the tests' oracle) uses the *absorbed* form
-and never touches a pool: ``q_nope`` is multiplied into the latent space by ``kv_b``'s key half,
-scores are ``q_lat . c + q_pe . k_pe`` over the latent itself, the weighted sum of latents goes
-through ``kv_b``'s value half, in fp32 with an explicit softmax (query rows in blocks, so no
-score matrix above 2**26 values is materialized). The two agree up to reduction order (fp32:
-~1e-6), so the oracle checks the pool path's slots, prefix and chunking, not a copy of its code.
-
-Numerics as ``paged``: projections in the model dtype, RMSNorm and rotary in fp32, the extend
-attention in fp32 on CPU and in the model dtype on CUDA (where a value head narrower than the
-query/key head is zero-padded to it, so a flash kernel can take it).
-
-Tensor parallelism: ``prefill.model.mla_tp`` (query heads split, the latent whole on every rank).
+The blocks are ``prefill.model.paged``'s; only the attention differs (DeepSeek-V2/V3): the
+cache holds ``[c, rope(k_pe)]`` per token and layer (``kv_lora_rank + qk_rope_head_dim``
+values), and ``kv_b`` expands the latent into each head's key and value. ``forward_extend``
+uses the naive form (SGLang's MLA prefill path: expand the whole latent read back from the pool,
+causal SDPA); ``forward_reference`` (the tests' oracle) uses the absorbed form over the latent
+and never touches a pool, so the two agree up to reduction order. Rotary uses the rotate-half
+pairing. Tensor parallelism: ``prefill.model.mla_tp``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer, RMSNorm
+from prefill.model.paged import ExtendBatch, ModelConfig, PagedTransformer, RMSNorm
 
 if TYPE_CHECKING:
     from hicache.memory.device_pool import MLATokenToKVPool
@@ -80,9 +54,16 @@ class MLAConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         for name in (
-            "num_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size",
-            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-        ):  # fmt: skip
+            "num_layers",
+            "num_attention_heads",
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.q_lora_rank < 0:
@@ -107,15 +88,26 @@ class MLAConfig(ModelConfig):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32, q_lora_rank: int = 0
-             ) -> MLAConfig:  # fmt: skip
+    def tiny(
+        cls, seed: int = 0, dtype: torch.dtype = torch.float32, q_lora_rank: int = 0
+    ) -> MLAConfig:
         """The CPU test geometry: 4 layers, 4 heads, hidden 64, latent 32 + rope 16 (C = 48),
         nope 16, value 16, fp32."""
         return cls(
-            num_layers=4, num_attention_heads=4, hidden_size=64, intermediate_size=128,
-            vocab_size=512, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-            head_dim=32, v_head_dim=16, q_lora_rank=q_lora_rank, dtype=dtype, seed=seed,
-        )  # fmt: skip
+            num_layers=4,
+            num_attention_heads=4,
+            hidden_size=64,
+            intermediate_size=128,
+            vocab_size=512,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            head_dim=32,
+            v_head_dim=16,
+            q_lora_rank=q_lora_rank,
+            dtype=dtype,
+            seed=seed,
+        )
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> MLAConfig:
@@ -152,8 +144,9 @@ class MLATransformer(PagedTransformer):
         super().__init__(config, device)
 
     # ------------------------------------------------------------------ hooks of paged
-    def _init_attention(self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
-                        ) -> None:  # fmt: skip
+    def _init_attention(
+        self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
+    ) -> None:
         """MLA weights of one layer, drawn in this order: ``q_a`` + its norm and ``q_b`` (with
         a query LoRA) or ``q_proj``; ``kv_a`` (latent + rotary key) + its norm; ``kv_b``;
         ``o``."""
@@ -189,8 +182,9 @@ class MLATransformer(PagedTransformer):
             )
 
     # ------------------------------------------------------------------ projections
-    def _queries(self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _queries(
+        self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_nope [n, H, nope], q_pe [n, H, rope])`` of normed hidden states ``x``; ``q_pe``
         after rotary."""
         c = self.config
@@ -203,8 +197,9 @@ class MLATransformer(PagedTransformer):
         )
         return q_nope, self._rope(q_pe, positions)
 
-    def _latent(self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
-                ) -> torch.Tensor:  # fmt: skip
+    def _latent(
+        self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """What the pool caches for tokens ``x`` at ``positions``: ``[n, 1, C]`` = the normed
         latent ``c`` and the rotary key, in the model dtype."""
         c = self.config
@@ -220,20 +215,23 @@ class MLATransformer(PagedTransformer):
 
     # ------------------------------------------------------------------ extend (naive form)
     def _extend_attention(
-        self, pool: MLATokenToKVPool, layer_id: int, layer: torch.nn.Module, x: torch.Tensor,
-        positions: torch.Tensor, batch: Sequence[ExtendInput], lens: list[int],
-        slots: list[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        pool: MLATokenToKVPool,
+        layer_id: int,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        extend: ExtendBatch,
+    ) -> torch.Tensor:
         """Writes the new tokens' ``[c, rope(k_pe)]`` at ``slots[i][prefix_len:]``, reads each
         request's whole latent back by slot, attends in the naive form (module docstring) and
         returns ``o``'s (partial, under TP) output ``[N, hidden]``."""
         c = self.config
-        q_nope, q_pe = self._queries(layer, x, positions)
+        q_nope, q_pe = self._queries(layer, x, extend.positions)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        latent = self._latent(layer, x, positions)
+        latent = self._latent(layer, x, extend.positions)
         out = []
         start = 0
-        for r, n, s in zip(batch, lens, slots, strict=True):
+        for r, n, s in zip(extend.inputs, extend.lens, extend.slots, strict=True):
             pool.set_mla_kv_buffer(layer_id, s[r.prefix_len :], latent[start : start + n])
             cached = pool.get_key_buffer(layer_id)[s]  # [T, 1, C]: prefix + new, by slot
             out.append(self._naive_attention(layer, q[start : start + n], cached, r.prefix_len))
@@ -296,4 +294,3 @@ class MLATransformer(PagedTransformer):
         o = torch.einsum("hnr,hvr->nhv", torch.cat(out_lat, dim=1), w_uv)
         o = o.reshape(n, c.num_attention_heads * c.v_head_dim).to(c.dtype)
         return o @ layer.o.t(), (latent,)
-

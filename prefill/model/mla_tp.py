@@ -1,20 +1,8 @@
-"""The MLA model split across tensor-parallel ranks, as SGLang splits DeepSeek's attention.
-
-Rank ``r`` of ``tp_size`` holds (``TPShard.plan`` with the latent as the one KV head):
-
-- its query heads: rows of ``q_proj`` (or of ``q_b``; ``q_a`` and its norm are replicated) and
-  of ``kv_b`` (each head's non-rotary key and value expansion), columns of ``o`` (row-parallel:
-  its partial output is all-reduced);
-- **the whole latent**: ``kv_a`` and its norm are replicated, so every rank computes the same
-  ``[c, rope(k_pe)]`` for every token and its MLA pool (and host pool) holds all of it, ``C``
-  values per token and layer (SGLang's MLA pools are not split by TP either);
-- the MLP, embedding, norms and LM head as ``prefill.model.tp``.
-
-``tp_size`` must divide ``num_attention_heads`` and ``intermediate_size`` (``ValueError`` naming
-``tp_size`` otherwise); there is no KV-head condition. Weights: every rank draws the full model
-from the seed and keeps its slice, so the TP model computes the single-rank model's function
-(logits equal up to the order of the partial sums); ``forward_extend`` / ``forward_reference``
-are collective, as ``TPPagedTransformer``'s.
+"""The MLA model split across tensor-parallel ranks, as SGLang splits DeepSeek's attention:
+each rank holds its query heads (rows of ``q_proj`` / ``q_b`` and ``kv_b``, columns of ``o``)
+and **the whole latent** (``kv_a`` replicated, so every rank's MLA pool holds all of it); the
+rest as ``prefill.model.tp``. ``tp_size`` must divide ``num_attention_heads`` and
+``intermediate_size`` (``ValueError`` naming ``tp_size``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""A small decoder-only transformer with paged attention over a KV pool (random weights).
+"""A small decoder-only transformer with paged attention over a KV pool (random weights drawn
+from ``random_seed``; nothing is downloaded).
 
-Llama-style blocks: RMSNorm, rotary position embeddings, grouped-query attention and a gated
-(SwiGLU) MLP. Weights are drawn from ``random_seed`` (nothing is downloaded), so two models built
-from the same config on the same device are identical.
-
-Attention is paged as in SGLang's extend path: each layer writes the new tokens' K (after rotary)
-and V into the device pool at ``out_loc`` via ``set_kv_buffer``, then reads the request's whole
-K/V (cached prefix + new tokens) back from the pool by slot. A ``layer_wait(layer_id)`` hook runs
-before each layer touches the pool, so an H2D load-back of layer ``i + 1`` overlaps the compute
-of layer ``i`` (the hook is the radix tree's ``layer_wait``).
-
-The attention is one set of hooks (``_init_attention``, ``_extend_attention``,
-``_full_attention``, ``_check_pool``, ``_rotary_dim``); ``prefill.model.mla`` overrides them with
-DeepSeek's multi-head latent attention over an MLA pool, keeping everything else.
-
-Numerics: projections and MLP in the model dtype; RMSNorm and rotary in fp32; attention in
-fp32 on CPU and in the model dtype on CUDA (flash / memory-efficient SDPA). A prefix read back
-from the pool equals what a full recompute would produce up to matmul reduction order, so
-logits match a full recompute to ~1e-5 in fp32 (see tests/prefill/test_model.py).
+Llama-style blocks (RMSNorm, rotary, grouped-query attention, SwiGLU MLP). As SGLang's extend
+path, each layer writes the new tokens' K/V into the pool at their slots and reads the request's
+whole K/V back by slot; ``layer_wait(layer_id)`` runs before each layer touches the pool (the
+tree's load-back hook). The attention is one set of hooks (``_init_attention``,
+``_extend_attention``, ``_full_attention``, ``_check_pool``, ``_rotary_dim``) that
+``prefill.model.mla`` overrides. Projections in the model dtype, RMSNorm and rotary in fp32,
+attention in fp32 on CPU; logits match a full recompute to ~1e-5 in fp32.
 """
 
 from __future__ import annotations
@@ -73,8 +63,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size",
-            "intermediate_size", "vocab_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -98,8 +93,15 @@ class ModelConfig:
         the random embedding and LM head affordable; the KV geometry is exact (~7.0 B params,
         ~14 GB in bf16)."""
         return cls(
-            num_layers=32, num_attention_heads=32, num_kv_heads=8, head_dim=128,
-            hidden_size=4096, intermediate_size=14336, vocab_size=32000, dtype=dtype, seed=seed,
+            num_layers=32,
+            num_attention_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            intermediate_size=14336,
+            vocab_size=32000,
+            dtype=dtype,
+            seed=seed,
         )
 
     @classmethod
@@ -131,6 +133,17 @@ class ExtendInput:
     input_ids: torch.Tensor
     slots: torch.Tensor
     prefix_len: int
+
+
+@dataclass(frozen=True)
+class ExtendBatch:
+    """An extend batch on the model's device, as every layer's attention reads it: the
+    requests, their new tokens' positions (concatenated), new-token counts and slots."""
+
+    inputs: Sequence[ExtendInput]
+    positions: torch.Tensor
+    lens: list[int]
+    slots: list[torch.Tensor]
 
 
 class RMSNorm(torch.nn.Module):
@@ -191,8 +204,9 @@ class PagedTransformer(torch.nn.Module):
     # The hooks a model with another attention overrides (``prefill.model.mla``): its weights
     # (drawn in this order, between the norms and the MLP), its rotary width, its pool check, its
     # extend attention over the pool and its full-recompute attention.
-    def _init_attention(self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
-                        ) -> None:  # fmt: skip
+    def _init_attention(
+        self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
+    ) -> None:
         """GQA weights of one layer: fused ``qkv`` and ``o``."""
         c = self.config
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -263,17 +277,10 @@ class PagedTransformer(torch.nn.Module):
         layer_wait: LayerWait | None = None,
         return_all_logits: bool = False,
     ) -> list[torch.Tensor]:
-        """Run one extend (prefill) pass over a small batch of requests.
-
-        For each request, the K/V of its new tokens is written into ``pool`` at
-        ``slots[prefix_len:]`` (every layer), and its prefix K/V is read from ``pool`` at
-        ``slots[:prefix_len]``; ``layer_wait(l)`` is called before layer ``l`` reads or writes the
-        pool. Tensors are on the model's device; slots index the pool's slot dimension.
-
-        Returns one fp32 tensor per request: logits of its last token ``[vocab]``, or of all its
-        new tokens ``[n, vocab]`` with ``return_all_logits``. Mutates the pool only at the new
-        tokens' slots. Does not synchronize the device (only argument checks touch CPU values).
-        """
+        """One extend (prefill) pass: writes each request's new K/V at ``slots[prefix_len:]``
+        and reads its prefix at ``slots[:prefix_len]``, calling ``layer_wait(l)`` before layer
+        ``l`` touches the pool. Returns one fp32 tensor per request: its last token's logits,
+        or all new tokens' with ``return_all_logits``. Does not synchronize the device."""
         self._check_pool(pool)
         self._check_inputs(batch)
         dev = self.device
@@ -288,12 +295,13 @@ class PagedTransformer(torch.nn.Module):
             ]
         )
         slots = [r.slots.to(dev, non_blocking=True) for r in batch]
+        extend = ExtendBatch(batch, positions, lens, slots)
         h = self.embed[ids]
         for layer_id, layer in enumerate(self.layers):
             if layer_wait is not None:
                 layer_wait(layer_id)
             x = layer.input_norm(h)
-            o = self._extend_attention(pool, layer_id, layer, x, positions, batch, lens, slots)
+            o = self._extend_attention(pool, layer_id, layer, x, extend)
             h = h + self._reduce(o)
             x = layer.post_norm(h)
             gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
@@ -308,10 +316,13 @@ class PagedTransformer(torch.nn.Module):
         return out
 
     def _extend_attention(
-        self, pool: MHATokenToKVPool, layer_id: int, layer: torch.nn.Module, x: torch.Tensor,
-        positions: torch.Tensor, batch: Sequence[ExtendInput], lens: list[int],
-        slots: list[torch.Tensor],
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        pool: MHATokenToKVPool,
+        layer_id: int,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        extend: ExtendBatch,
+    ) -> torch.Tensor:
         """One layer's attention of an extend batch (``x``: the normed hidden states ``[N,
         hidden]`` of every request's new tokens, concatenated): writes the new tokens' K (after
         rotary) and V at ``slots[i][prefix_len:]``, attends over each request's slots, and
@@ -319,12 +330,12 @@ class PagedTransformer(torch.nn.Module):
         c = self.config
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
-        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), extend.positions)
+        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), extend.positions)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         attn_out = []
         start = 0
-        for r, n, s in zip(batch, lens, slots, strict=True):
+        for r, n, s in zip(extend.inputs, extend.lens, extend.slots, strict=True):
             new_k, new_v = k[start : start + n], v[start : start + n]
             pool.set_kv_buffer(layer_id, s[r.prefix_len :], new_k, new_v)
             k_all = pool.get_key_buffer(layer_id)[s]

@@ -1,33 +1,14 @@
 """The paged transformer split across tensor-parallel ranks (Megatron-style, as SGLang's
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear``).
 
-Rank ``r`` of ``tp_size`` holds:
-
-- column-parallel ``qkv``: its query heads and its KV heads (rows of ``q``, ``k`` and ``v``);
-- column-parallel ``gate_up``: its slice of the intermediate columns (of gate and of up);
-- row-parallel ``o`` and ``down``: the input columns matching its heads / intermediate slice;
-  their partial outputs are summed over the ranks by an all_reduce on the model group;
-- embedding, norms and LM head in full (replicated; the vocabulary is not split).
-
-Attention needs no communication: each rank attends with its query heads over its own KV heads,
-which are exactly the KV heads its pool holds. Its device pool (and so its host pool) is built
-with ``local_kv_heads`` heads, ``TPShard.kv_heads`` of the full model's.
-
-KV heads: with ``tp_size <= num_kv_heads`` the heads are split (``num_kv_heads % tp_size == 0``).
-With ``tp_size > num_kv_heads`` each KV head is replicated on ``tp_size // num_kv_heads``
-consecutive ranks, as SGLang does (``tp_size % num_kv_heads == 0``): every rank holds one KV head,
-and its query heads are among that head's group. Any other geometry raises ``ValueError``
-naming ``tp_size``; so does ``num_attention_heads`` or ``intermediate_size`` not divisible by it.
-
-Weights: every rank draws the full model from the seed (as ``PagedTransformer``) and keeps its
-slice, so the TP model computes the single-rank model's function; logits equal the single-rank
-logits up to the order of the partial sums (fp32: ~1e-6). The all_reduce leaves the same sum on
-every rank, so every rank's logits are identical to each other. The full draw is transient
-(on ``device``: the full model's size once, per rank, at construction).
-
-Model group: ``torch.distributed`` process group for the two all_reduces per layer (gloo on CPU,
-NCCL on GPU; the tensors' device decides). It is not the cache's agreement group
-(``hicache.tp.group``), which is always gloo and carries host integers only.
+Rank ``r`` holds its query and KV heads (column-parallel ``qkv``), its slice of the MLP
+(column-parallel ``gate_up``, row-parallel ``down``) and the matching columns of ``o``; the
+row-parallel outputs are all-reduced on the model group (the default process group, not the
+cache's agreement group). Embedding, norms and LM head are replicated. With ``tp_size >
+num_kv_heads`` each KV head is replicated on ``tp_size // num_kv_heads`` ranks, as SGLang does;
+any other geometry raises ``ValueError`` naming ``tp_size``. Every rank draws the full model
+from the seed and keeps its slice, so logits equal the single-rank model's up to the order of
+the partial sums, and are identical on every rank.
 """
 
 from __future__ import annotations
@@ -108,21 +89,11 @@ def keep_param(t: torch.Tensor) -> torch.nn.Parameter:
 
 
 class TPPagedTransformer(PagedTransformer):
-    """One rank's part of ``PagedTransformer(config)`` (see the module docstring).
-
-    Args:
-        config: the full model's config (the seed draws the full weights).
-        tp_rank, tp_size: this rank and the number of ranks.
-        group: the model's ``torch.distributed`` process group (``None``: the default group);
-            unused when ``tp_size == 1``.
-        device: where parameters live; the group's backend must serve it.
-
-    ``config`` (attribute) is the local geometry (``TPShard.local_config``), so the pool check
-    expects a pool of ``local_kv_heads`` heads; ``full_config`` is the whole model's.
-    ``forward_extend`` / ``forward_reference`` are collective: every rank of the group calls
-    them, in the same order, with the same token ids, positions and batch composition (slots
-    may differ: each rank indexes its own pool). Returned logits are the same on every rank.
-    """
+    """One rank's part of ``PagedTransformer(config)`` (``config``: the full model's; ``group``:
+    the model's process group, ``None`` for the default). ``self.config`` is the local geometry
+    (its pool has ``local_kv_heads`` heads), ``full_config`` the whole model's. The forwards
+    are collective: every rank calls them in the same order with the same batch (slots may
+    differ)."""
 
     def __init__(
         self,

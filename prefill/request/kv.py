@@ -1,44 +1,36 @@
-"""A request's device KV through the cache's tree API (SGLang ``init_next_round_input``,
-``cache_unfinished_req``, ``release_kv_cache``), for the radix tree with or without a host tier.
+"""A request's device KV through the cache's tree (SGLang ``init_next_round_input``,
+``cache_unfinished_req``, ``release_kv_cache``).
 
-Slot ownership of one request's attempt (``PrefillRequest`` fields, token ranges half-open):
-
-- ``[0, tree_len)``: owned by the tree; this request holds ONE lock on ``last_node`` (which
-  covers exactly these tokens), so none of them can be evicted or freed while it runs, parks or
-  transfers. Includes device hits, host hits being loaded back (the tree also keeps its own
-  lock until the load ack) and pages this request inserted at chunk boundaries.
-- ``[tree_len, computed_len)``: KV computed by this request, owned by the request (the tail
-  that is not a whole page yet, or a chunk not yet inserted).
-- ``[computed_len, len(slots))``: allocated by the request for the rest of its last page (or the
-  chunk about to run), owned by the request.
-
-``release`` gives the lock back and frees ``slots[tree_len:]`` (whole pages); it must only run
-when no send to a live peer still reads those slots (a request is released at ``Success``, when
-every send was acked, or at abort, when its peer failed and reads nothing more).
-
-Every insert is measured: host backups the tree issues from inside an insert made for an attempt
-that is not finalized are counted in ``stats.speculative_l2_pages`` (the executor never makes
-such an insert into a tree that backs up at insert, so this stays 0).
+Slot ownership of one attempt (half-open token ranges): ``[0, tree_len)`` is the tree's, held by
+ONE lock on ``last_node``; ``[tree_len, len(slots))`` is the request's (computed KV not yet
+inserted, and the rest of its last page). ``release`` runs only when no send to a live peer
+still reads those slots. A host backup issued from an insert for an attempt not finalized is
+counted in ``stats.speculative_l2_pages`` (it stays 0).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.memory.allocator import page_ceil
+from prefill.executor_stats import ExecutorStats
+from prefill.request.speculative_l3_pages import SpeculativeL3Pages
 from prefill.request.state import PrefillRequest
-from prefill.stats import ExecutorStats
+
+if TYPE_CHECKING:
+    from hicache.builder import KVCache
 
 logger = logging.getLogger(__name__)
 
 
 class RequestKV:
-    """Admission, allocation, chunk insertion and release of requests' device slots."""
+    """Admission, allocation, chunk insertion and release of requests' device slots; with an
+    L3 tier, ``l3_pages`` tracks the pages pending attempts insert."""
 
-    def __init__(self, cache: Any, stats: ExecutorStats) -> None:
+    def __init__(self, cache: KVCache, stats: ExecutorStats) -> None:
         self.cache = cache
         self.tree = cache.tree
         self.cache_stats = cache.stats
@@ -46,9 +38,10 @@ class RequestKV:
         self.allocator = cache.allocator
         self.page_size = cache.allocator.page_size
         self.device = cache.allocator.device
-        # Told of every insert made for a pending attempt: (req, key, present, end); set by the
-        # executor when the cache has an L3 tier (prefill.scheduler.l3_provenance).
-        self.on_pending_insert: Any = None
+        self.l3_pages: SpeculativeL3Pages | None = None
+        if cache.storage is not None:
+            self.l3_pages = SpeculativeL3Pages(self.page_size, stats)
+            cache.storage.add_write_observer(self.l3_pages.observe)
 
     def _pages(self, n: int) -> int:
         """``n`` rounded up to whole pages."""
@@ -57,8 +50,7 @@ class RequestKV:
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
         short; ``None`` when even eviction cannot make room. May block while write_back backs
-        up an evicted leaf. Under tensor parallelism the room and the eviction are the cache
-        group's decisions (``KVCache.alloc_device``), so every rank gets slots or none."""
+        up an evicted leaf. Agreed over tensor-parallel ranks (``KVCache.alloc_device``)."""
         return self.cache.alloc_device(n)
 
     # ------------------------------------------------------------------ admission
@@ -102,13 +94,9 @@ class RequestKV:
 
     # ------------------------------------------------------------------ chunk boundaries
     def cache_unfinished(self, req: PrefillRequest, chunked: bool) -> None:
-        """Insert the computed whole pages ``[0, computed_len // ps * ps)`` into the tree and
-        move the request's lock to the new deepest node.
-
-        Ownership: ``slots[tree_len:present]`` duplicate KV another request inserted meanwhile
-        and are freed (the request reads the tree's copy from now on); ``slots[present:end]``
-        become the tree's. No in-flight send reads them: sends only cover ``[.., tree_len)`` at
-        boundaries (checked).
+        """Insert the computed whole pages into the tree and move the request's lock to the new
+        deepest node. ``slots[tree_len:present]`` duplicate KV another request inserted and are
+        freed; ``slots[present:end]`` become the tree's (no in-flight send reads them: checked).
         """
         if req.slots is None:
             raise RuntimeError(f"{req.rid}: cache_unfinished of a request without slots")
@@ -124,8 +112,8 @@ class RequestKV:
         if issued and req.pending_bootstrap:
             self.stats.speculative_l2_pages += page_ceil(issued, self.page_size) // self.page_size
             logger.error("%s: an insert of a pending attempt backed up %d tokens", req.rid, issued)
-        if req.pending_bootstrap and self.on_pending_insert is not None and present < end:
-            self.on_pending_insert(req, key, present, end)
+        if req.pending_bootstrap and self.l3_pages is not None and present < end:
+            self.l3_pages.record(req, key, present, end)
         if present < req.tree_len:  # before the free below: it would free tree-owned slots
             raise RuntimeError(f"{req.rid}: locked prefix {req.tree_len} > present {present}")
         if present > req.tree_len:

@@ -1,3 +1,3 @@
-"""The executor's delegates, one per scheduler concern: admission (bootstrap and waiting queues),
-the chunked request and its batch, a pending attempt's KV, sends and outcomes, the gate and the
-metadata buffers."""
+"""The executor's delegates: admission (bootstrap and waiting queues, the gate), the batch
+runner (the running request and its batch), a pending attempt's KV, the inflight queue (sends,
+aborts, results) and L3 prefetch."""

@@ -1,64 +1,131 @@
-"""Admission of the optimistic prefill executor (SGLang ``PrefillBootstrapQueue``), see
-docs/DESIGN.md: the bootstrap and waiting queues, the decode peer's bootstrap state as the
-scheduler sees it, the optimistic-attempt policy and the metadata buffers.
+"""Admission (SGLang ``PrefillBootstrapQueue``): the bootstrap and waiting queues, the
+optimistic-attempt policy, the metadata buffers, and the executor's side of the gate.
 
-- A request still ``Bootstrapping`` is admitted optimistically while its
-  ``optimistic_attempts < N`` (the attempt is counted at admission); a ready one is admitted and
-  finalized at once; a failed one is handed back to the executor to abort.
-- Every admission needs a metadata buffer (SGLang ``ensure_metadata_buffer``), held until the
-  request's outcome or its fall back to the bootstrap queue; with none free the request waits
-  in the bootstrap queue. The pool (``2 * max_running_requests``) caps optimistic admissions.
-- ``finalize`` commits an attempt (``peer.init``): nothing is sent before it.
-- A yielded request goes back to the head of the waiting queue for another optimistic attempt,
-  or to the tail of the bootstrap queue once its attempts are used up.
-- The test hook "force not ready" (SGLang ``should_force_retry``): the first attempt of a forced
-  request runs as if its peer were not ready and yields at its end, whatever
-  ``optimistic_prefill_attempts`` is (upstream's hook ignores the limit too).
-
-This file never touches KV: requests in both queues hold no slots and no lock.
-
-Peer states come from ``PeerPolls`` (``prefill.tp.sync``): under tensor parallelism each queue's
-polls are MIN-reduced over the ranks before any decision; with one rank it is a plain poll.
+Requests in both queues hold no KV (no slots, no lock). Every admitted request holds one
+metadata buffer until its outcome or its fall back to the bootstrap queue; nothing is sent
+before ``finalize``. Peer states come from ``PeerPolls`` (agreed over tensor-parallel ranks).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
+from hicache.tp.group import TPGroup
 from prefill.disagg.protocol import KVPoll
+from prefill.executor_stats import ExecutorStats
 from prefill.request.state import PrefillRequest, Stage
-from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
-from prefill.stats import ExecutorStats
-from prefill.tp.sync import PeerPolls
+from prefill.tp_lockstep.sync import PeerPolls
+
+if TYPE_CHECKING:
+    from hicache.builder import KVCache
+    from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 2048
+"""``max_running_requests`` when unset: the floor of SGLang's derived value."""
+
+
+def metadata_buffer_count(max_running_requests: int) -> int:
+    """SGLang's prefill-side pool size: twice ``max_running_requests`` (headroom)."""
+    return 2 * max_running_requests
+
+
+def resolved_attempts(args: ServerArgs) -> int:
+    """Optimistic attempts the executor may use: the gate's resolved value, and only in
+    ``--disaggregation-mode prefill``."""
+    attempts = int(args.optimistic_prefill_attempts)
+    if attempts > 0 and args.disaggregation_mode != "prefill":
+        logger.warning(
+            "optimistic prefill ignored: --optimistic-prefill-attempts=%d applies only with "
+            "--disaggregation-mode prefill (got %s)",
+            attempts,
+            args.disaggregation_mode,
+        )
+        return 0
+    return attempts
+
+
+def check_gate(args: ServerArgs, cache: KVCache, attempts: int) -> None:
+    """Raise ``ValueError`` naming the flags when ``attempts > 0`` but the gate, asked with what
+    the cache declares (its tree's write policy, an L3 tier, its host memory mode) and ``args``
+    as they are now, would resolve them to 0."""
+    if attempts <= 0:
+        return
+    tree = cache.tree
+    policy = getattr(tree, "write_policy", None) if cache.hierarchical else None
+    storage = cache.storage
+    mode = storage.settings.host_memory_mode if storage is not None else "cache"
+    if args.optimistic_gate_allows(policy, storage=storage is not None, host_memory_mode=mode):
+        return
+    raise ValueError(
+        f"--optimistic-prefill-attempts={attempts} is not allowed with this cache: its tree "
+        f"declares --hicache-write-policy={policy} (backs up at insert: "
+        f"{tree.backs_up_on_insert}) with --optimistic-prefill-write-through="
+        f"{args.optimistic_prefill_write_through}, "
+        f"a storage tier: {storage is not None} (--hicache-host-memory-mode={mode}), "
+        f"--pp-size={args.pp_size}, --uses-mamba-radix-cache="
+        f"{args.uses_mamba_radix_cache}; the gate resolves this to 0 "
+        "attempts (were ServerArgs changed after they were resolved?)"
+    )
+
+
+def log_gate_once(args: ServerArgs) -> None:
+    """One warning when the gate turned optimism off, so an operator sees why requests wait."""
+    for r in args.resolutions:
+        if r.field == "optimistic_prefill_attempts" and r.new == 0:
+            logger.warning(
+                "optimistic prefill disabled: %s (requested %s attempts); requests wait for "
+                "their decode peer before prefill",
+                r.reason,
+                r.old,
+            )
+            return
+
+
+class ReqToMetadataIdxAllocator:
+    """``size`` metadata buffer indices, handed out first-free-first (SGLang's)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self.free_slots: deque[int] = deque(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        """One index, or ``None`` when all are in use."""
+        return self.free_slots.popleft() if self.free_slots else None
+
+    def free(self, index: int) -> None:
+        if not 0 <= index < self.size:
+            raise ValueError(f"index {index} is not a buffer of this pool (size {self.size})")
+        self.free_slots.append(index)
 
 
 class AdmissionQueue:
     """The bootstrap and waiting queues and who leaves them when.
 
-    Args:
-        max_attempts: ``optimistic_prefill_attempts`` after the gate (0 disables optimism).
-        stats: the executor's counters (admissions, finalized, retries, fallbacks).
-        metadata: the metadata buffer pool every admitted request takes one index from.
-        polls: how peer states are read (agreed over tensor-parallel ranks).
+    ``max_attempts``: ``optimistic_prefill_attempts`` after the gate (0 disables optimism);
+    ``metadata_buffers``: the size of the metadata buffer pool; ``group``: the ranks that agree
+    on peer polls.
     """
 
     def __init__(
-        self,
-        max_attempts: int,
-        stats: ExecutorStats,
-        metadata: ReqToMetadataIdxAllocator,
-        polls: PeerPolls,
+        self, max_attempts: int, stats: ExecutorStats, metadata_buffers: int, group: TPGroup
     ) -> None:
         self.max_attempts = max_attempts
         self.stats = stats
-        self.metadata = metadata
-        self.polls = polls
+        self.metadata = ReqToMetadataIdxAllocator(metadata_buffers)
+        self.polls = PeerPolls(group)
         self.bootstrap_queue: list[PrefillRequest] = []
         self.waiting_queue: list[PrefillRequest] = []
-        self.on_finalize: list = []  # told of each finalized request (L3 provenance)
+        self.on_finalize: Callable[[PrefillRequest], None] | None = None
 
     # ------------------------------------------------------------------ bootstrap state
     def forced(self, req: PrefillRequest) -> bool:
@@ -74,9 +141,7 @@ class AdmissionQueue:
         """The peer's state, except that a forced pending request still sees ``Bootstrapping``."""
         return self._hooked(req, self.polls.one(req))
 
-    def poll_each(
-        self, reqs: Sequence[PrefillRequest]
-    ) -> Iterable[tuple[PrefillRequest, KVPoll]]:
+    def poll_each(self, reqs: Sequence[PrefillRequest]) -> Iterable[tuple[PrefillRequest, KVPoll]]:
         """``(req, poll(req))`` for a whole queue, in order (agreed once for the queue)."""
         return ((r, self._hooked(r, s)) for r, s in self.polls.each(reqs))
 
@@ -97,16 +162,15 @@ class AdmissionQueue:
             req.metadata_buffer_index = -1
 
     def finalize(self, req: PrefillRequest) -> None:
-        """Bootstrap done: commit this attempt (``peer.init``); sends may follow. The request
-        holds a metadata buffer since its admission."""
+        """Bootstrap done: commit this attempt (``peer.init``); sends may follow."""
         if not req.pending_bootstrap or req.metadata_buffer_index < 0:
             raise RuntimeError(f"{req.rid}: finalize twice, or without a metadata buffer")
         req.peer.init(req.attempt)
         req.pending_bootstrap = False
         req.start_send_idx = req.peer.decode_prefix_len
         self.stats.finalized += 1
-        for hook in self.on_finalize:
-            hook(req)
+        if self.on_finalize is not None:
+            self.on_finalize(req)
 
     # ------------------------------------------------------------------ queues
     def add(self, req: PrefillRequest) -> None:
@@ -134,9 +198,7 @@ class AdmissionQueue:
             if state == KVPoll.Failed:
                 failed.append(req)
             elif state == KVPoll.Bootstrapping:
-                if req.optimistic_attempts < self.max_attempts and self.ensure_metadata_buffer(
-                    req
-                ):
+                if req.optimistic_attempts < self.max_attempts and self.ensure_metadata_buffer(req):
                     self._admit(req, optimistic=True)
                     self.waiting_queue.append(req)
                 else:
@@ -181,8 +243,8 @@ class AdmissionQueue:
         )
 
     def candidates(self) -> list[PrefillRequest]:
-        """Waiting requests in batch order: bootstrapped (finalized) ones first, so a yield really
-        yields; queue order within each class (a yielded request heads the optimistic ones)."""
+        """Waiting requests in batch order: bootstrapped ones first, so a yield really yields;
+        queue order within each class."""
         return sorted(self.waiting_queue, key=lambda r: r.pending_bootstrap)
 
     def remove_started(self, req: PrefillRequest) -> None:
@@ -190,14 +252,13 @@ class AdmissionQueue:
         self.waiting_queue.remove(req)
 
     def requeue_unstarted(self, reqs: list[PrefillRequest]) -> None:
-        """Requests that left the waiting queue for a batch whose forward did not run (a host
-        load failed; they hold no KV again) go back to its head, in their order."""
+        """Requests whose batch's forward did not run (they hold no KV again) go back to the
+        head of the waiting queue, in their order."""
         self.waiting_queue[:0] = reqs
 
     def requeue_yielded(self, req: PrefillRequest) -> None:
-        """After a yield (``req`` holds no KV and was reset): another optimistic attempt at the
-        head of the waiting queue (keeping its metadata buffer), or the tail of the bootstrap
-        queue once attempts are used (giving the buffer back)."""
+        """After a yield: another optimistic attempt at the head of the waiting queue (keeping
+        its metadata buffer), or the tail of the bootstrap queue once attempts are used."""
         if self.forced(req):
             req.forced_yield_done = True
         if req.optimistic_attempts >= self.max_attempts:

@@ -1,34 +1,24 @@
-"""The executor's side of L3 prefetch (SGLang 0.5.23's scheduler ``_prefetch_kvcache``,
-``check_prefetch_progress`` at admission and ``_prefetch_after_device_hit_loss``), over the
-cache's storage tier (``hicache.storage.io.controller``); every call is a no-op without one.
+"""The executor's side of L3 prefetch (SGLang 0.5.23's ``_prefetch_kvcache``,
+``check_prefetch_progress`` and ``_prefetch_after_device_hit_loss``); every call is a no-op
+without a storage tier.
 
-- **arrival** (``on_arrival``, when a request enters the bootstrap queue, so the lookup overlaps
-  the decode peer's bootstrap): match the prefix; the page-aligned tokens after it, up to the
-  last whole page before the final token, are prefetched for the request's current attempt
-  (``CacheRequestHandle(rid, storage_epoch)``); the matched length is remembered
-  (``storage_prefetch_last_match_len``).
-- **admission** (``ready``, before the batch matches and locks the prefix): the stop policy says
-  whether the attempt may go now (``False``: skipped this step, the others go ahead); if the
-  device and host match shrank below the remembered length (eviction while queued, or a yield),
-  one new lookup is issued and the request waits for it (at most
-  ``MAX_STORAGE_RETRIES`` times); ``buffer_only`` attaches the attempt's fetched pages for the
-  load back that follows. ``admitted`` records how many of the host-hit tokens came from L3
-  (cache mode: the prefetch's inserted tokens the admission did not load from the host count
-  as ``prefetch_unused_tokens``).
-- **yield** (``on_yield``): the attempt's prefetch is released (nothing of it reaches the
-  retry), the request moves to a new attempt, and the prefix the yielded attempt had matched
-  seeds the retry's lookup (SGLang's ``storage_prefetch_last_match_len = yielded_prefix_len``).
-- **outcome** (``on_outcome``): whatever the attempt still holds is released.
+A request's prefetch is issued at arrival (overlapping its peer's bootstrap) for the current
+attempt (``CacheRequestHandle(rid, storage_epoch)``), checked by the stop policy at admission
+(re-issued, at most ``MAX_STORAGE_RETRIES`` times, when the matched prefix shrank), released at
+a yield (the retry's lookup seeded with the yielded prefix) and at the outcome.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.storage.io.workers import CacheRequestHandle
 from prefill.clock import Clock
 from prefill.request.state import PrefillRequest
+
+if TYPE_CHECKING:
+    from hicache.builder import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +27,11 @@ MAX_STORAGE_RETRIES = 8
 
 
 class StoragePrefetch:
-    """Prefetch at arrival and the admission check (module docstring).
+    """Prefetch at arrival and the admission check; ``clock`` measures the stop policy's
+    waits."""
 
-    Args:
-        cache: ``hicache.builder.KVCache``; its ``storage`` (``None``: everything is a no-op).
-        clock: the executor's clock, on which ``timeout`` waits are measured.
-    """
-
-    def __init__(self, cache: Any, clock: Clock) -> None:
-        self.storage = getattr(cache, "storage", None)
+    def __init__(self, cache: KVCache, clock: Clock) -> None:
+        self.storage = cache.storage
         self.tree = cache.tree
         self.clock = clock
         self.page_size = cache.allocator.page_size
@@ -74,8 +60,8 @@ class StoragePrefetch:
         return self.storage.prefetch(self.handle(req), anchor, req.token_ids[matched:end], matched)
 
     def ready(self, req: PrefillRequest) -> bool:
-        """Whether ``req`` may be admitted now (module docstring). Collective under
-        tensor parallelism (the stop policy's verdict); every rank asks alike."""
+        """Whether ``req`` may be admitted now; ``buffer_only`` attaches the attempt's fetched
+        pages. Collective under tensor parallelism."""
         if self.storage is None:
             return True
         handle = self.handle(req)
@@ -98,13 +84,18 @@ class StoragePrefetch:
             req.storage_prefetch_last_match_len = current
             return False
         req.storage_prefetch_retries += 1
-        logger.info("%s: matched prefix shrank from %d to %d tokens; new storage lookup",
-                    req.rid, previous, current)  # fmt: skip
+        logger.info(
+            "%s: matched prefix shrank from %d to %d tokens; new storage lookup",
+            req.rid,
+            previous,
+            current,
+        )
         return self.on_arrival(req)
 
     def admitted(self, req: PrefillRequest) -> None:
         """After the prefix was matched and locked: how many of its host-hit tokens came from
-        storage (``req.cached_storage``), once per attempt."""
+        storage (``req.cached_storage``), once per attempt; the rest of what the prefetch
+        inserted counts as ``prefetch_unused_tokens``."""
         if self.storage is None:
             return
         inserted = 0

@@ -22,8 +22,8 @@ from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
-from prefill.scheduler.metadata_buffers import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
-from prefill.tp.driver import agreed_clock
+from prefill.scheduler.admission import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
+from prefill.tp_lockstep.driver import agreed_clock
 
 if TYPE_CHECKING:
     from hicache.tp.group import TPGroup

@@ -1,4 +1,4 @@
-"""One time on every tensor-parallel rank (``prefill.tp.sync.AgreedClock`` on a virtual clock).
+"""One time on every tensor-parallel rank (``tp_lockstep.sync.AgreedClock`` on a virtual clock).
 
 - Without processes: rank 0 alone waits (the follow protocol's driver does), both ranks take the
   broadcast base and advance alike; both read bitwise the same time.
@@ -18,7 +18,7 @@ from prefill.clock import VirtualClock
 from prefill.disagg.sim_config import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
 from prefill.testing.harness import make_executor
-from prefill.tp.sync import AgreedClock
+from prefill.tp_lockstep.sync import AgreedClock
 from server_args import ServerArgs
 from tests.support.tp_harness import run_ranks
 

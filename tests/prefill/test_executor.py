@@ -372,7 +372,7 @@ def test_injected_transfer_failure_aborts():
 def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog, stream_mode):
     args = executor_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
     assert args.optimistic_prefill_attempts == 0
-    with caplog.at_level(logging.WARNING, logger="prefill.scheduler.gate"):
+    with caplog.at_level(logging.WARNING, logger="prefill.scheduler.admission"):
         peer = PeerConfig(bootstrap_delay=NEVER)
         ex = make_executor(args, peer_config=peer, streams=stream_mode)
     gate_logs = [r for r in caplog.records if "optimistic prefill disabled" in r.message]

@@ -169,7 +169,7 @@ def test_records_are_freed_after_the_outcome_and_a_rid_can_come_back():
 
 
 def test_ttft_reservoir_is_bounded_and_aggregates_stay_exact():
-    from prefill.stats import TTFT_RESERVOIR_SIZE, ExecutorStats
+    from prefill.executor_stats import TTFT_RESERVOIR_SIZE, ExecutorStats
 
     s = ExecutorStats()
     values = [i * 1e-3 for i in range(3 * TTFT_RESERVOIR_SIZE)]

@@ -67,7 +67,7 @@ from prefill.disagg.mooncake.wire import (
     parse_to_decode,
 )
 from prefill.disagg.protocol import TERMINAL, KVPoll, positive_env
-from prefill.scheduler.metadata_buffers import ReqToMetadataIdxAllocator
+from prefill.scheduler.admission import ReqToMetadataIdxAllocator
 
 logger = logging.getLogger(__name__)
 

@@ -1,40 +1,30 @@
-"""Who drives the prefill executor's steps under tensor parallelism, and how the other ranks
-follow (SGLang's rank 0 receives the requests and broadcasts them to the others).
-
-Only rank 0 accepts requests (``submit``) and decode-side releases (``release``); they wait in
-``RankZeroInputs`` (``prefill.tp.sync``) and reach every rank at the start of the next step
-(``sync``), with rank 0's submit times and clock reading. Every rank calls the executor's
-``step`` / ``run_until_idle`` / ``drain_cache_events`` in the same order, in one of two ways:
-
-- every rank runs the same driver; or
-- rank 0 alone drives (submits as requests arrive, steps) and the other ranks ``follow``: each
-  mirrors one step per broadcast until rank 0's ``stop_followers`` broadcasts a stop (one more
-  broadcast, no step). A follower keeps no results: they are rank 0's to hand out.
-
-When a public call returns, ``release_clock`` lets a driver on rank 0 read live time again
-between steps (``AgreedClock.release``).
-
-With one rank nothing is broadcast: a request is accepted at once, a release is applied at once,
-and ``sync`` does nothing.
+"""Who drives the prefill executor's steps under tensor parallelism (SGLang's rank 0 receives
+the requests and broadcasts them). Only rank 0 accepts requests and decode-side releases; they
+reach every rank at the next step's ``sync`` with rank 0's clock reading. Every rank runs the
+same driver, or rank 0 alone drives and the others ``follow`` until ``stop_followers``. With
+one rank nothing is broadcast.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hicache.tp.group import TPGroup
 from prefill.clock import Clock
 from prefill.disagg.protocol import DecodeLink
-from prefill.tp.sync import AgreedClock, RankZeroInputs
+from prefill.tp_lockstep.sync import AgreedClock, RankZeroInputs
+
+if TYPE_CHECKING:
+    from prefill.disagg.protocol import DecodeBackend
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TPDriver", "agreed_clock"]
 
 
-def agreed_clock(clock: Clock, group: TPGroup, decode: Any) -> Clock:
+def agreed_clock(clock: Clock, group: TPGroup, decode: DecodeBackend | None) -> Clock:
     """The executor's clock: ``clock`` itself with one rank; with more, wrapped in an
     ``AgreedClock`` (unless it is one). Raises ``ValueError`` when a given ``decode`` side does
     not use that clock object under tensor parallelism."""
@@ -48,15 +38,9 @@ def agreed_clock(clock: Clock, group: TPGroup, decode: Any) -> Clock:
 
 
 class TPDriver:
-    """Rank 0's inputs and the follow protocol of one executor (see the module docstring).
-
-    Args:
-        group: the executor's cache group.
-        clock: the executor's clock (an ``AgreedClock`` at more than one rank).
-        accept: ``accept(rid, token_ids, peer, submit_time)`` queues a request in the executor.
-        release: ``release(rid)`` frees the decode side's kept KV of ``rid`` on this rank.
-        drop_results: called at every step's start while following (a follower keeps none).
-    """
+    """Rank 0's inputs and the follow protocol of one executor. ``accept`` queues a request in
+    the executor, ``release`` frees the decode side's kept KV on this rank, ``drop_results``
+    runs at every step's start while following."""
 
     def __init__(
         self,
@@ -131,7 +115,7 @@ class TPDriver:
         if isinstance(self.clock, AgreedClock):
             self.clock.release()
 
-    def follow(self, step: Callable[[], Any], after_step: Callable[[], Any] | None) -> None:
+    def follow(self, step: Callable[[], object], after_step: Callable[[], object] | None) -> None:
         """Ranks other than 0: ``step()`` (then ``after_step()``) once per rank 0 broadcast
         until rank 0 stops the followers. ``ValueError`` on rank 0 or with one rank."""
         if self.inputs is None or self.group.rank == 0:

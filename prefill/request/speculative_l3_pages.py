@@ -1,17 +1,10 @@
-"""``SpeculativeL3Pages``: counts pages that reached L3 storage from KV of an attempt that was
-not finalized (``ExecutorStats.speculative_l3_pages``; ``check_integrity`` asserts 0).
+"""Pages that reached L3 storage from KV of an attempt that was never finalized
+(``ExecutorStats.speculative_l3_pages``; ``check_integrity`` asserts 0).
 
-An insert made for a pending attempt (its decode peer not ready, so not finalized) records the
-keys of the pages it gave the tree (``record``); finalizing the attempt clears them
-(``finalized``); an attempt that yields or aborts leaves them recorded. The storage tier tells
-this tracker of every page key a backup stored (``observe``, at the storage ack); a recorded
-key counts once. Under the gate's allowed configurations a pending attempt inserts nothing into
-a tree whose pages can reach L3 (SGLang 0.5.23: L3 only in ``buffer_only`` with
-``write_through``, where pending KV stays request-owned), so nothing is ever recorded; the
-counter exists to show the refused configurations leak (L3 with ``write_back``: chunk-boundary
-inserts, a yield, a device eviction's backup, then the storage write).
-
-Bounded: at most ``capacity`` keys are remembered (the oldest are forgotten).
+A pending attempt's insert records its page keys; finalize clears them; a backup the storage
+tier stored reports its keys (``observe``) and a recorded key counts once. Under the gate's
+allowed configurations nothing is ever recorded; the counter shows the refused ones leak.
+At most ``capacity`` keys are remembered (the oldest are forgotten).
 """
 
 from __future__ import annotations
@@ -20,14 +13,14 @@ import logging
 from collections import OrderedDict
 
 from hicache.storage.hash_keys import page_hashes
+from prefill.executor_stats import ExecutorStats
 from prefill.request.state import PrefillRequest
-from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
 
 
 class SpeculativeL3Pages:
-    """Keys of pages inserted by attempts not finalized (module docstring)."""
+    """Keys of pages inserted by attempts not finalized."""
 
     def __init__(self, page_size: int, stats: ExecutorStats, capacity: int = 1 << 20) -> None:
         self.page_size = page_size
@@ -65,5 +58,9 @@ class SpeculativeL3Pages:
             owner = self._owner.pop(k, None)
             if owner is not None:
                 self.stats.speculative_l3_pages += 1
-                logger.error("page %s of %s attempt %d (not finalized) reached L3 storage",
-                             k[:12], owner[0], owner[1])  # fmt: skip
+                logger.error(
+                    "page %s of %s attempt %d (not finalized) reached L3 storage",
+                    k[:12],
+                    owner[0],
+                    owner[1],
+                )

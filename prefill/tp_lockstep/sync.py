@@ -1,37 +1,23 @@
-"""What the prefill executor agrees on across tensor-parallel ranks (SGLang's scheduler at
-``tp_size > 1``), on the cache group (``hicache.tp.group``).
-
-Every rank runs the same executor over its own shard of the KV heads: its own cache, its own
-decode side (it sends its own shard), the same scheduling code. The schedule is identical on
-every rank because every input to it is identical:
-
-- **Requests and time** (``RankZeroInputs``): only rank 0 accepts requests (SGLang's
-  ``_broadcast_reqs_across_ranks``). At the start of every step rank 0 broadcasts the requests
-  submitted since the last step (with their submit times), decode-side releases, and its clock
-  reading; every rank then reads that time for the whole step (``AgreedClock``).
-- **Decode peers** (``PeerPolls``): each rank polls its own peers; a queue's states are
-  MIN-reduced before anyone acts on them (SGLang's ``poll_and_all_reduce``; ``KVPoll`` order
-  makes MIN the most pessimistic: ``Failed`` < ``Bootstrapping`` < ``WaitingForInput`` <
-  ``Transferring`` < ``Success``). A peer that failed on one rank is failed on every rank,
-  locally too, so no rank's transfer reads slots the executor then frees. A send's success is
-  agreed the same way, and the earliest next peer event is the earliest of any rank's.
-- **Cache decisions** (allocations, acks, backups, loads, evictions): agreed in ``hicache``
-  (``KVCache.alloc_device``, ``hicache.tree.hiradix_transfers``).
-- **Check**: after building a batch rank 0 broadcasts its ``(rid, new tokens, computed)`` and
-  every rank checks its own against it (``check_batch``): a divergence is an error on every
-  rank before the model's collectives could hang.
-
-With one rank every helper here is the identity and communicates nothing.
+"""What the prefill executor's ranks agree on under tensor parallelism (SGLang's scheduler at
+``tp_size > 1``; docs/DESIGN.md section 10), on the cache group: rank 0's requests and time
+(``RankZeroInputs``, ``AgreedClock``), decode-peer states MIN-reduced per queue
+(``PeerPolls``), and each batch checked against rank 0's (``check_batch``). Every input to the
+schedule is identical on every rank; with one rank every helper is the identity.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.tp.group import RankDivergenceError, TPGroup
+from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll
+
+if TYPE_CHECKING:
+    from prefill.disagg.protocol import DecodeBackend
+    from prefill.request.state import PrefillRequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +25,13 @@ __all__ = ["AgreedClock", "PeerPolls", "RankZeroInputs", "check_batch"]
 
 
 class AgreedClock:
-    """The executor's clock on every rank of a tensor-parallel group: rank 0's time.
+    """The executor's clock on every rank of a tensor-parallel group: rank 0's time, fixed
+    for a step by ``set_base``. A virtual inner clock is moved along but never read back (the
+    shared time is carried here, so every rank reads bitwise the same float); on wall time
+    ``now()`` stays at the step's start until ``release()``, then rank 0 reads live time.
+    ``live_now()`` is rank 0's own reading."""
 
-    ``set_base(t)`` (at every step's start, with the time rank 0 broadcast) fixes ``now()``
-    for the step on every rank.
-
-    - **Virtual inner clock**: the agreed clock carries the shared virtual time itself
-      (``_time``): ``set_base`` sets it, ``advance(dt)`` adds ``dt`` to it and ``wait_until``
-      raises it, on every rank alike, so every rank reads bitwise the same time whatever only
-      rank 0 waited for (a driver on rank 0 alone waits between steps while the others follow).
-      Each rank's inner clock is moved along (``wait_until`` to the agreed time) but never read
-      back: an offset from a per-rank inner reading would round differently on each rank.
-    - **Wall inner clock**: ``now()`` stays at the step's start until ``release()`` (the
-      executor calls it when ``step`` returns to its caller), after which rank 0 reads its own
-      clock again (a driver on rank 0 sees live time; the other ranks keep the step's).
-
-    ``live_now()`` is rank 0's own reading (submit times, what it broadcasts). ``wait_until(t)``:
-    a virtual clock jumps; on wall time rank 0 sleeps (its clock defines the time) and the other
-    ranks return at once (they wait in the next step's broadcast).
-    """
-
-    def __init__(self, inner: Any, group: TPGroup) -> None:
+    def __init__(self, inner: Clock, group: TPGroup) -> None:
         self.inner = inner
         self.group = group
         self.is_virtual = bool(getattr(inner, "is_virtual", False))
@@ -104,12 +76,8 @@ class AgreedClock:
 
 
 class RankZeroInputs:
-    """What rank 0 received since the last step, broadcast to every rank at the next one.
-
-    Operations (plain tuples, applied by the executor in order): ``("submit", rid, token_ids,
-    submit_time)``, ``("release", rid)`` (free the decode side's kept KV) and ``("stop",)``
-    (ends ``follow`` on the other ranks).
-    """
+    """What rank 0 received since the last step, broadcast to every rank at the next one:
+    ``("submit", rid, token_ids, submit_time)``, ``("release", rid)`` and ``("stop",)``."""
 
     def __init__(self, group: TPGroup, clock: AgreedClock) -> None:
         self.group = group
@@ -143,18 +111,13 @@ class RankZeroInputs:
 
 
 class PeerPolls:
-    """Decode-peer states the executor acts on: this rank's polls, MIN-reduced over the group.
-
-    ``each(reqs)`` polls every request's peer (one queue at a time, in queue order) and returns
-    ``(req, state)`` pairs. With one rank it is lazy (each peer is polled as the caller reaches
-    it, as without TP); with more ranks it polls the whole queue and agrees before returning
-    (one collective per call, entered even for an empty queue).
-    """
+    """Decode-peer states the executor acts on: this rank's polls, MIN-reduced over the group
+    (one collective per queue, entered even for an empty one; lazy with one rank)."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
 
-    def each(self, reqs: Sequence[Any]) -> Iterable[tuple[Any, KVPoll]]:
+    def each(self, reqs: Sequence[PrefillRequest]) -> Iterable[tuple[PrefillRequest, KVPoll]]:
         if self.group.size == 1:
             return ((r, r.peer.poll()) for r in reqs)
         local = [int(r.peer.poll()) for r in reqs]
@@ -166,10 +129,10 @@ class PeerPolls:
             out.append((r, KVPoll(state)))
         return out
 
-    def one(self, req: Any) -> KVPoll:
+    def one(self, req: PrefillRequest) -> KVPoll:
         return next(iter(self.each([req])))[1]
 
-    def sent(self, req: Any, ok: bool) -> bool:
+    def sent(self, req: PrefillRequest, ok: bool) -> bool:
         """Whether a send reached every rank's peer. A rank whose send went out while another
         rank's failed fails its peer too (nothing it queued is read)."""
         if self.group.size == 1:
@@ -179,7 +142,7 @@ class PeerPolls:
             req.peer.fail("a KV send failed on another tensor-parallel rank")
         return agreed
 
-    def drained(self, reqs: Sequence[Any]) -> list[bool]:
+    def drained(self, reqs: Sequence[PrefillRequest]) -> list[bool]:
         """Whether each request's peer reads none of its sends any more
         (``inflight_reads() == 0``), on every rank (one collective, entered for an empty list
         too)."""
@@ -188,7 +151,7 @@ class PeerPolls:
             return [bool(x) for x in local]
         return [bool(x) for x in self.group.agree_min_many(local, tag="peer_drained")]
 
-    def next_event_time(self, decode: Any) -> float | None:
+    def next_event_time(self, decode: DecodeBackend) -> float | None:
         """The earliest ``next_event_time`` of every rank's decode side."""
         t = decode.next_event_time()
         if self.group.size == 1:
@@ -197,7 +160,7 @@ class PeerPolls:
         return min(times) if times else None
 
 
-def check_batch(group: TPGroup, batch: Sequence[tuple[Any, int]]) -> None:
+def check_batch(group: TPGroup, batch: Sequence[tuple[PrefillRequest, int]]) -> None:
     """Rank 0 broadcasts its batch's ``(rid, new tokens, computed before)``; every rank checks
     its own is the same and raises ``RankDivergenceError`` on every rank otherwise (naming the
     ranks that differ, and this rank's batch next to rank 0's)."""

@@ -1,19 +1,8 @@
-"""KV transfers of the optimistic prefill executor and what ends a request (SGLang
-``send_kv_chunk`` and ``process_disagg_prefill_inflight_queue``), see docs/DESIGN.md.
-
-- ``send_kv_chunk``: send the computed whole pages (or everything, for the last chunk), only
-  after finalize.
-- The inflight queue holds requests whose prefill finished: **parked** ones (still pending:
-  finalized, published and sent once the peer is ready, aborted if it fails, yielded when every
-  running slot is taken while others wait) and **transferring** ones (released and reported at
-  ``Success``, aborted at ``Failed``).
-- **Abort** (the peer failed at any stage): send nothing more, release everything and report
-  the error; when the transport still has a call reading the request's sends
-  (``peer.inflight_reads() > 0``, a real transport whose call has not returned yet) the request
-  first **drains**: it keeps its slots, lock and metadata buffer in the draining queue until no
-  call reads them (agreed over ranks), then is released and reported.
-- Every finished request gets a ``RequestResult`` in ``results`` until the caller pops it; the
-  request itself is handed to ``on_done`` (the executor forgets it).
+"""Sends and what ends a request (SGLang ``send_kv_chunk`` and
+``process_disagg_prefill_inflight_queue``): the inflight queue of requests whose prefill
+finished (parked while pending, transferring once finalized), aborts and their draining, and
+the results. Nothing is sent before finalize; an aborted request keeps its slots, lock and
+metadata buffer until its transport reads none of its sends (agreed over ranks).
 """
 
 from __future__ import annotations
@@ -23,47 +12,31 @@ from collections.abc import Callable
 
 from prefill.clock import Clock
 from prefill.disagg.protocol import KVPoll, MetadataRow
-from prefill.request.kv import RequestKV
 from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
-from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.pending_kv import PendingKV
-from prefill.stats import ExecutorStats
 
 logger = logging.getLogger(__name__)
 
 
 class InflightQueue:
-    """Sends, the inflight queue, aborts and results.
-
-    Args:
-        kv: the executor's ``RequestKV`` (release).
-        admission: peer polling (with the force-not-ready hook), finalize, metadata buffers.
-        pending: publishes a just-finalized request's pages, yields a parked one, counts KV
-            an abort drops unpublished.
-        clock: time of results.
-        stats: the executor's counters (sends, parks, aborts, successes, TTFT).
-        on_done: told of each request that got its outcome.
-        max_running_requests: requests that may hold KV at once (SGLang's request pool).
-    """
+    """Sends, the inflight queue, aborts and results. ``on_done`` is told of each request that
+    got its outcome; ``max_running_requests``: requests that may hold KV at once."""
 
     def __init__(
         self,
-        kv: RequestKV,
-        admission: AdmissionQueue,
         pending: PendingKV,
         clock: Clock,
-        stats: ExecutorStats,
-        on_done: Callable[[PrefillRequest], None],
         max_running_requests: int,
+        on_done: Callable[[PrefillRequest], None],
     ) -> None:
-        self.kv = kv
-        self.admission = admission
         self.pending = pending
+        self.kv = pending.kv
+        self.admission = pending.admission
+        self.stats = pending.stats
         self.clock = clock
-        self.stats = stats
         self.on_done = on_done
         self.max_running_requests = max_running_requests
-        self.page_size = kv.page_size
+        self.page_size = self.kv.page_size
         self.inflight_queue: list[PrefillRequest] = []
         self.draining_queue: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
@@ -71,8 +44,7 @@ class InflightQueue:
     # ------------------------------------------------------------------ sends
     def send_kv_chunk(self, req: PrefillRequest, last: bool) -> None:
         """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
-        ``last``. Only after finalize. The source slots stay owned (tree-locked or request-owned)
-        until the request's release, which comes after every ack (or after its peer failed)."""
+        ``last``. Only after finalize."""
         if req.pending_bootstrap or req.slots is None:
             raise RuntimeError(f"{req.rid}: a send before finalize or without slots")
         end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
@@ -82,8 +54,9 @@ class InflightQueue:
         metadata = None
         if last:
             assert req.first_token is not None
-            metadata = MetadataRow(req.metadata_buffer_index, req.first_token,
-                                   req.cached_device + req.cached_host)  # fmt: skip
+            metadata = MetadataRow(
+                req.metadata_buffer_index, req.first_token, req.cached_device + req.cached_host
+            )
         sent = req.peer.send(
             req.attempt, start, end, req.slots[start:end], last=last, metadata=metadata
         )
@@ -107,14 +80,10 @@ class InflightQueue:
 
     def process_inflight_queue(self, other_holders: int) -> None:
         """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
-        bootstrapping -> yield when starved (below); transfer ``Success`` -> release and
-        report; ``Failed`` -> abort. ``other_holders``: requests outside the inflight and
-        draining queues that hold KV (the chunked one).
-
-        Starved (SGLang's rule against a circular wait with the decode side): every running
-        slot (``max_running_requests``) is held, and a request waits for one (the waiting queue
-        is not empty, or the bootstrap queue is not and no metadata buffer is free). Then a
-        parked request whose peer is still bootstrapping yields, one per freed slot."""
+        bootstrapping -> yield while every running slot is held and someone waits for one
+        (SGLang's rule against a circular wait); ``Success`` -> release and report; ``Failed``
+        -> abort. ``other_holders``: requests holding KV outside these queues (the chunked one).
+        """
         self.process_draining()
         queue, self.inflight_queue = self.inflight_queue, []
         holding = len(queue) + len(self.draining_queue) + other_holders
@@ -147,16 +116,10 @@ class InflightQueue:
                 self.inflight_queue.append(req)
 
     # ------------------------------------------------------------------ abort / done
-    # Slot ownership at abort / completion (see prefill/request/kv.py for the ranges):
-    #   [0, tree_len)          tree-owned, locked by this request: the lock is dropped.
-    #   [tree_len, len(slots)) request-owned: freed.
-    #   sends in flight        none at Success (the last range acked last); at abort the slots
-    #                          (and the metadata buffer the last send reads) are kept until
-    #                          the transport reads none of them (draining), then freed.
     def abort(self, req: PrefillRequest) -> None:
         """The peer failed: send nothing more; release the request's KV and metadata buffer
-        and report the error, after draining its reads (module docstring). The caller has
-        removed it from its queue (and cleared it as the chunked request)."""
+        and report the error, after draining its reads. The caller has removed it from its
+        queue."""
         self.stats.aborts += 1
         if req.pending_bootstrap:
             self.stats.bootstrap_failures += 1
