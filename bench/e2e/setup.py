@@ -25,8 +25,8 @@ from prefill.disagg.sim_config import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
-from prefill.testing.harness import make_executor
 from server_args import ServerArgs
+from tests.support.harness import make_executor
 
 # The CPU model: small enough for minutes on 2 cores. On CUDA the Llama-3-8B shape in bf16.
 CPU_MODEL = dict(

@@ -7,7 +7,7 @@ executor's decode-peer protocol (``prefill.disagg.protocol``).
   bootstrap endpoint on ``--host``:``--disaggregation-bootstrap-port``, control messages, and KV
   written into decode memory with Mooncake's transfer engine. Its requests reach decode through
   whoever forwards each link's room with the request (SGLang's router;
-  ``prefill.testing.mooncake_decode`` in tests and benchmarks). Wall clock only.
+  ``tests.support.mooncake_decode`` in tests and benchmarks). Wall clock only.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from prefill.clock import VirtualClock
 from prefill.disagg.sim_config import PeerConfig
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
-from prefill.testing.harness import KV_ATOL, build_cache, make_executor
 from server_args import ServerArgs
+from tests.support.harness import KV_ATOL, build_cache, make_executor
 from tests.support.tp_harness import run_ranks
 
 CLIENTS = 6

@@ -11,13 +11,11 @@ One module per concern (import each name from its home module):
 - ``client``: ``MooncakeClient`` and ``open_client`` (setup with clear startup errors, the
   close guard, return-code names);
 - ``stats``: ``MooncakeStoreStats``;
-- ``master``: ``MooncakeMaster``, a master on loopback this project starts and stops, or one it
-  connects to (``python -m hicache.storage.mooncake.master``);
+- ``availability``: whether ``mooncake.engine`` / ``mooncake.store`` import here, and the
+  refusal of an engine on a loopback host without the loopback shim (shared with the PD
+  transport, ``prefill.disagg.mooncake``).
 
-What every Mooncake user in the project shares lives in ``hicache.mooncake``: ``availability``
-(whether ``mooncake.store`` imports, the one-line skip reason) and ``loopback`` (the
-``LD_PRELOAD`` shim that keeps a client's listeners on loopback; tests and benchmarks start every
-Mooncake client process with it).
+A master is Mooncake's own ``mooncake_master`` command.
 
 Nothing here imports ``mooncake`` at module import: without Mooncake installed, building the
 backend raises one ``ValueError`` saying what is missing, and everything else works.

@@ -3,7 +3,7 @@
 A decode instance without a model: its own KV pool and allocator (built with the geometry the
 first prefill announces at its bootstrap endpoint), metadata rows, a Mooncake engine, and
 SGLang's decode-side flow (``prefill.disagg.mooncake.receiver``). It is driven by its parent (the
-router of a test or benchmark, ``prefill.testing.mooncake_decode``) over stdin/stdout: each
+router of a test or benchmark, ``tests.support.mooncake_decode``) over stdin/stdout: each
 command is one framed message (``wire.encode_frames``) whose first frame is JSON
 ``{"op": ..., ...}``; each answer is a JSON frame (``{"ok": true, ...}`` or
 ``{"error": ...}``, echoing the command's ``seq``) followed by raw tensor frames for
@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from hicache.mooncake.loopback import require_loopback_engines
+from hicache.storage.mooncake.availability import require_loopback_engines
 from prefill.disagg.mooncake.layout import KVGeometry
 from prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
 from prefill.disagg.mooncake.wire import read_stream, write_stream

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hicache.mooncake.availability import module_reason
+from hicache.storage.mooncake.availability import module_reason
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ decode memory before ``init``: sends before it raise.
 
 Who hands each request to a decode instance (SGLang's router) is not this module's business:
 the caller of ``create_peer`` forwards ``link.room`` with the request
-(``prefill.testing.mooncake_decode`` does, for tests and benchmarks).
+(``tests.support.mooncake_decode`` does, for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hicache.memory.device_pool import KVPool
-from hicache.mooncake.loopback import require_loopback_engines
+from hicache.storage.mooncake.availability import require_loopback_engines
 from prefill.disagg.mooncake.layout import MetadataBuffers
 from prefill.disagg.mooncake.sender import PrefillTransport, Room
 from prefill.disagg.mooncake.session_worker import Job, TransferHook
@@ -229,7 +229,7 @@ class MooncakeBackend:
         hook: test hook before each engine call (``session_worker.TransferHook``).
 
     Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool) and ``RuntimeError``
-    (a loopback host in a process without the loopback shim, ``hicache.mooncake.loopback``).
+    (a loopback host in a process without the loopback shim, ``tests.support.loopback``).
     """
 
     def __init__(
