@@ -52,6 +52,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for a size that is not positive or a ``--device`` this
+    machine does not have; runs before the engine (and Mooncake) is touched."""
+    for flag in ("--max-total-tokens", "--max-running-requests"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {args.device}: this machine has {count} CUDA devices")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {args.device}: only cpu and cuda devices are supported")
+
+
 def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
     """Run one command; the answer frames."""
     op = cmd.get("op")
@@ -107,12 +128,16 @@ def serve(rx: DecodeReceiver, inp: BinaryIO, out: BinaryIO, ready: dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s",
+    )
     # The protocol owns the original stdout; anything else written to fd 1 goes to stderr.
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:
+        check_args(args)
         expect = KVGeometry.from_json(args.expect_geometry) if args.expect_geometry else None
         require_loopback_engines(args.host)
         cfg = DecodeConfig.from_env(
