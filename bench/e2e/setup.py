@@ -21,7 +21,7 @@ from bench.profile import GpuProfile
 from hicache.builder import KVCache, build_kv_cache
 from hicache.transfer.controller import HiCacheController
 from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer

@@ -281,7 +281,7 @@ def check_executor_l2(device: torch.device | None = None) -> None:
     """Write-back L2 end to end on ``device``: A is evicted to the host by B, C = A + more is a
     host hit loaded back layer by layer under its forward; integrity after every step; every
     request's decode-side KV equals a full recompute (fp32, tiny model)."""
-    from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+    from prefill.disagg.simulated import DelayDistribution, PeerConfig
     from prefill.request.state import Outcome
     from server_args import ServerArgs
     from tests.support.harness import assert_decode_kv_matches, make_executor

@@ -15,7 +15,7 @@ from typing import Any
 
 from hicache.tp.group import new_cache_group
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
 from prefill.tp.sync import AgreedClock
 from server_args import ServerArgs

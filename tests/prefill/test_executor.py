@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from prefill.disagg.protocol import KVPoll
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, Stage
 from tests.prefill.executor_helpers import BASE_ARGS, NEVER, executor_args, finish, prompt, step

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
 from tests.prefill.executor_helpers import executor_args, finish, prompt
 from tests.support.faults import CopyFaults

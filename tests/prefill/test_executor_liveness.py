@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from prefill.disagg.protocol import KVPoll
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, Stage
 from server_args import ServerArgs

@@ -24,7 +24,7 @@ import torch
 
 from hicache.memory.device_pool import MLATokenToKVPool
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.mla import MLATransformer
 from prefill.request.state import Outcome

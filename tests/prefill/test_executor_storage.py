@@ -12,7 +12,7 @@ import pytest
 
 import prefill.executor as executor_module
 from hicache.storage.hash_keys import page_hashes
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
 from server_args import ServerArgs
 from tests.hicache.storage.io.io_helpers import DYNAMIC, TestStorage

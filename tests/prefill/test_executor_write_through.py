@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome
 from server_args import ServerArgs

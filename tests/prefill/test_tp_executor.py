@@ -24,7 +24,7 @@ import torch
 from hicache.tp.digest import tree_state
 from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
 from server_args import ServerArgs

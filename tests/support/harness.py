@@ -17,8 +17,7 @@ import torch
 
 from prefill.clock import Clock, VirtualClock, WallClock
 from prefill.disagg.backends import make_decode_backend
-from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE
+from prefill.disagg.simulated import DEFAULT_SEND_LOG_SIZE, PeerConfig
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer

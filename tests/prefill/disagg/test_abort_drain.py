@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.request.state import Outcome, Stage
 from tests.prefill.executor_helpers import NOW, executor_args, prompt, step
 from tests.support.harness import make_executor

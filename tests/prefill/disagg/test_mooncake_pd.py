@@ -37,7 +37,7 @@ from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa
 from prefill.disagg.mooncake.receiver import POISON  # noqa: E402
 from prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
 from prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
-from prefill.disagg.sim_config import PeerConfig  # noqa: E402
+from prefill.disagg.simulated import PeerConfig  # noqa: E402
 from prefill.request.state import Outcome  # noqa: E402
 from server_args import ServerArgs  # noqa: E402
 from tests.support.harness import assert_decode_kv_matches, make_executor  # noqa: E402

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from hicache.storage.mooncake.store import MooncakeStore
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.request.state import Outcome
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 from tests.prefill.executor_helpers import NOW, executor_args, prompt
