@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from hicache.tp.group import tp_timeout_s
 from tests.support.loopback import free_port
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RanksFailed", "RanksHung", "free_port", "run_ranks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RanksFailed", "RanksHung", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
