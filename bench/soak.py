@@ -1,5 +1,5 @@
 """``python -m bench.soak``: a long run of the optimistic prefill executor (virtual clock, simulated
-decode peers failing and killed at random: ``prefill.testing.soak``), measured on this CPU: per
+decode peers failing and killed at random: ``tests.support.soak``), measured on this CPU: per
 ``window`` of finished requests the RSS, the CPU time of a step and the live record counts,
 against the first window after ``warmup`` (targets: RSS growth under 5%, step cost flat).
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Column, table_header, table_row, write_json
-from prefill.testing.harness import single_torch_thread
-from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor
 from server_args import prepare_server_args
+from tests.support.harness import single_torch_thread
+from tests.support.soak import SoakConfig, SoakReport, run_soak, soak_executor
 
 FLAGS = (
     "--page-size 4 --max-total-tokens 2048 --chunked-prefill-size 64 --device cpu --dtype float32 "

@@ -7,12 +7,12 @@
 #       Debian package libibverbs1 (apt-get update only when the plain install fails).
 #   $(call loopback_shim)  builds $(LOOPBACK_SHIM) from $(LOOPBACK_SRC) with cc: the LD_PRELOAD
 #       shim that keeps Mooncake's listeners on loopback in tests and benchmarks
-#       (hicache/mooncake/loopback.py).
+#       (tests/support/loopback.py).
 #
 # Each prints exactly one line and never fails the make: where something cannot be done, the
 # Mooncake tests skip with one line and bench.pd reports itself skipped.
 MOONCAKE_PKG ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
-LOOPBACK_SRC := hicache/mooncake/bind_loopback.c
+LOOPBACK_SRC := tests/support/bind_loopback.c
 LOOPBACK_SHIM := build/loopback/bind_loopback.so
 
 mooncake_install = P="$(1)/bin/python"; why=""; \

@@ -4,7 +4,7 @@ sharding and per-test progress lines for ``bench/gpu_check.sh`` (``HICACHE_TEST_
 it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``), and the loopback shim.
 
 Loopback shim: where Mooncake's engine is installed, a pytest run re-executes itself once under
-``LD_PRELOAD`` of the loopback shim (``hicache.mooncake.loopback``), because the Mooncake tests
+``LD_PRELOAD`` of the loopback shim (``tests.support.loopback``), because the Mooncake tests
 start transfer engines in this process and an engine's listeners would otherwise bind every
 interface. ``HICACHE_LOOPBACK_REEXEC=0`` turns this off (those tests then skip). Children of the
 test process do not inherit ``LD_PRELOAD``."""
@@ -30,9 +30,10 @@ HAS_CUDA = cuda_available()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from hicache.mooncake import availability, loopback
+    from hicache.storage.mooncake import availability
+    from tests.support import loopback
 
-    if loopback.shim_loaded():
+    if availability.shim_loaded():
         loopback.forget_preload()
         return
     if "pytest" not in os.path.basename(os.path.dirname(sys.argv[0])) + sys.argv[0]:
@@ -80,8 +81,8 @@ def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """One intra-op torch thread for the test (see
-    ``prefill.testing.harness.single_torch_thread``)."""
-    from prefill.testing.harness import single_torch_thread
+    ``tests.support.harness.single_torch_thread``)."""
+    from tests.support.harness import single_torch_thread
 
     with single_torch_thread():
         yield

@@ -11,7 +11,7 @@ import torch
 
 from bench.e2e.driver import TraceRun
 from prefill.request.state import Outcome
-from prefill.testing.harness import decode_kv_and_reference, kv_max_rel_error
+from tests.support.harness import decode_kv_and_reference, kv_max_rel_error
 
 KV_REL_TOL = 0.2
 """bf16 / fp16: largest relative error of one (layer, token) row vs a full recompute (rounding

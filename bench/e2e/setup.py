@@ -21,12 +21,12 @@ from bench.profile import GpuProfile
 from hicache.builder import KVCache, build_kv_cache
 from hicache.transfer.controller import HiCacheController
 from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
-from prefill.testing.harness import make_executor
 from server_args import ServerArgs
+from tests.support.harness import make_executor
 
 # The CPU model: small enough for minutes on 2 cores. On CUDA the Llama-3-8B shape in bf16.
 CPU_MODEL = dict(

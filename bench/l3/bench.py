@@ -26,8 +26,8 @@ from hicache.storage.config import storage_config_for_pool
 from hicache.storage.file_backend import HiCacheFile
 from hicache.storage.hash_keys import page_hashes
 from prefill.clock import WallClock
-from prefill.testing.harness import make_executor, single_torch_thread
 from server_args import prepare_server_args
+from tests.support.harness import make_executor, single_torch_thread
 
 MEASURED_ON = "a CPU, wall clock"
 FLAGS = (

@@ -20,15 +20,15 @@ import torch
 from bench.common import Column, print_table, write_json
 from hicache.memory.device_pool import MHATokenToKVPool
 from hicache.memory.host_pool_factory import make_host_pool
-from hicache.mooncake.availability import skip_reason
 from hicache.storage.backend_factory import StorageBackendFactory
 from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
 from hicache.storage.config import storage_config_for_pool
-from hicache.storage.mooncake.master import MooncakeMaster
-from prefill.testing.node_main import Node
-from prefill.testing.node_main import main as node_main
-from prefill.testing.node_process import StoreNode, stop_nodes
-from prefill.testing.node_stores import STORE_COMMANDS
+from tests.support.loopback import skip_reason
+from tests.support.mooncake_master import MooncakeMaster
+from tests.support.node_main import Node
+from tests.support.node_main import main as node_main
+from tests.support.node_process import StoreNode, stop_nodes
+from tests.support.node_stores import STORE_COMMANDS
 
 MEASURED_ON = "a CPU: Mooncake over TCP loopback, wall clock"
 NODE = "bench.mooncake_store.bench"  # the node processes' entry

@@ -37,7 +37,7 @@ from bench.e2e.setup import (
 from bench.e2e.workload import Conversation, make_conversations
 from bench.profile import GpuProfile
 from hicache.memory.allocator import page_ceil
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from server_args import ServerArgs
 
 CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) first

@@ -39,7 +39,7 @@ from bench.e2e.setup import (
 from bench.e2e.workload import cached_prompts, poisson_arrivals
 from bench.profile import GpuProfile
 from hicache.memory.allocator import page_ceil
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
 from server_args import ServerArgs
 

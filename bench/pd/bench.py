@@ -26,8 +26,7 @@ import numpy as np
 
 from bench.common import Column, print_table, write_json
 from bench.profile import CopyPath
-from hicache.mooncake import loopback
-from hicache.mooncake.availability import skip_reason
+from hicache.storage.mooncake.availability import shim_loaded
 from prefill.clock import WallClock
 from prefill.disagg.backends import make_decode_backend
 from prefill.disagg.mooncake.engine import KVTransferEngine
@@ -35,9 +34,10 @@ from prefill.executor import OptimisticPrefillExecutor as Executor
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
 from prefill.scheduler.admission import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
-from prefill.testing import harness
-from prefill.testing.mooncake_decode import DecodeWorker, MooncakeDecode, start_workers, wait_for
 from server_args import ServerArgs, prepare_server_args
+from tests.support import harness
+from tests.support.loopback import preload_env, skip_reason
+from tests.support.mooncake_decode import DecodeWorker, MooncakeDecode, start_workers, wait_for
 
 MEASURED_ON = "a CPU: Mooncake over TCP loopback, wall clock"
 NOISE = ("Local segment descriptor not found", "Logging before InitGoogleLogging")
@@ -270,12 +270,12 @@ def run(quick: bool = True, out_dir: Path = Path("bench-out")) -> dict[str, Any]
         print(f"[pd] skipped: {reason}")
         return {"skipped": reason, "integrity": {}}
     path = out_dir / "bench_pd.json"
-    if loopback.shim_loaded():
+    if shim_loaded():
         payload = measure(quick, out_dir)
     else:
         path.unlink(missing_ok=True)  # the child's: under the shim, NOISE dropped and counted
         cmd = [sys.executable, "-m", "bench.pd", "--out", str(out_dir)] + ["--quick"] * quick
-        proc = subprocess.Popen(cmd, env=loopback.preload_env(), stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=preload_env(), stderr=subprocess.PIPE, text=True)
         hidden = 0
         for line in proc.stderr:
             if any(n in line for n in NOISE):

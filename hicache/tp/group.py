@@ -73,7 +73,7 @@ one failing rank would hold every other rank that long)."""
 def tp_timeout_s() -> float:
     """Seconds a collective between tensor-parallel ranks may block before it raises: the
     ``SGLANG_HICACHE_TP_TIMEOUT`` environment variable, else ``DEFAULT_TP_TIMEOUT_S`` (120).
-    Used by ``new_cache_group`` and the CPU launcher's default group (``prefill.tp.launch``).
+    Used by ``new_cache_group`` and the default group of the tests' rank launcher.
     ``ValueError`` naming the variable for a value that is not a positive number."""
     raw = os.environ.get(TP_TIMEOUT_ENV, "").strip()
     if not raw:

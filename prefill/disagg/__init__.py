@@ -1,3 +1,3 @@
 """PD disaggregation's decode side as the prefill executor sees it: the protocol (``protocol``),
 the backend ``--disaggregation-transfer-backend`` picks (``backends``), the in-process simulation
-(``sim_config``, ``sim_peer``, ``sim_side``) and the real Mooncake transport (``mooncake/``)."""
+(``simulated``) and the real Mooncake transport (``mooncake/``)."""

@@ -1,14 +1,6 @@
 """``--disaggregation-transfer-backend``: the one place that picks the decode backend behind the
-executor's decode-peer protocol (``prefill.disagg.protocol``).
-
-- ``simulated`` (default): the in-process simulation (``prefill.disagg.sim_side.DecodeSide``),
-  deterministic on a virtual clock; what the tests and the deterministic benchmarks use.
-- ``mooncake``: the prefill side of the real transport (``prefill.disagg.mooncake.link``): a
-  bootstrap endpoint on ``--host``:``--disaggregation-bootstrap-port``, control messages, and KV
-  written into decode memory with Mooncake's transfer engine. Its requests reach decode through
-  whoever forwards each link's room with the request (SGLang's router;
-  ``prefill.testing.mooncake_decode`` in tests and benchmarks). Wall clock only.
-"""
+executor: ``simulated`` (default, ``prefill.disagg.simulated``, deterministic on the executor's
+clock) or ``mooncake`` (``prefill.disagg.mooncake.link``, the real transport, wall clock only)."""
 
 from __future__ import annotations
 
@@ -17,8 +9,7 @@ from typing import Any
 
 from hicache.memory.device_pool import KVPool
 from prefill.disagg.protocol import DecodeBackend
-from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_side import DecodeSide
+from prefill.disagg.simulated import DecodeSide, PeerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +34,26 @@ def make_decode_backend(
     name = getattr(args, "disaggregation_transfer_backend", "simulated")
     if name == "simulated":
         cfg = peer_config if peer_config is not None else PeerConfig.from_server_args(args)
-        return DecodeSide(pool, clock, cfg, size=decode_pool_size, keep_received=keep_received,
-                          send_log_size=send_log_size)  # fmt: skip
+        return DecodeSide(
+            pool,
+            clock,
+            cfg,
+            size=decode_pool_size,
+            keep_received=keep_received,
+            send_log_size=send_log_size,
+        )
     if name == "mooncake":
         from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
 
         cfg = MooncakeConfig.from_server_args(args)
-        return MooncakeBackend(pool, clock, cfg, metadata_size, keep_token_ids=keep_received,
-                               send_log_size=send_log_size)  # fmt: skip
+        return MooncakeBackend(
+            pool,
+            clock,
+            cfg,
+            metadata_size,
+            keep_token_ids=keep_received,
+            send_log_size=send_log_size,
+        )
     raise ValueError(
         f"--disaggregation-transfer-backend {name!r}: choose one of {', '.join(TRANSFER_BACKENDS)}"
     )

@@ -1,21 +1,9 @@
-"""The decode-peer protocol the prefill executor talks to, whatever transport is behind it.
-
-SGLang's prefill side sees one sender per request (``KVSender``: ``poll``, ``init``, ``send``)
-over a transport (Mooncake, NIXL, ...). Here that per-request end is a :class:`DecodeLink`
-and the decode instance behind all of them a :class:`DecodeBackend`; the executor, its
-scheduler delegates and the tensor-parallel agreement use nothing else. The in-process
-simulation (``prefill.disagg.sim_side``) is one implementation.
-
-Also here: ``KVPoll`` (SGLang's states, ordered so that a MIN over ranks is the most
-pessimistic), ``SendRecord`` (the log entry a backend keeps of each send, which tests read to
-prove nothing was sent for an attempt that was not finalized), ``MetadataRow`` (what the last
-send carries besides KV), and the environment knobs SGLang applies to every transport (the
-bootstrap timeout, the force-not-ready test hook).
-
-Backends (``--disaggregation-transfer-backend``, ``prefill.disagg.backends``): ``simulated``
-(``prefill.disagg.sim_side``, the default) and ``mooncake`` (``prefill.disagg.mooncake``: a real
-decode worker process, KV over Mooncake's transfer engine).
-"""
+"""The decode-peer protocol the prefill executor talks to, whatever transport is behind it: a
+``DecodeLink`` per request (SGLang's ``KVSender``: ``poll``, ``init``, ``send``) and the
+``DecodeBackend`` behind them; the executor uses nothing else. Also ``KVPoll`` (ordered so a
+MIN over ranks is the most pessimistic), ``SendRecord``, ``MetadataRow``, the checks every
+link's ``init`` / ``send`` / ``create_peer`` make, and SGLang's environment knobs (bootstrap
+timeout, force-not-ready test hook)."""
 
 from __future__ import annotations
 
@@ -71,15 +59,19 @@ class MetadataRow:
 class DecodeLink(Protocol):
     """The prefill side's end of one request's link to its decode peer (SGLang's sender).
 
-    ``decode_prefix_len``: tokens decode already holds (page-aligned; sends start there).
-    ``failure``: why the link failed, once ``Failed``; ``timed_out``: it failed by the
-    bootstrap timeout. Calls never block."""
+    ``decode_prefix_len``: tokens decode already holds (page-aligned; sends start there);
+    ``sent_end``: where the next send starts; ``failure``: why the link failed;
+    ``timed_out``: it failed by the bootstrap timeout. Calls never block."""
 
     rid: str
     num_tokens: int
     decode_prefix_len: int
+    finalized_attempt: int | None
     failure: str | None
     timed_out: bool
+
+    @property
+    def sent_end(self) -> int: ...
 
     def poll(self) -> KVPoll:
         """The current state (advancing any time-driven change first)."""
@@ -123,6 +115,52 @@ class DecodeLink(Protocol):
     def live(self) -> bool:
         """Neither ``Success`` nor ``Failed``."""
         ...
+
+
+def check_new_link(
+    old: DecodeLink | None, rid: str, num_tokens: int, token_ids: Sequence[int] | None
+) -> None:
+    """``create_peer``'s checks (``ValueError``): no live link under ``rid``, at least one token,
+    one token id per token."""
+    if old is not None and old.live:
+        raise ValueError(f"rid {rid!r} already has a live decode peer")
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    if token_ids is not None and len(token_ids) != num_tokens:
+        raise ValueError(f"token_ids has {len(token_ids)} entries, num_tokens is {num_tokens}")
+
+
+def finalize(link: DecodeLink, attempt: int) -> None:
+    """``init`` of every link: only in ``WaitingForInput``, once (``RuntimeError`` otherwise)."""
+    state = link.poll()
+    if state != KVPoll.WaitingForInput:
+        raise RuntimeError(f"{link.rid}: init in state {state.name}")
+    if link.finalized_attempt is not None:
+        raise RuntimeError(f"{link.rid}: init called twice")
+    link.finalized_attempt = attempt
+
+
+def send_allowed(
+    link: DecodeLink, attempt: int, start: int, end: int, src_slots: torch.Tensor
+) -> bool:
+    """The checks every link's ``send`` makes first: False when the link has failed;
+    ``RuntimeError`` for a send the protocol never allows, ``ValueError`` for a range that does
+    not continue at ``sent_end`` within the prompt or a slot count other than one per token."""
+    state = link.poll()
+    if state == KVPoll.Failed:
+        return False
+    if link.finalized_attempt != attempt:
+        raise RuntimeError(
+            f"{link.rid}: send for attempt {attempt}, finalized {link.finalized_attempt}"
+        )
+    if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+        raise RuntimeError(f"{link.rid}: send in state {state.name}")
+    expected = link.sent_end
+    if start != expected or end < start or end > link.num_tokens:
+        raise ValueError(f"{link.rid}: send range [{start}, {end}), expected start {expected}")
+    if src_slots.numel() != end - start:
+        raise ValueError(f"src_slots has {src_slots.numel()} entries for {end - start} tokens")
+    return True
 
 
 class DecodeBackend(Protocol):
@@ -186,8 +224,9 @@ def force_not_ready_prob(args: object) -> float:
     prob = float(getattr(args, "disaggregation_force_not_ready_prob", 0) or 0)
     env = os.environ.get(FORCE_RETRY_ENV)
     if env is not None:
-        logger.warning("%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV,
-                       env, prob)  # fmt: skip
+        logger.warning(
+            "%s=%s overrides the force-not-ready probability %s", FORCE_RETRY_ENV, env, prob
+        )
         prob = float(env)
     return prob
 

@@ -16,7 +16,7 @@ from bench.multiturn import bench as bm
 from bench.optimistic import bench as bo
 from bench.profile import CopyPath, ForwardCost, GpuProfile, load_profile
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_config import DelayDistribution
+from prefill.disagg.simulated import DelayDistribution
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MT = (

@@ -11,9 +11,9 @@ import pytest
 from bench.pd import bench as pd_bench
 from bench.pd.bench import INTEGRITY, ITEM_SIZES, aggregate, fit_copy_path, write_cost
 from bench.profile import CopyPath
-from hicache.mooncake.availability import skip_reason
 from prefill.model.factory import build_model
-from prefill.testing.mooncake_decode import start_workers
+from tests.support.loopback import skip_reason
+from tests.support.mooncake_decode import start_workers
 
 needs_engine = pytest.mark.skipif(
     skip_reason("engine", shim_in_process=True) is not None, reason="Mooncake unavailable"

@@ -247,7 +247,7 @@ def check_model_fused_attention(device: torch.device | None = None) -> float:
     from hicache.memory.device_pool import MHATokenToKVPool
     from prefill.model import paged as model_mod
     from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-    from prefill.testing.harness import kv_max_rel_error
+    from tests.support.harness import kv_max_rel_error
 
     device = device or _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -281,10 +281,10 @@ def check_executor_l2(device: torch.device | None = None) -> None:
     """Write-back L2 end to end on ``device``: A is evicted to the host by B, C = A + more is a
     host hit loaded back layer by layer under its forward; integrity after every step; every
     request's decode-side KV equals a full recompute (fp32, tiny model)."""
-    from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+    from prefill.disagg.simulated import DelayDistribution, PeerConfig
     from prefill.request.state import Outcome
-    from prefill.testing.harness import assert_decode_kv_matches, make_executor
     from server_args import ServerArgs
+    from tests.support.harness import assert_decode_kv_matches, make_executor
 
     device = device or _device()
     args = ServerArgs(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from prefill.disagg.sim_config import DelayDistribution
+from prefill.disagg.simulated import DelayDistribution
 from prefill.executor import OptimisticPrefillExecutor
 from server_args import ServerArgs
 

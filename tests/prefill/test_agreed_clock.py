@@ -15,11 +15,11 @@ from typing import Any
 
 from hicache.tp.group import new_cache_group
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
-from prefill.testing.harness import make_executor
 from prefill.tp_lockstep.sync import AgreedClock
 from server_args import ServerArgs
+from tests.support.harness import make_executor
 from tests.support.tp_harness import run_ranks
 
 

@@ -13,11 +13,11 @@ import logging
 import pytest
 
 from prefill.disagg.protocol import KVPoll
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, Stage
-from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from tests.prefill.executor_helpers import BASE_ARGS, NEVER, executor_args, finish, prompt, step
+from tests.support.harness import assert_decode_kv_matches, make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from prefill.disagg.protocol import KVPoll
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, Stage
-from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from server_args import ServerArgs
 from tests.prefill.executor_helpers import NOW, assert_drained, executor_args, prompt
+from tests.support.harness import assert_decode_kv_matches, make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

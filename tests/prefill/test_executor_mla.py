@@ -24,17 +24,10 @@ import torch
 
 from hicache.memory.device_pool import MLATokenToKVPool
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.mla import MLATransformer
 from prefill.request.state import Outcome
-from prefill.testing.harness import (
-    assert_decode_kv_matches,
-    decode_kv_and_reference,
-    kv_max_rel_error,
-    make_executor,
-)
-from prefill.testing.soak import SoakConfig, run_soak, soak_executor
 from server_args import ServerArgs
 from tests.prefill.executor_helpers import (
     NEVER,
@@ -45,6 +38,13 @@ from tests.prefill.executor_helpers import (
     prompt,
     step,
 )
+from tests.support.harness import (
+    assert_decode_kv_matches,
+    decode_kv_and_reference,
+    kv_max_rel_error,
+    make_executor,
+)
+from tests.support.soak import SoakConfig, run_soak, soak_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

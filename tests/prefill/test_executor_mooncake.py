@@ -1,5 +1,5 @@
 """Several prefill instances over one real Mooncake Store: each instance is a node of processes
-(``prefill.testing.node_process``, one per TP rank, its own device and host pools, Mooncake
+(``tests.support.node_process``, one per TP rank, its own device and host pools, Mooncake
 clients bound to loopback by the shim) and every master is started on loopback by the project's
 launcher and stopped by its pid.
 
@@ -31,12 +31,12 @@ import time
 
 import pytest
 
-from hicache.mooncake.loopback import non_loopback, tcp_listeners
-from hicache.storage.mooncake.master import MooncakeMaster, free_port
-from prefill.testing.harness import KV_ATOL
-from prefill.testing.node_process import NodeError, StoreNode, stop_nodes
 from tests.prefill.executor_helpers import BASE_ARGS, prompt
+from tests.support.harness import KV_ATOL
+from tests.support.loopback import non_loopback, tcp_listeners
 from tests.support.mooncake import needs_mooncake
+from tests.support.mooncake_master import MooncakeMaster, free_port
+from tests.support.node_process import NodeError, StoreNode, stop_nodes
 
 pytestmark = needs_mooncake
 
@@ -179,7 +179,7 @@ def test_a_writer_killed_during_its_puts_leaves_no_page_that_reads_back_wrong(ma
     seg = {"master_server_address": master.address, "protocol": "tcp",
            "local_hostname": "127.0.0.1"}  # fmt: skip
     b.first("store_open", name="reader", extra={**seg, "global_segment_size": "64mb"})
-    writers = [StoreNode(1, env=NODE_ENV, module="prefill.testing.node_stores", name=f"W{i}",
+    writers = [StoreNode(1, env=NODE_ENV, module="tests.support.node_stores", name=f"W{i}",
                          connect=False) for i in range(2)]  # fmt: skip
     rng = random.Random(5)
     try:

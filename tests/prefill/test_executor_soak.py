@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prefill.disagg.protocol import KVPoll
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.paged import ModelConfig, PagedTransformer
 from prefill.request.state import Outcome
-from prefill.testing.harness import assert_decode_kv_matches, make_executor
-from prefill.testing.soak import SoakConfig, SoakReport, run_soak, soak_executor, workload
 from server_args import ServerArgs
 from tests.prefill.executor_helpers import WRITE_THROUGH, assert_drained, executor_args
+from tests.support.harness import assert_decode_kv_matches, make_executor
+from tests.support.soak import SoakConfig, SoakReport, run_soak, soak_executor, workload
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,12 +12,12 @@ import pytest
 
 import prefill.executor as executor_module
 from hicache.storage.hash_keys import page_hashes
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.request.state import Outcome
-from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from server_args import ServerArgs
 from tests.hicache.storage.io.io_helpers import DYNAMIC, TestStorage
 from tests.prefill.executor_helpers import NEVER, NOW, executor_args, prompt, step
+from tests.support.harness import assert_decode_kv_matches, make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

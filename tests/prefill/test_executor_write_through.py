@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome
-from prefill.testing.harness import assert_decode_kv_matches, build_cache, make_executor
-from prefill.testing.soak import SoakConfig, run_soak, soak_executor
 from server_args import ServerArgs
 from tests.prefill import executor_helpers
 from tests.prefill.executor_helpers import (
@@ -27,6 +25,8 @@ from tests.prefill.executor_helpers import (
     prompt,
     step,
 )
+from tests.support.harness import assert_decode_kv_matches, build_cache, make_executor
+from tests.support.soak import SoakConfig, run_soak, soak_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

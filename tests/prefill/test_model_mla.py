@@ -20,8 +20,8 @@ from prefill.model.factory import build_model
 from prefill.model.mla import MLAConfig, MLATransformer
 from prefill.model.mla_tp import TPMLATransformer
 from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-from prefill.testing.harness import single_torch_thread
 from server_args import ServerArgs
+from tests.support.harness import single_torch_thread
 from tests.support.tp_harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

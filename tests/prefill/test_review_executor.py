@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.request.state import Outcome
-from prefill.testing.harness import make_executor
 from tests.prefill.executor_helpers import NEVER, NOW, executor_args, prompt
+from tests.support.harness import make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

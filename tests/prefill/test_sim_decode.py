@@ -12,9 +12,15 @@ import torch
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from prefill.clock import VirtualClock, WallClock
 from prefill.disagg.protocol import KVPoll, force_not_ready
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
-from prefill.disagg.sim_kv import copy_send, decode_pool_like, read_kv, write_kv
-from prefill.disagg.sim_side import DecodeSide
+from prefill.disagg.simulated import (
+    DecodeSide,
+    DelayDistribution,
+    PeerConfig,
+    copy_send,
+    decode_pool_like,
+    read_kv,
+    write_kv,
+)
 
 L, H, D = 2, 2, 4
 
@@ -98,7 +104,7 @@ def test_bootstrap_ready_after_delay_then_send_and_ack():
 
 @pytest.mark.parametrize("kind", ["mla", "mha_k192_v128"])
 def test_decode_side_of_an_mla_or_asymmetric_pool_receives_every_buffer(kind):
-    """The decode pool takes the prefill pool's kind and geometry (``sim_kv``); a send lands
+    """The decode pool takes the prefill pool's kind and geometry (``simulated``); a send lands
     every layer of every buffer: MLA's latent, or K and V of different widths."""
     if kind == "mla":
         src = MLATokenToKVPool(64, 2, torch.float32, 12, 4, L, "cpu")

@@ -24,11 +24,11 @@ import torch
 from hicache.tp.digest import tree_state
 from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group
 from prefill.clock import VirtualClock
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
-from prefill.testing.harness import KV_ATOL, build_cache, make_executor
 from server_args import ServerArgs
+from tests.support.harness import KV_ATOL, build_cache, make_executor
 from tests.support.tp_harness import run_ranks
 
 CLIENTS = 6

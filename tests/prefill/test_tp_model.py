@@ -15,7 +15,7 @@ from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
 from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
 from prefill.model.tp import TPPagedTransformer, TPShard
-from prefill.testing.harness import single_torch_thread
+from tests.support.harness import single_torch_thread
 from tests.support.tp_harness import run_ranks
 
 LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache.mooncake.availability import skip_reason
-from hicache.storage.mooncake.master import MooncakeMaster
+from tests.support.loopback import skip_reason
+from tests.support.mooncake_master import MooncakeMaster
 
 
 def missing() -> str | None:

@@ -3,6 +3,7 @@
 
 ``store`` (the backend), ``config`` (its settings), ``names`` (SGLang's object names),
 ``page_footers`` (the pages' integrity check), ``client`` (the guarded Mooncake client),
-``store_stats`` (its counters). Nothing here imports ``mooncake`` at module import: without it,
+``store_stats`` (its counters), ``availability`` (whether Mooncake imports; the loopback
+check the PD transport shares). Nothing here imports ``mooncake`` at module import: without it,
 building the backend raises one ``ValueError`` saying what is missing.
 """

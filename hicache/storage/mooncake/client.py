@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from hicache.mooncake import availability
+from hicache.storage.mooncake import availability
 from hicache.storage.mooncake.config import MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def probe_master(host: str, port: int, source: str) -> None:
     except OSError as e:
         raise ValueError(
             f"{source}={host}:{port}: no Mooncake master answers there ({e}); start one "
-            "(python -m hicache.storage.mooncake.master) or fix the address"
+            "(Mooncake's mooncake_master command) or fix the address"
         ) from None
 
 

@@ -191,7 +191,7 @@ def load_mooncake_config(
             raise ValueError(
                 "no Mooncake master configured: set master_server_address in "
                 f"{FLAG}, a JSON file in {ENV_CONFIG_PATH}, or the environment variable "
-                "MOONCAKE_MASTER (python -m hicache.storage.mooncake.master starts one)"
+                "MOONCAKE_MASTER (Mooncake's mooncake_master command starts one)"
             )
     for var in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):  # a node names itself
         if env.get(var):

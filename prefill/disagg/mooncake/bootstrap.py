@@ -1,18 +1,7 @@
-"""The bootstrap endpoint of a prefill instance (SGLang's ``CommonKVBootstrapServer``) and the
-decode side's client of it.
-
-HTTP on ``--host`` : ``--disaggregation-bootstrap-port`` (SGLang's default 8998; 0 picks a free
-port). Routes, as SGLang's:
-
-- ``GET /route?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank=`` (all four
-  required, else 400): all ``-1`` answers the server info (parallel sizes, ``page_size``,
-  ``kv_cache_dtype``, ``decode_allocation_policy``, and this project's ``kv_geometry``); a real
-  rank answers ``{"rank_ip", "rank_port"}`` of its control listener (404 for an unknown rank).
-- ``GET /health`` answers ``OK`` (decode's heartbeat).
-
-One prefill rank registers itself when the server starts (SGLang's ``PUT /route`` from each rank;
-with one rank there is nothing to wait for, so the server never answers 503).
-"""
+"""The bootstrap endpoint of a prefill instance (SGLang's ``CommonKVBootstrapServer``: ``GET
+/route`` for the server info or a rank's control endpoint, ``GET /health``) on ``--host`` :
+``--disaggregation-bootstrap-port``, and the decode side's client of it. The single prefill rank
+registers itself when the server starts."""
 
 from __future__ import annotations
 

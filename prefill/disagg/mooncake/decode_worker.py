@@ -1,25 +1,13 @@
-"""The decode worker process: ``python -m prefill.disagg.mooncake.decode_worker [flags]``.
+"""The decode worker process, what a deployment starts per decode instance:
+``python -m prefill.disagg.mooncake.decode_worker [--host H] [--max-total-tokens N]
+[--max-running-requests M] [--device D] [--expect-geometry JSON] [--check-free-pages]``.
 
-A decode instance without a model: its own KV pool and allocator (built with the geometry the
-first prefill announces at its bootstrap endpoint), metadata rows, a Mooncake engine, and
-SGLang's decode-side flow (``prefill.disagg.mooncake.receiver``). It is driven by its parent (the
-router of a test or benchmark, ``prefill.testing.mooncake_decode``) over stdin/stdout: each
-command is one framed message (``wire.encode_frames``) whose first frame is JSON
-``{"op": ..., ...}``; each answer is a JSON frame (``{"ok": true, ...}`` or
-``{"error": ...}``, echoing the command's ``seq``) followed by raw tensor frames for
-``received_kv``.
-
-Commands: ``add`` (rid, room, bootstrap_addr, num_tokens, decode_prefix_len, keep, hold,
-delay_s), ``unhold``, ``abort``, ``release``, ``state`` (rid), ``received_kv`` (rid,
-any_state), ``stats``, ``quit``. The first message on stdout is ``{"ready": true, "pid",
-"session", "control_port"}``. The worker exits when stdin closes.
-
-Flags: ``--host`` (default 127.0.0.1; a loopback host needs the loopback shim preloaded),
-``--max-total-tokens`` (pool size), ``--max-running-requests`` (metadata rows: twice this),
-``--device``, ``--expect-geometry JSON`` (refuse a prefill of another geometry),
-``--check-free-pages`` (the late-write detector). Timeouts come from SGLang's environment
-variables (``receiver``) and Mooncake's (``MC_TCP_PROGRESS_TIMEOUT_SEC``).
-"""
+A decode instance without a model (``receiver.DecodeReceiver``), driven over stdin/stdout: each
+command is one framed message whose first frame is JSON ``{"op": ..., ...}`` (``add``,
+``unhold``, ``abort``, ``release``, ``state``, ``received_kv``, ``stats``, ``quit``); each
+answer a JSON frame echoing its ``seq``, then raw tensor frames for ``received_kv``. The first
+message is ``{"ready": true, ...}``, or ``{"ready": false, "error": ...}`` and a non-zero exit
+when a flag is wrong. It exits when stdin closes."""
 
 from __future__ import annotations
 
@@ -32,7 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from hicache.mooncake.loopback import require_loopback_engines
+from hicache.storage.mooncake.availability import require_loopback_engines
 from prefill.disagg.mooncake.layout import KVGeometry
 from prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
 from prefill.disagg.mooncake.wire import read_stream, write_stream
@@ -52,6 +40,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for a size that is not positive or a ``--device`` this
+    machine does not have; runs before the engine (and Mooncake) is touched."""
+    for flag in ("--max-total-tokens", "--max-running-requests"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {args.device}: this machine has {count} CUDA devices")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {args.device}: only cpu and cuda devices are supported")
+
+
 def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
     """Run one command; the answer frames."""
     op = cmd.get("op")
@@ -59,9 +68,16 @@ def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
     extra: list[bytes] = []
     out: dict[str, Any] = {"ok": True}
     if op == "add":
-        rx.add(rid, int(cmd["room"]), cmd["bootstrap_addr"], int(cmd["num_tokens"]),
-               int(cmd.get("decode_prefix_len", 0)), bool(cmd.get("keep", True)),
-               bool(cmd.get("hold", False)), float(cmd.get("delay_s", 0.0)))  # fmt: skip
+        rx.add(
+            rid,
+            int(cmd["room"]),
+            cmd["bootstrap_addr"],
+            int(cmd["num_tokens"]),
+            int(cmd.get("decode_prefix_len", 0)),
+            bool(cmd.get("keep", True)),
+            bool(cmd.get("hold", False)),
+            float(cmd.get("delay_s", 0.0)),
+        )
     elif op == "unhold":
         rx.unhold(rid)
     elif op == "abort":
@@ -72,9 +88,13 @@ def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
         out.update(rx.state(rid))
     elif op == "received_kv":
         dpl, first, bufs = rx.received_kv(rid, bool(cmd.get("any_state", False)))
-        out.update(decode_prefix_len=dpl, first_token=first,
-                   tensors=[{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                            for t in bufs])  # fmt: skip
+        out.update(
+            decode_prefix_len=dpl,
+            first_token=first,
+            tensors=[
+                {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in bufs
+            ],
+        )
         extra = [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in bufs]
     elif op == "stats":
         out.update(rx.stats())
@@ -107,26 +127,37 @@ def serve(rx: DecodeReceiver, inp: BinaryIO, out: BinaryIO, ready: dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s",
+    )
     # The protocol owns the original stdout; anything else written to fd 1 goes to stderr.
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     try:
+        check_args(args)
         expect = KVGeometry.from_json(args.expect_geometry) if args.expect_geometry else None
         require_loopback_engines(args.host)
         cfg = DecodeConfig.from_env(
-            host=args.host, pool_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests, device=args.device,
-            expect_geometry=expect, check_free_pages=args.check_free_pages,
-        )  # fmt: skip
+            host=args.host,
+            pool_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            device=args.device,
+            expect_geometry=expect,
+            check_free_pages=args.check_free_pages,
+        )
         rx = DecodeReceiver(cfg)
     except (ValueError, RuntimeError) as e:
         write_stream(proto_out, [json.dumps({"ready": False, "error": str(e)}).encode()])
         logger.error("decode worker cannot start: %s", e)
         return 2
-    ready = {"ready": True, "pid": os.getpid(), "session": rx.engine.session_id,
-             "control_port": rx.listener.port}  # fmt: skip
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "session": rx.engine.session_id,
+        "control_port": rx.listener.port,
+    }
     try:
         serve(rx, sys.stdin.buffer, proto_out, ready)
     finally:

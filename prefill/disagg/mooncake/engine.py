@@ -1,35 +1,15 @@
-"""One Mooncake ``TransferEngine`` over TCP, as SGLang's PD transport uses it
-(``distributed/device_communicators/mooncake_transfer_engine.py``): ``initialize(host,
-"P2PHANDSHAKE", "tcp", "")``, a session id ``host:rpc_port``, registered memory, and only the
-synchronous batch write (the asynchronous API's ids are single-use: polling one twice crashes the
-process in 0.3.13).
-
-Facts this wrapper follows (Mooncake 0.3.13.post1, measured on loopback):
-
-- ``batch_transfer_sync_write`` returns 0 when every byte landed and -1 on any failure; more than
-  about 2048 items in one call fail at once with the default queue limits, so a write is cut
-  into calls of at most ``MAX_ITEMS_PER_CALL`` (1024) items;
-- a call that returned -1 may still land bytes later (a frozen receiver gets the whole payload
-  after it resumes), and the engine's lanes may still read the source meanwhile: "failed" never
-  proves the destination untouched;
-- a killed receiver fails a call within milliseconds; a frozen one after
-  ``MC_TCP_PROGRESS_TIMEOUT_SEC`` / ``MC_TCP_STATUS_TIMEOUT_SEC`` (default 30 s; read when the
-  engine is initialized); the first contact with a receiver frozen before its handshake blocks
-  the whole engine for about 60 s whatever the environment, which is why the prefill side runs
-  one engine per decode session (``session_worker``);
-- only the receiver checks destination addresses (a write outside its registered regions is
-  refused); the source is not checked.
-
-Every call blocks its thread (the binding releases the GIL) and none raises: failures are return
-codes, turned into ``EngineError`` only where the caller cannot go on (initialize, register).
-"""
+"""One Mooncake ``TransferEngine`` over TCP as SGLang's PD transport uses it: P2P handshake,
+registered memory, and only the synchronous batch write (cut into calls of at most
+``MAX_ITEMS_PER_CALL`` items). Calls block their thread and never raise: failures are return
+codes, and a failed call may still land bytes later; ``EngineError`` only where the caller
+cannot go on (initialize, register). Mooncake is imported when an engine is built."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
-from hicache.mooncake.availability import module_reason
+from hicache.storage.mooncake.availability import module_reason
 
 logger = logging.getLogger(__name__)
 

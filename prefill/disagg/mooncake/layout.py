@@ -1,26 +1,8 @@
-"""What the two sides register with their engines and how a page is addressed in it: the KV
-geometry both sides must share, the per-layer buffers of a pool, and the metadata (aux) rows.
-
-**Geometry** (``KVGeometry``): MHA (``kind="mha"``: ``layer_num`` layers of K heads
-``head_num x head_dim`` and V heads ``head_num x v_head_dim``) or MLA (``kind="mla"``: one latent
-buffer per layer, ``kv_lora_rank + qk_rope_head_dim`` wide), ``page_size`` and ``dtype``. The
-prefill side publishes it in the bootstrap server's info; the decode worker builds its pool from
-it, refuses a prefill of another geometry (or one that differs from the geometry it was started
-to expect), and repeats it in REGISTER so the prefill side refuses a decode of another geometry
-too. ``mismatches`` names every differing field.
-
-**Addressing** (SGLang's ``kv_data_ptrs`` / ``kv_item_lens``): ``layer_buffers(pool)`` lists one
-contiguous ``[size + page_size, ...]`` tensor per layer buffer, K layers then V layers (MHA) or the
-latent layers (MLA); page ``p`` of buffer ``i`` starts at ``ptr[i] + p * item_len[i]`` with
-``item_len[i] = page_size * (bytes of one token of buffer i)``. A pool is one allocation
-(``pool_region``), registered once.
-
-**Metadata rows** (SGLang's ``MetadataBuffers``, the subset this project fills): per request one
-row of each buffer, every row 64 bytes: ``output_ids`` (int32 x 16, the first output token in
-``[0]``), ``cached_tokens`` (int32 x 16, prefix tokens the prefill side had cached) and
-``bootstrap_room`` (uint64 x 8, the room in ``[0]``). The last chunk of a request carries its row;
-decode accepts the request only when the row's room is the request's room.
-"""
+"""What the two sides register with their engines and how a page is addressed: ``KVGeometry``
+(MHA or MLA, page size, dtype; both sides must share it, ``mismatches`` names every differing
+field), ``layer_buffers`` (one ``[size + page_size, ...]`` tensor per layer buffer; page ``p`` of
+buffer ``i`` at ``ptr[i] + p * item_len[i]``) and ``MetadataBuffers`` (one 64-byte row per
+buffer and request: first output token, cached tokens, bootstrap room)."""
 
 from __future__ import annotations
 
@@ -37,8 +19,13 @@ from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPoo
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}  # fmt: skip
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+}
 
 
 @dataclass(frozen=True)
@@ -60,21 +47,38 @@ class KVGeometry:
             raise ValueError(f"geometry kind must be 'mha' or 'mla', got {self.kind!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"geometry dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        need = ("head_num", "head_dim", "v_head_dim") if self.kind == "mha" else (
-            "kv_lora_rank", "qk_rope_head_dim")  # fmt: skip
+        need = (
+            ("head_num", "head_dim", "v_head_dim")
+            if self.kind == "mha"
+            else ("kv_lora_rank", "qk_rope_head_dim")
+        )
         for name in ("layer_num", "page_size", *need):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"geometry {name} must be a positive integer, "
-                                 f"got {getattr(self, name)!r}")  # fmt: skip
+                raise ValueError(
+                    f"geometry {name} must be a positive integer, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_pool(cls, pool: KVPool) -> KVGeometry:
         dtype = str(pool.dtype).removeprefix("torch.")
         if isinstance(pool, MLATokenToKVPool):
-            return cls("mla", pool.layer_num, pool.page_size, dtype,
-                       kv_lora_rank=pool.kv_lora_rank, qk_rope_head_dim=pool.qk_rope_head_dim)
-        return cls("mha", pool.layer_num, pool.page_size, dtype, head_num=pool.head_num,
-                   head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)  # fmt: skip
+            return cls(
+                "mla",
+                pool.layer_num,
+                pool.page_size,
+                dtype,
+                kv_lora_rank=pool.kv_lora_rank,
+                qk_rope_head_dim=pool.qk_rope_head_dim,
+            )
+        return cls(
+            "mha",
+            pool.layer_num,
+            pool.page_size,
+            dtype,
+            head_num=pool.head_num,
+            head_dim=pool.head_dim,
+            v_head_dim=pool.v_head_dim,
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -119,11 +123,25 @@ class KVGeometry:
     def make_pool(self, size: int, device: str | torch.device = "cpu") -> KVPool:
         """A zeroed pool of this geometry with ``size`` slots (plus the padding page)."""
         if self.kind == "mla":
-            return MLATokenToKVPool(size, self.page_size, self.torch_dtype, self.kv_lora_rank,
-                                    self.qk_rope_head_dim, self.layer_num, device)  # fmt: skip
-        return MHATokenToKVPool(size, self.page_size, self.torch_dtype, self.head_num,
-                                self.head_dim, self.layer_num, device,
-                                v_head_dim=self.v_head_dim)  # fmt: skip
+            return MLATokenToKVPool(
+                size,
+                self.page_size,
+                self.torch_dtype,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                self.layer_num,
+                device,
+            )
+        return MHATokenToKVPool(
+            size,
+            self.page_size,
+            self.torch_dtype,
+            self.head_num,
+            self.head_dim,
+            self.layer_num,
+            device,
+            v_head_dim=self.v_head_dim,
+        )
 
 
 def layer_buffers(pool: KVPool) -> list[torch.Tensor]:
@@ -190,8 +208,11 @@ class MetadataBuffers:
     def get_row(self, index: int) -> tuple[int, int, int]:
         """``(first_token, cached_tokens, room)``."""
         self._check(index)
-        return (int(self.output_ids[index, 0]), int(self.cached_tokens[index, 0]),
-                int(self.bootstrap_room[index, 0]))  # fmt: skip
+        return (
+            int(self.output_ids[index, 0]),
+            int(self.cached_tokens[index, 0]),
+            int(self.bootstrap_room[index, 0]),
+        )
 
     def clear_row(self, index: int) -> None:
         """SGLang's ``clear_slot``: room 0 means "not written" to the next owner."""

@@ -1,28 +1,9 @@
 """The Mooncake transport behind the executor's decode-peer protocol: ``MooncakeLink`` (one
 request's ``DecodeLink``, SGLang's ``MooncakeKVSender``) and ``MooncakeBackend`` (the
-``DecodeBackend``: the prefill rank's ``PrefillTransport`` and the links).
-
-The executor's calls, mapped to SGLang's sender:
-
-- ``poll()``: the room's state, read under the transport's lock (never blocks). A room still
-  ``Bootstrapping`` ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` seconds after its creation fails
-  (SGLang counts it the same way under the "early" policy).
-- ``init(attempt)``: finalize (SGLang's ``sender.init``), only in ``WaitingForInput``, once.
-- ``send(attempt, start, end, src_slots, last, metadata)``: one chunk job on the session's
-  worker. A non-last chunk ends on a page boundary; the last carries the metadata row, written
-  into the prefill aux rows at ``metadata.index`` first. Returns at once.
-- ``inflight_reads()``: the room's jobs queued or running; a running call counts until it returns,
-  also after the room failed, so the executor frees the slots it reads only then.
-- ``fail(reason)``: the prefill side gives up (STATUS Failed to decode).
-
-Rooms are random 63-bit integers, one per request (``create_peer``), never per attempt, so a
-request keeps its room across optimistic attempts and decode sees one request. Nothing reaches
-decode memory before ``init``: sends before it raise.
-
-Who hands each request to a decode instance (SGLang's router) is not this module's business:
-the caller of ``create_peer`` forwards ``link.room`` with the request
-(``prefill.testing.mooncake_decode`` does, for tests and benchmarks).
-"""
+``DecodeBackend``: the prefill rank's ``PrefillTransport`` and the links). A request keeps one
+random 63-bit room across its optimistic attempts; nothing reaches decode memory before
+``init``. Whoever calls ``create_peer`` forwards ``link.room`` with the request to decode
+(SGLang's router)."""
 
 from __future__ import annotations
 
@@ -38,7 +19,7 @@ import numpy as np
 import torch
 
 from hicache.memory.device_pool import KVPool
-from hicache.mooncake.loopback import require_loopback_engines
+from hicache.storage.mooncake.availability import require_loopback_engines
 from prefill.disagg.mooncake.layout import MetadataBuffers
 from prefill.disagg.mooncake.sender import PrefillTransport, Room
 from prefill.disagg.mooncake.session_worker import Job, TransferHook
@@ -49,8 +30,11 @@ from prefill.disagg.protocol import (
     MetadataRow,
     SendRecord,
     bootstrap_timeout_from_env,
+    check_new_link,
+    finalize,
     force_not_ready_prob,
     positive_env,
+    send_allowed,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,7 +84,7 @@ class MooncakeLink:
         self.token_ids = list(token_ids) if token_ids is not None else None
         self.created_at = backend.clock.now()
         self.finalized_attempt: int | None = None
-        self._sent_end: int | None = None
+        self.sent_end = 0
         self._chunks = 0
 
     # ------------------------------------------------------------------ DecodeLink
@@ -128,21 +112,18 @@ class MooncakeLink:
                 waited = t.clock.now() - self.created_at
                 if waited >= t.config.bootstrap_timeout_s:
                     t.transport.fail_room(
-                        r, f"timed out after {waited:.1f}s in KVPoll.Bootstrapping "
+                        r,
+                        f"timed out after {waited:.1f}s in KVPoll.Bootstrapping "
                         f"({BOOTSTRAP_TIMEOUT_ENV}={t.config.bootstrap_timeout_s:g})",
                         timed_out=True,
-                    )  # fmt: skip
+                    )
             if r.status in TERMINAL and r.outstanding == 0:
                 t.unwatch(self)  # the executor has seen the end: no event ahead
             return r.status
 
     def init(self, attempt: int) -> None:
-        if self.poll() != KVPoll.WaitingForInput:
-            raise RuntimeError(f"{self.rid}: init in state {self._room.status.name}")
-        if self.finalized_attempt is not None:
-            raise RuntimeError(f"{self.rid}: init called twice")
-        self.finalized_attempt = attempt
-        self._sent_end = self.decode_prefix_len
+        finalize(self, attempt)
+        self.sent_end = self.decode_prefix_len
 
     def send(
         self,
@@ -153,25 +134,15 @@ class MooncakeLink:
         last: bool,
         metadata: MetadataRow | None = None,
     ) -> bool:
-        state = self.poll()
-        if state == KVPoll.Failed:
+        if not send_allowed(self, attempt, start, end, src_slots):
             return False
-        if self.finalized_attempt != attempt:
-            raise RuntimeError(
-                f"{self.rid}: send for attempt {attempt}, finalized {self.finalized_attempt}"
-            )
-        if state != KVPoll.WaitingForInput:
-            raise RuntimeError(f"{self.rid}: send in state {state.name}")
         ps = self.backend.page_size
-        if start != self._sent_end or end < start or end > self.num_tokens:
-            raise ValueError(f"{self.rid}: send range [{start}, {end}), expected start "
-                             f"{self._sent_end}")  # fmt: skip
         if last != (end == self.num_tokens) or (not last and end % ps):
-            raise ValueError(f"{self.rid}: send [{start}, {end}) last={last}: a non-last send "
-                             f"ends on a page boundary (page {ps}), the last at "
-                             f"{self.num_tokens}")  # fmt: skip
-        if src_slots.numel() != end - start:
-            raise ValueError(f"src_slots has {src_slots.numel()} entries for {end - start} tokens")
+            raise ValueError(
+                f"{self.rid}: send [{start}, {end}) last={last}: a non-last send "
+                f"ends on a page boundary (page {ps}), the last at "
+                f"{self.num_tokens}"
+            )
         if last and metadata is None:
             raise ValueError(f"{self.rid}: the last send carries the metadata row")
         firsts = src_slots[::ps].to("cpu", torch.int64).numpy()
@@ -185,15 +156,17 @@ class MooncakeLink:
         job = Job(self.room, self.rid, self._chunks, src_pages, dst_pages, last)
         if last:
             assert metadata is not None
-            self.backend.aux.set_row(metadata.index, metadata.first_token,
-                                     metadata.cached_tokens, self.room)  # fmt: skip
+            self.backend.aux.set_row(
+                metadata.index, metadata.first_token, metadata.cached_tokens, self.room
+            )
             job.aux_index, job.dst_aux_index = metadata.index, meta.dst_aux_index
         if not self.backend.transport.enqueue(self._room, job):
             return False
         self._chunks += 1
-        self._sent_end = end
-        self.backend.record_send(SendRecord(self.rid, attempt, start, end,
-                                            self.backend.clock.now(), last))  # fmt: skip
+        self.sent_end = end
+        self.backend.record_send(
+            SendRecord(self.rid, attempt, start, end, self.backend.clock.now(), last)
+        )
         return True
 
     def inflight_reads(self) -> int:
@@ -229,7 +202,7 @@ class MooncakeBackend:
         hook: test hook before each engine call (``session_worker.TransferHook``).
 
     Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool) and ``RuntimeError``
-    (a loopback host in a process without the loopback shim, ``hicache.mooncake.loopback``).
+    (a loopback host in a process without the loopback shim, ``tests.support.loopback``).
     """
 
     def __init__(
@@ -243,8 +216,10 @@ class MooncakeBackend:
         hook: TransferHook | None = None,
     ) -> None:
         if getattr(clock, "is_virtual", False):
-            raise ValueError("--disaggregation-transfer-backend mooncake runs on the wall clock, "
-                             "not a virtual one")  # fmt: skip
+            raise ValueError(
+                "--disaggregation-transfer-backend mooncake runs on the wall clock, "
+                "not a virtual one"
+            )
         require_loopback_engines(config.host)
         self.clock = clock
         self.config = config
@@ -275,13 +250,7 @@ class MooncakeBackend:
     def create_peer(
         self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> MooncakeLink:
-        old = self.peers.get(rid)
-        if old is not None and old.live:
-            raise ValueError(f"rid {rid!r} already has a live decode peer")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(f"token_ids has {len(token_ids)} entries, num_tokens is {num_tokens}")
+        check_new_link(self.peers.get(rid), rid, num_tokens, token_ids)
         while True:
             room = self._rng.getrandbits(63) or 1
             try:

@@ -1,40 +1,10 @@
 """The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager`` with its
-``DecodePreallocQueue`` / ``DecodeTransferQueue``), run by the decode worker process.
-
-Decode is passive on the data plane: it registers its KV pool and metadata rows with its engine
-once, tells each prefill where they are (REGISTER) and, per request, which pages and row to
-write (META); only the prefill side calls the engine.
-
-One request's life (``KVPoll`` on this side; SGLang's "early" allocation policy):
-
-1. ``add``: ``Bootstrapping``. The prefill instance's bootstrap endpoint is asked once for its
-   server info and control endpoint (``GET /route``, on a side thread, cached per address). Its
-   KV geometry becomes this worker's pool geometry at the first contact; a prefill of another
-   geometry (or one differing from ``expect_geometry``) is refused with an error naming the
-   fields, and its requests fail (an ABORT tells the prefill side at once). REGISTER is sent once
-   per prefill.
-2. Preallocation: ``ceil((n - decode_prefix_len) / page_size)`` pages and a metadata row, when
-   both are free (else it retries every tick); held back while the request is on ``hold`` or
-   before its ``delay`` (test and benchmark hooks standing for a busy decode). Then META:
-   ``WaitingForInput``; the waiting timeout (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``) starts.
-3. STATUS ``Success``: the metadata row's room must be the request's room (else it fails:
-   corrupted or stale); ``Success``, with the first token from the row.
-4. ``Failed`` after META (STATUS Failed, waiting timeout, heartbeat loss, a bad row, ``abort``):
-   ABORT goes to the prefill side, and the pages and row are **held** (SGLang's deferred release)
-   until ABORT_ACK (nothing can write them any more) or
-   ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``; a call that failed may still
-   land bytes, and a prefill whose call failed never acks, so late bytes land in held pages,
-   never in pages given to another request. Before META nothing was exposed: released at once.
-
-Heartbeat: each prefill with live requests gets ``GET /health`` every
-``max(SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 2)`` seconds; after
-``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses its live requests fail and its bootstrap
-info is forgotten.
-
-Late-write detector (``check_free_pages``, tests): a freed page is filled with the byte 0xA5 in
-every layer buffer and checked when it is allocated again; a page that changed while free was
-written by a call nobody waited for (``stats()["late_writes"]``).
-"""
+prealloc and transfer queues), run by the decode worker process. Decode is passive on the data
+plane: it registers its pool and metadata rows once per prefill (REGISTER) and, per request,
+says which pages and row to write (META); only the prefill side calls the engine. A request
+failed after META keeps its pages and row until ABORT_ACK or the deferred-release timeout, so a
+failed call's late bytes never land in pages of another request. ``check_free_pages`` poisons
+freed pages and counts writes into them (``late_writes``). See docs/DESIGN.md section 12."""
 
 from __future__ import annotations
 
@@ -172,9 +142,16 @@ class DecodeReceiver:
 
     # ------------------------------------------------------------------ driver commands
     def add(
-        self, rid: str, room: int, bootstrap_addr: str, num_tokens: int,
-        decode_prefix_len: int = 0, keep: bool = True, hold: bool = False, delay_s: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        rid: str,
+        room: int,
+        bootstrap_addr: str,
+        num_tokens: int,
+        decode_prefix_len: int = 0,
+        keep: bool = True,
+        hold: bool = False,
+        delay_s: float = 0.0,
+    ) -> None:
         """A new request (the router hands it to this decode instance)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -187,8 +164,17 @@ class DecodeReceiver:
                 self._forget(old)
             if room in self.by_room:
                 raise ValueError(f"bootstrap room {room} is already in use here")
-            req = DecodeRequest(rid, room, bootstrap_addr, num_tokens, decode_prefix_len, keep,
-                                hold, now + delay_s, now)  # fmt: skip
+            req = DecodeRequest(
+                rid,
+                room,
+                bootstrap_addr,
+                num_tokens,
+                decode_prefix_len,
+                keep,
+                hold,
+                now + delay_s,
+                now,
+            )
             self.requests[rid] = req
             self.by_room[room] = req
             self._peer(bootstrap_addr)
@@ -225,8 +211,13 @@ class DecodeReceiver:
             req = self.requests.get(rid)
             if req is None:
                 return {"state": None}
-            return {"state": req.state.name, "failure": req.failure, "held": req.held_until is
-                    not None, "first_token": req.first_token, "room": req.room}  # fmt: skip
+            return {
+                "state": req.state.name,
+                "failure": req.failure,
+                "held": req.held_until is not None,
+                "first_token": req.first_token,
+                "room": req.room,
+            }
 
     def received_kv(
         self, rid: str, any_state: bool = False
@@ -267,7 +258,7 @@ class DecodeReceiver:
                 "session": self.engine.session_id,
                 "control_port": self.listener.port,
                 **self.counts,
-            }  # fmt: skip
+            }
 
     def close(self) -> None:
         self._closed.set()
@@ -309,8 +300,10 @@ class DecodeReceiver:
         """The first prefill's geometry builds the pool; any other must match it."""
         expect = self.cfg.expect_geometry
         if expect is not None and expect.mismatches(theirs):
-            raise ValueError(f"prefill {addr} has another KV geometry than this decode worker "
-                             f"expects: {'; '.join(expect.mismatches(theirs))}")  # fmt: skip
+            raise ValueError(
+                f"prefill {addr} has another KV geometry than this decode worker "
+                f"expects: {'; '.join(expect.mismatches(theirs))}"
+            )
         if self.geometry is not None:
             if self.geometry.mismatches(theirs):
                 raise ValueError(
@@ -322,8 +315,9 @@ class DecodeReceiver:
         pool = theirs.make_pool(self.cfg.pool_tokens, self.cfg.device)
         self.engine.register([pool_region(pool)])
         self.pool, self.geometry, self.geometry_source = pool, theirs, addr
-        self.allocator = TokenToKVPoolAllocator(self.cfg.pool_tokens, theirs.page_size,
-                                                self.cfg.device)  # fmt: skip
+        self.allocator = TokenToKVPoolAllocator(
+            self.cfg.pool_tokens, theirs.page_size, self.cfg.device
+        )
         if self.cfg.check_free_pages:
             every = torch.arange(theirs.page_size, self.cfg.pool_tokens + theirs.page_size)
             self._poison(every)
@@ -331,10 +325,15 @@ class DecodeReceiver:
     def _register(self, peer: PrefillPeer) -> bool:
         assert self.geometry is not None and peer.endpoint is not None
         reg = Register(
-            self.cfg.host, self.listener.port, self.engine.session_id,
-            tuple(b.data_ptr() for b in layer_buffers(self.pool)), tuple(self.aux.ptrs),
-            tuple(self.geometry.item_lens()), tuple(self.aux.row_lens), self.geometry.to_json(),
-        )  # fmt: skip
+            self.cfg.host,
+            self.listener.port,
+            self.engine.session_id,
+            tuple(b.data_ptr() for b in layer_buffers(self.pool)),
+            tuple(self.aux.ptrs),
+            tuple(self.geometry.item_lens()),
+            tuple(self.aux.row_lens),
+            self.geometry.to_json(),
+        )
         peer.registered = self.pusher.push(peer.endpoint, reg.to_frames())
         return peer.registered
 
@@ -354,8 +353,11 @@ class DecodeReceiver:
             elif req.state == KVPoll.WaitingForInput and req.meta_sent_at is not None:
                 waited = now - req.meta_sent_at
                 if waited >= self.cfg.waiting_timeout_s:
-                    self._fail(req, f"timed out after {waited:.1f}s in KVPoll.WaitingForInput "
-                                    f"({WAITING_TIMEOUT_ENV}={self.cfg.waiting_timeout_s:g})")
+                    self._fail(
+                        req,
+                        f"timed out after {waited:.1f}s in KVPoll.WaitingForInput "
+                        f"({WAITING_TIMEOUT_ENV}={self.cfg.waiting_timeout_s:g})",
+                    )
             elif req.held_until is not None and (req.acked or now >= req.held_until):
                 self.counts["acked_releases" if req.acked else "timeout_releases"] += 1
                 req.held_until = None
@@ -369,8 +371,10 @@ class DecodeReceiver:
             return
         if peer.state == "error":
             self._fail(req, peer.error or "bootstrap failed")
-            if not any(r.bootstrap_addr == peer.addr and r.state == KVPoll.Bootstrapping
-                       for r in self.requests.values()):  # fmt: skip
+            if not any(
+                r.bootstrap_addr == peer.addr and r.state == KVPoll.Bootstrapping
+                for r in self.requests.values()
+            ):
                 self.prefills.pop(peer.addr, None)  # a later request tries again
             return
         if not peer.registered and not self._register(peer):
@@ -393,8 +397,15 @@ class DecodeReceiver:
         req.aux_index = self.aux_alloc.alloc()  # type: ignore[assignment]
         self.aux.clear_row(req.aux_index)
         pages = tuple(int(p) for p in (slots[::ps] // ps).tolist())
-        meta = Meta(req.room, self.cfg.host, self.listener.port, self.engine.session_id, pages,
-                    req.aux_index, dpl)  # fmt: skip
+        meta = Meta(
+            req.room,
+            self.cfg.host,
+            self.listener.port,
+            self.engine.session_id,
+            pages,
+            req.aux_index,
+            dpl,
+        )
         assert peer.endpoint is not None
         req.state, req.meta_sent_at = KVPoll.WaitingForInput, now
         req.timeline["meta"] = now - req.created
@@ -419,8 +430,11 @@ class DecodeReceiver:
             elif msg.status == KVPoll.Success:
                 first, cached, room = self.aux.get_row(req.aux_index)
                 if room != req.room:
-                    self._fail(req, f"metadata row {req.aux_index} holds room {room}, expected "
-                                    f"{req.room} (stale or corrupted transfer)")  # fmt: skip
+                    self._fail(
+                        req,
+                        f"metadata row {req.aux_index} holds room {room}, expected "
+                        f"{req.room} (stale or corrupted transfer)",
+                    )
                     return
                 req.state, req.first_token, req.cached_tokens = KVPoll.Success, first, cached
                 req.timeline["success"] = time.monotonic() - req.created
@@ -471,10 +485,14 @@ class DecodeReceiver:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.cfg.heartbeat_interval_s):
             with self.lock:
-                addrs = {r.bootstrap_addr for r in self.requests.values()
-                         if r.state not in TERMINAL}  # fmt: skip
-                peers = [self.prefills[a] for a in addrs
-                         if a in self.prefills and self.prefills[a].state == "ready"]
+                addrs = {
+                    r.bootstrap_addr for r in self.requests.values() if r.state not in TERMINAL
+                }
+                peers = [
+                    self.prefills[a]
+                    for a in addrs
+                    if a in self.prefills and self.prefills[a].state == "ready"
+                ]
             for peer in peers:
                 ok = healthy(peer.addr)
                 with self.lock:

@@ -1,28 +1,9 @@
-"""The prefill side of the Mooncake transport (SGLang's ``MooncakeKVManager`` in prefill mode):
-the bootstrap endpoint, the control listener, the decode sessions and their workers, and the
-state of every bootstrap room.
-
-Threads: the bootstrap HTTP server; the control listener (REGISTER, META, ABORT from decode);
-one ``SessionWorker`` per decode session (its engine calls); a notifier that pushes STATUS and
-ABORT_ACK to decode, so no caller ever blocks on a frozen decode's socket. Everything below is
-guarded by ``lock``; the executor's thread reads it through ``MooncakeLink.poll``.
-
-A room's life on this side (``KVPoll``, SGLang's ``update_status`` rules: ``Failed`` is terminal,
-otherwise states only move up):
-
-- ``Bootstrapping`` from ``create_room`` until decode's META arrives (then ``WaitingForInput``);
-- ``Success`` once the last job (KV and metadata row) was written, pushed to decode as STATUS;
-- ``Failed`` by a failed call (the session is blacklisted and the room **poisoned**: a call that
-  returned -1 may still land bytes, so it is never acked), a blacklisted or rejected session,
-  decode's ABORT, the bootstrap timeout (``MooncakeLink``), or ``fail_room``; pushed to decode
-  as STATUS ``Failed``.
-
-``outstanding`` counts a room's jobs queued or running: the prefill slots a job reads stay owned
-until it is 0 (``MooncakeLink.inflight_reads``). Decode's ABORT is acked (ABORT_ACK) once the
-room has nothing outstanding and is not poisoned, so decode may reuse its pages; an unknown room
-is acked at once unless it was poisoned. A META for an unknown or failed room is answered with
-STATUS ``Failed`` (nothing was or will be written for it).
-"""
+"""The prefill side of the Mooncake transport (SGLang's prefill ``MooncakeKVManager``): the
+bootstrap endpoint, the control listener, one ``SessionWorker`` per decode session, a notifier
+that pushes STATUS / ABORT_ACK, and every bootstrap room's state, all under ``lock``.
+Invariants: ``Failed`` is terminal, otherwise a room's state only moves up; a room's prefill
+slots stay owned while ``outstanding`` (its jobs queued or running) is not 0; a room whose call
+failed is poisoned and never acked. See docs/DESIGN.md section 12."""
 
 from __future__ import annotations
 
@@ -123,9 +104,10 @@ class PrefillTransport:
         self.source = SourceMemory(
             layer_ptrs=tuple(b.data_ptr() for b in bufs),
             item_lens=tuple(self.geometry.item_lens()),
-            aux_ptrs=tuple(aux.ptrs), aux_row_lens=tuple(aux.row_lens),
+            aux_ptrs=tuple(aux.ptrs),
+            aux_row_lens=tuple(aux.row_lens),
             regions=(pool_region(pool), *aux.regions()),
-        )  # fmt: skip
+        )
         self.rooms: dict[int, Room] = {}
         self.sessions: dict[str, SessionWorker] = {}
         self.rejected: dict[str, str] = {}  # session -> why its REGISTER was refused
@@ -137,16 +119,23 @@ class PrefillTransport:
         self._notifier.start()
         self.listener = Listener(host, self._on_message, "mc-prefill-ctrl")
         server_info = {
-            "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
-            "page_size": self.page_size, "kv_cache_dtype": self.geometry.dtype,
-            "follow_bootstrap_room": True, "decode_allocation_policy": "early",
+            "attn_tp_size": 1,
+            "attn_cp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.geometry.dtype,
+            "follow_bootstrap_room": True,
+            "decode_allocation_policy": "early",
             "kv_geometry": self.geometry.to_json(),
-        }  # fmt: skip
+        }
         try:
             self.bootstrap = BootstrapServer(
-                host, bootstrap_port, server_info,
+                host,
+                bootstrap_port,
+                server_info,
                 {"rank_ip": host, "rank_port": self.listener.port},
-            )  # fmt: skip
+            )
         except ValueError:
             self.listener.close()
             self._notify.put(None)
@@ -176,9 +165,13 @@ class PrefillTransport:
             return True
 
     def fail_room(
-        self, r: Room, reason: str, poison: bool = False, notify: bool = True,
+        self,
+        r: Room,
+        reason: str,
+        poison: bool = False,
+        notify: bool = True,
         timed_out: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Mark ``r`` Failed (idempotent) and tell its decode peer (STATUS Failed)."""
         with self.lock:
             r.poisoned = r.poisoned or poison
@@ -228,13 +221,16 @@ class PrefillTransport:
             worker = self.sessions.get(r.meta.session) if r.meta is not None else None
             if rc is not None and rc != 0:
                 why = (worker.blacklisted if worker is not None else None) or (
-                    f"batch_transfer_sync_write rc={rc}")  # fmt: skip
+                    f"batch_transfer_sync_write rc={rc}"
+                )
                 if worker is not None:
                     worker.blacklist(f"a call for room {r.room} returned rc={rc}")
                 self.fail_room(
-                    r, f"KV transfer of chunk {job.index} to decode session "
-                    f"{r.meta.session if r.meta else '?'} failed ({why})", poison=True,
-                )  # fmt: skip
+                    r,
+                    f"KV transfer of chunk {job.index} to decode session "
+                    f"{r.meta.session if r.meta else '?'} failed ({why})",
+                    poison=True,
+                )
             elif rc == 0 and job.last and r.status != KVPoll.Failed:
                 r.status = KVPoll.Success
                 if r.endpoint is not None:
@@ -278,9 +274,14 @@ class PrefillTransport:
                 return
             self._drop_idle_sessions()
             self.sessions[reg.session] = SessionWorker(
-                reg, self.source, self.host, self.room_failed, self._on_done, self.hook,
+                reg,
+                self.source,
+                self.host,
+                self.room_failed,
+                self._on_done,
+                self.hook,
                 self.probe_interval_s,
-            )  # fmt: skip
+            )
 
     def _drop_idle_sessions(self) -> None:
         now = time.monotonic()
@@ -317,12 +318,16 @@ class PrefillTransport:
         if meta.required_dst_info_num != 1:
             return f"META for room {r.room}: required_dst_info_num {meta.required_dst_info_num}"
         if dpl < 0 or dpl % ps or dpl >= r.num_tokens:
-            return (f"META for room {r.room}: decode_prefix_len {dpl} must be page-aligned "
-                    f"(page {ps}) and below the request's {r.num_tokens} tokens")  # fmt: skip
+            return (
+                f"META for room {r.room}: decode_prefix_len {dpl} must be page-aligned "
+                f"(page {ps}) and below the request's {r.num_tokens} tokens"
+            )
         want = page_ceil(r.num_tokens - dpl, ps) // ps
         if len(meta.dst_pages) != want or min(meta.dst_pages) < 1:
-            return (f"META for room {r.room}: {len(meta.dst_pages)} destination pages (ids >= 1)"
-                    f" for {r.num_tokens - dpl} tokens, expected {want}")  # fmt: skip
+            return (
+                f"META for room {r.room}: {len(meta.dst_pages)} destination pages (ids >= 1)"
+                f" for {r.num_tokens - dpl} tokens, expected {want}"
+            )
         return None
 
     def _on_abort(self, abort: Abort) -> None:
@@ -354,13 +359,19 @@ class PrefillTransport:
             return {
                 "rooms": len(self.rooms),
                 "outstanding": sum(r.outstanding for r in self.rooms.values()),
-                "sessions": {s: {"blacklisted": w.blacklisted, "calls": w.calls,
-                                 "items": w.items, "bytes": w.bytes}
-                             for s, w in self.sessions.items()},
+                "sessions": {
+                    s: {
+                        "blacklisted": w.blacklisted,
+                        "calls": w.calls,
+                        "items": w.items,
+                        "bytes": w.bytes,
+                    }
+                    for s, w in self.sessions.items()
+                },
                 "rejected": dict(self.rejected),
                 "malformed_messages": self.listener.malformed,
                 "errors": list(self.errors),
-            }  # fmt: skip
+            }
 
     def close(self) -> list[str]:
         """Stop listening and end every worker. Returns the sessions whose worker could not be
@@ -378,4 +389,3 @@ class PrefillTransport:
             self.hook = hook
             for w in self.sessions.values():
                 w.hook = hook
-

@@ -1,27 +1,9 @@
-"""The prefill side's transfer worker of one decode session (SGLang's ``transfer_worker``, one per
-session instead of ``SGLANG_DISAGGREGATION_QUEUE_SIZE`` shared ones): a FIFO of chunk jobs, a
-thread, and its own ``TransferEngine``.
-
-One engine per decode session: the first contact with a receiver that is frozen before its
-handshake blocks every call of that engine for about 60 s (Mooncake 0.3.13), so a shared engine
-would let one frozen decode stall every other decode's transfers. Here it stalls only its own
-queue. The engine makes its first contact at once, with a 64-byte write into the decode pool's
-padding page (page 0, never handed out), so later transfers see the ordinary per-call timeouts
-(``MC_TCP_PROGRESS_TIMEOUT_SEC``).
-
-A job is one ``send`` of one request: page ids on both sides, paired by position (SGLang's
-``dst_kv_indices[index_slice]``), split into runs contiguous on both sides, one item per (layer
-buffer, run): ``(src_ptr[i] + s * item_len[i], dst_ptr[i] + d * item_len[i], n * item_len[i])``,
-written in calls of at most ``MAX_ITEMS_PER_CALL`` items. The last job of a request then writes
-its metadata row, one item per aux buffer, in a second call (SGLang's ``send_aux``).
-
-Before each call the worker checks the room (a failed room's jobs are skipped) and the session
-(a blacklisted one fails the job without a call), then calls the test hook. The result goes to
-``on_done(job, rc)``: ``None`` for a skipped job, the engine's rc otherwise. A session whose call
-failed is blacklisted until a new REGISTER or a successful ``send_probe`` (probed from its own
-thread every ``probe_interval_s``, backing off to 300 s: a probe of a frozen peer does not
-return until it resumes).
-"""
+"""The prefill side's transfer worker of one decode session (SGLang's ``transfer_worker``): a FIFO
+of chunk jobs, a thread and its own ``TransferEngine``, so a frozen decode stalls only its own
+queue. A job pairs source and destination pages by position, coalesces runs contiguous on both
+sides into one item per (layer buffer, run), and writes at most ``MAX_ITEMS_PER_CALL`` items per
+call; the last job then writes the metadata row. A session whose call failed is blacklisted
+until a new REGISTER or a successful probe."""
 
 from __future__ import annotations
 
@@ -87,9 +69,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return src[starts], dst[starts], ends - starts
 
 
-def kv_items(
-    src: SourceMemory, reg: Register, job: Job
-) -> tuple[list[int], list[int], list[int]]:
+def kv_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], list[int], list[int]]:
     """``(srcs, dsts, lens)`` of the job's KV: one item per (layer buffer, run)."""
     s0, d0, n = coalesce(job.src_pages, job.dst_pages)
     lens = np.asarray(src.item_lens, dtype=np.int64)[:, None]
@@ -99,9 +79,7 @@ def kv_items(
     return sp.ravel().tolist(), dp.ravel().tolist(), nb.ravel().tolist()
 
 
-def aux_items(
-    src: SourceMemory, reg: Register, job: Job
-) -> tuple[list[int], list[int], list[int]]:
+def aux_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], list[int], list[int]]:
     """One item per aux buffer: prefill row ``aux_index`` to decode row ``dst_aux_index``
     (buffers pair by position; only the shorter list moves, as SGLang)."""
     srcs, dsts, lens = [], [], []
@@ -171,8 +149,9 @@ class SessionWorker:
         self.blacklisted = reason
         if not self._probing and not self._closed.is_set():
             self._probing = True
-            threading.Thread(target=self._probe_loop, name=f"probe-{self.session}",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._probe_loop, name=f"probe-{self.session}", daemon=True
+            ).start()
 
     def unblacklist(self) -> None:
         if self.blacklisted is not None:
@@ -200,8 +179,9 @@ class SessionWorker:
             engine.register(self.source.regions)
             self._engine = engine
             warm = min(64, self.source.item_lens[0], self.reg.kv_item_lens[0])
-            rc = engine.write(self.session, [self.source.layer_ptrs[0]], [self.reg.kv_ptrs[0]],
-                              [warm])  # fmt: skip
+            rc = engine.write(
+                self.session, [self.source.layer_ptrs[0]], [self.reg.kv_ptrs[0]], [warm]
+            )
             if rc != 0:
                 self.blacklist(f"first contact (a {warm}-byte write to the padding page) rc={rc}")
         except EngineError as e:

@@ -1,30 +1,8 @@
-"""Control messages between the prefill and decode sides (SGLang 0.5.23
-``disaggregation/mooncake/conn.py``), their framing, and the sockets that carry them.
-
-SGLang pushes ZMQ multipart messages (frames of ascii integers or raw bytes) to a PULL socket
-each rank binds. Here a message is the same list of frames over a plain TCP connection
-(``[u32 frame count]([u32 length][bytes])*``, big-endian; pyzmq is not a dependency), pushed
-one way on a cached connection per endpoint (``Pusher``) to a ``Listener``.
-
-Messages, with SGLang's names and field order (what is not used here is an empty frame):
-
-==========  =====  ==========================================================================
-REGISTER    D->P   ``None``, decode ip, decode port, session id, kv layer ptrs (u64), aux ptrs
-                   (u64), state ptrs (empty), tp rank, attn tp size, kv item len, kv item lens
-                   (u64), aux row lens (u64), geometry (JSON, this project's addition: the
-                   prefill side refuses a decode of another geometry)
-META        D->P   room, decode ip, decode port, session id, destination page ids (int32),
-                   destination aux index, state indices (empty), required dst info num,
-                   decode_prefix_len
-ABORT       D->P   ``ABORT``, room, decode ip, decode port
-STATUS      P->D   room, KVPoll value, prefill rank
-ABORT_ACK   P->D   ``ABORT_ACK``, room, prefill rank
-==========  =====  ==========================================================================
-
-A message that does not parse raises ``ControlMessageError`` (a ``ValueError`` naming the
-message and field) on the side that received it; the listener logs it, counts it and keeps
-serving.
-"""
+"""Control messages between the prefill and decode sides (SGLang 0.5.23's REGISTER, META, ABORT,
+STATUS, ABORT_ACK, with its frame order), their framing over plain TCP
+(``[u32 frame count]([u32 length][bytes])*``, big-endian, instead of ZMQ), and the sockets that
+carry them (``Pusher``, ``Listener``). A message that does not parse raises
+``ControlMessageError`` naming the message and field; the listener counts it and keeps serving."""
 
 from __future__ import annotations
 
@@ -238,12 +216,20 @@ class Register:
 
     def to_frames(self) -> list[bytes]:
         return [
-            REGISTER_ROOM, _a(self.decode_ip), _a(self.decode_port), _a(self.session),
-            _u64_bytes(self.kv_ptrs), _u64_bytes(self.aux_ptrs), b"", _a(self.tp_rank),
-            _a(self.attn_tp_size), _a(self.kv_item_lens[0] if self.kv_item_lens else 0),
-            _u64_bytes(self.kv_item_lens), _u64_bytes(self.aux_row_lens),
+            REGISTER_ROOM,
+            _a(self.decode_ip),
+            _a(self.decode_port),
+            _a(self.session),
+            _u64_bytes(self.kv_ptrs),
+            _u64_bytes(self.aux_ptrs),
+            b"",
+            _a(self.tp_rank),
+            _a(self.attn_tp_size),
+            _a(self.kv_item_lens[0] if self.kv_item_lens else 0),
+            _u64_bytes(self.kv_item_lens),
+            _u64_bytes(self.aux_row_lens),
             self.geometry.encode(),
-        ]  # fmt: skip
+        ]
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> Register:
@@ -263,11 +249,17 @@ class Register:
         except (UnicodeDecodeError, ValueError):
             raise ControlMessageError(f"{m}: geometry is not JSON") from None
         return cls(
-            decode_ip=_str(frames, 1, m, "decode ip"), decode_port=_int(frames, 2, m, "port"),
-            session=_str(frames, 3, m, "session id"), kv_ptrs=kv_ptrs, aux_ptrs=aux,
-            kv_item_lens=lens, aux_row_lens=aux_lens, geometry=geometry,
-            tp_rank=_int(frames, 7, m, "tp rank"), attn_tp_size=_int(frames, 8, m, "tp size"),
-        )  # fmt: skip
+            decode_ip=_str(frames, 1, m, "decode ip"),
+            decode_port=_int(frames, 2, m, "port"),
+            session=_str(frames, 3, m, "session id"),
+            kv_ptrs=kv_ptrs,
+            aux_ptrs=aux,
+            kv_item_lens=lens,
+            aux_row_lens=aux_lens,
+            geometry=geometry,
+            tp_rank=_int(frames, 7, m, "tp rank"),
+            attn_tp_size=_int(frames, 8, m, "tp size"),
+        )
 
 
 @dataclass(frozen=True)
@@ -286,10 +278,16 @@ class Meta:
 
     def to_frames(self) -> list[bytes]:
         return [
-            _a(self.room), _a(self.decode_ip), _a(self.decode_port), _a(self.session),
-            np.asarray(self.dst_pages, dtype=np.int32).tobytes(), _a(self.dst_aux_index), b"",
-            _a(self.required_dst_info_num), _a(self.decode_prefix_len),
-        ]  # fmt: skip
+            _a(self.room),
+            _a(self.decode_ip),
+            _a(self.decode_port),
+            _a(self.session),
+            np.asarray(self.dst_pages, dtype=np.int32).tobytes(),
+            _a(self.dst_aux_index),
+            b"",
+            _a(self.required_dst_info_num),
+            _a(self.decode_prefix_len),
+        ]
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> Meta:
@@ -299,12 +297,15 @@ class Meta:
             raise ControlMessageError(f"{m}: destination page ids must be packed int32")
         pages = tuple(int(x) for x in np.frombuffer(frames[4], dtype=np.int32))
         return cls(
-            room=_int(frames, 0, m, "room"), decode_ip=_str(frames, 1, m, "decode ip"),
-            decode_port=_int(frames, 2, m, "port"), session=_str(frames, 3, m, "session id"),
-            dst_pages=pages, dst_aux_index=_int(frames, 5, m, "dst aux index"),
+            room=_int(frames, 0, m, "room"),
+            decode_ip=_str(frames, 1, m, "decode ip"),
+            decode_port=_int(frames, 2, m, "port"),
+            session=_str(frames, 3, m, "session id"),
+            dst_pages=pages,
+            dst_aux_index=_int(frames, 5, m, "dst aux index"),
             required_dst_info_num=_int(frames, 7, m, "required_dst_info_num"),
             decode_prefix_len=_int(frames, 8, m, "decode_prefix_len"),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -322,8 +323,9 @@ class Abort:
     def from_frames(cls, frames: list[bytes]) -> Abort:
         m = "ABORT"
         _count(frames, 4, m)
-        return cls(_int(frames, 1, m, "room"), _str(frames, 2, m, "decode ip"),
-                   _int(frames, 3, m, "port"))  # fmt: skip
+        return cls(
+            _int(frames, 1, m, "room"), _str(frames, 2, m, "decode ip"), _int(frames, 3, m, "port")
+        )
 
 
 @dataclass(frozen=True)

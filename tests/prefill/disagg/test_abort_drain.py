@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.request.state import Outcome, Stage
-from prefill.testing.harness import make_executor
 from tests.prefill.executor_helpers import NOW, executor_args, prompt, step
+from tests.support.harness import make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

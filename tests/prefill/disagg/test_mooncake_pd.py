@@ -24,8 +24,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hicache.mooncake import loopback
-from hicache.mooncake.availability import skip_reason
+from tests.support import loopback
+from tests.support.loopback import skip_reason
 
 _REASON = skip_reason("engine", shim_in_process=True)
 if _REASON is not None:
@@ -37,15 +37,15 @@ from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa
 from prefill.disagg.mooncake.receiver import POISON  # noqa: E402
 from prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
 from prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
-from prefill.disagg.sim_config import PeerConfig  # noqa: E402
+from prefill.disagg.simulated import PeerConfig  # noqa: E402
 from prefill.request.state import Outcome  # noqa: E402
-from prefill.testing.harness import assert_decode_kv_matches, make_executor  # noqa: E402
-from prefill.testing.mooncake_decode import (  # noqa: E402
+from server_args import ServerArgs  # noqa: E402
+from tests.support.harness import assert_decode_kv_matches, make_executor  # noqa: E402
+from tests.support.mooncake_decode import (  # noqa: E402
     DecodeWorker,
     MooncakeDecode,
     wait_for,
 )
-from server_args import ServerArgs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,9 +8,9 @@ import socket
 
 import pytest
 
-from hicache.mooncake.loopback import non_loopback, tcp_listeners
-from hicache.storage.mooncake.master import MooncakeMaster, free_port
+from tests.support.loopback import non_loopback, tcp_listeners
 from tests.support.mooncake import mooncake_master, needs_mooncake
+from tests.support.mooncake_master import MooncakeMaster, free_port
 
 pytestmark = needs_mooncake
 __all__ = ["mooncake_master"]

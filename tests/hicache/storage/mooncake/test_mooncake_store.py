@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.mooncake import availability
 from hicache.storage.config import storage_config_for_pool
 from hicache.storage.hash_keys import get_hash_str, page_hashes
+from hicache.storage.mooncake import availability
 from hicache.storage.mooncake import client as client_module
 from hicache.storage.mooncake.names import ObjectNames
 from hicache.storage.mooncake.store import MooncakeStore
@@ -234,7 +234,7 @@ def test_startup_errors_name_the_setting(cluster, monkeypatch):
 
 
 def test_no_master_at_the_address_is_one_error_at_once():
-    from hicache.storage.mooncake.master import free_port
+    from tests.support.mooncake_master import free_port
 
     port = free_port()
     with pytest.raises(ValueError, match=f"'master_server_address'=127.0.0.1:{port}.*no Mooncake"):

@@ -13,11 +13,11 @@ import torch
 
 from hicache.storage.mooncake.page_footers import PageFooters
 from hicache.storage.mooncake.store import MooncakeStore
-from prefill.disagg.sim_config import PeerConfig
+from prefill.disagg.simulated import PeerConfig
 from prefill.request.state import Outcome
-from prefill.testing.harness import assert_decode_kv_matches, make_executor
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 from tests.prefill.executor_helpers import NOW, executor_args, prompt
+from tests.support.harness import assert_decode_kv_matches, make_executor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

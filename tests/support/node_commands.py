@@ -1,4 +1,4 @@
-"""``python -m prefill.testing.node_commands``: a node process (``node_main``) that runs prefill
+"""``python -m tests.support.node_commands``: a node process (``node_main``) that runs prefill
 executors over a shared L3 store on command, each under a name, and the bare stores of
 ``node_stores``.
 
@@ -38,10 +38,10 @@ from hicache.tp.group import new_cache_group
 from prefill.clock import VirtualClock, WallClock
 from prefill.model.factory import build_model
 from prefill.request.state import Outcome
-from prefill.testing.harness import make_executor
-from prefill.testing.node_main import Node, main
-from prefill.testing.node_stores import STORE_COMMANDS
 from server_args import ServerArgs
+from tests.support.harness import make_executor
+from tests.support.node_main import Node, main
+from tests.support.node_stores import STORE_COMMANDS
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The shared Mooncake set-up (``hicache.mooncake``): availability checks and their one-line
+"""The shared Mooncake set-up (``availability``, ``tests.support.loopback``): availability checks and their one-line
 reasons, and the loopback shim (build, preload environment, what it does to a wildcard bind)."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from hicache.mooncake import availability, loopback
+from hicache.storage.mooncake import availability
+from tests.support import loopback
 
 
 def test_reasons_are_one_line_or_none() -> None:
     reasons = [availability.wheel_reason(), availability.ibverbs_reason()]
     for module in ("engine", "store"):
-        reasons += [availability.module_reason(module), availability.skip_reason(module)]
+        reasons += [availability.module_reason(module), loopback.skip_reason(module)]
     for reason in reasons:
         assert reason is None or (reason and "\n" not in reason)
     assert availability.installed() == (availability.wheel_reason() is None
@@ -42,7 +43,7 @@ def test_missing_wheel_and_library_are_named(monkeypatch: pytest.MonkeyPatch) ->
             f"the Mooncake wheel is not installed (pip install {availability.WHEEL})")
         assert "libno-such-library-here.so.1 does not load" in availability.ibverbs_reason()
         assert not availability.installed()
-        assert availability.skip_reason("store").startswith("Mooncake unavailable: the Mooncake "
+        assert loopback.skip_reason("store").startswith("Mooncake unavailable: the Mooncake "
                                                             "wheel is not installed")  # fmt: skip
     finally:
         for f in (availability.wheel_reason, availability.ibverbs_reason,
@@ -51,9 +52,9 @@ def test_missing_wheel_and_library_are_named(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_loopback_hosts() -> None:
-    assert loopback.is_loopback("127.0.0.1") and loopback.is_loopback("localhost")
-    assert loopback.is_loopback("::1") and not loopback.is_loopback("10.0.0.1")
-    assert not loopback.is_loopback("example.invalid")
+    assert availability.is_loopback("127.0.0.1") and availability.is_loopback("localhost")
+    assert availability.is_loopback("::1") and not availability.is_loopback("10.0.0.1")
+    assert not availability.is_loopback("example.invalid")
     assert loopback.non_loopback([("127.0.0.1:5", 1), ("[::ffff:127.0.0.1]:6", 1),
                                   ("0.0.0.0:7", 2), ("[::]:8", 2)]) == [("0.0.0.0:7", 2),
                                                                          ("[::]:8", 2)]  # fmt: skip
@@ -65,9 +66,9 @@ def test_shim_turns_wildcard_binds_into_loopback() -> None:
     """A child under ``preload_env()`` binding ``0.0.0.0`` and ``::`` listens on loopback only
     (``getsockname``), and its environment names the shim first in ``LD_PRELOAD``."""
     env = loopback.preload_env({**os.environ, "LD_PRELOAD": "/nonexistent-other.so"})
-    assert env["LD_PRELOAD"].split(":")[0] == str(loopback.shim_path())
-    assert env[loopback.SHIM_ENV] == str(loopback.shim_path())
-    env["LD_PRELOAD"] = str(loopback.shim_path())  # the other one does not exist
+    assert env["LD_PRELOAD"].split(":")[0] == str(availability.shim_path())
+    assert env[availability.SHIM_ENV] == str(availability.shim_path())
+    env["LD_PRELOAD"] = str(availability.shim_path())  # the other one does not exist
     code = (
         "import socket\n"
         "a = socket.socket(); a.bind(('0.0.0.0', 0)); a.listen()\n"
@@ -80,7 +81,7 @@ def test_shim_turns_wildcard_binds_into_loopback() -> None:
 
 
 def test_require_loopback_engines_refuses_without_the_shim(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loopback, "shim_loaded", lambda: False)
+    monkeypatch.setattr(availability, "shim_loaded", lambda: False)
     with pytest.raises(RuntimeError, match="LD_PRELOAD="):
-        loopback.require_loopback_engines("127.0.0.1")
-    loopback.require_loopback_engines("10.1.2.3")  # a routable host: no shim needed
+        availability.require_loopback_engines("127.0.0.1")
+    availability.require_loopback_engines("10.1.2.3")  # a routable host: no shim needed

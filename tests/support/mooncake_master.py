@@ -1,5 +1,5 @@
-"""``MooncakeMaster``: a Mooncake master this project starts and stops (tests, benchmarks, users who
-have none), or one it connects to.
+"""``MooncakeMaster``: a Mooncake master the tests and benchmarks start and stop, or one they
+connect to.
 
 ``MooncakeMaster.start()`` runs the ``mooncake_master`` binary of the installed wheel bound to
 loopback only: ``--rpc_address=127.0.0.1 --metrics_host=127.0.0.1
@@ -19,7 +19,7 @@ Errors are ``ValueError``s naming the setting: a given port that is in use (``rp
 ``ready_timeout_s``, an address where nothing listens. A master keeps every object in memory: a
 restart (``restart()``, same ports) loses them all; clients rejoin it by themselves.
 
-    python -m hicache.storage.mooncake.master [--rpc-port P] [--metrics-port M] [--flag=value...]
+    python -m tests.support.mooncake_master [--rpc-port P] [--metrics-port M] [--flag=value...]
 
 prints the address and pid, serves until SIGINT / SIGTERM, then stops the master.
 """
@@ -42,21 +42,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hicache.mooncake.loopback import die_with_parent
 from hicache.storage.mooncake.config import split_address
+from tests.support.loopback import LOOPBACK, die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 LOOPBACK_FLAGS = ("--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1",
                   "--enable_http_metadata_server=false")  # fmt: skip
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _check_free(port: int, name: str) -> None:
@@ -289,7 +281,7 @@ class MooncakeMaster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hicache.storage.mooncake.master",
+    p = argparse.ArgumentParser(prog="python -m tests.support.mooncake_master",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--rpc-port", type=int, default=None)
     p.add_argument("--metrics-port", type=int, default=None)

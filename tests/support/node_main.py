@@ -1,8 +1,8 @@
 """The command loop of one rank of a node process (a prefill server with its own device and host
 pools), commanded by the process that started it (``node_process.StoreNode``), and ``Node``,
 what the rank holds. Entry points (``--control HOST:PORT [--rank R --world W --init URL]``):
-``python -m prefill.testing.node_commands`` (executors and bare stores) and ``python -m
-prefill.testing.node_stores`` (bare stores only: no model, a lighter process).
+``python -m tests.support.node_commands`` (executors and bare stores) and ``python -m
+tests.support.node_stores`` (bare stores only: no model, a lighter process).
 
 Each rank connects to the control address, says ``{"rank", "pid"}``, then answers one JSON line
 per command line: ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hicache.mooncake.loopback import die_with_parent
+from tests.support.loopback import die_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-/* LD_PRELOAD shim keeping wildcard listeners on loopback (see hicache/mooncake/loopback.py).
+/* LD_PRELOAD shim keeping wildcard listeners on loopback (see tests/support/loopback.py).
  *
  * Mooncake's transfer engine opens two listeners per engine, its handshake (RPC) port on 0.0.0.0
  * and its TCP data port on the IPv6 wildcard ::, whatever hostname it is given and whatever

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefill.disagg.sim_config import DelayDistribution, PeerConfig
+from prefill.disagg.simulated import DelayDistribution, PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.request.state import Outcome, RequestResult
-from prefill.testing.harness import (
+from tests.support.harness import (
     build_cache,
     decode_kv_and_reference,
     kv_max_rel_error,
@@ -86,7 +86,7 @@ def soak_executor(
     decode_pool_size: int = 4096,
     copy_delay_seed: int | None = None,
 ) -> OptimisticPrefillExecutor:
-    """An executor over ``args`` (``prefill.testing.harness.make_executor``, virtual clock) for
+    """An executor over ``args`` (``tests.support.harness.make_executor``, virtual clock) for
     :func:`run_soak`. Decode peers (seeded by ``seed``) get ready after 0-30 ms (uniform), fail
     their bootstrap or a transfer with the given probabilities, report a first attempt not ready
     with ``force_not_ready_prob``, and ack a send after 2 ms plus its bytes at 20 MB/s; the

@@ -3,7 +3,7 @@ one of them: the ``decode`` object of an executor built with
 ``--disaggregation-transfer-backend mooncake`` (``harness.make_executor``).
 
 ``DecodeWorker``: one ``python -m prefill.disagg.mooncake.decode_worker`` process, started under
-the loopback shim (``hicache.mooncake.loopback.preload_env``) with
+the loopback shim (``tests.support.loopback.preload_env``) with
 ``PR_SET_PDEATHSIG`` (it dies with its parent), its pid recorded, commanded over its
 stdin/stdout, and stopped by that pid (``stop``, also after a kill or freeze). Test hooks:
 ``kill()`` (SIGKILL), ``freeze()`` / ``resume()`` (SIGSTOP / SIGCONT).
@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.mooncake.loopback import die_with_parent, preload_env
 from prefill.disagg.mooncake.layout import KVGeometry
 from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeLink
 from prefill.disagg.mooncake.session_worker import TransferHook
 from prefill.disagg.mooncake.wire import encode_frames, read_stream
+from tests.support.loopback import die_with_parent, preload_env
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``hicache.mooncake.loopback.tcp_listeners`` reads ``/proc`` (no ``ss`` needed on a fresh CI
+"""``tests.support.loopback.tcp_listeners`` reads ``/proc`` (no ``ss`` needed on a fresh CI
 image): every listener of a pid, with its address as ``ss`` writes it, IPv4 and IPv6 (wildcard,
 loopback, IPv4-mapped; under the loopback shim the wildcards come out as loopback); the same set
 as ``ss -ltnp`` where ``ss`` exists; ``non_loopback`` keeps the wildcards."""
@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from hicache.mooncake.loopback import non_loopback, shim_loaded, tcp_listeners
+from hicache.storage.mooncake.availability import shim_loaded
+from tests.support.loopback import non_loopback, tcp_listeners
 
 
 def _listen(family: int, host: str) -> socket.socket:

@@ -1,5 +1,5 @@
 """Bare ``MooncakeStore`` clients in a node process, for the store's fault tests
-(``python -m prefill.testing.node_stores``: these commands only, no model imported).
+(``python -m tests.support.node_stores``: these commands only, no model imported).
 
 - ``store_open {name, extra, model, kind, layout, page_size, pool_tokens}``: a host pool (MHA:
   2 layers of 4 heads of 64, or MLA; float32) and a ``MooncakeStore`` built by the factory from
@@ -31,7 +31,7 @@ from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool_factory import make_host_pool
 from hicache.storage.backend_factory import StorageBackendFactory
 from hicache.storage.config import storage_config_for_pool
-from prefill.testing.node_main import Node, main
+from tests.support.node_main import Node, main
 
 logger = logging.getLogger(__name__)
 

@@ -1,34 +1,12 @@
-"""Keeping every Mooncake listener on loopback in tests and benchmarks (shared by the PD
-transport, ``prefill.disagg.mooncake``, and the Mooncake Store backend).
-
-Which listeners exist (checked by pid in the tests, ``tcp_listeners``):
-
-- this project's own sockets (the prefill side's bootstrap HTTP server and control listener, the
-  decode worker's control listener) bind the configured host (``--host``, default
-  ``127.0.0.1``);
-- every Mooncake ``TransferEngine``, also the one each store client embeds: a handshake (RPC)
-  port bound to ``0.0.0.0`` and a TCP data port bound to the IPv6 wildcard ``::``, **whatever
-  hostname it is given** (no environment variable of Mooncake 0.3.13 changes this;
-  ``MC_TCP_BIND_ADDRESS`` does not).
-
-The engines are restricted by an ``LD_PRELOAD`` shim built from ``bind_loopback.c`` (beside this
-file): it rewrites a ``bind()`` to ``0.0.0.0`` into ``127.0.0.1`` and one to ``::`` into
-``::ffff:127.0.0.1``; every other ``bind()`` is unchanged. ``make test`` / ``make bench`` build
-it into ``build/loopback/bind_loopback.so`` (``mk/mooncake.mk``; ``HICACHE_LOOPBACK_SHIM`` names
-another path); ``build_shim`` builds it on first use when a C compiler exists.
-
-Every process with an engine must have the shim preloaded when its host is loopback:
-
-- child processes (decode workers, store clients, benchmark receivers) are started with
-  ``preload_env()``;
-- an engine in the driver's own process (the PD prefill side): ``require_loopback_engines(host)``
-  refuses to start one on a loopback host in a process without the shim, and the drivers that
-  host one (pytest through ``tests/conftest.py``, ``python -m bench.pd``) re-execute themselves
-  under it first (``reexec_under_shim``), where Mooncake is installed
-  (``hicache.mooncake.availability``).
-
-On a real multi-host deployment (``--host`` a routable address) the shim is not used and the
-engines listen on all interfaces, as SGLang's do.
+"""Keeping every Mooncake listener of the tests and benchmarks on loopback: the ``LD_PRELOAD``
+shim built from ``bind_loopback.c`` (beside this file; it rewrites a ``bind()`` to ``0.0.0.0``
+into ``127.0.0.1`` and one to ``::`` into ``::ffff:127.0.0.1``), the environment of a child that
+preloads it, re-executing a driver under it, listeners by pid, and the one-line reason a
+Mooncake test or benchmark skips. ``make test`` builds the shim into
+``build/loopback/bind_loopback.so`` (``mk/mooncake.mk``); ``build_shim`` builds it on first use.
+Children with an engine start with ``preload_env()``; drivers hosting one re-execute themselves
+under it (``reexec_under_shim``); the product refuses an engine on loopback without it
+(``hicache.storage.mooncake.availability.require_loopback_engines``).
 """
 
 from __future__ import annotations
@@ -39,31 +17,25 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from hicache.storage.mooncake.availability import SHIM_ENV, module_reason, shim_loaded, shim_path
+
 logger = logging.getLogger(__name__)
 
 SHIM_SOURCE = Path(__file__).with_name("bind_loopback.c")
-SHIM_ENV = "HICACHE_LOOPBACK_SHIM"
-"""Names the built shim (default ``<repo>/build/loopback/bind_loopback.so``)."""
-
 REEXEC_ENV = "HICACHE_LOOPBACK_REEXEC"
 """Set to ``0`` to keep ``reexec_under_shim`` from re-executing; set to ``done`` by it."""
 
-_REPO = Path(__file__).resolve().parents[2]
+LOOPBACK = "127.0.0.1"
 
 
 class ShimUnavailable(RuntimeError):
     """The loopback shim cannot be built or loaded here (the reason is the message)."""
-
-
-def shim_path() -> Path:
-    """Where the shim library is (or will be built)."""
-    env = os.environ.get(SHIM_ENV)
-    return Path(env) if env else _REPO / "build" / "loopback" / "bind_loopback.so"
 
 
 def build_shim(path: Path | None = None) -> Path:
@@ -88,23 +60,31 @@ def build_shim(path: Path | None = None) -> Path:
     return path
 
 
-def shim_loaded() -> bool:
-    """Whether this process has a library named like the shim mapped (``/proc/self/maps``)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-    return shim_path().name in maps
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
-def is_loopback(host: str) -> bool:
-    """``host`` is a loopback address or ``localhost``."""
-    if host == "localhost":
-        return True
+def skip_reason(module: str = "engine", shim_in_process: bool = False) -> str | None:
+    """One line saying why tests or benchmarks of ``mooncake.<module>`` cannot run here, or
+    ``None``: the module does not import, the shim cannot be built, or (``shim_in_process``:
+    this process hosts an engine on loopback) this process does not preload the shim."""
+    reason = module_reason(module)
+    if reason is not None:
+        return f"Mooncake unavailable: {reason}"
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        build_shim()
+    except ShimUnavailable as e:
+        return f"loopback shim unavailable: {e}"
+    if shim_in_process and not shim_loaded():
+        return (
+            "this process does not preload the loopback shim "
+            f"(run under pytest or with LD_PRELOAD={shim_path()}; "
+            f"{REEXEC_ENV}=0 turns the re-execution off)"
+        )
+    return None
 
 
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -118,22 +98,11 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def require_loopback_engines(host: str) -> None:
-    """Refuse to start a Mooncake engine on a loopback ``host`` in a process without the shim
-    (its listeners would bind every interface). ``RuntimeError`` says how to run it."""
-    if is_loopback(host) and not shim_loaded():
-        raise RuntimeError(
-            f"a Mooncake engine for host {host} would listen on 0.0.0.0 and ::; start this "
-            f"process with LD_PRELOAD={shim_path()} (built by make test, or by "
-            "hicache.mooncake.loopback.build_shim) to keep it on loopback"
-        )
-
-
 def reexec_env() -> dict[str, str] | None:
     """The environment ``reexec_under_shim`` would re-execute with, or ``None`` when it would
     not: the shim is already loaded, ``HICACHE_LOOPBACK_REEXEC`` is ``0`` or ``done``, or the
     shim cannot be built (logged). Callers re-execute only where Mooncake is installed
-    (``hicache.mooncake.availability.installed``)."""
+    (``availability.installed``)."""
     if shim_loaded() or os.environ.get(REEXEC_ENV) in ("0", "done"):
         return None
     try:

@@ -4,7 +4,7 @@ request's decode-side KV equals a full recompute.
 
 The decode side is the one ``--disaggregation-transfer-backend`` names: the in-process
 simulation (``simulated``, default), or decode worker processes reached over Mooncake
-(``mooncake``: ``prefill.testing.mooncake_decode.MooncakeDecode``, wall clock only; call
+(``mooncake``: ``tests.support.mooncake_decode.MooncakeDecode``, wall clock only; call
 ``executor.decode.close()`` when done)."""
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import torch
 
 from prefill.clock import Clock, VirtualClock, WallClock
 from prefill.disagg.backends import make_decode_backend
-from prefill.disagg.sim_config import PeerConfig
-from prefill.disagg.sim_side import DEFAULT_SEND_LOG_SIZE
+from prefill.disagg.simulated import DEFAULT_SEND_LOG_SIZE, PeerConfig
 from prefill.executor import CostModel, OptimisticPrefillExecutor
 from prefill.model.factory import build_model
 from prefill.model.paged import PagedTransformer
@@ -93,7 +92,7 @@ def make_executor(
         keep_received=keep_received, peer_config=peer_config, send_log_size=send_log_size,
     )  # fmt: skip
     if mooncake:
-        from prefill.testing.mooncake_decode import MooncakeDecode, start_workers
+        from tests.support.mooncake_decode import MooncakeDecode, start_workers
 
         if isinstance(decode_workers, int):
             opts = {"pool_tokens": decode_pool_size, **(worker_options or {})}

@@ -2,9 +2,9 @@
 benchmarks in which several instances share one L3 store.
 
 ``StoreNode(world)`` opens a control listener on loopback, starts ``world`` processes of
-``python -m prefill.testing.node_commands`` (``module``: another entry, ``node_stores`` for bare
+``python -m tests.support.node_commands`` (``module``: another entry, ``node_stores`` for bare
 stores only or the benchmark's) under the loopback shim
-(``hicache.mooncake.loopback.preload_env``: every Mooncake client binds loopback only)
+(``tests.support.loopback.preload_env``: every Mooncake client binds loopback only)
 with ``PR_SET_PDEATHSIG``, records their pids, and waits until each has connected.
 ``command(cmd, **fields)`` sends one command to every rank and
 returns their results in rank order (``NodeError`` with every rank's message when one failed,
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache.mooncake.loopback import preload_env
-from hicache.storage.mooncake.master import free_port
+from tests.support.loopback import preload_env
+from tests.support.mooncake_master import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class StoreNode:
     Args:
         world: TP ranks (processes).
         env: extra environment variables for the ranks (Mooncake's ``MC_*`` timeouts, ...).
-        module: the entry module (``prefill.testing.node_commands``, ``...node_stores``, or
+        module: the entry module (``tests.support.node_commands``, ``...node_stores``, or
             one with more commands).
         name: for logs.
         connect: wait here until every rank connected; ``False``: the caller calls
@@ -59,7 +59,7 @@ class StoreNode:
         self,
         world: int = 1,
         env: dict[str, str] | None = None,
-        module: str = "prefill.testing.node_commands",
+        module: str = "tests.support.node_commands",
         name: str = "node",
         connect: bool = True,
     ) -> None:
