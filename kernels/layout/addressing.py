@@ -160,6 +160,13 @@ class KVCopy:
         return Side(refs, False, item_size, 0, refs[0].shape[0], head_stride=item_size // h)
 
 
+def buffer_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
+    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
+    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
+    suffix = "_layers" if layout == TABLE else ""
+    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
+
+
 def tables_bound(tables: tuple[torch.Tensor, ...]) -> int:
     """The slots every table of a side bounds (the smallest recorded), ``NO_BOUND`` if one has
     no bound."""

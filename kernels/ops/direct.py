@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from kernels.errors import slot_out_of_range
+from kernels.layout.byte_views import page_rows, row_bytes, token_rows
 from kernels.ops import checks
-from kernels.ops.reference import page_rows, row_bytes, token_rows
 
 logger = logging.getLogger(__name__)
 

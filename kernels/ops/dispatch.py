@@ -28,6 +28,7 @@ from kernels.layout.addressing import (
     KVCopy,
     Layout,
     Part,
+    buffer_names,
     token_bytes,
 )
 from kernels.ops import checks, reference
@@ -60,13 +61,6 @@ def _runs_triton(device: torch.device) -> bool:
         )  # fmt: skip
         _fallback_logged = True
     return False
-
-
-def _arg_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
-    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
-    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
-    suffix = "_layers" if layout == TABLE else ""
-    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
 
 
 # Leading dimensions K and V of one tensor side must share: slots (and layers, and pages' heads).
@@ -124,11 +118,12 @@ def validate_buffers(call: KVCopy, block_quota: int, num_warps_per_block: int) -
     checks.positive_int("item_size", call.item_size)
     checks.positive_int("block_quota", block_quota)
     checks.positive_int("num_warps_per_block", num_warps_per_block)
+    resolve_num_warps(num_warps_per_block)
     if call.how.per_head:
         checks.positive_int("page_size", call.page_size)
         checks.positive_int("head_num", call.head_num)
     ends = [  # (side, layout, argument names, buffers or tables, indices)
-        (side, layout, _arg_names(side, layout, len(refs)), refs, idx)
+        (side, layout, buffer_names(side, layout, len(refs)), refs, idx)
         for side, layout, refs, idx in (
             ("src", call.how.src, call.src, call.src_indices),
             ("dst", call.how.dst, call.dst, call.dst_indices),

@@ -48,10 +48,6 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1)
-
-
 def _table_alignment(side: Side, assumed: int) -> int:
     """Smallest known alignment of ``side``'s tables (from validation, else verified when the
     table was built); a table of unknown alignment counts as ``assumed``."""
@@ -239,9 +235,12 @@ def launch_kv_copy(launch: Launch) -> None:
 
 
 def resolve_num_warps(num_warps_per_block: int) -> int:
-    """``num_warps_per_block`` as Triton accepts it: a power of two, at most 32 (16 on HIP)."""
+    """The warps a program runs with: ``num_warps_per_block`` capped at 32 (16 on HIP), which
+    must be a power of two (Triton's rule), else ``ValueError`` naming the argument."""
     cap = 16 if torch.version.hip is not None else 32
-    warps = min(cap, _pow2_floor(num_warps_per_block))
+    warps = min(cap, num_warps_per_block)
+    if warps & (warps - 1):
+        raise ValueError(f"num_warps_per_block={num_warps_per_block} is not a power of two")
     if warps != num_warps_per_block:
         logger.debug("num_warps_per_block=%d runs as %d warps", num_warps_per_block, warps)
     return warps
