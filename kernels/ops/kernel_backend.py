@@ -42,54 +42,33 @@ class OpSpec:
     name: str
     how: Addressing
     mla: bool
-    scalars: tuple[str, ...]
+    scalars: str  # space-separated
 
 
-_PER_HEAD = ("page_size", "head_num")
+_PH = "page_size head_num"
 
 OP_SPECS: tuple[OpSpec, ...] = (
-    OpSpec("transfer_kv_per_layer", LF_TO_LF, False, ("item_size",)),
+    OpSpec("transfer_kv_per_layer", LF_TO_LF, False, "item_size"),
+    OpSpec("transfer_kv_per_layer_pf_lf", PF_TO_LF, False, "layer_id item_size src_layout_dim"),
     OpSpec(
-        "transfer_kv_per_layer_pf_lf", PF_TO_LF, False, ("layer_id", "item_size", "src_layout_dim")
+        "transfer_kv_per_layer_ph_lf", PH_TO_LF, False, f"layer_id item_size src_layout_dim {_PH}"
     ),
+    OpSpec("transfer_kv_all_layer", TABLE_TO_TABLE, False, "item_size num_layers"),
     OpSpec(
-        "transfer_kv_per_layer_ph_lf",
-        PH_TO_LF,
-        False,
-        ("layer_id", "item_size", "src_layout_dim", *_PER_HEAD),
-    ),
-    OpSpec("transfer_kv_all_layer", TABLE_TO_TABLE, False, ("item_size", "num_layers")),
-    OpSpec(
-        "transfer_kv_all_layer_lf_pf",
-        TABLE_TO_PF,
-        False,
-        ("item_size", "dst_layout_dim", "num_layers"),
+        "transfer_kv_all_layer_lf_pf", TABLE_TO_PF, False, "item_size dst_layout_dim num_layers"
     ),
     OpSpec(
         "transfer_kv_all_layer_lf_ph",
         TABLE_TO_PH,
         False,
-        ("item_size", "dst_layout_dim", "num_layers", *_PER_HEAD),
+        f"item_size dst_layout_dim num_layers {_PH}",
     ),
-    OpSpec("transfer_kv_per_layer_mla", LF_TO_LF, True, ("item_size",)),
+    OpSpec("transfer_kv_per_layer_mla", LF_TO_LF, True, "item_size"),
+    OpSpec("transfer_kv_per_layer_mla_pf_lf", PF_TO_LF, True, "layer_id item_size src_layout_dim"),
+    OpSpec("transfer_kv_per_layer_mla_lf_pf", LF_TO_PF, True, "layer_id item_size dst_layout_dim"),
+    OpSpec("transfer_kv_all_layer_mla", TABLE_TO_TABLE, True, "item_size num_layers"),
     OpSpec(
-        "transfer_kv_per_layer_mla_pf_lf",
-        PF_TO_LF,
-        True,
-        ("layer_id", "item_size", "src_layout_dim"),
-    ),
-    OpSpec(
-        "transfer_kv_per_layer_mla_lf_pf",
-        LF_TO_PF,
-        True,
-        ("layer_id", "item_size", "dst_layout_dim"),
-    ),
-    OpSpec("transfer_kv_all_layer_mla", TABLE_TO_TABLE, True, ("item_size", "num_layers")),
-    OpSpec(
-        "transfer_kv_all_layer_mla_lf_pf",
-        TABLE_TO_PF,
-        True,
-        ("item_size", "dst_layout_dim", "num_layers"),
+        "transfer_kv_all_layer_mla_lf_pf", TABLE_TO_PF, True, "item_size dst_layout_dim num_layers"
     ),
 )
 
@@ -109,11 +88,11 @@ def _build(spec: OpSpec, run: Runner, module: str) -> Callable[..., None]:
     buffers = [name for pair in zip(src, dst, strict=True) for name in pair]
     params = [
         *(f"{name}: torch.Tensor" for name in (*buffers, "src_indices", "dst_indices")),
-        *(f"{name}: int" for name in spec.scalars),
+        *(f"{name}: int" for name in spec.scalars.split()),
         "block_quota: int = DEFAULT_BLOCK_QUOTA",
         "num_warps_per_block: int = DEFAULT_NUM_WARPS",
     ]
-    fields = "".join(f"{_FIELDS.get(name, name)}={name}, " for name in spec.scalars)
+    fields = "".join(f"{_FIELDS.get(name, name)}={name}, " for name in spec.scalars.split())
     source = (
         f"def {spec.name}({', '.join(params)}) -> None:\n"
         f"    run(KVCopy(how, ({', '.join(src)},), ({', '.join(dst)},), src_indices, dst_indices,"
