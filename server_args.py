@@ -119,16 +119,34 @@ MLA_FIELDS = tuple(MLA_DEFAULTS)
 # shared experts of 1408 make 11264); the vocabulary is cut to 32000 (102400 / 129280).
 MLA_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite-shape": dict(
-        num_layers=27, num_attention_heads=16, head_num=1, head_dim=192, hidden_size=2048,
-        intermediate_size=10944, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0,
+        num_layers=27,
+        num_attention_heads=16,
+        head_num=1,
+        head_dim=192,
+        hidden_size=2048,
+        intermediate_size=10944,
+        vocab_size=32000,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=0,
     ),
     "deepseek-v3-shape": dict(
-        num_layers=61, num_attention_heads=128, head_num=1, head_dim=192, hidden_size=7168,
-        intermediate_size=18432, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+        num_layers=61,
+        num_attention_heads=128,
+        head_num=1,
+        head_dim=192,
+        hidden_size=7168,
+        intermediate_size=18432,
+        vocab_size=32000,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=1536,
     ),
-}  # fmt: skip
+}
 MODEL_PRESETS.update(MLA_PRESETS)
 
 
@@ -430,8 +448,9 @@ class ServerArgs:
         choice("disaggregation_transfer_backend", TRANSFER_BACKEND_CHOICES)
         port = self.disaggregation_bootstrap_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            errors.append(f"--disaggregation-bootstrap-port={port!r} must be an integer in "
-                          "[0, 65535]")  # fmt: skip
+            errors.append(
+                f"--disaggregation-bootstrap-port={port!r} must be an integer in [0, 65535]"
+            )
         if not isinstance(self.host, str) or not self.host:
             errors.append(f"--host={self.host!r} must be a host name or address")
         choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
@@ -570,9 +589,15 @@ class ServerArgs:
         import hashlib
 
         ident = json.dumps(
-            [self.model_preset, self.random_seed, self.use_mla, self.kv_lora_rank,
-             self.qk_rope_head_dim, *(getattr(self, f) for f in GEOMETRY_FIELDS)]
-        )  # fmt: skip
+            [
+                self.model_preset,
+                self.random_seed,
+                self.use_mla,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                *(getattr(self, f) for f in GEOMETRY_FIELDS),
+            ]
+        )
         digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
         return f"hicache-prefill/{self.model_preset}-{digest}"
 

@@ -108,13 +108,28 @@ class KVCache:
 # Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
 # pool's size may differ: its capacity is agreed).
 SAME_ON_EVERY_RANK = (
-    "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
-    "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
-    "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
-    "kv_lora_rank", "qk_rope_head_dim", "dtype", "hicache_storage_backend",
-    "hicache_storage_backend_extra_config", "hicache_storage_prefetch_policy",
-    "hicache_host_memory_mode", "served_model_name",
-)  # fmt: skip
+    "tp_size",
+    "page_size",
+    "max_total_tokens",
+    "enable_hierarchical_cache",
+    "hicache_write_policy",
+    "hicache_mem_layout",
+    "hicache_io_backend",
+    "load_back_threshold",
+    "hicache_upstream_chunked_insert",
+    "use_mla",
+    "num_layers",
+    "head_num",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "dtype",
+    "hicache_storage_backend",
+    "hicache_storage_backend_extra_config",
+    "hicache_storage_prefetch_policy",
+    "hicache_host_memory_mode",
+    "served_model_name",
+)
 
 
 def build_kv_cache(
@@ -186,8 +201,9 @@ def build_kv_cache(
     elif group.size > 1:
         raise ValueError("host_pool: a shared host pool serves one rank (--tp-size 1) only")
     else:
-        host_pool.reuse_for(device_pool, args.hicache_ratio, args.hicache_size,
-                            args.hicache_mem_layout)  # fmt: skip
+        host_pool.reuse_for(
+            device_pool, args.hicache_ratio, args.hicache_size, args.hicache_mem_layout
+        )
     controller = HiCacheController(
         allocator,
         device_pool,
@@ -249,8 +265,10 @@ def _agreed_host_pool(
     if size != mine:
         logger.warning(
             "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
-            group.rank, mine, size,
-        )  # fmt: skip
+            group.rank,
+            mine,
+            size,
+        )
         # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
         ratio, host_size = (size + 0.5) / device_pool.size, 0.0
     host_pool, error = None, None

@@ -148,14 +148,21 @@ class KVCopy:
         if layout == TABLE:
             return Side(refs, True, item_size, 0, tables_bound(refs), head_stride=item_size // h)
         if layout == PAGE_FIRST:
-            return Side(refs, False, layout_dim, item_size, refs[0].shape[0],
-                        head_stride=item_size // h)  # fmt: skip
+            return Side(
+                refs, False, layout_dim, item_size, refs[0].shape[0], head_stride=item_size // h
+            )
         if layout == PAGE_HEAD:
             p = self.page_size
             return Side(
-                refs, False, p * layout_dim, item_size // h, refs[0].shape[0] * p,
-                page_size=p, row_stride=layout_dim // h, head_stride=p * layout_dim // h,
-            )  # fmt: skip
+                refs,
+                False,
+                p * layout_dim,
+                item_size // h,
+                refs[0].shape[0] * p,
+                page_size=p,
+                row_stride=layout_dim // h,
+                head_stride=p * layout_dim // h,
+            )
         # One layer tensor: layer stride 0, whatever layer the op copies.
         return Side(refs, False, item_size, 0, refs[0].shape[0], head_stride=item_size // h)
 

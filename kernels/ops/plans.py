@@ -70,8 +70,16 @@ def _table_state(t: torch.Tensor) -> tuple:
 def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:
     """The call's cache key and the tensor each buffer's identity names (``None``: not
     cacheable)."""
-    scalars = (call.item_size, call.layout_dim, call.layer_id, call.num_layers, call.page_size,
-               call.head_num, block_quota, num_warps)  # fmt: skip
+    scalars = (
+        call.item_size,
+        call.layout_dim,
+        call.layer_id,
+        call.num_layers,
+        call.page_size,
+        call.head_num,
+        block_quota,
+        num_warps,
+    )
     for v in scalars:
         if type(v) is not int:
             return None
@@ -82,14 +90,20 @@ def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] |
             return None
         idents.append(ident[0])
         bases.append(ident[1])
-    key = (call.how, call.op, len(call.src), len(call.dst), scalars, call.src_indices.device,
-           *idents)  # fmt: skip
+    key = (
+        call.how,
+        call.op,
+        len(call.src),
+        len(call.dst),
+        scalars,
+        call.src_indices.device,
+        *idents,
+    )
     return key, bases
 
 
 def _guards_hold(entry: _Entry, call: KVCopy, bases: list) -> bool:
-    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases,
-                                          strict=True):  # fmt: skip
+    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases, strict=True):
         if ref() is not base or t.data_ptr() != ptr:
             return False
         if state is not None and _table_state(t) != state:

@@ -1,11 +1,6 @@
-"""Warm-up for SGLang host pools running this project's kernels (:mod:`kernels.sglang.compat`).
-
-:func:`warm_up` makes every Triton kernel variant a host pool / device pool pair will launch
-compile before the scheduler loop (on CUDA a first launch of a new variant compiles on the
-launching thread), and :func:`verify_pool_tables` records the alignment of the pointer tables
-SGLang built, so the kernels copy their rows with 16-byte words.
-
-Imports nothing of SGLang, and nothing of this project outside :mod:`kernels`.
+"""Warm-up for SGLang host pools running this project's kernels: :func:`warm_up` compiles every
+Triton variant a host/device pool pair will launch before the scheduler loop, and
+:func:`verify_pool_tables` records the alignment and bound of the pointer tables SGLang built.
 """
 
 from __future__ import annotations

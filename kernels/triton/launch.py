@@ -1,11 +1,8 @@
 """How :func:`kernels.triton.copy_kernel.kv_copy_kernel` is launched for one :class:`Part`: the copy
-word, the 16-byte alignment hints, the tile shape (see the kernel's module for the reasoning
-behind the sizes), the grid (at most ``block_quota`` programs), and the launch itself on the
-indices' device and current stream.
-
-What does not depend on the indices is a :class:`PartPlan` (:func:`plan_part`), which
-:mod:`kernels.ops.plans` caches per pool buffers and op; :func:`launch_for` adds the indices,
-the grid and the launch's index-record slot (:mod:`kernels.triton.index_record`) per call.
+word, the 16-byte alignment hints, the tile shape, the grid (at most ``block_quota`` programs) and
+the launch on the indices' device and current stream. :func:`plan_part` computes what does not
+depend on the indices (cached by :mod:`kernels.ops.plans`); :func:`launch_for` adds the indices,
+grid and index-record slot per call.
 """
 
 from __future__ import annotations
@@ -171,21 +168,40 @@ def plan_part(
 
     refs = (arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1))
     shape_args = (
-        layer_begin, num_layers,
+        layer_begin,
+        num_layers,
         *(s // g.word for s in src.strides()),
         *(s // g.word for s in dst.strides()),
-        src.n_slots, dst.n_slots,
-    )  # fmt: skip
+        src.n_slots,
+        dst.n_slots,
+    )
     constexprs = dict(
-        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table,
-        SRC_PAGE=src.page_size, DST_PAGE=dst.page_size,
-        SRC_ALIGN=g.src_align, DST_ALIGN=g.dst_align,
-        HEADS=part.heads, HAS_V=len(src.refs) == 2, WORD=_TL_WORDS[g.word],
-        CHUNK_WORDS=g.chunk_words, ROWS=g.rows, NCHUNK=g.nchunk, GROUPS=g.groups, COLS=g.cols,
+        SRC_TABLE=src.is_table,
+        DST_TABLE=dst.is_table,
+        SRC_PAGE=src.page_size,
+        DST_PAGE=dst.page_size,
+        SRC_ALIGN=g.src_align,
+        DST_ALIGN=g.dst_align,
+        HEADS=part.heads,
+        HAS_V=len(src.refs) == 2,
+        WORD=_TL_WORDS[g.word],
+        CHUNK_WORDS=g.chunk_words,
+        ROWS=g.rows,
+        NCHUNK=g.nchunk,
+        GROUPS=g.groups,
+        COLS=g.cols,
         CACHE_HINTS=cache_hints,
-    )  # fmt: skip
-    return PartPlan(g, refs, shape_args, constexprs, num_warps, part.heads, block_quota,
-                    (src.n_slots, dst.n_slots))  # fmt: skip
+    )
+    return PartPlan(
+        g,
+        refs,
+        shape_args,
+        constexprs,
+        num_warps,
+        part.heads,
+        block_quota,
+        (src.n_slots, dst.n_slots),
+    )
 
 
 def launch_for(
@@ -194,8 +210,16 @@ def launch_for(
     """The launch of ``plan`` over these indices, recording bad ones in ``record``."""
     n_items = src_indices.numel()
     n_tiles = -(-n_items * plan.heads // plan.geometry.rows)  # (triton.cdiv: a slow JIT call)
-    args = (*plan.refs, src_indices, dst_indices, n_items, *plan.shape_args,
-            record.buffer, record.slot, record.code)  # fmt: skip
+    args = (
+        *plan.refs,
+        src_indices,
+        dst_indices,
+        n_items,
+        *plan.shape_args,
+        record.buffer,
+        record.slot,
+        record.code,
+    )
     grid = (max(1, min(plan.block_quota, n_tiles)),)
     return Launch(grid, args, plan.constexprs, plan.num_warps, plan.geometry, src_indices.device)
 
@@ -218,9 +242,14 @@ def plan_launch(
     ``record``: where a bad index is recorded (default: this thread's watch on the indices'
     device, else the device's shared slot, :func:`kernels.triton.index_record.launch_slot`
     with ``op``)."""
-    plan = plan_part(part, layer_begin=layer_begin, num_layers=num_layers,
-                     block_quota=block_quota, num_warps=num_warps,
-                     cache_hints=cache_hints)  # fmt: skip
+    plan = plan_part(
+        part,
+        layer_begin=layer_begin,
+        num_layers=num_layers,
+        block_quota=block_quota,
+        num_warps=num_warps,
+        cache_hints=cache_hints,
+    )
     if record is None:
         record = launch_slot(src_indices.device, op, *plan.bounds)
     return launch_for(plan, src_indices, dst_indices, record)
