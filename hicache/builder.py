@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.cache_stats import CacheStats
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
     device_pool_from_server_args,
 )
-from hicache.stats import CacheStats
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
 from hicache.transfer.streams import STREAM_MODES
