@@ -7,10 +7,7 @@ evictions, the controller bytes and copy time at each ack. Only the scheduler th
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("d2h", "h2d")
 

