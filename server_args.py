@@ -1,24 +1,12 @@
-"""Server arguments: one dataclass, its CLI, validation, and the resolutions SGLang applies.
+"""Server arguments: one dataclass (SGLang's field names, flags and defaults), its CLI, validation,
+and the resolutions SGLang applies.
 
-``ServerArgs`` uses SGLang's field names and defaults for everything this project runs. Every CLI
-flag's default is the dataclass field's default (one source of truth); flags are spelled as in
-SGLang (``hicache_write_policy`` -> ``--hicache-write-policy``).
-
-Construction validates and resolves in one place (``__post_init__``), so ``ServerArgs(...)`` and
-``prepare_server_args(argv)`` give the same result:
-
-* Bad input raises ``ValueError`` naming each flag, its value and what is allowed; all problems
-  found are reported together.
-* Combinations SGLang resolves (layout vs io backend, the optimistic-prefill gate) are resolved the
-  same way, never silently: each logs one warning and is recorded in ``args.resolutions``.
-* Features this prototype accepts for validation but does not run (pipeline parallelism, mamba
-  models) are refused by ``args.check_runtime_supported()``, which every runtime builder calls.
-  An L3 storage backend runs (``--hicache-storage-backend``); a name no backend answers to is
-  refused when the cache is built, naming the flag and the valid names.
-
-``python server_args.py [flags]`` prints the resolved configuration as JSON.
-
-This module imports nothing of the project's own.
+``ServerArgs(...)`` and ``prepare_server_args(argv)`` validate and resolve alike in
+``__post_init__``: bad input raises one ``ValueError`` naming every bad flag; combinations SGLang
+resolves (layout vs io backend, the optimistic-prefill gate) log a warning and are recorded in
+``args.resolutions``; features accepted but not run are refused by
+``args.check_runtime_supported()``. ``python server_args.py [flags]`` prints the resolved
+configuration as JSON. Imports nothing of the project's own.
 """
 
 from __future__ import annotations
@@ -117,18 +105,24 @@ MLA_FIELDS = tuple(MLA_DEFAULTS)
 # layer's MLP is dense, as wide as the experts one token activates (V3: 8 routed + 1 shared of
 # 2048 = 18432, also its dense layers' width; V2-Lite: its dense layer's 10944, where 6 routed + 2
 # shared experts of 1408 make 11264); the vocabulary is cut to 32000 (102400 / 129280).
+_DEEPSEEK_KV = dict(head_num=1, head_dim=192, vocab_size=32000, **MLA_DEFAULTS)
 MLA_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite-shape": dict(
-        num_layers=27, num_attention_heads=16, head_num=1, head_dim=192, hidden_size=2048,
-        intermediate_size=10944, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0,
+        _DEEPSEEK_KV,
+        num_layers=27,
+        num_attention_heads=16,
+        hidden_size=2048,
+        intermediate_size=10944,
     ),
     "deepseek-v3-shape": dict(
-        num_layers=61, num_attention_heads=128, head_num=1, head_dim=192, hidden_size=7168,
-        intermediate_size=18432, vocab_size=32000, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+        _DEEPSEEK_KV,
+        num_layers=61,
+        num_attention_heads=128,
+        hidden_size=7168,
+        intermediate_size=18432,
+        q_lora_rank=1536,
     ),
-}  # fmt: skip
+}
 MODEL_PRESETS.update(MLA_PRESETS)
 
 
@@ -430,8 +424,9 @@ class ServerArgs:
         choice("disaggregation_transfer_backend", TRANSFER_BACKEND_CHOICES)
         port = self.disaggregation_bootstrap_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            errors.append(f"--disaggregation-bootstrap-port={port!r} must be an integer in "
-                          "[0, 65535]")  # fmt: skip
+            errors.append(
+                f"--disaggregation-bootstrap-port={port!r} must be an integer in [0, 65535]"
+            )
         if not isinstance(self.host, str) or not self.host:
             errors.append(f"--host={self.host!r} must be a host name or address")
         choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
@@ -570,9 +565,15 @@ class ServerArgs:
         import hashlib
 
         ident = json.dumps(
-            [self.model_preset, self.random_seed, self.use_mla, self.kv_lora_rank,
-             self.qk_rope_head_dim, *(getattr(self, f) for f in GEOMETRY_FIELDS)]
-        )  # fmt: skip
+            [
+                self.model_preset,
+                self.random_seed,
+                self.use_mla,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                *(getattr(self, f) for f in GEOMETRY_FIELDS),
+            ]
+        )
         digest = hashlib.sha256(ident.encode()).hexdigest()[:12]
         return f"hicache-prefill/{self.model_preset}-{digest}"
 

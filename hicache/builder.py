@@ -1,13 +1,7 @@
-"""Wiring of the KV cache from ``ServerArgs``: pools, allocators, controller, tree, stats.
-
-``build_kv_cache(args)`` is the one place that turns flags into objects, so the executor, the
-benches and the tests all get the same cache for the same flags.
-
-With ``--tp-size N`` every rank calls ``build_kv_cache(args, group=...)`` with the cache group
-(``hicache.tp.group.new_cache_group()``): its pools hold its ``args.kv_heads_per_rank()`` KV
-heads (an MLA latent is held whole by every rank), the host pool's token capacity is agreed at
-start-up (the smallest any rank could build; a rank that cannot build one fails every rank), and
-the controller and tree agree every rank-local input on the group (``hiradix_transfers``).
+"""Wiring of the KV cache from ``ServerArgs`` (:func:`build_kv_cache`): pools, allocators,
+controller, tree, counters, so the executor, the benches and the tests get the same cache for the
+same flags. :class:`KVCache` is what the prefill side holds. With ``--tp-size N`` every rank builds
+its own shard of the KV heads, with the host pool's capacity agreed at start-up.
 """
 
 from __future__ import annotations
@@ -18,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.cache_stats import CacheStats
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
     device_pool_from_server_args,
 )
-from hicache.stats import CacheStats
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
 from hicache.transfer.streams import STREAM_MODES
@@ -45,15 +39,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class KVCache:
-    """Everything the prefill side needs from the cache.
-
-    ``tree`` is a ``RadixCache`` when the hierarchical cache is off (``host_pool`` and
-    ``controller`` are then ``None``) and a ``HiRadixCache`` when it is on; both take the same
-    calls. ``stats`` exists in both modes: the executor records prefix hits into it at admission;
-    when on, the tree adds backups, loads and evictions and the controller bytes and copy time.
-    ``group``: the tensor-parallel cache group (``SingleRankGroup`` for one rank); ``stats``
-    are this rank's. ``storage``: the L3 tier (``--hicache-storage-backend``), else ``None``.
-    """
+    """Everything the prefill side needs from the cache: ``tree`` is a ``RadixCache`` (then
+    ``host_pool`` and ``controller`` are ``None``) or a ``HiRadixCache``, both taking the same
+    calls; ``stats`` are this rank's; ``storage`` is the L3 tier or ``None``."""
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool
     allocator: TokenToKVPoolAllocator
@@ -69,11 +57,8 @@ class KVCache:
         return self.controller is not None
 
     def check_integrity(self, request_owned: int = 0) -> None:
-        """Tree, allocators and controller together (``AssertionError`` on the first break);
-        the same check as ``tree.check_integrity``.
-
-        ``request_owned``: device slots that requests hold outside the tree right now.
-        """
+        """Tree, allocators, controller and L3 tier together (``AssertionError`` on the first
+        break); ``request_owned``: device slots requests hold outside the tree right now."""
         self.tree.check_integrity(request_owned=request_owned)
         if self.storage is not None:
             self.storage.check_integrity()
@@ -108,13 +93,28 @@ class KVCache:
 # Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
 # pool's size may differ: its capacity is agreed).
 SAME_ON_EVERY_RANK = (
-    "tp_size", "page_size", "max_total_tokens", "enable_hierarchical_cache",
-    "hicache_write_policy", "hicache_mem_layout", "hicache_io_backend", "load_back_threshold",
-    "hicache_upstream_chunked_insert", "use_mla", "num_layers", "head_num", "head_dim",
-    "kv_lora_rank", "qk_rope_head_dim", "dtype", "hicache_storage_backend",
-    "hicache_storage_backend_extra_config", "hicache_storage_prefetch_policy",
-    "hicache_host_memory_mode", "served_model_name",
-)  # fmt: skip
+    "tp_size",
+    "page_size",
+    "max_total_tokens",
+    "enable_hierarchical_cache",
+    "hicache_write_policy",
+    "hicache_mem_layout",
+    "hicache_io_backend",
+    "load_back_threshold",
+    "hicache_upstream_chunked_insert",
+    "use_mla",
+    "num_layers",
+    "head_num",
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "dtype",
+    "hicache_storage_backend",
+    "hicache_storage_backend_extra_config",
+    "hicache_storage_prefetch_policy",
+    "hicache_host_memory_mode",
+    "served_model_name",
+)
 
 
 def build_kv_cache(
@@ -126,35 +126,17 @@ def build_kv_cache(
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
     copy_timer: CopyTimer | None = None,
 ) -> KVCache:
-    """Build the device pool and allocator (``max_total_tokens`` slots of ``page_size``), and
-    with ``enable_hierarchical_cache`` the host pool (``hicache_ratio`` / ``hicache_size``,
-    ``hicache_mem_layout``), the controller (``hicache_io_backend``) and a ``HiRadixCache``
-    (``hicache_write_policy``, ``load_back_threshold``, ``hicache_upstream_chunked_insert``).
+    """The cache ``args`` describe: device pool and allocator, and with
+    ``enable_hierarchical_cache`` the host pool, controller and ``HiRadixCache`` (plus the L3
+    tier with ``hicache_storage_backend``). Allocates everything up front.
 
     ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
-    ``streams``: a stream factory to use instead of the default for the device, or a CPU mode
-    (``hicache.transfer.streams.make_streams``): ``"thread"`` (the default on a CPU: copies run
-    on worker threads, a copy's failure is reported by its ack) or ``"inline"`` (CUDA's launch
-    semantics: ``submit`` runs the copy on the caller's thread and a failure raises there).
-    ``group``: the cache group of ``args.tp_size`` ranks (required when it is > 1; every rank
-    calls this, in the same order): pools of this rank's KV heads, the flags in
-    ``SAME_ON_EVERY_RANK`` checked equal (``RankDivergenceError`` otherwise), the host pool's
-    capacity agreed (see the module docstring).
-    ``host_pool``: an existing host pool to serve this cache instead of allocating one (a
-    benchmark's calibration and configurations share one pinned pool): it must match the flags
-    exactly (``reuse_for``), gets a fresh allocator, and the previous cache using it must be
-    closed. One rank only.
-    ``copy_timer``: the controller's modelled copy time (a simulator's; ``HiCacheController``).
-
-    With ``hicache_storage_backend`` the L3 tier too (``storage.io.controller``): its backend,
-    IO threads and controller, attached to the tree (``KVCache.storage``).
-
-    Raises ``ValueError`` for configurations the runtime cannot run (``pp_size > 1``, mamba
-    models, ``disable_radix_cache``, a storage backend that cannot be built, named with its
-    flag or key), for a device pool larger than its device can hold (``--max-total-tokens``,
-    before allocating), for a host pool larger than the RAM
-    that may be used (on every rank, when any rank's is), and for a group that does not match
-    ``tp_size``. Allocates everything up front; nothing blocks afterwards.
+    ``streams``: a stream factory, or a CPU mode of ``hicache.transfer.streams.make_streams``.
+    ``group``: the cache group of ``args.tp_size`` ranks (required when > 1; every rank calls
+    this in the same order). ``host_pool``: an existing host pool to reuse (one rank; it must
+    match the flags). ``copy_timer``: the controller's modelled copy time (a simulator's).
+    ``ValueError`` for a configuration the runtime cannot run, pools that do not fit, or a group
+    that does not match ``tp_size``.
     """
     args.check_runtime_supported()
     if isinstance(streams, str) and streams not in STREAM_MODES:
@@ -186,8 +168,9 @@ def build_kv_cache(
     elif group.size > 1:
         raise ValueError("host_pool: a shared host pool serves one rank (--tp-size 1) only")
     else:
-        host_pool.reuse_for(device_pool, args.hicache_ratio, args.hicache_size,
-                            args.hicache_mem_layout)  # fmt: skip
+        host_pool.reuse_for(
+            device_pool, args.hicache_ratio, args.hicache_size, args.hicache_mem_layout
+        )
     controller = HiCacheController(
         allocator,
         device_pool,
@@ -249,8 +232,10 @@ def _agreed_host_pool(
     if size != mine:
         logger.warning(
             "tp rank %d: host pool of %d tokens cut to %d, the smallest of the group's ranks",
-            group.rank, mine, size,
-        )  # fmt: skip
+            group.rank,
+            mine,
+            size,
+        )
         # The ratio that gives exactly ``size`` tokens (page-aligned), whatever float rounding.
         ratio, host_size = (size + 0.5) / device_pool.size, 0.0
     host_pool, error = None, None

@@ -1,17 +1,10 @@
-"""KV transfer kernels between the device pool and the host pool (SGLang ``kvcacheio`` ops).
+"""KV transfer kernels between the device pool and the host pool: the whole ``sgl_kernel.kvcacheio``
+surface with SGLang's names, argument order and meaning (:data:`KVCACHEIO_OPS`).
 
-The whole ``sgl_kernel.kvcacheio`` surface, same names, argument order and meaning:
-``transfer_kv_*`` (kernel backend): Triton gather/scatter kernels, see :mod:`kernels.ops.kvcacheio`.
-``transfer_kv_direct``, the ``*_direct_*`` ops and ``transfer_embedding_ranges_direct`` (direct
-backend): plain copies, see :mod:`kernels.ops.direct`. ``get_device_accessible_ptr`` and the pointer
-tables: :mod:`kernels.layout.ptr_tables`. :mod:`kernels.ops.reference` holds the torch reference of
-every op, and :mod:`kernels.layout.addressing` the one description of how the kernel-backend ops
-address memory.
-
-A bad slot index raises :class:`KVIndexError` naming the op and argument: at the call where the
-indices can be read for free (CPU tensors, debug checks, the reference and direct ops), else when
-the copy's completion is checked (:func:`watch_copies`, :func:`check_unwatched_index_errors`;
-:mod:`kernels.triton.index_record`).
+Kernel-backend ops: :mod:`kernels.ops.kvcacheio` (Triton); direct ops: :mod:`kernels.ops.direct`;
+pointer tables: :mod:`kernels.layout.ptr_tables`. A bad slot index raises :class:`KVIndexError`
+naming the op and argument, at the call or when the copy is checked (:func:`watch_copies`).
+Contract: ``docs/DESIGN.md`` section 4 and its appendix.
 """
 
 from __future__ import annotations
@@ -88,8 +81,7 @@ __all__ = [
     "watch_copies",
 ]
 
+# Every name of upstream's sgl_kernel.kvcacheio this package provides.
 KVCACHEIO_OPS = tuple(
     name for name in __all__ if name.startswith("transfer_") or name == "get_device_accessible_ptr"
 )
-"""Every name of upstream's ``sgl_kernel.kvcacheio`` this package provides (for an adapter that
-installs them as that module)."""

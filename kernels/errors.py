@@ -1,18 +1,9 @@
-"""The one error a bad slot index raises, whichever path finds it.
-
-An index past the end of a side is reported as :class:`KVIndexError` (a ``ValueError``) with one
-message naming the op and the argument: by the validator on the host (CPU tensors, CUDA tensors
-with debug checks on, the torch reference, the direct ops), or, on CUDA without debug checks, by
-the kernel's device-side record when the copy's completion is checked
-(:mod:`kernels.triton.index_record`). A negative index is not an error for the kernel-backend
-ops (the pair is skipped, as upstream); the direct ops refuse it.
+"""The one error a bad slot index raises, whichever path finds it (the host validator, the torch
+reference, the direct ops, or the kernel's device-side record, :mod:`kernels.triton.index_record`).
+A negative index is not an error for the kernel-backend ops (the pair is skipped, as upstream).
 """
 
 from __future__ import annotations
-
-import logging
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["KVIndexError", "slot_out_of_range"]
 

@@ -1,6 +1,6 @@
-"""Decisions every tensor-parallel rank takes alike from an agreed input: an allocation that
-happens on every rank or on none (``agreed_alloc``), used by the controller's copies and the
-cache's device allocations."""
+"""Allocations every tensor-parallel rank takes alike: on every rank or on none
+(:func:`agreed_alloc`).
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A stable digest of plain values and tensors, equal across processes, runs and ranks.
-
-``TPGroup.assert_same`` compares these across ranks (a tree's shape, an ack count, a batch); the
-value must be built from the same plain data on every rank (nothing holding an address).
-``tree_state(tree)`` is that data for a radix tree and its pools.
+"""A stable digest of plain values and tensors, equal across processes, runs and ranks
+(``TPGroup.assert_same`` compares it), and ``tree_state(tree)``: the plain data of a radix tree
+and its pools that must be identical on every rank.
 """
 
 from __future__ import annotations
@@ -78,10 +76,18 @@ def tree_state(tree: Any) -> list[Any]:
         x = stack.pop()
         nodes.append(
             (
-                x.key, x.value, x.host_value, x.lock_ref, x.host_ref, x.hit_count,
-                x.last_access_time, x.device_children, x.id in writing, x.id in loading,
+                x.key,
+                x.value,
+                x.host_value,
+                x.lock_ref,
+                x.host_ref,
+                x.hit_count,
+                x.last_access_time,
+                x.device_children,
+                x.id in writing,
+                x.id in loading,
             )
-        )  # fmt: skip
+        )
         stack.extend(x.children[k] for k in sorted(x.children, reverse=True))
     out: list[Any] = [nodes, tree.evictable_size_, tree.protected_size_]
     if tree.allocator is not None:

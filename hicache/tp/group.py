@@ -1,36 +1,15 @@
-"""Agreement between tensor-parallel ranks on cache decisions (SGLang's ``tp_cache_group``).
-
-Each TP rank owns its shard of the KV heads, its own pools, controller and copy streams, and
-polls its own copy events. Any cache decision taken from rank-local state (how many acks
-finished, whether the host pool had room, how much device memory is free) can differ between
-ranks; the trees then diverge and a later collective hangs. A ``TPGroup`` turns such local
-values into one value every rank applies: ``agree_min`` / ``agree_max`` / ``agree_all`` /
-``agree_any`` / ``agree_min_many`` (all_reduce), ``broadcast_object`` (rank ``src``'s decision),
-``all_gather_object`` (every rank's value, e.g. per-rank statistics), ``assert_same`` (a digest
-check that names the ranks that differ) and ``barrier``.
-
-Agreement travels on a CPU (gloo) process group on CPU and GPU alike, as SGLang's cache group
-does: the values are host integers, and a gloo collective never queues behind device kernels.
-The model's all_reduce uses its own group (NCCL on GPU); see ``prefill.model.tp``.
+"""Agreement between tensor-parallel ranks on cache decisions (SGLang's ``tp_cache_group``): a
+``TPGroup`` turns rank-local values (finished acks, host room, free device memory) into one value
+every rank applies, over a CPU (gloo) group on CPU and GPU alike.
 
 THE INVARIANT: every rank enters every primitive, in the same order, exactly once per call
-site, whatever its local state. No early return before a collective because a local queue is
-empty (SGLang #26921), no collective inside a loop whose exit depends on per-rank state (#30760),
-no ``if local_condition: agree(...)``. Compute the local value unconditionally (0 for an empty
-queue), agree, then act on the agreed value only. Call from one thread (the scheduler's); a call
-from another thread raises ``RuntimeError``.
+site, whatever its local state: no early return before a collective, no collective in a loop
+whose exit is rank-local, no ``if local_condition: agree(...)``. Compute the local value
+unconditionally, agree, then act on the agreed value. Call from one thread (the scheduler's).
 
-Each primitive opens with the same fixed-size all_reduce (int64[4], MIN): a hash of the call
-site (primitive kind and ``tag``, plus ``src`` for broadcasts) as ``[h, -h]`` next to two payload
-integers. MIN of ``[h, -h]`` is ``[min, -max]``: equal exactly when every rank is at the same
-call site. When they differ, every rank sees it and all of them enter one more collective to
-name who was where, then raise ``CollectiveMismatchError``; nobody hangs. A rank that never
-enters any collective (it skipped one and is blocked elsewhere, or exited) cannot be detected
-this way: the others block until that process exits or the group's timeout passes
-(``tp_timeout_s``: 120 s unless ``SGLANG_HICACHE_TP_TIMEOUT`` says otherwise; the test
-harness's watchdog dumps every rank's stack instead). The check costs no extra collective.
-
-``SingleRankGroup`` (``tp_size == 1``) is the identity: no torch.distributed, no hashing.
+Each primitive opens with one all_reduce (int64[4], MIN) of ``[h, -h, a, b]``, ``h`` a hash of
+the call site: ranks at different call sites all raise ``CollectiveMismatchError`` instead of
+hanging. ``SingleRankGroup`` (``tp_size == 1``) is the identity.
 """
 
 from __future__ import annotations
@@ -71,10 +50,8 @@ one failing rank would hold every other rank that long)."""
 
 
 def tp_timeout_s() -> float:
-    """Seconds a collective between tensor-parallel ranks may block before it raises: the
-    ``SGLANG_HICACHE_TP_TIMEOUT`` environment variable, else ``DEFAULT_TP_TIMEOUT_S`` (120).
-    Used by ``new_cache_group`` and the default group of the tests' rank launcher.
-    ``ValueError`` naming the variable for a value that is not a positive number."""
+    """Seconds a collective may block before it raises: ``SGLANG_HICACHE_TP_TIMEOUT``, else
+    ``DEFAULT_TP_TIMEOUT_S``; ``ValueError`` naming the variable unless a positive number."""
     raw = os.environ.get(TP_TIMEOUT_ENV, "").strip()
     if not raw:
         return DEFAULT_TP_TIMEOUT_S
@@ -130,12 +107,8 @@ def _site_hash(kind: str, tag: str, extra: str = "") -> int:
 
 
 class TPGroup:
-    """The agreement primitives every cache rank calls (see the module docstring).
-
-    ``rank``: this rank's index in the group; ``size``: ranks in the group. ``tag`` names the
-    call site (it is checked across ranks by ``DistTPGroup``). All values are host ints/bools;
-    every method blocks until every rank of the group has entered it.
-    """
+    """The agreement primitives every cache rank calls. ``tag`` names the call site (checked
+    across ranks); values are host ints/bools; every method blocks until every rank entered."""
 
     rank: int = 0
     size: int = 1
@@ -232,18 +205,9 @@ class SingleRankGroup(TPGroup):
 
 
 class DistTPGroup(TPGroup):
-    """The primitives over a torch.distributed CPU process group (gloo).
-
-    Args:
-        group: a gloo ``ProcessGroup`` (``None``: the default group, which must then be gloo).
-            Every member rank must construct a ``DistTPGroup`` over it and call its methods in
-            the same order.
-
-    Cost per call: one all_reduce of 4 int64 (``agree_*``, ``agree_min_many`` of up to two
-    values, ``assert_same`` when equal, ``barrier``); two for ``agree_min_many`` of more values
-    and for ``broadcast_object`` (the second carries the pickled bytes); the header plus torch's
-    ``all_gather_object`` (two all_gathers) for ``all_gather_object``.
-    """
+    """The primitives over a gloo process group (``None``: the default group, then gloo). Cost:
+    one all_reduce of 4 int64 per call; a second for ``broadcast_object`` and for
+    ``agree_min_many`` of more than two values."""
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -257,7 +221,6 @@ class DistTPGroup(TPGroup):
         self.seq = 0  # collectives entered through this object
         self._thread: int | None = None
 
-    # ------------------------------------------------------------------ primitives
     def agree_min(self, value: int, tag: str = "agree_min") -> int:
         v = _check_int("value", value)
         return self._header("agree_min", tag, v, 0)[0]
@@ -323,7 +286,6 @@ class DistTPGroup(TPGroup):
     def barrier(self, tag: str = "barrier") -> None:
         self._header("barrier", tag, 0, 0)
 
-    # ------------------------------------------------------------------ internals
     def _header(self, kind: str, tag: str, a: int, b: int, extra: str = "") -> tuple[int, int]:
         """The opening all_reduce (MIN) of ``[h, -h, a, b]``; checks the call site, returns the
         reduced ``(a, b)``."""
@@ -367,15 +329,9 @@ class DistTPGroup(TPGroup):
 
 
 def new_cache_group(timeout_s: float | None = None) -> TPGroup:
-    """The cache's agreement group: a new gloo group over every rank of the initialized
-    default group (whatever its backend), or ``SingleRankGroup`` when torch.distributed is not
-    initialized or has one rank.
-
-    Like ``torch.distributed.new_group``, every rank must call this, in the same order.
-    ``timeout_s``: gloo's limit for a blocked collective, after which it raises
-    ``RuntimeError`` on the waiting ranks (one failing rank stops all of them with an error);
-    ``None``: ``tp_timeout_s()`` (``SGLANG_HICACHE_TP_TIMEOUT``, default 120 s).
-    """
+    """A new gloo group over every rank of the default group (every rank calls this, in the same
+    order), or ``SingleRankGroup`` for one rank. A collective blocked ``timeout_s`` (``None``:
+    :func:`tp_timeout_s`) raises ``RuntimeError``."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:

@@ -77,12 +77,12 @@ import numpy as np
 import torch
 
 import kernels
+from hicache.cache_stats import CacheStats
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
 from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
 from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
-from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
 from hicache.transfer.acks import CopyTimer, HiCacheAck, ack_error, check_indices
 from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu

@@ -67,7 +67,7 @@ from hicache.tree.storage_hooks import (
 from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
-    from hicache.stats import CacheStats
+    from hicache.cache_stats import CacheStats
     from hicache.transfer.controller import HiCacheController
 
 __all__ = ["WRITE_POLICIES", "HiRadixCache"]

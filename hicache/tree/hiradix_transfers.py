@@ -61,8 +61,8 @@ from hicache.tree.node import TreeNode
 from hicache.tree.radix_cache import RadixCache
 
 if TYPE_CHECKING:
+    from hicache.cache_stats import CacheStats
     from hicache.memory.allocator import TokenToKVPoolAllocator
-    from hicache.stats import CacheStats
     from hicache.tp.group import TPGroup
     from hicache.transfer.controller import HiCacheController
 

@@ -6,7 +6,6 @@ layout: ``docs/DESIGN.md`` ("Copy-op addressing").
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -14,8 +13,6 @@ from typing import Literal
 import torch
 
 from kernels.layout.ptr_tables import table_bound
-
-logger = logging.getLogger(__name__)
 
 Layout = Literal["layer_first", "page_first", "page_head", "table"]
 LAYER_FIRST: Layout = "layer_first"
@@ -148,16 +145,30 @@ class KVCopy:
         if layout == TABLE:
             return Side(refs, True, item_size, 0, tables_bound(refs), head_stride=item_size // h)
         if layout == PAGE_FIRST:
-            return Side(refs, False, layout_dim, item_size, refs[0].shape[0],
-                        head_stride=item_size // h)  # fmt: skip
+            return Side(
+                refs, False, layout_dim, item_size, refs[0].shape[0], head_stride=item_size // h
+            )
         if layout == PAGE_HEAD:
             p = self.page_size
             return Side(
-                refs, False, p * layout_dim, item_size // h, refs[0].shape[0] * p,
-                page_size=p, row_stride=layout_dim // h, head_stride=p * layout_dim // h,
-            )  # fmt: skip
+                refs,
+                False,
+                p * layout_dim,
+                item_size // h,
+                refs[0].shape[0] * p,
+                page_size=p,
+                row_stride=layout_dim // h,
+                head_stride=p * layout_dim // h,
+            )
         # One layer tensor: layer stride 0, whatever layer the op copies.
         return Side(refs, False, item_size, 0, refs[0].shape[0], head_stride=item_size // h)
+
+
+def buffer_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
+    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
+    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
+    suffix = "_layers" if layout == TABLE else ""
+    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
 
 
 def tables_bound(tables: tuple[torch.Tensor, ...]) -> int:

@@ -1,19 +1,10 @@
-"""Per-layer ``data_ptr()`` tables (SGLang's ``k_data_ptrs``) and the alignment verified when a
-table is built, plus ``get_device_accessible_ptr`` (the address a kernel uses for a tensor).
+"""Per-layer ``data_ptr()`` tables (SGLang's ``k_data_ptrs``) with the alignment and slot bound
+recorded when a table is built (:func:`data_ptr_table`) or read once (:func:`verify_ptr_table`),
+and ``get_device_accessible_ptr``.
 
-The all-layer ops read each layer's base address from a table on the device. Reading the entries
-back on the host would synchronize with the stream, so the kernel can only rely on an entry's
-alignment when it was checked before the copy: :func:`data_ptr_table` computes it from the
-addresses it writes, :func:`verify_ptr_table` reads an existing table once (at pool build time).
-The verified alignment (bytes, a power of two up to 16) is attached to the table together with
-its version counter: an in-place write to the table after that voids it. A table without one is
-copied with the narrower word its item size allows (as upstream: 8 bytes).
-
-So is the table's bound: the number of slots every layer it points at holds (the smallest first
-dimension of the tensors :func:`data_ptr_table` is given, or the ``n_slots`` passed to
-:func:`verify_ptr_table`). The ops check a table side's indices against it (on the host where
-that is free, else in the kernel, :mod:`kernels.triton.index_record`); a table without a bound
-(built elsewhere and never verified with one) cannot be bounded, as upstream.
+The kernel cannot read a table's entries per copy without a synchronization, so it relies only on
+what was recorded: the alignment (16 bytes enables 16-byte accesses) and the bound (indices are
+checked against it). The record carries the table's version counter: an in-place write voids it.
 """
 
 from __future__ import annotations
@@ -44,20 +35,21 @@ def pointer_alignment(ptrs: Sequence[int]) -> int:
     return 0 if 0 in masked else alignment(*masked)
 
 
-def _version(table: torch.Tensor) -> int | None:
+def version_counter(table: torch.Tensor) -> int | None:
+    """``table``'s in-place write counter (``None`` for inference tensors, which keep none)."""
     try:
         return table._version
-    except RuntimeError:  # inference tensors keep no version counter
+    except RuntimeError:
         return None
 
 
 def _record(table: torch.Tensor, align: int, n_slots: int | None) -> None:
-    setattr(table, _ATTR, (align, n_slots, _version(table)))
+    setattr(table, _ATTR, (align, n_slots, version_counter(table)))
 
 
 def _current(table: torch.Tensor) -> tuple[int, int | None] | None:
     rec = getattr(table, _ATTR, None)
-    if rec is None or rec[2] != _version(table):
+    if rec is None or rec[2] != version_counter(table):
         return None
     return rec[0], rec[1]
 
@@ -101,14 +93,16 @@ def verify_ptr_table(table: torch.Tensor, n_slots: int | None = None) -> int:
     copy."""
     if not isinstance(table, torch.Tensor) or table.dtype not in (torch.int64, torch.uint64):
         raise ValueError(f"table must be an int64 or uint64 tensor, got {table!r}")
-    if n_slots is not None and (isinstance(n_slots, bool) or not isinstance(n_slots, int)
-                                or n_slots <= 0):  # fmt: skip
+    if n_slots is not None and (
+        isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots <= 0
+    ):
         raise ValueError(f"n_slots must be a positive int or None, got {n_slots!r}")
     ptrs = [int(p) for p in table.view(torch.int64).cpu().tolist()]
     align = pointer_alignment(ptrs)
     _record(table, align, n_slots)
-    logger.debug("pointer table of %d entries verified: %d-byte aligned, bound %s", len(ptrs),
-                 align, n_slots)  # fmt: skip
+    logger.debug(
+        "pointer table of %d entries verified: %d-byte aligned, bound %s", len(ptrs), align, n_slots
+    )
     return align
 
 

@@ -1,3 +1,4 @@
-"""SGLang's ``kvcacheio`` ops: their signatures (``kernel_backend``), the Triton-backed binding
-(``kvcacheio``) with argument checks (``checks``) and dispatch (``dispatch``), the torch reference
-(``reference``) and the direct backend (``direct``)."""
+"""SGLang's ``kvcacheio`` ops: the op table (``kernel_backend``), the Triton-backed ops
+(``kvcacheio``) with their checks (``checks``), dispatch (``dispatch``) and plan cache
+(``plans``), the torch reference (``reference``) and the direct backend (``direct``).
+"""

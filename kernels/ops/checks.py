@@ -20,8 +20,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kernels.errors import slot_out_of_range
+from kernels.layout.byte_views import row_bytes
 from kernels.layout.ptr_tables import pointer_alignment, verified_alignment
-from kernels.ops.reference import row_bytes
 
 logger = logging.getLogger(__name__)
 

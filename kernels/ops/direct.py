@@ -1,29 +1,20 @@
-"""Direct-backend KV copies (SGLang ``io_backend="direct"``): plain ``copy_`` calls, no kernel.
+"""Direct-backend KV copies (SGLang ``io_backend="direct"``): plain ``copy_`` calls, no kernel, one
+per maximal run of consecutive slots or per (page, layer) block, bytes copied raw (any dtype).
 
-The baseline the gather kernels are measured against: one ``copy_`` per maximal run of
-consecutive slots (``transfer_kv_direct``) or per (page, layer) block (the page_first_direct ops).
-Bytes are copied raw (``uint8`` views), so any dtype works and the two sides may differ in dtype.
-
-Like upstream, these ops read the indices on the host: on CUDA that waits for the indices to be
-ready (a stream synchronization), and each copy is then queued with ``non_blocking=True`` on the
-current stream. Host tensors should be pinned for the copies to be asynchronous. Indices must be
-in range and non-negative (``ValueError`` otherwise, checked on the host copy; an index past the
-end raises the :class:`kernels.errors.KVIndexError` the kernel-backend ops raise, naming the op
-and the argument).
+As upstream, the indices are read on the host (a stream synchronization on CUDA), then each copy
+is queued with ``non_blocking=True`` on the current stream. Indices must be in range and
+non-negative: ``ValueError``, or :class:`kernels.errors.KVIndexError` past a side's end.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
 from kernels.errors import slot_out_of_range
+from kernels.layout.byte_views import page_rows, row_bytes, token_rows
 from kernels.ops import checks
-from kernels.ops.reference import page_rows, row_bytes, token_rows
-
-logger = logging.getLogger(__name__)
 
 
 def _host_indices(

@@ -1,14 +1,8 @@
 """Validate one kernel-backend op call (a :class:`kernels.layout.addressing.KVCopy`) and run it: the
-Triton kernel (one launch for K and V, or one each when their sizes differ), or, off the Triton
-path, the torch reference.
-
-Every failure is a ``ValueError`` naming the op and the argument, raised before anything is
-written. On the Triton path the validated buffers and their launch plans are cached
-(:mod:`kernels.ops.plans`): a repeated call over the same pool tensors checks only its indices.
-Index ranges: read on the host where that is free (CPU tensors, CUDA with debug checks) and
-always for the torch reference; otherwise the kernel skips and records a bad pair
-(:mod:`kernels.triton.index_record`), and the copy's completion check raises the same
-:class:`kernels.errors.KVIndexError`.
+Triton kernel (one launch for K and V, or one each when their sizes differ) or, off the Triton
+path, the torch reference. Every failure is a ``ValueError`` naming the op and the argument,
+raised before anything is written; validated buffers and their launch plans are cached
+(:mod:`kernels.ops.plans`), so a repeated call checks only its indices.
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from kernels.layout.addressing import (
     KVCopy,
     Layout,
     Part,
+    buffer_names,
     token_bytes,
 )
 from kernels.ops import checks, reference
@@ -56,17 +51,11 @@ def _runs_triton(device: torch.device) -> bool:
     if not _fallback_logged:
         logger.info(
             "kvcacheio ops on %s tensors with TRITON_INTERPRET=%d: using the torch reference",
-            device, int(TRITON_INTERPRETED),
-        )  # fmt: skip
+            device,
+            int(TRITON_INTERPRETED),
+        )
         _fallback_logged = True
     return False
-
-
-def _arg_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
-    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
-    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
-    suffix = "_layers" if layout == TABLE else ""
-    return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
 
 
 # Leading dimensions K and V of one tensor side must share: slots (and layers, and pages' heads).
@@ -124,11 +113,12 @@ def validate_buffers(call: KVCopy, block_quota: int, num_warps_per_block: int) -
     checks.positive_int("item_size", call.item_size)
     checks.positive_int("block_quota", block_quota)
     checks.positive_int("num_warps_per_block", num_warps_per_block)
+    resolve_num_warps(num_warps_per_block)
     if call.how.per_head:
         checks.positive_int("page_size", call.page_size)
         checks.positive_int("head_num", call.head_num)
     ends = [  # (side, layout, argument names, buffers or tables, indices)
-        (side, layout, _arg_names(side, layout, len(refs)), refs, idx)
+        (side, layout, buffer_names(side, layout, len(refs)), refs, idx)
         for side, layout, refs, idx in (
             ("src", call.how.src, call.src, call.src_indices),
             ("dst", call.how.dst, call.dst, call.dst_indices),
@@ -163,8 +153,10 @@ def _bounds(parts: list[Part]) -> tuple[int, int]:
 def check_index_ranges(call: KVCopy, bounds: tuple[int, int], force: bool = False) -> None:
     """Every index below its side's slot count (``bounds``; tables: their recorded bound), read
     where that is free or when ``force``; else :class:`kernels.errors.KVIndexError`."""
-    for name, idx, n_slots in (("src_indices", call.src_indices, bounds[0]),
-                               ("dst_indices", call.dst_indices, bounds[1])):  # fmt: skip
+    for name, idx, n_slots in (
+        ("src_indices", call.src_indices, bounds[0]),
+        ("dst_indices", call.dst_indices, bounds[1]),
+    ):
         if n_slots < NO_BOUND:
             checks.indices_in_range(name, idx, n_slots, call.op, force)
 
@@ -189,8 +181,12 @@ def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
             check_index_ranges(call, _bounds(parts), force=True)  # the reference indexes with them
             reference.copy_kv(call)
             return
-        plan = cached_plan(call, block_quota, num_warps_per_block,
-                           lambda: _plan(call, block_quota, num_warps_per_block))  # fmt: skip
+        plan = cached_plan(
+            call,
+            block_quota,
+            num_warps_per_block,
+            lambda: _plan(call, block_quota, num_warps_per_block),
+        )
         check_index_ranges(call, plan.bounds)
     except KVIndexError:
         raise
@@ -210,10 +206,16 @@ def _plan(call: KVCopy, block_quota: int, num_warps_per_block: int) -> Plan:
     cache_hints = cache_hints_supported(call.src_indices.device)
     num_warps = resolve_num_warps(num_warps_per_block)
     launches = tuple(
-        plan_part(part, layer_begin=call.layer_id, num_layers=call.num_layers,
-                  block_quota=block_quota, num_warps=num_warps, cache_hints=cache_hints)
+        plan_part(
+            part,
+            layer_begin=call.layer_id,
+            num_layers=call.num_layers,
+            block_quota=block_quota,
+            num_warps=num_warps,
+            cache_hints=cache_hints,
+        )
         for part in parts
-    )  # fmt: skip
+    )
     layouts = [call.how.src] * len(call.src) + [call.how.dst] * len(call.dst)
     tables = frozenset(i for i, layout in enumerate(layouts) if layout == TABLE)
     return Plan(_bounds(parts), launches, tables)

@@ -6,7 +6,6 @@ its indices. Entries die with their tensors; :func:`clear_plans` drops them all;
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -16,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout.addressing import KVCopy
-from kernels.layout.ptr_tables import table_record
+from kernels.layout.ptr_tables import table_record, version_counter
 from kernels.triton.launch import PartPlan
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_PLANS", "Plan", "cached_plan", "clear_plans", "plan_count"]
 
@@ -60,18 +57,22 @@ def _identity(t: object) -> tuple[object, torch.Tensor] | None:
 
 
 def _table_state(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        version = None
-    return version, table_record(t)
+    return version_counter(t), table_record(t)
 
 
 def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:
     """The call's cache key and the tensor each buffer's identity names (``None``: not
     cacheable)."""
-    scalars = (call.item_size, call.layout_dim, call.layer_id, call.num_layers, call.page_size,
-               call.head_num, block_quota, num_warps)  # fmt: skip
+    scalars = (
+        call.item_size,
+        call.layout_dim,
+        call.layer_id,
+        call.num_layers,
+        call.page_size,
+        call.head_num,
+        block_quota,
+        num_warps,
+    )
     for v in scalars:
         if type(v) is not int:
             return None
@@ -82,14 +83,20 @@ def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] |
             return None
         idents.append(ident[0])
         bases.append(ident[1])
-    key = (call.how, call.op, len(call.src), len(call.dst), scalars, call.src_indices.device,
-           *idents)  # fmt: skip
+    key = (
+        call.how,
+        call.op,
+        len(call.src),
+        len(call.dst),
+        scalars,
+        call.src_indices.device,
+        *idents,
+    )
     return key, bases
 
 
 def _guards_hold(entry: _Entry, call: KVCopy, bases: list) -> bool:
-    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases,
-                                          strict=True):  # fmt: skip
+    for (ref, ptr, state), t, base in zip(entry.guards, (*call.src, *call.dst), bases, strict=True):
         if ref() is not base or t.data_ptr() != ptr:
             return False
         if state is not None and _table_state(t) != state:

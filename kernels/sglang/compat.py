@@ -1,39 +1,12 @@
 """Plug this project's kvcacheio kernels into a running SGLang: one :func:`install` call.
 
-What :func:`install` does, in this order, after checking everything it will touch (an SGLang whose
-modules it does not recognise gets one ``ValueError`` naming the SGLang version, and nothing is
-patched):
-
-1. **sgl-kernel absent**: registers a minimal ``sgl_kernel`` package and ``sgl_kernel.kvcacheio``
-   module holding this project's ops, so SGLang's host-pool modules that are imported afterwards
-   bind them (``from sgl_kernel.kvcacheio import ...``). **sgl-kernel present**: the same names on
-   its ``sgl_kernel.kvcacheio`` module are rebound to this project's ops.
-2. Imports SGLang's host-pool modules (``import_modules=True``), then **rebinds every kvcacheio
-   name those modules imported at module level** (or would have imported on CUDA: the names are
-   read from each module's source) to this project's op, in each module's globals. A name a
-   module imports inside a function is looked up in ``sgl_kernel.kvcacheio`` when the function
-   runs, so step 1 already covers it: nothing is bound for it, and the module is listed in
-   :attr:`SGLangKernels.resolved_at_call`. Modules under ``sglang.srt.mem_cache`` that import
-   names this project does not provide are left alone and listed in
-   :attr:`SGLangKernels.skipped`.
-3. ``route_around_jit=True``: rebinds SGLang's JIT predicates (``can_use_hicache_jit_kernel``,
-   ``can_use_write_back_jit_kernel``) in those modules to ``False``, so the ``kernel`` io backend
-   takes the kvcacheio ops (this project's) instead of SGLang's JIT kernels (0.5.17+ use them
-   whenever the per-token size is a multiple of 128 bytes). Host pools decide at construction:
-   install before building them, or pass built ones as ``host_pools`` (their ``can_use_jit`` and
-   ``can_use_write_back_jit`` are set to ``False`` and restored on uninstall).
-4. ``warm=[(host_pool, device_pool), ...]``: :func:`warm_up` each pair (see there: it also
-   verifies the pointer tables SGLang built, so the kernels copy them with 16-byte words).
-
-Which names step 2 and 3 rebind is read from SGLang's module sources by
-:mod:`kernels.sglang.rebind`; this module checks, registers, applies and undoes.
-
-The handle's :meth:`SGLangKernels.uninstall` restores every binding exactly (names that did not
-exist are deleted again, registered modules removed). Installing again while installed returns
-the same handle; different options then raise ``ValueError`` (uninstall first).
-
-This module imports nothing of SGLang at import time, and nothing of this project outside
-:mod:`kernels`.
+It checks everything it will touch first (an unknown SGLang gets one ``ValueError`` naming its
+version, and nothing is patched), then: registers a minimal ``sgl_kernel.kvcacheio`` when
+sgl-kernel is absent, else rebinds the ops on it; imports SGLang's host-pool modules and rebinds
+every kvcacheio name they import at module level (:mod:`kernels.sglang.rebind` reads which);
+with ``route_around_jit`` rebinds SGLang's JIT predicates to ``False``; with ``warm`` runs
+:func:`warm_up`. :meth:`SGLangKernels.uninstall` restores every binding exactly. Imports nothing
+of SGLang at import time.
 """
 
 from __future__ import annotations
@@ -55,9 +28,17 @@ from kernels.sglang.warm_up import WarmUpReport, verify_pool_tables, warm_up
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "KVCACHEIO_NAMES", "MODULE_LAYOUTS", "SGLangKernels", "WarmUpReport", "active", "install",
-    "provided_ops", "sglang_version", "verify_pool_tables", "warm_up",
-]  # fmt: skip
+    "KVCACHEIO_NAMES",
+    "MODULE_LAYOUTS",
+    "SGLangKernels",
+    "WarmUpReport",
+    "active",
+    "install",
+    "provided_ops",
+    "sglang_version",
+    "verify_pool_tables",
+    "warm_up",
+]
 
 KVCACHEIO_NAMES: tuple[str, ...] = KVCACHEIO_OPS
 """The ``sgl_kernel.kvcacheio`` surface this module supplies: every op :mod:`kernels` provides."""
@@ -266,10 +247,13 @@ def install(
     _ACTIVE = handle
     logger.info(
         "sglang_compat: SGLang %s (%s layout), %s sgl_kernel.kvcacheio, rebound %d names in %s%s",
-        version, layout, "registered" if registered else "patched",
-        sum(len(v) for v in patched.values()), ", ".join(patched) or "no module",
+        version,
+        layout,
+        "registered" if registered else "patched",
+        sum(len(v) for v in patched.values()),
+        ", ".join(patched) or "no module",
         ", JIT routed around" if route_around_jit else "",
-    )  # fmt: skip
+    )
     try:
         for host_pool, device_pool in warm:
             handle.warm_up(host_pool, device_pool)

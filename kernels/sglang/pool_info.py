@@ -7,10 +7,7 @@ Imports SGLang only when called; imports nothing of this project.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 def sglang_buffer_info(device_pool: Any) -> Any:

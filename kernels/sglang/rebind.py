@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
 import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
-    "JIT_PREDICATES", "JIT_SOURCES", "KVCACHEIO_SOURCES", "SCANNED_PACKAGE", "Binding",
-    "imported_names", "module_source", "plan_rebinding", "required_names",
-]  # fmt: skip
+    "JIT_PREDICATES",
+    "JIT_SOURCES",
+    "KVCACHEIO_SOURCES",
+    "SCANNED_PACKAGE",
+    "Binding",
+    "imported_names",
+    "module_source",
+    "plan_rebinding",
+    "required_names",
+]
 
 KVCACHEIO_SOURCES: tuple[str, ...] = (
     "sgl_kernel.kvcacheio",
@@ -163,9 +167,11 @@ def plan_rebinding(
     ops: dict[str, Any],
     route_around_jit: bool,
 ) -> tuple[
-    dict[str, tuple[str, ...]], dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
+    dict[str, tuple[str, ...]],
+    dict[str, tuple[str, ...]],
+    dict[str, tuple[str, ...]],
     list[Binding],
-]:  # fmt: skip
+]:
     """Every module binding to apply: the required modules, then other imported modules under
     :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped).
     Only names imported at module level are bound; names imported inside functions resolve

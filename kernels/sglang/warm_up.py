@@ -1,22 +1,14 @@
-"""Warm-up for SGLang host pools running this project's kernels (:mod:`kernels.sglang.compat`).
-
-:func:`warm_up` makes every Triton kernel variant a host pool / device pool pair will launch
-compile before the scheduler loop (on CUDA a first launch of a new variant compiles on the
-launching thread), and :func:`verify_pool_tables` records the alignment of the pointer tables
-SGLang built, so the kernels copy their rows with 16-byte words.
-
-Imports nothing of SGLang, and nothing of this project outside :mod:`kernels`.
+"""Warm-up for SGLang host pools running this project's kernels: :func:`warm_up` compiles every
+Triton variant a host/device pool pair will launch before the scheduler loop, and
+:func:`verify_pool_tables` records the alignment and bound of the pointer tables SGLang built.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,19 +24,11 @@ class WarmUpReport:
 def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
     """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes.
 
-    First verifies the pointer tables the two pools hold (:func:`verify_pool_tables`): a table
-    SGLang built itself (``torch.tensor([... data_ptr() ...])``) is otherwise copied with 8-byte
-    words, since its entries cannot be read per copy without a synchronization. Then drives
-    SGLang's own dispatch (``load_to_device_per_layer`` for every layer,
-    ``backup_from_device_all_layer``) with the ``kernel`` io backend and index tensors of ``-1``:
-    the kernels skip pairs with a negative index, so each launch compiles (on CUDA) exactly the
-    variant the real call with these buffers, strides, dtype, item size and tables will use, and
-    writes nothing. The index tensors' own alignment does not matter (the kernel is not
-    specialized on it). Blocks until those launches are queued (compilation happens in the
-    calling thread; the table reads synchronize on CUDA). Skipped: layouts the ``kernel``
-    backend does not serve (``page_first_direct``: the direct backend launches no kernel), and
-    host pools that will take SGLang's JIT kernels (``can_use_jit`` true: install with
-    ``route_around_jit=True`` first).
+    Verifies the pools' pointer tables first (:func:`verify_pool_tables`), then drives SGLang's
+    own dispatch (``load_to_device_per_layer`` for every layer, ``backup_from_device_all_layer``)
+    with the ``kernel`` io backend and indices of ``-1``, which the kernels skip: each launch
+    compiles exactly the variant the real calls will use. Skips layouts the ``kernel`` backend
+    does not serve and host pools on SGLang's JIT kernels (``can_use_jit``).
     """
     report = WarmUpReport()
     pool_name = type(host_pool).__name__
@@ -72,15 +56,10 @@ def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
 
 
 def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
-    """Verify (:func:`kernels.verify_ptr_table`) every pointer table the given pools hold that
-    no one verified yet: attributes whose name ends in ``ptrs`` holding a 1-D int64 / uint64
-    tensor (SGLang's ``k_data_ptrs``, ``v_data_ptrs``, ``data_ptrs``, 0.5.23's
-    ``device_k_data_ptrs``, ...). Tables this project built are verified already. Each table's
-    bound is recorded too when every entry is the ``data_ptr()`` of a per-layer tensor one of
-    the pools holds (``k_buffer``, ``v_buffer``, ``kv_buffer``, ...): the slots of the smallest,
-    so an out-of-range index on an all-layer op is caught. Reads each table (a synchronization
-    on CUDA): call at pool build time, before the scheduler loop. Returns ``(owner class,
-    attribute, alignment in bytes)`` per table verified now.
+    """Verify (:func:`kernels.verify_ptr_table`) every not yet verified pointer table the pools
+    hold (attributes ending in ``ptrs``: 1-D int64/uint64 tensors), with its bound when every
+    entry is a per-layer tensor the pools hold. Reads each table (synchronizes on CUDA): call at
+    pool build time. Returns ``(owner class, attribute, alignment in bytes)`` per table.
     """
     from kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
 

@@ -1,2 +1,3 @@
-"""The one Triton gather/scatter kernel (``copy_kernel``) and how a copy is launched: word, tile,
-grid, stream (``launch``)."""
+"""The one Triton gather/scatter kernel (``copy_kernel``), how a copy is launched
+(``launch``) and the device-side record of bad indices (``index_record``).
+"""

@@ -1,57 +1,25 @@
-"""One Triton gather/scatter kernel for every kernel-backend KV copy.
+"""One Triton gather/scatter kernel for every kernel-backend KV copy (addressing:
+:class:`kernels.layout.addressing.Side`; sizing: ``docs/DESIGN.md`` section 8).
 
-Each side of a copy (a :class:`kernels.layout.addressing.Side`) is a tensor or a table of per-layer
-``data_ptr()``s; slot ``t``, layer ``l``, head ``h`` lies at ``(t // P) * page_stride +
-(t % P) * row_stride + l * layer_stride + h * head_stride`` bytes from the base (``table[l]`` for
-a table, whose layer stride is 0). A row is one (slot, head) pair; it moves ``chunk`` bytes per
-layer (the whole item, or one head of it for the page_head ops).
-
-Words: the kernel moves raw words, the widest of 8/4/2/1 bytes dividing every size, stride, tensor
-base and (verified) table entry, so every dtype works. When all of those are multiples of 16
-bytes, offsets carry a 16-byte divisibility hint (and so do table entries whose alignment was
-verified when the table was built, see :mod:`kernels.layout.ptr_tables`), and the compiled loads and
-stores are 16 bytes wide on both sides (checked ahead of time for sm_90 by
-``tests/kernels/test_kernels_ptx.py``).
-
-Work split: a block is ``[NCHUNK, ROWS, COLS]`` words, ``ROWS`` rows of ``NCHUNK * COLS`` words
-(``COLS`` at most one warp of 16-byte vectors, 512 bytes; a longer row takes ``GROUPS`` blocks).
-Triton spreads a warp's lanes along ``COLS`` and the warps along ``ROWS``, so each thread holds
-``NCHUNK`` vectors of ONE row (one address register per row per side, the chunks at immediate
-offsets) times a couple of rows. At most ``block_quota`` programs walk the tiles of ``ROWS`` rows
-in a grid-stride loop and copy, per tile, every layer (K, then V): each program keeps one whole
-block of loads in flight. Address math is 64-bit. Pairs with a negative index are skipped (as
-upstream). A pair with an index at or past its side's slot count is skipped too, and recorded:
-the launch's code and the index go to its slot of the device's index record
-(:mod:`kernels.triton.index_record`), which the copy's completion check turns into an error, so
-a bad index is never dropped silently and never read or written out of bounds.
-
-Bytes in flight (docs/DESIGN.md section 8: bandwidth = bytes in flight / round trip): PCIe Gen5
-moves about 50 GB/s one way with a 1-2 us round trip, so a copy needs 50 GB/s x 2 us = 100 KB, say
-64-128 KiB, of loads outstanding, with margin for the slower host-memory reads of a load-back. At
-the defaults (2 programs of 32 warps, SGLang's) a thread holds 8 vectors of 16 bytes (32 data
-registers of the 64 a 1024-thread program may use), so a 2 KiB-item tile is 64 rows x 2 KiB =
-128 KiB per program and 256 KiB in flight for the grid, while only 2 SMs are taken from the
-forward pass (with Triton 3.7 and later; Triton 3.6 gets half, see
-``kernels.triton.launch.MAX_ROWS_PER_THREAD``). ``block_quota`` stays an upper bound on programs, as
-upstream.
-
-This file holds the kernel; :mod:`kernels.triton.launch` chooses its word, hints and tile shape and
-launches it.
+A row is one (slot, head) pair moving ``CHUNK_WORDS`` raw words per layer. A block is
+``[NCHUNK, ROWS, COLS]`` words (``COLS`` at most one warp of 16-byte vectors; a longer row takes
+``GROUPS`` blocks), so each thread holds ``NCHUNK`` vectors of one row. At most ``block_quota``
+programs walk the tiles in a grid-stride loop, every layer (K, then V) per tile; address math is
+64-bit. A pair with a negative index is skipped (as upstream); one at or past its side's slot
+count is skipped and recorded (:mod:`kernels.triton.index_record`), never read or written out of
+bounds. :mod:`kernels.triton.launch` chooses the word, hints and tile and launches it.
 """
 
 from __future__ import annotations
 
-import logging
-
 import triton
 import triton.language as tl
 
-logger = logging.getLogger(__name__)
-
 
 @triton.jit
-def _slot_offsets(idx, head, PAGE: tl.constexpr, page_stride, row_stride, head_stride,
-                  HEADS: tl.constexpr):  # fmt: skip
+def _slot_offsets(
+    idx, head, PAGE: tl.constexpr, page_stride, row_stride, head_stride, HEADS: tl.constexpr
+):
     """Word offset of slot ``idx`` (int64), head ``head``, layer 0, from the side's base."""
     if PAGE == 1:
         off = idx * page_stride
@@ -75,8 +43,9 @@ def _record_bad(err_ptr, err_slot, err_code, bad_s, bad_d, s, d):
 
 
 @triton.jit
-def _row_pointers(ref, layer, off, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr,
-                  ALIGN: tl.constexpr):  # fmt: skip
+def _row_pointers(
+    ref, layer, off, layer_stride, IS_TABLE: tl.constexpr, WORD: tl.constexpr, ALIGN: tl.constexpr
+):
     """Word pointers to the rows at word offsets ``off`` of layer ``layer`` of one side.
 
     ``ALIGN``: 16 when every row starts on 16 bytes (offsets and the base, which for a table
@@ -94,11 +63,26 @@ def _row_pointers(ref, layer, off, layer_stride, IS_TABLE: tl.constexpr, WORD: t
 
 
 @triton.jit
-def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
-                SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, SRC_ALIGN: tl.constexpr,
-                DST_ALIGN: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
-                NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
-                CACHE_HINTS: tl.constexpr):  # fmt: skip
+def _copy_layer(
+    src,
+    dst,
+    layer,
+    s_off,
+    d_off,
+    ok,
+    src_layer_stride,
+    dst_layer_stride,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
+    SRC_ALIGN: tl.constexpr,
+    DST_ALIGN: tl.constexpr,
+    WORD: tl.constexpr,
+    CHUNK_WORDS: tl.constexpr,
+    NCHUNK: tl.constexpr,
+    GROUPS: tl.constexpr,
+    COLS: tl.constexpr,
+    CACHE_HINTS: tl.constexpr,
+):
     """Copy ``CHUNK_WORDS`` words of every row where ``ok``, for one layer of one buffer, as
     ``GROUPS`` blocks of ``[NCHUNK, ROWS, COLS]`` words."""
     src_rows = _row_pointers(src, layer, s_off, src_layer_stride, SRC_TABLE, WORD, SRC_ALIGN)
@@ -130,23 +114,55 @@ def _copy_layer(src, dst, layer, s_off, d_off, ok, src_layer_stride, dst_layer_s
 # accesses take theirs from the row pointers (``_row_pointers``).
 @triton.jit(
     do_not_specialize=[
-        "src_idx_ptr", "dst_idx_ptr", "n_items", "layer_begin", "src_slots", "dst_slots",
-        "err_slot", "err_code",
+        "src_idx_ptr",
+        "dst_idx_ptr",
+        "n_items",
+        "layer_begin",
+        "src_slots",
+        "dst_slots",
+        "err_slot",
+        "err_code",
     ]
-)  # fmt: skip
+)
 def kv_copy_kernel(
-    src_k, dst_k, src_v, dst_v, src_idx_ptr, dst_idx_ptr,
-    n_items, layer_begin, n_layers,
-    src_page_stride, src_row_stride, src_layer_stride, src_head_stride,
-    dst_page_stride, dst_row_stride, dst_layer_stride, dst_head_stride,
-    src_slots, dst_slots, err_ptr, err_slot, err_code,
-    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr,
-    SRC_PAGE: tl.constexpr, DST_PAGE: tl.constexpr,
-    SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
-    HEADS: tl.constexpr, HAS_V: tl.constexpr, WORD: tl.constexpr, CHUNK_WORDS: tl.constexpr,
-    ROWS: tl.constexpr, NCHUNK: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr,
+    src_k,
+    dst_k,
+    src_v,
+    dst_v,
+    src_idx_ptr,
+    dst_idx_ptr,
+    n_items,
+    layer_begin,
+    n_layers,
+    src_page_stride,
+    src_row_stride,
+    src_layer_stride,
+    src_head_stride,
+    dst_page_stride,
+    dst_row_stride,
+    dst_layer_stride,
+    dst_head_stride,
+    src_slots,
+    dst_slots,
+    err_ptr,
+    err_slot,
+    err_code,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
+    SRC_PAGE: tl.constexpr,
+    DST_PAGE: tl.constexpr,
+    SRC_ALIGN: tl.constexpr,
+    DST_ALIGN: tl.constexpr,
+    HEADS: tl.constexpr,
+    HAS_V: tl.constexpr,
+    WORD: tl.constexpr,
+    CHUNK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr,
+    NCHUNK: tl.constexpr,
+    GROUPS: tl.constexpr,
+    COLS: tl.constexpr,
     CACHE_HINTS: tl.constexpr,
-):  # fmt: skip
+):
     """``dst[dst_idx[i]] = src[src_idx[i]]`` for ``n_layers`` layers from ``layer_begin``,
     ``HEADS`` chunks of ``CHUNK_WORDS`` words per slot.
 
@@ -176,23 +192,55 @@ def kv_copy_kernel(
         bad_d = live & (d >= dst_slots)
         _record_bad(err_ptr, err_slot, err_code, bad_s, bad_d, s, d)
         ok = live & (s < src_slots) & (d < dst_slots)
-        s_off = _slot_offsets(s.to(tl.int64), head, SRC_PAGE, src_page_stride, src_row_stride,
-                              src_head_stride, HEADS)  # fmt: skip
-        d_off = _slot_offsets(d.to(tl.int64), head, DST_PAGE, dst_page_stride, dst_row_stride,
-                              dst_head_stride, HEADS)  # fmt: skip
+        s_off = _slot_offsets(
+            s.to(tl.int64), head, SRC_PAGE, src_page_stride, src_row_stride, src_head_stride, HEADS
+        )
+        d_off = _slot_offsets(
+            d.to(tl.int64), head, DST_PAGE, dst_page_stride, dst_row_stride, dst_head_stride, HEADS
+        )
         for j in range(n_layers):
             layer = (layer_begin + j).to(tl.int64)
             _copy_layer(
-                src_k, dst_k, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
-                SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
-                COLS, CACHE_HINTS,
-            )  # fmt: skip
+                src_k,
+                dst_k,
+                layer,
+                s_off,
+                d_off,
+                ok,
+                src_layer_stride,
+                dst_layer_stride,
+                SRC_TABLE,
+                DST_TABLE,
+                SRC_ALIGN,
+                DST_ALIGN,
+                WORD,
+                CHUNK_WORDS,
+                NCHUNK,
+                GROUPS,
+                COLS,
+                CACHE_HINTS,
+            )
             if HAS_V:
                 _copy_layer(
-                    src_v, dst_v, layer, s_off, d_off, ok, src_layer_stride, dst_layer_stride,
-                    SRC_TABLE, DST_TABLE, SRC_ALIGN, DST_ALIGN, WORD, CHUNK_WORDS, NCHUNK, GROUPS,
-                    COLS, CACHE_HINTS,
-                )  # fmt: skip
+                    src_v,
+                    dst_v,
+                    layer,
+                    s_off,
+                    d_off,
+                    ok,
+                    src_layer_stride,
+                    dst_layer_stride,
+                    SRC_TABLE,
+                    DST_TABLE,
+                    SRC_ALIGN,
+                    DST_ALIGN,
+                    WORD,
+                    CHUNK_WORDS,
+                    NCHUNK,
+                    GROUPS,
+                    COLS,
+                    CACHE_HINTS,
+                )
 
 
 __all__ = ["kv_copy_kernel"]

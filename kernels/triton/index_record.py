@@ -1,28 +1,13 @@
 """Out-of-range slot indices found by the copy kernel: recorded on the device with no host
 synchronization, reported when the copy's completion is checked.
 
-Every launch of :func:`kernels.triton.copy_kernel.kv_copy_kernel` names a record slot: four int64
-words (source code, destination code, a bad source index, a bad destination index) in a
-per-device buffer both sides reach without a copy: pinned host memory on CUDA (the kernel writes
-it over the bus only when a pair is bad; the host reads it as plain memory), a CPU tensor
-otherwise. A pair skipped because an index is at or past its side's slot count (tensor sides:
-their first dimension; table sides: the bound recorded with the table,
-:mod:`kernels.layout.ptr_tables`) makes the kernel store the launch's code in that side's code
-word and the index in its value word (plain stores: every bad row of a launch writes the same
-code, any one of the indices wins). A pair with a negative index is the documented skip and
-records nothing.
-
-- A copy whose completion will be checked (the controller's acks): ``watch =
-  watch_copies(device)``; the ops run inside ``with watch:`` on the thread that launches them
-  (the scheduler thread on CUDA, a stream's worker thread on CPU); once the copy finished (its
-  event synchronized), ``watch.check()`` raises :class:`kernels.errors.KVIndexError` naming the
-  op and argument of a bad launch, and gives the slot back. Per launch this costs a thread-local
-  lookup and a list append; a check reads two words of host memory.
-- Launches outside any watch share the device's slot 0 (its code names the op and the bounds);
-  :func:`check_unwatched_index_errors` reports and clears it.
-
-A watch that is never checked keeps its slot (a late write by a copy still running must not
-land in a slot given to another copy); a buffer whose slots are all held grows by a chunk.
+Each launch names a record slot of four int64 words (source code, destination code, a bad source
+index, a bad destination index) in a per-device buffer both sides reach without a copy (pinned
+host memory on CUDA, a CPU tensor otherwise). A copy whose completion is checked runs its ops
+inside ``with watch_copies(device):`` on the launching thread, and ``watch.check()`` (after its
+event synchronized) raises :class:`kernels.errors.KVIndexError` and frees the slot. Launches
+outside any watch share the device's slot 0 (:func:`check_unwatched_index_errors`). A watch never
+checked keeps its slot, so a late write cannot land in a slot given to another copy.
 """
 
 from __future__ import annotations
@@ -114,8 +99,13 @@ def _report(words: np.ndarray, base: int, describe: object) -> KVIndexError | No
         if code:
             op, src_slots, dst_slots = describe(code)  # type: ignore[operator]
             n_slots = src_slots if argument == "src_indices" else dst_slots
-            return KVIndexError(op, argument, int(words[base + value_word]), n_slots,
-                                "found by the kernel; the pair was not copied")  # fmt: skip
+            return KVIndexError(
+                op,
+                argument,
+                int(words[base + value_word]),
+                n_slots,
+                "found by the kernel; the pair was not copied",
+            )
     return None
 
 

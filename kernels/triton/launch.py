@@ -1,11 +1,8 @@
 """How :func:`kernels.triton.copy_kernel.kv_copy_kernel` is launched for one :class:`Part`: the copy
-word, the 16-byte alignment hints, the tile shape (see the kernel's module for the reasoning
-behind the sizes), the grid (at most ``block_quota`` programs), and the launch itself on the
-indices' device and current stream.
-
-What does not depend on the indices is a :class:`PartPlan` (:func:`plan_part`), which
-:mod:`kernels.ops.plans` caches per pool buffers and op; :func:`launch_for` adds the indices,
-the grid and the launch's index-record slot (:mod:`kernels.triton.index_record`) per call.
+word, the 16-byte alignment hints, the tile shape, the grid (at most ``block_quota`` programs) and
+the launch on the indices' device and current stream. :func:`plan_part` computes what does not
+depend on the indices (cached by :mod:`kernels.ops.plans`); :func:`launch_for` adds the indices,
+grid and index-record slot per call.
 """
 
 from __future__ import annotations
@@ -34,22 +31,12 @@ VECTORS_PER_THREAD = 8
 
 
 MAX_ROWS_PER_THREAD = 2 if version_tuple(triton.__version__) >= (3, 7) else 1
-"""Rows a thread spans per tile: each costs a 64-bit offset per side in registers. Measured with
-``tests/kernels/ptx_variants.py`` (sm_90, 1024 threads): at 4, the 576-byte tiles (two 512-byte
-chunks, the second mostly masked) spill; at 2 no variant spills with Triton 3.7, 3.8 and 3.9, but
-Triton
-3.6 keeps one predicate per 16-byte vector instead of one per row, and the 2 KiB tiles spill
-136-448 bytes per thread; at 1 nothing spills with 3.6. So with Triton older than 3.7 a 2 KiB
-tile is 32 rows, 64 KiB per program (128 KiB in flight at the default 2 programs instead of 256
-KiB): fewer bytes in flight rather than local-memory traffic in every tile. Neither choice has
-been timed on a GPU."""
+"""Rows a thread spans per tile. Measured with ``tests/kernels/ptx_variants.py`` (sm_90): 4 spills;
+at 2 nothing spills with Triton 3.7+, but Triton 3.6 keeps a predicate per vector and spills the
+2 KiB tiles, so it gets 1 (half the bytes in flight, no local-memory traffic)."""
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (x.bit_length() - 1)
 
 
 def _table_alignment(side: Side, assumed: int) -> int:
@@ -175,21 +162,40 @@ def plan_part(
 
     refs = (arg(src, 0), arg(dst, 0), arg(src, 1), arg(dst, 1))
     shape_args = (
-        layer_begin, num_layers,
+        layer_begin,
+        num_layers,
         *(s // g.word for s in src.strides()),
         *(s // g.word for s in dst.strides()),
-        src.n_slots, dst.n_slots,
-    )  # fmt: skip
+        src.n_slots,
+        dst.n_slots,
+    )
     constexprs = dict(
-        SRC_TABLE=src.is_table, DST_TABLE=dst.is_table,
-        SRC_PAGE=src.page_size, DST_PAGE=dst.page_size,
-        SRC_ALIGN=g.src_align, DST_ALIGN=g.dst_align,
-        HEADS=part.heads, HAS_V=len(src.refs) == 2, WORD=_TL_WORDS[g.word],
-        CHUNK_WORDS=g.chunk_words, ROWS=g.rows, NCHUNK=g.nchunk, GROUPS=g.groups, COLS=g.cols,
+        SRC_TABLE=src.is_table,
+        DST_TABLE=dst.is_table,
+        SRC_PAGE=src.page_size,
+        DST_PAGE=dst.page_size,
+        SRC_ALIGN=g.src_align,
+        DST_ALIGN=g.dst_align,
+        HEADS=part.heads,
+        HAS_V=len(src.refs) == 2,
+        WORD=_TL_WORDS[g.word],
+        CHUNK_WORDS=g.chunk_words,
+        ROWS=g.rows,
+        NCHUNK=g.nchunk,
+        GROUPS=g.groups,
+        COLS=g.cols,
         CACHE_HINTS=cache_hints,
-    )  # fmt: skip
-    return PartPlan(g, refs, shape_args, constexprs, num_warps, part.heads, block_quota,
-                    (src.n_slots, dst.n_slots))  # fmt: skip
+    )
+    return PartPlan(
+        g,
+        refs,
+        shape_args,
+        constexprs,
+        num_warps,
+        part.heads,
+        block_quota,
+        (src.n_slots, dst.n_slots),
+    )
 
 
 def launch_for(
@@ -198,8 +204,16 @@ def launch_for(
     """The launch of ``plan`` over these indices, recording bad ones in ``record``."""
     n_items = src_indices.numel()
     n_tiles = -(-n_items * plan.heads // plan.geometry.rows)  # (triton.cdiv: a slow JIT call)
-    args = (*plan.refs, src_indices, dst_indices, n_items, *plan.shape_args,
-            record.buffer, record.slot, record.code)  # fmt: skip
+    args = (
+        *plan.refs,
+        src_indices,
+        dst_indices,
+        n_items,
+        *plan.shape_args,
+        record.buffer,
+        record.slot,
+        record.code,
+    )
     grid = (max(1, min(plan.block_quota, n_tiles)),)
     return Launch(grid, args, plan.constexprs, plan.num_warps, plan.geometry, src_indices.device)
 
@@ -222,9 +236,14 @@ def plan_launch(
     ``record``: where a bad index is recorded (default: this thread's watch on the indices'
     device, else the device's shared slot, :func:`kernels.triton.index_record.launch_slot`
     with ``op``)."""
-    plan = plan_part(part, layer_begin=layer_begin, num_layers=num_layers,
-                     block_quota=block_quota, num_warps=num_warps,
-                     cache_hints=cache_hints)  # fmt: skip
+    plan = plan_part(
+        part,
+        layer_begin=layer_begin,
+        num_layers=num_layers,
+        block_quota=block_quota,
+        num_warps=num_warps,
+        cache_hints=cache_hints,
+    )
     if record is None:
         record = launch_slot(src_indices.device, op, *plan.bounds)
     return launch_for(plan, src_indices, dst_indices, record)
@@ -239,9 +258,12 @@ def launch_kv_copy(launch: Launch) -> None:
 
 
 def resolve_num_warps(num_warps_per_block: int) -> int:
-    """``num_warps_per_block`` as Triton accepts it: a power of two, at most 32 (16 on HIP)."""
+    """The warps a program runs with: ``num_warps_per_block`` capped at 32 (16 on HIP), which
+    must be a power of two (Triton's rule), else ``ValueError`` naming the argument."""
     cap = 16 if torch.version.hip is not None else 32
-    warps = min(cap, _pow2_floor(num_warps_per_block))
+    warps = min(cap, num_warps_per_block)
+    if warps & (warps - 1):
+        raise ValueError(f"num_warps_per_block={num_warps_per_block} is not a power of two")
     if warps != num_warps_per_block:
         logger.debug("num_warps_per_block=%d runs as %d warps", num_warps_per_block, warps)
     return warps

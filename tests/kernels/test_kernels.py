@@ -26,8 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernels
+from kernels.layout.byte_views import page_rows, token_rows
 from kernels.ops import reference
-from kernels.ops.reference import page_rows, token_rows
+from tests.kernels.oracle import Oracle
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PIN = DEVICE.type == "cuda"  # kernels read host memory directly on CUDA: it must be pinned
@@ -346,7 +347,8 @@ def run_and_check(
     snapshot, ref_world = world.clone(), world.clone()
 
     spec.call(fn, world, s, d, layer, signed)
-    spec.call(getattr(reference, name), ref_world, s, d, layer, signed)
+    ref_op = getattr(reference, name, None) or getattr(Oracle(), name)  # direct ops: the oracle
+    spec.call(ref_op, ref_world, s, d, layer, signed)
     sync()
 
     for buf in World.BUFFERS:
@@ -386,8 +388,8 @@ def test_reference_story_direct_page_first() -> None:
     """Hand-checked: page_size 2, device slots 4,5 -> host page 1 of layer 1."""
     dev = [torch.arange(8, dtype=torch.int32).view(8, 1, 1) + 100 * j for j in range(2)]
     host = torch.zeros(2, 2, 2, 1, 1, dtype=torch.int32)  # [P, L, ps, 1, C]
-    reference.transfer_kv_all_layer_direct_lf_pf(dev, [host], torch.tensor([4, 5]),
-                                                 torch.tensor([2, 3]), 2)  # fmt: skip
+    kernels.transfer_kv_all_layer_direct_lf_pf(dev, [host], torch.tensor([4, 5]),
+                                               torch.tensor([2, 3]), 2)  # fmt: skip
     assert host[1].flatten().tolist() == [4, 5, 104, 105]
     assert host[0].flatten().tolist() == [0, 0, 0, 0]
 
@@ -458,6 +460,19 @@ def test_block_quota_and_warps_do_not_change_the_result() -> None:
                                               ref.dev[1, 2], s, d, 2, 48, 48 * L)  # fmt: skip
         sync()
         assert same_bytes(w.dev, ref.dev), (bq, warps)
+
+
+@pytest.mark.parametrize("warps", [3, 12])
+def test_warps_that_are_not_a_power_of_two_are_refused(warps: int) -> None:
+    case = CASES[5]
+    w = make_world(case, False, 5)
+    s, d = indices(case, w, "host_pf", "dev", 5)
+    before = w.clone()
+    with pytest.raises(ValueError, match=f"num_warps_per_block={warps}"):
+        kernels.transfer_kv_per_layer_pf_lf(
+            w.host_pf[0], w.dev[0, 2], w.host_pf[1], w.dev[1, 2], s, d, 2, 48, 48 * L, 2, warps
+        )
+    assert same_bytes(w.dev, before.dev)
 
 
 def test_kernel_skips_and_records_out_of_range_slots_when_unchecked() -> None:

@@ -1,20 +1,13 @@
-"""One stats object for the KV cache (device-only or hierarchical), read by benches and logs.
-
-Prefix hits are recorded by whoever admits a request (the executor, once per admitted attempt, as
-SGLang's scheduler counts a request's cached tokens), never by ``match_prefix``: the tree also
-matches to re-lock after every chunk insert, which is not a hit. The tree records backups, loads
-and evictions when it decides them; the controller records bytes moved and copy time when a
-copy's ack completes. Single-threaded: only the scheduler thread calls ``record_*`` (CPU stream
-workers never touch it).
+"""The KV cache's counters (:class:`CacheStats`), device-only or hierarchical, read by benches and
+logs. Prefix hits are recorded by whoever admits a request, once per admitted attempt (never by
+``match_prefix``, which also re-locks after inserts); the tree records backups, loads and
+evictions, the controller bytes and copy time at each ack. Only the scheduler thread records.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("d2h", "h2d")
 
