@@ -79,9 +79,7 @@ import torch
 import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
-from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.stats import CacheStats
 from hicache.tp.group import SingleRankGroup, TPGroup
 from hicache.transfer.acks import CopyTimer, HiCacheAck, ack_error, check_indices

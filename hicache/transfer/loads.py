@@ -37,8 +37,7 @@ from kernels.ops.checks import slot_indices
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
     from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-    from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-    from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
     from hicache.stats import CacheStats
     from hicache.tp.group import TPGroup
     from hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
