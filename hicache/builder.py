@@ -34,8 +34,7 @@ from hicache.tree.radix_cache import RadixCache
 if TYPE_CHECKING:
     from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
     from hicache.storage.io.controller import HiCacheStorageController
-    from hicache.transfer.acks import CopyTimer
-    from hicache.transfer.controller import HiCacheController
+    from hicache.transfer.controller import CopyTimer, HiCacheController
     from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
 
