@@ -11,7 +11,6 @@ page 0 (padding); the host allocator (``reserve_padding=False``) hands out every
 
 from __future__ import annotations
 
-import logging
 import operator
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,6 @@ import torch
 
 if TYPE_CHECKING:
     from server_args import ServerArgs
-
-logger = logging.getLogger(__name__)
 
 # Page states in ``_state``.
 _ALLOCATED = 0

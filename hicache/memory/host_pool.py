@@ -70,9 +70,9 @@ def _store_dtype(device_pool: Any) -> torch.dtype:
 
 
 class HostKVPool(HostPoolPages):
-    """A host pool over a list of parts; a subclass names the parts (``token_shapes_of``) and
-    the device pool's per-part buffers (``device_layers``) and pointer tables
-    (``device_ptr_tables``)."""
+    """A host pool over a list of parts; a subclass names the parts (``token_shapes_of``,
+    ``_name_parts``) and the device pool's per-part buffers (``device_layers``) and pointer
+    tables (``device_ptr_tables``). The constructor is SGLang's."""
 
     FIELDS: tuple[str, ...] = ()
     KIND = ""
@@ -134,6 +134,7 @@ class HostKVPool(HostPoolPages):
                 for part in self.parts
             ]
         self.allocator = self._new_allocator()
+        self._name_parts()
         logger.info(
             "%s: %d tokens (%d pages), layout %s, %.3f GB, pinned=%s (registered=%s)",
             type(self).__name__,
@@ -169,6 +170,10 @@ class HostKVPool(HostPoolPages):
     @staticmethod
     def device_ptr_tables(device_pool: Any) -> list[torch.Tensor]:
         """Per part, the device pool's per-layer ``data_ptr()`` table."""
+        raise NotImplementedError
+
+    def _name_parts(self) -> None:
+        """Set the kind's own names for the parts (SGLang's attributes)."""
         raise NotImplementedError
 
     # --- sizing and memory ----------------------------------------------------------------------
@@ -420,22 +425,11 @@ class MHATokenToKVPoolHost(HostKVPool):
     FIELDS = ("head_num", "head_dim", "k_buffer", "v_buffer", "k_data_ptrs", "v_data_ptrs")
     KIND = "MHA"
 
-    def __init__(
-        self,
-        device_pool: Any,
-        host_to_device_ratio: float,
-        host_size: float,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-    ) -> None:
-        super().__init__(
-            device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory
-        )
+    def _name_parts(self) -> None:
         (self.head_num, self.head_dim), (_, self.v_head_dim) = self.token_shapes
         self.k_buffer, self.v_buffer = self.parts
         self.v_item_size = self.part_item_sizes[1]
-        if layout == "layer_first":
+        if self.layout == "layer_first":
             self.k_data_ptrs, self.v_data_ptrs = self.part_ptr_tables
 
     @staticmethod
@@ -465,20 +459,9 @@ class MLATokenToKVPoolHost(HostKVPool):
     FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "kv_buffer", "data_ptrs")
     KIND = "MLA"
 
-    def __init__(
-        self,
-        device_pool: Any,
-        host_to_device_ratio: float,
-        host_size: float,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-    ) -> None:
-        super().__init__(
-            device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory
-        )
+    def _name_parts(self) -> None:
         self.kv_cache_dim = self.token_shapes[0][1]
-        if layout == "layer_first":
+        if self.layout == "layer_first":
             self.data_ptrs = self.part_ptr_tables[0]
 
     @staticmethod

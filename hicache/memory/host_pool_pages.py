@@ -9,12 +9,9 @@ Pointer and shape tables per layout: docs/CONTRACTS.md.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 LAYER_MAJOR = "layer-major"
 TOKEN_MAJOR = "token-major"
