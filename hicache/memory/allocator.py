@@ -94,10 +94,6 @@ class TokenToKVPoolAllocator:
     def can_alloc(self, need_size: int) -> bool:
         return 0 <= need_size <= self.available_size()
 
-    def allocated_size(self) -> int:
-        """Slots handed out and not yet returned (pending group frees count as allocated)."""
-        return self.size - self.available_size()
-
     @property
     def page_table_size(self) -> int:
         """Length of a per-page table indexed by page id (padding page included)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,13 +23,9 @@ from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.host_pool_pages import HostPoolPages
 from kernels.ops.checks import slot_indices
 
-if TYPE_CHECKING:
-    from server_args import ServerArgs
-
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct")
 SUPPORTED_LAYOUT_IO = frozenset(
     {
         ("layer_first", "kernel"),
@@ -144,16 +140,6 @@ class HostKVPool(HostPoolPages):
             requested / 1e9,
             self.pinned,
             self._registered,
-        )
-
-    @classmethod
-    def from_server_args(cls, args: ServerArgs, device_pool: Any) -> HostKVPool:
-        return cls(
-            device_pool,
-            args.hicache_ratio,
-            args.hicache_size,
-            args.page_size,
-            args.hicache_mem_layout,
         )
 
     # --- what a kind of pool names --------------------------------------------------------------

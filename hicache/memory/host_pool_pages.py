@@ -13,15 +13,6 @@ import math
 
 import torch
 
-LAYER_MAJOR = "layer-major"
-TOKEN_MAJOR = "token-major"
-
-
-def page_byte_order(layout: str) -> str:
-    """``"token-major"`` for ``page_first``, ``"layer-major"`` for ``layer_first`` and
-    ``page_first_direct`` (the byte order of their flat pages)."""
-    return TOKEN_MAJOR if layout == "page_first" else LAYER_MAJOR
-
 
 class HostPoolPages:
     """Page access of ``HostKVPool``: reads its ``layout``, ``page_size``, ``size``,
@@ -41,7 +32,8 @@ class HostPoolPages:
     def storage_format_tag(self) -> str:
         """The flat page's byte format: ``"{dtype}-{layer-major|token-major}"``."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}-{page_byte_order(self.layout)}"
+        order = "token-major" if self.layout == "page_first" else "layer-major"
+        return f"{dtype}-{order}"
 
     @property
     def page_nbytes(self) -> int:

@@ -638,10 +638,6 @@ class HiCacheController:
         when it succeeded); each is handed out once."""
         return self._failures.pop(node_id, None)
 
-    def failed_node_ids(self) -> list[int]:
-        """Node ids whose failure was not taken yet (``take_failure``)."""
-        return list(self._failures)
-
     @staticmethod
     def _settle_after_failed_launch(stream: Stream) -> None:
         """After a launch raised, wait for what the stream already runs (on CUDA, layers
