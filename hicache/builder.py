@@ -26,11 +26,9 @@ from hicache.tree.hiradix_cache import HiRadixCache
 from hicache.tree.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-    from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
     from hicache.storage.io.controller import HiCacheStorageController
-    from hicache.transfer.acks import CopyTimer
-    from hicache.transfer.controller import HiCacheController
+    from hicache.transfer.controller import CopyTimer, HiCacheController
     from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
     from server_args import ServerArgs
 
@@ -220,7 +218,7 @@ def _agreed_host_pool(
     asks for (from its own ``hicache_ratio`` / ``hicache_size``), agreed before anything is
     allocated. A rank whose pool could not be built (RAM) makes every rank raise ``ValueError``,
     instead of leaving the others waiting in the next collective."""
-    from hicache.memory.host_pool_factory import make_host_pool
+    from hicache.memory.host_pool import make_host_pool
     from hicache.memory.host_ram import host_pool_tokens
 
     ratio, host_size = args.hicache_ratio, args.hicache_size

@@ -31,7 +31,7 @@ def variants() -> list[str]:
     from bench.transfer.bench import GPU_QUICK as SZ
     from bench.transfer.bench import Pools
     from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-    from hicache.memory.host_pool_factory import make_host_pool
+    from hicache.memory.host_pool import make_host_pool
     from kernels.sglang.warm_up import warm_up
     from server_args import ServerArgs
 

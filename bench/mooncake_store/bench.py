@@ -19,7 +19,7 @@ import torch
 
 from bench.common import Column, print_table, write_json
 from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import make_host_pool
 from hicache.storage.backend_factory import StorageBackendFactory
 from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
 from hicache.storage.config import storage_config_for_pool

@@ -1,2 +1,2 @@
-"""Where KV lives: the device pools, the host pools (layouts, direct copies, slot access, the
-factory), host RAM sizing and pinning, and the page allocator."""
+"""Where KV lives: the device pools, the host pools and their page access for storage, host RAM
+sizing and pinning, and the page allocator."""

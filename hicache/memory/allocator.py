@@ -11,7 +11,6 @@ page 0 (padding); the host allocator (``reserve_padding=False``) hands out every
 
 from __future__ import annotations
 
-import logging
 import operator
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,6 @@ import torch
 
 if TYPE_CHECKING:
     from server_args import ServerArgs
-
-logger = logging.getLogger(__name__)
 
 # Page states in ``_state``.
 _ALLOCATED = 0
@@ -96,10 +93,6 @@ class TokenToKVPoolAllocator:
 
     def can_alloc(self, need_size: int) -> bool:
         return 0 <= need_size <= self.available_size()
-
-    def allocated_size(self) -> int:
-        """Slots handed out and not yet returned (pending group frees count as allocated)."""
-        return self.size - self.available_size()
 
     @property
     def page_table_size(self) -> int:
@@ -225,15 +218,8 @@ class TokenToKVPoolAllocator:
 
     def _validate_free(self, free_index: torch.Tensor) -> np.ndarray:
         """The pages ``free_index`` covers (a fresh int64 numpy array), or ``ValueError``.
-
-        O(freed pages), in a handful of numpy calls (each costs microseconds when its code is
-        cold, as it is on a large tree between evictions, so the common case -- pages in
-        ascending order, as ``alloc`` hands them out and the tree keeps them -- takes the
-        fewest): whole pages by comparing each row with its first slot; order by one comparison
-        of neighbours, after which the range is read off the two ends (else the min and max);
-        duplicates cannot occur in ascending order, else each page is stamped with its position
-        and the stamps read back (a page freed twice reads another position); state by one
-        gather whose non-zero count is the number of pages not allocated (``_ALLOCATED == 0``)."""
+        O(freed pages) in a few numpy calls, the fewest for ascending pages (the common case):
+        duplicates are found by stamping each page with its position and reading it back."""
         if not isinstance(free_index, torch.Tensor) or free_index.dim() != 1:
             raise ValueError("free_index must be a 1-D tensor of slots")
         if free_index.dtype != torch.int64:

@@ -1,20 +1,10 @@
-"""Device KV pools (SGLang ``MHATokenToKVPool`` / ``MLATokenToKVPool``).
+"""Device KV pools (SGLang ``MHATokenToKVPool`` / ``MLATokenToKVPool``) and their choice.
 
-A pool is memory only: it does not know which slots are free (see ``allocator.py``) nor which
-tokens they hold (see the radix tree). Both pools make ONE contiguous allocation and expose
-per-layer views of it, plus per-layer ``data_ptr()`` tables (uint64, on the pool's device, built
-by ``kernels.data_ptr_table`` so their alignment is recorded) that the all-layer copy kernels take.
-
-Slot layout: ``size + page_size`` slots per layer; slots ``0 .. page_size-1`` (page 0) are padding
-that the allocator never hands out, so writes to slot 0 by padded batches are harmless.
-
-SGLang interop: a pool carries every attribute SGLang's host pools (0.5.17 ``pool_host/*``,
-0.5.23 ``pool_host/*`` through ``get_device_pool_infos``) and ``HiCacheController`` read of a
-device pool (``store_dtype``, ``start_layer``, ``end_layer``, ``row_dim``, ``kv_cache_layout``,
-``model_layer_ids``, ``layer_shard_enabled``, ``register_layer_transfer_counter``, ...), so
-SGLang's own host-pool classes run on it. As in SGLang, once a layer transfer counter is
-registered, ``get_key_buffer`` / ``get_value_buffer`` / ``get_kv_buffer`` wait for that layer's
-load first; ``k_buffer`` / ``v_buffer`` / ``kv_buffer`` never wait.
+A pool is memory only (free slots: ``allocator``; which tokens: the radix tree): one allocation
+with per-layer views and per-layer ``data_ptr()`` tables for the all-layer copy ops. Each layer has
+``size + page_size`` slots; page 0 is padding the allocator never hands out. A pool carries every
+attribute SGLang's host pools and controller read of a device pool, so SGLang's host pools run on
+it; with a layer transfer counter registered, ``get_*_buffer`` wait for that layer's load first.
 """
 
 from __future__ import annotations
@@ -59,8 +49,14 @@ class _DevicePool:
     host_capacity_tokens: int | None = None
     hicache_write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, layer_num: int,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_num: int,
+        device: torch.device | str,
+    ) -> None:
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
@@ -124,8 +120,9 @@ class MHATokenToKVPool(_DevicePool):
         v_head_dim: int | None = None,
     ) -> None:
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        _check_geometry(size, page_size, layer_num, head_num=head_num, head_dim=head_dim,
-                        v_head_dim=v_head_dim)  # fmt: skip
+        _check_geometry(
+            size, page_size, layer_num, head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim
+        )
         super().__init__(size, page_size, dtype, layer_num, device)
         self.head_num = head_num
         self.head_dim = head_dim
@@ -155,9 +152,15 @@ class MHATokenToKVPool(_DevicePool):
         self.v_data_ptrs = kernels.data_ptr_table(self.v_buffer, self.device)
         self.data_ptrs = kernels.data_ptr_table(self.k_buffer + self.v_buffer, self.device)
         logger.info(
-            "MHATokenToKVPool: %d slots x %d layers (K head %d, V head %d), %.3f GB on %s",
-            size, layer_num, head_dim, v_head_dim, self.mem_bytes() / 1e9, self.device,
-        )  # fmt: skip
+            "%s: %d slots x %d layers (K head %d, V head %d), %.3f GB on %s",
+            type(self).__name__,
+            size,
+            layer_num,
+            head_dim,
+            v_head_dim,
+            self.mem_bytes() / 1e9,
+            self.device,
+        )
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MHATokenToKVPool:
@@ -226,8 +229,10 @@ class MHATokenToKVPool(_DevicePool):
         the pool dtype."""
         self._check_layer(layer_id)
         slot_indices("loc", loc, n_slots=self.size + self.page_size, device=self.device)
-        for name, t, width in (("cache_k", cache_k, self.head_dim),
-                               ("cache_v", cache_v, self.v_head_dim)):  # fmt: skip
+        for name, t, width in (
+            ("cache_k", cache_k, self.head_dim),
+            ("cache_v", cache_v, self.v_head_dim),
+        ):
             want = (loc.numel(), self.head_num, width)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
@@ -258,9 +263,8 @@ class MLATokenToKVPool(_DevicePool):
         device: torch.device | str,
     ) -> None:
         _check_geometry(
-            size, page_size, layer_num, kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim,
-        )  # fmt: skip
+            size, page_size, layer_num, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim
+        )
         super().__init__(size, page_size, dtype, layer_num, device)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -272,9 +276,13 @@ class MLATokenToKVPool(_DevicePool):
         self.kv_data_ptrs = kernels.data_ptr_table(self.kv_buffer, self.device)
         self.data_ptrs = self.kv_data_ptrs
         logger.info(
-            "MLATokenToKVPool: %d slots x %d layers, %.3f GB on %s",
-            size, layer_num, self.mem_bytes() / 1e9, self.device,
-        )  # fmt: skip
+            "%s: %d slots x %d layers, %.3f GB on %s",
+            type(self).__name__,
+            size,
+            layer_num,
+            self.mem_bytes() / 1e9,
+            self.device,
+        )
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MLATokenToKVPool:

@@ -1,97 +1,45 @@
-"""Whole-page views of a host pool, for L3 storage backends (SGLang 0.5.23's host-pool calls).
+"""Whole-page access to a host pool for L3 storage backends (SGLang 0.5.23's host-pool calls).
 
-A storage backend moves one host page (``page_size`` token slots, every layer, every part) per
-key. SGLang's backends reach the host pool through four calls, offered here with SGLang's names
-and meaning; ``index`` is the host slot where the page starts (a multiple of ``page_size``):
-
-- ``get_page_buffer_meta(indices) -> (ptrs, sizes)``: the zero-copy view (Mooncake and the other
-  v1 backends). ``indices``: 1-D int host slots, ``len(keys) * page_size`` of them, whole pages.
-  Per page, in page order (``T`` host slots, ``L`` layers, ``b`` bytes per token and layer of a
-  part: ``H * D * itemsize`` for K, ``H * D_v * itemsize`` for V, ``C * itemsize`` for MLA):
-
-  | layout                          | pointers per page                | bytes each     |
-  |---------------------------------|----------------------------------|----------------|
-  | ``page_first``, ``page_first_direct`` | one per part (K, V / latent) | ``page * L * b`` |
-  | ``layer_first``                 | per layer, one per part (K, V / latent) | ``page * b`` |
-
-  For MHA with equal K and V widths and for MLA this is exactly SGLang's list (V's pointer is
-  K's plus the K part's bytes, as SGLang computes it). K and V of different widths, which
-  SGLang 0.5.23 supports only in ``page_first*`` (``AsymmetricMHATokenToKVPoolHost``), give the
-  same K, V pairs with each part's own size, and in ``layer_first`` too.
-- ``get_data_page(index, flat=True)``: the page in the pool's own byte order. ``flat=False``:
-  SGLang's view, MHA ``kv_buffer[:, :, index:index+page]`` (``layer_first``,
-  ``(2, L, page, H, D)``), ``kv_buffer[:, index:index+page]`` (``page_first``,
-  ``(2, page, L, H, D)``), ``kv_buffer[:, p:p+1]`` (``page_first_direct``,
-  ``(2, 1, L, page, H, D)``); MLA the same without the leading 2. ``flat=True``: that view
-  flattened (K's page, then V's); a view of the pool where the page is contiguous (MLA
-  ``page_first*``), else a copy. K and V of different widths: ``flat=True`` concatenates K's page
-  and V's; ``flat=False`` raises ``NotImplementedError`` (no single view exists; SGLang raises
-  for every flat-page call of such a pool).
-- ``page_regions()`` (this project's): ``(address, bytes)`` of the allocations those pointers
-  fall in, what a zero-copy backend registers (Mooncake's ``register_buffer``).
-- ``get_dummy_flat_data_page()``: a zeroed 1-D buffer of one flat page (pool dtype, CPU, pinned
-  when the pool is); backends read a file into it.
-- ``set_from_flat_data_page(index, data_page)``: writes a flat page back (the inverse of
-  ``get_data_page(index, flat=True)``); blocking CPU copy.
-
-Byte order of a flat page. ``layer_first`` and ``page_first_direct`` both give
-``(part, layer, token, ...)`` ("layer-major"), ``page_first`` gives ``(part, token, layer, ...)``
-("token-major"): a page is interchangeable between two pools of the same geometry and dtype only
-when the byte orders agree. ``storage_format_tag`` names the order and the dtype
-(``"bfloat16-layer-major"``); ``hicache.storage.format_tag`` puts it in the storage keys, so a
-page stored in another format is a miss instead of wrong KV.
-
-The mixin reads what ``_HostKVPoolBase`` sets: ``layout``, ``page_size``, ``size``,
-``layer_num``, ``dtype``, ``pinned``, ``_host_parts`` (K and V, or the latent, each with the
-layout's slot axes) and ``_token_shapes()``.
+A page is ``page_size`` host slots, every layer, every part, starting at a slot that is a
+multiple of ``page_size``. ``get_page_buffer_meta`` gives the zero-copy pointers; a flat page is
+the page in the pool's byte order (``page_first``: token-major, else layer-major), named with the
+dtype by ``storage_format_tag`` so a page stored in another format is a miss, never wrong KV.
+Pointer and shape tables per layout: docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-logger = logging.getLogger(__name__)
 
-LAYER_MAJOR = "layer-major"
-TOKEN_MAJOR = "token-major"
+class HostPoolPages:
+    """Page access of ``HostKVPool``: reads its ``layout``, ``page_size``, ``size``,
+    ``layer_num``, ``dtype``, ``pinned``, ``kv_buffer``, ``parts`` and ``token_shapes``."""
 
-
-def page_byte_order(layout: str) -> str:
-    """``"token-major"`` for ``page_first``, ``"layer-major"`` for ``layer_first`` and
-    ``page_first_direct`` (the byte order of their flat pages)."""
-    return TOKEN_MAJOR if layout == "page_first" else LAYER_MAJOR
-
-
-class HostPoolPagesMixin:
-    """Page-granular access for storage backends (see the module docstring)."""
-
-    if TYPE_CHECKING:
-        layout: str
-        page_size: int
-        size: int
-        layer_num: int
-        dtype: torch.dtype
-        pinned: bool
-        kv_buffer: torch.Tensor
-        _host_parts: list[torch.Tensor]
-
-        def _token_shapes(self) -> list[tuple[int, ...]]: ...
+    layout: str
+    page_size: int
+    size: int
+    layer_num: int
+    dtype: torch.dtype
+    pinned: bool
+    kv_buffer: torch.Tensor
+    parts: list[torch.Tensor]
+    token_shapes: list[tuple[int, ...]]
 
     @property
     def storage_format_tag(self) -> str:
         """The flat page's byte format: ``"{dtype}-{layer-major|token-major}"``."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}-{page_byte_order(self.layout)}"
+        order = "token-major" if self.layout == "page_first" else "layer-major"
+        return f"{dtype}-{order}"
 
     @property
     def page_nbytes(self) -> int:
         """Bytes of one flat page (every part, every layer)."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        tokens = sum(math.prod(shape) for shape in self._token_shapes())
+        tokens = sum(math.prod(shape) for shape in self.token_shapes)
         return self.page_size * self.layer_num * tokens * elem
 
     def page_regions(self) -> list[tuple[int, int]]:
@@ -99,7 +47,7 @@ class HostPoolPagesMixin:
         fall in (one when K and V share ``kv_buffer``, one per part otherwise): what a
         zero-copy backend registers (Mooncake's ``register_buffer``)."""
         regions: dict[int, int] = {}
-        for part in self._host_parts:
+        for part in self.parts:
             storage = part.untyped_storage()
             regions[storage.data_ptr()] = storage.nbytes()
         return list(regions.items())
@@ -107,12 +55,12 @@ class HostPoolPagesMixin:
     # --- SGLang's calls ------------------------------------------------------------------------
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """``(ptrs, sizes)``: host addresses (ints) and byte counts of each page's pieces, in
-        page order (table in the module docstring). Reads nothing; the pointers stay valid as long
+        page order (per layout: docs/CONTRACTS.md). Reads nothing; the pointers stay valid as long
         as the pool. ``ValueError`` unless ``indices`` are whole, aligned, in-range pages."""
         starts = self._page_starts(indices)
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        widths = [math.prod(shape) * elem for shape in self._token_shapes()]  # bytes/token/layer
-        bases = [part.data_ptr() for part in self._host_parts]
+        widths = [math.prod(shape) * elem for shape in self.token_shapes]  # bytes/token/layer
+        bases = [part.data_ptr() for part in self.parts]
         page, n_l = self.page_size, self.layer_num
         ptrs: list[int] = []
         sizes: list[int] = []
@@ -131,19 +79,19 @@ class HostPoolPagesMixin:
     def get_data_page(
         self, index: int | torch.Tensor, flat: bool = True, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The page starting at host slot ``index`` (see the module docstring for shapes).
+        """The page starting at host slot ``index`` (shapes: docs/CONTRACTS.md).
         ``out`` (``flat=True`` only; this project's addition): a flat page buffer (as
         ``get_dummy_flat_data_page`` makes) that receives the page when it is not contiguous
         in the pool, so a caller reusing one buffer allocates nothing; returned then."""
         sl = self._page_slice(self._check_page_start(index))
         if not flat:
-            if len(self._host_parts) > 1 and not self._parts_share_buffer():
+            if len(self.parts) > 1 and not self._parts_share_buffer():
                 raise NotImplementedError(
                     "get_data_page(flat=False) needs K and V of the same head width"
                 )
-            lead = (slice(None),) if len(self._host_parts) > 1 else ()
+            lead = (slice(None),) if len(self.parts) > 1 else ()
             return self.kv_buffer[lead + sl]
-        views = [part[sl] for part in self._host_parts]
+        views = [part[sl] for part in self.parts]
         if len(views) == 1 and (out is None or views[0].is_contiguous()):
             return views[0].flatten()
         if out is not None:
@@ -174,7 +122,7 @@ class HostPoolPagesMixin:
             raise ValueError(f"data_page has {data_page.numel()} elements, a page has {want}")
         flat = data_page.reshape(-1).cpu()
         offset = 0
-        for part in self._host_parts:
+        for part in self.parts:
             view = part[sl]
             n = view.numel()
             view.copy_(flat[offset : offset + n].view(view.shape))
@@ -183,10 +131,10 @@ class HostPoolPagesMixin:
     # --- helpers -------------------------------------------------------------------------------
     def _parts_share_buffer(self) -> bool:
         """True when K and V are ``kv_buffer[0]`` / ``kv_buffer[1]`` (equal head widths)."""
-        return self.kv_buffer.dim() > 1 and self.kv_buffer.shape[0] == len(self._host_parts)
+        return self.kv_buffer.dim() > 1 and self.kv_buffer.shape[0] == len(self.parts)
 
     def _page_slice(self, start: int) -> tuple[slice, ...]:
-        """The slot-axis slices of one page in a part (``_host_parts`` axes)."""
+        """The slot-axis slices of one page in a part (``parts`` axes)."""
         page = self.page_size
         if self.layout == "layer_first":
             return (slice(None), slice(start, start + page))

@@ -1,12 +1,6 @@
 """Host RAM for the host KV pools: how much may be used, how many tokens a pool gets, and the
-allocation itself.
-
-Owns no state. On CUDA a host buffer is plain host memory of the exact size registered with
-``cudaHostRegister`` (``pin_memory()`` would round it up to a power of two), falling back to a
-pinned allocation if registration fails, but only when the rounded size still fits the RAM that
-may be used (otherwise ``ValueError``: a 12.9 GB pool would pin 16 GB); without CUDA it is
-plain, zeroed memory. The host pools
-(``host_pool_base``) call these through the module, so a test patches them here.
+allocation (exact-size ``cudaHostRegister`` on CUDA, docs/DESIGN.md section 3). Owns no state;
+the host pools call these through the module, so a test patches them here.
 """
 
 from __future__ import annotations

@@ -1,2 +1,2 @@
-"""How KV moves between the tiers: streams and events, the controller with its write (D2H) and
-load (H2D) paths, acks, per-layer load events and the pages copies in flight keep busy."""
+"""How KV moves between the tiers: the controller (writes, loads, acks), its streams and events,
+the per-layer load events, the pages copies in flight keep busy, and copy errors."""

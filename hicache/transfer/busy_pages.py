@@ -1,19 +1,9 @@
-"""Slots that copies in flight use, and the frees held back because of them.
+"""Slots that copies in flight use (``BusyPages``), and the frees held back because of them.
 
-A backup reads device slots and writes host slots; a load writes device slots and reads host
-slots; each from its launch (or queueing) until its ack is popped. ``BusyPages`` counts, per page
-of one tier, the copies using it: raised when a copy is launched or queued, lowered when its ack
-is popped, so asking whether the pages of a free are busy costs O(freed pages) however many
-copies are in flight. ``CopyUsage`` is one copy's contribution. ``DeferredFrees`` (one per tier)
-owns the slots the tree evicted while a copy still uses them: they stay allocated, held here,
-until no copy uses them, then return to the allocator. Holding is page-granular: a page with any
-busy slot is held whole, so the allocator only ever sees whole pages. ``InflightSlots`` lists the
-slots of every copy; only ``check_integrity`` builds it (a walk over the copies).
-
-Device-side counts of slots on a GPU are raised lazily: reading them on the host is a sync, so
-``BusyPages.settle`` reads them only when a decision needs the counts (a free of device slots,
-which syncs for its own validation anyway), once per copy, never once per copy per free. Slots
-on the CPU are counted at once.
+Invariant: a page's count is the number of launched or queued copies using it whose ack is not
+popped, so whether a free touches a busy page costs O(freed pages). ``DeferredFrees`` holds, per
+tier, the slots the tree freed while a copy used them, page-granular, until no copy does. Device
+counts of GPU slots are read lazily (``settle``: once per copy, at a decision that syncs anyway).
 """
 
 from __future__ import annotations

@@ -1,77 +1,23 @@
 """Moves KV between the device and host pools asynchronously (SGLang ``HiCacheController``).
 
-Two side streams: ``write_stream`` (D2H backups) and ``load_stream`` (H2D loads). Everything runs
-on the scheduler thread and never blocks, except ``wait_write`` / ``wait_all`` (documented) and,
-on CPU streams, ``LayerDoneCounter.wait_until`` (a host wait is the only wait a CPU has).
+Backups (D2H) launch at once on the write stream; loads (H2D) queue until ``start_loading``
+launches them as one copy per layer on the load stream. Each launched copy appends one
+``HiCacheAck``; acks are popped in launch order. Everything runs on the scheduler thread and
+never blocks except ``wait_write`` / ``wait_loads`` / ``wait_all`` and, on CPU streams,
+``LayerDoneCounter.wait_until``.
 
-Slot ownership while a copy runs (the invariant ``check_integrity`` verifies):
-
-- ``write(d)``: device slots ``d`` are read, fresh host slots ``h`` written, from the call until
-  the write ack is popped (``writing_check`` / ``wait_write``).
-- ``load(h)``: fresh device slots ``d`` are written, host slots ``h`` read, from the call (queued)
-  until the load ack is popped (``loading_check``).
-- Neither tier's slots return to their allocator while a copy uses them: ``evict_device`` /
-  ``evict_host`` of such slots DEFER the free until the copy's ack is popped; the controller
-  holds them meanwhile (``device_in_flight()`` / ``host_in_flight()`` count them).
-- A load whose host slots are still being written by a backup waits (on its stream) for that
-  backup; a backup launched while loads are in flight waits for the latest load.
-
-One copy, step by step (who owns each step):
-
-1. room: ``write`` / ``load`` agree over the group that the destination pool has room,
-   allocate fresh slots there and raise the busy counts (``hicache.tp.agreed.agreed_alloc``,
-   ``BusyPages``);
-2. launch: a backup starts at once on the write stream (``writes``); a load waits
-   in ``load_queue`` until ``start_loading`` launches every queued one as one H2D per layer,
-   each layer with its event (``loads``, ``LayerDoneCounter``);
-3. count: ``count_finished_writes`` / ``count_finished_loads``: this rank's leading finished
-   acks (``HiCacheAck``, completed in launch order; ``acks``);
-4. pop: ``writing_check(n)`` / ``loading_check(n)`` / ``wait_write`` pop acks in launch order,
-   record bytes and copy time in ``stats`` and lower the busy counts (``_complete`` here);
-5. free: slots the tree freed while a copy still used them (``evict_device`` /
-   ``evict_host``, deferred) return to their allocator once no copy uses them
-   (``_release_deferred`` here, ``DeferredFrees``).
-
-A copy that fails (``errors``): every argument is checked before step 1 allocates; a launch
-that still fails (CUDA and ``"inline"`` CPU streams launch inside ``submit``, on this thread)
-is rolled back in the call (``write`` frees its host slots, ``start_loading`` leaves its loads
-queued for ``cancel_loads``) and raises one ``BackupError`` / ``LoadBackError`` naming the op
-and argument. A copy that fails while it runs (thread-backed CPU streams) completes its ack
-normally (busy counts lowered, slots allocated as before) and the failure is handed to the tree
-with the ack (``take_failure``); the stream is not poisoned.
-
-Tensor parallelism: each rank has its own controller over its shard of the KV heads, and its
-copies finish at their own pace. Two things here are rank-local and are agreed on the
-controller's ``group`` (``hicache.tp.group``; ``SingleRankGroup`` at ``tp_size`` 1, where every
-agreement is the identity):
-
-- whether a pool has room: ``write`` reserves host space and ``load`` device space on every
-  rank (a capacity check that holds until the commit: nothing else allocates in between on the
-  one scheduler thread), agrees (``agree_all``), then commits everywhere (allocates, launches)
-  or aborts everywhere (returns ``None``). A commit whose allocation fails after the group
-  agreed there was room raises ``RuntimeError`` (the ranks' allocators diverged).
-- how many acks finished: ``count_finished_writes`` / ``count_finished_loads`` count this
-  rank's leading finished acks; the tree agrees the minimum over ranks and pops exactly that
-  many with ``writing_check(n)`` / ``loading_check(n)`` (``hiradix_transfers``).
-
-Everything else (which slots a free defers, which acks ``wait_write`` pops) follows from the
-same calls in the same order on every rank, so both allocators stay identical across ranks.
-
-Whether a freed slot is still in use is answered by per-page busy counts (``BusyPages``: raised
-at launch or queueing, lowered when the ack is popped), so a free costs O(freed pages) whatever
-the number of copies in flight.
-
-This file owns the construction, the steps both directions share (1, 4 and 5), eviction and
-the accounting ``check_integrity`` verifies; ``writes`` the D2H path,
-``loads`` the load queue and the H2D path, ``acks`` the ack record and its
-counting; ``busy_pages`` the slot accounting (``BusyPages``, ``InflightSlots``,
-``DeferredFrees``); ``layer_done_counter`` the per-layer load events.
+Invariant (``check_integrity``): neither tier's slots return to their allocator while a copy
+reads or writes them. A free of a busy page is deferred until the copy's ack is popped
+(``busy_pages``); room in a pool is agreed over the tensor-parallel group before anything is
+allocated, and a launch that fails is rolled back in the call. Design: docs/DESIGN.md sections
+5 and 10; calls: docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -80,57 +26,98 @@ import kernels
 from hicache.cache_stats import CacheStats
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
-from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, HostKVPool
+from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.acks import CopyTimer, HiCacheAck, ack_error, check_indices
-from hicache.transfer.busy_pages import BusyPages, DeferredFrees, InflightSlots, cat_cpu
+from hicache.transfer.busy_pages import (
+    BusyPages,
+    CopyUsage,
+    DeferredFrees,
+    InflightSlots,
+    cat_cpu,
+)
 from hicache.transfer.errors import BackupError, CopyError, LoadBackError
-from hicache.transfer.layer_done_counter import LayerDoneCounter
-from hicache.transfer.loads import CacheOperation, ControllerLoads
+from hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
 from hicache.transfer.streams import (
     CpuStreams,
     CudaStreams,
     Delay,
+    Event,
     InlineStreams,
     Stream,
     make_streams,
 )
-from hicache.transfer.writes import ControllerWrites
+from kernels import CopyWatch
+from kernels.ops.checks import slot_indices
 
-__all__ = ["HiCacheController"]
+__all__ = ["CacheOperation", "CopyTimer", "HiCacheAck", "HiCacheController", "ack_error"]
 
 logger = logging.getLogger(__name__)
 
 
-class HiCacheController(ControllerWrites, ControllerLoads):
+class CopyTimer(Protocol):
+    """Modelled copy time (a simulator's seam): the clock copies are timed on, and the seconds
+    one copy of ``tokens`` tokens (all layers) takes in ``direction`` (``"d2h"`` / ``"h2d"``)."""
+
+    def now(self) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+    def copy_seconds(self, direction: str, tokens: int) -> float: ...
+
+
+class HiCacheAck(NamedTuple):
+    """One launched copy. The first three fields are SGLang's."""
+
+    start_event: Event
+    finish_event: Event
+    node_ids: list[int]
+    host_indices: torch.Tensor  # CPU int64, as allocated
+    device_indices: torch.Tensor  # int64 on the device allocator's device, as allocated
+    nbytes: int
+    producer_id: int = -1  # LayerDoneCounter producer (loads only)
+    usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
+    # Recorded on the side stream after its waits: copy time starts here, not behind the forward.
+    copy_start_event: Event | None = None
+    # Events whose ``error`` tells whether the copy failed (``(finish_event,)`` when empty).
+    step_events: tuple[Event, ...] = ()
+    watch: CopyWatch | None = None  # the copy's launches (bad indices found on the device)
+    ready_at: float | None = None  # a timed copy's modelled end (``CopyTimer``'s clock)
+
+
+class CacheOperation(NamedTuple):
+    """One queued, unstarted load (SGLang ``CacheOperation``)."""
+
+    host_indices: torch.Tensor  # CPU int64
+    device_indices: torch.Tensor  # int64 on the device, as allocated
+    node_id: int
+    usage: CopyUsage
+
+
+def ack_error(ack: HiCacheAck) -> BaseException | None:
+    """The first error of the copy's steps (``None``: it succeeded or has not finished)."""
+    for ev in ack.step_events or (ack.finish_event,):
+        if ev.error is not None:
+            return ev.error
+    return None
+
+
+class HiCacheController:
     """Backups (D2H) and loads (H2D) between one device pool and one host pool.
 
-    Args:
-        device_allocator: the device pool's allocator (load() allocates from it).
-        device_pool: ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
-        host_pool: the matching host pool; its ``allocator`` is ``host_allocator``.
-        io_backend: ``"kernel"`` (Triton ops) or ``"direct"`` (per-run copies); must suit the
-            host pool's layout (``SUPPORTED_LAYOUT_IO``).
-        streams: a stream factory (``CudaStreams`` / ``CpuStreams`` / ``InlineStreams``), or a
-            CPU mode of ``make_streams`` (``"thread"``, ``"inline"``: CUDA's launch semantics on
-            the caller's thread); default (``None``) from the device pool's device.
-        copy_delay: CPU only, when ``streams`` is not a factory: seconds (or a callable) slept
-            before every copy on the side streams, to widen race windows in tests.
-        stats: receives bytes moved and copy time as acks complete.
-        copy_timer: a simulator's modelled copy time (``hicache.transfer.acks.CopyTimer``): each
-            ack gets the ``ready_at`` its copy would end at, FIFO per direction (a backup also
-            after the newest load), and is popped only once the timer's clock passed it.
-        group: the tensor-parallel cache group that agrees room in the pools (module doc);
-            ``None``: a single rank.
+    ``io_backend``: ``"kernel"`` or ``"direct"``, suiting the host layout
+    (``SUPPORTED_LAYOUT_IO``). ``streams``: a factory, or a CPU mode of ``make_streams``
+    (default: from the device); ``copy_delay`` (CPU) is slept before every side-stream copy.
+    ``copy_timer``: gives each ack the ``ready_at`` of its modelled copy (FIFO per direction, a
+    backup also after the newest load); it is popped only once the timer's clock passed it.
+    ``group``: the tensor-parallel group that agrees room in the pools (``None``: one rank).
     """
 
     def __init__(
         self,
         device_allocator: TokenToKVPoolAllocator,
         device_pool: MHATokenToKVPool | MLATokenToKVPool,
-        host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
+        host_pool: HostKVPool,
         io_backend: str = "kernel",
         streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
         copy_delay: Delay = 0.0,
@@ -173,13 +160,266 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         self.load_queue: list[CacheOperation] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
-        # Copies per page, and slots the tree freed while a copy still uses them (held until
-        # the copy's ack).
         self._busy = BusyPages(device_allocator, self.host_allocator)
         self._deferred_device = DeferredFrees(device_allocator)
         self._deferred_host = DeferredFrees(self.host_allocator)
         # Copies that failed while they ran, by node id, until the tree takes them.
         self._failures: dict[int, CopyError] = {}
+
+    # ------------------------------------------------------------------ writes (D2H)
+    def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
+        """Back up device slots to freshly allocated host slots, launched at once after the
+        compute stream (and the newest load, while loads are in flight).
+
+        Returns the host slots (CPU int64, same order), or ``None`` when the host pool is short
+        on any rank (nothing changes). ``ValueError`` (nothing changes) for bad indices or slots
+        a queued load will write; ``BackupError`` when the launch fails (the host slots are freed
+        again). The host copy is readable only after the ack (``writing_check``).
+        """
+        slot_indices(
+            "device_indices",
+            device_indices,
+            n_slots=self.device_allocator.page_table_size * self.page_size,
+            page_size=self.page_size,
+            device=self.device,
+        )
+        if self.load_queue and bool(
+            torch.isin(
+                device_indices.cpu(), cat_cpu([op.device_indices for op in self.load_queue])
+            ).any()
+        ):
+            raise ValueError(
+                "device_indices include slots of a queued load that has not started; "
+                "call start_loading() first"
+            )
+        n = device_indices.numel()
+        host_indices = agreed_alloc(
+            self.group, self.host_allocator, n, pool="host", tag="hicache_write_room"
+        )
+        if host_indices is None:
+            return None
+        if host_indices.numel() == 0:
+            return host_indices
+        try:
+            ack = self._launch_backup(device_indices, host_indices, node_id)
+        except Exception as exc:
+            self._settle_after_failed_launch(self.write_stream)
+            self.host_allocator.free(host_indices)
+            self.stats.record_copy_failure("d2h")
+            raise BackupError(
+                f"backup_from_device_all_layer(device_indices=[{n} slots])",
+                f"backup of node {node_id} not launched; its {n} host slots were freed",
+                [node_id],
+                exc,
+            ) from exc
+        self._busy.add(ack.usages[0])
+        self.ack_write_queue.append(ack._replace(ready_at=self._ready_at("d2h", n)))
+        return host_indices
+
+    def _launch_backup(
+        self, device_indices: torch.Tensor, host_indices: torch.Tensor, node_id: int
+    ) -> HiCacheAck:
+        """Queue the backup on the write stream (CUDA and inline streams run it, and raise,
+        here); returns its ack, not yet appended."""
+        ready = self.streams.new_event()
+        ready.record(self.streams.compute)
+        self.write_stream.wait_event(ready)
+        if self.ack_load_queue:  # a backup may read slots a load is still writing
+            self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
+        start = self.write_stream.record(self.streams.new_event(enable_timing=True))
+        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
+
+        def backup() -> None:  # index moves run on the write stream too, ordered before the copy
+            h, d = self._move_indices(host_indices, device_indices)
+            with watch:
+                pool.backup_from_device_all_layer(dev, h, d, io)
+
+        self.write_stream.submit(backup)
+        finish = self.write_stream.record(self.streams.new_event(enable_timing=True))
+        usage = CopyUsage(device_indices, host_indices, host_written=True)
+        return HiCacheAck(
+            ready,
+            finish,
+            [node_id],
+            host_indices,
+            device_indices,
+            self._nbytes(host_indices),
+            usages=(usage,),
+            copy_start_event=start,
+            watch=watch,
+        )
+
+    def count_finished_writes(self) -> int:
+        """Leading backups (launch order) whose copy finished on this rank. Never blocks."""
+        return self._count_finished(self.ack_write_queue)
+
+    def writing_check(self, n: int | None = None) -> list[int]:
+        """Pop the first ``n`` backups (``None``: every leading finished one); their node ids.
+        Never blocks for an agreed ``n`` (at most ``count_finished_writes()``)."""
+        count = self._ack_count(n, self.ack_write_queue)
+        done: list[int] = []
+        for _ in range(count):
+            done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
+        self._release_deferred()
+        return done
+
+    def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
+        """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
+        acks, and return their node ids."""
+        wanted = None if node_ids is None else set(node_ids)
+        targets = [
+            a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
+        ]
+        for a in targets:
+            a.finish_event.synchronize()
+        self._wait_ready(targets)
+        done: list[int] = []
+        for a in targets:
+            self.ack_write_queue.remove(a)
+            done.extend(self._complete(a, "d2h"))
+        self._release_deferred()
+        return done
+
+    # ------------------------------------------------------------------ loads (H2D)
+    def load(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
+        """Allocate device slots for ``host_indices`` and queue their H2D copy (nothing moves
+        until ``start_loading``). Returns the device slots, or ``None`` when the device pool is
+        short on any rank (nothing changes)."""
+        slot_indices("host_indices", host_indices, page_size=self.page_size)
+        if host_indices.numel() and (
+            int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
+        ):
+            raise ValueError(f"host_indices out of range [0, {self.host_pool.size})")
+        n = host_indices.numel()
+        device_indices = agreed_alloc(
+            self.group, self.device_allocator, n, pool="device", tag="hicache_load_room"
+        )
+        if device_indices is None:
+            return None
+        host_indices = host_indices.cpu()
+        usage = CopyUsage(device_indices, host_indices, host_written=False)
+        self._busy.add(usage)
+        self.load_queue.append(CacheOperation(host_indices, device_indices, node_id, usage))
+        return device_indices
+
+    def start_loading(self) -> int:
+        """Launch every queued load as one H2D per layer, one event per layer; returns the
+        producer id (``-1`` when nothing was queued). Never blocks.
+
+        The indices are checked once for every layer. A failed launch raises ``LoadBackError``
+        naming the layer after waiting for the layers already launched; the loads stay queued
+        (``cancel_loads`` drops them) and nothing else changes.
+        """
+        if not self.load_queue:
+            return -1
+        ops = list(self.load_queue)
+        host_indices = torch.cat([op.host_indices for op in ops])
+        device_indices = torch.cat([op.device_indices for op in ops])
+        node_ids = [op.node_id for op in ops]
+        self.host_pool.check_copy_args(host_indices, device_indices, self.io_backend)
+        counter = self.layer_done_counter
+        consumer = counter.consumer_index
+        pid = counter.update_producer(node_ids)
+        lev = counter.events[pid]
+        progress = [-1]  # the layer being launched
+        watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
+        try:
+            copy_start = self._launch_loads(lev, host_indices, device_indices, progress, watch)
+        except Exception as exc:
+            self._settle_after_failed_launch(self.load_stream)
+            counter.release(pid)
+            counter.set_consumer(consumer)
+            self.stats.record_copy_failure("h2d")
+            layer = progress[0]
+            op = "start_loading" if layer < 0 else f"load_to_device_per_layer(layer_id={layer})"
+            raise LoadBackError(
+                op,
+                f"{len(ops)} queued loads ({host_indices.numel()} tokens, node ids {node_ids}) "
+                "were not launched; they stay queued (cancel_loads drops them)",
+                node_ids,
+                exc,
+            ) from exc
+        self.load_queue = []
+        self.ack_load_queue.append(
+            HiCacheAck(
+                lev.start_event,
+                lev.finish_event,
+                node_ids,
+                host_indices,
+                device_indices,
+                self._nbytes(host_indices),
+                pid,
+                tuple(op.usage for op in ops),
+                copy_start_event=copy_start,
+                step_events=tuple(lev.load_events),
+                watch=watch,
+                ready_at=self._ready_at("h2d", host_indices.numel()),
+            )
+        )
+        counter.set_consumer(pid)
+        return pid
+
+    def _launch_loads(
+        self,
+        lev: LayerLoadingEvent,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        progress: list[int],
+        watch: CopyWatch,
+    ) -> Event:
+        """Queue one H2D per layer on the load stream (CUDA and inline streams run them, and
+        raise, here), each under ``watch``; ``progress[0]`` is the layer being launched.
+        Returns the timing start event, recorded after the stream's waits."""
+        lev.start_event.record(self.streams.compute)
+        self.load_stream.wait_event(lev.start_event)
+        if self.ack_write_queue and self._busy.host_being_written(host_indices):
+            # Backups finish in launch order: waiting for the newest covers the one writing.
+            self.load_stream.wait_event(self.ack_write_queue[-1].finish_event)
+        copy_start = self.load_stream.record(self.streams.new_event(enable_timing=True))
+        pool, dev, io = self.host_pool, self.device_pool, self.io_backend
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def load_layer(layer: int) -> None:  # the first layer moves the indices, on this stream
+            if not moved:
+                moved.append(self._move_indices(host_indices, device_indices))
+            with watch:
+                pool.load_to_device_per_layer(dev, *moved[0], layer, io, validate=False)
+
+        for layer in range(self.layer_num):
+            progress[0] = layer
+            self.load_stream.submit(lambda layer=layer: load_layer(layer))
+            lev.load_events[layer].record(self.load_stream)
+        return copy_start
+
+    def cancel_loads(self) -> list[int]:
+        """Drop every queued, unstarted load; returns their node ids. Their device slots stay
+        allocated, the caller's to free (``evict_device``). Never blocks."""
+        ops, self.load_queue = self.load_queue, []
+        for op in ops:
+            self._busy.remove(op.usage)
+        return [op.node_id for op in ops]
+
+    def wait_loads(self) -> None:
+        """Block until every launched load finished on this rank (acks are not popped)."""
+        for ack in self.ack_load_queue:
+            ack.finish_event.synchronize()
+
+    def count_finished_loads(self) -> int:
+        """Leading loads (launch order) whose copy finished on this rank. Never blocks."""
+        return self._count_finished(self.ack_load_queue)
+
+    def loading_check(self, n: int | None = None) -> list[int]:
+        """Pop the first ``n`` loads (``None``: every leading finished one); their node ids.
+        Never blocks for an agreed ``n``."""
+        count = self._ack_count(n, self.ack_load_queue)
+        done: list[int] = []
+        for _ in range(count):
+            ack = self.ack_load_queue.popleft()
+            done.extend(self._complete(ack, "h2d"))
+            self.layer_done_counter.release(ack.producer_id)
+        self._release_deferred()
+        return done
 
     # ------------------------------------------------------------------ both
     def wait_all(self) -> tuple[list[int], list[int]]:
@@ -191,10 +431,31 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         self._wait_ready(acks)
         return self.writing_check(), self.loading_check()
 
+    def _count_finished(self, queue: deque[HiCacheAck]) -> int:
+        """Leading acks whose copy finished on this rank (a timed one also at the timer's
+        clock). Never blocks."""
+        now = self._timer_now()
+        n = 0
+        for ack in queue:
+            if ack.ready_at is not None and now is not None and ack.ready_at > now:
+                break
+            if not ack.finish_event.query():
+                break
+            n += 1
+        return n
+
+    def _ack_count(self, n: int | None, queue: deque[HiCacheAck]) -> int:
+        """How many acks to pop: ``n`` (agreed over the ranks), or the leading finished ones."""
+        if n is None:
+            return self._count_finished(queue)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
+            raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
+        return n
+
     # ------------------------------------------------------------------ modelled copy time
     def next_ack_time(self) -> float | None:
-        """When the next timed copy ends, if that is ahead of the timer's clock; ``None``
-        without a copy timer or when no timed copy is ahead."""
+        """When the next timed copy ends, if that is ahead of the timer's clock (else, or
+        without a copy timer, ``None``)."""
         now = self._timer_now()
         ahead = [
             a.ready_at
@@ -204,8 +465,8 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         return min(ahead) if ahead else None
 
     def loads_ready_at(self) -> float | None:
-        """The modelled end of the newest launched load whose ack is not popped (``None``
-        without a copy timer or such a load): a forward reading loaded layers ends after it."""
+        """The modelled end of the newest unpopped load (``None`` without a timer or load): a
+        forward reading loaded layers ends after it."""
         times = [a.ready_at for a in self.ack_load_queue if a.ready_at is not None]
         return max(times) if times else None
 
@@ -234,19 +495,25 @@ class HiCacheController(ControllerWrites, ControllerLoads):
     # ------------------------------------------------------------------ eviction
     def evict_device(self, device_indices: torch.Tensor) -> int:
         """Return device slots to the allocator; slots a copy still uses are held until its ack
-        is popped. Raises ``ValueError`` (nothing changes) on a bad or double free.
-        O(freed slots), whatever the number of copies in flight."""
+        is popped. ``ValueError`` (nothing changes) on a bad or double free. O(freed slots)."""
         idx = self._deferred_device.validate(device_indices, "device_indices")
         self._busy.settle()
         self._deferred_device.free_or_defer(idx, self._busy.device_busy(idx.numpy()))
         return device_indices.numel()
 
     def evict_host(self, host_indices: torch.Tensor) -> int:
-        """Return host slots to the host allocator (deferred while a copy uses them, as
-        ``evict_device``)."""
+        """Return host slots to the host allocator (deferred as ``evict_device``)."""
         idx = self._deferred_host.validate(host_indices, "host_indices")
         self._deferred_host.free_or_defer(idx, self._busy.host_busy(idx.numpy()))
         return host_indices.numel()
+
+    def _release_deferred(self) -> None:
+        """Free the held slots no copy uses any more. O(held slots)."""
+        if self._deferred_device.held:
+            self._busy.settle()
+            self._deferred_device.release(self._busy.device_busy)
+        if self._deferred_host.held:
+            self._deferred_host.release(self._busy.host_busy)
 
     # ------------------------------------------------------------------ accounting
     def inflight_slots(self) -> InflightSlots:
@@ -273,9 +540,9 @@ class HiCacheController(ControllerWrites, ControllerLoads):
         return self._deferred_host.num_slots()
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless both allocators are consistent, every slot a copy
-        uses is allocated (none is free while a copy reads or writes it), the busy counts equal
-        a recount from the copies, and deferred frees are allocated and distinct."""
+        """``AssertionError`` unless both allocators are consistent, every slot a copy uses is
+        allocated, the busy counts equal a recount from the copies, and deferred frees are
+        allocated and distinct."""
         self.device_allocator.check_integrity()
         self.host_allocator.check_integrity()
         busy = self.inflight_slots()
@@ -302,28 +569,28 @@ class HiCacheController(ControllerWrites, ControllerLoads):
                 raise AssertionError(f"controller: a {name} slot is deferred twice")
 
     def close(self) -> None:
-        """Finish every launched copy: stop the CPU stream threads after their queued work, or
-        wait for the CUDA side streams. Acks are not popped (``wait_all`` does that)."""
+        """Finish every launched copy (stop CPU stream threads after their queued work, or wait
+        for the CUDA side streams). Acks are not popped (``wait_all`` does that)."""
         if isinstance(self.streams, CpuStreams | InlineStreams):
             self.streams.close()
         else:
             self.write_stream.synchronize()
             self.load_stream.synchronize()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ completion and failures
     def _nbytes(self, indices: torch.Tensor) -> int:
         return indices.numel() * self.host_pool.size_per_token
 
     def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
         """Lower the busy counts of a popped ack and record it in ``stats``; a copy that failed
-        while it ran is logged and kept for ``take_failure`` (one error per node id)."""
+        while it ran, or whose kernel skipped a bad index, is kept for ``take_failure``."""
         ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
         for usage in ack.usages:
             self._busy.remove(usage)
         error = ack_error(ack)
-        if error is None:
-            try:  # an index the kernel found out of range fails the copy (issue 19)
-                check_indices(ack)
+        if error is None and ack.watch is not None:
+            try:
+                ack.watch.check()
             except kernels.KVIndexError as exc:
                 error = exc
         if error is None:
@@ -358,7 +625,7 @@ class HiCacheController(ControllerWrites, ControllerLoads):
                 ids,
                 error,
             )
-        layer = next((i for i, ev in enumerate(ack.step_events) if getattr(ev, "error", None)), -1)
+        layer = next((i for i, ev in enumerate(ack.step_events) if ev.error is not None), -1)
         return LoadBackError(
             f"load_to_device_per_layer(layer_id={layer})",
             f"the load of node ids {ids} failed while it ran",
@@ -368,19 +635,14 @@ class HiCacheController(ControllerWrites, ControllerLoads):
 
     def take_failure(self, node_id: int) -> CopyError | None:
         """The error of a popped ack whose copy failed while it ran, for ``node_id`` (``None``
-        when its copy succeeded); each is handed out once. The tree takes it while applying
-        the ack (a failed backup leaves the node device-only, a failed load host-only)."""
+        when it succeeded); each is handed out once."""
         return self._failures.pop(node_id, None)
-
-    def failed_node_ids(self) -> list[int]:
-        """Node ids whose failure was not taken yet (``take_failure``)."""
-        return list(self._failures)
 
     @staticmethod
     def _settle_after_failed_launch(stream: Stream) -> None:
-        """After a launch raised: wait until what the stream already runs is done (on CUDA,
-        layers launched before the failure may still write the slots about to be given back).
-        An error of that earlier work is logged; the caller's error is the one raised."""
+        """After a launch raised, wait for what the stream already runs (on CUDA, layers
+        launched before the failure may still write the slots about to be given back). Its
+        error is logged; the caller's error is the one raised."""
         try:
             stream.synchronize()
         except Exception:  # noqa: BLE001 - the failed launch is what gets reported
@@ -397,11 +659,3 @@ class HiCacheController(ControllerWrites, ControllerLoads):
             host_indices, order = host_indices.sort()
             device_indices = device_indices.index_select(0, order)
         return host_indices, device_indices
-
-    def _release_deferred(self) -> None:
-        """Free the held slots no copy uses any more. O(held slots)."""
-        if self._deferred_device.held:
-            self._busy.settle()
-            self._deferred_device.release(self._busy.device_busy)
-        if self._deferred_host.held:
-            self._deferred_host.release(self._busy.host_busy)

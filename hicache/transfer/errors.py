@@ -1,26 +1,12 @@
-"""What a failed copy between the device and host pools raises or reports.
-
-A copy fails in one of two places, and both end in one of these errors, naming the pool call
-that failed and its argument:
-
-- at its launch (CUDA streams, and CPU streams in ``"inline"`` mode, run ``submit`` on the
-  caller's thread): a validation ``ValueError`` of the op, a Triton compile or launch error, an
-  out-of-memory. The controller rolls the call back (nothing allocated, queued or locked
-  remains) and raises;
-- while it runs on a thread-backed CPU stream: the stream hands the exception to the copy's
-  event, and the copy's ack reports it (``HiCacheController.take_failure``); nothing sticks to
-  the stream.
-
-On CUDA a fault while a kernel runs is a sticky CUDA error of the whole context, not one of
-these: the process cannot recover from it.
+"""What a failed copy between the device and host pools raises or reports: one ``CopyError``
+naming the pool call and its argument, raised at a failed launch (after rollback) or handed out
+at the copy's ack (``HiCacheController.take_failure``). A CUDA fault while a kernel runs is a
+sticky context error instead, which nothing recovers from.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BackupError", "CopyError", "LoadBackError"]
 

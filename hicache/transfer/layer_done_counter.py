@@ -1,18 +1,10 @@
-"""Per-layer load events (SGLang ``LayerDoneCounter`` / ``LayerLoadingEvent``).
-
-Owns the events of each ``start_loading`` call, so the forward pass can wait for layer ``i``'s
-load only, and which load the forward pass consumes. The controller records the events; the model
-waits on them through ``HiRadixCache.layer_wait``.
-"""
+"""Per-layer load events (SGLang ``LayerDoneCounter`` / ``LayerLoadingEvent``): the forward pass
+waits for layer ``i``'s load only (through ``HiRadixCache.layer_wait``)."""
 
 from __future__ import annotations
 
-import logging
-
 from hicache.transfer.errors import LoadBackError
 from hicache.transfer.streams import CpuStreams, CudaStreams, Event, InlineStreams
-
-logger = logging.getLogger(__name__)
 
 
 class LayerLoadingEvent:

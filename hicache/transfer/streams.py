@@ -1,43 +1,15 @@
-"""Streams and events, once for CUDA and once for a machine without it.
+"""Streams and events, once for CUDA and once for a machine without it (``make_streams``).
 
-Everything that moves bytes asynchronously (the controller) is written against this small API:
-
-- ``Streams.compute`` — the stream the forward pass runs on (the caller's stream).
-- ``Streams.new_stream(high_priority=False)`` — a side stream (the controller makes a write and a
-  high-priority load stream).
-- ``Streams.new_event()`` — an event, recorded on a stream, waited on by a stream or the host.
-
-``Stream``: ``submit(fn)`` runs ``fn()`` "on" the stream; ``record(event=None) -> Event``;
-``wait_event(event)`` makes later work on this stream wait for ``event`` (never blocks the host on
-CUDA); ``query()`` (non-blocking: all submitted work done?); ``synchronize()`` (blocks the host).
-``Event``: ``record(stream)``, ``query()`` (non-blocking), ``synchronize()`` (blocks the host),
-``error`` (the exception of work that ran on the stream since its previous record, once the
-event fired; always ``None`` on CUDA, where a failed launch raises in ``submit`` and a fault
-while running is a sticky CUDA error). An event never recorded counts as complete, as in CUDA.
-
-Three kinds (``make_streams(device, delay, mode)``):
-
-- CUDA (``CudaStreams``): ``submit`` calls ``fn`` at once inside ``torch.cuda.stream(s)``, so the
-  kernels it launches are queued on ``s`` and a launch error (validation, compile, out of memory)
-  raises in the caller; events are ``torch.cuda.Event``. ``high_priority`` side streams get a
-  priority above the default one, so copy kernels are scheduled beside a running GEMM.
-- CPU, ``"thread"`` (``CpuStreams``, the default): a side stream is one worker thread that runs
-  submitted callables in order; events are ``threading.Event``s set by the worker when it reaches
-  the record. Copies really run beside the caller, so tests see acks arrive late and races show.
-  A callable that raises is logged, the stream keeps going (events still fire, nothing
-  deadlocks), and the error is handed to the next event recorded on that stream (``Event.error``)
-  or, if none follows, raised once by the next ``synchronize()`` / ``check_error()``. It never
-  sticks: later work on the stream is not affected.
-- CPU, ``"inline"`` (``InlineStreams``): CUDA's launch semantics on a CPU. ``submit`` runs ``fn``
-  at once on the caller's thread and an exception propagates to the caller, as a failing CUDA
-  launch does; events fire when recorded (all submitted work is done by then).
-
-On CPU the compute stream is the calling thread itself, so work "on" it is already done when
-submitted; a wait on it blocks the caller. An optional delay (seconds, or a callable returning
-seconds) is slept before every submitted callable to widen race windows in tests (inline: on the
-caller's thread, so a delay that blocks until the caller acts would deadlock). Callables of all
-CPU side streams run under one process-wide lock: Triton's CPU interpreter patches module globals
-and is not thread-safe. Thread-stream delays are slept outside the lock, so they overlap.
+The controller is written against ``Streams`` / ``Stream`` / ``Event`` below; an event never
+recorded counts as complete, as in CUDA. ``CudaStreams``: ``submit`` launches on a
+``torch.cuda.Stream`` (a launch error raises in the caller). ``CpuStreams`` (``"thread"``): a side
+stream is a worker thread running callables in order; a callable's exception goes to the next
+event recorded on that stream (``Event.error``) or the next ``synchronize``, and never sticks.
+``InlineStreams`` (``"inline"``): CUDA's launch semantics on a CPU, ``submit`` runs on the
+caller's thread and raises there. On CPU the compute stream is the caller itself. A CPU delay is
+slept before every side-stream callable (inline: on the caller's thread, so a delay waiting for
+the caller deadlocks); callables run under ``CPU_COPY_LOCK`` (the Triton interpreter is not
+thread-safe), thread delays outside it.
 """
 
 from __future__ import annotations
@@ -62,6 +34,13 @@ CPU_COPY_LOCK = threading.Lock()
 STREAM_MODES = ("thread", "inline")
 """CPU stream kinds of ``make_streams`` (the module docstring): worker threads, or CUDA's launch
 semantics on the caller's thread."""
+
+
+def _sleep(delay: Delay) -> None:
+    d = delay() if callable(delay) else delay
+    if d > 0:
+        time.sleep(d)
+
 
 # torch clamps a stream priority into the device's range; lower is higher, the default is 0.
 HIGH_PRIORITY = -1
@@ -326,11 +305,6 @@ class CpuStream:
             error, self._error = self._error, None
         return error
 
-    def _sleep(self) -> None:
-        d = self.delay() if callable(self.delay) else self.delay
-        if d > 0:
-            time.sleep(d)
-
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -339,7 +313,7 @@ class CpuStream:
             fn, delayed = item
             try:
                 if delayed:
-                    self._sleep()
+                    _sleep(self.delay)
                     with CPU_COPY_LOCK:
                         fn()
                 else:
@@ -363,15 +337,15 @@ class CpuStreams:
     def __init__(self, delay: Delay = 0.0) -> None:
         self.delay = delay
         self._compute = CpuComputeStream()
-        self._streams: list[CpuStream] = []
+        self._streams: list[CpuStream | InlineStream] = []
 
     @property
     def compute(self) -> CpuComputeStream:
         return self._compute
 
-    def new_stream(self, high_priority: bool = False) -> CpuStream:
+    def new_stream(self, high_priority: bool = False) -> CpuStream | InlineStream:
         """A worker-thread stream (a CPU has no stream priorities: ``high_priority`` is
-        accepted and ignored)."""
+        ignored)."""
         s = CpuStream(self.delay, name=f"cpu-stream-{len(self._streams)}")
         self._streams.append(s)
         return s
@@ -395,9 +369,7 @@ class InlineStream(CpuComputeStream):
         self.name = name
 
     def submit(self, fn: Callable[[], object]) -> None:
-        d = self.delay() if callable(self.delay) else self.delay
-        if d > 0:
-            time.sleep(d)
+        _sleep(self.delay)
         with CPU_COPY_LOCK:
             fn()
 
@@ -407,32 +379,18 @@ class InlineStream(CpuComputeStream):
             raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
         event.synchronize()
 
-
-class InlineStreams:
-    """CPU streams with CUDA's launch semantics (``mode="inline"``; module docstring)."""
-
-    is_cuda = False
-
-    def __init__(self, delay: Delay = 0.0) -> None:
-        self.delay = delay
-        self._compute = CpuComputeStream()
-        self._count = 0
-
-    @property
-    def compute(self) -> CpuComputeStream:
-        return self._compute
-
-    def new_stream(self, high_priority: bool = False) -> InlineStream:
-        """An inline stream (``high_priority`` accepted and ignored, as on ``CpuStreams``)."""
-        s = InlineStream(self.delay, name=f"inline-stream-{self._count}")
-        self._count += 1
-        return s
-
-    def new_event(self, enable_timing: bool = False) -> CpuEvent:
-        return CpuEvent()
-
     def close(self) -> None:
         return None
+
+
+class InlineStreams(CpuStreams):
+    """CPU streams with CUDA's launch semantics (``mode="inline"``)."""
+
+    def new_stream(self, high_priority: bool = False) -> InlineStream:
+        """An inline stream (``high_priority`` ignored, as on ``CpuStreams``)."""
+        s = InlineStream(self.delay, name=f"inline-stream-{len(self._streams)}")
+        self._streams.append(s)
+        return s
 
 
 def make_streams(

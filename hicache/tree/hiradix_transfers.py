@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.transfer.acks import ack_error
+from hicache.transfer.controller import ack_error
 from hicache.transfer.errors import BackupError, LoadBackError
 from hicache.tree.failed_copies import check_revertable, drop_failed_backup, revert_loads
 from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate

@@ -134,7 +134,7 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
 def _controller(device: torch.device, layout: str, io: str, page: int = 16, size: int = 256):
     from hicache.memory.allocator import TokenToKVPoolAllocator
     from hicache.memory.device_pool import MHATokenToKVPool
-    from hicache.memory.host_pool_factory import make_host_pool
+    from hicache.memory.host_pool import make_host_pool
     from hicache.transfer.controller import HiCacheController
 
     pool = MHATokenToKVPool(size, page, torch.bfloat16, H, D, L, device)

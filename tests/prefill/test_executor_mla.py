@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hicache.memory.device_pool import MLATokenToKVPool
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import MLATokenToKVPoolHost
 from prefill.disagg.simulated import PeerConfig
 from prefill.executor import OptimisticPrefillExecutor
 from prefill.model.mla import MLATransformer

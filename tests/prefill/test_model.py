@@ -167,7 +167,7 @@ def test_prefix_copied_device_host_device_matches_recompute(layout, io):
     """A's KV goes D2H into the host pool, A's device slots are scrubbed and freed, then the
     prefix comes back H2D into different slots layer by layer (one load per layer_wait) and B
     reads it from there."""
-    from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
+    from hicache.memory.host_pool import MHATokenToKVPoolHost
 
     model, pool, alloc = make(4, size=128)
     host = MHATokenToKVPoolHost(pool, 2.0, 0.0, 4, layout, pin_memory=False)

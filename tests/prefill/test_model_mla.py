@@ -116,7 +116,7 @@ def test_small_batch_equals_separate_calls():
 def test_prefix_copied_device_host_device_matches_recompute(layout, io):
     """A's latent goes D2H, its device slots are scrubbed (NaN) and freed, and the prefix comes
     back H2D into other slots, one layer per ``layer_wait``; B reads it from there."""
-    from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+    from hicache.memory.host_pool import MLATokenToKVPoolHost
 
     model, pool, alloc = make(4, size=128)
     host = MLATokenToKVPoolHost(pool, 2.0, 0.0, 4, layout, pin_memory=False)

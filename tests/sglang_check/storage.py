@@ -57,7 +57,7 @@ CASES = [
 
 
 def _ours(kind: str, layout: str, dev: Any) -> Any:
-    from hicache.memory.host_pool_factory import make_host_pool
+    from hicache.memory.host_pool import make_host_pool
 
     return make_host_pool(dev, transfers.HOST_RATIO, 0, layout)
 

@@ -19,8 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import kernels
-from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 from hicache.transfer.controller import HiCacheController
 
 STREAM_MODES = ("thread", "inline")

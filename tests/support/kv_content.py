@@ -31,8 +31,7 @@ from typing import Any
 import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 
 AnyPool = MHATokenToKVPool | MLATokenToKVPool | MHATokenToKVPoolHost | MLATokenToKVPoolHost
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import make_host_pool
 from hicache.storage.backend_factory import StorageBackendFactory
 from hicache.storage.config import storage_config_for_pool
 from tests.support.node_main import Node, main

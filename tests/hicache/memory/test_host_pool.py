@@ -7,10 +7,13 @@ import torch
 
 import hicache.memory.host_ram as host_memory
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import LAYOUTS, SUPPORTED_LAYOUT_IO
-from hicache.memory.host_pool_factory import make_host_pool
-from hicache.memory.host_pool_mha import MHATokenToKVPoolHost
-from hicache.memory.host_pool_mla import MLATokenToKVPoolHost
+from hicache.memory.host_pool import (
+    LAYOUTS,
+    SUPPORTED_LAYOUT_IO,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+    make_host_pool,
+)
 from tests.support.kv_content import check_device, check_host, write_device
 
 PAIRS = sorted(SUPPORTED_LAYOUT_IO)

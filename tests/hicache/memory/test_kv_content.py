@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import LAYOUTS
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import LAYOUTS, make_host_pool
 from tests.support.kv_content import check_device, check_host, write_device, write_host
 
 PAGE = 4

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
 
 L, H = 3, 2
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_factory import HostKVPool, make_host_pool
+from hicache.memory.host_pool import HostKVPool, make_host_pool
 from hicache.storage.base import HiCacheStorage
 
 L, H, D, DV, C = 3, 2, 8, 4, 12

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 
-from hicache.memory.host_pool_base import LAYOUTS
+from hicache.memory.host_pool import LAYOUTS
 from tests.hicache.storage.helpers import (
     DV,
     KINDS,
@@ -69,12 +69,12 @@ def test_page_buffer_meta_points_at_each_page(kind: str, layout: str) -> None:
     for s in (4, 24):
         if layout == "layer_first":
             want += [
-                _raw(part[layer, s : s + page]) for layer in range(L) for part in host._host_parts
+                _raw(part[layer, s : s + page]) for layer in range(L) for part in host.parts
             ]
         elif layout == "page_first":
-            want += [_raw(part[s : s + page]) for part in host._host_parts]
+            want += [_raw(part[s : s + page]) for part in host.parts]
         else:
-            want += [_raw(part[s // page]) for part in host._host_parts]
+            want += [_raw(part[s // page]) for part in host.parts]
     assert sizes == [w.numel() for w in want]
     for ptr, size, w in zip(ptrs, sizes, want, strict=True):
         assert ctypes.string_at(ptr, size) == bytes(w.tolist())

@@ -13,8 +13,7 @@ import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.streams import make_streams
 from tests.support.kv_content import check_device, check_host, write_device

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.memory.host_pool_base import SUPPORTED_LAYOUT_IO
+from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO
 from tests.hicache.transfer.test_controller import make
 from tests.support.kv_content import check_device, check_host, write_device
 

@@ -9,7 +9,7 @@ import torch
 
 from hicache.memory.allocator import TokenToKVPoolAllocator
 from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.memory.host_pool_factory import make_host_pool
+from hicache.memory.host_pool import make_host_pool
 from hicache.transfer.controller import HiCacheController
 from hicache.transfer.streams import make_streams
 from prefill.clock import VirtualClock
