@@ -1,5 +1,6 @@
 """The shared Mooncake set-up (``availability``, ``tests.support.loopback``): availability checks
-and their one-line reasons, and the loopback shim (build, preload environment, what it does to a wildcard bind)."""
+and their one-line reasons, and the loopback shim (build, preload environment, what it does to
+a wildcard bind)."""
 
 from __future__ import annotations
 
