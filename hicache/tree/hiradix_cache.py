@@ -321,14 +321,14 @@ class HiRadixCache(RadixCache):
             return self._no_load_back(last_host_node, ancestor)
         host_indices = torch.cat([x.host_value for x in chain])
         self.inc_lock_ref(ancestor)
-        self._add_host_ref(last_host_node, 1)
+        self.protect_host(last_host_node)
         try:
             device_indices = self.controller.load(host_indices, node_id=last_host_node.id)
             if device_indices is None:
                 self.evict(total)
                 device_indices = self.controller.load(host_indices, node_id=last_host_node.id)
         finally:
-            self._add_host_ref(last_host_node, -1)
+            self.release_host(last_host_node)
             self.dec_lock_ref(ancestor)
         if device_indices is None:
             logger.debug("init_load_back: no device room for %d tokens; recompute", total)
@@ -366,11 +366,18 @@ class HiRadixCache(RadixCache):
             self.evict_host(self._host_chain_tokens(last_host_node))
         return self._empty(), ancestor
 
-    def _add_host_ref(self, node: TreeNode, delta: int) -> None:
-        """Protect (``delta`` 1) or release (-1) the host copies from ``node`` up."""
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep the host copies from ``node`` up from host eviction (``host_ref``)."""
         x = node
         while x is not self.root_node:
-            x.host_ref += delta
+            x.host_ref += 1
+            x = x.parent
+
+    def release_host(self, node: TreeNode) -> None:
+        """Undo one ``protect_host(node)``."""
+        x = node
+        while x is not self.root_node:
+            x.host_ref -= 1
             if x.host_ref == 0:
                 self._host_queue.push_if_candidate(x)
             x = x.parent

@@ -11,7 +11,6 @@ duplicates of the prefix already present. ``HiRadixCache`` adds the host tier on
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,6 @@ from kernels.ops.checks import content_checks
 
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
-
-logger = logging.getLogger(__name__)
 
 
 class RadixCache:

@@ -83,7 +83,7 @@ class BackupBook:
         op = StorageOperation(
             host_indices.clone(), list(keys), prefix_keys=self._prefix_keys(node), node=node
         )
-        self.tree._protect_host(node)
+        self.tree.protect_host(node)
         self._submit(op)
 
     def backup_staged(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
@@ -113,7 +113,7 @@ class BackupBook:
         """The backup thread finished ``op`` (agreed to be applied now)."""
         self.ongoing.pop(op.id, None)
         if op.node is not None:
-            self.tree._release_host(op.node)
+            self.tree.release_host(op.node)
         if op.staging:
             self.tree.controller.evict_host(op.host_indices)
         if not self.workers.is_storage_writer:

@@ -152,7 +152,7 @@ class PrefetchBook:
         if self.settings.buffer_only:
             self.ongoing[handle] = _Ongoing(op, None, 0)
         else:
-            self.tree._protect_host(anchor)
+            self.tree.protect_host(anchor)
             self.occupied_tokens += len(key)
             self.ongoing[handle] = _Ongoing(op, anchor, len(key))
         self.stats.prefetch_issued += 1
@@ -205,7 +205,7 @@ class PrefetchBook:
 
     def _release_anchor(self, entry: _Ongoing) -> None:
         if entry.anchor is not None:
-            self.tree._release_host(entry.anchor)
+            self.tree.release_host(entry.anchor)
             self.occupied_tokens -= entry.reserved
 
     # ------------------------------------------------------------------ 5. acks
