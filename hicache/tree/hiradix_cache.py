@@ -78,14 +78,12 @@ class _EvictionRun:
     nodes whose backup failed and that stay on the device; ``frees``: device slots to free."""
 
     freed: int = 0
-    host_bound: list[TreeNode] = field(default_factory=list)
-    host_bound_ids: set[int] = field(default_factory=set)
+    host_bound: dict[int, TreeNode] = field(default_factory=dict)  # by id, in order taken
     backups: list[int] = field(default_factory=list)
     host_bound_children: dict[int, int] = field(default_factory=dict)
     parents: list[tuple[int, int, TreeNode]] = field(default_factory=list)
     frees: list[torch.Tensor] = field(default_factory=list)
-    kept: list[TreeNode] = field(default_factory=list)
-    kept_ids: set[int] = field(default_factory=set)
+    kept: dict[int, TreeNode] = field(default_factory=dict)
 
 
 class HiRadixCache(RadixCache):
@@ -545,7 +543,7 @@ class HiRadixCache(RadixCache):
                 self._evict_leaf(run, x)
             self._finish_host_bound(run)
         finally:
-            for x in run.kept:
+            for x in run.kept.values():
                 self._device_queue.push_if_candidate(x)
             self._free_device(run.frees)
         return run.freed
@@ -554,7 +552,7 @@ class HiRadixCache(RadixCache):
         """The run's least recently used device leaf: the tree's queue or ``run.parents``."""
         queue = self._device_queue
         x = queue.peek()
-        while x is not None and (x.id in run.host_bound_ids or x.id in run.kept_ids):
+        while x is not None and (x.id in run.host_bound or x.id in run.kept):
             queue.pop()  # a host-bound node is no candidate until its backup is done
             x = queue.peek()
         parents = run.parents
@@ -570,8 +568,8 @@ class HiRadixCache(RadixCache):
             and x.value is not None
             and x.lock_ref == 0
             and x.device_children == run.host_bound_children.get(x.id, 0)
-            and x.id not in run.host_bound_ids
-            and x.id not in run.kept_ids
+            and x.id not in run.host_bound
+            and x.id not in run.kept
         )
 
     def _evict_leaf(self, run: _EvictionRun, x: TreeNode) -> None:
@@ -596,8 +594,7 @@ class HiRadixCache(RadixCache):
             run.freed += self._evict_regular(x, run.frees)
 
     def _add_host_bound(self, run: _EvictionRun, x: TreeNode) -> None:
-        run.host_bound.append(x)
-        run.host_bound_ids.add(x.id)
+        run.host_bound[x.id] = x
         run.freed += len(x.value)
         parent = x.parent
         if parent is self.root_node:
@@ -616,17 +613,15 @@ class HiRadixCache(RadixCache):
             self.controller.wait_write(run.backups)
             for node_id in run.backups:
                 self._ack_write(node_id)
-        for x in run.host_bound:  # children before parents
+        for x in run.host_bound.values():  # children before parents
             if x.device_children == 0 and x.backuped:
                 self._evict_backuped(x, run.frees)
             elif x.device_children == 0 and self._droppable(x) and x.parent is not None:
                 self._evict_regular(x, run.frees)
             else:
                 run.freed -= len(x.value)
-                run.kept.append(x)
-                run.kept_ids.add(x.id)
-        run.host_bound = []
-        run.host_bound_ids.clear()
+                run.kept[x.id] = x
+        run.host_bound = {}
         run.backups = []
         run.host_bound_children.clear()
 
@@ -780,12 +775,12 @@ class HiRadixCache(RadixCache):
 
     def device_in_flight(self) -> int:
         """Device slots held by the controller outside the tree (e.g. deferred frees)."""
-        return int(getattr(self.controller, "device_in_flight", lambda: 0)())
+        return self.controller.device_in_flight()
 
     def host_in_flight(self) -> int:
         """Host slots outside the tree: the controller's deferred frees, unacked
         ``buffer_only`` staging, and what the storage tier holds."""
-        held = int(getattr(self.controller, "host_in_flight", lambda: 0)())
+        held = self.controller.host_in_flight()
         if self.storage is not None:
             held += self.storage.host_slots_held()
             if self.storage.buffer_only:
