@@ -1,93 +1,97 @@
 """Radix tree across two tiers with SGLang's write policies (SGLang ``HiRadixCache``).
 
-A node's KV can live on the device (``value``), on the host (``host_value``), or both. The
-controller moves bytes (D2H backups on its write stream, H2D loads on its load stream) and acks
-them by node id; this file decides what to move and when, and keeps the tree consistent with the
-acks:
-
-============================  ==========================================================
-policy                        D2H backup happens
-============================  ==========================================================
-``write_through``             at the first insert that creates or touches the node
-``write_through_selective``   when the node's insert count reaches 2
-``write_back``                never on insert; when device eviction picks the node
-============================  ==========================================================
-
-Evicting a device leaf: backed up -> free its device slots, keep it host-only; not backed up ->
-delete it under ``write_through*`` (KV lost), back it up and wait for the copy under
-``write_back``. Host eviction takes host-only, unlocked, ``host_ref == 0`` leaves only.
-
-Chunked inserts (unfinished, chunk-prefilled requests): SGLang skips them in the hit count and
-therefore never backs up a long chunk-prefilled prompt under write-through. By default this
-cache keeps them out of the hit count (no self-inflation) but still backs up the pages they cover
-under ``write_through``; ``upstream_chunked_insert=True`` reproduces SGLang.
-
-Under write_back with a full host pool, eviction keeps LRU order across both tiers: when a
-backup finds no host room even after host eviction, the backups this eviction already launched
-are finished first (their older nodes become host-only and host-evictable), so the most recently
-used leaves keep a host copy and the oldest lose theirs.
-
-This file owns the policies: when an insert starts a backup and what device and host eviction
-do with each leaf (the LRU order itself is ``eviction.py``'s queues, kept by the tree; one
-device eviction's state, its host-bound write-backs, is ``device_eviction.py``'s).
-Starting a backup or a load back, the in-flight state until its ack and the acks live in
-``hiradix_transfers.py``, the base class.
-
-Everything here runs on the scheduler thread and never blocks, except device eviction under
-``write_back`` (it waits for its own backups before freeing the slots they read).
-
-**L3 storage** (``attach_storage``; ``storage_hooks`` has the pieces): every node gets its pages'
-keys at insert; a host copy, once its D2H ack is in, is stored by the storage tier
-(``write_through`` after the insert's backup, ``write_through_selective`` after the second hit,
-``write_back`` at device eviction), its host pages protected (``host_ref``) until the storage
-ack; pages fetched from storage come back as host-only nodes (``insert_host``) that the ordinary
-load back brings to the device. With ``buffer_only`` the host pool only stages: a backup's host
-slots leave the node at once (no host copy in the tree) and are freed at the storage ack; a
-fetched node loses its host copy when its load back is queued (freed at the H2D ack).
+Owns what to back up (D2H), load back (H2D) and evict under the write policy, and the in-flight
+state between a copy's start and its ack: a node with a copy in flight is listed in
+``ongoing_write_through`` / ``ongoing_load_back`` and held (locked, or waited for by write_back
+eviction); a host copy is readable only after its ack. A failed backup leaves its node
+device-only; a failed load back is undone (``cancel_load_back``) once callers released their
+locks. With an L3 tier (``attach_storage``) every node carries its pages' keys and an acked host
+copy goes on to storage. Everything runs on the scheduler thread and never blocks, except
+write_back device eviction (it waits for its own backups); under TP every rank-local input is
+agreed on ``group`` first.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
-from hicache.tree.device_eviction import DeviceEviction
-from hicache.tree.hiradix_transfers import HiRadixTransfers
-from hicache.tree.node import TreeNode
-from hicache.tree.storage_hooks import (
-    StorageHooks,
-    assign_hashes,
-    check_storage_tree,
-    host_chain_tokens,
-    insert_host,
-)
+from hicache.storage.hash_keys import page_hashes
+from hicache.transfer.acks import ack_error
+from hicache.transfer.errors import BackupError, LoadBackError
+from hicache.tree.keys import TOKEN_BYTES, key_bytes
+from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
+from hicache.tree.node import TreeNode, descend
+from hicache.tree.radix_cache import RadixCache
 from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
     from hicache.cache_stats import CacheStats
+    from hicache.tp.group import TPGroup
     from hicache.transfer.controller import HiCacheController
 
-__all__ = ["WRITE_POLICIES", "HiRadixCache"]
+__all__ = ["WRITE_POLICIES", "HiRadixCache", "StorageHooks"]
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-class HiRadixCache(HiRadixTransfers):
-    """Device + host prefix cache.
+class StorageHooks(Protocol):
+    """What the tree calls on its L3 tier (``hicache.storage.io.controller`` provides it)."""
 
-    Args:
-        controller: the ``HiCacheController`` that owns both allocators and the copy streams.
-        page_size: tokens per page (same for both tiers).
-        write_policy: one of ``WRITE_POLICIES``.
-        load_back_threshold: host hits shorter than this many tokens are recomputed.
-        upstream_chunked_insert: reproduce SGLang's chunked-insert behaviour (see module doc).
-        stats: optional stats object fed with backups, loads and evictions (prefix hits are
-            recorded by the admitting executor, not by ``match_prefix``).
+    buffer_only: bool
+
+    def backup_node(self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]) -> None:
+        """Cache mode: store an acked host copy, its pages protected until the storage ack."""
+
+    def backup_staged(self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]) -> None:
+        """``buffer_only``: store an acked D2H staging, then free it."""
+
+    def believed_stored(self, keys: list[str]) -> bool:
+        """``buffer_only``: every key was stored (or its write is on the way)."""
+
+    def note_staging(self, keys: list[str]) -> None:
+        """``buffer_only``: a write of these keys was started."""
+
+    def check_events(self) -> None:
+        """Agree and apply the storage threads' results (one tick)."""
+
+    def host_slots_held(self) -> int:
+        """Host slots the tier holds outside the tree (prefetch and staging)."""
+
+    def ops_in_flight(self) -> int:
+        """Prefetches and backups not acked yet."""
+
+
+@dataclass
+class _EvictionRun:
+    """One device eviction. ``host_bound``: nodes moving to the host once their write-back
+    backups (``backups``) are acked, children before parents; ``parents``: parents whose every
+    device child is host-bound, leaves for this run (heap by access time); ``kept``: host-bound
+    nodes whose backup failed and that stay on the device; ``frees``: device slots to free."""
+
+    freed: int = 0
+    host_bound: dict[int, TreeNode] = field(default_factory=dict)  # by id, in order taken
+    backups: list[int] = field(default_factory=list)
+    host_bound_children: dict[int, int] = field(default_factory=dict)
+    parents: list[tuple[int, int, TreeNode]] = field(default_factory=list)
+    frees: list[torch.Tensor] = field(default_factory=list)
+    kept: dict[int, TreeNode] = field(default_factory=dict)
+
+
+class HiRadixCache(RadixCache):
+    """Device + host prefix cache over the ``controller``'s allocators and copy streams.
+
+    Host hits shorter than ``load_back_threshold`` tokens are recomputed;
+    ``upstream_chunked_insert`` reproduces SGLang's chunked inserts (never backed up); ``stats``
+    is fed with backups, loads and evictions.
     """
 
     def __init__(
@@ -117,9 +121,26 @@ class HiRadixCache(HiRadixTransfers):
         self._storage_writes: dict[int, tuple[torch.Tensor, list[str]]] = {}
         super().__init__(controller.device_allocator, page_size)
 
+    def reset(self) -> None:
+        super().reset()
+        self._host_queue = LRUQueue(HOST, is_host_candidate)  # host-only leaves, LRU first
+        self.ongoing_write_through: dict[int, TreeNode] = {}  # node id -> node being backed up
+        self.ongoing_load_back: dict[int, TreeNode] = {}  # node id -> last node being loaded
+        self._load_ancestors: dict[int, TreeNode] = {}  # node id -> device ancestor of the chain
+        self._unacked_write_slots: dict[int, torch.Tensor] = {}  # node id -> host slots written
+        self._failed_loads: set[int] = set()  # loads whose ack reported a failure, not undone
+
+    def eviction_queues(self) -> tuple[LRUQueue, ...]:
+        return (self._device_queue, self._host_queue)
+
+    @property
+    def group(self) -> TPGroup:
+        """The cache group the controller agrees on (``SingleRankGroup`` for one rank)."""
+        return self.controller.group
+
     def attach_storage(self, storage: StorageHooks) -> None:
-        """Give the tree its L3 tier (before the first insert: nodes get keys from then on).
-        ``buffer_only`` storage needs ``write_through`` (``ServerArgs`` resolves it)."""
+        """Give the tree its L3 tier, before the first insert. ``buffer_only`` storage needs
+        ``write_through``."""
         if self.all_nodes():
             raise ValueError("attach_storage: the tree already holds nodes without page keys")
         if storage.buffer_only and self.write_policy != "write_through":
@@ -130,12 +151,15 @@ class HiRadixCache(HiRadixTransfers):
         self.storage = storage
 
     @property
+    def _buffer_only(self) -> bool:
+        return self.storage is not None and self.storage.buffer_only
+
+    @property
     def backs_up_on_insert(self) -> bool:
-        """``write_through`` and ``write_through_selective`` back up from ``insert`` (the first
-        or second insert touching a node); ``write_back`` only when eviction picks a node."""
+        """``write_through*`` back up from ``insert``; ``write_back`` only at eviction."""
         return self.write_policy != "write_back"
 
-    # ------------------------------------------------------------------ insert hooks
+    # ------------------------------------------------------------------ insert
 
     def insert(
         self,
@@ -143,9 +167,8 @@ class HiRadixCache(HiRadixTransfers):
         value: torch.Tensor | None = None,
         chunked: bool = False,
     ) -> int:
-        """``RadixCache.insert``; the slots are checked against the device pool first (the
-        backups an insert starts read them), so a bad slot raises ``ValueError`` before the
-        tree changes rather than from a backup halfway through the walk."""
+        """``RadixCache.insert``, with the slots checked against the device pool first (the
+        backups it starts read them): a bad slot raises before the tree changes."""
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
             alloc = self.controller.device_allocator
             slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
@@ -159,17 +182,14 @@ class HiRadixCache(HiRadixTransfers):
         self._device_queue.push_if_candidate(node)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
-        """Count the hit, then back ``node`` up when the write policy says so. Chunked inserts
-        are not counted; with ``upstream_chunked_insert`` they do not back up either. With
-        storage, a node created by this insert gets its page keys first."""
+        """Count the hit (a new node gets its page keys first, with storage), then back the node
+        up when the policy says so; a chunked insert counts no hit and, with
+        ``upstream_chunked_insert``, backs up nothing."""
         if self.storage is not None and node.hash_value is None:
-            assign_hashes(node, self.page_size)
+            self._assign_hashes(node)
         super()._inc_hit_count(node, chunked)
         if chunked and self.upstream_chunked_insert:
             return
-        self._maybe_backup(node, chunked)
-
-    def _maybe_backup(self, node: TreeNode, chunked: bool) -> None:
         if self.write_policy == "write_back" or node.backuped:
             return
         if self._buffer_only and (
@@ -181,128 +201,433 @@ class HiRadixCache(HiRadixTransfers):
         ):
             self.write_backup(node)
 
-    # ------------------------------------------------------------------ L3 storage
+    # ------------------------------------------------------------------ backup (D2H)
 
-    @property
-    def _buffer_only(self) -> bool:
-        return self.storage is not None and self.storage.buffer_only
-
+    # The node keeps its device slots (read by the copy) and gets host slots at once (written by
+    # the copy), not readable before the ack: write_through* lock the node until then, write_back
+    # eviction waits for the copy before freeing.
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """The D2H backup (``HiRadixTransfers.write_backup``). With storage the pages and keys
-        it copies are remembered for the storage write at its ack (a split meanwhile does not
-        lose a fragment); with ``buffer_only`` the host slots are staging: they leave the node
-        at once (the tree keeps no host copy) and are freed at the storage ack."""
-        n = super().write_backup(node, write_back)
-        if n and self.storage is not None:
-            self._storage_writes[node.id] = (node.host_value, list(node.hash_value))
+        """Start the D2H backup of ``node``; returns the tokens backed up: 0 when the host is
+        full even after host eviction or the launch failed (``BackupError``: logged, the node
+        stays device-only; raised under TP). With storage the copied pages and keys are kept for
+        the storage write at the ack; ``buffer_only`` host slots leave the node at once."""
+        try:
+            host_indices = self.controller.write(node.value, node_id=node.id)
+            if host_indices is None:
+                self.evict_host(len(node.value))
+                host_indices = self.controller.write(node.value, node_id=node.id)
+        except BackupError as exc:
+            if self.group.size > 1:
+                raise
+            logger.warning("backup of %r skipped: %s", node, exc)
+            return 0
+        if host_indices is None:
+            logger.debug("backup of %r skipped: host pool full", node)
+            return 0
+        node.host_value = host_indices
+        self.ongoing_write_through[node.id] = node
+        self._unacked_write_slots[node.id] = host_indices
+        if not write_back:
+            self.inc_lock_ref(node)
+        if self.stats is not None:
+            self.stats.record_backup(len(host_indices))
+        if self.storage is not None:
+            self._storage_writes[node.id] = (host_indices, list(node.hash_value))
             if self.storage.buffer_only:
                 node.host_value = None
                 self.storage.note_staging(node.hash_value)
-        return n
+        return len(host_indices)
+
+    def writing_check(self, n: int | None = None) -> None:
+        """Complete the first ``n`` backups (``None``: the finished ones; non-blocking)."""
+        for node_id in self.controller.writing_check(n):
+            self._ack_write(node_id)
 
     def _ack_write(self, node_id: int) -> bool:
-        """A D2H ack: the base's bookkeeping, then the node's pages go to storage (cache mode:
-        its host copy, protected until the storage ack; buffer_only: its staging). A backup
-        whose copy failed sends nothing to storage (its host slots are already freed)."""
-        node = self.ongoing_write_through.get(node_id)
+        """Apply one popped backup ack: release its lock and send its pages to storage; a copy
+        that failed leaves the node device-only instead. Returns whether the copy succeeded."""
+        node = self.ongoing_write_through.pop(node_id, None)
+        slots = self._unacked_write_slots.pop(node_id, None)
         written = self._storage_writes.pop(node_id, None)
-        ok = super()._ack_write(node_id)
-        if written is None or node is None or not ok:
-            return ok
+        failure = self.controller.take_failure(node_id)
+        if node is not None and failure is not None and slots is not None:
+            logger.warning("backup of %r failed; the node stays device-only: %s", node, failure)
+            self._drop_failed_backup(node, slots)
+        if node is not None and self.write_locks:
+            self.dec_lock_ref(node)
+        if written is None or node is None or failure is not None:
+            return failure is None
         host_indices, keys = written
         if self.storage.buffer_only:
             self.storage.backup_staged(node, host_indices, keys)
         elif node.parent is not None and node.host_value is not None:
             self.storage.backup_node(node, host_indices, keys)
-        return ok
+        return True
+
+    def _drop_failed_backup(self, node: TreeNode, host_slots: torch.Tensor) -> None:
+        """``node`` and the upper halves split off it while the copy ran lose their host copy;
+        ``host_slots`` go back to the host pool."""
+        x: TreeNode | None = node
+        while x is not None and x is not self.root_node and x.host_value is not None:
+            if not bool(torch.isin(x.host_value.cpu(), host_slots.cpu()).all()):
+                break
+            x.host_value = None
+            x = x.parent
+        self.controller.evict_host(host_slots)
 
     def check_hicache_events(self) -> None:
-        """L2 acks (which may start storage backups), then the storage tier's tick."""
-        super().check_hicache_events()
+        """Apply, without blocking, as many finished backups and loads as every rank of the
+        group has finished (one collective per call under TP), then the storage tier's tick."""
+        c = self.controller
+        writes, loads = self.group.agree_min_many(
+            [c.count_finished_writes(), c.count_finished_loads()], tag="hicache_acks"
+        )
+        self.writing_check(writes)
+        self.loading_check(loads)
         if self.storage is not None:
             self.storage.check_events()
 
-    def insert_host(
-        self, anchor: TreeNode, key: list[int], host_indices: torch.Tensor, hashes: list[str]
-    ) -> int:
-        """Pages fetched from storage as a host-only node after ``anchor`` (``storage_hooks``);
-        returns the tokens of ``key`` already in the tree (the caller frees their slots)."""
-        return insert_host(self, anchor, key, host_indices, hashes)
+    # ------------------------------------------------------------------ load back (H2D)
 
+    # The host-only chain keeps its host slots (read by the copy) and gets device slots at once
+    # (written by the copy); it is locked until the load ack and read after layer_wait(layer).
     def init_load_back(
         self, last_host_node: TreeNode, host_hit_length: int
     ) -> tuple[torch.Tensor, TreeNode]:
-        """The load back (``HiRadixTransfers.init_load_back``). With ``buffer_only`` storage a
-        host-only node is a fetched page's staging: once its load is queued the node keeps only
-        its device copy and the staging is freed at the H2D ack (the controller defers it); a
-        staging that does not load (below the threshold, no device room) is dropped."""
-        device_indices, last = super().init_load_back(last_host_node, host_hit_length)
+        """Queue the H2D load of the host-only chain ending at ``last_host_node``; returns its
+        device slots and the node now ending the device prefix (the caller locks it). Empty
+        slots and the last device ancestor when the hit is below ``load_back_threshold`` or no
+        device room is made (the caller recomputes). The copy starts at
+        ``ready_to_load_host_cache()``."""
+        self._check_attached(last_host_node, "last_host_node")
+        if host_hit_length < 0:
+            raise ValueError(f"host_hit_length must be >= 0, got {host_hit_length}")
+        chain: list[TreeNode] = []
+        ancestor = last_host_node
+        while ancestor.evicted:
+            chain.append(ancestor)
+            ancestor = ancestor.parent
+        chain.reverse()
+        if not chain:
+            return self._empty(), last_host_node
+        total = sum(len(x.host_value) for x in chain)
+        if total != host_hit_length:
+            logger.debug(
+                "init_load_back: host_hit_length %d, chain holds %d", host_hit_length, total
+            )
+        if total < self.load_back_threshold:
+            return self._no_load_back(last_host_node, ancestor)
+        host_indices = torch.cat([x.host_value for x in chain])
+        self.inc_lock_ref(ancestor)
+        self.protect_host(last_host_node)
+        try:
+            device_indices = self.controller.load(host_indices, node_id=last_host_node.id)
+            if device_indices is None:
+                self.evict(total)
+                device_indices = self.controller.load(host_indices, node_id=last_host_node.id)
+        finally:
+            self.release_host(last_host_node)
+            self.dec_lock_ref(ancestor)
+        if device_indices is None:
+            logger.debug("init_load_back: no device room for %d tokens; recompute", total)
+            if self.stats is not None:
+                self.stats.record_load_back_no_room(total)
+            return self._no_load_back(last_host_node, ancestor)
+        offset = 0
+        for x in chain:  # top down; the host queue drops them lazily (no longer host-only)
+            x.value = device_indices[offset : offset + len(x.host_value)]
+            offset += len(x.host_value)
+            x.parent.device_children += 1
+            self._add_device_tokens(x, len(x.value))
+        self._own(device_indices)
+        self.ongoing_load_back[last_host_node.id] = last_host_node
+        self._load_ancestors[last_host_node.id] = ancestor
+        self.inc_lock_ref(last_host_node)
+        if self.stats is not None:
+            self.stats.record_load(total)
+        if self._buffer_only:  # the staging is freed at the H2D ack (the controller defers it)
+            frees = []
+            x = last_host_node
+            while x is not self.root_node and x.host_value is not None:
+                frees.append(x.host_value)
+                x.host_value = None
+                x = x.parent
+            if frees:
+                self.controller.evict_host(torch.cat(frees))
+        return device_indices, last_host_node
+
+    def _no_load_back(
+        self, last_host_node: TreeNode, ancestor: TreeNode
+    ) -> tuple[torch.Tensor, TreeNode]:
+        """No load: a ``buffer_only`` staging that does not load is dropped (LRU host leaves)."""
         if self._buffer_only:
-            self._release_staging(last_host_node, loaded=device_indices.numel() > 0)
-        return device_indices, last
+            self.evict_host(self._host_chain_tokens(last_host_node))
+        return self._empty(), ancestor
 
-    def _release_staging(self, last_host_node: TreeNode, loaded: bool) -> None:
-        if not loaded:  # the staging did not load: the host-only nodes go (LRU host leaves)
-            self.evict_host(host_chain_tokens(last_host_node))
-            return
-        frees = []
-        x = last_host_node
-        while x is not self.root_node and x.host_value is not None:
-            frees.append(x.host_value)
-            x.host_value = None
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep the host copies from ``node`` up from host eviction (``host_ref``)."""
+        x = node
+        while x is not self.root_node:
+            x.host_ref += 1
             x = x.parent
-        if frees:
-            self.controller.evict_host(torch.cat(frees))  # held until the H2D ack
 
-    def check_integrity(self, request_owned: int = 0) -> None:
-        """The tree's checks (``integrity.check_tree``), and with storage its page keys
-        (``storage_hooks.check_storage_tree``)."""
-        super().check_integrity(request_owned)
-        if self.storage is not None:
-            check_storage_tree(self, self.all_nodes(), self.storage.buffer_only)
+    def release_host(self, node: TreeNode) -> None:
+        """Undo one ``protect_host(node)``."""
+        x = node
+        while x is not self.root_node:
+            x.host_ref -= 1
+            if x.host_ref == 0:
+                self._host_queue.push_if_candidate(x)
+            x = x.parent
 
-    def host_in_flight(self) -> int:
-        """Host slots outside the tree: the controller's deferred frees, buffer_only staging
-        not acked yet, and what the storage tier holds (prefetches, staging after the ack)."""
-        held = super().host_in_flight()
-        if self.storage is not None:
-            held += self.storage.host_slots_held()
-            if self.storage.buffer_only:
-                held += sum(h.numel() for h, _ in self._storage_writes.values())
-        return held
+    def ready_to_load_host_cache(self) -> int:
+        """Launch the queued loads (one H2D per layer); returns the controller's producer id.
+        A failed launch raises ``LoadBackError`` with the loads still queued."""
+        return self.controller.start_loading()
+
+    def layer_wait(self, layer_id: int) -> None:
+        """Wait for layer ``layer_id``'s load; ``LoadBackError`` when its copy failed."""
+        self.controller.layer_done_counter.wait_until(layer_id)
+
+    def loading_check(self, n: int | None = None) -> None:
+        """Complete the first ``n`` loads (``None``: the finished ones; non-blocking). A failed
+        load is undone at once when no caller locks its nodes, else ``LoadBackError`` is raised
+        after the other acks: the caller releases its locks, then ``cancel_load_back()``."""
+        failed = self._apply_load_acks(self.controller.loading_check(n))
+        if not failed:
+            return
+        self._failed_loads.update(failed)
+        try:
+            self._check_revertable(self._failed_loads)
+        except ValueError as exc:
+            raise LoadBackError(
+                "load_to_device_per_layer",
+                f"the loads of node ids {sorted(self._failed_loads)} failed while they ran; "
+                f"release the locks on their nodes, then cancel_load_back() ({exc})",
+                sorted(self._failed_loads),
+            ) from exc
+        self._revert_loads(self._failed_loads)
+        self._failed_loads.clear()
+
+    def _apply_load_acks(self, node_ids: list[int]) -> list[int]:
+        """Release the locks of the popped loads that succeeded; returns the ids of those that
+        failed (still held)."""
+        failed = []
+        for node_id in node_ids:
+            failure = self.controller.take_failure(node_id)
+            if failure is not None and node_id in self.ongoing_load_back:
+                failed.append(node_id)
+                continue
+            node = self.ongoing_load_back.pop(node_id, None)
+            self._load_ancestors.pop(node_id, None)
+            if node is not None:
+                self.dec_lock_ref(node)
+        return failed
+
+    def cancel_load_back(self) -> int:
+        """Undo every load back that did not complete (queued, or failed while it ran): its
+        nodes are host-only again and its device slots freed. Call after a ``LoadBackError``
+        once the caller's locks on those nodes are released (``ValueError``, nothing changed,
+        otherwise). Blocks until launched loads finish. Single rank only. Returns the tokens."""
+        c = self.controller
+        if self.group.size > 1:
+            raise RuntimeError("cancel_load_back: a failed copy is not agreed across TP ranks")
+        c.wait_loads()
+        failed = [nid for ack in c.ack_load_queue if ack_error(ack) for nid in ack.node_ids]
+        queued = [op.node_id for op in c.load_queue]
+        todo = {*queued, *failed, *self._failed_loads}
+        self._check_revertable([nid for nid in todo if nid in self.ongoing_load_back])
+        self._failed_loads.update(self._apply_load_acks(c.loading_check(len(c.ack_load_queue))))
+        self._failed_loads.update(c.cancel_loads())
+        undone = self._revert_loads(self._failed_loads)
+        self._failed_loads.clear()
+        return undone
+
+    def _load_chain(self, node_id: int) -> list[TreeNode]:
+        """The nodes a load writes, deepest first: its last node up to its device ancestor."""
+        ancestor = self._load_ancestors[node_id]
+        out = []
+        x = self.ongoing_load_back[node_id]
+        while x is not ancestor and x is not self.root_node:
+            out.append(x)
+            x = x.parent
+        return out
+
+    def _own_locks(self) -> dict[int, int]:
+        """The tree's own locks per node id: loads and write-through backups in flight."""
+        holders = list(self.ongoing_load_back.values())
+        if self.write_locks:
+            holders += list(self.ongoing_write_through.values())
+        counts: dict[int, int] = {}
+        for h in holders:
+            x: TreeNode | None = h
+            while x is not None and x is not self.root_node:
+                counts[x.id] = counts.get(x.id, 0) + 1
+                x = x.parent
+        return counts
+
+    def _check_revertable(self, node_ids: Iterable[int]) -> None:
+        """``ValueError`` naming the first node of these loads that cannot be host-only again: a
+        caller locks it, or a device-resident child outside these loads sits below it."""
+        chains = {nid: self._load_chain(nid) for nid in set(node_ids)}
+        reverted = {x.id for chain in chains.values() for x in chain}
+        own = self._own_locks()
+        for nid, chain in chains.items():
+            for x in chain:
+                if x.lock_ref != own.get(x.id, 0):
+                    raise ValueError(
+                        f"the failed load of node {nid} cannot be undone: {x!r} holds "
+                        f"{x.lock_ref - own.get(x.id, 0)} lock(s) of a caller; release the locks "
+                        "taken on the nodes init_load_back returned first"
+                    )
+                for c in x.children.values():
+                    if c.value is not None and c.id not in reverted:
+                        raise ValueError(
+                            f"the failed load of node {nid} cannot be undone: {c!r} below it is "
+                            "device-resident (KV computed on the loaded prefix)"
+                        )
+
+    def _revert_loads(self, node_ids: Iterable[int]) -> int:
+        """Make the nodes of these loads (dropped from the controller) host-only again, deepest
+        load first; returns the tokens reverted."""
+        ids = [nid for nid in node_ids if nid in self.ongoing_load_back]
+        depth = {nid: self._depth(self.ongoing_load_back[nid]) for nid in ids}
+        frees: list[torch.Tensor] = []
+        total = 0
+        for nid in sorted(ids, key=lambda i: -depth[i]):
+            chain = self._load_chain(nid)
+            ancestor = self._load_ancestors.pop(nid)
+            self.dec_lock_ref(self.ongoing_load_back.pop(nid))
+            for x in chain:  # deepest first: each is a device leaf when it is reverted
+                n = len(x.value)
+                frees.append(x.value)
+                self._add_device_tokens(x, -n)
+                x.value = None
+                x.parent.device_children -= 1
+                self._host_queue.push_if_candidate(x)
+                total += n
+            if ancestor is not self.root_node:
+                self._device_queue.push_if_candidate(ancestor)
+            logger.warning("load back of node %d undone: %d nodes host-only again", nid, len(chain))
+        self._free_device(frees)
+        if self.stats is not None and total:
+            self.stats.record_load(-total)  # counted at init_load_back; never arrived
+        return total
+
+    def _depth(self, x: TreeNode) -> int:
+        d = 0
+        while x is not self.root_node and x.parent is not None:
+            d += 1
+            x = x.parent
+        return d
 
     # ------------------------------------------------------------------ device eviction
 
-    # Slot ownership during evict: an unlocked device leaf either keeps its KV on the host
-    # (backed up: device slots go back to the allocator, host slots stay with the node) or loses
-    # it (deleted: device slots, and host slots of any host-only descendants, go back). Under
-    # write_back a leaf that is not backed up first gets host slots and a D2H copy; its device
-    # slots are freed only after that copy's ack, so no slot is free while a copy reads it.
-    # Device slots are given back in one call at the end.
+    # An unlocked device leaf that is backed up keeps only its host copy; one that is not is
+    # deleted (write_through*) or, under write_back, backed up and freed after that copy's ack.
+    # Device slots go back in one call at the end.
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device tokens (LRU unlocked leaves), or all evictable.
-        Returns the device tokens freed. O(k log n) for k leaves; blocks only under write_back,
-        on the backups it launched."""
+        """Free at least ``num_tokens`` device tokens (LRU unlocked leaves), or all evictable;
+        returns the tokens freed. Blocks only under write_back, on the backups it launched."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        run = DeviceEviction(self)
+        run = _EvictionRun()
         try:
             while run.freed < num_tokens:
-                x = run.next_leaf()
+                x = self._next_leaf(run)
                 if x is None:
                     if not run.host_bound:
                         break
-                    run.finish_host_bound()  # parents of the backed-up leaves may be leaves now
+                    self._finish_host_bound(run)  # their parents may be leaves now
                     continue
-                run.evict_one(x)
-            run.finish_host_bound()
+                self._evict_leaf(run, x)
+            self._finish_host_bound(run)
         finally:
-            run.give_back()
+            for x in run.kept.values():
+                self._device_queue.push_if_candidate(x)
+            self._free_device(run.frees)
         return run.freed
+
+    def _next_leaf(self, run: _EvictionRun) -> TreeNode | None:
+        """The run's least recently used device leaf: the tree's queue or ``run.parents``."""
+        queue = self._device_queue
+        x = queue.peek()
+        while x is not None and (x.id in run.host_bound or x.id in run.kept):
+            queue.pop()  # a host-bound node is no candidate until its backup is done
+            x = queue.peek()
+        parents = run.parents
+        while parents and not self._parent_ready(run, parents[0][2]):
+            heapq.heappop(parents)
+        if parents and (x is None or (parents[0][0], parents[0][1]) < (x.last_access_time, x.id)):
+            return heapq.heappop(parents)[2]
+        return queue.pop() if x is not None else None
+
+    def _parent_ready(self, run: _EvictionRun, x: TreeNode) -> bool:
+        return (
+            x.parent is not None
+            and x.value is not None
+            and x.lock_ref == 0
+            and x.device_children == run.host_bound_children.get(x.id, 0)
+            and x.id not in run.host_bound
+            and x.id not in run.kept
+        )
+
+    def _evict_leaf(self, run: _EvictionRun, x: TreeNode) -> None:
+        if x.backuped:
+            if x.device_children:  # its children are host-bound: it follows them to the host
+                self._add_host_bound(run, x)
+            else:
+                run.freed += self._evict_backuped(x, run.frees)
+            return
+        if self.write_policy == "write_back":
+            ok = self.write_backup(x, write_back=True)
+            if not ok and run.backups:
+                # Host full of this run's own backups: finish them (older leaves become
+                # host-only and host-evictable), then retry, so LRU order holds on the host.
+                self._finish_host_bound(run)
+                ok = x.parent is not None and self.write_backup(x, write_back=True)
+            if ok:
+                run.backups.append(x.id)
+                self._add_host_bound(run, x)
+                return
+        if self._droppable(x) and x.parent is not None:
+            run.freed += self._evict_regular(x, run.frees)
+
+    def _add_host_bound(self, run: _EvictionRun, x: TreeNode) -> None:
+        run.host_bound[x.id] = x
+        run.freed += len(x.value)
+        parent = x.parent
+        if parent is self.root_node:
+            return
+        count = run.host_bound_children.get(parent.id, 0) + 1
+        run.host_bound_children[parent.id] = count
+        if count == parent.device_children and parent.lock_ref == 0:
+            heapq.heappush(run.parents, (parent.last_access_time, parent.id, parent))
+
+    def _finish_host_bound(self, run: _EvictionRun) -> None:
+        """Wait for the run's backups, ack them, and move every host-bound node to the host; a
+        node whose backup failed is deleted when it may be, else kept on the device."""
+        if not run.host_bound:
+            return
+        if run.backups:
+            self.controller.wait_write(run.backups)
+            for node_id in run.backups:
+                self._ack_write(node_id)
+        for x in run.host_bound.values():  # children before parents
+            if x.device_children == 0 and x.backuped:
+                self._evict_backuped(x, run.frees)
+            elif x.device_children == 0 and self._droppable(x) and x.parent is not None:
+                self._evict_regular(x, run.frees)
+            else:
+                run.freed -= len(x.value)
+                run.kept[x.id] = x
+        run.host_bound = {}
+        run.backups = []
+        run.host_bound_children.clear()
 
     def _droppable(self, node: TreeNode) -> bool:
         """A device leaf may be deleted with its host-only subtree unless a host copy below it is
-        protected or a child is still device-resident (a write-back copy in this evict)."""
+        protected or a child is still device-resident."""
         return node.host_ref == 0 and node.device_children == 0
 
     def _evict_backuped(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
@@ -311,18 +636,14 @@ class HiRadixCache(HiRadixTransfers):
         frees.append(node.value)
         self.evictable_size_ -= n
         node.value = None
-        parent = node.parent
-        parent.device_children -= 1
-        if parent is not self.root_node:
-            self._device_queue.push_if_candidate(parent)
+        self._drop_device_child(node.parent)
         self._host_queue.push_if_candidate(node)
         if self.stats is not None:
             self.stats.record_evict_device(n)
         return n
 
     def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
-        """Delete a device leaf that has no host copy (KV lost), with its host-only subtree
-        (whose host slots go back at once)."""
+        """Delete a device leaf without a host copy (KV lost) with its host-only subtree."""
         n = len(node.value)
         frees.append(node.value)
         self.evictable_size_ -= n
@@ -340,39 +661,28 @@ class HiRadixCache(HiRadixTransfers):
         self._free_host(host_frees)
         parent = node.parent
         self._delete_leaf(node)
-        parent.device_children -= 1
-        if parent is not self.root_node:
-            self._device_queue.push_if_candidate(parent)
+        self._drop_device_child(parent)
         if self.stats is not None:
             self.stats.record_evict_device(n)
         return n
 
+    def _free_device(self, frees: list[torch.Tensor]) -> None:
+        """Give device slots that left the tree back to the controller, in one call."""
+        if frees:
+            slots = frees[0] if len(frees) == 1 else torch.cat(frees)
+            self.controller.evict_device(slots)
+            self._disown(slots)
+
     # ------------------------------------------------------------------ host eviction
 
-    # Slot ownership during evict_host: only host-only leaves lose their host slots (and their
-    # node); the host copy of a device-resident node is a mirror and is never freed alone.
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens from host-only, unprotected leaves in LRU
-        order, or as many as there are. Returns the host tokens freed. O(k log n) for k leaves;
-        never blocks."""
+        order (a device node's host copy is a mirror, never freed alone); returns the tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        queue = self._host_queue
-        root = self.root_node
-        freed = 0
-        frees: list[torch.Tensor] = []
-        while freed < num_tokens:
-            x = queue.pop()
-            if x is None:
-                break
-            parent = x.parent
-            frees.append(x.host_value)
-            freed += len(x.host_value)
-            self._delete_leaf(x)
-            if parent is not root:
-                queue.push_if_candidate(parent)
-        self._free_host(frees)
-        return freed
+        taken = self._pop_leaves(self._host_queue, num_tokens, device=False)
+        self._free_host([x.host_value for x, _ in taken])
+        return sum(len(x.host_value) for x, _ in taken)
 
     def _free_host(self, slots: list[torch.Tensor]) -> None:
         """Give host slots of deleted nodes back to the controller, in one call."""
@@ -382,3 +692,101 @@ class HiRadixCache(HiRadixTransfers):
         self.controller.evict_host(host)
         if self.stats is not None:
             self.stats.record_evict_host(host.numel())
+
+    # ------------------------------------------------------------------ L3 storage
+
+    def _assign_hashes(self, node: TreeNode) -> None:
+        """SGLang's ``compute_node_hash_values``: page keys chained from the parent's last."""
+        parent = node.parent
+        prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
+        node.hash_value = page_hashes(np.frombuffer(node.tokens, np.int64), self.page_size, prior)
+
+    def insert_host(
+        self, anchor: TreeNode, key: list[int], host_indices: torch.Tensor, hashes: list[str]
+    ) -> int:
+        """SGLang's ``insert_host``: pages fetched from storage (``key``, whole pages right after
+        ``anchor``) enter as one host-only node below what is already there, taking a clone of
+        ``host_indices[returned:]``. Returns the tokens already in the tree (their slots stay
+        the caller's). ``ValueError``, nothing changed, for mismatched lengths."""
+        ps = self.page_size
+        if len(key) % ps or len(key) != host_indices.numel() or len(hashes) != len(key) // ps:
+            raise ValueError(
+                f"insert_host: {len(key)} tokens, {host_indices.numel()} host slots and "
+                f"{len(hashes)} keys do not describe the same whole pages of {ps}"
+            )
+        if anchor.parent is None and anchor.tokens:
+            raise ValueError(f"insert_host: anchor {anchor!r} is not in the tree")
+        kb = key_bytes(key)
+        now = self._tick()
+        pb = self.page_bytes
+        node, off, end = anchor, 0, len(kb)
+        while off < end:  # the walk of insert: stamp each node, split the last one
+            child = node.children.get(kb[off : off + pb])
+            if child is None:
+                break
+            node = descend(child, kb, off, end, now, pb)
+            off += len(node.tokens)
+        i = off // TOKEN_BYTES
+        if off < end:
+            new = TreeNode(kb[off:], node, None, now)
+            new.host_value = host_indices[i:].clone()
+            new.hash_value = list(hashes[i // ps :])
+            node.children[kb[off : off + pb]] = new
+            self._host_queue.push_if_candidate(new)
+        return i
+
+    def _host_chain_tokens(self, last_host_node: TreeNode) -> int:
+        """Tokens of the host-only nodes ending at ``last_host_node``."""
+        n, x = 0, last_host_node
+        while x.parent is not None and x.value is None:
+            n += x.num_tokens
+            x = x.parent
+        return n
+
+    # ------------------------------------------------------------------ integrity
+
+    def check_integrity(self, request_owned: int = 0) -> None:
+        """``RadixCache.check_integrity``; with storage, every node also carries one key per page
+        chained from its parent's, and no ``buffer_only`` node keeps a host copy."""
+        super().check_integrity(request_owned)
+        if self.storage is None:
+            return
+        ps = self.page_size
+        for x in self.all_nodes():
+            if x.hash_value is None or len(x.hash_value) != x.num_tokens // ps:
+                raise AssertionError(f"storage: {x!r} lacks one page key per page")
+            parent = x.parent
+            prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
+            first = np.frombuffer(x.tokens[: ps * TOKEN_BYTES], np.int64)
+            if page_hashes(first, ps, prior)[0] != x.hash_value[0]:
+                raise AssertionError(f"storage: {x!r}'s first key does not continue its parent's")
+            if self.storage.buffer_only and x.host_value is not None:
+                raise AssertionError(f"storage: buffer_only, yet {x!r} keeps a host copy")
+
+    def unacked_write_host_slots(self) -> torch.Tensor:
+        """Host slots of backups not yet acked (int64, CPU)."""
+        if not self._unacked_write_slots:
+            return torch.empty((0,), dtype=torch.int64)
+        return torch.cat([s.cpu() for s in self._unacked_write_slots.values()])
+
+    def loading_nodes(self) -> list[TreeNode]:
+        """Nodes whose device slots an H2D load is still writing."""
+        return [x for node_id in self.ongoing_load_back for x in self._load_chain(node_id)]
+
+    def device_in_flight(self) -> int:
+        """Device slots held by the controller outside the tree (e.g. deferred frees)."""
+        return self.controller.device_in_flight()
+
+    def staged_write_tokens(self) -> int:
+        """Host slots of ``buffer_only`` backups staged for storage and not yet handed over."""
+        return sum(h.numel() for h, _ in self._storage_writes.values())
+
+    def host_in_flight(self) -> int:
+        """Host slots outside the tree: the controller's deferred frees, unacked
+        ``buffer_only`` staging, and what the storage tier holds."""
+        held = self.controller.host_in_flight()
+        if self.storage is not None:
+            held += self.storage.host_slots_held()
+            if self.storage.buffer_only:
+                held += self.staged_write_tokens()
+        return held

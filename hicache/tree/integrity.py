@@ -1,31 +1,12 @@
 """Structural and accounting checks of a radix tree and the pools it indexes.
 
 ``check_tree(tree, request_owned)`` raises ``AssertionError`` naming the first broken invariant:
-
-- every node: key non-empty and page-aligned, reachable from its parent under its first page;
-  ``value`` / ``host_value`` (when present) int64 of the key's length;
-- lock and host refs never negative; a node's count is at least the sum of its children's
-  (path counts); a locked node is device-resident;
-- every evicted node is backed up, and its children are evicted too (device-resident nodes form
-  a prefix of every root-to-leaf path); ``device_children`` equals the device-resident children;
-- every eviction candidate of a tier (``eviction.is_device_candidate`` / ``is_host_candidate``)
-  holds exactly one entry in that tier's queue, no entry is later than its node's access time,
-  and no node is in a queue twice (eviction may pop without walking the tree);
-- ``evictable_size + protected_size`` equals the device tokens in the tree, split by lock state;
-- no device slot and no host slot appears twice in the tree; every one is allocated; the
-  tree's map of owned device pages (``_owned_pages``) names exactly its nodes' pages;
-- device ledger: free + freed in an open free group + in tree + request-owned + in flight ==
-  total; host ledger: free + in tree + in flight == total (HiRadixCache);
-- a host copy whose D2H write has not been acked belongs to a device-resident node (it is not
-  matchable as a host hit), and every node waiting for a write or a load ack is still in the tree.
-
-plus the allocators' own checks and, with a host tier, the controller's (no slot a launched or
-queued copy reads or writes is free).
-
-Cost: O(tree size) tensor work; meant for tests and idle-time checks, not the hot path.
-
-The tree is seen through :class:`TreeView` (and :class:`HiTreeView` for the host tier's part):
-the trees import this module, never the other way round.
+node shape and reachability, path counts, device-resident nodes forming a prefix of every path,
+each tier's queue holding exactly its candidates, the size counters, no slot owned twice, both
+ledgers (free + in tree + request-owned + in flight == total), and unacked copies neither
+matchable nor detached; plus the allocators' and the controller's own checks. O(tree size): for
+tests and idle-time checks. The trees import this module and are seen through ``TreeView`` /
+``HiTreeView`` (public members only).
 """
 
 from __future__ import annotations
@@ -49,12 +30,11 @@ class TreeView(Protocol):
     allocator: Any  # TokenToKVPoolAllocator, or None for a simulated tree
     evictable_size_: int
     protected_size_: int
+    owned_pages: torch.Tensor | None
 
     def all_nodes(self) -> list[TreeNode]: ...
 
-    def _child_key(self, tokens: bytes, start: int = 0) -> bytes: ...
-
-    def _queues(self) -> tuple[LRUQueue, ...]: ...
+    def eviction_queues(self) -> tuple[LRUQueue, ...]: ...
 
 
 class HiTreeView(TreeView, Protocol):
@@ -82,7 +62,7 @@ def _check_node(tree: TreeView, x: TreeNode) -> None:
     n = x.num_tokens
     if not n or n % ps or len(x.tokens) % TOKEN_BYTES:
         _fail(f"{x!r} key length {n} is empty or not a multiple of page_size {ps}")
-    if x.parent is None or x.parent.children.get(tree._child_key(x.tokens)) is not x:
+    if x.parent is None or x.parent.children.get(x.tokens[: ps * TOKEN_BYTES]) is not x:
         _fail(f"{x!r} is not reachable from its parent under its first page")
     for name in ("value", "host_value"):
         v = getattr(x, name)
@@ -182,7 +162,7 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
 
 
 def _check_owned_pages(tree: TreeView, device_slots: list[torch.Tensor]) -> None:
-    owned = getattr(tree, "_owned_pages", None)
+    owned = tree.owned_pages
     if owned is None:
         return
     ps = tree.page_size
@@ -195,7 +175,7 @@ def _check_owned_pages(tree: TreeView, device_slots: list[torch.Tensor]) -> None
 
 def _check_queues(tree: TreeView, nodes: list[TreeNode]) -> None:
     """Each tier's candidates are all queued once, with entries no later than their nodes."""
-    for queue in tree._queues():
+    for queue in tree.eviction_queues():
         seen: set[int] = set()
         for t, node_id, x in queue.heap:
             if node_id in seen:

@@ -1,32 +1,19 @@
-"""Token keys as the radix tree stores and compares them: packed int64 bytes, whole pages.
+"""Token keys as the radix tree stores and compares them: packed native int64 bytes.
 
-A key (a caller's token ids) becomes one ``bytes`` object of native int64s, 8 bytes a token
-(``key_bytes``); every node stores its edge the same way (``TreeNode.tokens``). A walk then costs
-C-level byte work per node and no Python work per token:
-
-- a node's children are keyed by their first page's bytes (``page_size * 8`` bytes; page 1: one
-  token), so a lookup hashes one short bytes object;
-- a node whose whole edge matches is confirmed by ``key.startswith(node.tokens, offset)`` (one
-  ``memcmp``, no slice); only the last node of a walk, where the key diverges or ends inside the
-  edge, needs the common prefix (``match_bytes``: one numpy comparison).
-
-``key_bytes`` takes what a scheduler holds: ``array('q')`` (SGLang 0.5.23 keeps token ids in one:
-``.tobytes()`` is a copy of the buffer), a list of ints (SGLang's Python ``RadixCache`` tests, this
-project's executor: one ``struct.pack``, about a list comparison's cost per token), a 1-D
-integer tensor or numpy array, or any other sequence of ints. Nothing here knows the tree.
+A caller's token ids (``array('q')``, a list, a 1-D integer tensor or array) become one ``bytes``
+object, 8 bytes a token (``key_bytes``), as every node stores its edge. A walk then costs one
+dict lookup by first page and one ``memcmp`` per node, no Python work per token; only the node
+where the key diverges needs the common prefix (``match_bytes``). Nothing here knows the tree.
 """
 
 from __future__ import annotations
 
-import logging
 import struct
 from array import array
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 8  # one int64 token id
 
@@ -38,10 +25,8 @@ def _not_token_ids(exc: Exception) -> ValueError:
 
 
 def key_bytes(key: Sequence[int] | torch.Tensor | array | np.ndarray) -> bytes:
-    """``key``'s token ids as native int64 bytes (8 per token); the caller's object is never
-    changed. ``ValueError`` for a string, a tensor or array that is not 1-D or not of an integer
-    dtype, or items that are not int64 token ids. Cost: a buffer copy for ``array('q')``; for a
-    list one ``struct.pack`` (about what comparing two lists of the same length costs)."""
+    """``key``'s token ids as native int64 bytes; ``ValueError`` for a string, a tensor or
+    array that is not 1-D integer, or items that are not int64 token ids."""
     kind = type(key)
     if kind is array:
         if key.typecode == "q":
@@ -73,9 +58,8 @@ def key_bytes(key: Sequence[int] | torch.Tensor | array | np.ndarray) -> bytes:
 
 
 def list_bytes(key: list[int], start: int, stop: int) -> bytes:
-    """``key[start:stop]`` (a list of ints) as native int64 bytes; ``ValueError`` for items that
-    are not int64 token ids. ``match_prefix`` reads a list key's first page this way before it
-    converts the rest, so a miss on a long key converts one page."""
+    """``key[start:stop]`` (a list of ints) as native int64 bytes (``match_prefix`` reads a
+    first page this way, so a miss converts one page)."""
     try:  # struct converts a list of ints faster than array() or numpy do (~1 compare each)
         if start == 0 and stop == len(key):
             return struct.pack(f"{stop}q", *key)  # no slice: the whole key, as insert needs it
@@ -90,9 +74,8 @@ def token_list(tokens: bytes) -> list[int]:
 
 
 def match_bytes(tokens: bytes, key: bytes, start: int, end: int, page_bytes: int) -> int:
-    """Bytes of the longest common prefix of ``tokens`` and ``key[start:end]``, in whole pages
-    (a multiple of ``page_bytes``). One ``memcmp`` when the shorter one is a prefix of the
-    other, else one numpy comparison of the overlap (the walk's last node only)."""
+    """Bytes of the longest common prefix of ``tokens`` and ``key[start:end]``, in whole
+    pages: one ``memcmp``, else one numpy comparison of the overlap."""
     n = min(len(tokens), end - start)
     if key.startswith(tokens if n == len(tokens) else tokens[:n], start):
         return n

@@ -1,36 +1,21 @@
 """LRU order of a radix tree's eviction candidates, one queue per tier.
 
-A tree keeps one ``LRUQueue`` of device-eviction candidates (device-resident, unlocked nodes with
-no device-resident child) and, with a host tier, one of host-eviction candidates (host-only,
-childless nodes that no load protects). Evicting ``k`` nodes pops ``k`` entries: O(k log n),
-never a walk of the tree.
-
-The queue is a heap of ``(last_access_time, node id, node)`` with lazy maintenance, so the tree
-only has to say when a node *may have become* a candidate (``push``):
-
-- a node is in the heap at most once (bit ``mask`` of ``node.queued``), so pushes are idempotent;
-- a node that stopped being a candidate (locked, extended by a child, loaded, deleted) keeps its
-  entry until it reaches the top, where ``pop`` drops it;
-- touching a node (a match or an insert through it) only writes ``last_access_time``: an entry
-  older than its node's time is pushed again with the new time when it reaches the top.
-
-Access times only grow, so an entry's key is never later than its node's: the first entry whose
-key is current and whose node is a candidate is the least recently used candidate. Ties are
-broken by node id (older node first). Deleted nodes (``parent is None``) are never candidates;
-``compact`` drops their entries when they outnumber the live ones.
+A heap of ``(last_access_time, node id, node)`` kept lazily: the tree pushes a node whenever it
+*may have become* a candidate; a node holds at most one entry per queue (its bit in
+``node.queued``); an entry whose node stopped being a candidate is dropped when it reaches the
+top, and one older than its node's access time is pushed again with the new time. Access times
+only grow, so the first current entry of a candidate is the least recently used candidate (ties:
+older node first). Evicting k nodes pops k entries, O(k log n).
 """
 
 from __future__ import annotations
 
 import heapq
-import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hicache.tree.node import TreeNode
-
-logger = logging.getLogger(__name__)
 
 DEVICE = 1  # ``TreeNode.queued`` bit of the device queue
 HOST = 2  # ... and of the host queue
@@ -49,11 +34,9 @@ def is_host_candidate(x: TreeNode) -> bool:
 
 
 class LRUQueue:
-    """Candidates of one tier's eviction, least recently used first (see the module doc).
-
-    ``is_candidate(node)`` is the tier's test, O(1); ``mask`` its bit in ``TreeNode.queued``.
-    Nothing here frees anything: the tree pops a node and decides what to do with it.
-    """
+    """Candidates of one tier's eviction, least recently used first. ``is_candidate`` is the
+    tier's O(1) test, ``mask`` its bit in ``TreeNode.queued``; the tree decides what a popped
+    node loses."""
 
     __slots__ = ("heap", "mask", "is_candidate")
 

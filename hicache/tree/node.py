@@ -1,17 +1,13 @@
 """Radix tree nodes, match results, one step of the walk, the split, and insert's argument check.
 
-``TreeNode`` is one edge of the tree: its tokens (packed int64 bytes, ``keys.py``), its device
-and host slots and the path counts that protect them; the node fields a host tier needs
-(``host_value``, ``host_ref``) live here too, so ``RadixCache`` and ``HiRadixCache`` share one node
-type and one walk (``descend`` is one node of it). ``split_node`` cuts an edge in two (both
-tiers' slots follow their tokens; no accounting changes). ``MatchResult`` is what
-``match_prefix`` returns. Nothing here owns slots or knows the pools.
+``TreeNode`` is one edge; it carries the host tier's fields too, so ``RadixCache`` and
+``HiRadixCache`` share one node type and one walk (``descend``). A split keeps both tiers' slots
+and page keys with their tokens and changes no accounting. Nothing here owns slots.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -19,30 +15,12 @@ import torch
 
 from hicache.tree.keys import TOKEN_BYTES, key_bytes, match_bytes, token_list
 
-logger = logging.getLogger(__name__)
-
 
 class TreeNode:
-    """One edge of the radix tree.
-
-    ``tokens``: token ids of the edge as native int64 bytes (8 per token; a multiple of
-    ``page_size`` tokens, never empty except root); ``key`` reads them as a list.
-    ``value``: device slots, int64 ``[len(key)]``, or ``None`` when evicted to the host.
-    ``host_value``: host slots, int64 ``[len(key)]`` on CPU, or ``None`` when not backed up.
-    ``lock_ref``: number of locks held on this node or any descendant (path count, as SGLang).
-    ``host_ref``: same path count for host protection (a host copy that must not be freed).
-    ``hit_count``: inserts that created or touched the node; grows only in ``insert``.
-    ``last_access_time``: logical clock of the last match or insert through the node (LRU key).
-    ``device_children``: children that are device-resident (kept by the tree; O(1) leaf test).
-    ``queued``: bit set of the eviction queues (``lru_queues.LRUQueue``) holding an entry for it.
-    ``hash_value``: the L3 storage key of each page of the edge (``hicache.storage.hash_keys``,
-    SGLang's field), ``None`` when no storage tier is attached; kept page-aligned by splits.
-    ``children``: child nodes by the bytes of their first page.
-
-    Built in two places only, both with every field in one call: ``RadixCache.insert`` (a new
-    leaf) and ``split_node``; a per-node field a tier adds (an optional one defaulting to
-    ``None``) goes into ``__slots__`` and ``__init__`` and costs one store per new node.
-    """
+    """One edge of the radix tree: ``tokens`` (packed, whole pages), device slots ``value`` and
+    host slots ``host_value`` (``None`` when absent), path counts ``lock_ref`` / ``host_ref``,
+    ``device_children`` (O(1) leaf test), ``queued`` (bits of the queues holding it),
+    ``hash_value`` (one L3 key per page, with storage) and ``children`` by first page."""
 
     __slots__ = (
         "id",
@@ -109,14 +87,9 @@ class TreeNode:
 
 
 class MatchResult(NamedTuple):
-    """Result of ``match_prefix``.
-
-    ``device_indices``: int64 ``[n]`` device slots of the device-resident matched prefix.
-    ``last_device_node``: deepest matched node whose KV is on the device (root when none).
-    ``last_host_node``: deepest matched node (device or host); equals ``last_device_node`` when
-    nothing past the device prefix was matched.
-    ``host_hit_length``: tokens matched past the device prefix, held on the host only.
-    """
+    """``match_prefix``'s result: the device slots of the matched device prefix, its last
+    node (root when none), the deepest matched node of either tier, and the tokens matched past
+    the device prefix (host only)."""
 
     device_indices: torch.Tensor
     last_device_node: TreeNode
@@ -125,12 +98,10 @@ class MatchResult(NamedTuple):
 
 
 def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
-    """Split ``child`` into ``new -> child`` with ``new`` holding the first ``split`` bytes of
-    its tokens (whole pages) and the slots of both tiers under them. Lock and host refs are path
-    counts, so ``new`` inherits them, and so does its access time (callers stamp ``child``
-    first: SGLang refreshes the whole node, then splits) and its hit count. ``child`` keeps its
-    place in the eviction queues; ``new`` has a child, so it is no leaf of either tier and needs
-    none. ``new`` takes ``child``'s entry in the parent's children (same first page)."""
+    """Split ``child`` into ``new -> child``, ``new`` holding the first ``split`` bytes (whole
+    pages) with both tiers' slots under them. ``new`` inherits the path counts, access time and
+    hit count and takes ``child``'s entry in the parent; having a child, it needs no queue
+    entry."""
     n = split // TOKEN_BYTES
     tokens = child.tokens
     parent = child.parent
@@ -159,13 +130,9 @@ def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
 def descend(
     child: TreeNode, key: bytes, start: int, end: int, now: int, page_bytes: int
 ) -> TreeNode:
-    """One node of a walk: ``child`` was found under the page of ``key`` (packed bytes) at
-    ``start``; stamp it with ``now`` and match as much of ``key[start:end]`` as it holds
-    (whole pages, at least the first). Returns the node covering exactly the match: ``child``
-    itself when all of it matched, else the upper half of its split (refreshed before the split,
-    as SGLang does, so both halves carry ``now``); the match is ``len(returned.tokens)`` bytes.
-    ``key`` must hold ``min(end, start + len(child.tokens))`` bytes at least. One ``memcmp``
-    when the whole edge matches; nothing allocated then."""
+    """One node of a walk: stamp ``child`` (found under ``key``'s page at ``start``) with
+    ``now`` and return the node covering exactly the match of ``key[start:end]``: ``child``, or
+    the upper half of its split (both halves stamped, as SGLang)."""
     tokens = child.tokens
     child.last_access_time = now
     if start + len(tokens) <= end and key.startswith(tokens, start):
@@ -180,10 +147,9 @@ def check_insert_args(
     page_size: int,
     simulated: bool,
 ) -> tuple[bytes, torch.Tensor]:
-    """``(key bytes, value)`` cut to whole pages after checking ``insert``'s arguments (SGLang
-    ``RadixKey.page_aligned``): ``value`` a 1-D int64 tensor on ``device``'s type with one slot
-    per token of ``key``. ``value=None`` only in a simulated tree (no allocator), where the
-    token ids stand in for slots as in SGLang's test fallback. ``ValueError`` otherwise."""
+    """``(key bytes, value)`` cut to whole pages (SGLang ``RadixKey.page_aligned``) after
+    checking ``value`` is 1-D int64 on ``device``'s type, one slot a token; ``None`` only in a
+    simulated tree (token ids stand in for slots). ``ValueError`` otherwise."""
     kb = key_bytes(key)
     n = len(kb) // TOKEN_BYTES
     if value is None:

@@ -1,22 +1,16 @@
 """Device-only radix tree over token ids (SGLang ``RadixCache``), page-aligned.
 
-Each node owns the device slots (``value``: 1-D int64 tensor on the pool's device) of the
-tokens on its edge (``key``). The tree never knows requests: a request owns slots until it
-``insert``s them, after which the tree owns every slot of the newly created nodes and the caller
-frees its duplicates of the prefix that was already present.
-
-This file owns the tree's walk (match, split, insert), its locks, its device accounting and the
-queue of device-eviction candidates it keeps up to date on every change (``lru_queues.LRUQueue``:
-evicting k leaves pops k entries, no tree walk). ``TreeNode``, ``MatchResult`` and the key
-helpers live in ``node.py``. ``HiRadixCache`` (``hiradix_cache.py``)
-extends this with a host tier; the node fields it needs (``host_value``, ``host_ref``) are on
-the shared ``TreeNode`` so both trees share one node type and one walk.
+Owns the walk (match, split, insert), the locks, the device accounting and the device queue of
+eviction candidates, kept current on every change so that evicting k leaves pops k entries.
+Invariant: each node owns the device slots of its edge; a request owns its slots until it
+``insert``s them, after which the tree owns the new nodes' slots and the caller frees its
+duplicates of the prefix already present. ``HiRadixCache`` adds the host tier on the same
+``TreeNode``.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,22 +25,13 @@ from kernels.ops.checks import content_checks
 if TYPE_CHECKING:
     from hicache.memory.allocator import TokenToKVPoolAllocator
 
-logger = logging.getLogger(__name__)
-
 
 class RadixCache:
     """Device-only prefix cache with LRU eviction of unlocked leaves.
 
-    Args:
-        allocator: the device slot allocator (``alloc``/``free``/``available_size``); the tree
-            frees slots of evicted nodes into it. ``None`` makes a simulated tree (SGLang's
-            ``RadixCache.create_simulated``): ``insert`` may omit ``value`` (token ids stand in
-            for slots) and eviction frees nothing.
-        page_size: tokens per page; every stored key is a whole number of pages. Must be the
-            allocator's page size.
-        device: device of the slot tensors (defaults to the allocator's, CPU when simulated).
-
-    Nothing here blocks; all calls are host-side bookkeeping on the scheduler thread.
+    ``allocator=None`` makes a simulated tree (SGLang's ``RadixCache.create_simulated``):
+    ``insert`` may omit ``value`` (token ids stand in for slots) and eviction frees nothing.
+    ``page_size`` must be the allocator's; ``device`` defaults to the allocator's.
     """
 
     def __init__(
@@ -87,23 +72,19 @@ class RadixCache:
         self._empty_match = MatchResult(self._empty_indices, self.root_node, self.root_node, 0)
         # Pages whose device slots a node owns (insert checks new slots against it in O(slots)).
         pages = getattr(self.allocator, "page_table_size", None)
-        self._owned_pages = (
+        self.owned_pages = (
             None if pages is None else torch.zeros(pages, dtype=torch.bool, device=self.device)
         )
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
-    def _queues(self) -> tuple[LRUQueue, ...]:
+    def eviction_queues(self) -> tuple[LRUQueue, ...]:
+        """One LRU queue of eviction candidates per tier."""
         return (self._device_queue,)
 
     def _tick(self) -> int:
         return next(self._clock)
-
-    def _child_key(self, tokens: bytes, start: int = 0) -> bytes:
-        """The ``children`` entry of the edge that starts ``start`` bytes into ``tokens``: the
-        bytes of its first page."""
-        return tokens[start : start + self.page_bytes]
 
     def evictable_size(self) -> int:
         """Device tokens held by the tree in unlocked nodes (free to evict)."""
@@ -119,26 +100,17 @@ class RadixCache:
 
     @property
     def backs_up_on_insert(self) -> bool:
-        """Whether ``insert`` may start a host backup of the pages it is given (so KV of a
-        request that is not finalized would reach L2). Device-only: never."""
+        """Whether ``insert`` may start a host backup of the pages it is given. Never here."""
         return False
 
     # ------------------------------------------------------------------ match
 
     def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:
-        """Longest cached prefix of ``key`` (truncated to whole pages; the key is not changed).
+        """Longest cached prefix of ``key`` in whole pages (``keys.key_bytes`` takes it).
 
-        ``key``: token ids as ``array('q')``, a list of ints, or a 1-D integer tensor
-        (``keys.key_bytes``). Splits a node when the match ends inside it, so ``last_*_node``
-        covers exactly the match; the whole node is refreshed before the split (SGLang's order),
-        so both halves carry the access time. Refreshes ``last_access_time`` along the path;
-        never changes ``hit_count``. A miss returns one shared empty result (treat it as
-        read-only). ``device_indices`` is a fresh tensor (one ``torch.cat`` of the matched
-        device nodes' slots), never a view of the tree's.
-
-        Cost: a conversion of the key (a buffer copy for ``array('q')``; one ``struct.pack`` for a
-        list, after a check of its first page so that a miss converts one page), then per
-        matched node one dict lookup by first page and one ``memcmp``; no Python work per token.
+        Splits the node the match ends inside (refreshed first, as SGLang) and refreshes access
+        times along the path. A miss returns one shared empty result (read-only);
+        ``device_indices`` is a fresh tensor, never a view of the tree's.
         """
         root = self.root_node
         pb = self.page_bytes
@@ -177,33 +149,19 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    # Slot ownership during insert(key, value):
-    #   value[:returned]            already device-resident in the tree; the caller still owns
-    #                               these duplicates and frees them (those it did not get from
-    #                               match_prefix in the first place).
-    #   value[returned:aligned]     now owned by the tree: either given to evicted nodes along
-    #                               the path (HiRadixCache: recomputed KV revives host-only
-    #                               nodes) or to the new leaf. The tree stores clones, so the
-    #                               caller's tensor may be reused.
-    #   value[aligned:]             the part of a last, partial page: not inserted (SGLang cuts
-    #                               keys to whole pages); still the caller's.
-    # Device-resident nodes form a prefix of every path, so "already present" is one prefix.
+    # Slots: value[:returned] were already in the tree (the caller frees them); the rest up to
+    # the last whole page goes to the tree (as clones: revived host-only nodes or the new leaf);
+    # a partial last page stays the caller's.
     def insert(
         self,
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
     ) -> int:
-        """Insert ``key`` with device slots ``value`` (int64 ``[len(key)]``, pool device).
-
-        The key is cut to whole pages first (and ``value`` with it), as SGLang does.
-        ``value`` may be omitted only in a simulated tree (``allocator=None``).
-        ``chunked`` marks an insert of an unfinished (chunk-prefilled) request.
-        Returns the length of the prefix whose KV was already device-resident; the caller frees
-        its own slots for that prefix. Raises ``ValueError`` (state unchanged) on mismatched
-        lengths, a non-int64 value, a missing value in a tree with an allocator, or slots the
-        tree could not own (``_check_slots``).
-        """
+        """Insert ``key`` with device slots ``value`` (int64 ``[len(key)]``), both cut to whole
+        pages; ``chunked`` marks an unfinished (chunk-prefilled) request. Returns the length
+        already device-resident. ``ValueError``, state unchanged, for bad arguments or slots
+        the tree could not own."""
         kb, value = check_insert_args(
             key, value, self.device, self.page_size, self.allocator is None
         )
@@ -218,8 +176,8 @@ class RadixCache:
         node.last_access_time = now
         present = off = 0
         child = node.children.get(kb[:pb])
-        # The walk of match_prefix; each node is acted on before its children are looked up (a
-        # backup started here may evict host-only leaves below it).
+        # Each node is acted on before its children are looked up (a backup started here may
+        # evict host-only leaves below it).
         while child is not None:
             node = descend(child, kb, off, end, now, pb)
             start = off // TOKEN_BYTES
@@ -234,8 +192,7 @@ class RadixCache:
             child = node.children.get(kb[off : off + pb])
         if off < end:
             start, n = off // TOKEN_BYTES, (end - off) // TOKEN_BYTES
-            # narrow_copy: the new leaf's slots copied in one torch call (a slice and a clone
-            # are two, each costing microseconds when torch's code is cold)
+            # narrow_copy: one torch call (a slice and a clone are two)
             new = TreeNode(kb[off:] if off else kb, node, value.narrow_copy(0, start, n), now)
             node.children[kb[off : off + pb]] = new
             node.device_children += 1
@@ -246,11 +203,9 @@ class RadixCache:
         return present
 
     def _check_slots(self, kb: bytes, value: torch.Tensor) -> int:
-        """Returns where the slots the tree would take begin (the device-resident prefix of
-        ``kb``, found by a walk that changes nothing). ``ValueError`` unless every slot of
-        ``value`` is allocated (no negative or padding slot) and the slots the tree would take
-        are whole pages the allocator would take back, none already a node's. O(len(value));
-        the contents are read where ``content_checks`` allows (on CUDA: debug checks only)."""
+        """Where the slots the tree would take begin (a walk that changes nothing).
+        ``ValueError`` unless every slot is allocated and those the tree would take are whole
+        free-able pages no node owns; contents are read where ``content_checks`` allows."""
         pb = self.page_bytes
         end = len(kb)
         off = 0
@@ -278,27 +233,30 @@ class RadixCache:
                 f"value[{present}:], the slots this insert gives the tree, could not be freed "
                 f"at eviction: {e}"
             ) from e
-        owned = self._owned_pages
-        if owned is not None and bool(
-            owned[value[present:][:: self.page_size] // self.page_size].any()
-        ):
+        owned = self.owned_pages
+        if owned is not None and bool(owned[self._pages(value[present:])].any()):
             raise ValueError(
                 f"value[{present}:] holds slots owned by the tree (another node's); only the "
                 "prefix already cached may repeat the tree's slots"
             )
         return present
 
+    def _pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """The page of each whole page of ``slots``."""
+        return slots[:: self.page_size] // self.page_size
+
     def _own(self, slots: torch.Tensor) -> None:
         """The tree now owns these device slots (whole pages)."""
-        if self._owned_pages is not None and slots.numel():
-            self._owned_pages[slots[:: self.page_size] // self.page_size] = True
+        if self.owned_pages is not None and slots.numel():
+            self.owned_pages[self._pages(slots)] = True
 
     def _disown(self, slots: torch.Tensor) -> None:
         """These device slots (whole pages) left the tree."""
-        if self._owned_pages is not None and slots.numel():
-            self._owned_pages[slots[:: self.page_size] // self.page_size] = False
+        if self.owned_pages is not None and slots.numel():
+            self.owned_pages[self._pages(slots)] = False
 
     def _add_device_tokens(self, node: TreeNode, n: int) -> None:
+        """Count ``n`` device tokens of ``node`` (negative: uncount) as protected or evictable."""
         if node.lock_ref > 0:
             self.protected_size_ += n
         else:
@@ -316,9 +274,8 @@ class RadixCache:
     # ------------------------------------------------------------------ locks
 
     def _check_attached(self, node: TreeNode, arg: str = "node") -> None:
-        """``ValueError`` unless ``node`` is in this tree. Deleted nodes (and every node of a
-        deleted subtree) have ``parent is None``, so the walk up ends at this tree's root
-        exactly for attached nodes. O(depth)."""
+        """``ValueError`` unless ``node`` is in this tree (a deleted subtree's walk up ends at
+        ``parent is None``). O(depth)."""
         if not isinstance(node, TreeNode):
             raise ValueError(f"{arg} must be a TreeNode, got {type(node).__name__}")
         root = self.root_node
@@ -386,24 +343,17 @@ class RadixCache:
         """A deleted node kept a queue entry; compact the queues when such entries could be
         half of them (amortized O(1) per deletion)."""
         self._stale_entries += 1
-        if self._stale_entries > 256 and 2 * self._stale_entries > sum(
-            len(q) for q in self._queues()
-        ):
-            for q in self._queues():
+        queues = self.eviction_queues()
+        if self._stale_entries > 256 and 2 * self._stale_entries > sum(len(q) for q in queues):
+            for q in queues:
                 q.compact()
             self._stale_entries = 0
 
-    # Slot ownership during evict: every slot of an evicted leaf goes back to the allocator
-    # (one free for the whole call); locked nodes (a request, a pending backup or a pending load
-    # holds them) are never candidates. A free the allocator refuses relinks every leaf taken.
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device tokens from unlocked leaves in LRU order, or as
-        many as are evictable. Returns the tokens freed. O(k log n) for k leaves evicted.
-        When the allocator refuses the free, its ``ValueError`` propagates, tree unchanged."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        queue = self._device_queue
-        root = self.root_node
+    def _pop_leaves(
+        self, queue: LRUQueue, num_tokens: int, device: bool
+    ) -> list[tuple[TreeNode, TreeNode]]:
+        """Delete ``queue``'s LRU leaves until they held ``num_tokens`` tokens of their tier (or
+        none is left); their parents may become leaves. Returns ``(leaf, parent)`` in order."""
         freed = 0
         taken: list[tuple[TreeNode, TreeNode]] = []
         while freed < num_tokens:
@@ -411,12 +361,31 @@ class RadixCache:
             if x is None:
                 break
             parent = x.parent
-            freed += len(x.value)
+            freed += len(x.value if device else x.host_value)
             taken.append((x, parent))
             self._delete_leaf(x)
-            parent.device_children -= 1
-            if parent is not root:
+            if device:
+                self._drop_device_child(parent)
+            elif parent is not self.root_node:
                 queue.push_if_candidate(parent)
+        return taken
+
+    def _drop_device_child(self, parent: TreeNode) -> None:
+        """A child of ``parent`` left the device; ``parent`` may be a device leaf now."""
+        parent.device_children -= 1
+        if parent is not self.root_node:
+            self._device_queue.push_if_candidate(parent)
+
+    # Every slot of an evicted leaf goes back in one free; a free the allocator refuses
+    # relinks every leaf taken.
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens from unlocked leaves in LRU order, or as
+        many as are evictable; returns the tokens freed. O(k log n) for k leaves. A refused
+        free propagates its ``ValueError`` with the tree unchanged."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        taken = self._pop_leaves(self._device_queue, num_tokens, device=True)
+        freed = sum(len(x.value) for x, _ in taken)
         if taken and self.allocator is not None:
             slots = taken[0][0].value if len(taken) == 1 else torch.cat([x.value for x, _ in taken])
             try:
@@ -463,12 +432,8 @@ class RadixCache:
     # ------------------------------------------------------------------ integrity
 
     def check_integrity(self, request_owned: int = 0) -> None:
-        """Raise ``AssertionError`` when the tree, its allocators or (HiRadixCache) the controller
-        is inconsistent; see ``hicache.tree.integrity`` for the list of invariants.
-
-        ``request_owned``: device slots currently allocated by requests (not in the tree);
-        the device ledger must balance: free + in tree + request-owned + in flight == total.
-        """
+        """``AssertionError`` when the tree or its pools are inconsistent (``integrity``);
+        ``request_owned``: device slots requests hold outside the tree."""
         check_tree(self, request_owned=request_owned)
 
     def all_nodes(self) -> list[TreeNode]:

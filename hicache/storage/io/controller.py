@@ -117,7 +117,7 @@ class HiCacheStorageController:
         op = StorageOperation(
             host_indices.clone(), list(keys), prefix_keys=self._prefix_keys(node), node=node
         )
-        self.tree._protect_host(node)
+        self.tree.protect_host(node)
         self._submit_backup(op)
 
     def backup_staged(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
@@ -245,7 +245,7 @@ class HiCacheStorageController:
     def _on_backup_ack(self, op: StorageOperation) -> None:
         self.backups.pop(op.id, None)
         if op.node is not None:
-            self.tree._release_host(op.node)
+            self.tree.release_host(op.node)
         if op.staging:
             self.tree.controller.evict_host(op.host_indices)
         if not self.workers.is_storage_writer:
@@ -270,8 +270,7 @@ class HiCacheStorageController:
         return sum(op.host_indices.numel() for op in self.backups.values() if op.staging)
 
     def _write_staged_tokens(self) -> int:
-        staged = getattr(self.tree, "_storage_writes", {})
-        return self._staged_backup_slots() + sum(h.numel() for h, _ in staged.values())
+        return self._staged_backup_slots() + self.tree.staged_write_tokens()
 
     # ------------------------------------------------------------------ lifecycle
     def check_integrity(self) -> None:

@@ -45,9 +45,11 @@ class StorageTree(Protocol):
     group: TPGroup
     load_back_threshold: int
 
-    def _protect_host(self, node: Any) -> None: ...
+    def protect_host(self, node: Any) -> None: ...
 
-    def _release_host(self, node: Any) -> None: ...
+    def release_host(self, node: Any) -> None: ...
+
+    def staged_write_tokens(self) -> int: ...
 
     def evict_host(self, num_tokens: int) -> int: ...
 
@@ -144,7 +146,7 @@ class PrefetchBook:
         if self.settings.buffer_only:
             self.ongoing[handle] = _Ongoing(op, None, 0)
         else:
-            self.tree._protect_host(anchor)
+            self.tree.protect_host(anchor)
             self.occupied_tokens += len(key)
             self.ongoing[handle] = _Ongoing(op, anchor, len(key))
         self.stats.prefetch_issued += 1
@@ -197,7 +199,7 @@ class PrefetchBook:
 
     def _release_anchor(self, entry: _Ongoing) -> None:
         if entry.anchor is not None:
-            self.tree._release_host(entry.anchor)
+            self.tree.release_host(entry.anchor)
             self.occupied_tokens -= entry.reserved
 
     # ------------------------------------------------------------------ 5. acks

@@ -1,4 +1,4 @@
-"""HiRadixCache when a copy fails, in both CPU stream modes (``hicache.tree.failed_copies``).
+"""HiRadixCache when a copy fails, in both CPU stream modes (``HiRadixCache``).
 
 A failed backup leaves its node device-only, in the LRU queue and evictable as if it had never
 been backed up; a failed load back raises ``LoadBackError`` (at its launch on inline streams, at

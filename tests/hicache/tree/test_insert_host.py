@@ -1,4 +1,4 @@
-"""``storage_hooks.insert_host`` on the tree's packed-byte keys: the walk stamps and splits as
+"""``HiRadixCache.insert_host`` on the tree's packed-byte keys: the walk stamps and splits as
 ``insert`` does, the new host-only node takes the rest with its page keys, and the
 ``children`` map stays keyed by first pages."""
 
@@ -7,28 +7,45 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.builder import KVCache, build_kv_cache
 from hicache.storage.hash_keys import page_hashes
-from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
-from hicache.tree.radix_cache import RadixCache
-from hicache.tree.storage_hooks import host_chain_tokens, insert_host
+from server_args import ServerArgs
 
 
-def _tree(page_size: int) -> RadixCache:
-    tree = RadixCache(None, page_size)
-    tree._host_queue = LRUQueue(HOST, is_host_candidate)  # what insert_host needs of a host tier
-    return tree
+def _cache(page_size: int) -> KVCache:
+    args = ServerArgs(
+        device="cpu",
+        dtype="float32",
+        num_layers=1,
+        head_num=1,
+        head_dim=4,
+        max_total_tokens=16 * page_size,
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+    )
+    return build_kv_cache(args)
+
+
+def _insert(kv: KVCache, key: list[int]) -> None:
+    kv.tree.insert(key, kv.allocator.alloc(len(key)))
+
+
+def _host_slots(kv: KVCache, n: int) -> torch.Tensor:
+    return kv.controller.host_allocator.alloc(n)
 
 
 @pytest.mark.parametrize("ps", [1, 4])
 def test_insert_host_splits_the_shared_prefix_and_adds_the_rest_host_only(ps: int) -> None:
-    tree = _tree(ps)
+    kv = _cache(ps)
+    tree = kv.tree
     held = list(range(100, 100 + 3 * ps))
-    tree.insert(held)
+    _insert(kv, held)
     key = held[: 2 * ps] + list(range(500, 500 + 2 * ps))  # 2 pages held, 2 pages fetched
-    host = torch.arange(1000, 1000 + len(key))
+    host = _host_slots(kv, len(key))
     hashes = page_hashes(key, ps)
     before = tree.match_prefix(held).last_device_node.last_access_time
-    present = insert_host(tree, tree.root_node, key, host, hashes)
+    present = tree.insert_host(tree.root_node, key, host, hashes)
     assert present == 2 * ps
     upper = tree.root_node.children[torch.tensor(held[:ps]).numpy().tobytes()]
     assert upper.key == held[: 2 * ps] and upper.last_access_time > before  # split, stamped
@@ -38,15 +55,20 @@ def test_insert_host_splits_the_shared_prefix_and_adds_the_rest_host_only(ps: in
     assert torch.equal(new.host_value, host[2 * ps :])
     assert new.hash_value == hashes[2:] and new.parent is upper
     assert tree._host_queue.pop() is new
-    assert host_chain_tokens(new) == 2 * ps
+    tree._host_queue.push(new)  # back in its queue, for check_integrity
+    assert tree._host_chain_tokens(new) == 2 * ps
+    kv.controller.host_allocator.free(host[:present])  # the duplicates stay the caller's
     tree.check_integrity()
+    kv.close()
 
 
 def test_insert_host_of_pages_already_held_adds_nothing() -> None:
-    tree = _tree(2)
-    tree.insert([1, 2, 3, 4])
+    kv = _cache(2)
+    tree = kv.tree
+    _insert(kv, [1, 2, 3, 4])
     key = [1, 2, 3, 4]
-    n = insert_host(tree, tree.root_node, key, torch.arange(4), page_hashes(key, 2))
+    n = tree.insert_host(tree.root_node, key, torch.arange(4), page_hashes(key, 2))
     assert n == 4 and len(tree.all_nodes()) == 1 and len(tree._host_queue) == 0
     with pytest.raises(ValueError, match="whole pages"):
-        insert_host(tree, tree.root_node, [1, 2, 3], torch.arange(3), ["k"])
+        tree.insert_host(tree.root_node, [1, 2, 3], torch.arange(3), ["k"])
+    kv.close()
