@@ -1,4 +1,4 @@
-# Optional Mooncake set-up, included by the Makefile (also for the Mooncake Store, issue 23).
+# Optional Mooncake set-up, included by the Makefile (also for the Mooncake Store).
 #
 #   $(call mooncake_install,VENV)  the transfer engine + store wheel (CPU/TCP build) into VENV:
 #       pip-installs $(MOONCAKE_PKG) unless `import mooncake` already works there (a CUDA build the
