@@ -140,7 +140,6 @@ class DecodeReceiver:
         for target, name in ((self._tick_loop, "tick"), (self._heartbeat_loop, "heartbeat")):
             threading.Thread(target=target, name=f"decode-{name}", daemon=True).start()
 
-    # ------------------------------------------------------------------ driver commands
     def add(
         self,
         rid: str,
@@ -265,7 +264,6 @@ class DecodeReceiver:
         self.listener.close()
         self.pusher.close()
 
-    # ------------------------------------------------------------------ prefill peers
     def _peer(self, addr: str) -> PrefillPeer:
         peer = self.prefills.get(addr)
         if peer is None:
@@ -337,7 +335,6 @@ class DecodeReceiver:
         peer.registered = self.pusher.push(peer.endpoint, reg.to_frames())
         return peer.registered
 
-    # ------------------------------------------------------------------ scheduler tick
     def _tick_loop(self) -> None:
         while not self._closed.wait(self.cfg.tick_s):
             try:
@@ -412,7 +409,6 @@ class DecodeReceiver:
         if not self.pusher.push(peer.endpoint, meta.to_frames()):
             self._fail(req, f"META to prefill {peer.addr} could not be sent")
 
-    # ------------------------------------------------------------------ control messages
     def _on_message(self, frames: list[bytes]) -> None:
         msg = parse_to_decode(frames)
         with self.lock:
@@ -443,7 +439,6 @@ class DecodeReceiver:
                     self._free(req)
                     self._forget(req)
 
-    # ------------------------------------------------------------------ failure and release
     def _fail(self, req: DecodeRequest, reason: str) -> None:
         """``Failed``; pages exposed by META are held (ABORT sent) until ack or timeout."""
         if req.state in TERMINAL:
@@ -481,7 +476,6 @@ class DecodeReceiver:
         if self.by_room.get(req.room) is req:
             del self.by_room[req.room]
 
-    # ------------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.cfg.heartbeat_interval_s):
             with self.lock:
@@ -505,7 +499,6 @@ class DecodeReceiver:
                             self._fail(r, f"prefill {peer.addr} is unreachable (heartbeat)")
                     self.prefills.pop(peer.addr, None)
 
-    # ------------------------------------------------------------------ late-write detector
     def _poison(self, slots: torch.Tensor) -> None:
         for b in layer_buffers(self.pool):
             b.view(torch.uint8)[slots] = POISON
