@@ -1,17 +1,13 @@
-"""``--disaggregation-transfer-backend``: the one place that picks the decode backend behind the
-executor: ``simulated`` (default, ``prefill.disagg.simulated``, deterministic on the executor's
-clock) or ``mooncake`` (``prefill.disagg.mooncake.link``, the real transport, wall clock only)."""
+"""``--disaggregation-transfer-backend``: ``simulated`` (default, deterministic on the
+executor's clock) or ``mooncake`` (the real transport, wall clock only)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from hicache.memory.device_pool import KVPool
 from prefill.disagg.protocol import DecodeBackend
 from prefill.disagg.simulated import DecodeSide, PeerConfig
-
-logger = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("simulated", "mooncake")
 
@@ -26,11 +22,10 @@ def make_decode_backend(
     peer_config: PeerConfig | None = None,
     send_log_size: int | None = 10_000,
 ) -> DecodeBackend:
-    """The decode backend ``args.disaggregation_transfer_backend`` names, for prefill pool
-    ``pool`` and the executor's ``clock``. ``metadata_size``: the executor's metadata buffers
-    (the prefill rows the real transport registers); ``decode_pool_size``, ``peer_config``: the
-    simulation's decode pool and peer behaviour; ``keep_received``: keep what decode received
-    (the simulation) or the prompts (the real transport's links) for KV checks."""
+    """The backend ``args`` names. ``metadata_size``: the executor's metadata rows (mooncake);
+    ``decode_pool_size``, ``peer_config``: the simulation's; ``keep_received``: keep received KV
+    (simulated) or the prompts (mooncake) for KV checks."""
+
     name = getattr(args, "disaggregation_transfer_backend", "simulated")
     if name == "simulated":
         cfg = peer_config if peer_config is not None else PeerConfig.from_server_args(args)

@@ -1,9 +1,7 @@
-"""The decode-peer protocol the prefill executor talks to, whatever transport is behind it: a
-``DecodeLink`` per request (SGLang's ``KVSender``: ``poll``, ``init``, ``send``) and the
-``DecodeBackend`` behind them; the executor uses nothing else. Also ``KVPoll`` (ordered so a
-MIN over ranks is the most pessimistic), ``SendRecord``, ``MetadataRow``, the checks every
-link's ``init`` / ``send`` / ``create_peer`` make, and SGLang's environment knobs (bootstrap
-timeout, force-not-ready test hook)."""
+"""The decode-peer protocol the prefill executor talks to, whatever the transport: a
+``DecodeLink`` per request (SGLang's ``KVSender``) and the ``DecodeBackend`` behind them, the
+checks every link makes, and SGLang's environment knobs. ``KVPoll`` is ordered so a MIN over
+ranks is the most pessimistic."""
 
 from __future__ import annotations
 
@@ -35,8 +33,6 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 @dataclass(frozen=True)
 class SendRecord:
-    """Log entry of one ``send``: who sent what, when."""
-
     rid: str
     attempt: int
     start: int
@@ -47,9 +43,7 @@ class SendRecord:
 
 @dataclass(frozen=True)
 class MetadataRow:
-    """The request's metadata row, carried by its last send (SGLang's ``MetadataBuffers`` row
-    at ``metadata_buffer_index``): the first output token and the prefix tokens prefill had
-    cached. The transport adds the bootstrap room decode checks it against."""
+    """The metadata row the last send carries (SGLang's ``MetadataBuffers`` row)."""
 
     index: int
     first_token: int
@@ -57,11 +51,8 @@ class MetadataRow:
 
 
 class DecodeLink(Protocol):
-    """The prefill side's end of one request's link to its decode peer (SGLang's sender).
-
-    ``decode_prefix_len``: tokens decode already holds (page-aligned; sends start there);
-    ``sent_end``: where the next send starts; ``failure``: why the link failed;
-    ``timed_out``: it failed by the bootstrap timeout. Calls never block."""
+    """The prefill side's end of one request's link to its decode peer; calls never block.
+    ``decode_prefix_len``: tokens decode already holds (page-aligned; sends start there)."""
 
     rid: str
     num_tokens: int
@@ -73,13 +64,10 @@ class DecodeLink(Protocol):
     @property
     def sent_end(self) -> int: ...
 
-    def poll(self) -> KVPoll:
-        """The current state (advancing any time-driven change first)."""
-        ...
+    def poll(self) -> KVPoll: ...
 
     def init(self, attempt: int) -> None:
-        """Finalize: commit ``attempt`` as the one whose KV will be sent (SGLang's
-        ``sender.init``, which carries the metadata). Only in ``WaitingForInput``, once."""
+        """Commit ``attempt`` as the one whose KV is sent; only in ``WaitingForInput``, once."""
         ...
 
     def send(
@@ -91,37 +79,28 @@ class DecodeLink(Protocol):
         last: bool,
         metadata: MetadataRow | None = None,
     ) -> bool:
-        """Queue the KV of tokens ``[start, end)`` held in prefill device slots ``src_slots``
-        (int64, ``end - start`` entries); ranges are contiguous from ``decode_prefix_len``, and
-        a non-last one ends on a page boundary. The last send carries ``metadata``. The slots
-        are read later, until the send's ack (``inflight_reads``). False, queueing nothing,
-        when the link has failed."""
+        """Queue tokens ``[start, end)`` held in ``src_slots``, read until the send's ack; a
+        non-last range ends on a page boundary. False, queueing nothing, once failed."""
         ...
 
     def inflight_reads(self) -> int:
-        """Sends whose source slots may still be read: queued, or in a call that has not
-        returned, also after the link failed (the executor frees their slots only at 0)."""
+        """Sends whose source slots may still be read, also after failure (free them at 0)."""
         ...
 
     def next_event_time(self) -> float | None:
         """When ``poll`` may next change on its own (``None``: no time-driven event ahead)."""
         ...
 
-    def fail(self, reason: str) -> None:
-        """Fail the link now (a decision of the prefill side, e.g. another TP rank's)."""
-        ...
+    def fail(self, reason: str) -> None: ...
 
     @property
-    def live(self) -> bool:
-        """Neither ``Success`` nor ``Failed``."""
-        ...
+    def live(self) -> bool: ...
 
 
 def check_new_link(
     old: DecodeLink | None, rid: str, num_tokens: int, token_ids: Sequence[int] | None
 ) -> None:
-    """``create_peer``'s checks (``ValueError``): no live link under ``rid``, at least one token,
-    one token id per token."""
+    """``create_peer``'s checks (``ValueError``)."""
     if old is not None and old.live:
         raise ValueError(f"rid {rid!r} already has a live decode peer")
     if num_tokens < 1:
@@ -131,7 +110,7 @@ def check_new_link(
 
 
 def finalize(link: DecodeLink, attempt: int) -> None:
-    """``init`` of every link: only in ``WaitingForInput``, once (``RuntimeError`` otherwise)."""
+    """``init`` of every link (``RuntimeError`` outside ``WaitingForInput`` or twice)."""
     state = link.poll()
     if state != KVPoll.WaitingForInput:
         raise RuntimeError(f"{link.rid}: init in state {state.name}")
@@ -143,9 +122,8 @@ def finalize(link: DecodeLink, attempt: int) -> None:
 def send_allowed(
     link: DecodeLink, attempt: int, start: int, end: int, src_slots: torch.Tensor
 ) -> bool:
-    """The checks every link's ``send`` makes first: False when the link has failed;
-    ``RuntimeError`` for a send the protocol never allows, ``ValueError`` for a range that does
-    not continue at ``sent_end`` within the prompt or a slot count other than one per token."""
+    """``send``'s checks: False once failed; ``RuntimeError`` for a send the protocol never
+    allows, ``ValueError`` for a range not continuing at ``sent_end`` or a wrong slot count."""
     state = link.poll()
     if state == KVPoll.Failed:
         return False
@@ -175,9 +153,7 @@ class DecodeBackend(Protocol):
         """A new link for ``rid`` (``ValueError`` if ``rid`` still has a live one)."""
         ...
 
-    def next_event_time(self) -> float | None:
-        """Earliest ``next_event_time`` of the live links."""
-        ...
+    def next_event_time(self) -> float | None: ...
 
     def release(self, rid: str) -> None:
         """Forget ``rid``'s received KV and link (idempotent)."""
@@ -185,19 +161,13 @@ class DecodeBackend(Protocol):
 
 
 BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
-"""Upstream's environment variable for the bootstrap timeout in seconds."""
-
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0
-"""Upstream's default bootstrap timeout."""
-
 FORCE_RETRY_ENV = "SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB"
-"""Upstream's environment variable for the force-not-ready test hook."""
 
 
 def positive_env(name: str, default: float, kind: type = float) -> float:
-    """The environment variable ``name`` as a positive ``kind`` (``int`` or ``float``; returned
-    as a ``float``), or ``default`` when it is unset. Raises ``ValueError`` naming the variable
-    and its value when it is not one (SGLang's ``EnvInt`` / ``EnvFloat`` settings)."""
+    """``name`` as a positive ``kind`` (as a float), ``default`` when unset; ``ValueError``
+    naming the variable otherwise (SGLang's ``EnvInt`` / ``EnvFloat``)."""
     raw = os.environ.get(name)
     if raw is None:
         return float(default)
@@ -212,15 +182,13 @@ def positive_env(name: str, default: float, kind: type = float) -> float:
 
 
 def bootstrap_timeout_from_env() -> float:
-    """``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` in seconds (an integer, as upstream's
-    ``EnvInt``), or the default 300. Raises ``ValueError`` naming the variable when it is not a
-    positive integer."""
+    """The bootstrap timeout in seconds (a positive integer, default 300)."""
     return positive_env(BOOTSTRAP_TIMEOUT_ENV, DEFAULT_BOOTSTRAP_TIMEOUT_S, int)
 
 
 def force_not_ready_prob(args: object) -> float:
-    """The force-not-ready probability: ``--disaggregation-force-not-ready-prob``, overridden by
-    ``SGLANG_TEST_FORCE_OPTIMISTIC_PREFILL_RETRY_PROB`` (upstream's test hook, with a trace)."""
+    """``--disaggregation-force-not-ready-prob``, overridden by ``FORCE_RETRY_ENV``."""
+
     prob = float(getattr(args, "disaggregation_force_not_ready_prob", 0) or 0)
     env = os.environ.get(FORCE_RETRY_ENV)
     if env is not None:

@@ -1,16 +1,10 @@
-"""The simulated decode side of PD disaggregation (``--disaggregation-transfer-backend
-simulated``, the default): a ``DecodeBackend`` in this process, deterministic on the executor's
-clock. ``DecodeSide`` owns a decode pool like the prefill one, its allocator and one
-``DecodePeer`` per request (SGLang's bootstrap room); ``PeerConfig`` says how peers behave
-(bootstrap delay and failures, transfer latency, bandwidth and failures, the bootstrap timeout).
-
-A send's source slots are read only when the send completes (like an RDMA read), with the
-project's copy ops, so a prefill side that frees or reuses a live send's slot before the ack is
-caught by comparing decode-side KV with a recompute; a failed peer's sends are never read.
-Failure draws come from ``random.Random(f"{seed}:{rid}")`` so reruns repeat. Memory stays bounded:
-finished peers are dropped (kept until ``release`` with ``keep_received``) and acked sends drop
-their source slots. The kv helpers here are the one place that tells MHA from MLA pools.
-"""
+"""The simulated decode side (``--disaggregation-transfer-backend simulated``, the default): a
+``DecodeBackend`` in this process, deterministic on the executor's clock. ``DecodeSide`` owns a
+decode pool like the prefill one and one ``DecodePeer`` per request; ``PeerConfig`` says how
+peers behave. A send's source slots are read only when the send completes (like an RDMA read),
+so a prefill side that reuses a live send's slot before the ack shows in decode-side KV; a
+failed peer's sends are never read. Failure draws come from ``random.Random(f"{seed}:{rid}")``
+so reruns repeat."""
 
 from __future__ import annotations
 
@@ -26,9 +20,10 @@ import torch
 
 import kernels
 from hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
-from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
+from hicache.memory.device_pool import KVPool, MLATokenToKVPool
 from hicache.transfer.streams import CPU_COPY_LOCK
 from prefill.clock import Clock
+from prefill.disagg.mooncake.layout import KVGeometry, buffer_kinds, layer_buffers
 from prefill.disagg.protocol import (
     BOOTSTRAP_TIMEOUT_ENV,
     DEFAULT_BOOTSTRAP_TIMEOUT_S,
@@ -46,7 +41,6 @@ from prefill.disagg.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEND_LOG_SIZE = 10_000
-"""Sends ``DecodeSide.send_log`` remembers by default (the latest ones)."""
 
 CopyHook = Callable[[int, Callable[[], None]], None]
 """``hook(nbytes, copy)``: runs one read of a completed send; must call ``copy()`` once."""
@@ -94,8 +88,7 @@ class DelayDistribution:
 @dataclass(frozen=True)
 class PeerConfig:
     """How simulated decode peers behave. ``decode_prefix_len`` is capped per request to a
-    page-aligned length that leaves at least one token to send. ``bootstrap_timeout_s``: a peer
-    still ``Bootstrapping`` that long after its creation fails (``math.inf``: never)."""
+    page-aligned length below the prompt; ``bootstrap_timeout_s`` may be ``math.inf``."""
 
     bootstrap_delay: DelayDistribution = field(default_factory=DelayDistribution)
     bootstrap_failure_prob: float = 0.0
@@ -120,17 +113,15 @@ class PeerConfig:
 
     @classmethod
     def from_server_args(cls, args: Any) -> PeerConfig:
-        """From ``ServerArgs`` (its ``disaggregation_*`` fields, optional ones defaulted) and
-        SGLang's force-retry and bootstrap-timeout environment variables."""
+        """From ``ServerArgs`` (missing fields defaulted) and SGLang's environment variables."""
         bw_gbps = float(getattr(args, "disaggregation_transfer_bandwidth_gbps", 0.0) or 0.0)
-        force = force_not_ready_prob(args)
         return cls(
             bootstrap_delay=DelayDistribution.parse(
                 getattr(args, "disaggregation_bootstrap_delay", "fixed:0")
             ),
             bootstrap_failure_prob=float(getattr(args, "disaggregation_bootstrap_failure_prob", 0)),
             transfer_failure_prob=float(getattr(args, "disaggregation_transfer_failure_prob", 0)),
-            force_not_ready_prob=force,
+            force_not_ready_prob=force_not_ready_prob(args),
             transfer_latency_s=float(getattr(args, "disaggregation_transfer_latency_s", 0.0)),
             transfer_bandwidth=bw_gbps * 1e9 if bw_gbps > 0 else math.inf,
             decode_prefix_len=int(getattr(args, "disaggregation_decode_prefix_len", 0)),
@@ -140,30 +131,8 @@ class PeerConfig:
 
 
 def decode_pool_like(src_pool: KVPool, size: int) -> KVPool:
-    """The decode instance's pool: ``src_pool``'s kind and geometry (layers, KV heads and their
-    widths or the latent's, dtype, page size, device), ``size`` slots, zeroed."""
-    p = src_pool
-    if isinstance(p, MLATokenToKVPool):
-        return MLATokenToKVPool(
-            size, p.page_size, p.dtype, p.kv_lora_rank, p.qk_rope_head_dim, p.layer_num, p.device
-        )
-    return MHATokenToKVPool(
-        size,
-        p.page_size,
-        p.dtype,
-        p.head_num,
-        p.head_dim,
-        p.layer_num,
-        p.device,
-        v_head_dim=p.v_head_dim,
-    )
-
-
-def _buffers(pool: KVPool) -> list[list[torch.Tensor]]:
-    """The pool's per-layer buffers, one list per kind (MLA: the latent; MHA: K, then V)."""
-    if isinstance(pool, MLATokenToKVPool):
-        return [pool.kv_buffer]
-    return [pool.k_buffer, pool.v_buffer]
+    """A zeroed pool of ``src_pool``'s kind, geometry and device with ``size`` slots."""
+    return KVGeometry.from_pool(src_pool).make_pool(size, src_pool.device)
 
 
 def copy_send(
@@ -174,36 +143,22 @@ def copy_send(
     block_quota: int,
     wait: bool = False,
 ) -> None:
-    """Copy every layer's KV of ``src_pool`` slots ``src`` into ``dst_pool`` slots ``dst``.
-    CUDA: one all-layer kernel of ``block_quota`` programs on the current stream (``wait``: block
-    until done); CPU: the direct op under the side streams' lock. ``ValueError`` for pools of
-    different kinds."""
-    if isinstance(src_pool, MLATokenToKVPool) != isinstance(dst_pool, MLATokenToKVPool):
+    """Copy every layer's KV of ``src_pool`` slots ``src`` into ``dst_pool`` slots ``dst``:
+    CUDA, all-layer kernels of ``block_quota`` programs on the current stream (``wait``: block
+    until done); CPU, the direct op. ``ValueError`` for pools of different kinds."""
+    mla = isinstance(src_pool, MLATokenToKVPool)
+    if mla != isinstance(dst_pool, MLATokenToKVPool):
         raise ValueError(
             f"dst_pool: {type(dst_pool).__name__} cannot receive a {type(src_pool).__name__}'s KV"
         )
     if src_pool.device.type == "cpu":
         with CPU_COPY_LOCK:  # the side streams' copies touch the same pool
             kernels.transfer_kv_direct(
-                [t for kind in _buffers(src_pool) for t in kind],
-                [t for kind in _buffers(dst_pool) for t in kind],
-                src,
-                dst,
-                page_size=1,
+                layer_buffers(src_pool), layer_buffers(dst_pool), src, dst, page_size=1
             )
         return
     s, d, layers = src.to(src_pool.device), dst.to(dst_pool.device), src_pool.layer_num
-    if isinstance(src_pool, MLATokenToKVPool):
-        kernels.transfer_kv_all_layer_mla(
-            src_pool.data_ptrs,
-            dst_pool.data_ptrs,
-            s,
-            d,
-            src_pool.item_size,
-            layers,
-            block_quota=block_quota,
-        )
-    elif src_pool.v_item_size == src_pool.item_size:
+    if not mla and src_pool.v_item_size == src_pool.item_size:
         kernels.transfer_kv_all_layer(
             src_pool.k_data_ptrs,
             dst_pool.k_data_ptrs,
@@ -215,14 +170,16 @@ def copy_send(
             layers,
             block_quota=block_quota,
         )
-    else:  # K and V of different widths: one table copy per buffer, each with its width
-        for tables, item in (
-            ("k_data_ptrs", src_pool.item_size),
-            ("v_data_ptrs", src_pool.v_item_size),
-        ):
+    else:  # MLA's latent, or K and V of different widths: one table copy per buffer
+        tables = (
+            [("data_ptrs", src_pool.item_size)]
+            if mla
+            else [("k_data_ptrs", src_pool.item_size), ("v_data_ptrs", src_pool.v_item_size)]
+        )
+        for ptrs, item in tables:
             kernels.transfer_kv_all_layer_mla(
-                getattr(src_pool, tables),
-                getattr(dst_pool, tables),
+                getattr(src_pool, ptrs),
+                getattr(dst_pool, ptrs),
                 s,
                 d,
                 item,
@@ -234,15 +191,16 @@ def copy_send(
 
 
 def read_kv(pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Copies of what ``pool`` holds at ``slots`` (int64 ``[n]``), one ``[L, n, ...]`` tensor per
-    buffer kind: MHA ``(k [L, n, H, D], v [L, n, H, D_v])``, MLA ``(kv [L, n, 1, C],)``."""
-    return tuple(torch.stack([layer[slots] for layer in kind]) for kind in _buffers(pool))
+    """Copies of what ``pool`` holds at ``slots``: MHA ``(k [L, n, H, D], v [L, n, H, D_v])``,
+    MLA ``(kv [L, n, 1, C],)``."""
+    return tuple(torch.stack([layer[slots] for layer in kind]) for kind in buffer_kinds(pool))
 
 
 def write_kv(pool: KVPool, slots: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> None:
     """Write ``kv`` (as ``read_kv`` returns it) at ``slots``; ``ValueError``, pool unchanged,
     when the kinds, layers or tokens differ."""
-    kinds = _buffers(pool)
+    kinds = buffer_kinds(pool)
+
     fits = len(kv) == len(kinds) and all(
         tuple(t.shape[:2]) == (len(k), len(slots)) for t, k in zip(kv, kinds, strict=True)
     )
@@ -259,8 +217,7 @@ def write_kv(pool: KVPool, slots: torch.Tensor, kv: tuple[torch.Tensor, ...]) ->
 
 @dataclass
 class Transfer:
-    """One in-flight send: source slots ``src`` for tokens ``[start, end)``; completes (the
-    source is read) at ``done_at``. ``fails`` was drawn at send time."""
+    """One in-flight send of tokens ``[start, end)``; its source is read at ``done_at``."""
 
     attempt: int
     start: int
@@ -273,8 +230,7 @@ class Transfer:
 
 
 class DecodePeer:
-    """The decode side of one request (a ``DecodeLink``), made by ``DecodeSide.create_peer``.
-    ``token_ids``: the prompt, kept when the side keeps received KV."""
+    """The decode side of one request (a ``DecodeLink``), made by ``DecodeSide.create_peer``."""
 
     def __init__(
         self,
@@ -307,9 +263,8 @@ class DecodePeer:
         self.first_token: int | None = None
         self._forced_ready = False
 
-    # ------------------------------------------------------------------ test controls
     def set_ready(self) -> None:
-        """Finish the bootstrap now (if still bootstrapping and decode slots are available)."""
+        """Test control: finish the bootstrap now (if decode slots are available)."""
         self._forced_ready = True
         self.poll()
 
@@ -318,9 +273,7 @@ class DecodePeer:
         if self.state != KVPoll.Success:
             self._set_failed(reason)
 
-    # ------------------------------------------------------------------ prefill-side calls
     def poll(self) -> KVPoll:
-        """Advance to the clock's ``now`` and return the state. Never blocks."""
         now = self.side.clock.now()
         if self.state == KVPoll.Bootstrapping and (self._forced_ready or now >= self.ready_at):
             if self.bootstrap_fails and not self._forced_ready:
@@ -352,8 +305,6 @@ class DecodePeer:
         last: bool,
         metadata: MetadataRow | None = None,
     ) -> bool:
-        """Queue tokens ``[start, end)`` held in prefill slots ``src_slots``, read when the
-        transfer completes. False, queueing nothing, when the peer has failed."""
         if not send_allowed(self, attempt, start, end, src_slots):
             return False
         if last and end != self.num_tokens:
@@ -381,8 +332,7 @@ class DecodePeer:
         return sum(1 for t in self.transfers if not t.acked)
 
     def next_event_time(self) -> float | None:
-        """When ``poll`` may next change something on its own (a send's completion, the end of
-        the bootstrap delay, the bootstrap timeout); ``None`` once nothing is pending."""
+        """A send's completion, the end of the bootstrap delay or the bootstrap timeout."""
         if not self.live:
             return None
         times = [t.done_at for t in self.transfers if not t.acked]
@@ -396,10 +346,8 @@ class DecodePeer:
 
     @property
     def live(self) -> bool:
-        """Not yet ``Success`` or ``Failed`` (a failed peer's unacked sends are never read)."""
         return self.state not in TERMINAL
 
-    # ------------------------------------------------------------------ internals
     def _try_prealloc(self) -> None:
         n = self.num_tokens - self.decode_prefix_len
         ps = self.side.page_size
@@ -427,8 +375,7 @@ class DecodePeer:
             t.src = None
 
     def _copy_in(self, t: Transfer) -> None:
-        """Read the source slots now (the simulated RDMA read); the last range's copy is waited
-        for, so ``Success`` comes after the bytes landed."""
+        """The simulated RDMA read; the last range's is waited for, so ``Success`` follows it."""
         if self.decode_slots is None or t.src is None:
             raise RuntimeError(f"{self.rid}: copy of [{t.start}, {t.end}) without its slots")
         dst = self.decode_slots[t.start - self.decode_prefix_len : t.end - self.decode_prefix_len]
@@ -446,10 +393,9 @@ class DecodePeer:
 
 
 class DecodeSide:
-    """The decode instance: a KV pool like the prefill one, an allocator, one peer per rid and
-    a bounded ``send_log`` of the latest sends (``None``: all). With ``keep_received`` a
-    successful peer and its slots stay until ``release(rid)``. Reads of completed sends run on
-    the caller's thread; ``copy_hook`` (settable) wraps each one, to time or charge it."""
+    """The decode instance: a KV pool like the prefill one, one peer per rid and a bounded
+    ``send_log``. With ``keep_received`` a successful peer keeps its slots until ``release``.
+    Reads run on the caller's thread; ``copy_hook`` (settable) wraps each one."""
 
     def __init__(
         self,
@@ -487,8 +433,7 @@ class DecodeSide:
     def create_peer(
         self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> DecodePeer:
-        """A new peer for ``rid``. A finished peer kept under the same rid (its KV not yet
-        released) is released first; a live one raises ``ValueError``."""
+        """A new peer for ``rid``; a kept finished one is released first, a live one raises."""
         old = self.peers.get(rid)
         check_new_link(old, rid, num_tokens, token_ids)
         if old is not None:
@@ -500,7 +445,6 @@ class DecodeSide:
         return peer
 
     def read(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, last: bool) -> None:
-        """One read of a completed send: ``copy_kv``, through ``copy_hook`` when set."""
         self.read_tokens += int(src_slots.numel())
         if self.copy_hook is None:
             self.copy_kv(src_slots, dst_slots, last)
@@ -509,26 +453,12 @@ class DecodeSide:
         self.copy_hook(nbytes, lambda: self.copy_kv(src_slots, dst_slots, last))
 
     def copy_kv(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, wait: bool) -> None:
-        """Copy prefill slots ``src_slots`` into decode slots ``dst_slots`` (``copy_send``; on
-        CUDA on the compute stream, after the forward that wrote them, with the whole GPU's
-        ``copy_block_quota`` standing in for a network transfer)."""
-        copy_send(
-            self.src_pool,
-            self.pool,
-            src_slots,
-            dst_slots,
-            block_quota=self.copy_block_quota,
-            wait=wait,
-        )
+        """On CUDA on the compute stream, after the forward that wrote ``src_slots``."""
+        copy_send(self.src_pool, self.pool, src_slots, dst_slots, self.copy_block_quota, wait=wait)
 
     def next_event_time(self) -> float | None:
-        """Earliest ``next_event_time`` of the live peers; O(live peers)."""
-        best = None
-        for p in self._live.values():
-            t = p.next_event_time()
-            if t is not None and (best is None or t < best):
-                best = t
-        return best
+        times = [t for p in self._live.values() if (t := p.next_event_time()) is not None]
+        return min(times, default=None)
 
     def on_success(self, peer: DecodePeer) -> None:
         if self._live.get(peer.rid) is peer:
@@ -537,8 +467,7 @@ class DecodeSide:
             self.retire(peer)
 
     def retire(self, peer: DecodePeer) -> None:
-        """Free ``peer``'s decode slots and forget it (idempotent; a newer peer under the same
-        rid is left alone)."""
+        """Free ``peer``'s decode slots and forget it (idempotent; a newer peer is kept)."""
         if peer.decode_slots is not None:
             self.allocator.free(peer.decode_slots)
             peer.decode_slots = None
@@ -548,14 +477,14 @@ class DecodeSide:
             del self._live[peer.rid]
 
     def release(self, rid: str) -> None:
-        """Free the decode slots of ``rid`` and forget its peer (idempotent)."""
         peer = self.peers.get(rid)
         if peer is not None:
             self.retire(peer)
 
     def received_kv(self, rid: str) -> tuple[Any, ...]:
-        """``(decode_prefix_len, *kv)``, ``kv`` as ``read_kv`` returns it, for the tokens
-        prefill sent; valid after ``Success`` until ``release(rid)``."""
+        """``(decode_prefix_len, *read_kv(...))`` of the sent tokens, from ``Success`` until
+        ``release(rid)``."""
+
         peer = self.peers.get(rid)
         if peer is None or peer.state != KVPoll.Success or peer.decode_slots is None:
             state = "released" if peer is None else peer.state.name

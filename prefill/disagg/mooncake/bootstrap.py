@@ -1,12 +1,10 @@
 """The bootstrap endpoint of a prefill instance (SGLang's ``CommonKVBootstrapServer``: ``GET
-/route`` for the server info or a rank's control endpoint, ``GET /health``) on ``--host`` :
-``--disaggregation-bootstrap-port``, and the decode side's client of it. The single prefill rank
-registers itself when the server starts."""
+/route`` for the server info or a rank's control endpoint, ``GET /health``), and the decode
+side's client of it."""
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import urllib.error
 import urllib.request
@@ -14,16 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-logger = logging.getLogger(__name__)
-
 ROUTE_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
 class BootstrapServer:
-    """Serves ``server_info`` and rank 0's ``rank_info`` (module docstring) on ``host:port``.
-
-    Raises ``ValueError`` naming ``--disaggregation-bootstrap-port`` when the port is in use or
-    cannot be bound."""
+    """Serves ``server_info`` and rank 0's ``rank_info`` on ``host:port`` (``ValueError`` naming
+    ``--disaggregation-bootstrap-port`` when it cannot be bound)."""
 
     def __init__(
         self, host: str, port: int, server_info: dict[str, Any], rank_info: dict[str, Any]
@@ -99,8 +93,7 @@ def _get(addr: str, path: str, timeout_s: float) -> bytes:
 
 
 def fetch_route(addr: str, timeout_s: float = 2.0) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(server_info, rank_info)`` of the prefill instance at ``addr`` (``host:port``): the two
-    ``GET /route`` calls SGLang's decode receiver makes. ``BootstrapUnreachable`` otherwise."""
+    """``(server_info, rank_info)`` of the prefill instance at ``addr`` (``host:port``)."""
     allm1 = "&".join(f"{k}=-1" for k in ROUTE_KEYS)
     rank0 = "&".join(f"{k}=0" for k in ROUTE_KEYS)
     try:
@@ -114,7 +107,6 @@ def fetch_route(addr: str, timeout_s: float = 2.0) -> tuple[dict[str, Any], dict
 
 
 def healthy(addr: str, timeout_s: float = 2.0) -> bool:
-    """``GET /health`` answered ``OK``."""
     try:
         return _get(addr, "/health", timeout_s) == b"OK"
     except BootstrapUnreachable:

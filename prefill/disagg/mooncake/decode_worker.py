@@ -1,13 +1,8 @@
-"""The decode worker process, what a deployment starts per decode instance:
-``python -m prefill.disagg.mooncake.decode_worker [--host H] [--max-total-tokens N]
-[--max-running-requests M] [--device D] [--expect-geometry JSON] [--check-free-pages]``.
-
-A decode instance without a model (``receiver.DecodeReceiver``), driven over stdin/stdout: each
-command is one framed message whose first frame is JSON ``{"op": ..., ...}`` (``add``,
-``unhold``, ``abort``, ``release``, ``state``, ``received_kv``, ``stats``, ``quit``); each
-answer a JSON frame echoing its ``seq``, then raw tensor frames for ``received_kv``. The first
-message is ``{"ready": true, ...}``, or ``{"ready": false, "error": ...}`` and a non-zero exit
-when a flag is wrong. It exits when stdin closes."""
+"""The decode worker process (``python -m prefill.disagg.mooncake.decode_worker``): a decode
+instance without a model (``receiver.DecodeReceiver``), driven over stdin/stdout. Each command is
+a framed message whose first frame is JSON ``{"op": ..., ...}``; each answer a JSON frame echoing
+its ``seq``, then raw tensor frames for ``received_kv``. The first message is ``{"ready": true,
+...}``, or ``{"ready": false, "error": ...}`` and a non-zero exit. It exits when stdin closes."""
 
 from __future__ import annotations
 
@@ -41,8 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """``ValueError`` naming the flag for a size that is not positive or a ``--device`` this
-    machine does not have; runs before the engine (and Mooncake) is touched."""
+    """``ValueError`` naming the flag for a size that is not positive or a missing device."""
     for flag in ("--max-total-tokens", "--max-running-requests"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 1:
@@ -62,8 +56,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
-    """Run one command; the answer frames."""
     op = cmd.get("op")
+
     rid = cmd.get("rid")
     extra: list[bytes] = []
     out: dict[str, Any] = {"ok": True}

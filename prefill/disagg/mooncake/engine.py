@@ -1,23 +1,15 @@
 """One Mooncake ``TransferEngine`` over TCP as SGLang's PD transport uses it: P2P handshake,
-registered memory, and only the synchronous batch write (cut into calls of at most
-``MAX_ITEMS_PER_CALL`` items). Calls block their thread and never raise: failures are return
-codes, and a failed call may still land bytes later; ``EngineError`` only where the caller
-cannot go on (initialize, register). Mooncake is imported when an engine is built."""
+registered memory and the synchronous batch write. Writes block their thread and never raise
+(a failed call may still land bytes later); ``EngineError`` only from initialize and register."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from hicache.storage.mooncake.availability import module_reason
 
-logger = logging.getLogger(__name__)
-
 MAX_ITEMS_PER_CALL = 1024
 """Items per ``batch_transfer_sync_write``: half of what the default TCP queue limits accept."""
-
-TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
-"""Mooncake's timeouts for a receiver that stops making progress (seconds, default 30)."""
 
 
 class EngineError(RuntimeError):
@@ -25,9 +17,7 @@ class EngineError(RuntimeError):
 
 
 class KVTransferEngine:
-    """A TCP transfer engine on ``host``. ``session_id`` is what peers pass to reach it.
-
-    Raises ``EngineError`` when Mooncake is unavailable or ``initialize`` fails."""
+    """A TCP transfer engine on ``host``; peers reach it by ``session_id``."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         reason = module_reason("engine")
@@ -44,8 +34,7 @@ class KVTransferEngine:
         self._registered: list[int] = []
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        """Register ``(address, bytes)`` regions (duplicates and zero-length ones skipped, as
-        SGLang does). ``EngineError`` names the call's rc on failure."""
+        """Register ``(address, bytes)`` regions, skipping duplicates and empty ones."""
         seen = set(self._registered)
         ptrs, lens = [], []
         for ptr, n in regions:
@@ -68,9 +57,8 @@ class KVTransferEngine:
         lens: Sequence[int],
         max_items: int = MAX_ITEMS_PER_CALL,
     ) -> int:
-        """Write ``lens[i]`` bytes from local ``srcs[i]`` to ``dsts[i]`` in ``session``'s
-        registered memory, in calls of at most ``max_items`` items, stopping at the first call
-        that fails. Returns 0 or that call's rc. Blocks (seconds when the peer is frozen)."""
+        """Write ``lens[i]`` bytes from ``srcs[i]`` to ``session``'s ``dsts[i]``, in calls of at
+        most ``max_items`` items; 0 or the first failed call's rc."""
         for i in range(0, len(srcs), max_items):
             j = i + max_items
             rc = self._te.batch_transfer_sync_write(
@@ -81,13 +69,10 @@ class KVTransferEngine:
         return 0
 
     def probe(self, session: str) -> int:
-        """``send_probe``: 0 for a live peer, negative when none listens. Does not return while
-        the peer is frozen: never call it on a thread that must stay responsive."""
+        """0 for a live peer, negative when none listens; blocks while the peer is frozen."""
         return int(self._te.send_probe(session))
 
     def close(self) -> None:
-        """Unregister the memory and drop the engine (its listeners close). No call may run on
-        it any more."""
         if self._registered:
             self._te.batch_unregister_memory(self._registered)
             self._registered = []

@@ -1,14 +1,12 @@
 """What the two sides register with their engines and how a page is addressed: ``KVGeometry``
-(MHA or MLA, page size, dtype; both sides must share it, ``mismatches`` names every differing
-field), ``layer_buffers`` (one ``[size + page_size, ...]`` tensor per layer buffer; page ``p`` of
-buffer ``i`` at ``ptr[i] + p * item_len[i]``) and ``MetadataBuffers`` (one 64-byte row per
-buffer and request: first output token, cached tokens, bootstrap room)."""
+(both sides must share it), ``layer_buffers`` (page ``p`` of buffer ``i`` at ``ptr[i] + p *
+item_len[i]``) and ``MetadataBuffers`` (one 64-byte row per buffer and request: first output
+token, cached tokens, bootstrap room)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +14,6 @@ import numpy as np
 import torch
 
 from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -30,7 +26,7 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The KV layout both sides of a transfer must share (see the module docstring)."""
+    """The KV layout both sides of a transfer must share: MHA or MLA, page size, dtype."""
 
     kind: str
     layer_num: int
@@ -85,7 +81,6 @@ class KVGeometry:
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> KVGeometry:
-        """Parse a geometry; ``ValueError`` naming what is missing or wrong."""
         try:
             data = json.loads(text) if isinstance(text, str) else dict(text)
         except ValueError:
@@ -97,7 +92,7 @@ class KVGeometry:
         return cls(**data)
 
     def mismatches(self, other: KVGeometry) -> list[str]:
-        """``"field: this X, other Y"`` for every field that differs."""
+        """``"field: X vs Y"`` for every field that differs."""
         return [
             f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in dataclasses.fields(self)
@@ -109,7 +104,6 @@ class KVGeometry:
         return _DTYPES[self.dtype]
 
     def token_bytes(self) -> list[int]:
-        """Bytes of one token of each layer buffer, in ``layer_buffers`` order."""
         el = torch.empty((), dtype=self.torch_dtype).element_size()
         if self.kind == "mla":
             return [(self.kv_lora_rank + self.qk_rope_head_dim) * el] * self.layer_num
@@ -117,7 +111,7 @@ class KVGeometry:
         return [k] * self.layer_num + [v] * self.layer_num
 
     def item_lens(self) -> list[int]:
-        """Bytes of one page of each layer buffer (SGLang's ``kv_item_lens``)."""
+        """SGLang's ``kv_item_lens``: bytes of one page of each layer buffer."""
         return [self.page_size * b for b in self.token_bytes()]
 
     def make_pool(self, size: int, device: str | torch.device = "cpu") -> KVPool:
@@ -144,16 +138,20 @@ class KVGeometry:
         )
 
 
-def layer_buffers(pool: KVPool) -> list[torch.Tensor]:
-    """One contiguous ``[size + page_size, ...]`` tensor per layer buffer: K layers then V layers
-    (MHA), or the latent layers (MLA)."""
+def buffer_kinds(pool: KVPool) -> list[list[torch.Tensor]]:
+    """The pool's per-layer buffers, one list per kind (MLA: the latent; MHA: K, then V)."""
     if isinstance(pool, MLATokenToKVPool):
-        return list(pool.kv_buffer)
-    return [*pool.k_buffer, *pool.v_buffer]
+        return [pool.kv_buffer]
+    return [pool.k_buffer, pool.v_buffer]
+
+
+def layer_buffers(pool: KVPool) -> list[torch.Tensor]:
+    """One contiguous ``[size + page_size, ...]`` tensor per layer buffer, kind after kind."""
+    return [layer for kind in buffer_kinds(pool) for layer in kind]
 
 
 def pool_region(pool: KVPool) -> tuple[int, int]:
-    """``(address, bytes)`` of the pool's one allocation (every layer buffer lies inside it)."""
+    """``(address, bytes)`` spanning every layer buffer of the pool."""
     bufs = layer_buffers(pool)
     start = min(b.data_ptr() for b in bufs)
     end = max(b.data_ptr() + b.numel() * b.element_size() for b in bufs)
@@ -161,19 +159,12 @@ def pool_region(pool: KVPool) -> tuple[int, int]:
 
 
 def read_pool(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of what ``pool`` holds at ``slots``, one ``[L, n, ...]`` tensor per buffer kind
-    (MHA ``k, v``; MLA the latent), the order ``PagedTransformer.forward_reference`` returns."""
-    if isinstance(pool, MLATokenToKVPool):
-        kinds = [pool.kv_buffer]
-    else:
-        kinds = [pool.k_buffer, pool.v_buffer]
-    return [torch.stack([layer[slots] for layer in kind]) for kind in kinds]
+    """Copies of what ``pool`` holds at ``slots``, one ``[L, n, ...]`` tensor per buffer kind."""
+    return [torch.stack([layer[slots] for layer in kind]) for kind in buffer_kinds(pool)]
 
 
 class MetadataBuffers:
-    """``size`` metadata rows per buffer (module docstring), host memory, zeroed."""
-
-    NAMES = ("output_ids", "cached_tokens", "bootstrap_room")
+    """``size`` zeroed metadata rows per buffer, in host memory."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -208,6 +199,7 @@ class MetadataBuffers:
     def get_row(self, index: int) -> tuple[int, int, int]:
         """``(first_token, cached_tokens, room)``."""
         self._check(index)
+
         return (
             int(self.output_ids[index, 0]),
             int(self.cached_tokens[index, 0]),

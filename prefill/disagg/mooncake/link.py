@@ -1,9 +1,7 @@
-"""The Mooncake transport behind the executor's decode-peer protocol: ``MooncakeLink`` (one
-request's ``DecodeLink``, SGLang's ``MooncakeKVSender``) and ``MooncakeBackend`` (the
-``DecodeBackend``: the prefill rank's ``PrefillTransport`` and the links). A request keeps one
-random 63-bit room across its optimistic attempts; nothing reaches decode memory before
-``init``. Whoever calls ``create_peer`` forwards ``link.room`` with the request to decode
-(SGLang's router)."""
+"""The Mooncake transport behind the executor's decode-peer protocol: ``MooncakeLink`` (SGLang's
+``MooncakeKVSender``) and ``MooncakeBackend`` (the prefill rank's ``PrefillTransport`` and the
+links). A request keeps one random 63-bit room across its optimistic attempts; whoever calls
+``create_peer`` forwards ``link.room`` with the request to decode (SGLang's router)."""
 
 from __future__ import annotations
 
@@ -39,11 +37,8 @@ from prefill.disagg.protocol import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLL_INTERVAL_S = 0.001
-"""How often the executor's idle wait looks at live links again (wall clock)."""
-
+DEFAULT_POLL_INTERVAL_S = 0.001  # how often the executor's idle wait looks at live links again
 PROBE_INTERVAL_ENV = "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"
-"""SGLang's first delay before probing a blacklisted decode session (seconds, default 30)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +54,6 @@ class MooncakeConfig:
 
     @classmethod
     def from_server_args(cls, args: Any) -> MooncakeConfig:
-        """``--host``, ``--disaggregation-bootstrap-port``, the bootstrap timeout from
-        ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and the force-not-ready test hook."""
         return cls(
             host=str(getattr(args, "host", "127.0.0.1")),
             bootstrap_port=int(getattr(args, "disaggregation_bootstrap_port", 8998)),
@@ -71,8 +64,6 @@ class MooncakeConfig:
 
 
 class MooncakeLink:
-    """One request's link to its decode peer over Mooncake (module docstring)."""
-
     def __init__(
         self, backend: MooncakeBackend, room: Room, token_ids: Sequence[int] | None
     ) -> None:
@@ -87,7 +78,6 @@ class MooncakeLink:
         self.sent_end = 0
         self._chunks = 0
 
-    # ------------------------------------------------------------------ DecodeLink
     @property
     def decode_prefix_len(self) -> int:
         meta = self._room.meta
@@ -100,10 +90,6 @@ class MooncakeLink:
     @property
     def timed_out(self) -> bool:
         return self._room.timed_out
-
-    @property
-    def state(self) -> KVPoll:
-        return self._room.status
 
     def poll(self) -> KVPoll:
         r, t = self._room, self.backend
@@ -189,21 +175,10 @@ class MooncakeLink:
 
 
 class MooncakeBackend:
-    """The prefill rank's Mooncake transport as a ``DecodeBackend`` (module docstring).
-
-    Args:
-        pool: the prefill device pool (host memory).
-        clock: the executor's clock; must be a wall clock.
-        config: ``MooncakeConfig``.
-        metadata_size: rows of the prefill metadata buffers (the executor's metadata index
-            pool, ``2 * max_running_requests``).
-        keep_token_ids: links keep their prompt (tests recompute the reference KV from it).
-        send_log_size: sends remembered in ``send_log`` (``None``: all).
-        hook: test hook before each engine call (``session_worker.TransferHook``).
-
-    Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool) and ``RuntimeError``
-    (a loopback host in a process without the loopback shim, ``tests.support.loopback``).
-    """
+    """The prefill rank's Mooncake transport as a ``DecodeBackend``, on a wall clock and a host
+    memory pool. ``metadata_size``: the executor's metadata rows; ``keep_token_ids``: links
+    keep their prompt. Raises ``ValueError`` (bootstrap port in use, virtual clock, CUDA pool)
+    and ``RuntimeError`` (a loopback host without the loopback shim)."""
 
     def __init__(
         self,
@@ -233,9 +208,7 @@ class MooncakeBackend:
         self.send_log: deque[SendRecord] = deque(maxlen=send_log_size)
         self._rng = random.Random()
         self._log_lock = threading.Lock()
-        # Links whose end the executor has not seen yet (a poll or inflight_reads that found them
-        # terminal with nothing outstanding): while any is left an event may be due.
-        self._watch: set[MooncakeLink] = set()
+        self._watch: set[MooncakeLink] = set()  # links whose end the executor has not seen
 
     @property
     def force_not_ready_prob(self) -> float:
@@ -243,8 +216,7 @@ class MooncakeBackend:
 
     @property
     def bootstrap_addr(self) -> str:
-        """``host:port`` of this prefill's bootstrap endpoint (what a request carries to decode
-        as ``bootstrap_host`` / ``bootstrap_port``)."""
+        """``host:port`` of the bootstrap endpoint (a request carries it to decode)."""
         return self.transport.bootstrap.addr
 
     def create_peer(
@@ -265,21 +237,18 @@ class MooncakeBackend:
         return link
 
     def next_event_time(self) -> float | None:
-        """``now + poll_interval`` while a link may still change in a way the executor has not
-        seen (the transport's threads move rooms at any time); ``None`` otherwise."""
+        """``now + poll_interval`` while a link may change unseen by the executor."""
         with self.transport.lock:
             busy = bool(self._watch)
         return self.clock.now() + self.config.poll_interval_s if busy else None
 
     def unwatch(self, link: MooncakeLink) -> None:
-        """``link`` ended and the executor saw it: no event ahead; without ``keep_token_ids``
-        it is forgotten too (a long run's memory stays flat)."""
+        """``link`` ended and the executor saw it; without ``keep_token_ids`` it is forgotten."""
         self._watch.discard(link)
         if not self.keep_token_ids and self.peers.get(link.rid) is link:
             del self.peers[link.rid]
 
     def release(self, rid: str) -> None:
-        """Forget ``rid``'s link (idempotent)."""
         link = self.peers.pop(rid, None)
         if link is not None:
             with self.transport.lock:
@@ -293,5 +262,4 @@ class MooncakeBackend:
         self.transport.set_hook(hook)
 
     def close(self) -> list[str]:
-        """Stop the transport (see ``PrefillTransport.close``)."""
         return self.transport.close()

@@ -1,17 +1,15 @@
-"""The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager`` with its
-prealloc and transfer queues), run by the decode worker process. Decode is passive on the data
-plane: it registers its pool and metadata rows once per prefill (REGISTER) and, per request,
-says which pages and row to write (META); only the prefill side calls the engine. A request
-failed after META keeps its pages and row until ABORT_ACK or the deferred-release timeout, so a
-failed call's late bytes never land in pages of another request. ``check_free_pages`` poisons
-freed pages and counts writes into them (``late_writes``). See docs/DESIGN.md section 12."""
+"""The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager``), run by the
+decode worker process; passive on the data plane. A request failed after META keeps its pages
+and row until ABORT_ACK or the deferred-release timeout, so a failed call's late bytes never land
+in another request's pages. ``check_free_pages`` poisons freed pages and counts writes into them
+(``late_writes``). See docs/DESIGN.md section 12."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,8 +48,6 @@ HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Settings of a decode worker (timeouts from SGLang's environment variables)."""
-
     host: str = "127.0.0.1"
     pool_tokens: int = 1 << 16
     max_running_requests: int = 256
@@ -77,8 +73,6 @@ class DecodeConfig:
 
 @dataclass(eq=False)
 class DecodeRequest:
-    """One request on the decode side (module docstring)."""
-
     rid: str
     room: int
     bootstrap_addr: str
@@ -87,7 +81,6 @@ class DecodeRequest:
     keep: bool
     hold: bool
     not_before: float
-    created: float
     state: KVPoll = KVPoll.Bootstrapping
     slots: torch.Tensor | None = None
     aux_index: int = -1
@@ -98,13 +91,10 @@ class DecodeRequest:
     forget: bool = False
     first_token: int | None = None
     cached_tokens: int | None = None
-    timeline: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
 class PrefillPeer:
-    """What this worker knows of one prefill instance."""
-
     addr: str
     state: str = "fetching"  # fetching | ready | error
     error: str | None = None
@@ -114,8 +104,8 @@ class PrefillPeer:
 
 
 class DecodeReceiver:
-    """The decode side's transport and request queues (module docstring). Thread-safe; its
-    own threads: the scheduler tick, the heartbeat, the control listener, route fetches."""
+    """The decode side's transport and request queues. Thread-safe; its threads: the scheduler
+    tick, the heartbeat, the control listener, route fetches."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.cfg = cfg
@@ -140,7 +130,6 @@ class DecodeReceiver:
         for target, name in ((self._tick_loop, "tick"), (self._heartbeat_loop, "heartbeat")):
             threading.Thread(target=target, name=f"decode-{name}", daemon=True).start()
 
-    # ------------------------------------------------------------------ driver commands
     def add(
         self,
         rid: str,
@@ -152,7 +141,6 @@ class DecodeReceiver:
         hold: bool = False,
         delay_s: float = 0.0,
     ) -> None:
-        """A new request (the router hands it to this decode instance)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         now = time.monotonic()
@@ -173,7 +161,6 @@ class DecodeReceiver:
                 keep,
                 hold,
                 now + delay_s,
-                now,
             )
             self.requests[rid] = req
             self.by_room[room] = req
@@ -222,10 +209,8 @@ class DecodeReceiver:
     def received_kv(
         self, rid: str, any_state: bool = False
     ) -> tuple[int, int | None, list[torch.Tensor]]:
-        """``(decode_prefix_len, first_token, buffers)``: what this worker holds for the tokens
-        the prefill side sent, one ``[L, n - dpl, ...]`` tensor per buffer kind. After
-        ``Success``; with ``any_state`` whatever its pages hold now (a held failed request's
-        pages show the late bytes of a failed call)."""
+        """``(decode_prefix_len, first_token, buffers)`` of the sent tokens after ``Success``;
+        with ``any_state`` whatever its pages hold now (a failed call's late bytes)."""
         with self.lock:
             req = self.requests.get(rid)
             ok = req is not None and (any_state or req.state == KVPoll.Success)
@@ -265,7 +250,6 @@ class DecodeReceiver:
         self.listener.close()
         self.pusher.close()
 
-    # ------------------------------------------------------------------ prefill peers
     def _peer(self, addr: str) -> PrefillPeer:
         peer = self.prefills.get(addr)
         if peer is None:
@@ -337,7 +321,6 @@ class DecodeReceiver:
         peer.registered = self.pusher.push(peer.endpoint, reg.to_frames())
         return peer.registered
 
-    # ------------------------------------------------------------------ scheduler tick
     def _tick_loop(self) -> None:
         while not self._closed.wait(self.cfg.tick_s):
             try:
@@ -408,11 +391,9 @@ class DecodeReceiver:
         )
         assert peer.endpoint is not None
         req.state, req.meta_sent_at = KVPoll.WaitingForInput, now
-        req.timeline["meta"] = now - req.created
         if not self.pusher.push(peer.endpoint, meta.to_frames()):
             self._fail(req, f"META to prefill {peer.addr} could not be sent")
 
-    # ------------------------------------------------------------------ control messages
     def _on_message(self, frames: list[bytes]) -> None:
         msg = parse_to_decode(frames)
         with self.lock:
@@ -437,13 +418,11 @@ class DecodeReceiver:
                     )
                     return
                 req.state, req.first_token, req.cached_tokens = KVPoll.Success, first, cached
-                req.timeline["success"] = time.monotonic() - req.created
                 self.counts["success"] += 1
                 if not req.keep:
                     self._free(req)
                     self._forget(req)
 
-    # ------------------------------------------------------------------ failure and release
     def _fail(self, req: DecodeRequest, reason: str) -> None:
         """``Failed``; pages exposed by META are held (ABORT sent) until ack or timeout."""
         if req.state in TERMINAL:
@@ -481,7 +460,6 @@ class DecodeReceiver:
         if self.by_room.get(req.room) is req:
             del self.by_room[req.room]
 
-    # ------------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.cfg.heartbeat_interval_s):
             with self.lock:
@@ -505,14 +483,12 @@ class DecodeReceiver:
                             self._fail(r, f"prefill {peer.addr} is unreachable (heartbeat)")
                     self.prefills.pop(peer.addr, None)
 
-    # ------------------------------------------------------------------ late-write detector
     def _poison(self, slots: torch.Tensor) -> None:
         for b in layer_buffers(self.pool):
             b.view(torch.uint8)[slots] = POISON
 
     def _check_poison(self, slots: torch.Tensor) -> int:
-        """Count the slots of ``slots`` that changed since they were poisoned (and poison them
-        again, so each late write is counted once)."""
+        """Count (once each) the slots of ``slots`` written since they were poisoned."""
         bad = torch.zeros(slots.numel(), dtype=torch.bool)
         for b in layer_buffers(self.pool):
             bad |= (b.view(torch.uint8)[slots] != POISON).flatten(1).any(dim=1)

@@ -34,18 +34,12 @@ from prefill.disagg.protocol import KVPoll
 
 logger = logging.getLogger(__name__)
 
-SESSION_IDLE_S = 600.0
-"""A blacklisted session no request used for this long is dropped (SGLang's idle timeout: a
-restarted decode comes back under a new session id)."""
-
-POISONED_MEMORY = 4096
-"""Poisoned rooms remembered after they are dropped (a late ABORT of one is never acked)."""
+SESSION_IDLE_S = 600.0  # a blacklisted session unused this long is dropped (SGLang's idle timeout)
+POISONED_MEMORY = 4096  # poisoned rooms remembered once dropped (a late ABORT is never acked)
 
 
 @dataclass(eq=False)
 class Room:
-    """The prefill side's state of one bootstrap room (module docstring)."""
-
     room: int
     rid: str
     num_tokens: int
@@ -64,19 +58,9 @@ class Room:
 
 
 class PrefillTransport:
-    """Bootstrap endpoint, control plane and session workers of one prefill rank.
-
-    Args:
-        pool: the prefill device pool (host memory: the non-CUDA engine registers host memory
-            only). Registered whole with every session's engine.
-        aux: the prefill metadata rows, registered too.
-        host: the address every listener binds (``--host``; loopback in tests).
-        bootstrap_port: ``--disaggregation-bootstrap-port`` (0: a free port).
-        probe_interval_s: seconds between probes of a blacklisted session.
-        hook: test hook called before each engine call (``session_worker.TransferHook``).
-
-    Raises ``ValueError`` for a bootstrap port in use or a pool on a CUDA device.
-    """
+    """Bootstrap endpoint, control plane and session workers of one prefill rank; ``pool`` and
+    ``aux`` are registered whole with every session's engine. ``ValueError`` for a bootstrap
+    port in use or a pool on a CUDA device (the non-CUDA engine registers host memory only)."""
 
     def __init__(
         self,
@@ -141,7 +125,6 @@ class PrefillTransport:
             self._notify.put(None)
             raise
 
-    # ------------------------------------------------------------------ rooms (executor side)
     def create_room(self, room: int, rid: str, num_tokens: int) -> Room:
         with self.lock:
             if room in self.rooms:
@@ -151,7 +134,7 @@ class PrefillTransport:
             return r
 
     def enqueue(self, r: Room, job: Job) -> bool:
-        """Queue ``job`` on its session's worker; False (nothing queued) when the room failed."""
+        """Queue ``job`` on its session's worker; False when the room failed."""
         with self.lock:
             if r.status == KVPoll.Failed or r.meta is None:
                 return False
@@ -189,8 +172,7 @@ class PrefillTransport:
 
     def _maybe_drop(self, r: Room) -> None:
         """Forget a finished room once nothing is outstanding and every ABORT was answered (a
-        poisoned room's never is: it is only remembered in ``_poisoned``). Its link keeps its
-        ``Room`` object."""
+        poisoned room's never is)."""
         if r.status not in (KVPoll.Success, KVPoll.Failed) or r.outstanding:
             return
         self._maybe_ack(r)
@@ -210,7 +192,6 @@ class PrefillTransport:
             r = self.rooms.get(room)
             return r is None or r.status == KVPoll.Failed
 
-    # ------------------------------------------------------------------ worker callbacks
     def _on_done(self, job: Job, rc: int | None) -> None:
         with self.lock:
             r = self.rooms.get(job.room)
@@ -237,7 +218,6 @@ class PrefillTransport:
                     self._notify.put((r.endpoint, Status(r.room, int(KVPoll.Success)).to_frames()))
             self._maybe_drop(r)
 
-    # ------------------------------------------------------------------ control messages
     def _on_message(self, frames: list[bytes]) -> None:
         try:
             msg = parse_to_prefill(frames)
@@ -344,7 +324,6 @@ class PrefillTransport:
             self._maybe_ack(r)
             self._maybe_drop(r)
 
-    # ------------------------------------------------------------------ notifier
     def _push_loop(self) -> None:
         while True:
             item = self._notify.get()
@@ -353,7 +332,6 @@ class PrefillTransport:
             endpoint, frames = item
             self._pusher.push(endpoint, frames)
 
-    # ------------------------------------------------------------------ lifecycle
     def stats(self) -> dict[str, object]:
         with self.lock:
             return {
@@ -374,8 +352,9 @@ class PrefillTransport:
             }
 
     def close(self) -> list[str]:
-        """Stop listening and end every worker. Returns the sessions whose worker could not be
-        stopped (a call to a frozen decode still blocks it)."""
+        """Stop listening and end every worker; the sessions whose worker a call to a frozen
+        decode still blocks."""
+
         self.bootstrap.close()
         self.listener.close()
         stuck = [s for s, w in self.sessions.items() if not w.close()]

@@ -1,9 +1,6 @@
 """The prefill side's transfer worker of one decode session (SGLang's ``transfer_worker``): a FIFO
 of chunk jobs, a thread and its own ``TransferEngine``, so a frozen decode stalls only its own
-queue. A job pairs source and destination pages by position, coalesces runs contiguous on both
-sides into one item per (layer buffer, run), and writes at most ``MAX_ITEMS_PER_CALL`` items per
-call; the last job then writes the metadata row. A session whose call failed is blacklisted
-until a new REGISTER or a successful probe."""
+queue. A session whose call failed is blacklisted until a new REGISTER or a successful probe."""
 
 from __future__ import annotations
 
@@ -31,8 +28,6 @@ TransferHook = Callable[[str, int, bool, str], None]
 
 @dataclass(frozen=True)
 class SourceMemory:
-    """The prefill side's registered memory: the pool's layer buffers and the aux rows."""
-
     layer_ptrs: tuple[int, ...]
     item_lens: tuple[int, ...]
     aux_ptrs: tuple[int, ...]
@@ -42,9 +37,8 @@ class SourceMemory:
 
 @dataclass(eq=False)
 class Job:
-    """One send of one request: prefill pages ``src_pages`` to the request's destination pages
-    ``[dst_lo, dst_lo + len(src_pages))``; the last job also writes metadata row
-    ``aux_index`` to the decode row ``dst_aux_index``."""
+    """One send: prefill pages ``src_pages`` to ``dst_pages``, paired by position; the last job
+    also writes metadata row ``aux_index`` to the decode row ``dst_aux_index``."""
 
     room: int
     rid: str
@@ -80,30 +74,19 @@ def kv_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], lis
 
 
 def aux_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], list[int], list[int]]:
-    """One item per aux buffer: prefill row ``aux_index`` to decode row ``dst_aux_index``
-    (buffers pair by position; only the shorter list moves, as SGLang)."""
+    """One item per aux buffer, paired by position (as SGLang, the shorter row length moves)."""
     srcs, dsts, lens = [], [], []
     pairs = zip(src.aux_ptrs, src.aux_row_lens, reg.aux_ptrs, reg.aux_row_lens, strict=False)
     for sp, ln, dp, dln in pairs:
-        n = min(ln, dln)
         srcs.append(sp + ln * job.aux_index)
         dsts.append(dp + dln * job.dst_aux_index)
-        lens.append(n)
+        lens.append(min(ln, dln))
     return srcs, dsts, lens
 
 
 class SessionWorker:
-    """The FIFO, thread and engine of one decode session (module docstring).
-
-    Args:
-        reg: the session's REGISTER (its pointers; replaced by a later REGISTER).
-        source: the prefill memory the jobs read.
-        host: the engine's hostname.
-        room_failed: ``room_failed(room)``, read before each call (under the caller's lock).
-        on_done: ``on_done(job, rc)`` after each job (``rc`` ``None`` when skipped).
-        hook: the test hook (``TransferHook``) or ``None``.
-        probe_interval_s: seconds between probes of a blacklisted session.
-    """
+    """The FIFO, thread and engine of one decode session. ``room_failed(room)`` is read before
+    each job, ``on_done(job, rc)`` called after it (``rc`` ``None`` when skipped)."""
 
     def __init__(
         self,
@@ -138,7 +121,6 @@ class SessionWorker:
         self._thread = threading.Thread(target=self._run, name=f"mc-{reg.session}", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ caller side
     def put(self, job: Job) -> None:
         self.last_used = time.monotonic()
         self._queue.put(job)
@@ -159,9 +141,8 @@ class SessionWorker:
         self.blacklisted = None
 
     def close(self, timeout_s: float = 2.0) -> bool:
-        """Stop the thread after the jobs already queued; drop the engine if no call runs on
-        it. Returns whether the thread ended (a call to a frozen peer may still block it; its
-        engine is then left to the process)."""
+        """Stop the thread after the queued jobs; whether it ended (a call to a frozen peer may
+        still block it, its engine then left to the process)."""
         self._closed.set()
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)
@@ -172,7 +153,6 @@ class SessionWorker:
             self._engine = None
         return True
 
-    # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         try:
             engine = KVTransferEngine(self.host)
@@ -224,8 +204,8 @@ class SessionWorker:
         return rc
 
     def _probe_loop(self) -> None:
-        """Probe every ``probe_interval_s``, doubling after each failed probe up to
-        ``PROBE_MAX_INTERVAL_S`` (SGLang's backoff)."""
+        """SGLang's backoff: the interval doubles after each failed probe, up to the maximum."""
+
         interval = self.probe_interval_s
         try:
             while not self._closed.wait(interval):

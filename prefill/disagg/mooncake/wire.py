@@ -30,7 +30,6 @@ class ControlMessageError(ValueError):
     """A control message that does not parse (the message names what was wrong)."""
 
 
-# ---------------------------------------------------------------------------------- framing
 def encode_frames(frames: Sequence[bytes]) -> bytes:
     parts = [struct.pack("!I", len(frames))]
     for f in frames:
@@ -72,7 +71,6 @@ def read_stream(stream: BinaryIO) -> list[bytes]:
     return read_frames(stream.read)
 
 
-# ---------------------------------------------------------------------------------- sockets
 class Listener:
     """A TCP listener on ``(host, 0)``; every message of every connection goes to
     ``handler(frames)`` on that connection's thread. A handler's ``ControlMessageError`` is
@@ -163,7 +161,6 @@ class Pusher:
                 self._drop(endpoint)
 
 
-# ---------------------------------------------------------------------------------- messages
 def _a(x: object) -> bytes:
     return str(x).encode("ascii")
 
