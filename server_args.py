@@ -359,14 +359,15 @@ class ServerArgs:
     def _validation_errors(self) -> list[str]:
         errors: list[str] = []
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value, allowed = getattr(self, f.name), f.metadata.get("choices")
             if f.init and isinstance(value, float) and not math.isfinite(value):
                 errors.append(f"{_flag(f.name)}={value!r} must be a finite number")
-
-        def choice(name: str, allowed: tuple[str, ...]) -> None:
-            value = getattr(self, name)
-            if value not in allowed:
-                errors.append(f"{_flag(name)}={value!r} is not one of {', '.join(allowed)}")
+            if allowed is not None and value not in allowed:
+                errors.append(f"{_flag(f.name)}={value!r} is not one of {', '.join(allowed)}")
+            if f.name.endswith("_prob") and not (
+                isinstance(value, (int, float)) and 0.0 <= value <= 1.0
+            ):
+                errors.append(f"{_flag(f.name)}={value!r} must be a probability in [0, 1]")
 
         def positive(name: str, allow_none: bool = False) -> None:
             value = getattr(self, name)
@@ -380,19 +381,6 @@ class ServerArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 errors.append(f"{_flag(name)}={value!r} must be an integer >= 0")
 
-        def probability(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                errors.append(f"{_flag(name)}={value!r} must be a probability in [0, 1]")
-
-        choice("model_preset", MODEL_PRESET_CHOICES)
-        choice("dtype", DTYPE_CHOICES)
-        choice("device", DEVICE_CHOICES)
-        choice("hicache_write_policy", WRITE_POLICY_CHOICES)
-        choice("hicache_io_backend", IO_BACKEND_CHOICES)
-        choice("hicache_mem_layout", MEM_LAYOUT_CHOICES)
-        choice("disaggregation_mode", DISAGGREGATION_MODE_CHOICES)
-        choice("disaggregation_transfer_backend", TRANSFER_BACKEND_CHOICES)
         port = self.disaggregation_bootstrap_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             errors.append(
@@ -400,8 +388,6 @@ class ServerArgs:
             )
         if not isinstance(self.host, str) or not self.host:
             errors.append(f"--host={self.host!r} must be a host name or address")
-        choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
-        choice("hicache_host_memory_mode", HOST_MEMORY_MODE_CHOICES)
 
         for name in GEOMETRY_FIELDS:
             positive(name, allow_none=True)
@@ -415,15 +401,17 @@ class ServerArgs:
                 f"--num-attention-heads={self.num_attention_heads} must be a multiple of "
                 f"--head-num={self.head_num} (grouped-query attention)"
             )
-        positive("page_size")
-        positive("max_total_tokens")
-        positive("pp_size")
-        positive("tp_size")
+        for name in ("page_size", "max_total_tokens", "pp_size", "tp_size"):
+            positive(name)
         errors.extend(self._tp_errors())
         positive("max_running_requests", allow_none=True)
-        non_negative_int("load_back_threshold")
-        non_negative_int("random_seed")
-        non_negative_int("optimistic_prefill_attempts")
+        for name in (
+            "load_back_threshold",
+            "random_seed",
+            "optimistic_prefill_attempts",
+            "disaggregation_decode_prefix_len",
+        ):
+            non_negative_int(name)
 
         def page_multiple(name: str) -> None:
             value, page = getattr(self, name), self.page_size
@@ -486,13 +474,6 @@ class ServerArgs:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 errors.append(f"{_flag(name)}={value!r} must be >= 0")
-        non_negative_int("disaggregation_decode_prefix_len")
-        for name in (
-            "disaggregation_force_not_ready_prob",
-            "disaggregation_bootstrap_failure_prob",
-            "disaggregation_transfer_failure_prob",
-        ):
-            probability(name)
         return errors
 
     def _storage_errors(self) -> list[str]:
