@@ -67,9 +67,8 @@ def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] |
         block_quota,
         num_warps,
     )
-    for v in scalars:
-        if type(v) is not int:
-            return None
+    if any(type(v) is not int for v in scalars):
+        return None
     idents, bases = [], []
     for t in (*call.src, *call.dst):
         ident = _identity(t)

@@ -20,7 +20,7 @@ from typing import Any
 
 from kernels import KVCACHEIO_OPS
 from kernels.sglang.rebind import Binding, plan_rebinding, required_names
-from kernels.sglang.warm_up import WarmUpReport, verify_pool_tables, warm_up
+from kernels.sglang.warm_up import HOST_POOL_JIT_FLAGS, WarmUpReport, verify_pool_tables, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
     # Every host pool in one module (0.5.14 and earlier).
     "memory_pool_host": ("sglang.srt.mem_cache.memory_pool_host",),
 }
-HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
 
 
 def sglang_version() -> str:

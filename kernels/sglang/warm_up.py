@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
+
 
 @dataclass
 class WarmUpReport:
@@ -26,9 +28,7 @@ def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
     report = WarmUpReport()
     pool_name = type(host_pool).__name__
     layout = str(getattr(host_pool, "layout", "?"))
-    if getattr(host_pool, "can_use_jit", False) or getattr(
-        host_pool, "can_use_write_back_jit", False
-    ):
+    if any(getattr(host_pool, flag, False) for flag in HOST_POOL_JIT_FLAGS):
         report.skipped.append((pool_name, layout, "SGLang JIT kernels in use (can_use_jit)"))
         return report
     if layout not in ("layer_first", "page_first", "page_head"):
