@@ -1,12 +1,9 @@
 """Server arguments: one dataclass (SGLang's field names, flags and defaults), its CLI, validation,
 and the resolutions SGLang applies.
 
-``ServerArgs(...)`` and ``prepare_server_args(argv)`` validate and resolve alike in
-``__post_init__``: bad input raises one ``ValueError`` naming every bad flag; combinations SGLang
-resolves (layout vs io backend, the optimistic-prefill gate) log a warning and are recorded in
-``args.resolutions``; features accepted but not run are refused by
-``args.check_runtime_supported()``. ``python server_args.py [flags]`` prints the resolved
-configuration as JSON. Imports nothing of the project's own.
+``__post_init__`` validates (one ``ValueError`` naming every bad flag) and resolves what SGLang
+resolves, with a warning recorded in ``args.resolutions``; ``args.check_runtime_supported()``
+refuses features accepted but not run. ``python server_args.py [flags]`` prints the result as JSON.
 """
 
 from __future__ import annotations
@@ -40,35 +37,28 @@ BUFFER_ONLY_WRITE_BACK = (
     "write_through"
 )
 
-# Upstream warning texts of the optimistic-prefill gate (first match wins).
+# Upstream warning texts of the optimistic-prefill gate (first match wins), then of the layout /
+# io backend resolutions.
 GATE_PP = "Optimistic prefill does not support pp_size > 1"
 GATE_HICACHE = "Optimistic prefill only supports L2 hierarchical cache with write-back policy"
 GATE_MAMBA = "Optimistic prefill does not support models that use mamba radix cache."
-# With --optimistic-prefill-write-through (SGLang 0.5.23's gate): L2 write_back or write_through
-# with no storage backend keeps the attempts; anything else resolves them to 0 with this text.
 GATE_HICACHE_WRITE_THROUGH = (
     "Optimistic prefill supports L2 write-back/write-through or "
     "L3 buffer-only write-through hierarchical cache"
 )
-
-# Upstream warning texts of the layout / io backend resolutions.
 LAYOUT_DIRECT_NEEDS_DIRECT_IO = "Page first direct layout only support direct io backend"
 LAYOUT_PAGE_FIRST_WITH_DIRECT_IO = (
     "Page first layout is not supported with direct IO backend, "
     "switching to page first direct layout"
 )
-
-# Upstream's resolution of a layer_first host pool under the Mooncake backend (one object per
-# page part needs each part's page contiguous), with the layout it switches to.
 LAYOUT_MOONCAKE_LAYER_FIRST = (
     "Mooncake/Ascend MemCache storage backend does not support layer_first layout, "
     "switching to {layout} layout for {io} io backend"
 )
 STORAGE_BACKENDS_WITHOUT_LAYER_FIRST = ("mooncake",)
 
-# Geometry of the model presets. Weights are random (nothing is downloaded); the 8B-shaped preset
-# has Llama-3-8B's KV geometry (what the cache and copies see) with a smaller hidden/vocab so the
-# random weights stay affordable.
+# Model presets (random weights): the 8B-shaped one has Llama-3-8B's KV geometry with a smaller
+# vocabulary so the random weights stay affordable.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         num_layers=4,
@@ -91,20 +81,14 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 GEOMETRY_FIELDS = tuple(MODEL_PRESETS["tiny"])
 
-# Multi-head latent attention (``--use-mla``, DeepSeek-V2/V3's attention). Unset MLA fields take
-# the preset's values (an MLA preset) or these, DeepSeek's own: a 512-wide latent plus a 64-wide
-# rotary key shared by every head (576 values per token and layer in the pool), 128-wide
-# non-rotary query/key and value heads, and a full query projection (``q_lora_rank`` 0).
+# Unset MLA fields (``--use-mla``) take the preset's values or DeepSeek's own.
 MLA_DEFAULTS: dict[str, int] = dict(
     kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=0
 )
 MLA_FIELDS = tuple(MLA_DEFAULTS)
 
-# The DeepSeek-shaped presets (random weights; MLA, so they need --use-mla). Layers, hidden size,
-# heads and the whole attention / KV geometry are DeepSeek-V2-Lite's and DeepSeek-V3's; every
-# layer's MLP is dense, as wide as the experts one token activates (V3: 8 routed + 1 shared of
-# 2048 = 18432, also its dense layers' width; V2-Lite: its dense layer's 10944, where 6 routed + 2
-# shared experts of 1408 make 11264); the vocabulary is cut to 32000 (102400 / 129280).
+# DeepSeek-V2-Lite's and V3's attention / KV geometry (MLA: they need --use-mla), every MLP dense
+# and as wide as the experts one token activates, the vocabulary cut to 32000.
 _DEEPSEEK_KV = dict(head_num=1, head_dim=192, vocab_size=32000, **MLA_DEFAULTS)
 MLA_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite-shape": dict(
@@ -127,7 +111,7 @@ MODEL_PRESETS.update(MLA_PRESETS)
 
 
 class Resolution(NamedTuple):
-    """One flag value changed by validation: which, from what, to what, and why."""
+    """One flag value changed by validation."""
 
     field: str
     old: Any
@@ -136,11 +120,8 @@ class Resolution(NamedTuple):
 
 
 def tp_geometry_errors(tp: int, hq: int | None, hkv: int | None, inter: int | None) -> list[str]:
-    """What keeps ``tp`` ranks from splitting a model (``prefill.model.tp.TPShard.plan`` and
-    ``--tp-size`` validation): query heads ``hq`` and ``inter`` (MLP intermediate size) divisible
-    by ``tp``; KV heads ``hkv`` divisible by it (split) or dividing it (each KV head replicated
-    on ``tp // hkv`` ranks). A ``None`` size is not checked (MLA's latent; a value validation
-    already refuses)."""
+    """What keeps ``tp`` ranks from splitting a model: query heads and MLP width must divide by
+    ``tp``; KV heads must divide by it or divide it (replicated). ``None``: not checked."""
     out = []
     if hq is not None and hq % tp:
         out.append(f"tp_size={tp} must divide num_attention_heads={hq}")
@@ -155,17 +136,13 @@ def tp_geometry_errors(tp: int, hq: int | None, hkv: int | None, inter: int | No
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field whose metadata drives its CLI flag."""
     return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class ServerArgs:
-    """Resolved configuration of a prefill server with a hierarchical KV cache.
-
-    Fields read after construction hold the resolved values; ``resolutions`` and ``warnings``
-    record every change validation made.
-    """
+    """Resolved configuration of a prefill server with a hierarchical KV cache; ``resolutions``
+    and ``warnings`` record every change validation made."""
 
     # Model (random weights; geometry from ``model_preset`` unless given explicitly).
     model_preset: str = _opt("tiny", "Model geometry preset.", choices=MODEL_PRESET_CHOICES)
@@ -217,9 +194,8 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "Disable prefix caching.")
     max_running_requests: int | None = _opt(
         None,
-        "The maximum number of running requests (requests holding KV: running, parked or "
-        "transferring). The prefill side also gets 2x this many metadata buffers, which bound "
-        "optimistic admissions. Unset = 2048 (SGLang's floor for a derived value).",
+        "The maximum number of requests holding KV (running, parked or transferring); the "
+        "prefill side gets 2x as many metadata buffers. Unset = 2048 (SGLang's floor).",
         type=int,
     )
     device: str = _opt("auto", "Device to run on.", choices=DEVICE_CHOICES)
@@ -295,10 +271,8 @@ class ServerArgs:
     )
     disaggregation_transfer_backend: str = _opt(
         "simulated",
-        "The backend for disaggregation transfer: simulated = the in-process decode simulation "
-        "(deterministic; tests and the virtual-clock benchmarks); mooncake = decode worker "
-        "processes, KV written into their memory by Mooncake's transfer engine (SGLang's "
-        "default).",
+        "simulated = the in-process, deterministic decode simulation; mooncake = decode worker "
+        "processes, KV written by Mooncake's transfer engine (SGLang's default).",
         choices=TRANSFER_BACKEND_CHOICES,
     )
     disaggregation_bootstrap_port: int = _opt(
@@ -312,16 +286,14 @@ class ServerArgs:
     )
     optimistic_prefill_write_through: bool = _opt(
         False,
-        "Keep optimistic prefill under L2 write_through (SGLang 0.5.23's gate): a request whose "
-        "decode peer is still bootstrapping keeps its KV request-owned and publishes it to the "
-        "tree once, at finalize. Off = the earlier gate (optimism only with L2 write_back).",
+        "Keep optimistic prefill under L2 write_through (SGLang 0.5.23's gate). Off = the "
+        "earlier gate (optimism only with L2 write_back).",
     )
     pp_size: int = _opt(1, "Pipeline parallel size (accepted for validation; not implemented).")
     tp_size: int = _opt(
         1,
-        "Tensor parallel size: ranks that split the attention heads, the MLP columns and the KV "
-        "heads (each rank's device and host pools hold its KV heads). One process per rank "
-        "(torchrun); cache decisions are agreed over a gloo group.",
+        "Tensor parallel size: ranks that split the attention heads, MLP columns and KV heads; "
+        "one process per rank (torchrun).",
     )
 
     # Failure injection (test hooks, as upstream's tests use).
@@ -365,7 +337,6 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ resolution helpers
     def _resolve(self, name: str, new: Any, reason: str) -> None:
-        """Change one field, log the reason once, and record it."""
         old = getattr(self, name)
         setattr(self, name, new)
         self.resolutions.append(Resolution(name, old, new, reason))
@@ -388,14 +359,15 @@ class ServerArgs:
     def _validation_errors(self) -> list[str]:
         errors: list[str] = []
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value, allowed = getattr(self, f.name), f.metadata.get("choices")
             if f.init and isinstance(value, float) and not math.isfinite(value):
                 errors.append(f"{_flag(f.name)}={value!r} must be a finite number")
-
-        def choice(name: str, allowed: tuple[str, ...]) -> None:
-            value = getattr(self, name)
-            if value not in allowed:
-                errors.append(f"{_flag(name)}={value!r} is not one of {', '.join(allowed)}")
+            if allowed is not None and value not in allowed:
+                errors.append(f"{_flag(f.name)}={value!r} is not one of {', '.join(allowed)}")
+            if f.name.endswith("_prob") and not (
+                isinstance(value, (int, float)) and 0.0 <= value <= 1.0
+            ):
+                errors.append(f"{_flag(f.name)}={value!r} must be a probability in [0, 1]")
 
         def positive(name: str, allow_none: bool = False) -> None:
             value = getattr(self, name)
@@ -409,19 +381,6 @@ class ServerArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 errors.append(f"{_flag(name)}={value!r} must be an integer >= 0")
 
-        def probability(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                errors.append(f"{_flag(name)}={value!r} must be a probability in [0, 1]")
-
-        choice("model_preset", MODEL_PRESET_CHOICES)
-        choice("dtype", DTYPE_CHOICES)
-        choice("device", DEVICE_CHOICES)
-        choice("hicache_write_policy", WRITE_POLICY_CHOICES)
-        choice("hicache_io_backend", IO_BACKEND_CHOICES)
-        choice("hicache_mem_layout", MEM_LAYOUT_CHOICES)
-        choice("disaggregation_mode", DISAGGREGATION_MODE_CHOICES)
-        choice("disaggregation_transfer_backend", TRANSFER_BACKEND_CHOICES)
         port = self.disaggregation_bootstrap_port
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             errors.append(
@@ -429,8 +388,6 @@ class ServerArgs:
             )
         if not isinstance(self.host, str) or not self.host:
             errors.append(f"--host={self.host!r} must be a host name or address")
-        choice("hicache_storage_prefetch_policy", PREFETCH_POLICY_CHOICES)
-        choice("hicache_host_memory_mode", HOST_MEMORY_MODE_CHOICES)
 
         for name in GEOMETRY_FIELDS:
             positive(name, allow_none=True)
@@ -444,15 +401,17 @@ class ServerArgs:
                 f"--num-attention-heads={self.num_attention_heads} must be a multiple of "
                 f"--head-num={self.head_num} (grouped-query attention)"
             )
-        positive("page_size")
-        positive("max_total_tokens")
-        positive("pp_size")
-        positive("tp_size")
+        for name in ("page_size", "max_total_tokens", "pp_size", "tp_size"):
+            positive(name)
         errors.extend(self._tp_errors())
         positive("max_running_requests", allow_none=True)
-        non_negative_int("load_back_threshold")
-        non_negative_int("random_seed")
-        non_negative_int("optimistic_prefill_attempts")
+        for name in (
+            "load_back_threshold",
+            "random_seed",
+            "optimistic_prefill_attempts",
+            "disaggregation_decode_prefix_len",
+        ):
+            non_negative_int(name)
 
         def page_multiple(name: str) -> None:
             value, page = getattr(self, name), self.page_size
@@ -515,19 +474,10 @@ class ServerArgs:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 errors.append(f"{_flag(name)}={value!r} must be >= 0")
-        non_negative_int("disaggregation_decode_prefix_len")
-        for name in (
-            "disaggregation_force_not_ready_prob",
-            "disaggregation_bootstrap_failure_prob",
-            "disaggregation_transfer_failure_prob",
-        ):
-            probability(name)
         return errors
 
     def _storage_errors(self) -> list[str]:
-        """The L3 flags: a readable extra config (JSON object or @file), a served model name
-        that is a string, and buffer_only's needs (SGLang's ``validate_hicache_host_memory_mode``,
-        checked with the hierarchical cache on)."""
+        """The L3 flags, buffer_only's needs as SGLang's ``validate_hicache_host_memory_mode``."""
         errors = []
         if self.hicache_storage_backend_extra_config is not None:
             try:
@@ -552,14 +502,12 @@ class ServerArgs:
         return errors
 
     def storage_extra_config(self) -> dict[str, Any]:
-        """``--hicache-storage-backend-extra-config`` as a dict (``{}`` when unset): a JSON object,
-        or ``@path`` to a ``.json``, ``.toml`` or ``.yaml`` / ``.yml`` file. ``ValueError`` naming
-        the flag (and the file) for anything else."""
+        """``--hicache-storage-backend-extra-config`` as a dict (see :func:`parse_extra_config`)."""
         return parse_extra_config(self.hicache_storage_backend_extra_config)
 
     def storage_model_name(self) -> str:
         """The model part of L3 storage keys: ``--served-model-name``, else the preset with a
-        digest of the geometry and seed that make its random weights."""
+        digest of what makes its random weights."""
         if self.served_model_name:
             return self.served_model_name
         import hashlib
@@ -578,9 +526,7 @@ class ServerArgs:
         return f"hicache-prefill/{self.model_preset}-{digest}"
 
     def _tp_errors(self) -> list[str]:
-        """The geometry ``--tp-size`` must split (``tp_geometry_errors``, as
-        ``prefill.model.tp.TPShard.plan``). An MLA latent is not split (every rank holds it);
-        sizes that are not positive ints are left to their own validation."""
+        """An MLA latent is not split; sizes that are not positive ints are checked elsewhere."""
         tp = self.tp_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
             return []
@@ -595,14 +541,13 @@ class ServerArgs:
         return [f"--tp-size: {e}" for e in errors]
 
     def kv_heads_per_rank(self) -> int:
-        """KV heads one tensor-parallel rank's pools hold: ``head_num / tp_size`` when the heads
-        are split, 1 when ``tp_size`` exceeds ``head_num`` (each head replicated)."""
+        """KV heads one tensor-parallel rank's pools hold (1 when heads are replicated)."""
         tp = self.tp_size
         return self.head_num // tp if tp <= self.head_num else 1
 
     # ------------------------------------------------------------------ resolutions
     def _handle_hicache_layout(self) -> None:
-        """Resolve layout / io backend pairs the way SGLang's ``_handle_hicache`` does."""
+        """As SGLang's ``_handle_hicache``."""
         if self.hicache_mem_layout == "page_first" and self.hicache_io_backend == "direct":
             self._resolve(
                 "hicache_mem_layout", "page_first_direct", LAYOUT_PAGE_FIRST_WITH_DIRECT_IO
@@ -611,8 +556,7 @@ class ServerArgs:
             self._resolve("hicache_io_backend", "direct", LAYOUT_DIRECT_NEEDS_DIRECT_IO)
 
     def _handle_storage_layout(self) -> None:
-        """SGLang's ``resolve_storage_layout_compatibility``: ``layer_first`` under the Mooncake
-        backend becomes ``page_first`` (kernel io) or ``page_first_direct`` (direct io)."""
+        """As SGLang's ``resolve_storage_layout_compatibility``."""
         if (
             self.hicache_storage_backend in STORAGE_BACKENDS_WITHOUT_LAYER_FIRST
             and self.hicache_mem_layout == "layer_first"
@@ -622,8 +566,7 @@ class ServerArgs:
             self._resolve("hicache_mem_layout", new, reason)
 
     def _handle_host_memory_mode(self) -> None:
-        """buffer_only has no host tier to write back to: ``write_back`` resolves to
-        ``write_through`` (SGLang's ``validate_hicache_host_memory_mode``), before the gate."""
+        """buffer_only has no host tier to write back to (``validate_hicache_host_memory_mode``)."""
         if (
             self.enable_hierarchical_cache
             and self.hicache_host_memory_mode == "buffer_only"
@@ -632,16 +575,8 @@ class ServerArgs:
             self._resolve("hicache_write_policy", "write_through", BUFFER_ONLY_WRITE_BACK)
 
     def _handle_optimistic_prefill_gate(self) -> None:
-        """The upstream gate, in one of two generations; the first matching rule resolves
-        ``optimistic_prefill_attempts`` to 0 with a warning. Applied only when
-        ``optimistic_prefill_attempts > 0`` and ``disaggregation_mode == "prefill"``.
-
-        Off (``optimistic_prefill_write_through=False``, SGLang 0.5.17): pp_size > 1; L2 with a
-        storage backend or any policy but write_back; a mamba radix cache.
-        On (SGLang 0.5.23): pp_size > 1; L2 write_through_selective, or a storage backend other
-        than in ``buffer_only`` host memory under write_through (L2 write_back and
-        write_through without storage are kept); a mamba radix cache.
-        """
+        """The upstream gate (SGLang 0.5.17's, or 0.5.23's with the write-through flag): the
+        first matching rule resolves the attempts to 0."""
         if self.optimistic_prefill_attempts <= 0 or self.disaggregation_mode != "prefill":
             return
         reason = None
@@ -662,10 +597,7 @@ class ServerArgs:
         host_memory_mode: str | None = None,
     ) -> bool:
         """Whether the gate keeps optimistic attempts for an L2 cache with ``write_policy``
-        (``None``: no L2), given this object's other fields as they are now. The executor asks
-        this with what its cache declares (the policy, whether it has a storage tier, its host
-        memory mode; ``None``: read the flags), so a configuration changed after resolution is
-        caught."""
+        (``None``: no L2); ``storage`` / ``host_memory_mode`` default to the flags."""
         if self.pp_size > 1 or self.uses_mamba_radix_cache:
             return False
         return write_policy is None or self._l2_gate_allows(write_policy, storage, host_memory_mode)
@@ -673,10 +605,8 @@ class ServerArgs:
     def _l2_gate_allows(
         self, write_policy: str, storage: bool | None = None, mode: str | None = None
     ) -> bool:
-        """The gate's L2 rule. Without storage: ``write_back`` (both generations) or
-        ``write_through`` (with ``optimistic_prefill_write_through``, SGLang 0.5.23's). With
-        storage: only SGLang 0.5.23's "L3 buffer-only write-through" (the flag,
-        ``buffer_only`` host memory, ``write_through``)."""
+        """Without storage: ``write_back``, or ``write_through`` under 0.5.23's gate. With storage:
+        only 0.5.23's "L3 buffer-only write-through"."""
         storage = self.hicache_storage_backend is not None if storage is None else storage
         mode = self.hicache_host_memory_mode if mode is None else mode
         newer = bool(self.optimistic_prefill_write_through)
@@ -688,7 +618,7 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ runtime helpers
     def unsupported_runtime_features(self) -> list[str]:
-        """Accepted-for-validation features this prototype cannot run, as messages."""
+        """Features accepted for validation that this prototype cannot run."""
         out = []
         if self.pp_size > 1:
             out.append(f"--pp-size={self.pp_size}: pipeline parallelism is not implemented")
@@ -709,7 +639,6 @@ class ServerArgs:
         return out
 
     def check_runtime_supported(self) -> None:
-        """Raise ``ValueError`` listing every requested feature the runtime cannot run."""
         problems = self.unsupported_runtime_features()
         if problems:
             raise ValueError("unsupported configuration:\n  - " + "\n  - ".join(problems))
@@ -733,7 +662,7 @@ class ServerArgs:
         return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flags and resolved values, plus the resolutions and warnings, JSON-serializable."""
+        """Resolved flags, resolutions and warnings, JSON-serializable."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         out["resolutions"] = [r._asdict() for r in self.resolutions]
         out["warnings"] = list(self.warnings)
@@ -742,7 +671,6 @@ class ServerArgs:
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one flag per init field; defaults come from the dataclass fields."""
         for f in dataclasses.fields(ServerArgs):
             if not f.init:
                 continue
@@ -779,46 +707,13 @@ def parse_extra_config(value: Any) -> dict[str, Any]:
         return dict(value)
     if not isinstance(value, str):
         raise ValueError(f"{EXTRA_CONFIG_FLAG} must be a JSON string or @file, got {value!r}")
-    source, text = "the JSON string", value
     if value.startswith("@"):
-        path = value[1:]
-        source = f"the file {path!r}"
-        ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
-        if ext not in ("json", "toml", "yaml", "yml"):
-            raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: the file must be .json, .toml or .yaml")
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: cannot read {source}: {e}") from None
-        try:
-            if ext == "toml":
-                try:
-                    import tomllib
-                except ImportError:
-                    raise ValueError(
-                        f"{EXTRA_CONFIG_FLAG}=@{path}: .toml needs Python 3.11 (tomllib)"
-                    ) from None
-                parsed = tomllib.loads(text)
-            elif ext in ("yaml", "yml"):
-                try:
-                    import yaml
-                except ImportError:
-                    raise ValueError(
-                        f"{EXTRA_CONFIG_FLAG}=@{path}: .yaml needs PyYAML (pip install pyyaml)"
-                    ) from None
-                parsed = yaml.safe_load(text)
-            else:
-                parsed = json.loads(text)
-        except ValueError as e:
-            if EXTRA_CONFIG_FLAG in str(e):
-                raise
-            raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} does not parse: {e}") from None
-        except Exception as e:  # noqa: BLE001 - yaml's own errors
-            raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} does not parse: {e}") from None
+        source = f"the file {value[1:]!r}"
+        parsed = _load_config_file(value[1:], source)
     else:
+        source = "the JSON string"
         try:
-            parsed = json.loads(text)
+            parsed = json.loads(value)
         except ValueError as e:
             raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} is not valid JSON: {e}") from None
     if not isinstance(parsed, dict):
@@ -826,6 +721,38 @@ def parse_extra_config(value: Any) -> dict[str, Any]:
             f"{EXTRA_CONFIG_FLAG}: {source} must hold an object, got {type(parsed).__name__}"
         )
     return parsed
+
+
+def _load_config_file(path: str, source: str) -> Any:
+    ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    if ext not in ("json", "toml", "yaml", "yml"):
+        raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: the file must be .json, .toml or .yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{EXTRA_CONFIG_FLAG}=@{path}: cannot read {source}: {e}") from None
+    loads: Any = json.loads
+    if ext == "toml":
+        try:
+            import tomllib
+        except ImportError:
+            raise ValueError(
+                f"{EXTRA_CONFIG_FLAG}=@{path}: .toml needs Python 3.11 (tomllib)"
+            ) from None
+        loads = tomllib.loads
+    elif ext in ("yaml", "yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(
+                f"{EXTRA_CONFIG_FLAG}=@{path}: .yaml needs PyYAML (pip install pyyaml)"
+            ) from None
+        loads = yaml.safe_load
+    try:
+        return loads(text)
+    except Exception as e:  # noqa: BLE001 - each format's own errors
+        raise ValueError(f"{EXTRA_CONFIG_FLAG}: {source} does not parse: {e}") from None
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

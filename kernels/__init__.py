@@ -1,10 +1,6 @@
 """KV transfer kernels between the device pool and the host pool: the whole ``sgl_kernel.kvcacheio``
-surface with SGLang's names, argument order and meaning (:data:`KVCACHEIO_OPS`).
-
-Kernel-backend ops: :mod:`kernels.ops.kvcacheio` (Triton); direct ops: :mod:`kernels.ops.direct`;
-pointer tables: :mod:`kernels.layout.ptr_tables`. A bad slot index raises :class:`KVIndexError`
-naming the op and argument, at the call or when the copy is checked (:func:`watch_copies`).
-Contract: ``docs/DESIGN.md`` section 4 and its appendix.
+surface with SGLang's names, argument order and meaning (:data:`KVCACHEIO_OPS`). A bad slot index
+raises :class:`KVIndexError`, at the call or when the copy is checked (:func:`watch_copies`).
 """
 
 from __future__ import annotations
@@ -81,7 +77,6 @@ __all__ = [
     "watch_copies",
 ]
 
-# Every name of upstream's sgl_kernel.kvcacheio this package provides.
 KVCACHEIO_OPS = tuple(
     name for name in __all__ if name.startswith("transfer_") or name == "get_device_accessible_ptr"
 )

@@ -1,7 +1,6 @@
 """How the kernel-backend KV copy ops address their buffers, as plain data: an :class:`Addressing`
-names each side's layout (one per SGLang op pair), a :class:`KVCopy` a call's arguments by role,
-which the validator, launcher and torch reference all read. The byte address of a slot in each
-layout: ``docs/DESIGN.md`` ("Copy-op addressing").
+names each side's layout, a :class:`KVCopy` a call's arguments by role; the validator, launcher
+and torch reference all read them.
 """
 
 from __future__ import annotations
@@ -20,22 +19,17 @@ PAGE_FIRST: Layout = "page_first"
 PAGE_HEAD: Layout = "page_head"
 TABLE: Layout = "table"
 
-NO_BOUND = 1 << 62
-"""``n_slots`` of a table side whose tables carry no recorded bound
-(:func:`kernels.layout.ptr_tables.table_bound`): its extent is unknown to the kernel."""
+NO_BOUND = 1 << 62  # n_slots of a table side without a recorded bound
 
 
 @dataclass(frozen=True)
 class Addressing:
-    """The layout of each side of an op, and whether it covers all layers or one."""
-
     src: Layout
     dst: Layout
     all_layers: bool  # num_layers layers from 0 (pointer tables); else the one layer layer_id
 
     @property
     def per_head(self) -> bool:
-        """The page_head ops copy one head (``item_size / head_num`` bytes) at a time."""
         return PAGE_HEAD in (self.src, self.dst)
 
 
@@ -50,17 +44,10 @@ TABLE_TO_PH = Addressing(TABLE, PAGE_HEAD, all_layers=True)  # ..._all_layer_lf_
 
 @dataclass(frozen=True)
 class Side:
-    """How one side of a copy is addressed (all sizes in bytes).
-
-    Slot ``t`` of layer ``l``, head ``h`` starts at
-    ``(t // page_size) * page_stride + (t % page_size) * row_stride + l * layer_stride
-    + h * head_stride`` from the buffer base, or from ``table[l]`` when ``is_table`` (then
-    ``layer_stride`` is 0). With ``page_size == 1``, ``page_stride`` is the token stride.
-    ``refs`` holds the K (and V) data tensors, or their per-layer ``data_ptr()`` tables.
-    ``n_slots`` bounds the slot index (tables: the smallest bound recorded with them,
-    ``NO_BOUND`` when one has none). ``table_align``: what the
-    validator learned of each table's entries (empty: ask :mod:`kernels.layout.ptr_tables`).
-    """
+    """How one side of a copy is addressed (bytes). Slot ``t`` of layer ``l``, head ``h`` starts
+    at ``(t // page_size) * page_stride + (t % page_size) * row_stride + l * layer_stride
+    + h * head_stride`` from the buffer base, or from ``table[l]`` when ``is_table``.
+    ``refs``: the K (and V) tensors or their ``data_ptr()`` tables."""
 
     refs: tuple[torch.Tensor, ...]
     is_table: bool
@@ -78,8 +65,7 @@ class Side:
 
 @dataclass(frozen=True)
 class Part:
-    """What one kernel launch copies: K and V together when they share a geometry, else each
-    alone (``src.refs`` and ``dst.refs`` of equal length: 1 or 2)."""
+    """What one kernel launch copies: K and V together when they share a geometry, else each."""
 
     src: Side
     dst: Side
@@ -88,21 +74,14 @@ class Part:
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes copied per (slot, layer, head)."""
         return self.item_size // self.heads
 
 
 @dataclass(frozen=True)
 class KVCopy:
-    """The arguments of one kernel-backend op call, by role.
-
-    ``src`` / ``dst``: ``(K, V)`` (MHA) or ``(buffer,)`` (MLA), tensors or ``data_ptr()`` tables
-    as ``how`` says. ``item_size`` / ``layout_dim``: K's bytes of one token of one layer / of all
-    layers of the page_first or page_head side; ``v_item_size``: V's (``None``: as K).
-    Layers copied: ``layer_id`` (one) for a per-layer op, ``0 .. num_layers - 1`` for an
-    all-layer op. ``page_size`` and ``head_num``: the page_head ops' geometry. ``op``: the op's
-    SGLang name (errors name it).
-    """
+    """The arguments of one kernel-backend op call, by role. ``src`` / ``dst``: ``(K, V)`` or
+    ``(buffer,)`` (MLA). ``item_size`` / ``layout_dim``: K's bytes per token of one layer / of
+    all layers of the page_first or page_head side. ``op``: the SGLang name errors carry."""
 
     how: Addressing
     src: tuple[torch.Tensor, ...]
@@ -122,7 +101,6 @@ class KVCopy:
         return self.head_num if self.how.per_head else 1
 
     def parts(self) -> list[Part]:
-        """One :class:`Part` (K and V alike, or MLA), or two (K, then V of another size)."""
         v_item = v_item_size(self) or self.item_size
         if len(self.src) == 1 or v_item == self.item_size:
             return [self._part(self.src, self.dst, self.item_size)]
@@ -165,23 +143,21 @@ class KVCopy:
 
 
 def buffer_names(side: str, layout: Layout, n_buffers: int) -> tuple[str, ...]:
-    """SGLang's argument names for one side: ``src_k``, ``src_v`` (MHA) or ``src`` (MLA), with
-    ``_layers`` for a pointer table (``src_k_layers``, ``src_layers``)."""
+    """SGLang's argument names for one side: ``src_k``, ``src_v`` or ``src``, + ``_layers`` for
+    a pointer table."""
     suffix = "_layers" if layout == TABLE else ""
     return tuple(f"{side}{kv}{suffix}" for kv in (("_k", "_v") if n_buffers == 2 else ("",)))
 
 
 def tables_bound(tables: tuple[torch.Tensor, ...]) -> int:
-    """The slots every table of a side bounds (the smallest recorded), ``NO_BOUND`` if one has
-    no bound."""
+    """The smallest recorded bound of a side's tables, ``NO_BOUND`` if one has none."""
     bounds = [table_bound(t) if isinstance(t, torch.Tensor) else None for t in tables]
     return NO_BOUND if None in bounds else min(bounds)  # type: ignore[type-var]
 
 
 def token_bytes(layout: Layout, t: torch.Tensor) -> int:
-    """Bytes of one token of one layer held by tensor ``t`` laid out as ``layout``:
-    ``[T, ...]`` (layer_first), ``[T, L, ...]`` (page_first), ``[T / P, H, P, L, D]``
-    (page_head)."""
+    """Bytes of one token of one layer of ``t``: ``[T, ...]`` (layer_first), ``[T, L, ...]``
+    (page_first), ``[T / P, H, P, L, D]`` (page_head)."""
     elem = t.element_size()
     if layout == PAGE_HEAD:
         return t.shape[1] * t.shape[4] * elem
@@ -190,8 +166,8 @@ def token_bytes(layout: Layout, t: torch.Tensor) -> int:
 
 
 def v_item_size(call: KVCopy) -> int | None:
-    """V's bytes of one token of one layer, read from the V tensor of the first tensor side of
-    an MHA op; ``None`` for MLA or when both sides are tables (then V is as K)."""
+    """V's bytes per token of one layer, from the first tensor side's V; ``None`` for MLA or
+    when both sides are tables (then V is as K)."""
     for layout, refs in ((call.how.src, call.src), (call.how.dst, call.dst)):
         if layout != TABLE and len(refs) == 2:
             return token_bytes(layout, refs[1])

@@ -1,5 +1,4 @@
-"""Raw byte views of KV buffers (no copy), shared by the direct ops, the checks and the torch
-reference."""
+"""Raw byte views of KV buffers (no copy)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import torch
 
 
 def row_bytes(t: torch.Tensor) -> int:
-    """Bytes of one slot (one index of dim 0) of ``t``."""
     return math.prod(t.shape[1:]) * t.element_size()
 
 

@@ -1,10 +1,7 @@
 """Per-layer ``data_ptr()`` tables (SGLang's ``k_data_ptrs``) with the alignment and slot bound
-recorded when a table is built (:func:`data_ptr_table`) or read once (:func:`verify_ptr_table`),
-and ``get_device_accessible_ptr``.
-
-The kernel cannot read a table's entries per copy without a synchronization, so it relies only on
-what was recorded: the alignment (16 bytes enables 16-byte accesses) and the bound (indices are
-checked against it). The record carries the table's version counter: an in-place write voids it.
+recorded when a table is built or verified once, and ``get_device_accessible_ptr``. The kernel
+cannot read entries per copy without a synchronization, so it relies on the record; the record
+carries the table's version counter, so an in-place write voids it.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ _ATTR = "_kvcacheio_verified_align"
 
 
 def alignment(*values: int) -> int:
-    """Largest power of two up to 16 (``MAX_ALIGN``) dividing every value (16 for none)."""
+    """Largest power of two up to ``MAX_ALIGN`` dividing every value (16 for none)."""
     g = 0
     for v in values:
         g = math.gcd(g, v)
@@ -55,30 +52,25 @@ def _current(table: torch.Tensor) -> tuple[int, int | None] | None:
 
 
 def table_record(table: torch.Tensor) -> object:
-    """The record attached to ``table`` (``None`` if none): a new object whenever the table is
-    built or verified again, so a cached launch plan can tell its table records changed."""
+    """The record attached to ``table``: a new object per build or verification (plan guards)."""
     return getattr(table, _ATTR, None)
 
 
 def verified_alignment(table: torch.Tensor) -> int:
-    """Alignment recorded for ``table`` when it was built or verified, if it has not been
-    written in place since; else 0 (unknown). Reads no tensor contents."""
+    """Recorded alignment of ``table`` unless written in place since; else 0 (unknown)."""
     rec = _current(table)
     return 0 if rec is None else rec[0]
 
 
 def table_bound(table: torch.Tensor) -> int | None:
-    """Slots every layer of ``table`` holds, as recorded when it was built or verified, if it
-    has not been written in place since; else ``None`` (unknown). Reads no tensor contents."""
+    """Recorded slot bound of ``table`` unless written in place since; else ``None``."""
     rec = _current(table)
     return None if rec is None else rec[1]
 
 
 def data_ptr_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
-    """A uint64 table ``[len(tensors)]`` of ``t.data_ptr()`` on ``device`` (as SGLang builds
-    them), with the entries' alignment and the table's bound (the smallest ``t.shape[0]``: the
-    slots of one layer ``[T, ...]``) recorded. Copies the table to ``device`` (blocking when it
-    is CUDA; done once, when a pool is built)."""
+    """A uint64 table of ``t.data_ptr()`` on ``device`` (as SGLang builds them), its alignment
+    and bound (smallest ``t.shape[0]``) recorded. Blocking on CUDA: build it with the pool."""
     ptrs = [t.data_ptr() for t in tensors]
     table = torch.tensor(ptrs, dtype=torch.uint64, device=device)
     bound = min((t.shape[0] for t in tensors if t.dim() > 0), default=None)
@@ -87,10 +79,8 @@ def data_ptr_table(tensors: Sequence[torch.Tensor], device: torch.device | str) 
 
 
 def verify_ptr_table(table: torch.Tensor, n_slots: int | None = None) -> int:
-    """Read every entry of an existing ``data_ptr()`` table (int64 or uint64) once, record and
-    return its alignment; with ``n_slots`` (slots every layer it points at holds) record that
-    bound too. Synchronizes when ``table`` is on CUDA: call it when the pool is built, not per
-    copy."""
+    """Read an existing int64/uint64 ``data_ptr()`` table once; record and return its alignment,
+    and ``n_slots`` as its bound. Synchronizes on CUDA: call it when the pool is built."""
     if not isinstance(table, torch.Tensor) or table.dtype not in (torch.int64, torch.uint64):
         raise ValueError(f"table must be an int64 or uint64 tensor, got {table!r}")
     if n_slots is not None and (
@@ -107,14 +97,9 @@ def verify_ptr_table(table: torch.Tensor, n_slots: int | None = None) -> int:
 
 
 def get_device_accessible_ptr(tensor: torch.Tensor, device_index: int) -> int:
-    """The address a kernel on device ``device_index`` uses for ``tensor`` (upstream's op).
-
-    A CUDA tensor must be on that device: its ``data_ptr()``. A CPU tensor: on CUDA it must be
-    pinned or ``cudaHostRegister``-ed, and with unified addressing (every 64-bit CUDA platform)
-    its device address equals its host address; without a GPU the interpreted kernels read host
-    memory directly, so its ``data_ptr()`` too. ROCm maps host memory to other addresses: not
-    supported here (``ValueError``).
-    """
+    """The address a kernel on ``device_index`` uses for ``tensor`` (upstream's op): its
+    ``data_ptr()``, a CPU tensor pinned when CUDA exists (unified addressing). ROCm maps host
+    memory elsewhere: ``ValueError``."""
     if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
     if not isinstance(tensor, torch.Tensor):

@@ -1,13 +1,11 @@
-"""Argument validation shared by the kernel wrappers: every failure is a ``ValueError`` that names
-the offending argument.
+"""Argument validation shared by the kernel wrappers: every failure is a ``ValueError`` naming the
+offending argument.
 
-Checks that read tensor contents (index ranges, pointer-table entries) cost nothing on CPU tensors
-and always run there. On CUDA they would synchronize the host with the stream, so they run only
-when debug checks are on (``HICACHE_KERNEL_CHECKS=1`` or :func:`set_debug_checks`); without them
-the kernel skips a pair whose index is past its side's end and records it on the device
-(:mod:`kernels.triton.index_record`): the copy's completion check raises the same
-:class:`kernels.errors.KVIndexError` the host check would have. :func:`device_range_checks`
-gives CPU tensors that CUDA behaviour (tests: the interpreted kernel runs the same masks).
+Checks that read tensor contents (index ranges, table entries) always run on CPU tensors. On CUDA
+they would synchronize, so they run only with debug checks on (``HICACHE_KERNEL_CHECKS=1`` or
+:func:`set_debug_checks`); otherwise the kernel records a bad index on the device and the copy's
+completion check raises the same ``KVIndexError``. :func:`device_range_checks` gives CPU tensors
+that CUDA behaviour (for tests).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kernels.errors import slot_out_of_range
+from kernels.errors import KVIndexError
 from kernels.layout.byte_views import row_bytes
 from kernels.layout.ptr_tables import pointer_alignment, verified_alignment
 
@@ -29,14 +27,12 @@ _debug_checks = os.environ.get("HICACHE_KERNEL_CHECKS", "0") not in ("", "0")
 
 
 def set_debug_checks(enabled: bool) -> None:
-    """Turn on (or off) the synchronizing content checks for CUDA tensors."""
     global _debug_checks
     _debug_checks = bool(enabled)
     logger.info("kernel debug checks %s", "on" if enabled else "off")
 
 
 def debug_checks_enabled() -> bool:
-    """Whether the synchronizing content checks run on CUDA tensors."""
     return _debug_checks
 
 
@@ -45,10 +41,8 @@ _device_ranges = 0  # > 0: CPU tensors' index ranges are left to the kernel, as 
 
 @contextlib.contextmanager
 def device_range_checks() -> Iterator[None]:
-    """Within the block (process-wide: CPU stream threads included), the kernel-backend ops on
-    CPU tensors leave index ranges and table entries unread, as on CUDA without debug checks:
-    a bad index reaches the (interpreted) kernel, which skips the pair and records it. For
-    tests of that path on a machine without CUDA."""
+    """Within the block (process-wide), ops on CPU tensors leave index ranges and table entries
+    unread, as on CUDA without debug checks: the (interpreted) kernel records a bad index."""
     global _device_ranges
     _device_ranges += 1
     try:
@@ -58,8 +52,7 @@ def device_range_checks() -> Iterator[None]:
 
 
 def content_checks(t: torch.Tensor) -> bool:
-    """Whether checks that read ``t``'s contents run for it: always on CPU (unless inside
-    :func:`device_range_checks`), on CUDA only with debug checks on."""
+    """Whether checks that read ``t``'s contents run for it."""
     if t.device.type == "cuda":
         return _debug_checks
     return _debug_checks or not _device_ranges
@@ -79,11 +72,9 @@ def slot_indices(
     page_size: int | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The project's one slot-index validator: ``t`` if it is a 1-D ``torch.int64`` tensor,
-    with ``page_size`` a whole number of pages, with ``device`` on that device type, and with
-    ``n_slots`` every entry in ``[0, n_slots)``; else ``ValueError`` naming ``name``. The range
-    is read only where it costs no host synchronization (CPU tensors; CUDA ones with debug
-    checks on)."""
+    """The project's one slot-index validator: ``t`` if it is 1-D ``torch.int64``, a whole number
+    of pages, on ``device``'s type and within ``[0, n_slots)`` (read only where
+    :func:`content_checks` allows); else ``ValueError`` naming ``name``."""
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
         raise ValueError(f"{name} must be a 1-D torch.int64 tensor")
     if page_size is not None and t.numel() % page_size:
@@ -98,7 +89,7 @@ def slot_indices(
 
 
 def index_pair(src_indices: object, dst_indices: object) -> torch.device:
-    """Both int64, 1-D, same length, same device. Returns that device (where the op runs)."""
+    """Both int64, 1-D, same length, same device. Returns that device."""
     for name, idx in (("src_indices", src_indices), ("dst_indices", dst_indices)):
         if not isinstance(idx, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
@@ -143,8 +134,7 @@ def data_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
 
 
 def same_slots(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, dims: int) -> None:
-    """K and V tensors of one side agree on their first ``dims`` (slot, layer) dimensions; their
-    bytes per token may differ (K head 192, V head 128)."""
+    """K and V of one side agree on their first ``dims`` dimensions (bytes per token may differ)."""
     if a.dim() < dims or b.dim() < dims or a.shape[:dims] != b.shape[:dims]:
         what = "number of slots" if dims == 1 else f"first {dims} dimensions (slots, layers)"
         raise ValueError(
@@ -154,7 +144,6 @@ def same_slots(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor, dims:
 
 
 def layer_first(name: str, t: torch.Tensor, item_size: int) -> int:
-    """``t`` is one layer ``[T, ...]`` with ``item_size`` bytes per slot. Returns ``T``."""
     if row_bytes(t) != item_size:
         raise ValueError(
             f"item_size={item_size} does not match {name}: one slot of shape "
@@ -166,7 +155,7 @@ def layer_first(name: str, t: torch.Tensor, item_size: int) -> int:
 def page_first(
     name: str, t: torch.Tensor, item_size: int, layout_dim: int, layout_dim_name: str
 ) -> tuple[int, int]:
-    """``t`` is a page_first buffer ``[T, L, ...]``. Returns ``(T, L)``."""
+    """Returns ``(T, L)`` of a page_first buffer ``[T, L, ...]``."""
     if t.dim() < 2:
         raise ValueError(f"{name} must be page_first [T, L, ...], got shape {tuple(t.shape)}")
     if row_bytes(t) != layout_dim:
@@ -174,11 +163,7 @@ def page_first(
             f"{layout_dim_name}={layout_dim} does not match {name}: one token across all layers "
             f"of shape {tuple(t.shape[1:])} x {t.element_size()}B is {row_bytes(t)} bytes"
         )
-    if item_size * t.shape[1] != layout_dim:
-        raise ValueError(
-            f"item_size={item_size} does not match {name}: {layout_dim_name}={layout_dim} over "
-            f"{t.shape[1]} layers is {layout_dim / t.shape[1]:g} bytes per layer"
-        )
+    _layers_split(name, item_size, layout_dim, layout_dim_name, t.shape[1])
     return t.shape[0], t.shape[1]
 
 
@@ -191,7 +176,7 @@ def page_head(
     page_size: int,
     head_num: int,
 ) -> tuple[int, int]:
-    """``t`` is a page_head buffer ``[T / P, H, P, L, D]``. Returns ``(T, L)``."""
+    """Returns ``(T, L)`` of a page_head buffer ``[T / P, H, P, L, D]``."""
     if t.dim() != 5:
         raise ValueError(
             f"{name} must be page_head [pages, head_num, page_size, layers, head_dim], "
@@ -210,12 +195,18 @@ def page_head(
             f"{layout_dim_name}={layout_dim} does not match {name}: one token across all layers "
             f"is {per_slot} bytes"
         )
+    _layers_split(name, item_size, layout_dim, layout_dim_name, n_layers)
+    return pages * page_size, n_layers
+
+
+def _layers_split(
+    name: str, item_size: int, layout_dim: int, layout_dim_name: str, n_layers: int
+) -> None:
     if item_size * n_layers != layout_dim:
         raise ValueError(
             f"item_size={item_size} does not match {name}: {layout_dim_name}={layout_dim} over "
             f"{n_layers} layers is {layout_dim / n_layers:g} bytes per layer"
         )
-    return pages * page_size, n_layers
 
 
 def layer_id_in_range(layer_id: object, num_layers: int) -> int:
@@ -227,12 +218,9 @@ def layer_id_in_range(layer_id: object, num_layers: int) -> int:
 
 
 def ptr_table(name: str, table: object, num_layers: int, device: torch.device) -> int:
-    """A 1-D int64/uint64 table of ``num_layers`` ``data_ptr()``s on ``device``.
-
-    Returns the entries' alignment in bytes (a power of two up to 16): read from the entries
-    where that is free (CPU) or when debug checks are on, else the alignment verified when the
-    table was built (:mod:`kernels.layout.ptr_tables`), else 0 (unknown). A null entry raises.
-    """
+    """A 1-D int64/uint64 table of ``num_layers`` ``data_ptr()``s on ``device``. Returns the
+    entries' alignment (power of two up to 16): read where :func:`content_checks` allows, else
+    the one verified when the table was built, else 0 (unknown). A null entry raises."""
     if not isinstance(table, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of data_ptr()s, got {type(table)}")
     if table.dtype not in (torch.int64, torch.uint64):
@@ -257,15 +245,13 @@ def ptr_table(name: str, table: object, num_layers: int, device: torch.device) -
 def indices_in_range(
     name: str, idx: torch.Tensor, n_slots: int, op: str = "", force: bool = False
 ) -> None:
-    """Every index is below ``n_slots`` (negative ones are skipped by the ops, as upstream),
-    else :class:`kernels.errors.KVIndexError` naming ``op`` and ``name``. Reads ``idx`` only
-    where that is free (:func:`content_checks`) or when ``force`` (the torch reference, which
-    synchronizes anyway)."""
+    """Every index below ``n_slots`` (negative ones are skipped), else ``KVIndexError``. Reads
+    ``idx`` only where :func:`content_checks` allows or when ``force``."""
     if idx.numel() == 0 or not (force or content_checks(idx)):
         return
     hi = int(idx.max().item())
     if hi >= n_slots:
-        slot_out_of_range(op, name, hi, n_slots)
+        raise KVIndexError(op, name, hi, n_slots)
 
 
 def layer_lists(src_name: str, src: Sequence[object], dst_name: str, dst: Sequence[object]) -> None:

@@ -1,9 +1,7 @@
 """Direct-backend KV copies (SGLang ``io_backend="direct"``): plain ``copy_`` calls, no kernel, one
-per maximal run of consecutive slots or per (page, layer) block, bytes copied raw (any dtype).
-
-As upstream, the indices are read on the host (a stream synchronization on CUDA), then each copy
-is queued with ``non_blocking=True`` on the current stream. Indices must be in range and
-non-negative: ``ValueError``, or :class:`kernels.errors.KVIndexError` past a side's end.
+per maximal run of consecutive slots or per (page, layer) block, bytes copied raw. As upstream,
+the indices are read on the host (a synchronization on CUDA), then each copy is queued
+``non_blocking``. A negative index is a ``ValueError``; one past a side's end a ``KVIndexError``.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.errors import slot_out_of_range
+from kernels.errors import KVIndexError
 from kernels.layout.byte_views import page_rows, row_bytes, token_rows
 from kernels.ops import checks
 
@@ -35,7 +33,7 @@ def _host_indices(
 
 def _in_range(op: str, name: str, idx: torch.Tensor, n_slots: int) -> None:
     if idx.numel() and int(idx.max()) >= n_slots:
-        slot_out_of_range(op, name, int(idx.max()), n_slots)
+        raise KVIndexError(op, name, int(idx.max()), n_slots)
 
 
 def _runs(s: torch.Tensor, d: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -54,8 +52,8 @@ def _runs(s: torch.Tensor, d: torch.Tensor) -> list[tuple[int, int, int]]:
 def _pages(
     name: str, host_side: torch.Tensor, other: torch.Tensor, page_size: int, other_name: str
 ) -> torch.Tensor:
-    """Start slots of each page group; checks the groups are whole, aligned pages of
-    ``host_side`` and consecutive slots of ``other``."""
+    """Start slots of each page group: whole, aligned pages of ``host_side``, consecutive slots
+    of ``other``."""
     n_pages = host_side.numel() // page_size
     hs = host_side.view(n_pages, page_size)
     os_ = other.view(n_pages, page_size)
@@ -87,8 +85,7 @@ def _page_buffers(name: str, bufs: Sequence[object], page_size: int) -> list[tor
 def _layer_tensors(
     name: str, layers: Sequence[object], widths: Sequence[int] | None
 ) -> list[torch.Tensor]:
-    """``layers`` checked: contiguous tensors ``[T, ...]``, ``layers[i]`` with ``widths[i]``
-    bytes per slot when ``widths`` is given (the other side's)."""
+    """Contiguous tensors ``[T, ...]``, with ``widths[i]`` bytes per slot when given."""
     out = []
     for i, t in enumerate(layers):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or not t.is_contiguous():
@@ -108,24 +105,20 @@ def transfer_kv_direct(
     dst_indices: torch.Tensor,
     page_size: int,
 ) -> None:
-    """``dst_layers[j][d] = src_layers[j][s]``, one ``copy_`` per maximal consecutive run.
-
-    ``src_layers[j]`` ``[T_src, ...]`` and ``dst_layers[j]`` ``[T_dst, ...]`` (device or host,
-    same bytes per slot within a pair; pairs may differ, e.g. K and V of other head sizes) pair up
-    layer by layer (upstream passes all K layers then all V layers).
-    ``len(src_indices)`` must be a multiple of ``page_size``. Mutates ``dst_layers``.
-    """
+    """``dst_layers[j][d] = src_layers[j][s]``, one ``copy_`` per maximal consecutive run. Pairs
+    share bytes per slot (K and V pairs may differ); ``len(src_indices)`` a multiple of
+    ``page_size``."""
     checks.layer_lists("src_layers", src_layers, "dst_layers", dst_layers)
     if len(src_layers) != len(dst_layers):
         raise ValueError(
             f"src_layers and dst_layers must pair up, got {len(src_layers)} and {len(dst_layers)}"
         )
     srcs = _layer_tensors("src_layers", src_layers, None)
-    dsts = _layer_tensors("dst_layers", dst_layers, [row_bytes(s) for s in srcs])
+    width = [row_bytes(t) for t in srcs]
+    dsts = _layer_tensors("dst_layers", dst_layers, width)
     s, d = _host_indices(src_indices, dst_indices, page_size)
     _in_range("transfer_kv_direct", "src_indices", s, min(t.shape[0] for t in srcs))
     _in_range("transfer_kv_direct", "dst_indices", d, min(t.shape[0] for t in dsts))
-    width = [row_bytes(t) for t in srcs]
     rows = [(token_rows(a, w), token_rows(b, w)) for a, b, w in zip(srcs, dsts, width, strict=True)]
     for s0, d0, n in _runs(s, d):
         for src, dst in rows:
@@ -195,15 +188,9 @@ def transfer_kv_per_layer_direct_pf_lf(
     layer_id: int,
     page_size: int,
 ) -> None:
-    """page_first_direct host pool -> device layers, one ``copy_`` per (page, layer) (H2D load).
-
-    ``src_ptrs``: ``[k_buffer, v_buffer]`` (MHA; V may hold fewer bytes per token than K) or
-    ``[kv_buffer]`` (MLA), each
-    ``[P, L, page_size, ...]``. ``dst_ptrs``: the K layer tensors then the V layer tensors
-    ``[T_dev, ...]`` for layers ``layer_id, layer_id + 1, ...`` (upstream passes one layer).
-    ``src_indices`` must name whole host pages; ``dst_indices`` consecutive slots within each
-    page. Mutates ``dst_ptrs``.
-    """
+    """page_first_direct host buffers ``[P, L, page_size, ...]`` (K, V or the MLA one) -> device
+    layer tensors (K layers then V, from ``layer_id``), one ``copy_`` per (page, layer).
+    ``src_indices``: whole host pages; ``dst_indices``: consecutive slots within each page."""
     _page_copies(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, layer_id, to_host=False)
 
 
@@ -214,13 +201,9 @@ def transfer_kv_all_layer_direct_lf_pf(
     dst_indices: torch.Tensor,
     page_size: int,
 ) -> None:
-    """Device layers -> page_first_direct host pool, one ``copy_`` per (page, layer) (D2H).
-
-    ``src_ptrs``: all K layer tensors then all V layer tensors ``[T_dev, ...]`` (MHA), or the
-    latent layers (MLA). ``dst_ptrs``: ``[k_buffer, v_buffer]`` or ``[kv_buffer]``, each
-    ``[P, L, page_size, ...]``. ``dst_indices`` must name whole host pages; ``src_indices``
-    consecutive slots within each page. Mutates ``dst_ptrs``.
-    """
+    """All device layer tensors (K layers then V) -> page_first_direct host buffers, one
+    ``copy_`` per (page, layer). ``dst_indices``: whole host pages; ``src_indices``: consecutive
+    slots within each page."""
     _page_copies(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, 0, to_host=True)
 
 
@@ -231,15 +214,9 @@ def transfer_embedding_ranges_direct(
     dst_starts: Sequence[int],
     lengths: Sequence[int],
 ) -> None:
-    """``dst[dst_starts[i] : + lengths[i]] = src[src_starts[i] : + lengths[i]]`` for each range
-    (upstream's copy of embedding rows between host and device).
-
-    ``src``, ``dst``: contiguous 2-D ``[rows, dim]`` of one dtype and ``dim``; on CUDA exactly one
-    of them is a CUDA tensor (the other host memory, pinned for the copies to be asynchronous);
-    without CUDA both are CPU tensors. The whole plan is checked before the first copy (a bad
-    range raises ``ValueError`` and writes nothing); copies are queued with
-    ``non_blocking=True`` on the current stream. Empty ranges are skipped.
-    """
+    """``dst[dst_starts[i] : + lengths[i]] = src[src_starts[i] : + lengths[i]]`` per range, for
+    contiguous ``[rows, dim]`` tensors, one on CUDA when CUDA exists. Every range is checked
+    before the first copy (a bad one raises ``ValueError`` and writes nothing)."""
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 2-D tensor [rows, dim]")

@@ -1,8 +1,7 @@
-"""Validate one kernel-backend op call (a :class:`kernels.layout.addressing.KVCopy`) and run it: the
-Triton kernel (one launch for K and V, or one each when their sizes differ) or, off the Triton
-path, the torch reference. Every failure is a ``ValueError`` naming the op and the argument,
-raised before anything is written; validated buffers and their launch plans are cached
-(:mod:`kernels.ops.plans`), so a repeated call checks only its indices.
+"""Validate one kernel-backend op call (a ``KVCopy``) and run it: the Triton kernel or, off the
+Triton path, the torch reference. Every failure is a ``ValueError`` naming the op and argument,
+raised before anything is written; launch plans are cached, so a repeated call checks only its
+indices.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ _fallback_logged = False
 
 
 def _runs_triton(device: torch.device) -> bool:
-    """Triton runs compiled on CUDA tensors, interpreted on CPU tensors; else the reference."""
+    """Compiled on CUDA tensors, interpreted on CPU tensors; anything else: the reference."""
     from kernels import TRITON_INTERPRETED
 
     global _fallback_logged
@@ -63,7 +62,7 @@ _SHARED_DIMS = {LAYER_FIRST: 1, PAGE_FIRST: 2, PAGE_HEAD: 4}
 
 
 def _tensor_layers(call: KVCopy, side: str, layout: Layout, name: str, t: torch.Tensor) -> None:
-    """The K tensor of a side has ``item_size`` bytes per token and holds the layers copied."""
+    """The side's K tensor has ``item_size`` bytes per token and holds the layers copied."""
     if layout == LAYER_FIRST:
         checks.layer_first(name, t, call.item_size)
         return
@@ -83,8 +82,7 @@ def _tensor_layers(call: KVCopy, side: str, layout: Layout, name: str, t: torch.
 
 
 def _check_v_item_size(call: KVCopy, ends: list) -> None:
-    """V's bytes per token (MHA, tensor sides; ``KVCopy.parts`` reads them): one value on every
-    side, whole heads."""
+    """V's bytes per token (MHA, tensor sides): one value on every side, whole heads."""
     sizes = {
         names[1]: token_bytes(layout, refs[1])
         for _, layout, names, refs, _ in ends
@@ -98,17 +96,14 @@ def _check_v_item_size(call: KVCopy, ends: list) -> None:
 
 
 def validate(call: KVCopy, block_quota: int, num_warps_per_block: int) -> tuple[KVCopy, list]:
-    """Raise ``ValueError`` naming the first bad argument (index ranges where
-    :func:`kernels.ops.checks.content_checks` reads them); else return the call and the parts to
-    launch."""
+    """Raise ``ValueError`` naming the first bad argument; else return the call and its parts."""
     parts = validate_buffers(call, block_quota, num_warps_per_block)
     check_index_ranges(call, _bounds(parts))
     return call, parts
 
 
 def validate_buffers(call: KVCopy, block_quota: int, num_warps_per_block: int) -> list[Part]:
-    """Everything of :func:`validate` but the index ranges (the indices' type, shape and device
-    included); returns the parts to launch."""
+    """:func:`validate` without the index ranges; returns the parts to launch."""
     device = checks.index_pair(call.src_indices, call.dst_indices)
     checks.positive_int("item_size", call.item_size)
     checks.positive_int("block_quota", block_quota)
@@ -151,8 +146,7 @@ def _bounds(parts: list[Part]) -> tuple[int, int]:
 
 
 def check_index_ranges(call: KVCopy, bounds: tuple[int, int], force: bool = False) -> None:
-    """Every index below its side's slot count (``bounds``; tables: their recorded bound), read
-    where that is free or when ``force``; else :class:`kernels.errors.KVIndexError`."""
+    """Every index below its side's bound, read where that is free or when ``force``."""
     for name, idx, n_slots in (
         ("src_indices", call.src_indices, bounds[0]),
         ("dst_indices", call.dst_indices, bounds[1]),
@@ -171,8 +165,7 @@ def _with_table_aligns(part: Part, aligns: dict[int, int]) -> Part:
 
 
 def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
-    """Validate ``call``, then queue the kernel (or, off the Triton path, run the reference):
-    one launch for K and V, or one each when their sizes differ. A bad argument raises
+    """Validate ``call``, then queue the kernel (or run the reference). A bad argument raises
     ``ValueError`` prefixed with the op's name; a bad index, :class:`KVIndexError`."""
     try:
         device = checks.index_pair(call.src_indices, call.dst_indices)
@@ -200,8 +193,6 @@ def transfer(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
 
 
 def _plan(call: KVCopy, block_quota: int, num_warps_per_block: int) -> Plan:
-    """Validate ``call``'s buffers and plan each part's launch (what :mod:`kernels.ops.plans`
-    caches)."""
     parts = validate_buffers(call, block_quota, num_warps_per_block)
     cache_hints = cache_hints_supported(call.src_indices.device)
     num_warps = resolve_num_warps(num_warps_per_block)

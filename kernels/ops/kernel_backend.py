@@ -1,10 +1,6 @@
 """SGLang's kernel-backend ``kvcacheio`` ops as a table of op specs, and the builder that turns
-the table into the 11 functions with upstream's exact names, parameters, order and defaults.
-
-Each built function names its arguments' roles in a :class:`kernels.layout.addressing.KVCopy`
-and hands it, with ``block_quota`` and ``num_warps_per_block``, to a runner: the validating
-Triton launcher (:mod:`kernels.ops.kvcacheio`) or the torch reference
-(:mod:`kernels.ops.reference`).
+it into the 11 functions with upstream's exact names, parameters, order and defaults; each hands
+a :class:`kernels.layout.addressing.KVCopy` to a runner (Triton launcher or torch reference).
 """
 
 from __future__ import annotations
@@ -30,14 +26,12 @@ from kernels.layout.addressing import (
 DEFAULT_BLOCK_QUOTA = 2
 DEFAULT_NUM_WARPS = 16 if torch.version.hip is not None else 32
 
-Runner = Callable[[KVCopy, int, int], None]
-"""Runs one op call: ``(call, block_quota, num_warps_per_block)``."""
+Runner = Callable[[KVCopy, int, int], None]  # (call, block_quota, num_warps_per_block)
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op: its SGLang name, addressing, MLA (one buffer) or MHA (K and V), and upstream's
-    scalar parameters after the indices, in order."""
+    """One op; ``scalars``: upstream's int parameters after the indices, in order."""
 
     name: str
     how: Addressing
@@ -77,12 +71,10 @@ _FIELDS = {"src_layout_dim": "layout_dim", "dst_layout_dim": "layout_dim"}
 
 
 def build_ops(run: Runner, module: str) -> dict[str, Callable[..., None]]:
-    """Every op of :data:`OP_SPECS` over ``run``, by name, as functions of ``module``."""
     return {spec.name: _build(spec, run, module) for spec in OP_SPECS}
 
 
 def _build(spec: OpSpec, run: Runner, module: str) -> Callable[..., None]:
-    """One op as a real function (exact signature, no per-call binding cost)."""
     src = buffer_names("src", spec.how.src, 1 if spec.mla else 2)
     dst = buffer_names("dst", spec.how.dst, 1 if spec.mla else 2)
     buffers = [name for pair in zip(src, dst, strict=True) for name in pair]

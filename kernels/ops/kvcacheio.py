@@ -1,23 +1,9 @@
-"""The kernel-backend ``kvcacheio`` ops (SGLang's names and signatures, built from
-:data:`kernels.ops.kernel_backend.OP_SPECS`) over the validating Triton launcher
-(:func:`kernels.ops.dispatch.transfer`). Contract: ``docs/DESIGN.md`` ("Copy-op contract").
-"""
+"""The 11 kernel-backend ``kvcacheio`` ops (SGLang's names and signatures, built from
+:data:`kernels.ops.kernel_backend.OP_SPECS`) over the validating Triton launcher."""
 
 from __future__ import annotations
 
 from kernels.ops.dispatch import transfer
 from kernels.ops.kernel_backend import build_ops
 
-_ops = build_ops(transfer, __name__)
-
-transfer_kv_per_layer = _ops["transfer_kv_per_layer"]
-transfer_kv_per_layer_pf_lf = _ops["transfer_kv_per_layer_pf_lf"]
-transfer_kv_per_layer_ph_lf = _ops["transfer_kv_per_layer_ph_lf"]
-transfer_kv_all_layer = _ops["transfer_kv_all_layer"]
-transfer_kv_all_layer_lf_pf = _ops["transfer_kv_all_layer_lf_pf"]
-transfer_kv_all_layer_lf_ph = _ops["transfer_kv_all_layer_lf_ph"]
-transfer_kv_per_layer_mla = _ops["transfer_kv_per_layer_mla"]
-transfer_kv_per_layer_mla_pf_lf = _ops["transfer_kv_per_layer_mla_pf_lf"]
-transfer_kv_per_layer_mla_lf_pf = _ops["transfer_kv_per_layer_mla_lf_pf"]
-transfer_kv_all_layer_mla = _ops["transfer_kv_all_layer_mla"]
-transfer_kv_all_layer_mla_lf_pf = _ops["transfer_kv_all_layer_mla_lf_pf"]
+globals().update(build_ops(transfer, __name__))

@@ -1,7 +1,6 @@
 """Launch plans of the kernel-backend ops, cached per (pool buffers, op, layer, launch shape): a
-call whose plan's guards hold (same tensors, same ``data_ptr()``, same table records) checks only
-its indices. Entries die with their tensors; :func:`clear_plans` drops them all; at most
-``MAX_PLANS`` are kept. Keys and guards: ``docs/DESIGN.md`` ("Launch-plan cache").
+call whose plan's guards hold (same tensors, ``data_ptr()`` and table records) checks only its
+indices. Entries die with their tensors; at most ``MAX_PLANS`` are kept.
 """
 
 from __future__ import annotations
@@ -18,17 +17,13 @@ from kernels.layout.addressing import KVCopy
 from kernels.layout.ptr_tables import table_record, version_counter
 from kernels.triton.launch import PartPlan
 
-__all__ = ["MAX_PLANS", "Plan", "cached_plan", "clear_plans", "plan_count"]
-
-MAX_PLANS = 4096
-"""Entries kept (a 64-layer model with a few pools and ops needs a few hundred)."""
+MAX_PLANS = 4096  # a 64-layer model with a few pools and ops needs a few hundred
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One op call's launch plans (index-independent) and its sides' slot bounds. Holds no
-    reference to the call's tensor objects (only word views of their memory, and the tables),
-    so a cached plan never keeps them alive."""
+    """One op call's index-independent launch plans and slot bounds. Holds no reference to the
+    call's tensor objects (only word views and tables), so it never keeps them alive."""
 
     bounds: tuple[int, int]  # (src, dst) slots; NO_BOUND: a table side without a recorded bound
     launches: tuple[PartPlan, ...]
@@ -61,8 +56,7 @@ def _table_state(t: torch.Tensor) -> tuple:
 
 
 def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] | None:
-    """The call's cache key and the tensor each buffer's identity names (``None``: not
-    cacheable)."""
+    """The call's cache key and each buffer's guarded tensor (``None``: not cacheable)."""
     scalars = (
         call.item_size,
         call.layout_dim,
@@ -73,9 +67,8 @@ def _key(call: KVCopy, block_quota: int, num_warps: int) -> tuple[tuple, list] |
         block_quota,
         num_warps,
     )
-    for v in scalars:
-        if type(v) is not int:
-            return None
+    if any(type(v) is not int for v in scalars):
+        return None
     idents, bases = [], []
     for t in (*call.src, *call.dst):
         ident = _identity(t)
@@ -105,9 +98,8 @@ def _guards_hold(entry: _Entry, call: KVCopy, bases: list) -> bool:
 
 
 def cached_plan(call: KVCopy, block_quota: int, num_warps: int, make: Callable[[], Plan]) -> Plan:
-    """The plan of ``call``: the cached one when its key is known and its guards hold, else
-    ``make()`` (which validates and plans, raising ``ValueError`` for bad arguments), cached
-    when the call's buffers can be keyed."""
+    """The cached plan of ``call`` when its guards hold, else ``make()`` (which validates and may
+    raise ``ValueError``), cached when the call can be keyed."""
     keyed = _key(call, block_quota, num_warps)
     if keyed is not None:
         entry = _cache.get(keyed[0])
@@ -148,12 +140,10 @@ def _dropper(key: tuple) -> Callable[[object], None]:
 
 
 def clear_plans() -> None:
-    """Drop every cached plan (call when buffers change in ways the guards cannot see, e.g.
-    host memory unregistered)."""
+    """Drop every cached plan (when buffers change in ways the guards cannot see)."""
     with _lock:
         _cache.clear()
 
 
 def plan_count() -> int:
-    """Entries cached now."""
     return len(_cache)

@@ -1,8 +1,6 @@
-"""Plain torch reference of the kernel-backend ``kvcacheio`` ops: :func:`copy_kv` over the
-addressing of :mod:`kernels.layout.addressing`, behind the same signatures (the op table of
-:mod:`kernels.ops.kernel_backend`). Tests compare the Triton kernels with it bit for bit, and the
-ops run it off the Triton path. Pairs with a negative index are skipped, as upstream; it may
-synchronize (tables are read on the host) and does no argument validation of its own.
+"""Plain torch reference of the kernel-backend ``kvcacheio`` ops, with the same signatures: tests
+compare the Triton kernels with it bit for bit, and the ops run it off the Triton path. Skips
+pairs with a negative index; may synchronize; validates no arguments of its own.
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ class _CudaBytes:
 
 
 def bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A ``uint8`` tensor of ``nbytes`` aliasing the memory at address ``ptr`` (no copy).
-
-    On CUDA the address may also be a pinned host address (unified addressing).
-    """
+    """A ``uint8`` tensor aliasing ``nbytes`` at ``ptr`` (on CUDA also a pinned host address)."""
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     if device.type == "cuda":
@@ -60,9 +55,7 @@ def _table_base(table: torch.Tensor, layer: int) -> int:
 
 
 def byte_offsets(side: Side, slots: torch.Tensor, layer: int, head: int) -> torch.Tensor:
-    """Byte offset of ``slots`` (int64, CPU), ``head``, ``layer`` from the layer's base (a table
-    entry) or the buffer's base (a tensor), as :class:`kernels.layout.addressing.Side`
-    defines it."""
+    """Byte offsets of ``slots`` (int64, CPU) from the table entry or buffer base (``Side``)."""
     p = side.page_size
     off = (slots // p) * side.page_stride + (slots % p) * side.row_stride + head * side.head_stride
     return off if side.is_table else off + layer * side.layer_stride
@@ -78,9 +71,7 @@ def _flat_bytes(side: Side, ref: torch.Tensor, layer: int, extent: int) -> torch
 
 
 def _word(chunk: int, *sides: Side) -> int:
-    """The widest run of bytes that divides the chunk and every stride of both sides, so every
-    copied chunk is a whole number of such words at word-aligned offsets (from the side's
-    base): the copy then gathers words, not single bytes."""
+    """The widest word dividing the chunk and every stride: the copy gathers words, not bytes."""
     g = chunk
     for side in sides:
         for stride in side.strides():
@@ -89,15 +80,13 @@ def _word(chunk: int, *sides: Side) -> int:
 
 
 def _words(flat: torch.Tensor, width: int) -> torch.Tensor:
-    """``flat`` (1-D uint8) as ``[n, width]`` rows, the tail shorter than a row dropped."""
+    """``flat`` (1-D uint8) as ``[n, width]`` rows, a partial tail dropped."""
     return flat[: flat.numel() // width * width].view(-1, width)
 
 
 def copy_kv(call: KVCopy) -> None:
-    """Every kernel-backend op: ``dst[d] = src[s]`` in ``call``'s addressing, for each layer it
-    covers, K then V (or the MLA buffer), head by head for the page_head ops. A table side spans
-    the largest offset it is given. Bytes move in words of the width :func:`_word` finds (the
-    whole chunk when every offset is a multiple of it)."""
+    """Every kernel-backend op: ``dst[d] = src[s]`` in ``call``'s addressing, per layer, K then V,
+    head by head for the page_head ops. A table side spans the largest offset it is given."""
     s, d = (t.cpu() for t in _valid_pairs(call.src_indices, call.dst_indices))
     if s.numel() == 0:
         return
@@ -118,20 +107,7 @@ def copy_kv(call: KVCopy) -> None:
 
 
 def _run(call: KVCopy, block_quota: int, num_warps_per_block: int) -> None:
-    """The reference of one op call; the launch shape does not apply."""
     copy_kv(call)
 
 
-_ops = build_ops(_run, __name__)
-
-transfer_kv_per_layer = _ops["transfer_kv_per_layer"]
-transfer_kv_per_layer_pf_lf = _ops["transfer_kv_per_layer_pf_lf"]
-transfer_kv_per_layer_ph_lf = _ops["transfer_kv_per_layer_ph_lf"]
-transfer_kv_all_layer = _ops["transfer_kv_all_layer"]
-transfer_kv_all_layer_lf_pf = _ops["transfer_kv_all_layer_lf_pf"]
-transfer_kv_all_layer_lf_ph = _ops["transfer_kv_all_layer_lf_ph"]
-transfer_kv_per_layer_mla = _ops["transfer_kv_per_layer_mla"]
-transfer_kv_per_layer_mla_pf_lf = _ops["transfer_kv_per_layer_mla_pf_lf"]
-transfer_kv_per_layer_mla_lf_pf = _ops["transfer_kv_per_layer_mla_lf_pf"]
-transfer_kv_all_layer_mla = _ops["transfer_kv_all_layer_mla"]
-transfer_kv_all_layer_mla_lf_pf = _ops["transfer_kv_all_layer_mla_lf_pf"]
+globals().update(build_ops(_run, __name__))

@@ -1,12 +1,9 @@
 """Plug this project's kvcacheio kernels into a running SGLang: one :func:`install` call.
 
-It checks everything it will touch first (an unknown SGLang gets one ``ValueError`` naming its
-version, and nothing is patched), then: registers a minimal ``sgl_kernel.kvcacheio`` when
-sgl-kernel is absent, else rebinds the ops on it; imports SGLang's host-pool modules and rebinds
-every kvcacheio name they import at module level (:mod:`kernels.sglang.rebind` reads which);
-with ``route_around_jit`` rebinds SGLang's JIT predicates to ``False``; with ``warm`` runs
-:func:`warm_up`. :meth:`SGLangKernels.uninstall` restores every binding exactly. Imports nothing
-of SGLang at import time.
+It checks everything first (an unknown SGLang gets one ``ValueError`` naming its version, and
+nothing is patched), then registers a minimal ``sgl_kernel.kvcacheio`` (or rebinds sgl-kernel's),
+rebinds the names SGLang's host-pool modules import, optionally routes around the JIT kernels
+and warms up. :meth:`SGLangKernels.uninstall` restores every binding exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from typing import Any
 
 from kernels import KVCACHEIO_OPS
 from kernels.sglang.rebind import Binding, plan_rebinding, required_names
-from kernels.sglang.warm_up import WarmUpReport, verify_pool_tables, warm_up
+from kernels.sglang.warm_up import HOST_POOL_JIT_FLAGS, WarmUpReport, verify_pool_tables, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +38,8 @@ __all__ = [
 ]
 
 KVCACHEIO_NAMES: tuple[str, ...] = KVCACHEIO_OPS
-"""The ``sgl_kernel.kvcacheio`` surface this module supplies: every op :mod:`kernels` provides."""
 
-
+# Host-pool module layouts: name -> modules that must import kvcacheio ops (first found is used).
 MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
     # MHA / MLA host pools split into a package (0.5.17 ... 0.5.23 at least).
     "pool_host": (
@@ -53,15 +49,9 @@ MODULE_LAYOUTS: dict[str, tuple[str, ...]] = {
     # Every host pool in one module (0.5.14 and earlier).
     "memory_pool_host": ("sglang.srt.mem_cache.memory_pool_host",),
 }
-"""The host-pool module layouts this module recognises: layout name -> modules that must import
-kvcacheio ops. The first layout whose modules all exist is used."""
-
-
-HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
 
 
 def sglang_version() -> str:
-    """The installed SGLang's version (``"unknown"`` when it has no distribution metadata)."""
     try:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
@@ -70,7 +60,6 @@ def sglang_version() -> str:
 
 
 def provided_ops() -> dict[str, Any]:
-    """This project's ops by SGLang name (only the names :mod:`kernels` defines)."""
     import kernels
 
     return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
@@ -78,7 +67,7 @@ def provided_ops() -> dict[str, Any]:
 
 @dataclass
 class SGLangKernels:
-    """The handle :func:`install` returns. Read-only record of what was patched."""
+    """What :func:`install` patched; the handle that undoes it."""
 
     sglang_version: str
     layout: str
@@ -94,7 +83,7 @@ class SGLangKernels:
     installed: bool = True
 
     def uninstall(self) -> None:
-        """Restore every binding and remove registered modules. A second call does nothing."""
+        """Restore every binding and remove registered modules (idempotent)."""
         global _ACTIVE
         if not self.installed:
             return
@@ -113,7 +102,6 @@ class SGLangKernels:
         logger.info("sglang_compat: uninstalled (SGLang %s)", self.sglang_version)
 
     def warm_up(self, host_pool: Any, device_pool: Any) -> WarmUpReport:
-        """:func:`warm_up` one pair, recorded in :attr:`warm`."""
         report = warm_up(host_pool, device_pool)
         self.warm.calls += report.calls
         self.warm.skipped += report.skipped
@@ -125,7 +113,6 @@ _ACTIVE: SGLangKernels | None = None
 
 
 def active() -> SGLangKernels | None:
-    """The installed handle, if any."""
     return _ACTIVE
 
 
@@ -153,12 +140,9 @@ def _find_layout(version: str) -> str:
 
 
 def _fake_sgl_kernel(ops: dict[str, Any]) -> dict[str, types.ModuleType]:
-    """A minimal ``sgl_kernel`` package whose ``kvcacheio`` holds ``ops`` (not yet registered)."""
     pkg = types.ModuleType("sgl_kernel")
     pkg.__path__ = []
-    pkg.__doc__ = "Stand-in registered by kernels.sglang.compat: only kvcacheio is provided."
     io = types.ModuleType("sgl_kernel.kvcacheio")
-    io.__doc__ = "This project's kvcacheio ops (kernels.sglang.compat)."
     for name, fn in ops.items():
         setattr(io, name, fn)
     io.__all__ = sorted(ops)
@@ -173,13 +157,8 @@ def install(
     host_pools: Iterable[Any] = (),
     warm: Iterable[tuple[Any, Any]] = (),
 ) -> SGLangKernels:
-    """Plug this project's kernels into SGLang (see the module docstring). Returns the handle.
-
-    ``host_pools``: already built SGLang host pools whose JIT flags to clear (with
-    ``route_around_jit``). ``warm``: ``(host_pool, device_pool)`` pairs to :func:`warm_up`.
-    Raises ``ValueError`` naming the SGLang version when its modules are not recognised; nothing
-    is patched then.
-    """
+    """Plug this project's kernels into SGLang. ``host_pools``: built SGLang host pools whose JIT
+    flags to clear (with ``route_around_jit``); ``warm``: ``(host_pool, device_pool)`` pairs."""
     global _ACTIVE
     host_pools, warm = list(host_pools), list(warm)
     options = (bool(route_around_jit), bool(import_modules))

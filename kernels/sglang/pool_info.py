@@ -1,9 +1,5 @@
-"""Describe this project's device pools in SGLang's own terms, for SGLang versions whose host pools
-take a buffer description instead of the device pool (0.5.23: ``MHABufferInfo`` /
-``MLABufferInfo`` from ``sglang.srt.mem_cache.device_pool_info``).
-
-Imports SGLang only when called; imports nothing of this project.
-"""
+"""This project's device pools as SGLang 0.5.23's buffer descriptions (``device_pool_info``), for
+host pools that take one instead of the device pool. Imports SGLang only when called."""
 
 from __future__ import annotations
 
@@ -11,15 +7,8 @@ from typing import Any
 
 
 def sglang_buffer_info(device_pool: Any) -> Any:
-    """SGLang's ``MHABufferInfo`` (pool with ``k_buffer``) or ``MLABufferInfo`` (pool with
-    ``kv_buffer``) over ``device_pool``'s own tensors and pointer tables (no copy).
-
-    Reads the attributes SGLang's device pools carry: ``k_buffer`` / ``v_buffer`` (per-layer
-    ``[T, H, D]`` / ``[T, H, Dv]`` views), ``k_data_ptrs`` / ``v_data_ptrs``, ``head_num``,
-    ``head_dim``, ``v_head_dim``, ``page_size``, ``store_dtype``; for MLA ``kv_buffer``,
-    ``data_ptrs``, ``layer_num``, ``kv_lora_rank``, ``qk_rope_head_dim``, ``kv_cache_dim``.
-    Raises ``ImportError`` when the installed SGLang has no ``device_pool_info`` module.
-    """
+    """``MHABufferInfo`` (pool with ``k_buffer``) or ``MLABufferInfo`` over the pool's own tensors
+    and pointer tables (no copy); ``ImportError`` when SGLang has no ``device_pool_info``."""
     from sglang.srt.mem_cache import device_pool_info as info
 
     if hasattr(device_pool, "k_buffer"):
@@ -55,8 +44,7 @@ def sglang_buffer_info(device_pool: Any) -> Any:
 
 
 def sglang_device_pool_infos(device_pool: Any) -> tuple[Any, ...]:
-    """SGLang 0.5.23's ``get_device_pool_infos()`` of ``device_pool``: one ``DevicePoolInfo`` of
-    the KV pool (``PoolName.KV`` for both names, ``model_layer_ids``, ``sglang_buffer_info``)."""
+    """SGLang 0.5.23's ``get_device_pool_infos()``: one ``DevicePoolInfo`` of the KV pool."""
     from sglang.srt.mem_cache.device_pool_info import DevicePoolInfo
     from sglang.srt.mem_cache.hicache_storage import PoolName
 

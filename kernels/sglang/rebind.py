@@ -1,14 +1,7 @@
-"""What :func:`kernels.sglang.compat.install` rebinds in SGLang's modules, read from their source.
-
-SGLang imports the kvcacheio ops under platform ``if`` branches, so on a machine without CUDA
-those imports never ran: the names each module imports (from ``sgl_kernel.kvcacheio`` or 0.5.23's
-``_kvcacheio``, and the JIT predicates) are read from its source text (:func:`imported_names`,
-:func:`module_source`). :func:`required_names` checks a host-pool module the installer needs;
-:func:`plan_rebinding` lists every :class:`Binding` (one name on one module, with what it held,
-so it can be restored exactly) for the required modules and the other imported modules under
-:data:`SCANNED_PACKAGE`. Nothing is applied here.
-
-Imports nothing of SGLang or of this project.
+"""What :func:`kernels.sglang.compat.install` rebinds in SGLang's modules, read from their source:
+SGLang imports the kvcacheio ops under platform ``if`` branches that never ran on a machine
+without CUDA, so the names are read from the text. :func:`plan_rebinding` lists every
+:class:`Binding`; nothing is applied here. Imports nothing of SGLang or of this project.
 """
 
 from __future__ import annotations
@@ -21,18 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "JIT_PREDICATES",
-    "JIT_SOURCES",
-    "KVCACHEIO_SOURCES",
-    "SCANNED_PACKAGE",
-    "Binding",
-    "imported_names",
-    "module_source",
-    "plan_rebinding",
-    "required_names",
-]
-
 KVCACHEIO_SOURCES: tuple[str, ...] = (
     "sgl_kernel.kvcacheio",
     "sglang.srt.mem_cache.pool_host._kvcacheio",  # 0.5.23's per-op binding module (XPU)
@@ -43,29 +24,22 @@ JIT_SOURCES: tuple[str, ...] = (
 )
 JIT_PREDICATES: tuple[str, ...] = ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel")
 
-SCANNED_PACKAGE = "sglang.srt.mem_cache."
-"""Other already-imported modules under this package that import kvcacheio ops are rebound too."""
+SCANNED_PACKAGE = "sglang.srt.mem_cache."  # other imported modules here are rebound too
 
 _ABSENT = object()
+Names = dict[str, tuple[str, ...]]  # module -> names
 
 
 def _false_predicate(*args: Any, **kwargs: Any) -> bool:
-    """Stands for SGLang's JIT predicates when routing around the JIT kernels."""
     return False
 
 
 def imported_names(
     source: str, sources: Sequence[str], only_ops: bool = True, module_level: bool = False
 ) -> set[str]:
-    """Names a module's ``source`` text imports from any of ``sources`` (``from X import a, b``), at
-    any nesting (SGLang's imports sit under platform ``if`` branches, so on a machine without CUDA
-    they never ran: the names are read from the text, not from the module's globals).
-
-    From a module other than ``sgl_kernel.kvcacheio`` itself (0.5.23's ``_kvcacheio`` also exports
-    helpers such as ``require_kvcacheio_ops``), only op names count: ``transfer_*`` and
-    ``get_device_accessible_ptr`` (``only_ops=False`` keeps every name). ``module_level=True``:
-    only imports that bind module globals (not those inside a function or class body).
-    """
+    """Names ``source`` imports from any of ``sources``, at any nesting. From a module other than
+    ``sgl_kernel.kvcacheio`` (0.5.23's ``_kvcacheio`` also exports helpers) only op names count,
+    unless ``only_ops=False``. ``module_level``: only imports that bind module globals."""
     names: set[str] = set()
     for node in _import_nodes(ast.parse(source), module_level):
         if node.module in sources and node.level == 0:
@@ -79,7 +53,6 @@ _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
 
 def _import_nodes(tree: ast.AST, module_level: bool) -> list[ast.ImportFrom]:
-    """Every ``from ... import`` of ``tree``; with ``module_level``, not those in a new scope."""
     if not module_level:
         return [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     out: list[ast.ImportFrom] = []
@@ -99,10 +72,7 @@ def _is_op(name: str) -> bool:
 
 
 def module_source(name: str) -> str:
-    """The source text of module ``name`` (imported or not; importing its parent packages).
-
-    Raises ``ValueError`` when it cannot be found or read.
-    """
+    """The source text of module ``name``, imported or not; ``ValueError`` if unreadable."""
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None) if module is not None else None
     if path is None:
@@ -122,7 +92,7 @@ def module_source(name: str) -> str:
 
 @dataclass
 class Binding:
-    """One name to set on one namespace (module or object), with what it held before."""
+    """One name to set on a module or object, with what it held before (restored exactly)."""
 
     target: Any
     name: str
@@ -166,24 +136,18 @@ def plan_rebinding(
     required_names: dict[str, set[str]],
     ops: dict[str, Any],
     route_around_jit: bool,
-) -> tuple[
-    dict[str, tuple[str, ...]],
-    dict[str, tuple[str, ...]],
-    dict[str, tuple[str, ...]],
-    list[Binding],
-]:
-    """Every module binding to apply: the required modules, then other imported modules under
-    :data:`SCANNED_PACKAGE` whose kvcacheio imports this project covers (others are skipped).
-    Only names imported at module level are bound; names imported inside functions resolve
-    through ``sgl_kernel.kvcacheio`` when called (returned per module, third)."""
+) -> tuple[Names, Names, Names, list[Binding]]:
+    """Bindings for the required modules, then for other imported modules under
+    ``SCANNED_PACKAGE`` whose kvcacheio imports this project covers. Only module-level imports
+    are bound; names imported inside functions resolve at call (returned third)."""
     others = sorted(
         name
         for name, mod in list(sys.modules.items())
         if name.startswith(SCANNED_PACKAGE) and name not in required_names and mod is not None
     )
-    patched: dict[str, tuple[str, ...]] = {}
-    skipped: dict[str, tuple[str, ...]] = {}
-    at_call: dict[str, tuple[str, ...]] = {}
+    patched: Names = {}
+    skipped: Names = {}
+    at_call: Names = {}
     bindings: list[Binding] = []
     for name in [*required_names, *others]:
         module = sys.modules[name]
@@ -219,7 +183,7 @@ def plan_rebinding(
 
 
 def _mentions_kvcacheio(module: types.ModuleType) -> bool:
-    """Cheap filter before parsing a module: does its source file mention kvcacheio at all?"""
+    """Cheap filter before parsing a module's source."""
     path = getattr(module, "__file__", None)
     if not path or not path.endswith(".py"):
         return False

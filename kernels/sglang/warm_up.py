@@ -1,7 +1,5 @@
-"""Warm-up for SGLang host pools running this project's kernels: :func:`warm_up` compiles every
-Triton variant a host/device pool pair will launch before the scheduler loop, and
-:func:`verify_pool_tables` records the alignment and bound of the pointer tables SGLang built.
-"""
+"""Warm-up for SGLang host pools running this project's kernels: compile every Triton variant a
+pool pair will launch, and record the alignment and bound of the pointer tables SGLang built."""
 
 from __future__ import annotations
 
@@ -10,11 +8,13 @@ from typing import Any
 
 import torch
 
+HOST_POOL_JIT_FLAGS: tuple[str, ...] = ("can_use_jit", "can_use_write_back_jit")
+
 
 @dataclass
 class WarmUpReport:
-    """What :func:`warm_up` ran: ``(host pool class, layout, call)`` rows, what it skipped, and
-    the pointer tables it verified: ``(owner class, attribute, alignment in bytes)``."""
+    """``(host pool class, layout, call)`` rows run and skipped; tables verified as
+    ``(owner class, attribute, alignment in bytes)``."""
 
     calls: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
@@ -22,20 +22,13 @@ class WarmUpReport:
 
 
 def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
-    """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes.
-
-    Verifies the pools' pointer tables first (:func:`verify_pool_tables`), then drives SGLang's
-    own dispatch (``load_to_device_per_layer`` for every layer, ``backup_from_device_all_layer``)
-    with the ``kernel`` io backend and indices of ``-1``, which the kernels skip: each launch
-    compiles exactly the variant the real calls will use. Skips layouts the ``kernel`` backend
-    does not serve and host pools on SGLang's JIT kernels (``can_use_jit``).
-    """
+    """Launch every kernel variant ``host_pool`` will use with ``device_pool``, moving no bytes:
+    SGLang's own dispatch with the ``kernel`` io backend and indices of ``-1`` (skipped by the
+    kernel). Skips layouts the kernel backend does not serve and pools on SGLang's JIT kernels."""
     report = WarmUpReport()
     pool_name = type(host_pool).__name__
     layout = str(getattr(host_pool, "layout", "?"))
-    if getattr(host_pool, "can_use_jit", False) or getattr(
-        host_pool, "can_use_write_back_jit", False
-    ):
+    if any(getattr(host_pool, flag, False) for flag in HOST_POOL_JIT_FLAGS):
         report.skipped.append((pool_name, layout, "SGLang JIT kernels in use (can_use_jit)"))
         return report
     if layout not in ("layer_first", "page_first", "page_head"):
@@ -56,11 +49,8 @@ def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
 
 
 def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
-    """Verify (:func:`kernels.verify_ptr_table`) every not yet verified pointer table the pools
-    hold (attributes ending in ``ptrs``: 1-D int64/uint64 tensors), with its bound when every
-    entry is a per-layer tensor the pools hold. Reads each table (synchronizes on CUDA): call at
-    pool build time. Returns ``(owner class, attribute, alignment in bytes)`` per table.
-    """
+    """Verify every unverified pointer table (``*ptrs`` attributes) the pools hold, with its bound
+    when every entry is a per-layer tensor they hold. Synchronizes on CUDA: call at build time."""
     from kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
 
     out: list[tuple[str, str, int]] = []
@@ -78,9 +68,7 @@ def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
 
 
 def _layer_slots(pools: tuple[Any, ...]) -> dict[int, int]:
-    """``data_ptr() -> slots`` of every per-layer tensor the pools hold in a list or tuple
-    attribute (SGLang's device ``k_buffer``, its host pools' ``k_data_refs``, ...). A tensor
-    attribute is not split: which of its dimensions is the layer is not known here."""
+    """``data_ptr() -> slots`` of every tensor the pools hold in a list or tuple attribute."""
     slots: dict[int, int] = {}
     for pool in pools:
         for value in getattr(pool, "__dict__", {}).values():
@@ -93,7 +81,7 @@ def _layer_slots(pools: tuple[Any, ...]) -> dict[int, int]:
 
 
 def _bound(table: torch.Tensor, slots: dict[int, int]) -> int | None:
-    """The slots every entry of ``table`` holds (``None`` unless all are known layers)."""
+    """The slots every entry of ``table`` holds (``None`` unless all are known)."""
     entries = [p & ((1 << 64) - 1) for p in table.view(torch.int64).cpu().tolist()]
     known = [slots.get(p) for p in entries]
     return None if not known or None in known else min(known)  # type: ignore[type-var]

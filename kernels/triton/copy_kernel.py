@@ -1,13 +1,9 @@
-"""One Triton gather/scatter kernel for every kernel-backend KV copy (addressing:
-:class:`kernels.layout.addressing.Side`; sizing: ``docs/DESIGN.md`` section 8).
+"""One Triton gather/scatter kernel for every kernel-backend KV copy (sizing: ``docs/DESIGN.md``).
 
-A row is one (slot, head) pair moving ``CHUNK_WORDS`` raw words per layer. A block is
-``[NCHUNK, ROWS, COLS]`` words (``COLS`` at most one warp of 16-byte vectors; a longer row takes
-``GROUPS`` blocks), so each thread holds ``NCHUNK`` vectors of one row. At most ``block_quota``
-programs walk the tiles in a grid-stride loop, every layer (K, then V) per tile; address math is
-64-bit. A pair with a negative index is skipped (as upstream); one at or past its side's slot
-count is skipped and recorded (:mod:`kernels.triton.index_record`), never read or written out of
-bounds. :mod:`kernels.triton.launch` chooses the word, hints and tile and launches it.
+A row is one (slot, head) pair moving ``CHUNK_WORDS`` raw words per layer; a block is
+``[NCHUNK, ROWS, COLS]`` words. At most ``block_quota`` programs walk the tiles in a grid-stride
+loop, every layer (K, then V) per tile, with 64-bit address math. A pair with a negative index is
+skipped (as upstream); one past its side's slot count is skipped and recorded, never accessed.
 """
 
 from __future__ import annotations
@@ -106,12 +102,8 @@ def _copy_layer(
             tl.store(dst_ptrs, x, mask=mask)
 
 
-# Per-call sizes are not specialized on (value 1, multiple of 16): that would compile a new
-# variant per call shape; strides stay specialized, their alignment feeds vectorization.
-# The index tensors are not specialized on 16-byte alignment either: an allocator's index slices
-# start at any multiple of 8 bytes, and each alignment would compile (on CUDA, on the thread that
-# launches) a variant of its own. Only the small index loads could use that hint; the data
-# accesses take theirs from the row pointers (``_row_pointers``).
+# Per-call sizes and the index tensors (slices start at any multiple of 8 bytes) are not
+# specialized on: each value would compile a variant. Strides are; their alignment vectorizes.
 @triton.jit(
     do_not_specialize=[
         "src_idx_ptr",
@@ -241,6 +233,3 @@ def kv_copy_kernel(
                     COLS,
                     CACHE_HINTS,
                 )
-
-
-__all__ = ["kv_copy_kernel"]

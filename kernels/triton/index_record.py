@@ -1,13 +1,11 @@
 """Out-of-range slot indices found by the copy kernel: recorded on the device with no host
 synchronization, reported when the copy's completion is checked.
 
-Each launch names a record slot of four int64 words (source code, destination code, a bad source
-index, a bad destination index) in a per-device buffer both sides reach without a copy (pinned
-host memory on CUDA, a CPU tensor otherwise). A copy whose completion is checked runs its ops
-inside ``with watch_copies(device):`` on the launching thread, and ``watch.check()`` (after its
-event synchronized) raises :class:`kernels.errors.KVIndexError` and frees the slot. Launches
-outside any watch share the device's slot 0 (:func:`check_unwatched_index_errors`). A watch never
-checked keeps its slot, so a late write cannot land in a slot given to another copy.
+Each launch names a record slot of four int64 words in a per-device buffer both sides reach
+without a copy (pinned host memory on CUDA). A copy runs its ops inside ``with
+watch_copies(device):``; ``watch.check()`` (after its event synchronized) raises ``KVIndexError``
+and frees the slot. Launches outside any watch share slot 0 (:func:`check_unwatched_index_errors`).
+A watch never checked keeps its slot, so a late write cannot land in another copy's slot.
 """
 
 from __future__ import annotations
@@ -24,17 +22,12 @@ from kernels.errors import KVIndexError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CopyWatch", "LaunchSlot", "check_unwatched_index_errors", "launch_slot", "watch_copies"]
-
 WORDS = 4  # per slot: src code, dst code, a bad src index, a bad dst index
-CHUNK_SLOTS = 1024
-"""Slots per buffer chunk (32 KiB); slot 0 of a device's first chunk is the shared one."""
+CHUNK_SLOTS = 1024  # per buffer chunk (32 KiB); slot 0 of a device's first chunk is shared
 _SIDES = (("src_indices", 0, 2), ("dst_indices", 1, 3))  # argument, code word, value word
 
 
 class LaunchSlot(NamedTuple):
-    """What one launch passes the kernel: the record buffer, its slot, the launch's code."""
-
     buffer: torch.Tensor  # int64 [CHUNK_SLOTS * WORDS], pinned host memory on CUDA
     slot: int
     code: int
@@ -48,8 +41,6 @@ class _Chunk:
 
 @dataclass
 class _DeviceRecord:
-    """The record buffers of one device and their free slots."""
-
     device: torch.device
     chunks: list[_Chunk] = field(default_factory=list)
     free: list[tuple[int, int]] = field(default_factory=list)  # (chunk, slot)
@@ -85,15 +76,14 @@ def _record(device: torch.device) -> _DeviceRecord:
 
 
 def _key(device: torch.device) -> torch.device:
-    """Devices are keyed with an explicit index (``cuda`` and ``cuda:0`` are one record)."""
+    """``cuda`` and ``cuda:0`` are one record."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
 def _report(words: np.ndarray, base: int, describe: object) -> KVIndexError | None:
-    """The error recorded in the slot at ``words[base:]`` (``None`` when it is clean);
-    ``describe(code)`` -> ``(op, src_slots, dst_slots)``."""
+    """The error recorded at ``words[base:]``, if any; ``describe(code)`` -> ``(op, src, dst)``."""
     for argument, code_word, value_word in _SIDES:
         code = int(words[base + code_word])
         if code:
@@ -110,8 +100,7 @@ def _report(words: np.ndarray, base: int, describe: object) -> KVIndexError | No
 
 
 class CopyWatch:
-    """The launches of one copy (see the module docstring). Use as ``with watch:`` around the
-    op calls, then ``check()`` once the copy finished."""
+    """The launches of one copy: ``with watch:`` around the op calls, ``check()`` once done."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = _key(torch.device(device))
@@ -134,21 +123,17 @@ class CopyWatch:
         _local.stack.pop()
 
     def add(self, op: str, src_slots: int, dst_slots: int) -> LaunchSlot:
-        """Register one launch; returns what it passes the kernel."""
         self._launches.append((op, src_slots, dst_slots))
         chunk = self._rec.chunks[self._chunk]
         return LaunchSlot(chunk.buffer, self._slot, len(self._launches))
 
     @property
     def launches(self) -> int:
-        """Launches made under this watch so far."""
         return len(self._launches)
 
     def check(self) -> None:
-        """Raise :class:`KVIndexError` if a launch of this copy skipped a pair for an
-        out-of-range index; give the slot back either way (a second call does nothing). Call it
-        only after every launch of the copy finished (its event synchronized): the slot is
-        cleared and may serve another copy at once."""
+        """Raise ``KVIndexError`` if a launch skipped an out-of-range pair; free the slot either
+        way (idempotent). Only after every launch finished: the slot may serve another copy."""
         if self._checked:
             return
         self._checked = True
@@ -163,13 +148,11 @@ class CopyWatch:
 
 
 def watch_copies(device: torch.device | str) -> CopyWatch:
-    """A :class:`CopyWatch` for copies launched on ``device`` (the indices' device)."""
     return CopyWatch(torch.device(device))
 
 
 def launch_slot(device: torch.device, op: str, src_slots: int, dst_slots: int) -> LaunchSlot:
-    """The record slot a launch on ``device`` passes the kernel: the innermost watch of this
-    thread on that device, else the device's shared slot 0."""
+    """This thread's innermost watch on ``device``, else the device's shared slot 0."""
     device = _key(device)
     stack = getattr(_local, "stack", None)
     if stack:
@@ -191,9 +174,8 @@ def launch_slot(device: torch.device, op: str, src_slots: int, dst_slots: int) -
 
 
 def check_unwatched_index_errors(device: torch.device | str) -> None:
-    """Raise :class:`KVIndexError` if a launch on ``device`` made outside any watch skipped a
-    pair for an out-of-range index since the last call; clears the record either way. Reads
-    host memory only: call it after those copies finished (e.g. after a synchronization)."""
+    """Raise ``KVIndexError`` if an unwatched launch on ``device`` skipped an out-of-range pair
+    since the last call; clears the record. Call after those copies finished."""
     device = _key(torch.device(device))
     rec = _records.get(device)
     if rec is None:

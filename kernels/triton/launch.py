@@ -1,8 +1,6 @@
-"""How :func:`kernels.triton.copy_kernel.kv_copy_kernel` is launched for one :class:`Part`: the copy
-word, the 16-byte alignment hints, the tile shape, the grid (at most ``block_quota`` programs) and
-the launch on the indices' device and current stream. :func:`plan_part` computes what does not
-depend on the indices (cached by :mod:`kernels.ops.plans`); :func:`launch_for` adds the indices,
-grid and index-record slot per call.
+"""How ``kv_copy_kernel`` is launched for one :class:`Part`: copy word, 16-byte alignment hints,
+tile shape, grid and stream. :func:`plan_part` computes what does not depend on the indices
+(cached by :mod:`kernels.ops.plans`); :func:`launch_for` adds the indices per call.
 """
 
 from __future__ import annotations
@@ -24,31 +22,26 @@ from kernels.triton.index_record import LaunchSlot, launch_slot
 
 logger = logging.getLogger(__name__)
 
-VECTOR_BYTES = 16
-"""Widest access one thread makes (``ld.global.v2.b64``)."""
-VECTORS_PER_THREAD = 8
-"""Loads (16-byte vectors, or single narrow words) each thread keeps in flight per tile."""
+VECTOR_BYTES = 16  # widest access one thread makes (ld.global.v2.b64)
+VECTORS_PER_THREAD = 8  # loads each thread keeps in flight per tile
 
-
+# Rows a thread spans per tile (sm_90, tests/kernels/ptx_variants.py): 4 spills; 2 does not with
+# Triton 3.7+, but Triton 3.6 keeps a predicate per vector and spills, so it gets 1.
 MAX_ROWS_PER_THREAD = 2 if version_tuple(triton.__version__) >= (3, 7) else 1
-"""Rows a thread spans per tile. Measured with ``tests/kernels/ptx_variants.py`` (sm_90): 4 spills;
-at 2 nothing spills with Triton 3.7+, but Triton 3.6 keeps a predicate per vector and spills the
-2 KiB tiles, so it gets 1 (half the bytes in flight, no local-memory traffic)."""
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
 def _table_alignment(side: Side, assumed: int) -> int:
-    """Smallest known alignment of ``side``'s tables (from validation, else verified when the
-    table was built); a table of unknown alignment counts as ``assumed``."""
+    """Smallest known alignment of ``side``'s tables; an unknown one counts as ``assumed``."""
     known = side.table_align or tuple(verified_alignment(t) for t in side.refs)
     return min(a or assumed for a in known)
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """How one :class:`Part` is launched: word size, hints and tile shape (all constexprs)."""
+    """Word size, hints and tile shape of one part's launch (all constexprs)."""
 
     word: int
     src_align: int  # 16: every source row starts on 16 bytes (the kernel's hint); else 0
@@ -61,12 +54,11 @@ class Geometry:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block actually copied: the loads a program keeps in flight."""
+        """Bytes one block copies: the loads a program keeps in flight."""
         return self.rows * min(self.chunk_words, self.nchunk * self.cols) * self.word
 
 
 def plan_geometry(part: Part, num_warps: int) -> Geometry:
-    """Word, hints and tile shape for ``part`` at ``num_warps`` warps per program."""
     chunk = part.chunk_bytes
     sizes = [chunk]
     for side in (part.src, part.dst):
@@ -96,7 +88,6 @@ def plan_geometry(part: Part, num_warps: int) -> Geometry:
 
 
 def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
-    """1-D view of contiguous ``t``'s bytes as words of ``word`` bytes (no copy)."""
     return t.reshape(-1).view(torch.uint8).view(_WORD_DTYPES[word])
 
 
@@ -113,8 +104,7 @@ def cache_hints_supported(device: torch.device) -> bool:
 
 
 class Launch(NamedTuple):
-    """Everything :func:`kv_copy_kernel` is launched with (also compiled ahead of time by the
-    PTX test)."""
+    """Everything ``kv_copy_kernel`` is launched with."""
 
     grid: tuple[int]
     args: tuple
@@ -126,10 +116,8 @@ class Launch(NamedTuple):
 
 @dataclass(frozen=True)
 class PartPlan:
-    """The launch of one part whatever its indices: what :func:`plan_part` computes once per
-    (buffers, op, layer, launch shape), and :func:`launch_for` completes per call. ``refs``:
-    the four buffer arguments (word views of tensors, or tables); ``shape_args``: layer range,
-    strides in words and the two sides' slot bounds."""
+    """One part's launch whatever its indices. ``refs``: the four buffer arguments (word views or
+    tables); ``shape_args``: layer range, strides in words, the two sides' slot bounds."""
 
     geometry: Geometry
     refs: tuple
@@ -150,9 +138,7 @@ def plan_part(
     num_warps: int,
     cache_hints: bool,
 ) -> PartPlan:
-    """Everything of one part's launch that does not depend on the indices (arguments assumed
-    validated, see :mod:`kernels.ops.dispatch`). ``cache_hints``: :func:`cache_hints_supported`
-    of the indices' device (the PTX tests compile with them on)."""
+    """Everything of one validated part's launch that does not depend on the indices."""
     g = plan_geometry(part, num_warps)
     src, dst = part.src, part.dst
 
@@ -201,7 +187,6 @@ def plan_part(
 def launch_for(
     plan: PartPlan, src_indices: torch.Tensor, dst_indices: torch.Tensor, record: LaunchSlot
 ) -> Launch:
-    """The launch of ``plan`` over these indices, recording bad ones in ``record``."""
     n_items = src_indices.numel()
     n_tiles = -(-n_items * plan.heads // plan.geometry.rows)  # (triton.cdiv: a slow JIT call)
     args = (
@@ -231,11 +216,7 @@ def plan_launch(
     record: LaunchSlot | None = None,
     op: str = "",
 ) -> Launch:
-    """The launch of one part (arguments assumed validated, see :mod:`kernels.ops.dispatch`),
-    which :func:`launch_kv_copy` queues: :func:`plan_part` then :func:`launch_for`.
-    ``record``: where a bad index is recorded (default: this thread's watch on the indices'
-    device, else the device's shared slot, :func:`kernels.triton.index_record.launch_slot`
-    with ``op``)."""
+    """:func:`plan_part` then :func:`launch_for`; ``record`` defaults to ``launch_slot``'s."""
     plan = plan_part(
         part,
         layer_begin=layer_begin,
@@ -250,16 +231,14 @@ def plan_launch(
 
 
 def launch_kv_copy(launch: Launch) -> None:
-    """Launch a planned :func:`kv_copy_kernel` on the indices' device (whatever the current
-    device is) and that device's current stream; never synchronizes."""
+    """Launch on the indices' device and its current stream; never synchronizes."""
     device = launch.device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kv_copy_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
 
 
 def resolve_num_warps(num_warps_per_block: int) -> int:
-    """The warps a program runs with: ``num_warps_per_block`` capped at 32 (16 on HIP), which
-    must be a power of two (Triton's rule), else ``ValueError`` naming the argument."""
+    """``num_warps_per_block`` capped at 32 (16 on HIP); ``ValueError`` unless a power of two."""
     cap = 16 if torch.version.hip is not None else 32
     warps = min(cap, num_warps_per_block)
     if warps & (warps - 1):
@@ -267,17 +246,3 @@ def resolve_num_warps(num_warps_per_block: int) -> int:
     if warps != num_warps_per_block:
         logger.debug("num_warps_per_block=%d runs as %d warps", num_warps_per_block, warps)
     return warps
-
-
-__all__ = [
-    "Geometry",
-    "Launch",
-    "PartPlan",
-    "cache_hints_supported",
-    "launch_for",
-    "launch_kv_copy",
-    "plan_geometry",
-    "plan_launch",
-    "plan_part",
-    "resolve_num_warps",
-]
