@@ -1,18 +1,14 @@
 """``StorageBackendFactory``: a backend by name (``--hicache-storage-backend``), SGLang 0.5.23's
-registry and ``dynamic`` loading: built in ``file`` (``cls(storage_config)``) and ``mooncake``
-(``cls(storage_config, mem_pool_host)``); registered names and ``dynamic`` (the extra config's
-``module_path`` / ``class_name``) are built as ``cls(storage_config, kwargs)``.
-
-Invariants: every class is a ``HiCacheStorage`` subclass; every backend built passes through the
-fault injector's check; every error is a ``ValueError`` naming what is wrong (SGLang raises
-``ImportError`` / ``AttributeError`` / ``TypeError`` for some). The caller registers the host pool.
+registry and ``dynamic`` loading: ``file`` is built as ``cls(storage_config)``, ``mooncake`` as
+``cls(storage_config, mem_pool_host)``, the others and ``dynamic`` (the extra config's
+``module_path`` / ``class_name``) as ``cls(storage_config, kwargs)``. Every backend passes the
+fault injector's check; every error is a ``ValueError`` (SGLang raises other types for some).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hicache.storage.base import HiCacheStorage
@@ -27,24 +23,7 @@ BUILT_WITH_CONFIG = frozenset({"file"})
 BUILT_WITH_HOST_POOL = frozenset({"mooncake"})
 
 
-@dataclass(frozen=True)
-class BackendEntry:
-    """A registered backend: a class, or where to import it from."""
-
-    name: str
-    module_path: str | None
-    class_name: str | None
-    cls: type[HiCacheStorage] | None = None
-
-    def load(self) -> type[HiCacheStorage]:
-        if self.cls is not None:
-            return self.cls
-        assert self.module_path is not None and self.class_name is not None
-        return load_backend_class(self.module_path, self.class_name, self.name)
-
-
 def load_backend_class(module_path: str, class_name: str, backend_name: str) -> type:
-    """Import ``module_path`` and return its ``HiCacheStorage`` subclass ``class_name``."""
     try:
         module = importlib.import_module(module_path)
     except ImportError as e:
@@ -69,36 +48,28 @@ def _check_class(cls: Any, backend_name: str) -> None:
 
 
 class StorageBackendFactory:
-    """Builds storage backends by name (module docstring)."""
-
-    _registry: ClassVar[dict[str, BackendEntry]] = {}
+    _registry: ClassVar[dict[str, type[HiCacheStorage] | tuple[str, str]]] = {}
 
     @classmethod
     def register_backend(
         cls, name: str, module_path_or_class: str | type, class_name: str | None = None
     ) -> None:
-        """Register ``name``: a module path with ``class_name`` (loaded when first built), or a
-        ``HiCacheStorage`` subclass. ``ValueError`` for ``dynamic`` or malformed arguments."""
+        """A module path with ``class_name`` (imported when first built), or a class."""
         if not isinstance(name, str) or not name or name == DYNAMIC:
             raise ValueError(f"cannot register a storage backend named {name!r}")
         if isinstance(module_path_or_class, str):
             if not isinstance(class_name, str) or not class_name:
                 raise ValueError(f"register_backend({name!r}, module path) needs a class_name")
-            entry = BackendEntry(name, module_path_or_class, class_name)
+            entry: type[HiCacheStorage] | tuple[str, str] = (module_path_or_class, class_name)
         else:
             _check_class(module_path_or_class, name)
-            entry = BackendEntry(name, None, class_name, module_path_or_class)
+            entry = module_path_or_class
         if name in cls._registry:
             logger.warning("storage backend %r is already registered; replacing it", name)
         cls._registry[name] = entry
 
     @classmethod
-    def unregister_backend(cls, name: str) -> None:
-        cls._registry.pop(name, None)
-
-    @classmethod
     def backend_names(cls) -> list[str]:
-        """Every name ``create_backend`` accepts."""
         return sorted(cls._registry) + [DYNAMIC]
 
     @classmethod
@@ -109,8 +80,8 @@ class StorageBackendFactory:
         mem_pool_host: Any = None,
         **kwargs: Any,
     ) -> HiCacheStorage:
-        """The backend ``backend_name``, wrapped by the fault injector when its variables are
-        set. Constructing it may block (a file backend probes its directory)."""
+        """Wrapped by the fault injector when its variables are set; the caller registers the
+        host pool."""
         backend = cls._build(backend_name, storage_config, mem_pool_host, kwargs)
         return maybe_wrap_hicache_storage_failure_injector(backend)
 
@@ -130,7 +101,7 @@ class StorageBackendFactory:
                 f"unknown storage backend {backend_name!r} (--hicache-storage-backend); valid: "
                 f"{cls.backend_names()}"
             )
-        backend_cls = entry.load()
+        backend_cls = entry if isinstance(entry, type) else load_backend_class(*entry, backend_name)
         logger.info("creating storage backend %r (%s)", backend_name, backend_cls.__name__)
         if backend_name in BUILT_WITH_CONFIG:
             return backend_cls(storage_config)

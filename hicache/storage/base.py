@@ -1,11 +1,10 @@
 """``HiCacheStorage``: the interface every L3 backend implements (SGLang 0.5.23's names and return
 conventions, one object per KV page under its page key), and ``HiCacheStorageExtraInfo``.
 
-Invariants: runtime failures (a missing or damaged object, a full disk, an unreachable server) are
-results (``None``, ``False``, a shorter count), never exceptions; bad arguments raise
-``ValueError``. Calls may come from several threads at once. Where SGLang's base leaves the v1
-calls empty, this one implements them over the registered host pool with ``get`` / ``set`` (the
-generic, copying path); zero-copy backends override them.
+Runtime failures (a missing or damaged object, a full disk, an unreachable server) are results
+(``None``, ``False``, a shorter count), never exceptions; bad arguments raise ``ValueError``.
+Calls may come from several threads at once. The v1 calls default to ``get`` / ``set`` over the
+registered host pool (the copying path); zero-copy backends override them.
 """
 
 from __future__ import annotations
@@ -19,28 +18,23 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-STORAGE_BATCH_SIZE = 128
-"""Pages per storage IO call (SGLang's constant; the controller slices batches by it)."""
+STORAGE_BATCH_SIZE = 128  # pages per storage IO call (SGLang's constant)
 
 
 @dataclass
 class HiCacheStorageExtraInfo:
-    """Per-call context. ``prefix_keys``: the page keys before this call's keys, from the start of
-    the sequence (passed only when the extra config sets ``hicache_storage_pass_prefix_keys``);
-    ``extra_info``: backend-specific fields (Mooncake reads ``session_id``)."""
+    """``prefix_keys``: the page keys before this call's (only with
+    ``hicache_storage_pass_prefix_keys``); ``extra_info``: backend-specific fields."""
 
     prefix_keys: list[str] | None = None
     extra_info: dict | None = None
 
 
 class HiCacheStorage(ABC):
-    """A key-value store of KV pages (see the module docstring for the calls)."""
-
     mem_pool_host: Any = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Remember the host pool the v1 calls address (zero-copy backends register its buffers
-        here). Called once, after construction, before any v1 call."""
+        """Called once, after construction, before any v1 call."""
         self.mem_pool_host = mem_pool_host
 
     @abstractmethod
@@ -55,8 +49,6 @@ class HiCacheStorage(ABC):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """``get`` of each key into its target; ``ValueError`` unless there is one target per
-        key."""
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError(f"{type(self).__name__}.batch_get needs one target location per key")
         return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
@@ -78,8 +70,7 @@ class HiCacheStorage(ABC):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """``set`` of each page in order, stopping at the first failure (SGLang's backends);
-        ``True`` only if all succeeded. ``ValueError`` unless there is one value per key."""
+        """Stops at the first failure (SGLang's backends); ``True`` only if all succeeded."""
         if values is None or len(values) != len(keys):
             raise ValueError(f"{type(self).__name__}.batch_set needs one value per key")
         return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
@@ -103,15 +94,14 @@ class HiCacheStorage(ABC):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read each page into the registered host pool at its slots; one ``bool`` per key. A
-        page is written into the pool only after it was read whole (a miss leaves it as it was).
-        """
+        """A page is written into the pool only after it was read whole."""
         pool = self._v1_pool()
-        starts = _page_starts_or_none(keys, host_indices, pool.page_size, "batch_get_v1")
-        if starts is None:
+        if not host_indices_fit(keys, host_indices, pool.page_size, "batch_get_v1"):
             return [False] * len(keys)
         results = []
-        for key, start in zip(keys, starts, strict=True):
+        for key, start in zip(
+            keys, host_indices.reshape(-1)[:: pool.page_size].tolist(), strict=True
+        ):
             page = self.get(key, pool.get_dummy_flat_data_page())
             if page is not None:
                 pool.set_from_flat_data_page(start, page)
@@ -124,22 +114,20 @@ class HiCacheStorage(ABC):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Store each page of the registered host pool at its slots; one ``bool`` per key."""
         pool = self._v1_pool()
-        starts = _page_starts_or_none(keys, host_indices, pool.page_size, "batch_set_v1")
-        if starts is None:
+        if not host_indices_fit(keys, host_indices, pool.page_size, "batch_set_v1"):
             return [False] * len(keys)
         return [
             self.set(key, pool.get_data_page(start, flat=True))
-            for key, start in zip(keys, starts, strict=True)
+            for key, start in zip(
+                keys, host_indices.reshape(-1)[:: pool.page_size].tolist(), strict=True
+            )
         ]
 
     def clear(self) -> bool | None:
-        """Remove every stored page (what "every" covers is the backend's to say)."""
         return None
 
     def get_stats(self) -> Any | None:
-        """The backend's counters, or ``None``."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
@@ -153,15 +141,13 @@ class HiCacheStorage(ABC):
         return self.mem_pool_host
 
 
-def _page_starts_or_none(
-    keys: list[str], host_indices: torch.Tensor, page_size: int, call: str
-) -> list[int] | None:
-    """``host_indices[i * page_size]`` per key, or ``None`` (logged) when the count is wrong, as
-    SGLang's backends answer a mismatch (all ``False``)."""
+def host_indices_fit(keys: list[str], host_indices: Any, page_size: int, call: str) -> bool:
+    """Whether ``host_indices`` is a tensor of ``page_size`` slots per key; logged if not (SGLang's
+    backends then answer all ``False``)."""
     n = int(host_indices.numel()) if isinstance(host_indices, torch.Tensor) else -1
     if n != len(keys) * page_size:
         logger.error(
             "%s: %d keys need %d host indices, got %d", call, len(keys), len(keys) * page_size, n
         )
-        return None
-    return host_indices.reshape(-1)[::page_size].tolist()
+        return False
+    return True

@@ -1,12 +1,7 @@
 """``HiCacheStorageConfig``: what every storage backend is built from (SGLang 0.5.23's fields, in
-its order, so backends written for SGLang read the same attributes); ``storage_config_for_pool``,
-the config of one rank's host pool; ``as_extra_config`` and ``parse_size``, the extra config's
-shape and the one size grammar of every backend setting.
-
-Fields beyond SGLang's: ``format_tag``, the page-format tag ``model_name`` carries (``None``:
-SGLang's untagged names, and pages that carry no integrity check). ``should_split_heads`` must
-stay ``False`` and ``dcp_size`` 1 (kept for attribute compatibility). Bad values raise
-``ValueError`` naming the field.
+its order), plus ``format_tag`` (``None``: SGLang's untagged names and unchecked pages);
+``storage_config_for_pool``; ``as_extra_config`` and ``parse_size``, the one size grammar of every
+backend setting. Bad values raise ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def as_extra_config(extra_config: Any) -> dict:
-    """The extra config as a dict (``{}`` for ``None``); ``ValueError`` for anything else."""
     if extra_config is None:
         return {}
     if not isinstance(extra_config, Mapping):
@@ -36,13 +30,10 @@ def as_extra_config(extra_config: Any) -> dict:
 
 
 def parse_size(value: Any, name: str) -> int:
-    """Bytes of a size setting; ``ValueError`` naming ``name``.
-
-    A non-negative int, or a string: an integer, or a number and a unit, case-insensitive, spaces
-    allowed between. ``K``, ``M``, ``G``, ``T`` are powers of 1000 (SGLang's ``human_readable_int``;
-    decimals allowed: ``"25.6k"``); with ``B`` (SGLang Mooncake's ``"4gb"``) or ``i`` / ``iB``
-    (IEC) powers of 1024, integers only. Negative, NaN, infinite, empty and other text is refused.
-    """
+    """Bytes of a size setting: a non-negative number, or a string with an optional unit
+    (case-insensitive). ``K``/``M``/``G``/``T`` are powers of 1000 (SGLang's
+    ``human_readable_int``, decimals allowed: ``"25.6k"``); with ``B`` (SGLang Mooncake's
+    ``"4gb"``) or ``i``/``iB`` powers of 1024, integers only."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{name} must be a size (bytes or e.g. '200G', '4GB'), got {value!r}")
     if isinstance(value, int | float):
@@ -77,7 +68,7 @@ def _check_rank(rank: Any, size: Any, rank_name: str, size_name: str) -> None:
 
 @dataclass
 class HiCacheStorageConfig:
-    """One rank's storage identity and backend settings (module docstring)."""
+    """``should_split_heads`` must stay ``False`` and ``dcp_size`` 1 (SGLang's attributes)."""
 
     tp_rank: int
     tp_size: int
@@ -133,11 +124,8 @@ def storage_config_for_pool(
     enable_storage_metrics: bool = False,
     dp_rank: int = 0,
 ) -> HiCacheStorageConfig:
-    """The config of ``host_pool``'s rank, as SGLang's controller builds it: ``is_mla_model`` from
-    the pool's kind (an MLA pool has ``kv_cache_dim``), ``is_page_first_layout`` from its layout,
-    ``model_name`` tagged with the page format (and that tag in ``format_tag``). The extra-config
-    key ``storage_format_tag`` is consumed here (``format_tag`` module); the rest goes to the
-    backend."""
+    """As SGLang's controller builds it from the pool (an MLA pool has ``kv_cache_dim``), with
+    ``model_name`` tagged by the page format; ``storage_format_tag`` is consumed here."""
     extra = as_extra_config(extra_config)
     setting = extra.pop(FORMAT_TAG_KEY, AUTO)
     tag = resolve_format_tag(setting, host_pool)

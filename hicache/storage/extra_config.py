@@ -1,9 +1,7 @@
 """The extra config (``--hicache-storage-backend-extra-config``) read into typed values: the
-controller's ``StorageSettings`` (``split_extra_config``, SGLang 0.5.23's keys and defaults) and
-the backends' typed readers (an extra-config key first, then its environment variable, then the
-default). A malformed value raises a ``ValueError`` naming the key or the variable, where SGLang
-warns and goes on (a typo such as ``"200GBs"`` would otherwise leave the disk unbounded). Sizes:
-``hicache.storage.config.parse_size``; ``0`` means "off".
+controller's ``StorageSettings`` (SGLang 0.5.23's keys and defaults) and the backends' readers
+(extra-config key, then environment variable, then default). A malformed value raises a
+``ValueError`` naming the key or variable, where SGLang warns and goes on.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ _CONTROLLER_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class StorageSettings:
-    """How the controller runs the storage tier: ``prefetch_policy``
-    (``--hicache-storage-prefetch-policy``), ``host_memory_mode``
-    (``--hicache-host-memory-mode``), the rest from the extra config (SGLang's defaults)."""
+    """``prefetch_policy`` and ``host_memory_mode`` from their flags, the rest from the extra
+    config."""
 
     prefetch_policy: str = "timeout"
     prefetch_threshold: int = 256
@@ -58,7 +55,6 @@ class StorageSettings:
         return self.host_memory_mode == "buffer_only"
 
     def timeout_s(self, requested_tokens: int, page_size: int) -> float:
-        """The wait budget of a prefetch of ``requested_tokens`` (page-aligned) tokens."""
         pages = requested_tokens // page_size
         return self.prefetch_timeout_base + pages * (
             page_size / 1024 * self.prefetch_timeout_per_ki_token
@@ -84,9 +80,8 @@ def split_extra_config(
     prefetch_policy: str = "timeout",
     host_memory_mode: str = "cache",
 ) -> tuple[StorageSettings, dict]:
-    """``(settings, what the backend gets)``: the controller's keys are type-checked and taken
-    out (SGLang's ``parse_storage_backend_extra_config``); ``prefetch_threshold`` is raised to
-    at least one page; the rest is returned untouched."""
+    """``(settings, the rest for the backend)`` (SGLang's ``parse_storage_backend_extra_config``);
+    ``prefetch_threshold`` is raised to at least one page."""
     extra = as_extra_config(extra_config)
     values = {
         name: _number(name, extra.pop(name), type(default)) if name in extra else default
@@ -107,7 +102,6 @@ def split_extra_config(
 
 
 def _setting(extra: Mapping, key: str, env: str) -> tuple[Any, str] | None:
-    """(value, name of its source) of ``key`` or, when absent or ``None``, of ``env``."""
     if extra.get(key) is not None:
         return extra[key], f"extra config key {key!r} ({FLAG})"
     raw = os.environ.get(env)
@@ -117,13 +111,12 @@ def _setting(extra: Mapping, key: str, env: str) -> tuple[Any, str] | None:
 
 
 def read_size(extra: Mapping, key: str, env: str, default: int = 0) -> int:
-    """A size setting in bytes (0 = off)."""
+    """Bytes (0 = off)."""
     found = _setting(extra, key, env)
     return default if found is None else parse_size(*found)
 
 
 def read_fraction(extra: Mapping, key: str, env: str, default: float) -> float:
-    """A number in ``(0, 1]``."""
     found = _setting(extra, key, env)
     if found is None:
         return default
@@ -140,7 +133,7 @@ def read_fraction(extra: Mapping, key: str, env: str, default: float) -> float:
 
 
 def read_env_float(env: str) -> float | None:
-    """A float environment variable, ``None`` when unset (SGLang's ``EnvFloat(None)``)."""
+    """``None`` when unset (SGLang's ``EnvFloat(None)``)."""
     raw = os.environ.get(env)
     if raw is None or raw == "":
         return None

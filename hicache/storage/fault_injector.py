@@ -1,11 +1,8 @@
-"""``HiCacheStorageFailureInjector``: random delays and failures in front of any backend (SGLang
-0.5.23's test injector), switched on by ``maybe_wrap_hicache_storage_failure_injector`` when
+"""``HiCacheStorageFailureInjector``: SGLang 0.5.23's test injector, on when
 ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY`` (seconds) or ``..._RANDOM_FAILURE`` (a probability)
 is set. Before each data call it sleeps ``uniform(0, random_delay_limit)``, then with probability
-``failure_prob`` answers SGLang's failure value (``FAILURE_VALUES``) without calling the backend;
-the other calls pass straight through. Without a seed each thread draws from its own generator
-(TP ranks must meet different faults); with one, a single generator under a lock makes a
-single-threaded sequence of calls meet the same faults on every run.
+``failure_prob`` answers SGLang's failure value without calling the backend. Without a seed each
+thread draws from its own generator; with one, a locked generator repeats the faults run to run.
 """
 
 from __future__ import annotations
@@ -37,11 +34,9 @@ FAILURE_VALUES: dict[str, Callable[[Any], Any]] = {
     "batch_get_v1": lambda keys: [False] * len(keys),
     "batch_set_v1": lambda keys: [False] * len(keys),
 }
-"""SGLang's failure value of each data call, from its first argument (the key or keys)."""
 
 
 def _injected(call: str) -> Callable[..., Any]:
-    """``call`` of the wrapped backend, or its failure value when a fault is injected."""
     base = getattr(HiCacheStorage, call)
     first = list(inspect.signature(base).parameters)[1]
 
@@ -55,8 +50,7 @@ def _injected(call: str) -> Callable[..., Any]:
 
 
 class HiCacheStorageFailureInjector(HiCacheStorage):
-    """A backend behind random delays and failures (module docstring). ``injected`` counts the
-    failures answered per call name."""
+    """``injected`` counts the failures answered per call name."""
 
     def __init__(
         self,
@@ -86,7 +80,6 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
     def backend(self) -> HiCacheStorage:
         return self._backend
 
-    # --- randomness ----------------------------------------------------------------------------
     def _draw(self, fn: Callable[[random.Random], float]) -> float:
         if self._seeded is not None:
             with self._lock:
@@ -97,7 +90,6 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
         return fn(rng)
 
     def _fails(self, call: str) -> bool:
-        """Sleep the injected delay; whether to answer ``call``'s failure value."""
         if self._random_delay_limit > 0:
             self._sleep(self._draw(lambda r: r.uniform(0.0, self._random_delay_limit)))
         if self._failure_prob > 0 and self._draw(lambda r: r.random()) < self._failure_prob:
@@ -107,7 +99,6 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
             return True
         return False
 
-    # --- calls: pass-through, then the data calls --------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self._backend.register_mem_pool_host(mem_pool_host)
@@ -132,7 +123,6 @@ class HiCacheStorageFailureInjector(HiCacheStorage):
 
 
 def maybe_wrap_hicache_storage_failure_injector(backend: HiCacheStorage) -> HiCacheStorage:
-    """``backend`` behind an injector when either test variable is set, else ``backend``."""
     delay = read_env_float(ENV_DELAY)
     failure = read_env_float(ENV_FAILURE)
     if delay is None and failure is None:

@@ -1,18 +1,16 @@
-"""``HiCacheFile``: the embedded L3 backend, one file per KV page (SGLang 0.5.23's ``HiCacheFile``:
-same names and page bytes), and its counters (``HiCacheFileStats``).
+"""``HiCacheFile``: the embedded L3 backend, one file per KV page (SGLang 0.5.23's names and page
+bytes), and its counters (``HiCacheFileStats``).
 
-Invariants: a read returns a page or a miss, never wrong KV. A page file is ``{key}{suffix}.bin``
-holding the host pool's flat page then a 16-byte footer (``HCKVCRC1``, the CRC-32 of the file's
-name then the page bytes, 4 zero bytes), checked on every read; interop pages
-(``storage_format_tag: "none"``) are SGLang's bytes alone and carry no check. Any other size or a
-failed check is a miss, counted (a failed check removes the file). Writes go to a temporary file
-renamed into place, so a reader sees no file or a whole one. The directory is this user's (created
-0700, refused when another user owns it); pages are written 0600. Runtime failures are results
-(``None`` / ``False``), never exceptions. Naming, byte format and budget: docs/GUIDE.md.
+A read returns a page or a miss, never wrong KV: a page file is the flat page then a 16-byte footer
+(``HCKVCRC1``, the CRC-32 of the file's name then the page), checked on every read (interop pages,
+``storage_format_tag: "none"``, carry none). Another size or a failed check is a counted miss (a
+failed check removes the file). Writes are renamed into place; the directory must be this user's
+(created 0700), pages are 0600. Format and budget: docs/GUIDE.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -42,10 +40,8 @@ MAGIC = b"HCKVCRC1"
 
 @dataclass(frozen=True)
 class HiCacheFileStats:
-    """What a ``HiCacheFile`` did since it was built (pages unless named ``bytes``). Misses by
-    cause: no such file, another size (truncated, another geometry), a failed check (damaged or
-    another page's bytes), any other IO error; ``evicted_*`` / ``budget_bytes`` are the budget's.
-    """
+    """Pages unless named ``bytes``; misses by cause (no file, another size, a failed check, any
+    other IO error)."""
 
     read_hits: int = 0
     read_misses: int = 0
@@ -67,8 +63,6 @@ _COUNTED = tuple(f.name for f in fields(HiCacheFileStats))
 
 
 class FileCounters:
-    """Thread-safe increments of ``HiCacheFileStats`` fields."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(_COUNTED, 0)
@@ -85,13 +79,12 @@ class FileCounters:
 
 
 def page_checksum(name: str, data: bytes | memoryview) -> int:
-    """CRC-32 of ``name`` (the file's name without ``.bin``) then ``data`` (the page's bytes)."""
+    """CRC-32 of ``name`` (the file's name without ``.bin``) then ``data``."""
     return zlib.crc32(data, zlib.crc32(name.encode()))
 
 
 def file_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
-    """``(config_suffix, tp_config_suffix)``: the name suffix of this rank's KV pages and of its
-    TP-sharded state (equal for MHA)."""
+    """``(config_suffix, tp_config_suffix)``: this rank's page suffix and its TP-sharded one."""
     model = "-".join(config.model_name.split("/")) if config.model_name else ""
     shard = f"_{config.pp_size}_{config.pp_rank}" if config.pp_size > 1 else ""
     if config.attn_cp_size > 1:
@@ -101,7 +94,6 @@ def file_suffixes(config: HiCacheStorageConfig) -> tuple[str, str]:
 
 
 def _storage_dir(extra: dict, default: str) -> tuple[str, str]:
-    """(directory, where it came from)."""
     env = os.environ.get(ENV_DIR)
     if env:
         return env, f"environment variable {ENV_DIR}"
@@ -130,13 +122,6 @@ def _prepare_dir(path: str, source: str) -> None:
         raise ValueError(f"{source}={path!r} is not a writable directory: {e}") from e
 
 
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
 def _read_into(f: Any, view: memoryview) -> bool:
     """Fill ``view`` from ``f``; ``False`` if the file ends first."""
     got = 0
@@ -148,18 +133,13 @@ def _read_into(f: Any, view: memoryview) -> bool:
     return True
 
 
-def _is_cpu_contiguous(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous()
-
-
 def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class HiCacheFile(HiCacheStorage):
-    """One file per page in a directory (module docstring); ``file_path`` is the default
-    directory, after ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` and ``file_storage_path``."""
+    """``file_path``: the directory when neither ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` nor
+    ``file_storage_path`` names one."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, file_path: str = DEFAULT_DIR) -> None:
         extra = as_extra_config(storage_config.extra_config)
@@ -183,24 +163,26 @@ class HiCacheFile(HiCacheStorage):
         )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Also learns the page size in bytes, which ``exists`` then checks."""
+        """Also learns the page size, which ``exists`` then checks."""
         super().register_mem_pool_host(mem_pool_host)
         page = mem_pool_host.get_dummy_flat_data_page()
         self._page_bytes = page.numel() * page.element_size()
 
     def path_of(self, key: str) -> str:
-        """The file that holds ``key``'s page."""
         return self._names(key)[1]
 
-    # --- reads ---------------------------------------------------------------------------------
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
-        """Read ``key``'s page into ``target_location`` (a contiguous CPU tensor of the page's
-        size; its contents are unspecified after a miss); that tensor, or ``None``."""
+        """``target_location``: a contiguous CPU tensor of the page's size (unspecified after a
+        miss)."""
         name, path = self._names(key)
         target = target_location
-        if not isinstance(target, torch.Tensor) or not _is_cpu_contiguous(target):
+        if not (
+            isinstance(target, torch.Tensor)
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+        ):
             raise ValueError("HiCacheFile.get: target_location must be a contiguous CPU tensor")
         expected = target.numel() * target.element_size()
         footer = bytearray(self._footer)
@@ -232,7 +214,6 @@ class HiCacheFile(HiCacheStorage):
             return False
         return self._page_bytes is None or size == self._page_bytes + self._footer
 
-    # --- writes --------------------------------------------------------------------------------
     def set(
         self,
         key: str,
@@ -240,8 +221,7 @@ class HiCacheFile(HiCacheStorage):
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store ``value`` (a tensor; its bytes) under ``key``: ``True`` when written or already
-        on disk with that size, ``False`` when the budget refused or the write failed."""
+        """``True`` when written or already on disk with that size."""
         name, path = self._names(key)
         if not isinstance(value, torch.Tensor):
             raise ValueError("HiCacheFile.set: value must be a tensor")
@@ -264,7 +244,8 @@ class HiCacheFile(HiCacheStorage):
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - a failed write is a result, never an exception
             self._evictor.abort(name)
-            _remove_quietly(tmp)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
             self._counters.add("write_failures")
             logger.error("HiCacheFile: writing %s failed: %s", key, e)
             return False
@@ -273,9 +254,8 @@ class HiCacheFile(HiCacheStorage):
         self._counters.add("bytes_written", nbytes)
         return True
 
-    # --- housekeeping --------------------------------------------------------------------------
     def clear(self) -> bool:
-        """Remove every page file and leftover temporary file; ``False`` if one could not be."""
+        """Remove every page and temporary file; ``False`` if one could not be."""
         ok = True
         try:
             names = os.listdir(self.file_path)
@@ -302,10 +282,8 @@ class HiCacheFile(HiCacheStorage):
             budget_bytes=ev.total_bytes,
         )
 
-    # --- helpers -------------------------------------------------------------------------------
     def _names(self, key: str) -> tuple[str, str]:
-        """(``key`` with this rank's suffix, its file's path); ``ValueError`` for a key that is
-        not a plain name."""
+        """(``key`` with this rank's suffix, its file's path)."""
         if not isinstance(key, str) or not key or "/" in key or os.sep in key or "\0" in key:
             raise ValueError(f"storage key must be a non-empty name without '/', got {key!r}")
         name = key + self.config_suffix
@@ -319,15 +297,13 @@ class HiCacheFile(HiCacheStorage):
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def _corrupt(self, key: str, path: str, st: os.stat_result) -> None:
-        """Count a page failing its check and remove it (unless it was replaced meanwhile)."""
+        """Removes the file unless it was replaced meanwhile."""
         self._counters.add("read_corrupt")
         logger.warning("HiCacheFile: %s fails its checksum (damaged or another page); removed", key)
-        try:
+        with contextlib.suppress(OSError):
             now = os.stat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
                 os.remove(path)
-        except OSError:
-            pass
         return None
 
     def _bad_size(self, key: str) -> None:

@@ -1,11 +1,7 @@
-"""Page keys for L3 storage: SGLang 0.5.23's SHA-256 chain, byte for byte (``get_hash_str``,
-``get_storage_hash_str``, ``storage_namespace_seed``), and ``page_hashes``, the keys a storage
-lookup or backup passes to a backend.
-
-A page's key is the hex SHA-256 of the previous page's digest (none for the first, unless a
-``prior_hash`` or a namespace seed is given) and its token ids as little-endian uint32; a page
-holding a token above ``2**32 - 1`` hashes ``b"\\xff"`` and uint64 ids instead. TP rank, PP stage
-and model name are not hashed (backends add them to the object's name). Pure CPU, no locks.
+"""Page keys for L3 storage: SGLang 0.5.23's SHA-256 chain, byte for byte, and ``page_hashes``.
+A page's key is the hex SHA-256 of the previous page's digest (if any, or a ``prior_hash`` /
+namespace seed) and its token ids as little-endian uint32 (a token above ``2**32 - 1``: ``b"\\xff"``
+and uint64 ids). Ranks and model name are not hashed (backends add them to object names).
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def _as_tokens(token_ids: Any) -> np.ndarray:
-    """1-D uint64 array of the token ids; ``ValueError`` for anything else."""
     raw = getattr(token_ids, "token_ids", token_ids)  # a key object carrying its tokens
     if isinstance(raw, torch.Tensor):
         if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
@@ -92,7 +87,7 @@ def _hash_page(tokens: np.ndarray, prior: bytes | None) -> bytes:
 def get_hash_str(
     token_ids: TokenIds, prior_hash: str | None = None, page_size: int | None = None
 ) -> str | list[str]:
-    """SGLang's ``get_hash_str``: one hex key per page (``page_size`` given) or one over all."""
+    """One hex key per page (``page_size`` given) or one over all."""
     tokens = _as_tokens(token_ids)
     prior = _prior_digest(prior_hash)
     if page_size is None:
@@ -106,7 +101,6 @@ def get_hash_str(
 
 
 def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
-    """The hex seed of a request namespace's chain, ``None`` for no namespace."""
     if extra_key is None and cache_salt is None:
         return None
     h = hashlib.sha256(NAMESPACE_DOMAIN)
@@ -124,9 +118,8 @@ def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str
 def get_storage_hash_str(
     key: Any, prior_hash: str | None = None, page_size: int | None = None
 ) -> str | list[str]:
-    """SGLang's ``get_storage_hash_str``: ``get_hash_str`` seeded with ``key``'s namespace when
-    ``prior_hash`` is ``None``. ``key``: token ids, or an object with ``token_ids`` (and
-    optionally ``extra_key`` / ``cache_salt``)."""
+    """``get_hash_str`` seeded with ``key``'s namespace (``extra_key`` / ``cache_salt``) when
+    ``prior_hash`` is ``None``."""
     if prior_hash is None:
         prior_hash = storage_namespace_seed(
             getattr(key, "extra_key", None), getattr(key, "cache_salt", None) or None
@@ -142,11 +135,8 @@ def page_hashes(
     extra_key: str | None = None,
     cache_salt: str | None = None,
 ) -> list[str]:
-    """One storage key per page of a page-aligned token list (``ValueError`` if it is not).
-
-    ``prior_hash``: the last key of the pages before these (a chain continued from a tree node);
-    ``None`` starts a new chain, seeded with the namespace of ``extra_key`` / ``cache_salt``.
-    """
+    """One key per page of a page-aligned token list. ``prior_hash``: the last key before these;
+    ``None`` starts a chain seeded with the namespace of ``extra_key`` / ``cache_salt``."""
     tokens = _as_tokens(token_ids)
     _check_page_size(page_size)
     if tokens.size % page_size:

@@ -1,10 +1,7 @@
 """``LRUFileEvictor``: the byte budget of a ``HiCacheFile`` directory (SGLang 0.5.23's
-``max_size``, ``min_free_space`` and ``eviction_ratio``, extra-config key first, then the
-``SGLANG_HICACHE_FILE_BACKEND_*`` variable). With neither limit set it is inert.
-
-Invariants: only this rank's page files are tracked and evicted (least recently used first); a
-key between ``reserve`` and ``commit`` / ``abort`` is never evicted; a refused write reserves
-nothing. Thread-safe (one lock; ``statvfs`` and unlinks happen under it).
+``max_size``, ``min_free_space``, ``eviction_ratio``; inert with neither limit set). Only this
+rank's page files are tracked and evicted, least recently used first; a key between ``reserve``
+and ``commit`` / ``abort`` is never evicted; a refused write reserves nothing. Thread-safe.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ DEFAULT_EVICTION_RATIO = 0.9
 
 
 class LRUFileEvictor:
-    """LRU byte budget over ``{key}.bin`` files in ``directory`` (module docstring)."""
-
     def __init__(
         self,
         directory: str,
@@ -90,16 +85,13 @@ class LRUFileEvictor:
         return key.endswith(self._owned)
 
     def _is_page(self, name: str) -> bool:
-        """Whether ``name`` is ``{key}{owned suffix}`` with ``key`` matching ``key_pattern``."""
         return any(
             name.endswith(s) and self._key_re.fullmatch(name[: len(name) - len(s)])
             for s in self._owned
         )
 
-    # --- the write lifecycle ------------------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
-        """Admit a write of ``nbytes`` under ``key`` (evicting as needed); ``False`` refuses it
-        and reserves nothing. An admitted key must be ``commit``ted or ``abort``ed."""
+        """Admit a write (evicting as needed); an admitted key must be committed or aborted."""
         if not self.enabled:
             return True
         with self._lock:
@@ -139,7 +131,7 @@ class LRUFileEvictor:
                 self._total -= self._lru.pop(key, 0)
 
     def touch(self, key: str, path: str) -> None:
-        """Mark ``key`` most recently used, adopting its file (``path``) if untracked."""
+        """Mark ``key`` most recently used, adopting its file if untracked."""
         if not self.enabled or not self.owns(key):
             return
         with self._lock:
@@ -158,13 +150,11 @@ class LRUFileEvictor:
                 self._total += size
 
     def clear(self) -> None:
-        """Forget everything (the backend removed the files)."""
         with self._lock:
             self._lru.clear()
             self._in_flight.clear()
             self._total = 0
 
-    # --- eviction (caller holds the lock) ------------------------------------------------------
     def _refuse(self, message: str, key: str) -> bool:
         self.refused_writes += 1
         logger.warning(message, key)
@@ -187,7 +177,8 @@ class LRUFileEvictor:
         return fs is None or fs[1] - nbytes >= self.min_free_bytes
 
     def _evict_while(self, more: Callable[[int], bool]) -> int:
-        """Unlink least recently used, not-in-flight files while ``more(bytes freed)``."""
+        """Unlink least recently used, not-in-flight files while ``more(bytes freed)`` (caller
+        holds the lock)."""
         freed = 0
         skips_left = len(self._lru)
         while self._lru and skips_left > 0 and more(freed):
@@ -213,7 +204,6 @@ class LRUFileEvictor:
         return freed
 
     def _fs_stats(self) -> tuple[int, int] | None:
-        """(size, available) bytes of the filesystem, ``None`` if unknown."""
         try:
             st = os.statvfs(self.directory)
         except (OSError, AttributeError):

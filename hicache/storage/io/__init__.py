@@ -1,4 +1,2 @@
-"""The controller side of the L3 storage tier: ``workers`` (the IO threads and the records they
-carry), ``prefetch`` (``PrefetchBook``), ``controller`` (``HiCacheStorageController``, the one
-object the tree and the executor talk to, and ``build_storage_controller``). Nothing here imports
-the tree or the executor."""
+"""The controller side of the L3 tier: ``workers`` (IO threads), ``prefetch`` (``PrefetchBook``),
+``controller`` (``HiCacheStorageController``, what the tree and the executor talk to)."""

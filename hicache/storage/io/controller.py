@@ -1,13 +1,10 @@
 """``HiCacheStorageController``: the L3 tier of one rank as the tree and the executor see it
-(SGLang 0.5.23's storage part of ``HiCacheController`` and of its radix cache), over one backend:
-the IO threads (``StorageWorkers``), the prefetches (``PrefetchBook``) and the backups; and
-``build_storage_controller``, which builds it from ``ServerArgs``.
+(SGLang 0.5.23's storage part of ``HiCacheController``): IO threads, prefetches and backups over
+one backend; ``build_storage_controller`` builds it from ``ServerArgs``.
 
-Invariants: every change to the tree or the host pool happens on the scheduler thread, in
-``check_events`` (once per tick) or in a call the scheduler makes. Under tensor parallelism the
-threads' results are rank-local; the tick agrees them on the cache group (queue lengths, hits
-and progress by MIN, a timeout by ANY), so every rank applies the same results in the same
-order. Host slots held outside the tree are ``host_slots_held()``.
+Every change to the tree or the host pool happens on the scheduler thread. The threads' results
+are rank-local; ``check_events`` agrees them on the cache group (counts, hits and progress by MIN),
+so every rank applies the same results in the same order.
 """
 
 from __future__ import annotations
@@ -37,21 +34,16 @@ logger = logging.getLogger(__name__)
 
 BELIEFS_CAPACITY = 512 * 1024
 
-WriteObserver = Callable[[list[str]], None]
-"""Told of the keys of each backup's pages that reached storage (scheduler thread)."""
+WriteObserver = Callable[[list[str]], None]  # told of the keys each backup stored
 
 
 class StoredBeliefs:
-    """``buffer_only`` (SGLang's existence beliefs): a bounded LRU set of the keys this rank
-    started to store, so a node inserted again is not staged twice; a key is dropped when a
-    prefetch query agreed that its page is absent."""
+    """``buffer_only``: a bounded LRU set of the keys this rank started to store, so a node
+    inserted again is not staged twice; dropped when a query agreed the page is absent."""
 
     def __init__(self, capacity: int = BELIEFS_CAPACITY) -> None:
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
     def add(self, keys: list[str]) -> None:
         for k in keys:
@@ -69,8 +61,7 @@ class StoredBeliefs:
 
 
 class HiCacheStorageController:
-    """The storage tier of one rank; ``tree.attach_storage(self)`` after building it.
-    ``is_storage_writer``: ``False`` on MLA ranks other than 0."""
+    """``tree.attach_storage(self)`` after building it."""
 
     def __init__(
         self,
@@ -107,13 +98,12 @@ class HiCacheStorageController:
         )
         self._closed = False
 
-    # ------------------------------------------------------------------ the tree's hooks
     @property
     def buffer_only(self) -> bool:
         return self.settings.buffer_only
 
     def backup_node(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
-        """Cache mode: store ``node``'s acked host copy, protected until the storage ack."""
+        """Cache mode: ``node``'s host copy is protected until the storage ack."""
         op = StorageOperation(
             host_indices.clone(), list(keys), prefix_keys=self._prefix_keys(node), node=node
         )
@@ -121,7 +111,7 @@ class HiCacheStorageController:
         self._submit_backup(op)
 
     def backup_staged(self, node: Any, host_indices: torch.Tensor, keys: list[str]) -> None:
-        """``buffer_only``: store the acked staging, freed at the storage ack."""
+        """``buffer_only``: the staging is freed at the storage ack."""
         op = StorageOperation(
             host_indices, list(keys), prefix_keys=self._prefix_keys(node), staging=True
         )
@@ -134,8 +124,7 @@ class HiCacheStorageController:
         self.beliefs.add(keys)
 
     def check_events(self) -> None:
-        """Apply the threads' results that every rank has, in queue order. Never blocks
-        (except for the group's collectives)."""
+        """Apply the threads' results that every rank has, in queue order."""
         w, group = self.workers, self.tree.group
         n_hits, n_acks, n_backups = group.agree_min_many(
             [w.hit_queue.qsize(), w.ack_queue.qsize(), w.backup_ack_queue.qsize()],
@@ -158,12 +147,11 @@ class HiCacheStorageController:
             self._on_backup_ack(w.backup_ack_queue.get_nowait())
 
     def host_slots_held(self) -> int:
-        return self.prefetches.held_slots() + self._staged_backup_slots()
+        return sum(t.numel() for t in self._held_slots())
 
     def ops_in_flight(self) -> int:
         return self.prefetches.in_flight() + len(self.backups)
 
-    # ------------------------------------------------------------------ the scheduler's calls
     def prefetch(
         self,
         handle: CacheRequestHandle,
@@ -171,8 +159,8 @@ class HiCacheStorageController:
         new_tokens: list[int],
         storage_start: int,
     ) -> bool:
-        """Start a prefetch of ``new_tokens`` (the tokens after ``anchor``, the deepest matched
-        node, which ends at token ``storage_start``) for the attempt ``handle``."""
+        """``new_tokens``: those after ``anchor``, the deepest matched node, which ends at token
+        ``storage_start``."""
         last_hash = anchor.hash_value[-1] if anchor.hash_value else None
         prefix = None
         if self.settings.pass_prefix_keys:
@@ -198,10 +186,8 @@ class HiCacheStorageController:
         return self.prefetches.next_deadline()
 
     def attach_staged(self, handle: CacheRequestHandle, token_ids: list[int]) -> int:
-        """``buffer_only``, at the attempt's admission: its fetched pages enter the tree as a
-        host-only node after the prefix they continue, for the load back that follows. Returns
-        the tokens attached (0: nothing staged, the prefix is gone, or below the load-back
-        threshold: the staging is freed)."""
+        """``buffer_only``, at admission: the attempt's fetched pages enter the tree as a
+        host-only node after their prefix; the tokens attached (0: the staging is freed)."""
         staged = self.prefetches.take_staged(handle)
         if staged is None:
             return 0
@@ -222,17 +208,14 @@ class HiCacheStorageController:
         return n - present
 
     def add_write_observer(self, observer: WriteObserver) -> None:
-        """``observer(keys)`` is told, at each applied backup ack, of the keys it stored."""
         self.observers.append(observer)
 
-    # ------------------------------------------------------------------ backups
     def _submit_backup(self, op: StorageOperation) -> None:
         self.backups[op.id] = op
         self.stats.backup_ops += 1
-        self.workers.submit_backup(op)
+        self.workers.backup_queue.put(op)
 
     def _prefix_keys(self, node: Any) -> list[str] | None:
-        """The keys of the pages before ``node`` (``hicache_storage_pass_prefix_keys``)."""
         if not self.settings.pass_prefix_keys:
             return None
         chain = []
@@ -266,18 +249,18 @@ class HiCacheStorageController:
                 observer(written)
 
     def _staged_backup_slots(self) -> int:
-        """Host slots of ``buffer_only`` staging held until the storage ack."""
         return sum(op.host_indices.numel() for op in self.backups.values() if op.staging)
+
+    def _held_slots(self) -> list[torch.Tensor]:
+        staging = [op.host_indices for op in self.backups.values() if op.staging]
+        return self.prefetches.held_slot_tensors() + staging
 
     def _write_staged_tokens(self) -> int:
         return self._staged_backup_slots() + self.tree.staged_write_tokens()
 
-    # ------------------------------------------------------------------ lifecycle
     def check_integrity(self) -> None:
         """``AssertionError`` unless every host slot the tier holds is allocated and held once."""
-        held = self.prefetches.held_slot_tensors() + [
-            op.host_indices for op in self.backups.values() if op.staging
-        ]
+        held = self._held_slots()
         if not held:
             return
         slots = torch.cat([h.cpu() for h in held])
@@ -287,7 +270,7 @@ class HiCacheStorageController:
             raise AssertionError("storage: a host slot it holds is free")
 
     def close(self) -> None:
-        """Stop the IO threads (after the work they hold) and close the backend. Idempotent."""
+        """Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -300,9 +283,8 @@ class HiCacheStorageController:
 def build_storage_controller(
     args: Any, tree: StorageTree, host_pool: Any, group: TPGroup
 ) -> HiCacheStorageController:
-    """This rank's storage tier from ``args`` (a ``ServerArgs``), attached to ``tree``. A backend
-    that cannot be built on some rank fails every rank with one ``ValueError`` naming the flag or
-    key, before any thread starts."""
+    """A backend that cannot be built on some rank fails every rank with one ``ValueError``,
+    before any thread starts."""
     name = args.hicache_storage_backend
     backend, error = None, None
     try:

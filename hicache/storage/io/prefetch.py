@@ -1,12 +1,9 @@
 """``PrefetchBook``: the scheduler-thread side of prefetches from storage (SGLang 0.5.23's
-``prefetch_from_storage``, ``check_prefetch_progress`` and ``_handle_prefetch_result``): issue,
-agreed hit, host slots, agreed acks, the stop policy at admission, the result (a host-only node
-in cache mode, a ``StagedPrefetch`` of the attempt in ``buffer_only``).
+``prefetch_from_storage``, ``check_prefetch_progress``, ``_handle_prefetch_result``).
 
-Invariants: nothing of a released attempt reaches the next one (its handle differs; a late ack
-only frees). From the hit on, the host slots are the operation's (``held_slots``); at the result
-``[:completed]`` go to the tree or the staging, the rest stay the operation's until its
-completion ack (the IO thread may still write them), then are freed.
+Nothing of a released attempt reaches the next one (a late ack only frees). From the hit on, the
+host slots are the operation's; at the result ``[:completed]`` go to the tree (cache mode) or the
+staging (``buffer_only``), the rest stay held until the completion ack, then are freed.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ BUFFER_PREFETCH_CAPACITY_FRACTION = 0.9  # SGLang HICACHE_LOAD_POOL_USAGE_FRACTI
 
 
 class StorageTree(Protocol):
-    """What the storage tier needs of its ``HiRadixCache`` (it imports nothing of the tree)."""
+    """What the storage tier needs of its ``HiRadixCache``."""
 
     page_size: int
     root_node: Any
@@ -69,8 +66,8 @@ class _Ongoing:
 
 @dataclass(frozen=True)
 class StagedPrefetch:
-    """``buffer_only``: fetched pages parked for their attempt: ``num_tokens`` tokens starting
-    at token ``storage_start`` of the request, in host slots ``host_indices`` (CPU int64)."""
+    """``buffer_only``: ``num_tokens`` fetched tokens from token ``storage_start`` of the
+    request, parked in host slots ``host_indices`` for their attempt."""
 
     host_indices: torch.Tensor
     hash_value: list[str]
@@ -79,8 +76,8 @@ class StagedPrefetch:
 
 
 class PrefetchBook:
-    """Prefetches in flight, by attempt. ``write_staged_tokens``: host tokens held by write
-    staging (``buffer_only``); ``absent``: told of keys a query agreed are not stored."""
+    """Prefetches in flight, by attempt. ``absent`` is told of keys a query agreed are not
+    stored."""
 
     def __init__(
         self,
@@ -111,7 +108,6 @@ class PrefetchBook:
         )
         self.capacity_limit = int(size * fraction)
 
-    # ------------------------------------------------------------------ 1. issue
     def rate_limited(self) -> bool:
         if self.settings.buffer_only:
             alloc = self.tree.host_allocator
@@ -128,8 +124,7 @@ class PrefetchBook:
         storage_start: int,
         prefix_keys: list[str] | None = None,
     ) -> bool:
-        """Start a prefetch of ``new_tokens`` (cut to whole pages) for ``handle``; ``False``
-        when declined or when the attempt already has one."""
+        """``False`` when declined or when the attempt already has one."""
         if handle in self.ongoing or handle in self.staged:
             return False
         key = new_tokens[: len(new_tokens) // self.page_size * self.page_size]
@@ -150,12 +145,10 @@ class PrefetchBook:
             self.occupied_tokens += len(key)
             self.ongoing[handle] = _Ongoing(op, anchor, len(key))
         self.stats.prefetch_issued += 1
-        self.workers.submit_query(op)
+        self.workers.query_queue.put(op)
         return True
 
-    # ------------------------------------------------------------------ 3. hit
     def on_hit(self, op: PrefetchOperation, pages: int) -> None:
-        """The query's agreed hit (``pages`` from the first)."""
         entry = self.ongoing.get(op.handle)
         if entry is None or entry.op is not op:
             self.stats.prefetch_revoked += 1  # released before its hit was known
@@ -173,10 +166,10 @@ class PrefetchBook:
         op.hash_value = op.all_hash_values[: slots.numel() // self.page_size]
         op.host_indices = slots
         self.stats.prefetch_hit_tokens += slots.numel()
-        self.workers.submit_io(op)
+        self.workers.io_queue.put(op)
 
     def _alloc(self, tokens: int) -> torch.Tensor | None:
-        """Host slots for a hit, agreed on every rank (module docstring, step 3)."""
+        """Host slots for a hit, agreed on every rank (cache mode may evict, then go partial)."""
         tree, ps = self.tree, self.page_size
         group, alloc = tree.group, tree.host_allocator
         slots = agreed_alloc(group, alloc, tokens, pool="host", tag="storage_prefetch_room")
@@ -202,9 +195,7 @@ class PrefetchBook:
             self.tree.release_host(entry.anchor)
             self.occupied_tokens -= entry.reserved
 
-    # ------------------------------------------------------------------ 5. acks
     def on_ack(self, ack: PrefetchAck, completed_tokens: int) -> None:
-        """One agreed ack: progress (``completed_tokens``, the MIN over ranks) or completion."""
         op = ack.operation
         if not ack.completed_req:
             op.completed_tokens = completed_tokens
@@ -218,10 +209,8 @@ class PrefetchBook:
         if entry is not None and entry.op is op:
             self._apply_result(op)
 
-    # ------------------------------------------------------------------ 6. admission
     def check_progress(self, handle: CacheRequestHandle, now: float) -> bool:
-        """Whether the attempt may be admitted now (its prefetch, if any, ended by the stop
-        policy and applied). Collective under ``timeout`` (every rank polls alike)."""
+        """Whether the attempt may be admitted now. Collective under ``timeout``."""
         entry = self.ongoing.get(handle)
         if entry is None:
             return True
@@ -231,8 +220,6 @@ class PrefetchBook:
                 if op.wait_started is None:
                     op.wait_started = now
                 return False
-            if self.settings.prefetch_policy == "timeout":
-                op.deadline_expired = True
         op.mark_terminate()
         self.stats.prefetch_terminated += 1
         if op.host_indices is None:
@@ -258,7 +245,6 @@ class PrefetchBook:
         return self.tree.group.agree_any(expired, tag="storage_prefetch_timeout")
 
     def next_deadline(self) -> float | None:
-        """The earliest time a waiting ``timeout`` prefetch expires (``None``: none waits)."""
         if self.settings.prefetch_policy != "timeout":
             return None
         times = [
@@ -269,15 +255,12 @@ class PrefetchBook:
         return min(times) if times else None
 
     def take_loaded(self, handle: CacheRequestHandle) -> int:
-        """Tokens the attempt's prefetch put into the tree (cache mode), once."""
         return self.loaded.pop(handle, 0)
 
     def take_staged(self, handle: CacheRequestHandle) -> StagedPrefetch | None:
-        """``buffer_only``: the attempt's fetched pages, handed to the caller (who frees or
-        attaches them), once."""
+        """The caller frees or attaches them."""
         return self.staged.pop(handle, None)
 
-    # ------------------------------------------------------------------ 7. result
     def _apply_result(self, op: PrefetchOperation) -> None:
         entry = self.ongoing.pop(op.handle)
         done, ps = op.completed_tokens, self.page_size
@@ -306,9 +289,7 @@ class PrefetchBook:
             self.orphans[op.id] = (op, done)
         logger.debug("prefetch %s: %d of %d tokens", op.handle, done, op.requested_tokens)
 
-    # ------------------------------------------------------------------ attempts
     def release(self, handle: CacheRequestHandle) -> None:
-        """The attempt yielded, aborted or finished: nothing of its prefetch survives it."""
         entry = self.ongoing.pop(handle, None)
         if entry is not None:
             op = entry.op
@@ -332,11 +313,6 @@ class PrefetchBook:
     def free_slots(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self.tree.controller.evict_host(slots)
-
-    # ------------------------------------------------------------------ accounting
-    def held_slots(self) -> int:
-        """Host slots prefetches hold outside the tree."""
-        return sum(t.numel() for t in self.held_slot_tensors())
 
     def in_flight(self) -> int:
         """Operations the IO threads still hold (not completed)."""

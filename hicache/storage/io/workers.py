@@ -1,12 +1,8 @@
-"""``StorageWorkers``: a storage backend and its three IO threads (SGLang 0.5.23's
-``prefetch_thread_func``, ``prefetch_io_aux_func``, ``backup_thread_func``), and the records the
-threads and the scheduler thread hand each other (``CacheRequestHandle``, ``StorageOperation``,
-``PrefetchOperation``, ``PrefetchAck``) and the tier's counters (``StorageStats``).
+"""``StorageWorkers``: a storage backend and its three IO threads (SGLang 0.5.23's prefetch,
+prefetch IO and backup threads), the records they hand the scheduler thread, and ``StorageStats``.
 
-Invariant: nothing escapes a thread (a backend that raises answers a failure), and every
-operation yields the same number of results on every rank whatever its storage did, so the
-scheduler can agree the queues position by position. Fields a thread writes are read by the
-scheduler only after the queue hand-off that follows the write.
+Nothing escapes a thread (a backend that raises answers a failure), and every operation yields the
+same number of results on every rank, so the scheduler can agree the queues position by position.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ _ids = itertools.count()
 
 
 class CacheRequestHandle(NamedTuple):
-    """One attempt of one request (SGLang's ``CacheRequestHandle(rid, attempt_id)``): a late ack
-    of attempt ``N`` finds no prefetch of attempt ``N + 1`` to complete."""
+    """One attempt of one request: a late ack of attempt N finds no prefetch of N + 1."""
 
     rid: str
     attempt: int
@@ -40,8 +35,7 @@ class CacheRequestHandle(NamedTuple):
 
 @dataclass(eq=False)
 class StorageOperation:
-    """One backup: host slots (``len(hash_value) * page_size``) and the page keys to store them
-    under; ``completed_tokens`` grows batch by batch on the backup thread."""
+    """One backup: host slots and the page keys to store them under."""
 
     host_indices: torch.Tensor
     hash_value: list[str]
@@ -57,8 +51,7 @@ class StorageOperation:
 
 class PrefetchOperation:
     """One prefetch into the host pool: the query thread sets ``local_hit_pages``, the scheduler
-    the agreed ``hash_value`` and the ``host_indices`` of the hit, the IO thread reads into them.
-    ``mark_terminate`` asks the threads to stop between batches."""
+    the agreed ``hash_value`` and ``host_indices``, the IO thread reads into them."""
 
     def __init__(
         self,
@@ -81,29 +74,22 @@ class PrefetchOperation:
         self.hash_value: list[str] = []  # agreed hit, then trimmed to what was allocated
         self.host_indices: torch.Tensor | None = None
         self.completed_tokens = 0  # agreed progress (scheduler)
-        self.local_completed_tokens = 0  # this rank's progress (IO thread)
-        self.deadline_expired = False
         self.wait_started: float | None = None  # executor clock of the first blocked poll
         self.done = False  # the completion ack was drained
         self._terminated = threading.Event()
 
     def mark_terminate(self) -> None:
+        """Asks the threads to stop between batches."""
         self._terminated.set()
 
     def is_terminated(self) -> bool:
         return self._terminated.is_set()
 
-    def __repr__(self) -> str:
-        return (
-            f"PrefetchOperation({self.handle}, requested={self.requested_tokens}, "
-            f"hit={len(self.hash_value)} pages, completed={self.completed_tokens})"
-        )
-
 
 @dataclass
 class PrefetchAck:
-    """This rank's cumulative progress after one batch, or ``completed_req`` (the last ack).
-    Every rank emits ``ceil(pages / 128) + 1`` acks per operation, failures included."""
+    """This rank's progress after one batch, or ``completed_req`` (the last). Every rank emits
+    ``ceil(pages / 128) + 1`` acks per operation, failures included."""
 
     operation: PrefetchOperation
     completed_tokens: int | None = None
@@ -112,10 +98,8 @@ class PrefetchAck:
 
 @dataclass
 class StorageStats:
-    """Counters of the storage tier, counted on the scheduler thread from agreed results (tokens
-    unless named ``ops``). ``prefetch_revoked``: ended after its query (below the threshold, no
-    host room, released first); ``prefetch_unused_tokens``: inserted tokens their attempt's
-    admission did not load from the host; ``backup_skipped_ops``: non-writer ranks."""
+    """Counted on the scheduler thread from agreed results (tokens unless named ``ops``).
+    ``prefetch_revoked``: ended after its query; ``backup_skipped_ops``: non-writer ranks."""
 
     prefetch_issued: int = 0
     prefetch_too_short: int = 0
@@ -141,22 +125,18 @@ ZERO_COPY_BACKENDS = frozenset(
     {"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast", "seaweedfs"}
 )
 JOIN_TIMEOUT_S = 10.0
-SCRATCH_BYTES = 64 << 20
-"""Each IO thread keeps up to this many bytes of flat page buffers for the generic path
-(reused by every batch that fits, so a batch does not fault in fresh memory)."""
+SCRATCH_BYTES = 64 << 20  # flat page buffers each IO thread reuses on the generic path
 
 
 def uses_zero_copy(backend_name: str, extra_config: dict | None) -> bool:
-    """SGLang's choice between the v1 (zero-copy) and the generic page calls."""
     if backend_name == "dynamic":
         return bool((extra_config or {}).get("interface_v1"))
     return backend_name in ZERO_COPY_BACKENDS
 
 
 class StorageWorkers:
-    """The backend and three threads: query (``query_queue`` -> ``hit_queue``), IO (``io_queue``
-    -> ``ack_queue``), backup (``backup_queue`` -> ``backup_ack_queue``). ``zero_copy``: the v1
-    calls (``uses_zero_copy``); ``is_storage_writer``: ``False`` on MLA ranks other than 0."""
+    """Threads: query (``query_queue`` -> ``hit_queue``), IO (``io_queue`` -> ``ack_queue``),
+    backup (``backup_queue`` -> ``backup_ack_queue``). ``zero_copy``: the v1 calls."""
 
     def __init__(
         self,
@@ -192,19 +172,9 @@ class StorageWorkers:
         for t in self._threads:
             t.start()
 
-    # ------------------------------------------------------------------ scheduler side
-    def submit_query(self, op: PrefetchOperation) -> None:
-        self.query_queue.put(op)
-
-    def submit_io(self, op: PrefetchOperation) -> None:
-        self.io_queue.put(op)
-
-    def submit_backup(self, op: StorageOperation) -> None:
-        self.backup_queue.put(op)
-
     def close(self) -> None:
-        """Stop the threads after the work they hold (sentinels, then joins of up to 10 s
-        each). ``RuntimeError`` when one does not stop (a backend call that never returns)."""
+        """Stop the threads after the work they hold; ``RuntimeError`` when one does not stop
+        within ``JOIN_TIMEOUT_S`` (a backend call that never returns)."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -218,7 +188,6 @@ class StorageWorkers:
         if alive:
             raise RuntimeError(f"storage threads did not stop within {JOIN_TIMEOUT_S} s: {alive}")
 
-    # ------------------------------------------------------------------ threads
     def _loop(self, q: queue.Queue, fn: Callable[[Any], None]) -> None:
         while True:
             try:
@@ -234,7 +203,7 @@ class StorageWorkers:
             fn(item)
 
     def _query(self, op: PrefetchOperation) -> None:
-        """This rank's hit: consecutive stored pages from the first, in 128-page slices."""
+        """This rank's hit: consecutive stored pages from the first."""
         hits = 0
         try:
             keys = page_hashes(op.token_ids, self.page_size, op.last_hash)
@@ -252,8 +221,7 @@ class StorageWorkers:
         self.hit_queue.put(op)
 
     def _transfer(self, op: PrefetchOperation) -> None:
-        """Read the hit pages into ``op.host_indices``; one progress ack per batch, then one
-        completion ack, whatever happens."""
+        """One progress ack per batch, then one completion ack, whatever happens."""
         ps = self.page_size
         ok, pages = True, 0
         try:
@@ -269,7 +237,6 @@ class StorageWorkers:
                     if got != len(batch):
                         ok = False
                     pages += got
-                op.local_completed_tokens = pages * ps
                 self.ack_queue.put(PrefetchAck(op, completed_tokens=pages * ps))
         finally:
             self.ack_queue.put(PrefetchAck(op, completed_req=True))
@@ -277,8 +244,7 @@ class StorageWorkers:
     def _batches(
         self, keys: list[str], prefix: list[str] | None, host_indices: torch.Tensor | None = None
     ) -> Iterator[tuple[list[str], torch.Tensor | None, HiCacheStorageExtraInfo]]:
-        """``(keys, host slots, extra info)`` of each ``STORAGE_BATCH_SIZE``-page slice; the
-        prefix keys (when not ``None``) grow by each slice."""
+        """``(keys, host slots, extra info)`` per batch; the prefix keys grow by each batch."""
         ps = self.page_size
         for start in range(0, len(keys), STORAGE_BATCH_SIZE):
             batch = keys[start : start + STORAGE_BATCH_SIZE]
@@ -298,13 +264,9 @@ class StorageWorkers:
     ) -> int:
         pool, ps = self.host_pool, self.page_size
         if self.zero_copy:
-            results = self.backend.batch_get_v1(keys, slots, extra)
-            n = 0
-            for ok in results:
-                if not ok:
-                    break
-                n += 1
-            return n
+            return len(
+                list(itertools.takewhile(bool, self.backend.batch_get_v1(keys, slots, extra)))
+            )
         targets = self._buffers("io", len(keys))
         pages = self.backend.batch_get(keys, targets)
         if pages is None:
@@ -318,8 +280,7 @@ class StorageWorkers:
         return n
 
     def _buffers(self, thread: str, n: int) -> list[Any]:
-        """``n`` flat page buffers for one batch of ``thread``: reused ones while ``n`` pages fit
-        in ``SCRATCH_BYTES``, fresh ones otherwise (the backend may keep none of them)."""
+        """``n`` flat page buffers: reused ones while they fit in ``SCRATCH_BYTES``."""
         pool = self.host_pool
         if n * pool.page_nbytes > SCRATCH_BYTES:
             return [pool.get_dummy_flat_data_page() for _ in range(n)]
@@ -329,7 +290,7 @@ class StorageWorkers:
         return scratch[:n]
 
     def _backup(self, op: StorageOperation) -> None:
-        """Store ``op``'s pages batch by batch; the first failed batch ends the backup."""
+        """The first failed batch ends the backup."""
         if self.is_storage_writer:
             try:
                 self._page_backup(op)

@@ -1,11 +1,6 @@
-"""``MooncakeClient``: one process's ``mooncake.store.MooncakeDistributedStore``, set up against
-its master with clear startup errors (``open_client``), and guarded so that nothing touches it
-after ``close()`` (Mooncake 0.3.13 segfaults on any call after ``close()``).
-
-Every call blocks its thread (the binding releases the GIL); return codes are results, never
-exceptions. ``open_client`` probes the master's TCP port first (2 s), since ``setup`` against
-nothing blocks for about 90 s. ``call`` returns ``None`` once the client is closed, and when the
-binding raises (logged).
+"""``MooncakeClient``: one process's ``MooncakeDistributedStore``, set up with clear startup
+errors (``open_client``) and guarded so that nothing touches it after ``close()`` (Mooncake 0.3.13
+segfaults on any call after ``close()``). Calls block their thread; return codes are results.
 """
 
 from __future__ import annotations
@@ -22,11 +17,9 @@ from hicache.storage.mooncake.config import MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
 
-LOCAL_BUFFER_SIZE = 16 << 20
-"""The client's local buffer (SGLang's constant; the zero-copy calls do not use it)."""
-MIN_SEGMENT_SIZE = 16 << 20
-"""Mooncake's smallest non-zero segment (``setup`` refuses less with -600)."""
-PROBE_TIMEOUT_S = 2.0
+LOCAL_BUFFER_SIZE = 16 << 20  # SGLang's constant; the zero-copy calls do not use it
+MIN_SEGMENT_SIZE = 16 << 20  # ``setup`` refuses a smaller non-zero segment with -600
+PROBE_TIMEOUT_S = 2.0  # ``setup`` against no master blocks for about 90 s
 CLOSE_WAIT_S = 30.0
 
 ERROR_NAMES = {
@@ -45,21 +38,18 @@ ERROR_NAMES = {
 HEALTHY, CLOSED, MASTER_UNREACHABLE = 0, 1, 2
 
 
-def error_name(rc: int) -> str:
-    """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
-    return f"{rc} {ERROR_NAMES.get(rc, 'UNKNOWN')}"
+def error_name(rc: object) -> str:
+    """``"-704 OBJECT_NOT_FOUND"`` for a return code; ``repr`` of any other answer."""
+    return f"{rc} {ERROR_NAMES.get(rc, 'UNKNOWN')}" if isinstance(rc, int) else repr(rc)
 
 
 def new_distributed_store() -> Any:
-    """A fresh, not yet set up ``MooncakeDistributedStore`` (tests substitute a fake)."""
     from mooncake.store import MooncakeDistributedStore
 
     return MooncakeDistributedStore()
 
 
 def probe_master(host: str, port: int, source: str) -> None:
-    """``ValueError`` naming ``source`` unless something accepts TCP connections at
-    ``host:port`` within ``PROBE_TIMEOUT_S``."""
     try:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as e:
@@ -70,8 +60,6 @@ def probe_master(host: str, port: int, source: str) -> None:
 
 
 class MooncakeClient:
-    """A set-up ``MooncakeDistributedStore`` behind a close guard (module docstring)."""
-
     def __init__(self, store: Any, description: str) -> None:
         self._store = store
         self.description = description
@@ -80,12 +68,8 @@ class MooncakeClient:
         self._closed = False
         self._registered: list[int] = []
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def call(self, name: str, *args: Any) -> Any:
-        """``store.<name>(*args)``, or ``None`` when closed or when it raised (logged)."""
+        """``None`` when closed or when it raised (logged)."""
         with self._lock:
             if self._closed:
                 return None
@@ -110,12 +94,10 @@ class MooncakeClient:
         return CLOSED if rc is None else int(rc)
 
     def supports(self, name: str) -> bool:
-        """Whether the installed Mooncake has the call ``name``."""
         return hasattr(self._store, name)
 
     def register(self, regions: list[tuple[int, int]]) -> None:
-        """``register_buffer`` each ``(address, bytes)`` region (zero-length ones skipped);
-        ``ValueError`` (every registration undone) when Mooncake refuses one."""
+        """``ValueError`` (every registration undone) when Mooncake refuses a region."""
         for ptr, n in regions:
             if n <= 0:
                 continue
@@ -123,27 +105,24 @@ class MooncakeClient:
             if rc != 0:
                 self.unregister()
                 raise ValueError(
-                    f"Mooncake register_buffer of a {n}-byte host buffer failed "
-                    f"({error_name(rc) if isinstance(rc, int) else rc})"
+                    f"Mooncake register_buffer of a {n}-byte host buffer failed ({error_name(rc)})"
                 )
 
     def register_one(self, ptr: int, n: int) -> Any:
-        """``register_buffer(ptr, n)``, remembered for ``unregister``; Mooncake's answer."""
         rc = self.call("register_buffer", ptr, n)
         if rc == 0:
             self._registered.append(ptr)
         return rc
 
     def unregister(self, ptr: int | None = None) -> None:
-        """Unregister ``ptr`` (``None``: every registered buffer)."""
+        """``None``: every registered buffer."""
         for p in list(self._registered) if ptr is None else [ptr]:
             self._registered.remove(p)
             self.call("unregister_buffer", p)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Unregister the buffers and close the store, once no call is in flight (waits up to
-        ``wait_s``; a call still running then means the store is left open, logged, rather than
-        closed under it). Idempotent; every later ``call`` returns ``None``."""
+        """Close once no call is in flight; a call still running after ``wait_s`` leaves the
+        store open (logged) rather than closed under it. Idempotent."""
         self.unregister()
         with self._lock:
             if self._closed:
@@ -172,10 +151,8 @@ def open_client(
     ssd_offload_path: str | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> MooncakeClient:
-    """A client set up against ``config``'s master (``segment_bytes`` of this process's memory
-    mounted into the store, 0 for none), warmed up with one put and get. ``ValueError`` naming
-    the setting at fault: Mooncake not importable, no master at the address, a setup or warm-up
-    that fails. Blocks for the probe (up to 2 s) and for ``setup`` (about 0.2 s on loopback)."""
+    """A client mounting ``segment_bytes`` (0: none), warmed up with one put and get;
+    ``ValueError`` naming the setting at fault."""
     addr_name = config.source("master_server_address")
     if factory is None:
         reason = availability.module_reason("store")
@@ -233,8 +210,7 @@ def open_client(
 
 
 def _warm_up(client: MooncakeClient, config: MooncakeStoreConfig, segment_bytes: int) -> None:
-    """Put, read back and remove one 4 KiB object (SGLang's warm-up, which also proves that the
-    store has a segment to put into)."""
+    """SGLang's 4 KiB put, get and remove (also proves there is a segment to put into)."""
     key = f"hicache_mooncake_warmup_{uuid.uuid4().hex}"
     value = uuid.uuid4().bytes * 256
     rc = client.call("put", key, value)
@@ -246,7 +222,7 @@ def _warm_up(client: MooncakeClient, config: MooncakeStoreConfig, segment_bytes:
         )
     if rc != 0:
         raise ValueError(
-            f"Mooncake warm-up put failed ({error_name(rc) if isinstance(rc, int) else rc}) "
+            f"Mooncake warm-up put failed ({error_name(rc)}) "
             f"against {config.source('master_server_address')}={config.master_server_address}"
         )
     got = client.call("get", key)

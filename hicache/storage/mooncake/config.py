@@ -1,13 +1,9 @@
-"""``MooncakeStoreConfig``: where the Mooncake client finds its master and how it joins the store
-(SGLang 0.5.23's ``MooncakeStoreConfig``: same fields, sources, precedence and defaults).
-
-The first source that applies wins: the extra config when it sets ``master_server_address``, else
-the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the ``MOONCAKE_*``
-environment (``FIELDS``: key -> variable, default). A key missing from a dict source takes the
-default, except ``protocol`` (falls back to ``MOONCAKE_PROTOCOL``) and ``local_hostname``
-(``MOONCAKE_LOCAL_HOSTNAME`` / ``LOCAL_HOSTNAME`` win over every source). A malformed value, no
-master, or SGLang's dummy-client mode (not supported) is a ``ValueError`` naming the key,
-variable or file.
+"""``MooncakeStoreConfig``: where the Mooncake client finds its master (SGLang 0.5.23's fields,
+sources, precedence and defaults). The first source that applies wins: the extra config when it
+sets ``master_server_address``, else the JSON file in ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``,
+else the ``MOONCAKE_*`` environment. A key missing from a dict source takes the default, except
+``protocol`` (``MOONCAKE_PROTOCOL``) and ``local_hostname`` (``MOONCAKE_LOCAL_HOSTNAME`` /
+``LOCAL_HOSTNAME`` win over every source). Bad values raise ``ValueError`` naming their source.
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "tenant_id": ("MOONCAKE_TENANT_ID", DEFAULT_TENANT_ID),
 }
 BACKEND_KEYS = frozenset(FIELDS) | {"extra_backend_tag", "enable_group_semantics"}
-"""Every extra-config key the Mooncake backend reads (the others are warned about)."""
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -48,7 +43,7 @@ _FALSE = ("0", "false", "no", "off", "")
 
 @dataclass(frozen=True)
 class MooncakeStoreConfig:
-    """The resolved settings (module docstring); ``sources`` names where each came from."""
+    """``sources`` names where each field came from."""
 
     master_server_address: str
     local_hostname: str = "localhost"
@@ -66,17 +61,14 @@ class MooncakeStoreConfig:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, name: str) -> str:
-        """Where field ``name`` came from, for error messages."""
         return self.sources.get(name, f"the default {name}")
 
     def master_host_port(self) -> tuple[str, int] | None:
-        """``(host, port)`` of ``master_server_address``; ``None`` for an ``etcd://`` (HA) one."""
         return split_address(self.master_server_address, self.source("master_server_address"))
 
 
 def split_address(address: str, name: str) -> tuple[str, int] | None:
-    """``(host, port)`` of ``"host:port"`` (``[v6]:port`` too); ``None`` for ``etcd://...``;
-    ``ValueError`` naming ``name`` otherwise."""
+    """``(host, port)`` of ``"host:port"`` (``[v6]:port`` too); ``None`` for ``etcd://...``."""
     if address.startswith("etcd://"):
         return None
     host, sep, port = address.rpartition(":")
@@ -87,7 +79,7 @@ def split_address(address: str, name: str) -> tuple[str, int] | None:
 
 
 def parse_bool(value: Any, name: str) -> bool:
-    """A bool setting: a bool or ``1/0``, ``true/false``, ``yes/no``, ``on/off``."""
+    """A bool or ``1/0``, ``true/false``, ``yes/no``, ``on/off``."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
@@ -115,41 +107,30 @@ def _port(value: Any, name: str) -> int:
 
 
 _CHECKS = {
-    "master_server_address": lambda v, n: _text(v, n),
-    "local_hostname": lambda v, n: _text(v, n),
-    "metadata_server": lambda v, n: _text(v, n),
+    "master_server_address": _text,
+    "local_hostname": _text,
+    "metadata_server": _text,
     "global_segment_size": parse_size,
-    "protocol": lambda v, n: _text(v, n),
+    "protocol": _text,
     "device_name": lambda v, n: _text(v, n, empty_ok=True),
     "master_metrics_port": _port,
     "check_server": parse_bool,
     "standalone_storage": parse_bool,
-    "client_server_address": lambda v, n: _text(v, n),
+    "client_server_address": _text,
     "enable_ssd_offload": parse_bool,
-    "ssd_offload_path": lambda v, n: _text(v, n),
+    "ssd_offload_path": _text,
     "tenant_id": lambda v, n: str(v).strip() or DEFAULT_TENANT_ID,
 }
 
 
-def _from_mapping(values: Mapping[str, Any], where: str, env: Mapping[str, str]) -> dict:
-    """(field -> (raw value, source)) of a dict source (extra config or JSON file)."""
+def _raw(values: Mapping[str, Any] | None, where: str, env: Mapping[str, str]) -> dict:
+    """field -> (raw value, source) of a dict source (``values``) or, with ``None``, of ``env``."""
     out: dict[str, tuple[Any, str]] = {}
     for name, (var, default) in FIELDS.items():
-        if values.get(name) is not None:
+        if values is not None and values.get(name) is not None:
             out[name] = (values[name], f"{where} key {name!r}")
-        elif name == "protocol" and env.get(var):
+        elif (values is None or name == "protocol") and env.get(var):
             out[name] = (env[var], f"environment variable {var}")
-        else:
-            out[name] = (default, f"the default {name}")
-    return out
-
-
-def _from_env(env: Mapping[str, str]) -> dict:
-    out: dict[str, tuple[Any, str]] = {}
-    for name, (var, default) in FIELDS.items():
-        raw = env.get(var)
-        if raw:
-            out[name] = (raw, f"environment variable {var}")
         else:
             out[name] = (default, f"the default {name}")
     return out
@@ -170,12 +151,11 @@ def _read_file(path: str) -> dict:
 def load_mooncake_config(
     extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> MooncakeStoreConfig:
-    """The config from the first source that applies (module docstring). ``env``: the
-    environment to read (default ``os.environ``)."""
+    """``env``: the environment to read (default ``os.environ``)."""
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
     if extra.get("master_server_address") is not None or extra.get("client_server_address"):
-        raw = _from_mapping(extra, f"extra config ({FLAG})", env)
+        raw = _raw(extra, f"extra config ({FLAG})", env)
     elif env.get(ENV_CONFIG_PATH):
         path = env[ENV_CONFIG_PATH]
         data = _read_file(path)
@@ -184,9 +164,9 @@ def load_mooncake_config(
                 f"environment variable {ENV_CONFIG_PATH}={path!r}: the file sets neither "
                 "master_server_address nor client_server_address"
             )
-        raw = _from_mapping(data, f"{ENV_CONFIG_PATH}={path!r}", env)
+        raw = _raw(data, f"{ENV_CONFIG_PATH}={path!r}", env)
     else:
-        raw = _from_env(env)
+        raw = _raw(None, "", env)
         if raw["master_server_address"][0] is None and raw["client_server_address"][0] is None:
             raise ValueError(
                 "no Mooncake master configured: set master_server_address in "
@@ -217,9 +197,8 @@ def load_mooncake_config(
 
 
 def device_for_rank(device_name: str, tp_rank: int, source: str) -> str:
-    """``device_name`` for TP rank ``tp_rank``: the string itself, or, for SGLang's per-rank JSON
-    form (``'{"0": "mlx5_0", "1": "mlx5_1"}'``), the rank's entry (``""`` when absent).
-    ``ValueError`` naming ``source`` for JSON that does not parse into an object."""
+    """``device_name`` itself, or for SGLang's per-rank JSON form (``'{"0": "mlx5_0"}'``) the
+    rank's entry (``""`` when absent)."""
     if not device_name.strip().startswith("{"):
         return device_name
     try:

@@ -1,13 +1,8 @@
-"""``ObjectNames``: SGLang 0.5.23's Mooncake object names of KV pages, so an SGLang instance and
-this project find each other's pages in one store.
-
-A page key becomes one object per part, in the order of ``get_page_buffer_meta``'s pointers:
-MHA ``{prefix}_{key}_{tp_rank}_k`` and ``_v`` (each TP rank its shard of the heads), MLA
-``{prefix}_{key}__k`` (one object for every rank); with ``pp_size > 1`` the rank part is
-``{tp_rank}_{pp_rank}`` (MHA) or ``{pp_rank}`` (MLA). ``prefix`` joins the extra-config
-``extra_backend_tag`` and the model name (``/`` as ``-``, carrying the format tag unless
-``storage_format_tag: "none"``). MHA names carry no TP size: servers of one model at two TP sizes
-need their own ``extra_backend_tag`` (their objects differ in size: misses, never wrong KV).
+"""``ObjectNames``: SGLang 0.5.23's Mooncake object names of KV pages: one object per part, in
+``get_page_buffer_meta``'s pointer order: MHA ``{prefix}_{key}_{tp_rank}_k`` / ``_v``, MLA
+``{prefix}_{key}__k``; with ``pp_size > 1`` the rank part is ``{tp_rank}_{pp_rank}`` (MHA) or
+``{pp_rank}`` (MLA). ``prefix``: ``extra_backend_tag`` and the (tagged) model name. MHA names carry
+no TP size: two TP sizes of one model need their own ``extra_backend_tag``.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ from hicache.storage.config import HiCacheStorageConfig
 
 @dataclass(frozen=True)
 class ObjectNames:
-    """The naming of one rank's objects."""
-
     prefix: str | None
     suffixes: tuple[str, ...]  # per page, in pointer order: ("_0_k", "_0_v") or ("__k",)
 
@@ -43,7 +36,6 @@ class ObjectNames:
 
     @property
     def per_page(self) -> int:
-        """Objects per page (2 for MHA, 1 for MLA)."""
         return len(self.suffixes)
 
     def tagged(self, key: str) -> str:
@@ -51,5 +43,4 @@ class ObjectNames:
         return key if self.prefix is None else f"{self.prefix}_{key}"
 
     def objects(self, keys: list[str]) -> list[str]:
-        """Every object name of ``keys``' pages, page by page, parts in pointer order."""
         return [self.tagged(k) + s for k in keys for s in self.suffixes]

@@ -1,11 +1,7 @@
-"""``PageFooters``: the integrity footer of every Mooncake object this project writes.
-
-An object is the page part's bytes followed by the file backend's 16-byte footer (magic, then the
-CRC-32 of the object's name followed by the bytes), so damaged bytes and another object's bytes
-under this name both fail the check on read. The parts still move zero-copy from and into the
-host pool (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``); the footers
-travel through a per-thread staging buffer registered with Mooncake. Pages in SGLang's own format
-(``storage_format_tag: "none"``) carry no footer and no check.
+"""``PageFooters``: the integrity footer of every Mooncake object this project writes: the file
+backend's 16-byte footer (CRC-32 of the object's name then its bytes) after the part's bytes, so
+damaged bytes and another object's bytes both fail on read. The parts move zero-copy (the
+``*_multi_buffers`` calls); the footers go through a per-thread buffer registered with Mooncake.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ GET_CALL = "batch_get_into_multi_buffers"
 
 
 class PageFooters:
-    """Footer staging buffers (one per calling thread, grown on demand) and the check itself."""
-
     size = FOOTER.size
 
     def __init__(self, client: MooncakeClient) -> None:
@@ -38,8 +32,8 @@ class PageFooters:
         self._buffers: list[torch.Tensor] = []  # kept alive while Mooncake holds them
 
     def staging(self, n: int) -> torch.Tensor | None:
-        """This thread's buffer of at least ``n`` footers; ``None`` (logged) when Mooncake
-        refuses to register a new one."""
+        """This thread's buffer of ``n`` footers or more; ``None`` (logged) when Mooncake refuses
+        to register it."""
         buf: torch.Tensor | None = getattr(self._local, "buf", None)
         if buf is not None and buf.numel() >= n * self.size:
             return buf
@@ -47,7 +41,7 @@ class PageFooters:
         new = torch.zeros(slots * self.size, dtype=torch.uint8)
         rc = self._client.register_one(new.data_ptr(), new.numel())
         if rc != 0:
-            logger.error("Mooncake refused a footer buffer (%s)", _code(rc))
+            logger.error("Mooncake refused a footer buffer (%s)", error_name(rc))
             return None
         with self._lock:
             self._buffers.append(new)
@@ -66,11 +60,9 @@ class PageFooters:
         return parts, [[size, self.size] for size in sizes]
 
     def write(self, buf: torch.Tensor, slot: int, name: str, ptr: int, size: int) -> None:
-        """Put the footer of object ``name`` (``size`` bytes at ``ptr``) in ``slot``."""
         FOOTER.pack_into(_view(buf), slot * self.size, MAGIC, _checksum(name, ptr, size))
 
     def holds(self, buf: torch.Tensor, slot: int, name: str, ptr: int, size: int) -> bool:
-        """Whether ``slot`` holds the footer of object ``name`` with the bytes read to ``ptr``."""
         return FOOTER.unpack_from(_view(buf), slot * self.size) == (
             MAGIC,
             _checksum(name, ptr, size),
@@ -83,7 +75,3 @@ def _view(buf: torch.Tensor) -> memoryview:
 
 def _checksum(name: str, ptr: int, size: int) -> int:
     return page_checksum(name, (ctypes.c_char * size).from_address(ptr))
-
-
-def _code(rc: object) -> str:
-    return error_name(rc) if isinstance(rc, int) else repr(rc)

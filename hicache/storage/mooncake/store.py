@@ -1,15 +1,11 @@
 """``MooncakeStore``: the Mooncake Store as the L3 backend (``--hicache-storage-backend mooncake``,
-SGLang 0.5.23's ``MooncakeStore``): every prefill instance on one master reuses the KV pages any
-other instance (or an SGLang server) stored.
+SGLang 0.5.23's ``MooncakeStore``): every instance on one master reuses the pages any other stored.
 
-A page is one object per part (``names``), holding the part's bytes as the host pool lays them
-out and, unless the pages are SGLang's (``storage_format_tag: "none"``), an integrity footer
-(``page_footers``). The v1 calls move bytes zero-copy between Mooncake and the host pool's
-registered buffers. Invariant: a page is found, stored or read only when every object of it
-succeeded, and read only when each object is whole (its exact size, its footer holding);
-anything else is a counted miss, never KV. Runtime failures are results (``False``, a shorter
-count), never exceptions; every call is gated on ``health_check()``, so a down master costs a
-counted skip instead of Mooncake's ~4.4 s wait. ``close()`` waits for the calls in flight.
+A page is one object per part (``names``): the part's bytes as the host pool lays them out, plus an
+integrity footer (``page_footers``) unless the pages are SGLang's (``storage_format_tag: "none"``).
+A page is found, stored or read only when every object of it succeeded, and read only when each
+object is whole and checked; anything else is a counted miss. Every call is gated on
+``health_check()``, so a down master costs a counted skip instead of Mooncake's ~4.4 s wait.
 """
 
 from __future__ import annotations
@@ -19,11 +15,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, ClassVar
 
 import torch
 
-from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
+from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo, host_indices_fit
 from hicache.storage.config import FLAG, HiCacheStorageConfig, as_extra_config
 from hicache.storage.mooncake.client import HEALTHY, MooncakeClient, error_name, open_client
 from hicache.storage.mooncake.config import (
@@ -42,13 +39,18 @@ logger = logging.getLogger(__name__)
 _Meta = tuple[list[str], list[str], list[int], list[int]]  # keys, object names, addresses, sizes
 
 
+def _check_keys(keys: list[str], call: str) -> None:
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{call}: storage keys must be non-empty strings, got {key!r}")
+
+
 class MooncakeStore(HiCacheStorage):
-    """The Mooncake Store backend of one rank. ``storage_config=None``: rank 0 of 1, settings
-    from the file or environment; ``mem_pool_host`` is accepted for SGLang's constructor shape
-    (``register_mem_pool_host`` registers the pool). Construction connects to the master."""
+    """``storage_config=None``: rank 0 of 1; ``mem_pool_host`` is accepted for SGLang's
+    constructor shape (``register_mem_pool_host`` registers it). Construction connects."""
 
     store_factory: ClassVar[Callable[[], Any] | None] = None
-    """Builds the raw ``MooncakeDistributedStore`` (tests substitute a fake; ``None``: Mooncake)."""
+    """Builds the raw ``MooncakeDistributedStore`` (tests substitute a fake)."""
 
     def __init__(
         self, storage_config: HiCacheStorageConfig | None = None, mem_pool_host: Any = None
@@ -67,16 +69,16 @@ class MooncakeStore(HiCacheStorage):
         self.config: MooncakeStoreConfig = load_mooncake_config(extra)
         self.names = ObjectNames.for_config(cfg, extra.get("extra_backend_tag"))
         self.is_writer = cfg.is_storage_writer
-        group_semantics = extra.get("enable_group_semantics", False)
-        self.group_semantics = parse_bool(
-            group_semantics, f"extra config key 'enable_group_semantics' ({FLAG})"
+        group_semantics = parse_bool(
+            extra.get("enable_group_semantics", False),
+            f"extra config key 'enable_group_semantics' ({FLAG})",
         )
         self.segment_bytes = self.config.global_segment_size // (cfg.tp_size * cfg.pp_size)
-        device_source = self.config.source("device_name")
-        device = device_for_rank(self.config.device_name, cfg.tp_rank, device_source)
         self.client: MooncakeClient = open_client(
             self.config,
-            device_name=device,
+            device_name=device_for_rank(
+                self.config.device_name, cfg.tp_rank, self.config.source("device_name")
+            ),
             segment_bytes=self.segment_bytes,
             ssd_offload_path=self._ssd_path(cfg),
             factory=type(self).store_factory,
@@ -89,7 +91,7 @@ class MooncakeStore(HiCacheStorage):
                 "footer needs: upgrade Mooncake, or set the extra-config key storage_format_tag "
                 "to 'none' (SGLang's pages, without a check)"
             )
-        self._replicate_config = self._group_config_class() if self.group_semantics else None
+        self._replicate_config = self._group_config_class() if group_semantics else None
         self.counters = MooncakeCounters()
         self._object_sizes: list[int] = []
         self._unhealthy_since: float | None = None
@@ -119,7 +121,6 @@ class MooncakeStore(HiCacheStorage):
         return path
 
     def _group_config_class(self) -> Any:
-        """``ReplicateConfig`` when this Mooncake knows ``group_ids``, else ``None`` (warned)."""
         try:
             from mooncake.store import ReplicateConfig
         except ImportError:
@@ -133,10 +134,8 @@ class MooncakeStore(HiCacheStorage):
         return ReplicateConfig
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Register the host pool's buffers with Mooncake (zero copy). ``ValueError`` for a
-        ``layer_first`` pool (each part's page must be contiguous) or a refused buffer."""
-        layout = getattr(mem_pool_host, "layout", None)
-        if layout == "layer_first":
+        """Register the host pool's buffers with Mooncake (zero copy)."""
+        if getattr(mem_pool_host, "layout", None) == "layer_first":
             raise ValueError(
                 "--hicache-mem-layout=layer_first: Mooncake stores one object per page part, "
                 "which needs page_first or page_first_direct (SGLang resolves the same)"
@@ -153,23 +152,22 @@ class MooncakeStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self._object_sizes = list(sizes)
 
-    def _meta(self, keys: list[str], host_indices: torch.Tensor, call: str) -> _Meta | None:
-        """Object names, addresses and sizes of ``keys``' pages at ``host_indices``; ``None``
-        (logged) when the counts disagree (SGLang answers all ``False``)."""
+    def _v1(
+        self, keys: list[str], host_indices: torch.Tensor, call: str, io: Callable[..., list[bool]]
+    ) -> list[bool]:
+        """``io`` of the pages at ``host_indices``; all ``False`` (logged) when the counts
+        disagree (SGLang's answer)."""
+        if not keys:
+            return []
         pool = self._v1_pool()
-        for key in keys:
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"{call}: storage keys must be non-empty strings, got {key!r}")
-        n = int(host_indices.numel()) if isinstance(host_indices, torch.Tensor) else -1
-        needed = len(keys) * pool.page_size
-        if n != needed:
-            logger.error("%s: %d keys need %d host indices, got %d", call, len(keys), needed, n)
-            return None
+        _check_keys(keys, call)
+        if not host_indices_fit(keys, host_indices, pool.page_size, call):
+            return [False] * len(keys)
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-        return keys, self.names.objects(keys), ptrs, sizes
+        return io(keys, self.names.objects(keys), ptrs, sizes)
 
     def _flat_meta(self, key: str, page: Any, call: str) -> _Meta:
-        """Object names, addresses and sizes of one flat page tensor (parts back to back)."""
+        """The meta of one flat page tensor (parts back to back)."""
         if not self._object_sizes:
             raise ValueError(f"MooncakeStore.{call}: register_mem_pool_host first")
         if not (
@@ -179,16 +177,12 @@ class MooncakeStore(HiCacheStorage):
         total = sum(self._object_sizes)
         if page.numel() * page.element_size() != total:
             raise ValueError(f"MooncakeStore.{call}: the page must hold {total} bytes")
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"MooncakeStore.{call}: the key must be a non-empty string")
-        base, ptrs = page.data_ptr(), []
-        for size in self._object_sizes:
-            ptrs.append(base)
-            base += size
+        _check_keys([key], f"MooncakeStore.{call}")
+        offsets = accumulate([0, *self._object_sizes[:-1]])
+        ptrs = [page.data_ptr() + offset for offset in offsets]
         return [key], self.names.objects([key]), ptrs, list(self._object_sizes)
 
     def _healthy(self) -> bool:
-        """Whether Mooncake's master is reachable now; a call is skipped (counted) if not."""
         state = self.client.health()
         with self._health_lock:
             if state == HEALTHY:
@@ -212,7 +206,7 @@ class MooncakeStore(HiCacheStorage):
         return False
 
     def _codes(self, name: str, result: Any, n: int) -> list[int]:
-        """``result`` as ``n`` return codes (a missing or malformed answer: ``n`` failures)."""
+        """``result`` as ``n`` return codes (a missing or malformed answer: failures)."""
         if isinstance(result, list) and len(result) == n:
             return [int(r) for r in result]
         if result is None:
@@ -227,7 +221,7 @@ class MooncakeStore(HiCacheStorage):
         return [all(ok[i : i + k]) for i in range(0, len(ok), k)]
 
     def _exists(self, names: list[str]) -> list[int]:
-        """``batch_is_exist`` of ``names`` (1 exists, 0 not, < 0 error)."""
+        """1 exists, 0 not, < 0 error."""
         self.counters.add(exists_queries=1)
         result = self.client.call("batch_is_exist", names)
         return self._codes("batch_is_exist", result, len(names))
@@ -235,7 +229,6 @@ class MooncakeStore(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``' pages, from the first, have every object in the store."""
         if not keys:
             return 0
         names = self.names.objects(keys)
@@ -248,8 +241,7 @@ class MooncakeStore(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def _get(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[bool]:
-        """Read each object into its address; per object whether it arrived whole and checked.
-        Failures are counted."""
+        """Per object whether it arrived whole and checked; failures are counted."""
         footers, buf, call = self.footers, None, "batch_get_into"
         if footers is None:
             result = self.client.call(call, names, ptrs, sizes)
@@ -288,7 +280,7 @@ class MooncakeStore(HiCacheStorage):
         return ok
 
     def _corrupt(self, name: str) -> None:
-        """Count an object failing its footer and remove it, so that a writer can put it again."""
+        """Removed, so that a writer can put it again."""
         self.counters.add(read_corrupt=1)
         logger.warning("Mooncake object %s fails its check (damaged or another's); removed", name)
         self.client.call("remove", name, True)
@@ -314,23 +306,17 @@ class MooncakeStore(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read each page straight into its host slots; one ``bool`` per key. A failed page may
-        leave partial bytes in its slots, which the prefetch that asked frees."""
-        if not keys:
-            return []
-        meta = self._meta(keys, host_indices, "batch_get_v1")
-        return [False] * len(keys) if meta is None else self._read(*meta)
+        """A failed page may leave partial bytes in its slots (the prefetch frees them)."""
+        return self._v1(keys, host_indices, "batch_get_v1", self._read)
 
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
-        """Read ``key``'s page into ``target_location`` (a contiguous CPU tensor of one flat
-        page, as ``get_dummy_flat_data_page`` makes); that tensor, or ``None``."""
+        """``target_location``: a contiguous CPU tensor of one flat page."""
         ok = self._read(*self._flat_meta(key, target_location, "get"))[0]
         return target_location if ok else None
 
     def _put(self, names: list[str], ptrs: list[int], sizes: list[int], groups: list[str]) -> Any:
-        """Mooncake's answer to putting each object from its address (with its footer)."""
         config: tuple[Any, ...] = ()
         if self._replicate_config is not None:
             replicate = self._replicate_config()
@@ -349,9 +335,8 @@ class MooncakeStore(HiCacheStorage):
     def _write(
         self, keys: list[str], names: list[str], ptrs: list[int], sizes: list[int]
     ) -> list[bool]:
-        """Put the objects the store lacks (a put of an existing name is a no-op in Mooncake);
-        a page is stored when every object of it exists or was put. MLA ranks other than 0 put
-        nothing and answer whether the page is in the store."""
+        """Put the objects the store lacks; a page is stored when every object of it exists or
+        was put. MLA ranks other than 0 put nothing and answer whether the page is stored."""
         n_pages = len(names) // self.names.per_page
         if not self._healthy():
             return [False] * n_pages
@@ -392,11 +377,7 @@ class MooncakeStore(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Store each page straight from its host slots; one ``bool`` per key."""
-        if not keys:
-            return []
-        meta = self._meta(keys, host_indices, "batch_set_v1")
-        return [False] * len(keys) if meta is None else self._write(*meta)
+        return self._v1(keys, host_indices, "batch_set_v1", self._write)
 
     def set(
         self,
@@ -405,12 +386,10 @@ class MooncakeStore(HiCacheStorage):
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store ``value`` (one flat page, a contiguous CPU tensor) under ``key``."""
         return self._write(*self._flat_meta(key, value, "set"))[0]
 
     def clear(self) -> bool:
-        """SGLang's ``clear``: ``remove_all()`` of the whole store (every instance's objects;
-        objects read in the last lease period, 10 s by default, stay)."""
+        """``remove_all()``: every instance's objects (those read in the last lease stay)."""
         removed = self.client.call("remove_all")
         logger.info("MooncakeStore.clear removed %s objects", removed)
         return isinstance(removed, int) and removed >= 0
@@ -419,6 +398,5 @@ class MooncakeStore(HiCacheStorage):
         return self.counters.snapshot()
 
     def close(self) -> None:
-        """Close the client after the calls in flight (idempotent); the objects in this
-        process's segment leave the store with it."""
+        """The objects in this process's segment leave the store with it."""
         self.client.close()

@@ -1,12 +1,7 @@
-"""``MooncakeStoreStats``: what a ``MooncakeStore`` did, counted under a lock by the IO threads
-that call it (``MooncakeCounters``) and handed out as a frozen snapshot by ``get_stats()``.
-
-``pages_*`` count whole pages, ``objects_*`` Mooncake objects (2 per MHA page, 1 per MLA page);
-``errors`` failed objects by return-code name (``"-704 OBJECT_NOT_FOUND"``); ``wrong_size``
-objects read with a size other than the part's; ``read_corrupt`` objects read whole whose
-integrity footer failed (damaged, or another object's bytes); ``skipped_unhealthy`` calls
-answered as failures because the master was unreachable; ``call_errors`` calls the client raised
-from. Every failed object is a miss, never KV.
+"""``MooncakeStoreStats``: what a ``MooncakeStore`` did (``MooncakeCounters``, thread-safe).
+``pages_*`` count pages, ``objects_*`` objects (2 per MHA page, 1 per MLA); ``errors`` failed
+objects by return-code name; ``skipped_unhealthy`` calls answered as failures while the master was
+unreachable; ``call_errors`` calls the client raised from.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class MooncakeStoreStats:
-    """A snapshot of the counters."""
-
     exists_queries: int = 0
     pages_read: int = 0
     pages_read_failed: int = 0
@@ -41,8 +34,6 @@ class MooncakeStoreStats:
 
 
 class MooncakeCounters:
-    """Thread-safe counters behind ``MooncakeStoreStats``."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._n: Counter[str] = Counter()
