@@ -5,11 +5,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Protocol
-
-logger = logging.getLogger(__name__)
 
 
 class Clock(Protocol):

@@ -4,13 +4,10 @@ reservoir for percentiles."""
 
 from __future__ import annotations
 
-import logging
 import random
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 TTFT_RESERVOIR_SIZE = 4096
 """TTFT samples kept for percentiles; exact while fewer requests succeeded."""

@@ -10,7 +10,6 @@ request-owned slots.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefill.executor_stats import ExecutorStats
@@ -18,8 +17,6 @@ from prefill.request.state import PrefillRequest, Stage
 
 if TYPE_CHECKING:
     from prefill.scheduler.admission import ReqToMetadataIdxAllocator
-
-logger = logging.getLogger(__name__)
 
 
 class ExecutorView(Protocol):

@@ -11,7 +11,6 @@ pairing. Tensor parallelism: ``prefill.model.mla_tp``.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +25,6 @@ from prefill.model.paged import ExtendBatch, ModelConfig, PagedTransformer, RMSN
 if TYPE_CHECKING:
     from hicache.memory.device_pool import MLATokenToKVPool
     from server_args import ServerArgs
-
-__all__ = ["MLAConfig", "MLATransformer"]
-
-logger = logging.getLogger(__name__)
 
 _REF_SCORES = 1 << 26
 """Largest score block (values) the reference materializes at once."""

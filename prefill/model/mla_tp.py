@@ -7,16 +7,10 @@ rest as ``prefill.model.tp``. ``tp_size`` must divide ``num_attention_heads`` an
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from prefill.model.mla import MLATransformer
 from prefill.model.tp import TPPagedTransformer, keep_param
-
-__all__ = ["TPMLATransformer"]
-
-logger = logging.getLogger(__name__)
 
 
 class TPMLATransformer(TPPagedTransformer, MLATransformer):

@@ -23,8 +23,6 @@ import torch
 from prefill.model.paged import ModelConfig, PagedTransformer
 from server_args import tp_geometry_errors
 
-__all__ = ["TPPagedTransformer", "TPShard", "keep_param"]
-
 logger = logging.getLogger(__name__)
 
 

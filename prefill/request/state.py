@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +10,6 @@ import torch
 
 if TYPE_CHECKING:
     from prefill.disagg.protocol import DecodeLink
-
-logger = logging.getLogger(__name__)
 
 
 class Stage(enum.Enum):

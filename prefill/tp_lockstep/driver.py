@@ -7,7 +7,6 @@ one rank nothing is broadcast.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -18,10 +17,6 @@ from prefill.tp_lockstep.sync import AgreedClock, RankZeroInputs
 
 if TYPE_CHECKING:
     from prefill.disagg.protocol import DecodeBackend
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["TPDriver", "agreed_clock"]
 
 
 def agreed_clock(clock: Clock, group: TPGroup, decode: DecodeBackend | None) -> Clock:

@@ -7,7 +7,6 @@ schedule is identical on every rank; with one rank every helper is the identity.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +17,6 @@ from prefill.disagg.protocol import KVPoll
 if TYPE_CHECKING:
     from prefill.disagg.protocol import DecodeBackend
     from prefill.request.state import PrefillRequest
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["AgreedClock", "PeerPolls", "RankZeroInputs", "check_batch"]
 
 
 class AgreedClock:
