@@ -220,25 +220,20 @@ class OptimisticPrefillExecutor:
     ) -> None:
         """Step until every request has its outcome. Raises ``RuntimeError`` when nothing can
         change any more or after ``max_steps``."""
+        due_now = 0
         try:
-            self._run_until_idle(max_steps, check, after_step)
+            for _ in range(max_steps):
+                self.driver.sync()
+                if self.is_idle():
+                    return
+                progressed = self._step()
+                if after_step is not None:
+                    after_step()
+                if check:
+                    self.check_integrity()
+                due_now = 0 if progressed else self.wait_for_next_event(due_now)
         finally:
             self.driver.release_clock()
-
-    def _run_until_idle(
-        self, max_steps: int, check: bool, after_step: Callable[[], object] | None
-    ) -> None:
-        due_now = 0
-        for _ in range(max_steps):
-            self.driver.sync()
-            if self.is_idle():
-                return
-            progressed = self._step()
-            if after_step is not None:
-                after_step()
-            if check:
-                self.check_integrity()
-            due_now = 0 if progressed else self.wait_for_next_event(due_now)
         raise RuntimeError(f"not idle after {max_steps} steps: {self.describe()}")
 
     def wait_for_next_event(

@@ -41,21 +41,5 @@ def build_model(args: ServerArgs) -> PagedTransformer:
         cls = TPMLATransformer if mla else TPPagedTransformer
         return cls(config, dist.get_rank(), tp_size, device=args.resolved_device())
     model = (MLATransformer if mla else PagedTransformer)(config, args.resolved_device())
-    logger.info("model %s: %s", getattr(args, "model_preset", "?"), describe(config))
+    logger.info("model %s: %s", getattr(args, "model_preset", "?"), config)
     return model
-
-
-def describe(config: ModelConfig) -> str:
-    c = config
-    if isinstance(c, MLAConfig):
-        attention = (
-            f"MLA {c.num_attention_heads} heads, latent {c.kv_lora_rank} + rope "
-            f"{c.qk_rope_head_dim}, nope {c.qk_nope_head_dim}, v {c.v_head_dim}, q_lora "
-            f"{c.q_lora_rank}"
-        )
-    else:
-        attention = f"{c.num_attention_heads}/{c.num_kv_heads} heads x {c.head_dim}"
-    return (
-        f"{c.num_layers} layers, {attention}, hidden {c.hidden_size}, intermediate "
-        f"{c.intermediate_size}, vocab {c.vocab_size}, {c.dtype}, seed {c.seed}"
-    )

@@ -37,13 +37,6 @@ class RequestKV:
             self.l3_pages = SpeculativeL3Pages(self.page_size, stats)
             cache.storage.add_write_observer(self.l3_pages.observe)
 
-    def _pages(self, n: int) -> int:
-        return page_ceil(n, self.page_size)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` device slots, evicting when short; ``None`` when eviction cannot make room."""
-        return self.cache.alloc_device(n)
-
     def match_and_lock(self, req: PrefillRequest) -> None:
         """Match at most ``n - 1`` prompt tokens (one is computed), start a load back of a host
         hit (unless ``skip_load_back``) and lock the deepest device node."""
@@ -70,10 +63,10 @@ class RequestKV:
         """Room for ``n`` more tokens; ``False`` (nothing changed) when the pool is full."""
         if req.slots is None:
             raise RuntimeError(f"{req.rid}: alloc_extend of a request without slots")
-        need = self._pages(req.computed_len + n) - req.slots.numel()
+        need = page_ceil(req.computed_len + n, self.page_size) - req.slots.numel()
         if need <= 0:
             return True
-        new = self.alloc(need)
+        new = self.cache.alloc_device(need)  # agreed over TP ranks
         if new is None:
             return False
         req.slots = torch.cat([req.slots, new])

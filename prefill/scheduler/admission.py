@@ -189,13 +189,12 @@ class AdmissionQueue:
             elif state == KVPoll.WaitingForInput:
                 if not self.ensure_metadata_buffer(req):
                     keep.append(req)
-                elif self.forced(req):
-                    self._admit(req, optimistic=True)  # the hook: run as if not ready
-                    self.waiting_queue.append(req)
-                else:
-                    self._admit(req, optimistic=False)
+                    continue
+                forced = self.forced(req)  # the hook: run as if not ready
+                self._admit(req, optimistic=forced)
+                if not forced:
                     self.finalize(req)
-                    self.waiting_queue.append(req)
+                self.waiting_queue.append(req)
             else:
                 raise RuntimeError(f"{req.rid}: unexpected {state.name} in the bootstrap queue")
         self.bootstrap_queue = keep

@@ -100,7 +100,8 @@ class InflightQueue:
                     continue
                 self.inflight_queue.append(req)
             elif state == KVPoll.Success:
-                self._complete(req)
+                self.stats.successes += 1
+                self._report(req, Outcome.SUCCESS, None)
                 holding -= 1
             else:
                 self.inflight_queue.append(req)
@@ -131,15 +132,10 @@ class InflightQueue:
                 self.draining_queue.append(req)
 
     def _release_aborted(self, req: PrefillRequest) -> None:
-        self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
 
-    def _complete(self, req: PrefillRequest) -> None:
-        self.kv.release(req)
-        self.stats.successes += 1
-        self._report(req, Outcome.SUCCESS, None)
-
     def _report(self, req: PrefillRequest, outcome: Outcome, error: str | None) -> None:
+        self.kv.release(req)
         self.admission.release_metadata_buffer(req)
         req.stage = Stage.DONE
         result = req.to_result(outcome, self.clock.now(), error)
