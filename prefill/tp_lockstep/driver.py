@@ -54,11 +54,10 @@ class TPDriver:
         self.following = False
 
     def check_submit(self) -> None:
-        tp_rank = self.group.rank if self.inputs is not None else None
-        if tp_rank:
+        if self.inputs is not None and self.group.rank:
             raise ValueError(
-                f"submit: rank {tp_rank} of a tensor-parallel group takes requests only from "
-                "rank 0's broadcast"
+                f"submit: rank {self.group.rank} of a tensor-parallel group takes requests only "
+                "from rank 0's broadcast"
             )
 
     def pending(self, rid: str) -> bool:
