@@ -1,2 +1,1 @@
-"""Prefill side of PD disaggregation: the optimistic prefill executor (``executor``), its
-scheduler delegates, requests, the paged model, the decode-peer protocol and its simulation."""
+"""Prefill side of PD disaggregation: the optimistic prefill executor and what it runs on."""

@@ -1,15 +1,10 @@
 """Time sources of the executor and the simulated decode side: ``VirtualClock`` (moves only on
-``advance`` / ``wait_until``, for deterministic tests) and ``WallClock`` (monotonic time;
-``advance`` is a no-op, ``wait_until`` sleeps).
-"""
+``advance`` / ``wait_until``) and ``WallClock`` (monotonic; ``wait_until`` sleeps)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Protocol
-
-logger = logging.getLogger(__name__)
 
 
 class Clock(Protocol):
@@ -21,14 +16,11 @@ class Clock(Protocol):
         """Account for ``dt`` seconds of modeled work (virtual time only)."""
 
     def wait_until(self, t: float, poll_s: float | None = None) -> None:
-        """Block (wall) or jump (virtual) until ``now() >= t``; never moves time backwards.
-        ``poll_s``: return after at most that much real time, so the caller can look for an
-        event that lands on another thread (a virtual clock jumps: no real time passes)."""
+        """Block (wall) or jump (virtual) until ``now() >= t``; ``poll_s``: return after at
+        most that much real time."""
 
 
 class VirtualClock:
-    """Deterministic time that moves only when told to. Starts at ``start`` seconds."""
-
     is_virtual = True
 
     def __init__(self, start: float = 0.0) -> None:
@@ -47,8 +39,7 @@ class VirtualClock:
 
 
 class WallClock:
-    """Monotonic wall time since construction. ``wait_until`` sleeps at most ``max_sleep_s``
-    per call so a caller's loop stays responsive."""
+    """``wait_until`` sleeps at most ``max_sleep_s`` per call."""
 
     is_virtual = False
 

@@ -1,18 +1,13 @@
 """Optimistic prefill executor: the prefill side of PD disaggregation (SGLang
-``SchedulerDisaggregationPrefillMixin``); design in docs/DESIGN.md section 7, API in
-docs/CONTRACTS.md.
+``SchedulerDisaggregationPrefillMixin``); design in docs/DESIGN.md section 7.
 
-Queues: bootstrap -> waiting -> running (one chunked request) -> inflight (parked or
-transferring) or draining (aborted). One ``step()`` is one scheduler iteration: (0) rank 0's
-inputs reach every rank; (1) cache acks; (2-3) admission; (4) the chunked request's boundary;
-(5-6) one extend batch and the end of its prefills; (7) the inflight queue. Nothing is sent
-before finalize. A request is forgotten once its outcome is reported; results wait for
-``pop_results()``. This file owns the public API, the step order and the wiring.
+One ``step()`` is one scheduler iteration: (0) rank 0's inputs reach every rank; (1) cache
+acks; (2-3) admission; (4) the chunked request's boundary; (5-6) one extend batch and the end
+of its prefills; (7) the inflight queue. Results wait for ``pop_results()``.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -48,20 +43,11 @@ if TYPE_CHECKING:
     from hicache.builder import KVCache
     from server_args import ServerArgs
 
-__all__ = ["CostModel", "OptimisticPrefillExecutor"]
-
-logger = logging.getLogger(__name__)
-
 
 class OptimisticPrefillExecutor:
-    """Runs prefill for submitted requests against a KV cache and decode peers.
-
-    ``cache``, ``model`` and ``decode`` are built from ``args`` when omitted (``group``: the
-    tensor-parallel group to build the cache on); ``clock`` defaults to ``WallClock``;
-    ``cost_model`` charges each forward to a virtual clock. Raises ``ValueError`` when ``args``
-    asks for optimistic attempts the gate would not keep for the cache, or for a ``group`` /
-    ``decode`` that does not match the cache.
-    """
+    """``cache``, ``model`` and ``decode`` are built from ``args`` when omitted. Raises
+    ``ValueError`` when the gate would not keep ``args``' attempts for the cache, or for a
+    ``group`` / ``decode`` that does not match the cache."""
 
     def __init__(
         self,
@@ -147,17 +133,13 @@ class OptimisticPrefillExecutor:
 
     @property
     def unpublished_pending(self) -> bool:
-        """A pending attempt's KV is never inserted into a tree that backs up at insert."""
         return self.pending.unpublished
 
-    # ================================================================== public API
     def submit(
         self, rid: str, token_ids: Sequence[int] | torch.Tensor, peer: DecodeLink | None = None
     ) -> None:
-        """Queue a request (bootstrap queue); creates its decode peer unless ``peer`` is given.
-        Raises ``ValueError`` (nothing queued) for a ``rid`` in flight or not popped yet, bad
-        ``token_ids``, a prompt longer than the device pool (``stats.rejected``), or on a rank
-        other than 0 of a tensor-parallel group."""
+        """Queue a request; raises ``ValueError`` (nothing queued) for a ``rid`` in flight or
+        not popped yet, bad ``token_ids``, a prompt the device pool cannot hold, or on rank > 0."""
         self.driver.check_submit()
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"rid must be a non-empty string, got {rid!r}")
@@ -198,12 +180,11 @@ class OptimisticPrefillExecutor:
         self.stats.submitted += 1
 
     def release_received(self, rid: str) -> None:
-        """Free the decode side's kept KV of ``rid``; under tensor parallelism rank 0 asks and
-        every rank frees its own at the next step."""
+        """Free the decode side's kept KV of ``rid`` (under TP: on every rank, next step)."""
         self.driver.release(rid)
 
     def step(self) -> bool:
-        """One scheduler iteration. Returns whether anything changed."""
+        """Returns whether anything changed."""
         self.driver.sync()
         try:
             return self._step()
@@ -211,12 +192,10 @@ class OptimisticPrefillExecutor:
             self.driver.release_clock()
 
     def follow(self, after_step: Callable[[], object] | None = None) -> None:
-        """Ranks other than 0, while rank 0 alone drives: mirror rank 0's steps (then
-        ``after_step()``) until it calls ``stop_followers``. A follower keeps no results."""
+        """Ranks other than 0: mirror rank 0's steps until it calls ``stop_followers``."""
         self.driver.follow(self._step, after_step)
 
     def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' ``follow`` (one more broadcast, no step)."""
         self.driver.stop_followers()
 
     def _step(self) -> bool:
@@ -239,40 +218,30 @@ class OptimisticPrefillExecutor:
         check: bool = False,
         after_step: Callable[[], object] | None = None,
     ) -> None:
-        """Step until every request has its outcome, waiting for the next event when a step
-        changes nothing (``wait_for_next_event``). ``check`` runs ``check_integrity`` and
-        ``after_step()`` runs after every step. Raises ``RuntimeError`` when nothing can change
-        any more or after ``max_steps``."""
+        """Step until every request has its outcome. Raises ``RuntimeError`` when nothing can
+        change any more or after ``max_steps``."""
+        due_now = 0
         try:
-            self._run_until_idle(max_steps, check, after_step)
+            for _ in range(max_steps):
+                self.driver.sync()
+                if self.is_idle():
+                    return
+                progressed = self._step()
+                if after_step is not None:
+                    after_step()
+                if check:
+                    self.check_integrity()
+                due_now = 0 if progressed else self.wait_for_next_event(due_now)
         finally:
             self.driver.release_clock()
-
-    def _run_until_idle(
-        self, max_steps: int, check: bool, after_step: Callable[[], object] | None
-    ) -> None:
-        due_now = 0
-        for _ in range(max_steps):
-            self.driver.sync()
-            if self.is_idle():
-                return
-            progressed = self._step()
-            if after_step is not None:
-                after_step()
-            if check:
-                self.check_integrity()
-            due_now = 0 if progressed else self.wait_for_next_event(due_now)
         raise RuntimeError(f"not idle after {max_steps} steps: {self.describe()}")
 
     def wait_for_next_event(
         self, due_now: int, also: float | None = None, local: bool = False
     ) -> int:
-        """After a step that changed nothing: wait (virtual clock: jump) to the first time ahead
-        among the next peer event, ``also`` (a caller's next event), the next timed copy's end
-        and the storage tier's next deadline; else sleep briefly while copies are in flight;
-        else allow two more steps for an event due now. ``local``: this rank's peer events
-        only, no collective. Returns the new ``due_now`` count. Raises ``RuntimeError`` when
-        nothing can change."""
+        """After a step that changed nothing: wait for the first peer / copy / storage event
+        (or ``also``) ahead; else allow two more steps for one due now. ``local``: no
+        collective. Returns the new ``due_now``; raises ``RuntimeError`` when nothing can change."""
         now = self.clock.now()
         peer_t = self.decode.next_event_time() if local else self.polls.next_event_time(self.decode)
         copy_t = self._next_ack_time()
@@ -296,7 +265,6 @@ class OptimisticPrefillExecutor:
         return None if controller is None else controller.next_ack_time()
 
     def cache_copies_in_flight(self) -> int:
-        """Cache copies whose acks are not in: D2H backups, H2D loads and L3 operations."""
         storage = self.cache.storage
         return (
             len(getattr(self.tree, "ongoing_write_through", ()))
@@ -305,8 +273,7 @@ class OptimisticPrefillExecutor:
         )
 
     def drain_cache_events(self, timeout_s: float = 30.0) -> None:
-        """Block until the cache has acked every backup and load it started. Raises
-        ``TimeoutError`` after ``timeout_s`` (on every rank: the exit is agreed)."""
+        """Block until every cache copy is acked; ``TimeoutError`` (agreed) after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             ready = self._next_ack_time()
@@ -330,11 +297,9 @@ class OptimisticPrefillExecutor:
         )
 
     def result(self, rid: str) -> RequestResult | None:
-        """The result of ``rid`` if it finished and was not popped yet."""
         return self.results.get(rid)
 
     def pop_results(self) -> list[RequestResult]:
-        """Hand out every result not popped yet, in finish order, and forget them."""
         out = list(self.results.values())
         self.results.clear()
         return out
@@ -348,7 +313,6 @@ class OptimisticPrefillExecutor:
             f"draining={[r.rid for r in self.draining_queue]}"
         )
 
-    # ================================================================== queues (read-only views)
     @property
     def bootstrap_queue(self) -> list[PrefillRequest]:
         return self.admission.bootstrap_queue
@@ -359,7 +323,6 @@ class OptimisticPrefillExecutor:
 
     @property
     def chunked_req(self) -> PrefillRequest | None:
-        """The running request whose prompt is not done yet (one at a time)."""
         return self.batch_runner.chunked_req
 
     @property
@@ -368,22 +331,18 @@ class OptimisticPrefillExecutor:
 
     @property
     def draining_queue(self) -> list[PrefillRequest]:
-        """Aborted requests that keep their KV until the transport reads none of their sends."""
         return self.inflight.draining_queue
 
     @property
     def results(self) -> dict[str, RequestResult]:
-        """Results not popped yet, by rid, in finish order."""
         return self.inflight.results
 
     def _forget(self, req: PrefillRequest) -> None:
-        """``req`` has its outcome: the executor keeps nothing of it but the result."""
         self.storage_prefetch.on_outcome(req)
         if self.kv.l3_pages is not None:
             self.kv.l3_pages.forget(req)
         del self.requests[req.rid]
 
-    # ================================================================== integrity
     def _progress_marker(self) -> tuple:
         s = self.stats
         return (
@@ -399,10 +358,7 @@ class OptimisticPrefillExecutor:
         )
 
     def request_owned_slots(self) -> int:
-        """Device slots owned by requests in flight (not the tree)."""
         return sum(r.owned_slots() for r in self.requests.values())
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` on a broken accounting invariant
-        (``prefill.integrity.check_executor``). Cheap enough to call every step."""
         check_executor(self)

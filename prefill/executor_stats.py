@@ -1,28 +1,20 @@
-"""Executor counters (SGLang's prefill metrics, plus what the optimistic path adds), bounded in
-memory over any number of requests: TTFT is kept as exact aggregates plus a fixed-size uniform
-reservoir for percentiles."""
+"""Executor counters (SGLang's prefill metrics, plus the optimistic path's), bounded in memory:
+TTFT as exact aggregates plus a fixed-size uniform reservoir for percentiles."""
 
 from __future__ import annotations
 
-import logging
 import random
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-TTFT_RESERVOIR_SIZE = 4096
-"""TTFT samples kept for percentiles; exact while fewer requests succeeded."""
+TTFT_RESERVOIR_SIZE = 4096  # TTFT samples kept for percentiles
 
 
 @dataclass
 class ExecutorStats:
-    """Counters since the executor started; every field is a plain int / float / list for
-    JSON. ``speculative_l2_pages`` and ``speculative_l3_pages`` (pages of attempts never
-    finalized that reached the host or L3) must stay 0. TTFT: ``ttft_count`` / ``ttft_sum`` /
-    ``ttft_min`` / ``ttft_max`` are exact, ``ttft_samples`` a uniform reservoir.
-    """
+    """Counters since the executor started, JSON-plain. ``speculative_l2_pages`` and
+    ``speculative_l3_pages`` (pages of attempts never finalized in L2 / L3) must stay 0."""
 
     submitted: int = 0
     rejected: int = 0  # prompts that can never fit the device pool
@@ -65,7 +57,7 @@ class ExecutorStats:
         self._rng = random.Random(0)  # reservoir draws; deterministic across runs
 
     def record_ttft(self, ttft: float) -> None:
-        """Add one sample: exact aggregates, and Algorithm R into the reservoir."""
+        """Exact aggregates, and Algorithm R into the reservoir."""
         self.ttft_count += 1
         self.ttft_sum += ttft
         self.ttft_min = ttft if self.ttft_min is None else min(self.ttft_min, ttft)

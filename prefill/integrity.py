@@ -1,16 +1,10 @@
-"""Accounting checks of the optimistic prefill executor (tests call them after every step).
-
-``check_executor(ex)`` raises ``AssertionError`` naming the first broken invariant: every
-request in flight in exactly one queue matching its ``stage``; KV held exactly by running,
-inflight and draining requests; metadata buffers held by every admitted request and balanced
-with the pool; pending KV unpublished under a tree that backs up at insert; no speculative L2
-or L3 page; tree locks covering the requests' locks; the tree's slot ledger balanced with the
-request-owned slots.
+"""Accounting checks of the optimistic prefill executor: ``check_executor(ex)`` raises
+``AssertionError`` naming the first broken invariant (queues and stages, KV and metadata
+buffer holders, unpublished pending KV, speculative L2/L3 pages, tree locks and slot ledger).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefill.executor_stats import ExecutorStats
@@ -19,12 +13,8 @@ from prefill.request.state import PrefillRequest, Stage
 if TYPE_CHECKING:
     from prefill.scheduler.admission import ReqToMetadataIdxAllocator
 
-logger = logging.getLogger(__name__)
-
 
 class ExecutorView(Protocol):
-    """What the checks read of the executor (``OptimisticPrefillExecutor``)."""
-
     stats: ExecutorStats
     requests: dict[str, PrefillRequest]
     unpublished_pending: bool
@@ -46,7 +36,7 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def check_executor(ex: ExecutorView) -> None:
-    """See the module docstring. O(requests in flight + tree nodes); touches no device memory."""
+    """O(requests in flight + tree nodes); touches no device memory."""
     spec = ex.stats.speculative_l2_pages
     _require(spec == 0, f"{spec} host pages written from attempts not finalized")
     spec3 = ex.stats.speculative_l3_pages

@@ -1,6 +1,5 @@
-"""``build_model(args)``: the model ``ServerArgs`` describe, on one rank or this rank's shard
-under tensor parallelism; the one place that chooses grouped-query attention or DeepSeek's
-multi-head latent attention (``--use-mla``)."""
+"""``build_model(args)``: the model ``ServerArgs`` describe (GQA, or MLA with ``--use-mla``),
+on one rank or this rank's shard under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -21,17 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 def model_config(args: ServerArgs) -> ModelConfig:
-    """The full model's geometry: an ``MLAConfig`` with ``use_mla``, else a ``ModelConfig``."""
     if getattr(args, "use_mla", False):
         return MLAConfig.from_server_args(args)
     return ModelConfig.from_server_args(args)
 
 
 def build_model(args: ServerArgs) -> PagedTransformer:
-    """The model described by ``args`` on ``args.resolved_device()`` (weights from the seed).
-    With ``tp_size > 1``: this rank's ``TPPagedTransformer`` / ``TPMLATransformer``, its rank
-    and model group the initialized default process group's, which must have ``tp_size``
-    ranks."""
+    """With ``tp_size > 1``: this rank's shard, on the default process group (which must have
+    ``tp_size`` ranks)."""
     config = model_config(args)
     mla = isinstance(config, MLAConfig)
     tp_size = getattr(args, "tp_size", 1)
@@ -45,22 +41,5 @@ def build_model(args: ServerArgs) -> PagedTransformer:
         cls = TPMLATransformer if mla else TPPagedTransformer
         return cls(config, dist.get_rank(), tp_size, device=args.resolved_device())
     model = (MLATransformer if mla else PagedTransformer)(config, args.resolved_device())
-    logger.info("model %s: %s", getattr(args, "model_preset", "?"), describe(config))
+    logger.info("model %s: %s", getattr(args, "model_preset", "?"), config)
     return model
-
-
-def describe(config: ModelConfig) -> str:
-    """One line of geometry for the log."""
-    c = config
-    if isinstance(c, MLAConfig):
-        attention = (
-            f"MLA {c.num_attention_heads} heads, latent {c.kv_lora_rank} + rope "
-            f"{c.qk_rope_head_dim}, nope {c.qk_nope_head_dim}, v {c.v_head_dim}, q_lora "
-            f"{c.q_lora_rank}"
-        )
-    else:
-        attention = f"{c.num_attention_heads}/{c.num_kv_heads} heads x {c.head_dim}"
-    return (
-        f"{c.num_layers} layers, {attention}, hidden {c.hidden_size}, intermediate "
-        f"{c.intermediate_size}, vocab {c.vocab_size}, {c.dtype}, seed {c.seed}"
-    )

@@ -1,17 +1,13 @@
 """A DeepSeek-shaped decoder with multi-head latent attention (MLA) over an MLA KV pool.
 
-The blocks are ``prefill.model.paged``'s; only the attention differs (DeepSeek-V2/V3): the
-cache holds ``[c, rope(k_pe)]`` per token and layer (``kv_lora_rank + qk_rope_head_dim``
-values), and ``kv_b`` expands the latent into each head's key and value. ``forward_extend``
-uses the naive form (SGLang's MLA prefill path: expand the whole latent read back from the pool,
-causal SDPA); ``forward_reference`` (the tests' oracle) uses the absorbed form over the latent
-and never touches a pool, so the two agree up to reduction order. Rotary uses the rotate-half
-pairing. Tensor parallelism: ``prefill.model.mla_tp``.
+The blocks are ``prefill.model.paged``'s; the cache holds ``[c, rope(k_pe)]`` per token and
+layer, and ``kv_b`` expands the latent into each head's key and value. ``forward_extend`` uses
+the naive form (SGLang's MLA prefill: expand the latent read back from the pool, causal SDPA);
+``forward_reference`` uses the absorbed form, so the two agree up to reduction order.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,28 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prefill.model.paged import ExtendBatch, ModelConfig, PagedTransformer, RMSNorm
+from prefill.model.paged import ExtendBatch, ModelConfig, PagedTransformer, RMSNorm, _sdpa
 
 if TYPE_CHECKING:
     from hicache.memory.device_pool import MLATokenToKVPool
     from server_args import ServerArgs
 
-__all__ = ["MLAConfig", "MLATransformer"]
-
-logger = logging.getLogger(__name__)
-
-_REF_SCORES = 1 << 26
-"""Largest score block (values) the reference materializes at once."""
+_REF_SCORES = 1 << 26  # largest score block (values) the reference materializes at once
 
 
 @dataclass(frozen=True)
 class MLAConfig(ModelConfig):
-    """``ModelConfig`` with DeepSeek's attention geometry (defaults: DeepSeek-V2-Lite's heads).
-
-    ``num_kv_heads`` is 1 (the latent is one KV "head" every query head reads; SGLang's MLA pool
-    has one head) and ``head_dim`` the query/key head width, ``qk_nope_head_dim +
-    qk_rope_head_dim``. ``q_lora_rank`` 0: a full query projection.
-    """
+    """DeepSeek's attention geometry (defaults: DeepSeek-V2-Lite's heads). ``num_kv_heads`` is
+    1 (one latent), ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``; ``q_lora_rank`` 0:
+    a full query projection."""
 
     num_kv_heads: int = 1
     head_dim: int = 192
@@ -84,15 +72,12 @@ class MLAConfig(ModelConfig):
 
     @property
     def kv_cache_dim(self) -> int:
-        """Values cached per token and layer: the latent and the rotary key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
     def tiny(
         cls, seed: int = 0, dtype: torch.dtype = torch.float32, q_lora_rank: int = 0
     ) -> MLAConfig:
-        """The CPU test geometry: 4 layers, 4 heads, hidden 64, latent 32 + rope 16 (C = 48),
-        nope 16, value 16, fp32."""
         return cls(
             num_layers=4,
             num_attention_heads=4,
@@ -111,7 +96,6 @@ class MLAConfig(ModelConfig):
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> MLAConfig:
-        """Geometry from resolved ``ServerArgs`` with ``use_mla`` (MLA fields filled in)."""
         if not getattr(args, "use_mla", False):
             raise ValueError("use_mla: an MLA model needs --use-mla")
         return cls(
@@ -132,9 +116,7 @@ class MLAConfig(ModelConfig):
 
 
 class MLATransformer(PagedTransformer):
-    """Decoder-only transformer whose attention is MLA over an ``MLATokenToKVPool`` (see the
-    module docstring). Parameters on ``device`` in ``config.dtype``; the same calls as
-    ``PagedTransformer`` (``forward_extend``, ``forward_reference``)."""
+    """``PagedTransformer`` whose attention is MLA over an ``MLATokenToKVPool``."""
 
     config: MLAConfig
 
@@ -143,13 +125,9 @@ class MLATransformer(PagedTransformer):
             raise ValueError(f"config must be an MLAConfig, got {type(config).__name__}")
         super().__init__(config, device)
 
-    # ------------------------------------------------------------------ hooks of paged
     def _init_attention(
         self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
     ) -> None:
-        """MLA weights of one layer, drawn in this order: ``q_a`` + its norm and ``q_b`` (with
-        a query LoRA) or ``q_proj``; ``kv_a`` (latent + rotary key) + its norm; ``kv_b``;
-        ``o``."""
         c = self.config
         heads, eps = c.num_attention_heads, c.rms_norm_eps
         if c.q_lora_rank:
@@ -181,12 +159,10 @@ class MLATransformer(PagedTransformer):
                 f"model's {want}"
             )
 
-    # ------------------------------------------------------------------ projections
     def _queries(
         self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q_nope [n, H, nope], q_pe [n, H, rope])`` of normed hidden states ``x``; ``q_pe``
-        after rotary."""
+        """``(q_nope [n, H, nope], q_pe [n, H, rope])``, ``q_pe`` after rotary."""
         c = self.config
         if c.q_lora_rank:
             q = layer.q_a_norm(x @ layer.q_a.t()) @ layer.q_b.t()
@@ -200,8 +176,7 @@ class MLATransformer(PagedTransformer):
     def _latent(
         self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
-        """What the pool caches for tokens ``x`` at ``positions``: ``[n, 1, C]`` = the normed
-        latent ``c`` and the rotary key, in the model dtype."""
+        """What the pool caches: ``[n, 1, C]``, the normed latent and the rotary key."""
         c = self.config
         c_kv, k_pe = (x @ layer.kv_a.t()).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         k_pe = self._rope(k_pe.unsqueeze(1), positions)
@@ -213,7 +188,6 @@ class MLATransformer(PagedTransformer):
         w = layer.kv_b.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
-    # ------------------------------------------------------------------ extend (naive form)
     def _extend_attention(
         self,
         pool: MLATokenToKVPool,
@@ -222,9 +196,6 @@ class MLATransformer(PagedTransformer):
         x: torch.Tensor,
         extend: ExtendBatch,
     ) -> torch.Tensor:
-        """Writes the new tokens' ``[c, rope(k_pe)]`` at ``slots[i][prefix_len:]``, reads each
-        request's whole latent back by slot, attends in the naive form (module docstring) and
-        returns ``o``'s (partial, under TP) output ``[N, hidden]``."""
         c = self.config
         q_nope, q_pe = self._queries(layer, x, extend.positions)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -241,9 +212,8 @@ class MLATransformer(PagedTransformer):
     def _naive_attention(
         self, layer: torch.nn.Module, q: torch.Tensor, cached: torch.Tensor, prefix_len: int
     ) -> torch.Tensor:
-        """Causal attention of ``q`` ``[n, H, nope + rope]`` over the latent ``cached``
-        ``[T, 1, C]`` (``T = prefix_len + n``), expanded by ``kv_b`` into per-head K ``[T, H,
-        nope + rope]`` and V ``[T, H, v]``. Returns ``[n, H * v]``."""
+        """Causal attention of ``q`` ``[n, H, nope + rope]`` over the latent ``cached`` ``[T, 1,
+        C]`` expanded by ``kv_b``. Returns ``[n, H * v]``."""
         c = self.config
         heads, n, total = c.num_attention_heads, q.shape[0], cached.shape[0]
         c_kv, k_pe = cached[:, 0].split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
@@ -259,19 +229,14 @@ class MLATransformer(PagedTransformer):
         qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kf = k.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         vf = v.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, T, v (+ pad)]
-        if prefix_len > 0:
-            o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=causal_lower_right(n, total))
-        else:
-            o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+        o = _sdpa(qf, kf, vf, causal_lower_right(n, total) if prefix_len > 0 else None)
         o = o[0, ..., : c.v_head_dim].transpose(0, 1)  # [n, H, v]
         return o.reshape(n, heads * c.v_head_dim)
 
-    # ------------------------------------------------------------------ reference (absorbed)
     def _full_attention(
         self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The absorbed form over a whole prompt, no pool (module docstring): ``o``'s output
-        ``[n, hidden]`` and the cache ``([n, 1, C],)`` as the pool would hold it."""
+        """The absorbed form, no pool: ``o``'s output and the cache ``([n, 1, C],)``."""
         c = self.config
         n = x.shape[0]
         q_nope, q_pe = self._queries(layer, x, positions)

@@ -1,28 +1,17 @@
 """The MLA model split across tensor-parallel ranks, as SGLang splits DeepSeek's attention:
-each rank holds its query heads (rows of ``q_proj`` / ``q_b`` and ``kv_b``, columns of ``o``)
-and **the whole latent** (``kv_a`` replicated, so every rank's MLA pool holds all of it); the
-rest as ``prefill.model.tp``. ``tp_size`` must divide ``num_attention_heads`` and
-``intermediate_size`` (``ValueError`` naming ``tp_size``).
-"""
+each rank holds its query heads and the whole latent (``kv_a`` replicated); the rest as
+``prefill.model.tp``."""
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from prefill.model.mla import MLATransformer
 from prefill.model.tp import TPPagedTransformer, keep_param
 
-__all__ = ["TPMLATransformer"]
-
-logger = logging.getLogger(__name__)
-
 
 class TPMLATransformer(TPPagedTransformer, MLATransformer):
-    """One rank's part of ``MLATransformer(config)``: ``TPPagedTransformer``'s construction,
-    all-reduce and ``config`` / ``full_config`` (``config.num_attention_heads`` is this rank's),
-    with MLA's attention sharded by query head (see the module docstring)."""
+    """One rank's part of ``MLATransformer(config)``, attention sharded by query head."""
 
     def _shard_attention(self, layer: torch.nn.Module) -> None:
         c, (q0, q1) = self.full_config, self.shard.q_heads

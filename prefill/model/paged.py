@@ -1,13 +1,8 @@
-"""A small decoder-only transformer with paged attention over a KV pool (random weights drawn
-from ``random_seed``; nothing is downloaded).
-
-Llama-style blocks (RMSNorm, rotary, grouped-query attention, SwiGLU MLP). As SGLang's extend
-path, each layer writes the new tokens' K/V into the pool at their slots and reads the request's
-whole K/V back by slot; ``layer_wait(layer_id)`` runs before each layer touches the pool (the
-tree's load-back hook). The attention is one set of hooks (``_init_attention``,
-``_extend_attention``, ``_full_attention``, ``_check_pool``, ``_rotary_dim``) that
-``prefill.model.mla`` overrides. Projections in the model dtype, RMSNorm and rotary in fp32,
-attention in fp32 on CPU; logits match a full recompute to ~1e-5 in fp32.
+"""A small Llama-style decoder (RMSNorm, rotary, GQA, SwiGLU) with paged attention over a KV
+pool; random weights from ``random_seed``. As SGLang's extend path, each layer writes the new
+tokens' K/V at their slots and reads the request's whole K/V back by slot; ``layer_wait``
+runs before each layer touches the pool. ``prefill.model.mla`` overrides the attention hooks.
+RMSNorm, rotary and CPU attention in fp32; logits match a full recompute to ~1e-5 in fp32.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ _GQA_OK = version_tuple(torch.__version__) >= (2, 5)
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, **kw: bool
 ) -> torch.Tensor:
-    """SDPA with a causal mask: top-left (``mask is None``, square) or a ``CausalBias``."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
@@ -47,8 +41,6 @@ def _sdpa(
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Geometry and numerics of the model. ``num_kv_heads``/``head_dim`` must match the pool."""
-
     num_layers: int = 4
     num_attention_heads: int = 4
     num_kv_heads: int = 2
@@ -83,30 +75,10 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelConfig:
-        """The CPU test default: 4 layers, 4 query / 2 KV heads of dim 16, hidden 64, fp32."""
         return cls(seed=seed, dtype=dtype)
 
     @classmethod
-    def llama3_8b_shape(cls, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> ModelConfig:
-        """Llama-3-8B's shape: 32 layers, 32 query / 8 KV heads of dim 128, hidden 4096,
-        intermediate 14336, bf16. The vocabulary is reduced to 32000 (Llama-3: 128256) to keep
-        the random embedding and LM head affordable; the KV geometry is exact (~7.0 B params,
-        ~14 GB in bf16)."""
-        return cls(
-            num_layers=32,
-            num_attention_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=4096,
-            intermediate_size=14336,
-            vocab_size=32000,
-            dtype=dtype,
-            seed=seed,
-        )
-
-    @classmethod
     def from_server_args(cls, args: ServerArgs) -> ModelConfig:
-        """Geometry from the resolved ``ServerArgs`` (preset already filled in)."""
         return cls(
             num_layers=args.num_layers,
             num_attention_heads=args.num_attention_heads,
@@ -122,13 +94,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ExtendInput:
-    """One request's part of an extend batch.
-
-    ``input_ids``: int64 ``[n]`` new tokens. ``slots``: int64 ``[prefix_len + n]`` device-pool
-    slots of the request's whole sequence so far (cached prefix first, then the slots the new
-    tokens' K/V are written to). ``prefix_len``: tokens whose K/V are already in the pool.
-    Positions are ``prefix_len .. prefix_len + n - 1``.
-    """
+    """``input_ids``: int64 ``[n]`` new tokens; ``slots``: int64 ``[prefix_len + n]`` pool slots
+    of the whole sequence so far; ``prefix_len``: tokens whose K/V are already in the pool."""
 
     input_ids: torch.Tensor
     slots: torch.Tensor
@@ -137,8 +104,7 @@ class ExtendInput:
 
 @dataclass(frozen=True)
 class ExtendBatch:
-    """An extend batch on the model's device, as every layer's attention reads it: the
-    requests, their new tokens' positions (concatenated), new-token counts and slots."""
+    """An extend batch on the model's device, as every layer's attention reads it."""
 
     inputs: Sequence[ExtendInput]
     positions: torch.Tensor
@@ -164,11 +130,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedTransformer(torch.nn.Module):
-    """Decoder-only transformer whose attention reads and writes a paged KV pool.
-
-    Parameters live on ``device`` in ``config.dtype``; built under ``torch.no_grad``.
-    """
-
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
@@ -200,26 +161,19 @@ class PagedTransformer(torch.nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
-    # ------------------------------------------------------------------ attention (GQA)
-    # The hooks a model with another attention overrides (``prefill.model.mla``): its weights
-    # (drawn in this order, between the norms and the MLP), its rotary width, its pool check, its
-    # extend attention over the pool and its full-recompute attention.
+    # Attention hooks (overridden by ``prefill.model.mla``); weights drawn in this order.
     def _init_attention(
         self, layer: torch.nn.Module, w: Callable[[int, int], torch.nn.Parameter]
     ) -> None:
-        """GQA weights of one layer: fused ``qkv`` and ``o``."""
         c = self.config
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
         layer.qkv = w(q_dim + 2 * kv_dim, c.hidden_size)
         layer.o = w(c.hidden_size, q_dim)
 
     def _rotary_dim(self) -> int:
-        """Width the rotary embedding turns (the head dimension)."""
         return self.config.head_dim
 
-    # ------------------------------------------------------------------ helpers
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of ``x`` ``[n, heads, D]`` at int64 ``positions`` ``[n]``; fp32 math."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
@@ -227,9 +181,7 @@ class PagedTransformer(torch.nn.Module):
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The output of a row-parallel projection (``o``, ``down``) summed over tensor-parallel
-        ranks; the identity here (one rank holds every column). ``prefill.model.tp`` all-reduces.
-        """
+        """Sum a row-parallel projection's output over TP ranks (identity on one rank)."""
         return partial
 
     def _check_pool(self, pool: MHATokenToKVPool) -> None:
@@ -268,7 +220,6 @@ class PagedTransformer(torch.nn.Module):
             ):
                 raise ValueError(f"batch[{i}].input_ids out of range [0, {self.config.vocab_size})")
 
-    # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward_extend(
         self,
@@ -277,10 +228,8 @@ class PagedTransformer(torch.nn.Module):
         layer_wait: LayerWait | None = None,
         return_all_logits: bool = False,
     ) -> list[torch.Tensor]:
-        """One extend (prefill) pass: writes each request's new K/V at ``slots[prefix_len:]``
-        and reads its prefix at ``slots[:prefix_len]``, calling ``layer_wait(l)`` before layer
-        ``l`` touches the pool. Returns one fp32 tensor per request: its last token's logits,
-        or all new tokens' with ``return_all_logits``. Does not synchronize the device."""
+        """One extend pass. Returns one fp32 tensor per request: its last token's logits, or
+        all new tokens' with ``return_all_logits``. Does not synchronize the device."""
         self._check_pool(pool)
         self._check_inputs(batch)
         dev = self.device
@@ -303,9 +252,7 @@ class PagedTransformer(torch.nn.Module):
             x = layer.input_norm(h)
             o = self._extend_attention(pool, layer_id, layer, x, extend)
             h = h + self._reduce(o)
-            x = layer.post_norm(h)
-            gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
-            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
+            h = h + self._mlp(layer, h)
         h = self.norm(h)
         out = []
         start = 0
@@ -323,16 +270,9 @@ class PagedTransformer(torch.nn.Module):
         x: torch.Tensor,
         extend: ExtendBatch,
     ) -> torch.Tensor:
-        """One layer's attention of an extend batch (``x``: the normed hidden states ``[N,
-        hidden]`` of every request's new tokens, concatenated): writes the new tokens' K (after
-        rotary) and V at ``slots[i][prefix_len:]``, attends over each request's slots, and
-        returns the ``o`` projection's (partial, under TP) output ``[N, hidden]``."""
-        c = self.config
-        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), extend.positions)
-        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), extend.positions)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        """Writes the new tokens' K/V at ``slots[i][prefix_len:]``, attends over each request's
+        slots; returns ``o``'s (partial, under TP) output ``[N, hidden]``."""
+        q, k, v = self._qkv(layer, x, extend.positions)
         attn_out = []
         start = 0
         for r, n, s in zip(extend.inputs, extend.lens, extend.slots, strict=True):
@@ -342,35 +282,40 @@ class PagedTransformer(torch.nn.Module):
             v_all = pool.get_value_buffer(layer_id)[s]
             attn_out.append(self._attention(q[start : start + n], k_all, v_all, r.prefix_len))
             start += n
-        return torch.cat(attn_out).to(c.dtype) @ layer.o.t()
+        return torch.cat(attn_out).to(self.config.dtype) @ layer.o.t()
 
     def _full_attention(
         self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One layer's attention over a whole prompt without a pool (``forward_reference``):
-        the ``o`` projection's output ``[n, hidden]`` and what the pool would hold, ``(k, v)``
-        ``[n, H, D]`` each (K after rotary)."""
+        """No pool: ``o``'s output ``[n, hidden]`` and what the pool would hold, ``(k, v)``."""
+        q, k, v = self._qkv(layer, x, positions)
+        return self._attention(q, k, v, 0).to(self.config.dtype) @ layer.o.t(), (k, v)
+
+    def _qkv(
+        self, layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [n, Hq, D]``, ``k`` and ``v`` ``[n, H, D]``; rotary applied to ``q`` and ``k``."""
         c = self.config
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = (x @ layer.qkv.t()).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
         k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), positions)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        return self._attention(q, k, v, 0).to(c.dtype) @ layer.o.t(), (k, v)
+        return q, k, v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def _mlp(self, layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        gate, up = (layer.post_norm(h) @ layer.gate_up.t()).chunk(2, dim=-1)
+        return self._reduce((F.silu(gate) * up) @ layer.down.t())
 
     def _attention(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix_len: int
     ) -> torch.Tensor:
-        """Causal GQA attention of ``q`` ``[n, Hq, D]`` over ``k_all``/``v_all`` ``[T, H, D]``
-        with ``T = prefix_len + n``; query ``i`` sees keys ``0 .. prefix_len + i`` (causal mask
-        aligned to the bottom right, never materialized). fp32 math on CPU; the model dtype on
-        CUDA, so SDPA can pick a flash / memory-efficient kernel for long prompts."""
+        """Causal (bottom-right aligned) GQA attention of ``q`` ``[n, Hq, D]`` over ``[T, H, D]``
+        keys and values. fp32 on CPU; the model dtype on CUDA, for SDPA's fused kernels."""
         c = self.config
         n, total = q.shape[0], k_all.shape[0]
         dt = torch.float32 if q.device.type == "cpu" else q.dtype
-        # A batch dimension of 1: SDPA's fused kernels (flash, memory-efficient, cuDNN) take 4-D
-        # inputs only; 3-D ones fall back to the math kernel, which materializes the
-        # [Hq, n, T] fp32 score matrix (GBs per layer at long prompts).
+        # A batch dimension of 1: SDPA's fused kernels take 4-D inputs only (3-D ones fall back
+        # to the math kernel, which materializes the fp32 score matrix).
         qf = q.to(dt).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         kf = k_all.to(dt).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         vf = v_all.to(dt).transpose(0, 1).unsqueeze(0)
@@ -392,13 +337,8 @@ class PagedTransformer(torch.nn.Module):
 
     @torch.no_grad()
     def forward_reference(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Full recompute without a pool (the oracle for tests).
-
-        ``input_ids``: int64 ``[n]``. Returns ``(logits [n, vocab] fp32, *kv)``, ``kv`` being
-        every layer's cache as the pool holds it, in the model dtype, one tensor per pool buffer:
-        here ``k [L, n, H, D]`` (after rotary) and ``v [L, n, H, D]``; MLA's one latent
-        ``[L, n, 1, C]`` (``prefill.model.mla``).
-        """
+        """Full recompute without a pool (the tests' oracle). Returns ``(logits [n, vocab] fp32,
+        *kv)``, one ``[L, n, H, D]`` tensor per pool buffer, as the pool holds it."""
         ids = input_ids.to(self.device)
         n = ids.numel()
         positions = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -409,8 +349,6 @@ class PagedTransformer(torch.nn.Module):
             o, cache = self._full_attention(layer, x, positions)
             caches.append(cache)
             h = h + self._reduce(o)
-            x = layer.post_norm(h)
-            gate, up = (x @ layer.gate_up.t()).chunk(2, dim=-1)
-            h = h + self._reduce((F.silu(gate) * up) @ layer.down.t())
+            h = h + self._mlp(layer, h)
         logits = (self.norm(h) @ self.lm_head.t()).float()
         return (logits, *(torch.stack(parts) for parts in zip(*caches, strict=True)))

@@ -1,14 +1,8 @@
 """The paged transformer split across tensor-parallel ranks (Megatron-style, as SGLang's
-``QKVParallelLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear``).
-
-Rank ``r`` holds its query and KV heads (column-parallel ``qkv``), its slice of the MLP
-(column-parallel ``gate_up``, row-parallel ``down``) and the matching columns of ``o``; the
-row-parallel outputs are all-reduced on the model group (the default process group, not the
-cache's agreement group). Embedding, norms and LM head are replicated. With ``tp_size >
-num_kv_heads`` each KV head is replicated on ``tp_size // num_kv_heads`` ranks, as SGLang does;
-any other geometry raises ``ValueError`` naming ``tp_size``. Every rank draws the full model
-from the seed and keeps its slice, so logits equal the single-rank model's up to the order of
-the partial sums, and are identical on every rank.
+``QKVParallelLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear``): each rank
+holds its query and KV heads and its MLP slice; row-parallel outputs are all-reduced on the
+model group (not the cache's agreement group). With ``tp_size > num_kv_heads`` KV heads are
+replicated, as SGLang does. Every rank draws the full model from the seed and keeps its slice.
 """
 
 from __future__ import annotations
@@ -23,17 +17,12 @@ import torch
 from prefill.model.paged import ModelConfig, PagedTransformer
 from server_args import tp_geometry_errors
 
-__all__ = ["TPPagedTransformer", "TPShard", "keep_param"]
-
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TPShard:
-    """What rank ``tp_rank`` of ``tp_size`` holds of a model; ranges are ``[start, end)``.
-
-    ``kv_replicas``: ranks holding each of its KV heads (1 unless ``tp_size > num_kv_heads``).
-    """
+    """What rank ``tp_rank`` of ``tp_size`` holds of a model; ranges are ``[start, end)``."""
 
     tp_rank: int
     tp_size: int
@@ -44,8 +33,7 @@ class TPShard:
 
     @classmethod
     def plan(cls, config: ModelConfig, tp_rank: int, tp_size: int) -> TPShard:
-        """The shard of rank ``tp_rank``; ``ValueError`` naming the argument for a geometry
-        that cannot be split ``tp_size`` ways (see the module docstring)."""
+        """``ValueError`` for a geometry that cannot be split ``tp_size`` ways."""
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         if not 0 <= tp_rank < tp_size:
@@ -73,8 +61,7 @@ class TPShard:
         )
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """``config`` with this rank's head counts and intermediate size (the geometry its
-        attention, MLP and KV pool see)."""
+        """``config`` with this rank's head counts and intermediate size."""
         return dataclasses.replace(
             config,
             num_attention_heads=self.q_heads[1] - self.q_heads[0],
@@ -84,16 +71,13 @@ class TPShard:
 
 
 def keep_param(t: torch.Tensor) -> torch.nn.Parameter:
-    """A contiguous copy of the slice ``t`` as a frozen parameter (the full draw is freed)."""
+    """A contiguous copy of the slice ``t`` (the full draw is freed)."""
     return torch.nn.Parameter(t.contiguous().clone(), requires_grad=False)
 
 
 class TPPagedTransformer(PagedTransformer):
-    """One rank's part of ``PagedTransformer(config)`` (``config``: the full model's; ``group``:
-    the model's process group, ``None`` for the default). ``self.config`` is the local geometry
-    (its pool has ``local_kv_heads`` heads), ``full_config`` the whole model's. The forwards
-    are collective: every rank calls them in the same order with the same batch (slots may
-    differ)."""
+    """One rank's part of ``PagedTransformer(config)``: ``config`` is this rank's geometry,
+    ``full_config`` the whole model's. The forwards are collective (same order, same batch)."""
 
     def __init__(
         self,
@@ -122,7 +106,6 @@ class TPPagedTransformer(PagedTransformer):
 
     @property
     def local_kv_heads(self) -> int:
-        """KV heads this rank's pools hold."""
         return self.shard.kv_heads[1] - self.shard.kv_heads[0]
 
     def _shard_weights(self) -> None:
@@ -135,7 +118,6 @@ class TPPagedTransformer(PagedTransformer):
             layer.down = keep_param(layer.down[:, i0:i1])
 
     def _shard_attention(self, layer: torch.nn.Module) -> None:
-        """Keep this rank's rows of ``qkv`` (its query and KV heads) and columns of ``o``."""
         c, s = self.full_config, self.shard
         d, hid = c.head_dim, c.hidden_size
         q_dim, kv_dim = c.num_attention_heads * d, c.num_kv_heads * d
@@ -153,8 +135,6 @@ class TPPagedTransformer(PagedTransformer):
         layer.o = keep_param(layer.o.view(hid, -1, d)[:, q0:q1].reshape(hid, -1))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum the row-parallel partial output over the model group, in place (blocks until
-        every rank contributed; on NCCL it is enqueued on the current stream)."""
         if self.shard.tp_size == 1:
             return partial
         import torch.distributed as dist

@@ -1,11 +1,6 @@
 """A request's device KV through the cache's tree (SGLang ``init_next_round_input``,
-``cache_unfinished_req``, ``release_kv_cache``).
-
-Slot ownership of one attempt (half-open token ranges): ``[0, tree_len)`` is the tree's, held by
-ONE lock on ``last_node``; ``[tree_len, len(slots))`` is the request's (computed KV not yet
-inserted, and the rest of its last page). ``release`` runs only when no send to a live peer
-still reads those slots. A host backup issued from an insert for an attempt not finalized is
-counted in ``stats.speculative_l2_pages`` (it stays 0).
+``cache_unfinished_req``, ``release_kv_cache``). ``slots[:tree_len]`` are the tree's, held by
+one lock on ``last_node``; ``slots[tree_len:]`` are the request's.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class RequestKV:
-    """Admission, allocation, chunk insertion and release of requests' device slots; with an
-    L3 tier, ``l3_pages`` tracks the pages pending attempts insert."""
+    """With an L3 tier, ``l3_pages`` tracks the pages pending attempts insert."""
 
     def __init__(self, cache: KVCache, stats: ExecutorStats) -> None:
         self.cache = cache
@@ -43,22 +37,9 @@ class RequestKV:
             self.l3_pages = SpeculativeL3Pages(self.page_size, stats)
             cache.storage.add_write_observer(self.l3_pages.observe)
 
-    def _pages(self, n: int) -> int:
-        """``n`` rounded up to whole pages."""
-        return page_ceil(n, self.page_size)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
-        short; ``None`` when even eviction cannot make room. May block while write_back backs
-        up an evicted leaf. Agreed over tensor-parallel ranks (``KVCache.alloc_device``)."""
-        return self.cache.alloc_device(n)
-
-    # ------------------------------------------------------------------ admission
     def match_and_lock(self, req: PrefillRequest) -> None:
-        """Match the request's prefix (at most ``n - 1`` tokens, so one token is computed),
-        start a load-back of a host hit, and lock the deepest device node. Sets ``slots``,
-        ``tree_len``, ``computed_len``, ``last_node``, ``cached_device``, ``cached_host``. A request
-        whose load back failed in this attempt (``skip_load_back``) recomputes host hits."""
+        """Match at most ``n - 1`` prompt tokens (one is computed), start a load back of a host
+        hit (unless ``skip_load_back``) and lock the deepest device node."""
         if req.slots is not None or req.last_node is not None:
             raise RuntimeError(f"{req.rid}: match_and_lock of a request that already holds KV")
         m = self.tree.match_prefix(req.token_ids[: req.num_tokens - 1])
@@ -79,25 +60,21 @@ class RequestKV:
         req.cached_host = loaded
 
     def alloc_extend(self, req: PrefillRequest, n: int) -> bool:
-        """Make room for ``n`` more tokens after ``computed_len``; ``False`` (nothing changed)
-        when the pool is full even after eviction."""
+        """Room for ``n`` more tokens; ``False`` (nothing changed) when the pool is full."""
         if req.slots is None:
             raise RuntimeError(f"{req.rid}: alloc_extend of a request without slots")
-        need = self._pages(req.computed_len + n) - req.slots.numel()
+        need = page_ceil(req.computed_len + n, self.page_size) - req.slots.numel()
         if need <= 0:
             return True
-        new = self.alloc(need)
+        new = self.cache.alloc_device(need)  # agreed over TP ranks
         if new is None:
             return False
         req.slots = torch.cat([req.slots, new])
         return True
 
-    # ------------------------------------------------------------------ chunk boundaries
     def cache_unfinished(self, req: PrefillRequest, chunked: bool) -> None:
-        """Insert the computed whole pages into the tree and move the request's lock to the new
-        deepest node. ``slots[tree_len:present]`` duplicate KV another request inserted and are
-        freed; ``slots[present:end]`` become the tree's (no in-flight send reads them: checked).
-        """
+        """Insert the computed whole pages and move the lock to the new deepest node; slots
+        duplicating KV another request inserted are freed."""
         if req.slots is None:
             raise RuntimeError(f"{req.rid}: cache_unfinished of a request without slots")
         end = req.computed_len // self.page_size * self.page_size
@@ -129,10 +106,8 @@ class RequestKV:
         req.slots = torch.cat([m.device_indices.to(self.device), req.slots[end:]])
         req.tree_len = end
 
-    # ------------------------------------------------------------------ release
     def release(self, req: PrefillRequest) -> int:
-        """Unlock ``last_node`` and free ``slots[tree_len:]``; clears the request's slot state.
-        Returns the slots freed. Idempotent."""
+        """Unlock and free ``slots[tree_len:]``; returns the slots freed. Idempotent."""
         freed = 0
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)

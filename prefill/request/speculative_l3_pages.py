@@ -1,10 +1,7 @@
-"""Pages that reached L3 storage from KV of an attempt that was never finalized
-(``ExecutorStats.speculative_l3_pages``; ``check_integrity`` asserts 0).
-
-A pending attempt's insert records its page keys; finalize clears them; a backup the storage
-tier stored reports its keys (``observe``) and a recorded key counts once. Under the gate's
-allowed configurations nothing is ever recorded; the counter shows the refused ones leak.
-At most ``capacity`` keys are remembered (the oldest are forgotten).
+"""Pages that reached L3 storage from KV of an attempt never finalized
+(``ExecutorStats.speculative_l3_pages``, asserted 0): a pending attempt's insert records its
+page keys, finalize clears them, a stored backup reports its keys (``observe``). At most
+``capacity`` keys are remembered.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ logger = logging.getLogger(__name__)
 
 
 class SpeculativeL3Pages:
-    """Keys of pages inserted by attempts not finalized."""
-
     def __init__(self, page_size: int, stats: ExecutorStats, capacity: int = 1 << 20) -> None:
         self.page_size = page_size
         self.stats = stats
@@ -42,18 +37,16 @@ class SpeculativeL3Pages:
             self._owner.popitem(last=False)
 
     def finalized(self, req: PrefillRequest) -> None:
-        """The attempt was finalized: its pages are its finalized KV."""
         for k in self._by_attempt.pop(req.key, []):
             if self._owner.get(k) == req.key:
                 del self._owner[k]
 
     def forget(self, req: PrefillRequest) -> None:
-        """The request has its outcome: its attempt lists go (recorded keys stay)."""
+        """The request has its outcome: its attempt lists go, recorded keys stay."""
         for owner in [o for o in self._by_attempt if o[0] == req.rid]:
             del self._by_attempt[owner]
 
     def observe(self, keys: list[str]) -> None:
-        """Keys a backup stored: recorded ones are speculative pages in L3."""
         for k in keys:
             owner = self._owner.pop(k, None)
             if owner is not None:

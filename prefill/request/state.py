@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +10,6 @@ import torch
 
 if TYPE_CHECKING:
     from prefill.disagg.protocol import DecodeLink
-
-logger = logging.getLogger(__name__)
 
 
 class Stage(enum.Enum):
@@ -33,15 +30,9 @@ class Outcome(enum.Enum):
 
 @dataclass(eq=False)
 class PrefillRequest:
-    """One request. ``attempt`` numbers admissions (1, 2, ...); per-attempt state below is reset
-    by ``reset_attempt``. ``optimistic_attempts`` counts optimistic forward passes (admissions
-    while the peer was not ready), bounded by ``optimistic_prefill_attempts``.
-
-    Slot state of the current attempt (all int64 on the pool's device):
-    ``slots``: slots of tokens ``[0, computed_len)``, padded to whole pages;
-    ``tree_len``: tokens ``[0, tree_len)`` are owned by the tree and protected by this
-    request's lock on ``last_node``; ``slots[tree_len:]`` are owned by the request.
-    """
+    """``attempt`` numbers admissions (1, 2, ...); ``reset_attempt`` resets the per-attempt
+    state. ``slots``: int64 slots of ``[0, computed_len)`` padded to whole pages; the tree owns
+    ``[0, tree_len)`` under this request's lock on ``last_node``."""
 
     rid: str
     token_ids: list[int]
@@ -73,15 +64,13 @@ class PrefillRequest:
     prefill_done_time: float | None = None
     first_token: int | None = None
     attempt_log: list[tuple[int, bool]] = field(default_factory=list)  # (attempt, optimistic)
-    # L3 prefetch (prefill.scheduler.storage_prefetch): the attempt its prefetch belongs to (a
-    # new one after each yield), the prefix length its lookup started at, lookups re-issued.
+    # L3 prefetch: its attempt (new after each yield), its lookup's start, lookups re-issued
     storage_epoch: int = 0
     storage_prefetch_last_match_len: int | None = None
     storage_prefetch_retries: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
-        """Per-attempt bookkeeping key."""
         return (self.rid, self.attempt)
 
     @property
@@ -89,7 +78,6 @@ class PrefillRequest:
         return len(self.token_ids)
 
     def owned_slots(self) -> int:
-        """Device slots this request owns (not yet in the tree)."""
         return 0 if self.slots is None else self.slots.numel() - self.tree_len
 
     def to_result(self, outcome: Outcome, now: float, error: str | None) -> RequestResult:
@@ -133,16 +121,9 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class RequestResult:
-    """What happened to one request.
-
-    ``ttft``: seconds from submit to the KV transfer's ``Success`` (decode can emit the first
-    token); ``None`` when aborted. ``prefill_latency``: submit to the end of the successful
-    prefill pass. ``cached_device_tokens`` / ``cached_host_tokens`` / ``computed_tokens``: how
-    the final attempt got its KV (device hit, host hit loaded back, computed);
-    ``cached_storage_tokens``: of the host hit, tokens fetched from L3 storage for it;
-    ``total_computed_tokens`` sums every attempt. ``attempts``: optimistic attempts used;
-    ``passes``: admissions (optimistic or not). ``first_token``: argmax of the last logits.
-    """
+    """What happened to one request. ``ttft``: submit to the transfer's ``Success`` (``None``
+    when aborted); ``cached_*`` / ``computed_tokens``: how the final attempt got its KV;
+    ``attempts``: optimistic attempts used; ``passes``: admissions."""
 
     rid: str
     outcome: Outcome

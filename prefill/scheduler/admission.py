@@ -1,9 +1,7 @@
 """Admission (SGLang ``PrefillBootstrapQueue``): the bootstrap and waiting queues, the
 optimistic-attempt policy, the metadata buffers, and the executor's side of the gate.
-
-Requests in both queues hold no KV (no slots, no lock). Every admitted request holds one
-metadata buffer until its outcome or its fall back to the bootstrap queue; nothing is sent
-before ``finalize``. Peer states come from ``PeerPolls`` (agreed over tensor-parallel ranks).
+Requests in both queues hold no KV; every admitted one holds a metadata buffer until its
+outcome or its fall back to the bootstrap queue.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def metadata_buffer_count(max_running_requests: int) -> int:
 
 
 def resolved_attempts(args: ServerArgs) -> int:
-    """Optimistic attempts the executor may use: the gate's resolved value, and only in
-    ``--disaggregation-mode prefill``."""
+    """The gate's resolved attempts; 0 outside ``--disaggregation-mode prefill``."""
     attempts = int(args.optimistic_prefill_attempts)
     if attempts > 0 and args.disaggregation_mode != "prefill":
         logger.warning(
@@ -50,9 +47,8 @@ def resolved_attempts(args: ServerArgs) -> int:
 
 
 def check_gate(args: ServerArgs, cache: KVCache, attempts: int) -> None:
-    """Raise ``ValueError`` naming the flags when ``attempts > 0`` but the gate, asked with what
-    the cache declares (its tree's write policy, an L3 tier, its host memory mode) and ``args``
-    as they are now, would resolve them to 0."""
+    """Raise ``ValueError`` when ``attempts > 0`` but the gate, asked with what the cache
+    declares, would resolve them to 0."""
     if attempts <= 0:
         return
     tree = cache.tree
@@ -74,7 +70,7 @@ def check_gate(args: ServerArgs, cache: KVCache, attempts: int) -> None:
 
 
 def log_gate_once(args: ServerArgs) -> None:
-    """One warning when the gate turned optimism off, so an operator sees why requests wait."""
+    """Warn once when the gate turned optimism off."""
     for r in args.resolutions:
         if r.field == "optimistic_prefill_attempts" and r.new == 0:
             logger.warning(
@@ -99,7 +95,6 @@ class ReqToMetadataIdxAllocator:
         return len(self.free_slots)
 
     def alloc(self) -> int | None:
-        """One index, or ``None`` when all are in use."""
         return self.free_slots.popleft() if self.free_slots else None
 
     def free(self, index: int) -> None:
@@ -109,12 +104,8 @@ class ReqToMetadataIdxAllocator:
 
 
 class AdmissionQueue:
-    """The bootstrap and waiting queues and who leaves them when.
-
-    ``max_attempts``: ``optimistic_prefill_attempts`` after the gate (0 disables optimism);
-    ``metadata_buffers``: the size of the metadata buffer pool; ``group``: the ranks that agree
-    on peer polls.
-    """
+    """The bootstrap and waiting queues and who leaves them when (``max_attempts`` 0: no
+    optimism)."""
 
     def __init__(
         self, max_attempts: int, stats: ExecutorStats, metadata_buffers: int, group: TPGroup
@@ -127,7 +118,6 @@ class AdmissionQueue:
         self.waiting_queue: list[PrefillRequest] = []
         self.on_finalize: Callable[[PrefillRequest], None] | None = None
 
-    # ------------------------------------------------------------------ bootstrap state
     def forced(self, req: PrefillRequest) -> bool:
         """Test hook: the peer looks not ready until the request's first attempt yielded."""
         return req.force_not_ready and not req.forced_yield_done
@@ -138,15 +128,12 @@ class AdmissionQueue:
         return state
 
     def poll(self, req: PrefillRequest) -> KVPoll:
-        """The peer's state, except that a forced pending request still sees ``Bootstrapping``."""
         return self._hooked(req, self.polls.one(req))
 
     def poll_each(self, reqs: Sequence[PrefillRequest]) -> Iterable[tuple[PrefillRequest, KVPoll]]:
-        """``(req, poll(req))`` for a whole queue, in order (agreed once for the queue)."""
         return ((r, self._hooked(r, s)) for r, s in self.polls.each(reqs))
 
     def ensure_metadata_buffer(self, req: PrefillRequest) -> bool:
-        """Give ``req`` a metadata buffer unless it holds one; False when none is free."""
         if req.metadata_buffer_index >= 0:
             return True
         index = self.metadata.alloc()
@@ -162,7 +149,6 @@ class AdmissionQueue:
             req.metadata_buffer_index = -1
 
     def finalize(self, req: PrefillRequest) -> None:
-        """Bootstrap done: commit this attempt (``peer.init``); sends may follow."""
         if not req.pending_bootstrap or req.metadata_buffer_index < 0:
             raise RuntimeError(f"{req.rid}: finalize twice, or without a metadata buffer")
         req.peer.init(req.attempt)
@@ -172,9 +158,7 @@ class AdmissionQueue:
         if self.on_finalize is not None:
             self.on_finalize(req)
 
-    # ------------------------------------------------------------------ queues
     def add(self, req: PrefillRequest) -> None:
-        """A new request waits for its peer (or an optimistic attempt)."""
         self.bootstrap_queue.append(req)
 
     def _admit(self, req: PrefillRequest, optimistic: bool) -> None:
@@ -189,10 +173,9 @@ class AdmissionQueue:
                 self.stats.forced_not_ready += 1
 
     def pop_bootstrapped(self) -> list[PrefillRequest]:
-        """Move ready requests (finalized) and optimistic ones (while attempts are left, and a
-        forced one whatever the limit) to the tail of the waiting queue, each with a metadata
-        buffer; without a free buffer a request stays. Returns the requests whose peer failed,
-        removed from the queue, for the caller to abort."""
+        """Move ready (finalized) and optimistic requests to the waiting queue, each with a
+        metadata buffer. Returns the requests whose peer failed, dequeued, for the caller to
+        abort."""
         keep, failed = [], []
         for req, state in self.polls.each(self.bootstrap_queue):
             if state == KVPoll.Failed:
@@ -206,21 +189,19 @@ class AdmissionQueue:
             elif state == KVPoll.WaitingForInput:
                 if not self.ensure_metadata_buffer(req):
                     keep.append(req)
-                elif self.forced(req):
-                    self._admit(req, optimistic=True)  # the hook: run as if not ready
-                    self.waiting_queue.append(req)
-                else:
-                    self._admit(req, optimistic=False)
+                    continue
+                forced = self.forced(req)  # the hook: run as if not ready
+                self._admit(req, optimistic=forced)
+                if not forced:
                     self.finalize(req)
-                    self.waiting_queue.append(req)
+                self.waiting_queue.append(req)
             else:
                 raise RuntimeError(f"{req.rid}: unexpected {state.name} in the bootstrap queue")
         self.bootstrap_queue = keep
         return failed
 
     def resolve_waiting_bootstrap(self) -> list[PrefillRequest]:
-        """Finalize waiting requests whose peer became ready. Returns the ones whose peer
-        failed, removed from the queue, for the caller to abort."""
+        """Finalize waiting requests whose peer became ready; returns (dequeued) the failed."""
         keep, failed = [], []
         for req, state in self.poll_each(self.waiting_queue):
             if state == KVPoll.Failed:
@@ -236,29 +217,23 @@ class AdmissionQueue:
         return any(not r.pending_bootstrap for r in self.waiting_queue)
 
     def someone_waits_for_a_slot(self) -> bool:
-        """A request waits for a running slot: the waiting queue is not empty, or the bootstrap
-        queue is not and no metadata buffer is free."""
         return bool(self.waiting_queue) or (
             bool(self.bootstrap_queue) and self.metadata.available_size() == 0
         )
 
     def candidates(self) -> list[PrefillRequest]:
-        """Waiting requests in batch order: bootstrapped ones first, so a yield really yields;
-        queue order within each class."""
+        """Bootstrapped requests first, so a yield really yields."""
         return sorted(self.waiting_queue, key=lambda r: r.pending_bootstrap)
 
     def remove_started(self, req: PrefillRequest) -> None:
-        """``req`` left the waiting queue for a batch."""
         self.waiting_queue.remove(req)
 
     def requeue_unstarted(self, reqs: list[PrefillRequest]) -> None:
-        """Requests whose batch's forward did not run (they hold no KV again) go back to the
-        head of the waiting queue, in their order."""
         self.waiting_queue[:0] = reqs
 
     def requeue_yielded(self, req: PrefillRequest) -> None:
-        """After a yield: another optimistic attempt at the head of the waiting queue (keeping
-        its metadata buffer), or the tail of the bootstrap queue once attempts are used."""
+        """Another attempt at the head of the waiting queue, or back to bootstrap once
+        attempts are used up."""
         if self.forced(req):
             req.forced_yield_done = True
         if req.optimistic_attempts >= self.max_attempts:

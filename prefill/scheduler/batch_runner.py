@@ -1,11 +1,7 @@
-"""The extend batch (SGLang ``get_new_batch_prefill``, ``run_batch`` and
-``process_prefill_chunk``): the running (chunked) request, one at a time, its chunk boundaries
-and the end of its prefill; the batch's selection within the token budget and its forward.
-
-A waiting request enters a batch by matching and locking its prefix (host hits loaded back
-under the forward) and allocating its chunk; at most one request per batch is left unfinished
-and becomes the chunked request. A load back that fails (at its launch or under the forward)
-sends the requests it served back to recompute their host hits; nothing else changes.
+"""The extend batch (SGLang ``get_new_batch_prefill``, ``run_batch``,
+``process_prefill_chunk``): the running (chunked) request, its chunk boundaries and the end of
+its prefill; the batch's selection within the token budget and its forward. A load back that
+fails sends the requests it served back to recompute their host hits.
 """
 
 from __future__ import annotations
@@ -29,16 +25,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CostModel = Callable[[int, int], float]
-"""``(new_tokens, prefix_tokens) -> seconds`` of one forward pass (charged to a virtual clock)."""
-
-Batch = list[tuple[PrefillRequest, int]]
-"""``(request, new_tokens)`` pairs of one forward pass."""
+CostModel = Callable[[int, int], float]  # (new_tokens, prefix_tokens) -> seconds of a forward
+Batch = list[tuple[PrefillRequest, int]]  # (request, new_tokens)
 
 
 class BatchRunner:
-    """Builds and runs extend batches and decides for the running request. ``cost_model``
-    charges each forward to the clock; requests leave through ``inflight``."""
+    """Builds and runs extend batches and decides for the running request."""
 
     def __init__(
         self,
@@ -64,16 +56,13 @@ class BatchRunner:
         self.chunked_req: PrefillRequest | None = None
 
     def abort(self, req: PrefillRequest) -> None:
-        """The peer failed: drop ``req`` from the running slot and abort it."""
         if self.chunked_req is req:
             self.chunked_req = None
         self.inflight.abort(req)
 
-    # ------------------------------------------------------------------ step 4
     def process_chunked_req(self) -> None:
-        """The chunk boundary of the running request: publish; failed -> abort; ready ->
-        finalize, publish and send; still bootstrapping -> yield when a bootstrapped request
-        waits, else keep computing without sending (adaptive yield)."""
+        """The running request's chunk boundary; still bootstrapping: yield when a
+        bootstrapped request waits, else keep computing without sending."""
         req = self.chunked_req
         if req is None:
             return
@@ -92,11 +81,8 @@ class BatchRunner:
         else:
             self.inflight.send_kv_chunk(req, last=False)
 
-    # ------------------------------------------------------------------ step 5
     def get_new_batch(self) -> Batch:
-        """The next extend batch (possibly empty): the chunked request first, then waiting
-        candidates while fewer than ``max_running_requests`` requests hold KV; its new requests
-        leave the waiting queue. Collective under tensor parallelism (``check_batch``)."""
+        """The next extend batch (possibly empty), chunked request first. Collective under TP."""
         holding = (
             len(self.inflight.inflight_queue)
             + len(self.inflight.draining_queue)
@@ -110,10 +96,8 @@ class BatchRunner:
         return batch
 
     def _build(self, free_request_slots: int) -> Batch:
-        """Select the batch and launch the host loads its admissions queued. When the launch
-        fails, every candidate examined gives back what it took and recomputes its host hit,
-        and the batch is picked again (each failure flags one more request, so this ends).
-        Under tensor parallelism the error is raised."""
+        """Select the batch and launch its host loads; a failed launch (single rank) flags the
+        examined candidates to recompute and selects again (so this ends)."""
         candidates = self.admission.candidates()
         while True:
             batch, examined = self._select(candidates, free_request_slots)
@@ -129,8 +113,6 @@ class BatchRunner:
     def _select(
         self, candidates: list[PrefillRequest], free_request_slots: int
     ) -> tuple[Batch, list[PrefillRequest]]:
-        """The batch, and every candidate whose prefix was matched (the last one may have been
-        released again)."""
         budget = self.chunk_budget
         batch: Batch = []
         examined: list[PrefillRequest] = []
@@ -164,8 +146,7 @@ class BatchRunner:
         return batch, examined
 
     def record_admissions(self, reqs: list[PrefillRequest]) -> None:
-        """The prefix hits of requests whose first forward of this attempt ran, once per
-        attempt (the tree's re-matches after chunk inserts are not hits)."""
+        """Prefix hits of requests whose first forward of this attempt ran."""
         for req in reqs:
             self.stats.cached_device_tokens += req.cached_device
             self.stats.cached_host_tokens += req.cached_host
@@ -178,10 +159,8 @@ class BatchRunner:
     def undo_admissions(
         self, admitted: list[PrefillRequest], examined: list[PrefillRequest] | None = None
     ) -> None:
-        """A load back of this batch failed: the ``admitted`` requests give back their KV and
-        are ``WAITING`` again (the caller queues them); they and every ``examined`` one
-        recompute their host hits for the rest of the attempt; the tree makes the loaded nodes
-        host-only again. Single rank only."""
+        """A load back failed: ``admitted`` give back their KV (``WAITING``, the caller queues
+        them); they and ``examined`` recompute host hits for the rest of the attempt."""
         for req in reversed(admitted):
             self.kv.release(req)
             req.cached_device = req.cached_host = req.cached_storage = 0
@@ -203,10 +182,8 @@ class BatchRunner:
         return budget // self.page_size * self.page_size
 
     def run_batch(self, batch: Batch) -> None:
-        """Forward ``batch`` and advance its requests: an unfinished prompt becomes the
-        chunked request, a finished one ends its prefill. When a host load failed under the
-        forward, the batch's new requests give their KV back and return to the head of the
-        waiting queue; the chunked request runs the same chunk again next step."""
+        """Forward ``batch`` and advance its requests. After a failed host load the new ones
+        go back to the waiting queue; the chunked request reruns its chunk next step."""
         new = [req for req, _ in batch if req is not self.chunked_req]
         try:
             logits = self.forward(batch)
@@ -229,8 +206,6 @@ class BatchRunner:
             self._finish_prefill(req)
 
     def _finish_prefill(self, req: PrefillRequest) -> None:
-        """Publish its pages; a request forced not ready yields; any other joins the inflight
-        queue."""
         self.pending.publish(req, chunked=False)
         req.prefill_done_time = self.clock.now()
         if req.pending_bootstrap and self.admission.forced(req):
@@ -239,14 +214,10 @@ class BatchRunner:
         self.inflight.add(req)
 
     def forward(self, batch: Batch) -> list[torch.Tensor]:
-        """One forward pass over ``batch``: writes the new tokens' KV, waits per layer for host
-        loads, charges the clock (with timed copies, no earlier than the last timed load plus
-        one layer's compute). Returns each request's last-token logits. Raises
-        ``LoadBackError`` (nothing charged, nothing counted) when a layer's load failed."""
+        """Returns each request's last-token logits; ``LoadBackError`` (nothing charged or
+        counted) when a layer's load failed."""
         inputs = []
-        for req, n in batch:
-            if req.slots is None:
-                raise RuntimeError(f"{req.rid}: in a batch without slots")
+        for req, n in batch:  # alloc_extend gave each its slots
             lo = req.computed_len
             ids = torch.tensor(req.token_ids[lo : lo + n], dtype=torch.int64)
             inputs.append(ExtendInput(ids, req.slots[: lo + n], lo))

@@ -1,13 +1,11 @@
-"""Sends and what ends a request (SGLang ``send_kv_chunk`` and
-``process_disagg_prefill_inflight_queue``): the inflight queue of requests whose prefill
-finished (parked while pending, transferring once finalized), aborts and their draining, and
-the results. Nothing is sent before finalize; an aborted request keeps its slots, lock and
-metadata buffer until its transport reads none of its sends (agreed over ranks).
+"""Sends and what ends a request (SGLang ``send_kv_chunk``,
+``process_disagg_prefill_inflight_queue``): the inflight queue (parked while pending,
+transferring once finalized), aborts and their draining, and the results. An aborted request
+keeps its KV and metadata buffer until its transport reads none of its sends.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from prefill.clock import Clock
@@ -15,12 +13,9 @@ from prefill.disagg.protocol import KVPoll, MetadataRow
 from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
 from prefill.scheduler.pending_kv import PendingKV
 
-logger = logging.getLogger(__name__)
-
 
 class InflightQueue:
-    """Sends, the inflight queue, aborts and results. ``on_done`` is told of each request that
-    got its outcome; ``max_running_requests``: requests that may hold KV at once."""
+    """``on_done`` is told of each request that got its outcome."""
 
     def __init__(
         self,
@@ -41,10 +36,9 @@ class InflightQueue:
         self.draining_queue: list[PrefillRequest] = []
         self.results: dict[str, RequestResult] = {}
 
-    # ------------------------------------------------------------------ sends
     def send_kv_chunk(self, req: PrefillRequest, last: bool) -> None:
-        """Send ``[start_send_idx, end)``: whole pages of the computed KV, or all of it when
-        ``last``. Only after finalize."""
+        """Send whole pages of the computed KV from ``start_send_idx``, or all of it when
+        ``last``."""
         if req.pending_bootstrap or req.slots is None:
             raise RuntimeError(f"{req.rid}: a send before finalize or without slots")
         end = req.num_tokens if last else req.computed_len // self.page_size * self.page_size
@@ -66,10 +60,8 @@ class InflightQueue:
         self.stats.sends += 1
         self.stats.sent_tokens += end - start
 
-    # ------------------------------------------------------------------ inflight
     def add(self, req: PrefillRequest) -> None:
-        """Prefill of ``req`` finished: park it while its peer is pending, else send the rest
-        (last chunk; its pages were published by the caller)."""
+        """Prefill finished: park while the peer is pending, else send the last chunk."""
         req.stage = Stage.INFLIGHT
         self.inflight_queue.append(req)
         if req.pending_bootstrap:
@@ -79,10 +71,8 @@ class InflightQueue:
             self.send_kv_chunk(req, last=True)
 
     def process_inflight_queue(self, other_holders: int) -> None:
-        """Parked + ready -> finalize, publish and send; parked + failed -> abort; parked +
-        bootstrapping -> yield while every running slot is held and someone waits for one
-        (SGLang's rule against a circular wait); ``Success`` -> release and report; ``Failed``
-        -> abort. ``other_holders``: requests holding KV outside these queues (the chunked one).
+        """A parked request yields while every running slot is held and someone waits for one
+        (against a circular wait). ``other_holders``: requests holding KV outside these queues.
         """
         self.process_draining()
         queue, self.inflight_queue = self.inflight_queue, []
@@ -110,16 +100,14 @@ class InflightQueue:
                     continue
                 self.inflight_queue.append(req)
             elif state == KVPoll.Success:
-                self._complete(req)
+                self.stats.successes += 1
+                self._report(req, Outcome.SUCCESS, None)
                 holding -= 1
             else:
                 self.inflight_queue.append(req)
 
-    # ------------------------------------------------------------------ abort / done
     def abort(self, req: PrefillRequest) -> None:
-        """The peer failed: send nothing more; release the request's KV and metadata buffer
-        and report the error, after draining its reads. The caller has removed it from its
-        queue."""
+        """The peer failed: release and report once its reads drained. The caller dequeued it."""
         self.stats.aborts += 1
         if req.pending_bootstrap:
             self.stats.bootstrap_failures += 1
@@ -136,8 +124,6 @@ class InflightQueue:
         self.stats.abort_drains += 1
 
     def process_draining(self) -> None:
-        """Release and report the aborted requests whose transport reads none of their sends
-        any more (agreed over ranks)."""
         queue, self.draining_queue = self.draining_queue, []
         for req, done in zip(queue, self.admission.polls.drained(queue), strict=True):
             if done:
@@ -146,15 +132,10 @@ class InflightQueue:
                 self.draining_queue.append(req)
 
     def _release_aborted(self, req: PrefillRequest) -> None:
-        self.kv.release(req)
         self._report(req, Outcome.ABORTED, req.peer.failure or "decode peer failed")
 
-    def _complete(self, req: PrefillRequest) -> None:
-        self.kv.release(req)
-        self.stats.successes += 1
-        self._report(req, Outcome.SUCCESS, None)
-
     def _report(self, req: PrefillRequest, outcome: Outcome, error: str | None) -> None:
+        self.kv.release(req)
         self.admission.release_metadata_buffer(req)
         req.stage = Stage.DONE
         result = req.to_result(outcome, self.clock.now(), error)

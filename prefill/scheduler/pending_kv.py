@@ -1,27 +1,18 @@
-"""What a pending attempt (its decode peer not ready, so not finalized) does with its KV, by the
-tree's write policy (docs/DESIGN.md section 7): published at chunk boundaries, the end of its
-prefill and a yield when the tree does not back up at insert; kept request-owned until finalize
-when it does. Either way no insert made for a pending attempt starts a host backup.
-
-At a yield the request drops its lock on ``[0, tree_len)`` and frees ``slots[tree_len:]``; it
-has no send in flight (nothing is sent before finalize).
+"""What a pending (not finalized) attempt does with its KV: published at chunk boundaries,
+prefill end and yield when the tree does not back up at insert; kept request-owned until
+finalize when it does (docs/DESIGN.md section 7).
 """
 
 from __future__ import annotations
-
-import logging
 
 from prefill.request.kv import RequestKV
 from prefill.request.state import PrefillRequest
 from prefill.scheduler.admission import AdmissionQueue
 from prefill.scheduler.storage_prefetch import StoragePrefetch
 
-logger = logging.getLogger(__name__)
-
 
 class PendingKV:
-    """Publishing and rollback of attempts' KV; ``unpublished`` (the tree backs up at insert)
-    keeps a pending attempt's KV out of the tree."""
+    """``unpublished`` (the tree backs up at insert) keeps a pending attempt's KV out of it."""
 
     def __init__(self, kv: RequestKV, admission: AdmissionQueue, prefetch: StoragePrefetch) -> None:
         self.kv = kv
@@ -31,19 +22,15 @@ class PendingKV:
         self.unpublished = bool(kv.tree.backs_up_on_insert)
 
     def publish(self, req: PrefillRequest, chunked: bool) -> None:
-        """Insert the request's computed whole pages, unless it is pending and the tree would
-        back them up. A no-op for pages already in the tree."""
         if req.pending_bootstrap and self.unpublished:
             return
         self.kv.cache_unfinished(req, chunked=chunked)
 
     def drop(self, req: PrefillRequest) -> None:
-        """Count the pending attempt's computed KV about to be freed unpublished."""
         if req.pending_bootstrap and self.unpublished and req.slots is not None:
             self.stats.unpublished_dropped_tokens += max(0, req.computed_len - req.tree_len)
 
     def yield_(self, req: PrefillRequest) -> None:
-        """Optimistic rollback: publish what the policy allows, release, reset, requeue."""
         if not req.pending_bootstrap or req.peer.inflight_reads():
             raise RuntimeError(f"{req.rid}: yield of a finalized request or one a peer still reads")
         self.publish(req, chunked=req.computed_len < req.num_tokens)

@@ -1,11 +1,7 @@
-"""The executor's side of L3 prefetch (SGLang 0.5.23's ``_prefetch_kvcache``,
-``check_prefetch_progress`` and ``_prefetch_after_device_hit_loss``); every call is a no-op
-without a storage tier.
-
-A request's prefetch is issued at arrival (overlapping its peer's bootstrap) for the current
-attempt (``CacheRequestHandle(rid, storage_epoch)``), checked by the stop policy at admission
-(re-issued, at most ``MAX_STORAGE_RETRIES`` times, when the matched prefix shrank), released at
-a yield (the retry's lookup seeded with the yielded prefix) and at the outcome.
+"""The executor's side of L3 prefetch (SGLang's ``_prefetch_kvcache``,
+``check_prefetch_progress``, ``_prefetch_after_device_hit_loss``); no-ops without a storage
+tier. Issued at arrival per attempt (``storage_epoch``), checked at admission (re-issued when
+the matched prefix shrank), released at a yield and at the outcome.
 """
 
 from __future__ import annotations
@@ -22,23 +18,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_STORAGE_RETRIES = 8
-"""SGLang's ``--hicache-storage-prefetch-retry-max-attempts`` default."""
+MAX_STORAGE_RETRIES = 8  # SGLang's --hicache-storage-prefetch-retry-max-attempts default
 
 
 class StoragePrefetch:
-    """Prefetch at arrival and the admission check; ``clock`` measures the stop policy's
-    waits."""
-
     def __init__(self, cache: KVCache, clock: Clock) -> None:
         self.storage = cache.storage
         self.tree = cache.tree
         self.clock = clock
         self.page_size = cache.allocator.page_size
-
-    @property
-    def enabled(self) -> bool:
-        return self.storage is not None
 
     @staticmethod
     def handle(req: PrefillRequest) -> CacheRequestHandle:
@@ -49,7 +37,6 @@ class StoragePrefetch:
         return m.device_indices.numel() + m.host_hit_length, m.last_host_node
 
     def on_arrival(self, req: PrefillRequest) -> bool:
-        """Issue the attempt's prefetch; ``True`` when one was issued."""
         if self.storage is None:
             return False
         matched, anchor = self._match_len(req)
@@ -60,8 +47,7 @@ class StoragePrefetch:
         return self.storage.prefetch(self.handle(req), anchor, req.token_ids[matched:end], matched)
 
     def ready(self, req: PrefillRequest) -> bool:
-        """Whether ``req`` may be admitted now; ``buffer_only`` attaches the attempt's fetched
-        pages. Collective under tensor parallelism."""
+        """Whether ``req`` may be admitted now. Collective under tensor parallelism."""
         if self.storage is None:
             return True
         handle = self.handle(req)
@@ -93,9 +79,8 @@ class StoragePrefetch:
         return self.on_arrival(req)
 
     def admitted(self, req: PrefillRequest) -> None:
-        """After the prefix was matched and locked: how many of its host-hit tokens came from
-        storage (``req.cached_storage``), once per attempt; the rest of what the prefetch
-        inserted counts as ``prefetch_unused_tokens``."""
+        """After match and lock: host-hit tokens that came from storage; the rest of what the
+        prefetch inserted counts as ``prefetch_unused_tokens``."""
         if self.storage is None:
             return
         inserted = 0
@@ -105,7 +90,6 @@ class StoragePrefetch:
         self.storage.stats.prefetch_unused_tokens += inserted - req.cached_storage
 
     def on_yield(self, req: PrefillRequest, matched_len: int) -> None:
-        """``req`` yielded with ``matched_len`` tokens of prefix: a new attempt, seeded."""
         if self.storage is None:
             return
         self.storage.release(self.handle(req))

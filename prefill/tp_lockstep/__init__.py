@@ -1,2 +1,1 @@
-"""The prefill executor's ranks in lock step under tensor parallelism: what they agree on
-(``sync``) and who drives the steps (``driver``)."""
+"""The prefill executor's ranks in lock step under tensor parallelism (``sync``, ``driver``)."""

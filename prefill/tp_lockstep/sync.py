@@ -1,13 +1,10 @@
-"""What the prefill executor's ranks agree on under tensor parallelism (SGLang's scheduler at
-``tp_size > 1``; docs/DESIGN.md section 10), on the cache group: rank 0's requests and time
-(``RankZeroInputs``, ``AgreedClock``), decode-peer states MIN-reduced per queue
-(``PeerPolls``), and each batch checked against rank 0's (``check_batch``). Every input to the
-schedule is identical on every rank; with one rank every helper is the identity.
+"""What the prefill executor's ranks agree on under tensor parallelism (docs/DESIGN.md
+section 10): rank 0's requests and time, decode-peer states MIN-reduced per queue, and each
+batch checked against rank 0's. With one rank every helper is the identity.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,17 +16,11 @@ if TYPE_CHECKING:
     from prefill.disagg.protocol import DecodeBackend
     from prefill.request.state import PrefillRequest
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["AgreedClock", "PeerPolls", "RankZeroInputs", "check_batch"]
-
 
 class AgreedClock:
-    """The executor's clock on every rank of a tensor-parallel group: rank 0's time, fixed
-    for a step by ``set_base``. A virtual inner clock is moved along but never read back (the
-    shared time is carried here, so every rank reads bitwise the same float); on wall time
-    ``now()`` stays at the step's start until ``release()``, then rank 0 reads live time.
-    ``live_now()`` is rank 0's own reading."""
+    """Rank 0's time, fixed for a step by ``set_base``. A virtual inner clock is moved along but
+    never read back (every rank reads bitwise the same float); on wall time ``now()`` stays at
+    the step's start until ``release()``. ``live_now()`` is rank 0's own reading."""
 
     def __init__(self, inner: Clock, group: TPGroup) -> None:
         self.inner = inner
@@ -76,8 +67,7 @@ class AgreedClock:
 
 
 class RankZeroInputs:
-    """What rank 0 received since the last step, broadcast to every rank at the next one:
-    ``("submit", rid, token_ids, submit_time)``, ``("release", rid)`` and ``("stop",)``."""
+    """What rank 0 received since the last step, broadcast at the next one."""
 
     def __init__(self, group: TPGroup, clock: AgreedClock) -> None:
         self.group = group
@@ -86,7 +76,6 @@ class RankZeroInputs:
         self._rids: set[str] = set()
 
     def pending(self, rid: str) -> bool:
-        """``rid`` is submitted and not broadcast yet."""
         return rid in self._rids
 
     def submit(self, rid: str, token_ids: list[int], submit_time: float) -> None:
@@ -100,8 +89,7 @@ class RankZeroInputs:
         self.ops.append(("stop",))
 
     def sync(self) -> list[tuple[Any, ...]]:
-        """Collective: rank 0's queued operations and clock reading on every rank; sets the
-        step's time. Returns the operations."""
+        """Collective: returns rank 0's queued operations and sets the step's time."""
         payload = (self.clock.live_now(), self.ops) if self.group.rank == 0 else None
         t, ops = self.group.broadcast_object(payload, src=0, tag="step_inputs")
         self.ops = []
@@ -111,8 +99,8 @@ class RankZeroInputs:
 
 
 class PeerPolls:
-    """Decode-peer states the executor acts on: this rank's polls, MIN-reduced over the group
-    (one collective per queue, entered even for an empty one; lazy with one rank)."""
+    """This rank's peer polls, MIN-reduced over the group (one collective per queue, entered
+    even for an empty one)."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
@@ -133,8 +121,7 @@ class PeerPolls:
         return next(iter(self.each([req])))[1]
 
     def sent(self, req: PrefillRequest, ok: bool) -> bool:
-        """Whether a send reached every rank's peer. A rank whose send went out while another
-        rank's failed fails its peer too (nothing it queued is read)."""
+        """Whether a send reached every rank's peer (else this rank's peer fails too)."""
         if self.group.size == 1:
             return ok
         agreed = self.group.agree_all(ok, tag="peer_send")
@@ -143,16 +130,13 @@ class PeerPolls:
         return agreed
 
     def drained(self, reqs: Sequence[PrefillRequest]) -> list[bool]:
-        """Whether each request's peer reads none of its sends any more
-        (``inflight_reads() == 0``), on every rank (one collective, entered for an empty list
-        too)."""
+        """Whether each request's peer reads none of its sends, on every rank (collective)."""
         local = [int(r.peer.inflight_reads() == 0) for r in reqs]
         if self.group.size == 1:
             return [bool(x) for x in local]
         return [bool(x) for x in self.group.agree_min_many(local, tag="peer_drained")]
 
     def next_event_time(self, decode: DecodeBackend) -> float | None:
-        """The earliest ``next_event_time`` of every rank's decode side."""
         t = decode.next_event_time()
         if self.group.size == 1:
             return t
@@ -161,9 +145,7 @@ class PeerPolls:
 
 
 def check_batch(group: TPGroup, batch: Sequence[tuple[PrefillRequest, int]]) -> None:
-    """Rank 0 broadcasts its batch's ``(rid, new tokens, computed before)``; every rank checks
-    its own is the same and raises ``RankDivergenceError`` on every rank otherwise (naming the
-    ranks that differ, and this rank's batch next to rank 0's)."""
+    """Raise ``RankDivergenceError`` on every rank when a rank's batch differs from rank 0's."""
     if group.size == 1:
         return
     mine = [(req.rid, int(n), int(req.computed_len)) for req, n in batch]
