@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
     from hicache.storage.io.controller import HiCacheStorageController
     from hicache.transfer.controller import CopyTimer, HiCacheController
-    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
+    from hicache.transfer.streams import Delay, Streams
     from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def build_kv_cache(
     args: ServerArgs,
     *,
     copy_delay: Delay = 0.0,
-    streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
+    streams: Streams | str | None = None,
     group: TPGroup | None = None,
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
     copy_timer: CopyTimer | None = None,

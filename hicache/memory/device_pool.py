@@ -85,6 +85,10 @@ class _DevicePool:
     def mem_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
 
+    def _log_built(self, heads: str) -> None:
+        args = (type(self).__name__, self.size, self.layer_num, heads, self.mem_bytes() / 1e9)
+        logger.info("%s: %d slots x %d layers%s, %.3f GB on %s", *args, self.device)
+
 
 class MHATokenToKVPool(_DevicePool):
     """Per-layer K and V buffers of a multi-head-attention model, in one allocation.
@@ -136,16 +140,7 @@ class MHATokenToKVPool(_DevicePool):
         self.k_data_ptrs = kernels.data_ptr_table(self.k_buffer, self.device)
         self.v_data_ptrs = kernels.data_ptr_table(self.v_buffer, self.device)
         self.data_ptrs = kernels.data_ptr_table(self.k_buffer + self.v_buffer, self.device)
-        logger.info(
-            "%s: %d slots x %d layers (K head %d, V head %d), %.3f GB on %s",
-            type(self).__name__,
-            size,
-            layer_num,
-            head_dim,
-            v_head_dim,
-            self.mem_bytes() / 1e9,
-            self.device,
-        )
+        self._log_built(f" (K head {head_dim}, V head {v_head_dim})")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MHATokenToKVPool:
@@ -246,14 +241,7 @@ class MLATokenToKVPool(_DevicePool):
         self.kv_buffer: list[torch.Tensor] = list(self.kv_buffer_all)
         self.kv_data_ptrs = kernels.data_ptr_table(self.kv_buffer, self.device)
         self.data_ptrs = self.kv_data_ptrs
-        logger.info(
-            "%s: %d slots x %d layers, %.3f GB on %s",
-            type(self).__name__,
-            size,
-            layer_num,
-            self.mem_bytes() / 1e9,
-            self.device,
-        )
+        self._log_built("")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MLATokenToKVPool:

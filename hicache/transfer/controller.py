@@ -22,24 +22,10 @@ from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, HostKVPool
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.busy_pages import (
-    BusyPages,
-    CopyUsage,
-    DeferredFrees,
-    InflightSlots,
-    cat_cpu,
-)
+from hicache.transfer.busy_pages import BusyPages, CopyUsage, DeferredFrees, InflightSlots, cat_cpu
 from hicache.transfer.errors import BackupError, CopyError, LoadBackError
 from hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
-from hicache.transfer.streams import (
-    CpuStreams,
-    CudaStreams,
-    Delay,
-    Event,
-    InlineStreams,
-    Stream,
-    make_streams,
-)
+from hicache.transfer.streams import CpuStreams, Delay, Event, Stream, Streams, make_streams
 from kernels import CopyWatch
 from kernels.ops.checks import slot_indices
 
@@ -105,7 +91,7 @@ class HiCacheController:
         device_pool: MHATokenToKVPool | MLATokenToKVPool,
         host_pool: HostKVPool,
         io_backend: str = "kernel",
-        streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
+        streams: Streams | str | None = None,
         copy_delay: Delay = 0.0,
         stats: CacheStats | None = None,
         group: TPGroup | None = None,
@@ -378,7 +364,6 @@ class HiCacheController:
         """Pop the first ``n`` loads (``None``: every leading finished one); their node ids."""
         return self._pop(self.ack_load_queue, n, "h2d")
 
-    # ------------------------------------------------------------------ both
     def wait_all(self) -> tuple[list[int], list[int]]:
         """Block until every launched copy finished; pop all acks: (written, loaded) node ids."""
         acks = list(self.ack_write_queue) + list(self.ack_load_queue)
@@ -520,7 +505,7 @@ class HiCacheController:
 
     def close(self) -> None:
         """Finish every launched copy and stop CPU stream threads; acks are not popped."""
-        if isinstance(self.streams, CpuStreams | InlineStreams):
+        if isinstance(self.streams, CpuStreams):  # inline ones too
             self.streams.close()
         else:
             self.write_stream.synchronize()

@@ -4,7 +4,7 @@ waits for layer ``i``'s load only (through ``HiRadixCache.layer_wait``)."""
 from __future__ import annotations
 
 from hicache.transfer.errors import LoadBackError
-from hicache.transfer.streams import CpuStreams, CudaStreams, Event, InlineStreams
+from hicache.transfer.streams import Event, Streams
 
 
 class LayerLoadingEvent:
@@ -13,7 +13,7 @@ class LayerLoadingEvent:
     def __init__(
         self,
         num_layers: int,
-        streams: CudaStreams | CpuStreams | InlineStreams,
+        streams: Streams,
         node_ids: list[int] | None = None,
     ) -> None:
         self.node_ids = list(node_ids or ())
@@ -34,7 +34,7 @@ class LayerDoneCounter:
     ``LoadBackError`` when a layer up to it failed while it ran (the KV must not be read).
     """
 
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams | InlineStreams) -> None:
+    def __init__(self, num_layers: int, streams: Streams) -> None:
         self.num_layers = num_layers
         self.streams = streams
         self.events: dict[int, LayerLoadingEvent] = {}

@@ -54,13 +54,10 @@ class Stream(Protocol):
     def wait_event(self, event: Event) -> None: ...
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
-    def check_error(self) -> None: ...
 
 
 class Streams(Protocol):
     """Factory for one device's streams and events; ``compute`` is the forward pass's stream."""
-
-    is_cuda: bool
 
     @property
     def compute(self) -> Stream: ...
@@ -118,14 +115,9 @@ class CudaStream:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def check_error(self) -> None:
-        return None
-
 
 class CudaStreams:
     """Streams on one CUDA device; ``compute`` is whatever stream is current when asked."""
-
-    is_cuda = True
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else "cuda")
@@ -210,9 +202,6 @@ class CpuComputeStream:
     def synchronize(self) -> None:
         return None
 
-    def check_error(self) -> None:
-        return None
-
 
 class CpuStream:
     """One daemon worker thread running submitted callables in order."""
@@ -247,14 +236,11 @@ class CpuStream:
             return self._pending == 0
 
     def synchronize(self) -> None:
-        """Block until everything submitted so far has run, then ``check_error``."""
+        """Block until everything submitted so far has run; raise, once, the error of a callable
+        that no later event took."""
         with self._cv:
             while self._pending:
                 self._cv.wait()
-        self.check_error()
-
-    def check_error(self) -> None:
-        """Raise, once, the error of a callable that no later event took; never blocks."""
         error = self._take_error()
         if error is not None:
             raise RuntimeError(f"{self.name}: a submitted callable failed: {error!r}") from error
@@ -309,7 +295,6 @@ class CpuStream:
 class CpuStreams:
     """CPU streams; ``delay`` (seconds or a callable) is given to every new side stream."""
 
-    is_cuda = False
     _stream_cls: type[CpuStream | InlineStream] = CpuStream
     _stream_name = "cpu-stream"
 
