@@ -80,51 +80,6 @@ def _site_hash(kind: str, tag: str, extra: str = "") -> int:
     return digest(f"{kind}\x00{tag}\x00{extra}")
 
 
-class TPGroup:
-    """The agreement primitives. ``tag`` names the call site (checked across ranks); every
-    method blocks until every rank entered."""
-
-    rank: int = 0
-    size: int = 1
-
-    def agree_min(self, value: int, tag: str = "agree_min") -> int:
-        raise NotImplementedError
-
-    def agree_max(self, value: int, tag: str = "agree_max") -> int:
-        raise NotImplementedError
-
-    def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
-        """``True`` when ``flag`` is true on every rank."""
-        raise NotImplementedError
-
-    def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
-        """``True`` when ``flag`` is true on at least one rank."""
-        raise NotImplementedError
-
-    def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
-        """Element-wise minimum over ranks; up to two values cost one collective."""
-        raise NotImplementedError
-
-    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
-        """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
-        raise NotImplementedError
-
-    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
-        raise NotImplementedError
-
-    def assert_same(self, tag: str, value: Any) -> None:
-        """``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on all."""
-        raise NotImplementedError
-
-    def barrier(self, tag: str = "barrier") -> None:
-        raise NotImplementedError
-
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
-
 def _check_int(name: str, value: Any) -> int:
     """``value`` as an int (ints and integer scalars; not bools), within +-2**62."""
     if isinstance(value, bool):
@@ -138,8 +93,12 @@ def _check_int(name: str, value: Any) -> int:
     return v
 
 
-class SingleRankGroup(TPGroup):
-    """``tp_size == 1``: every primitive returns its own input; nothing is communicated."""
+class TPGroup:
+    """The agreement primitives. ``tag`` names the call site (checked across ranks); every
+    method blocks until every rank entered. Here, for one rank, each returns its own input."""
+
+    rank: int = 0
+    size: int = 1
 
     def agree_min(self, value: int, tag: str = "agree_min") -> int:
         return _check_int("value", value)
@@ -148,27 +107,40 @@ class SingleRankGroup(TPGroup):
         return _check_int("value", value)
 
     def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
+        """``True`` when ``flag`` is true on every rank."""
         return bool(flag)
 
     def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
+        """``True`` when ``flag`` is true on at least one rank."""
         return bool(flag)
 
     def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
+        """Element-wise minimum over ranks; up to two values cost one collective."""
         return [_check_int(f"values[{i}]", v) for i, v in enumerate(values)]
 
     def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
         if src != 0:
             raise ValueError(f"src must be 0 in a single-rank group, got {src}")
         return obj
 
     def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
         return [obj]
 
     def assert_same(self, tag: str, value: Any) -> None:
-        return None
+        """``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on all."""
 
     def barrier(self, tag: str = "barrier") -> None:
         return None
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+
+class SingleRankGroup(TPGroup):
+    """``tp_size == 1``: every primitive returns its own input; nothing is communicated."""
 
 
 class DistTPGroup(TPGroup):

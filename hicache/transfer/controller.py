@@ -230,9 +230,7 @@ class HiCacheController:
         targets = [
             a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
         ]
-        for a in targets:
-            a.finish_event.synchronize()
-        self._wait_ready(targets)
+        self._wait(targets)
         done: list[int] = []
         for a in targets:
             self.ack_write_queue.remove(a)
@@ -366,10 +364,7 @@ class HiCacheController:
 
     def wait_all(self) -> tuple[list[int], list[int]]:
         """Block until every launched copy finished; pop all acks: (written, loaded) node ids."""
-        acks = list(self.ack_write_queue) + list(self.ack_load_queue)
-        for a in acks:
-            a.finish_event.synchronize()
-        self._wait_ready(acks)
+        self._wait([*self.ack_write_queue, *self.ack_load_queue])
         return self.writing_check(), self.loading_check()
 
     def _count_finished(self, queue: deque[HiCacheAck]) -> int:
@@ -426,7 +421,10 @@ class HiCacheController:
         self._stream_free[direction] = end
         return end
 
-    def _wait_ready(self, acks: list[HiCacheAck]) -> None:
+    def _wait(self, acks: list[HiCacheAck]) -> None:
+        """Block until ``acks`` finish; move a copy timer's clock to their modelled end."""
+        for a in acks:
+            a.finish_event.synchronize()
         ends = [a.ready_at for a in acks if a.ready_at is not None]
         if ends and self.copy_timer is not None:
             self.copy_timer.wait_until(max(ends))

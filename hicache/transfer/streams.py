@@ -83,9 +83,7 @@ class CudaEvent:
     def synchronize(self) -> None:
         self.event.synchronize()
 
-    def elapsed_time(self, end: Event) -> float:
-        if not isinstance(end, CudaEvent):
-            raise ValueError(f"end must be a CudaEvent, got {type(end).__name__}")
+    def elapsed_time(self, end: CudaEvent) -> float:
         return self.event.elapsed_time(end.event)
 
 
@@ -104,9 +102,7 @@ class CudaStream:
         ev.record(self)
         return ev
 
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent):
-            raise ValueError(f"event must be a CudaEvent, got {type(event).__name__}")
+    def wait_event(self, event: CudaEvent) -> None:
         self.stream.wait_event(event.event)
 
     def query(self) -> bool:
@@ -225,10 +221,8 @@ class CpuStream:
         ev.record(self)
         return ev
 
-    def wait_event(self, event: Event) -> None:
+    def wait_event(self, event: CpuEvent) -> None:
         """Later work on this stream starts only after ``event`` completes; the caller goes on."""
-        if not isinstance(event, CpuEvent):
-            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
         self._put(event._waiter(), delayed=False)
 
     def query(self) -> bool:
@@ -333,11 +327,6 @@ class InlineStream(CpuComputeStream):
         _sleep(self.delay)
         with CPU_COPY_LOCK:
             fn()
-
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CpuEvent):
-            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
-        event.synchronize()
 
     def close(self) -> None:
         return None
