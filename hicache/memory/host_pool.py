@@ -89,8 +89,9 @@ class HostKVPool(HostPoolPages):
         self.dtype = _store_dtype(device_pool)
         self.layer_num = device_pool.layer_num
         self.token_shapes = self.token_shapes_of(device_pool)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.part_item_sizes = [math.prod(shape) * elem for shape in self.token_shapes]
+        self.part_item_sizes = [
+            math.prod(shape) * self.dtype.itemsize for shape in self.token_shapes
+        ]
         self.item_size = self.part_item_sizes[0]
         self.size_per_token = sum(self.part_item_sizes) * self.layer_num
         self.size = self._tokens_for(device_pool, host_to_device_ratio, host_size)

@@ -7,8 +7,6 @@ miss, never wrong KV. Pointer and shape tables per layout: docs/CONTRACTS.md.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -23,7 +21,7 @@ class HostPoolPages:
     pinned: bool
     kv_buffer: torch.Tensor
     parts: list[torch.Tensor]
-    token_shapes: list[tuple[int, ...]]
+    part_item_sizes: list[int]  # bytes of one token of one layer, per part
 
     @property
     def storage_format_tag(self) -> str:
@@ -35,9 +33,7 @@ class HostPoolPages:
     @property
     def page_nbytes(self) -> int:
         """Bytes of one flat page (every part, every layer)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        tokens = sum(math.prod(shape) for shape in self.token_shapes)
-        return self.page_size * self.layer_num * tokens * elem
+        return self.page_size * self.layer_num * sum(self.part_item_sizes)
 
     def page_regions(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of each host allocation ``get_page_buffer_meta`` points into:
@@ -52,8 +48,7 @@ class HostPoolPages:
         """``(ptrs, sizes)``: host addresses and byte counts of each page's pieces, in page
         order. ``ValueError`` unless ``indices`` are whole, aligned, in-range pages."""
         starts = self._page_starts(indices)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        widths = [math.prod(shape) * elem for shape in self.token_shapes]  # bytes/token/layer
+        widths = self.part_item_sizes
         bases = [part.data_ptr() for part in self.parts]
         page, n_l = self.page_size, self.layer_num
         ptrs: list[int] = []
@@ -96,16 +91,13 @@ class HostPoolPages:
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """A zeroed flat page on the CPU, pinned when the pool is."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return torch.zeros(
-            self.page_nbytes // elem, dtype=self.dtype, device="cpu", pin_memory=self.pinned
-        )
+        n = self.page_nbytes // self.dtype.itemsize
+        return torch.zeros(n, dtype=self.dtype, device="cpu", pin_memory=self.pinned)
 
     def set_from_flat_data_page(self, index: int | torch.Tensor, data_page: torch.Tensor) -> None:
         """Write a flat page into the page starting at host slot ``index``."""
         sl = self._page_slice(self._check_page_start(index))
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        want = self.page_nbytes // elem
+        want = self.page_nbytes // self.dtype.itemsize
         if not isinstance(data_page, torch.Tensor) or data_page.dtype != self.dtype:
             raise ValueError(f"data_page must be a {self.dtype} tensor")
         if data_page.numel() != want:

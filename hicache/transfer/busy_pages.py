@@ -56,11 +56,14 @@ class BusyPages:
         self.host_written = np.zeros(host_allocator.page_table_size, dtype=np.int64)
         self._uncounted: list[CopyUsage] = []
 
-    def add(self, usage: CopyUsage) -> None:
+    def _count_host(self, usage: CopyUsage, delta: int) -> None:
         pages = usage.host.numpy() // self.host_page_size
-        np.add.at(self.host, pages, 1)
+        np.add.at(self.host, pages, delta)
         if usage.host_written:
-            np.add.at(self.host_written, pages, 1)
+            np.add.at(self.host_written, pages, delta)
+
+    def add(self, usage: CopyUsage) -> None:
+        self._count_host(usage, 1)
         if usage.device.device.type == "cpu":
             self._count_device(usage)
         else:
@@ -74,10 +77,7 @@ class BusyPages:
     def remove(self, usage: CopyUsage) -> None:
         if usage.state == _DONE:
             return
-        pages = usage.host.numpy() // self.host_page_size
-        np.subtract.at(self.host, pages, 1)
-        if usage.host_written:
-            np.subtract.at(self.host_written, pages, 1)
+        self._count_host(usage, -1)
         if usage.state == _COUNTED:
             np.subtract.at(self.device, usage._device_pages, 1)
         usage.state = _DONE
