@@ -1,4 +1,2 @@
-"""Hierarchical KV cache: ``memory`` (pools, allocator), ``transfer`` (streams, controller),
-``tree`` (radix trees, eviction), ``storage`` (L3), ``tp`` (rank agreement), with the builder
-(``builder.build_kv_cache``) and the counters (``cache_stats``). Never sees a request.
-"""
+"""Hierarchical KV cache: ``memory``, ``transfer``, ``tree``, ``storage`` (L3), ``tp`` (rank
+agreement), the builder and the counters. Never sees a request."""

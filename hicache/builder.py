@@ -1,6 +1,5 @@
-"""Wiring of the KV cache from ``ServerArgs`` (:func:`build_kv_cache`): pools, allocators,
-controller, tree, counters, so the executor, the benches and the tests get the same cache for the
-same flags. :class:`KVCache` is what the prefill side holds. With ``--tp-size N`` every rank builds
+"""Wiring of the KV cache from ``ServerArgs`` (:func:`build_kv_cache`), so the executor, the
+benches and the tests get the same cache for the same flags. With ``--tp-size N`` every rank builds
 its own shard of the KV heads, with the host pool's capacity agreed at start-up.
 """
 
@@ -29,7 +28,7 @@ if TYPE_CHECKING:
     from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
     from hicache.storage.io.controller import HiCacheStorageController
     from hicache.transfer.controller import CopyTimer, HiCacheController
-    from hicache.transfer.streams import CpuStreams, CudaStreams, Delay, InlineStreams
+    from hicache.transfer.streams import Delay, Streams
     from server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class KVCache:
-    """Everything the prefill side needs from the cache: ``tree`` is a ``RadixCache`` (then
-    ``host_pool`` and ``controller`` are ``None``) or a ``HiRadixCache``, both taking the same
-    calls; ``stats`` are this rank's; ``storage`` is the L3 tier or ``None``."""
+    """Everything the prefill side needs from the cache; ``host_pool`` and ``controller`` are
+    ``None`` under a device-only ``RadixCache``."""
 
     device_pool: MHATokenToKVPool | MLATokenToKVPool
     allocator: TokenToKVPoolAllocator
@@ -55,18 +53,16 @@ class KVCache:
         return self.controller is not None
 
     def check_integrity(self, request_owned: int = 0) -> None:
-        """Tree, allocators, controller and L3 tier together (``AssertionError`` on the first
-        break); ``request_owned``: device slots requests hold outside the tree right now."""
+        """``AssertionError`` on the first break; ``request_owned``: device slots requests hold
+        outside the tree right now."""
         self.tree.check_integrity(request_owned=request_owned)
         if self.storage is not None:
             self.storage.check_integrity()
 
     def alloc_device(self, n: int) -> torch.Tensor | None:
-        """``n`` device slots (a multiple of page_size), evicting unlocked tree leaves when
-        short; ``None`` when even eviction cannot make room. Every decision is the group's:
-        room is ``agree_all`` of each rank's, the tokens to evict the largest any rank needs,
-        so every rank allocates or gives up together and evicts the same leaves. May block
-        while write_back backs up an evicted leaf (and on the group's collectives)."""
+        """``n`` device slots, evicting unlocked tree leaves when short; ``None`` when even
+        eviction cannot make room. Every rank evicts the most any rank needs, so all allocate
+        or give up together. May block while write_back backs up an evicted leaf."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
         g, alloc = self.group, self.allocator
@@ -78,8 +74,7 @@ class KVCache:
         return slots
 
     def close(self) -> None:
-        """Stop the storage threads (after the work they hold), finish queued copies and stop
-        the CPU stream threads (no-op when off or on CUDA)."""
+        """Stop the storage threads, finish queued copies and stop the CPU stream threads."""
         try:
             if self.storage is not None:
                 self.storage.close()
@@ -88,8 +83,7 @@ class KVCache:
                 self.controller.close()
 
 
-# Flags that shape the pools and the tree's decisions: they must be equal on every rank (the host
-# pool's size may differ: its capacity is agreed).
+# Flags that must be equal on every rank (the host pool's capacity is agreed instead).
 SAME_ON_EVERY_RANK = (
     "tp_size",
     "page_size",
@@ -119,22 +113,16 @@ def build_kv_cache(
     args: ServerArgs,
     *,
     copy_delay: Delay = 0.0,
-    streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
+    streams: Streams | str | None = None,
     group: TPGroup | None = None,
     host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost | None = None,
     copy_timer: CopyTimer | None = None,
 ) -> KVCache:
-    """The cache ``args`` describe: device pool and allocator, and with
-    ``enable_hierarchical_cache`` the host pool, controller and ``HiRadixCache`` (plus the L3
-    tier with ``hicache_storage_backend``). Allocates everything up front.
+    """The cache ``args`` describe, allocated up front.
 
-    ``copy_delay`` (tests, CPU only): seconds, or a callable, slept before every copy.
-    ``streams``: a stream factory, or a CPU mode of ``hicache.transfer.streams.make_streams``.
-    ``group``: the cache group of ``args.tp_size`` ranks (required when > 1; every rank calls
-    this in the same order). ``host_pool``: an existing host pool to reuse (one rank; it must
-    match the flags). ``copy_timer``: the controller's modelled copy time (a simulator's).
-    ``ValueError`` for a configuration the runtime cannot run, pools that do not fit, or a group
-    that does not match ``tp_size``.
+    ``copy_delay`` (tests, CPU only): slept before every copy. ``streams``: a stream factory, or
+    a CPU mode of ``make_streams``. ``group``: the cache group (required when ``tp_size`` > 1).
+    ``host_pool``: an existing host pool to reuse (one rank; it must match the flags).
     """
     args.check_runtime_supported()
     if isinstance(streams, str) and streams not in STREAM_MODES:
@@ -214,15 +202,12 @@ def build_kv_cache(
 def _agreed_host_pool(
     args: ServerArgs, device_pool: MHATokenToKVPool | MLATokenToKVPool, group: TPGroup
 ) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
-    """This rank's host pool, of the token capacity every rank agreed on: the smallest any rank
-    asks for (from its own ``hicache_ratio`` / ``hicache_size``), agreed before anything is
-    allocated. A rank whose pool could not be built (RAM) makes every rank raise ``ValueError``,
-    instead of leaving the others waiting in the next collective."""
+    """This rank's host pool, of the smallest capacity any rank asks for. A rank whose pool
+    could not be built makes every rank raise ``ValueError``, not wait in a collective."""
     from hicache.memory.host_pool import make_host_pool
     from hicache.memory.host_ram import host_pool_tokens
 
     ratio, host_size = args.hicache_ratio, args.hicache_size
-    # The pool's own sizing (bytes per token as the device pool's), no allocation needed.
     mine = host_pool_tokens(
         device_pool.size, device_pool.get_size_per_token(), args.page_size, ratio, host_size
     )

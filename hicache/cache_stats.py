@@ -1,7 +1,6 @@
-"""The KV cache's counters (:class:`CacheStats`), device-only or hierarchical, read by benches and
-logs. Prefix hits are recorded by whoever admits a request, once per admitted attempt (never by
-``match_prefix``, which also re-locks after inserts); the tree records backups, loads and
-evictions, the controller bytes and copy time at each ack. Only the scheduler thread records.
+"""The KV cache's counters (:class:`CacheStats`). Prefix hits are recorded once per admitted
+attempt (never by ``match_prefix``); the tree records backups, loads and evictions, the controller
+bytes and copy time at each ack.
 """
 
 from __future__ import annotations
@@ -14,19 +13,13 @@ DIRECTIONS = ("d2h", "h2d")
 
 @dataclass
 class CacheStats:
-    """Counters since construction or the last ``reset()``. Tokens are token slots; bytes are
-    K and V of all layers; copy time is seconds from a copy's start event to its finish event
-    (on CPU streams this includes queueing and any injected delay).
+    """Counters since construction. Bytes are K and V of all layers; copy time runs from a copy's
+    start event to its finish event (on CPU streams with queueing and injected delay).
 
-    ``matched_attempts``: admitted attempts that recorded their prefix hit (one per attempt, so a
-    request that yields and retries counts again, its retry hitting what it inserted).
-    ``device_hit_tokens`` / ``host_hit_tokens``: tokens those attempts reused from the device and
-    loaded back from the host (a host hit recomputed, e.g. below ``load_back_threshold``, is not
-    a hit); ``storage_hit_tokens``: of the host hits, tokens fetched from L3 storage for that
-    attempt. ``load_back_no_room_tokens``: host hits recomputed because their load back found
-    no device room even after device eviction (the rest of the pool locked by requests in
-    flight). ``d2h_failed_copies`` / ``h2d_failed_copies``: copies whose launch failed or that
-    failed while they ran (``hicache.transfer.errors``); they move no bytes and no time."""
+    ``matched_attempts`` counts a request that yields and retries again. A host hit recomputed
+    (e.g. below ``load_back_threshold``) is not a hit; ``storage_hit_tokens`` are the host hits
+    fetched from L3. ``load_back_no_room_tokens``: host hits recomputed for want of device room.
+    Failed copies move no bytes and no time."""
 
     matched_attempts: int = 0
     device_hit_tokens: int = 0
@@ -46,12 +39,9 @@ class CacheStats:
     d2h_failed_copies: int = 0
     h2d_failed_copies: int = 0
 
-    # --- recorders -----------------------------------------------------------------------------
     def record_match(
         self, device_hit_tokens: int, host_hit_tokens: int, storage_hit_tokens: int = 0
     ) -> None:
-        """One admitted attempt's prefix: device-resident tokens reused, host tokens loaded back
-        (``storage_hit_tokens`` of them fetched from L3 storage)."""
         self.matched_attempts += 1
         self.device_hit_tokens += device_hit_tokens
         self.host_hit_tokens += host_hit_tokens
@@ -73,26 +63,18 @@ class CacheStats:
         self.evicted_host_tokens += tokens
 
     def record_copy(self, direction: str, nbytes: int, seconds: float) -> None:
-        """One completed copy: ``direction`` is ``"d2h"`` or ``"h2d"``."""
-        if direction == "d2h":
-            self.d2h_copies += 1
-            self.d2h_bytes += nbytes
-            self.d2h_copy_time_s += seconds
-        elif direction == "h2d":
-            self.h2d_copies += 1
-            self.h2d_bytes += nbytes
-            self.h2d_copy_time_s += seconds
-        else:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        for counter, amount in (("copies", 1), ("bytes", nbytes), ("copy_time_s", seconds)):
+            self._add(direction, counter, amount)
 
     def record_copy_failure(self, direction: str) -> None:
-        """One copy that failed (at its launch or while it ran)."""
+        self._add(direction, "failed_copies", 1)
+
+    def _add(self, direction: str, counter: str, amount: float) -> None:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        name = f"{direction}_failed_copies"
-        setattr(self, name, getattr(self, name) + 1)
+        name = f"{direction}_{counter}"
+        setattr(self, name, getattr(self, name) + amount)
 
-    # --- readers -------------------------------------------------------------------------------
     def as_dict(self) -> dict[str, int | float]:
         """Every counter plus derived bandwidths (GB/s, 0 when no time was recorded)."""
         out: dict[str, int | float] = dataclasses.asdict(self)
@@ -100,7 +82,3 @@ class CacheStats:
             secs = getattr(self, f"{d}_copy_time_s")
             out[f"{d}_gbps"] = getattr(self, f"{d}_bytes") / secs / 1e9 if secs else 0.0
         return out
-
-    def reset(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)

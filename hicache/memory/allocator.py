@@ -1,12 +1,9 @@
 """Page-granular free list over the slots of one pool (SGLang ``(Paged)TokenToKVPoolAllocator``).
 
-The allocator owns which pages are free and nothing else. Free-list bookkeeping lives on the CPU
-(a page-state array plus SGLang's sorted ``free_pages`` / unsorted ``release_pages`` pair); the
-slot tensors it returns are int64 on ``device``. Freeing slots that live on a GPU copies them to
-the CPU to validate them (one sync), which this project accepts for checkable accounting.
-
-Page ``p`` covers slots ``[p * page_size, (p + 1) * page_size)``. The device allocator reserves
-page 0 (padding); the host allocator (``reserve_padding=False``) hands out every page.
+Bookkeeping lives on the CPU (page states plus SGLang's sorted ``free_pages`` / unsorted
+``release_pages``); returned slots are int64 on ``device``. Freeing GPU slots syncs once to
+validate them. The device allocator reserves page 0 (padding); the host allocator
+(``reserve_padding=False``) hands out every page.
 """
 
 from __future__ import annotations
@@ -24,23 +21,24 @@ if TYPE_CHECKING:
 _ALLOCATED = 0
 _FREE = 1
 _GROUP_FREED = 2  # freed inside a free group, returned at free_group_end()
-
-
-def page_ceil(tokens: int, page_size: int) -> int:
-    """``tokens`` rounded up to whole pages of ``page_size`` tokens (the project's one
-    page-rounding rule; ``page_ceil(n, ps) // ps`` is the page count)."""
-    return -(-tokens // page_size) * page_size
-
-
 _PADDING = 3
 
 
-class TokenToKVPoolAllocator:
-    """Free list of ``size // page_size`` pages.
+def page_ceil(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded up to whole pages of ``page_size`` tokens."""
+    return -(-tokens // page_size) * page_size
 
-    ``alloc(n)`` returns ``n`` slots (int64 ``[n]`` on ``device``, whole pages, each page's slots
-    contiguous and ascending) or ``None`` when fewer than ``n`` slots are free. Nothing blocks.
-    """
+
+def check_page_geometry(size: int, page_size: int) -> None:
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if size < page_size or size % page_size != 0:
+        raise ValueError(f"size must be a positive multiple of page_size={page_size}, got {size}")
+
+
+class TokenToKVPoolAllocator:
+    """Free list of ``size // page_size`` pages; ``alloc(n)`` returns whole pages of slots, each
+    page's slots ascending, or ``None`` when short. Nothing blocks."""
 
     def __init__(
         self,
@@ -49,12 +47,7 @@ class TokenToKVPoolAllocator:
         device: torch.device | str,
         reserve_padding: bool = True,
     ) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if size < page_size or size % page_size != 0:
-            raise ValueError(
-                f"size must be a positive multiple of page_size={page_size}, got {size}"
-            )
+        check_page_geometry(size, page_size)
         self.size = size
         self.page_size = page_size
         self.device = torch.device(device)
@@ -71,10 +64,8 @@ class TokenToKVPoolAllocator:
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> TokenToKVPoolAllocator:
-        """The device allocator: ``max_total_tokens`` slots of ``page_size`` on the device."""
         return cls(args.max_total_tokens, args.page_size, args.resolved_device())
 
-    # --- state ---------------------------------------------------------------------------------
     def clear(self) -> None:
         """Every page free again (padding page excluded); ends any free group."""
         self._state = torch.full((self._end_page,), _FREE, dtype=torch.int8)
@@ -96,15 +87,13 @@ class TokenToKVPoolAllocator:
 
     @property
     def page_table_size(self) -> int:
-        """Length of a per-page table indexed by page id (padding page included)."""
+        """Length of a per-page table indexed by page id (padding included)."""
         return self._end_page
 
     def group_freed_size(self) -> int:
-        """Slots freed inside the open free group (0 when none is open): no longer anyone's,
-        not yet available."""
+        """Slots freed inside the open free group: no longer anyone's, not yet available."""
         return self._num_group * self.page_size
 
-    # --- alloc / free --------------------------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Take ``need_size`` slots (a multiple of ``page_size``); ``None`` when short."""
         try:
@@ -130,12 +119,9 @@ class TokenToKVPoolAllocator:
         return self._pages_to_slots(pages).to(self.device, non_blocking=True)
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Return slots (whole pages, as ``alloc`` produced them) to the free list.
-
-        Raises ``ValueError`` and changes nothing if any slot is out of range, pages are partial
-        or out of order, a page appears twice, or a page is not currently allocated.
-        Inside ``free_group_begin/end`` the pages are validated now and returned at the end.
-        """
+        """Return whole pages of slots; ``ValueError`` (nothing changes) for slots out of range,
+        partial pages, or a page twice or not allocated. Inside a free group pages are validated
+        now and returned at ``free_group_end``."""
         pages = self._validate_free(free_index)
         if pages.size == 0:
             return
@@ -159,7 +145,6 @@ class TokenToKVPoolAllocator:
         self._group = []
 
     def free_group_end(self) -> None:
-        """Return every page freed since ``free_group_begin`` in one step."""
         if self._group is None:
             raise ValueError("free_group_end: no free group is open")
         group, self._group = self._group, None
@@ -170,11 +155,8 @@ class TokenToKVPoolAllocator:
             self.release_pages.append(pages)
             self._num_release += pages.numel()
 
-    # --- integrity -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless free + freed in an open group + allocated == total,
-        with no duplicate or padding page in the free list and the free list agreeing with the
-        page states."""
+        """``AssertionError`` unless the free list and page states agree and add up."""
         free = torch.cat([self.free_pages, *self.release_pages])
         if free.numel() != torch.unique(free).numel():
             raise AssertionError("allocator: duplicate page in the free list")
@@ -195,7 +177,7 @@ class TokenToKVPoolAllocator:
             raise AssertionError("allocator: padding page 0 changed state")
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
-        """True when every slot in ``indices`` lies in a currently allocated page (for checks)."""
+        """True when every slot in ``indices`` lies in an allocated page."""
         if indices.numel() == 0:
             return True
         pages = indices.cpu() // self.page_size
@@ -203,7 +185,6 @@ class TokenToKVPoolAllocator:
             return False
         return bool((self._state[pages] == _ALLOCATED).all())
 
-    # --- helpers -------------------------------------------------------------------------------
     def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
             return pages.clone()
@@ -218,8 +199,7 @@ class TokenToKVPoolAllocator:
 
     def _validate_free(self, free_index: torch.Tensor) -> np.ndarray:
         """The pages ``free_index`` covers (a fresh int64 numpy array), or ``ValueError``.
-        O(freed pages) in a few numpy calls, the fewest for ascending pages (the common case):
-        duplicates are found by stamping each page with its position and reading it back."""
+        Duplicates are found by stamping each page with its position and reading it back."""
         if not isinstance(free_index, torch.Tensor) or free_index.dim() != 1:
             raise ValueError("free_index must be a 1-D tensor of slots")
         if free_index.dtype != torch.int64:

@@ -1,10 +1,9 @@
 """Device KV pools (SGLang ``MHATokenToKVPool`` / ``MLATokenToKVPool``) and their choice.
 
-A pool is memory only (free slots: ``allocator``; which tokens: the radix tree): one allocation
-with per-layer views and per-layer ``data_ptr()`` tables for the all-layer copy ops. Each layer has
-``size + page_size`` slots; page 0 is padding the allocator never hands out. A pool carries every
-attribute SGLang's host pools and controller read of a device pool, so SGLang's host pools run on
-it; with a layer transfer counter registered, ``get_*_buffer`` wait for that layer's load first.
+Memory only: one allocation with per-layer views and ``data_ptr()`` tables. Each layer has
+``size + page_size`` slots; page 0 is padding. A pool carries every attribute SGLang's host pools
+read of a device pool; with a layer transfer counter registered, ``get_*_buffer`` wait for that
+layer's load first.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 
 import kernels
 from hicache.memory import host_ram
+from hicache.memory.allocator import check_page_geometry
 from kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
@@ -25,10 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def _check_geometry(size: int, page_size: int, layer_num: int, **dims: int) -> None:
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if size < page_size or size % page_size != 0:
-        raise ValueError(f"size must be a positive multiple of page_size={page_size}, got {size}")
+    check_page_geometry(size, page_size)
     if layer_num < 1:
         raise ValueError(f"layer_num must be >= 1, got {layer_num}")
     for name, value in dims.items():
@@ -37,15 +34,10 @@ def _check_geometry(size: int, page_size: int, layer_num: int, **dims: int) -> N
 
 
 class _DevicePool:
-    """Geometry and the SGLang ``KVCache`` fields both pools share.
-
-    ``dtype`` is also ``store_dtype`` (values are stored as they are computed). Layers are local:
-    ``start_layer = 0``, ``end_layer = layer_num - 1`` (inclusive, as SGLang), no layer sharding.
-    """
+    """Geometry and the SGLang ``KVCache`` fields both pools share (no layer sharding)."""
 
     layer_shard_enabled = False
-    # What SGLang 0.5.23's ``build_kv_host_pool`` reads besides the geometry: no separate
-    # host capacity (the host pool is sized from ``size``) and no write-back staging buffers.
+    # Read by SGLang 0.5.23's ``build_kv_host_pool``: no separate host capacity, no staging.
     host_capacity_tokens: int | None = None
     hicache_write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -70,20 +62,16 @@ class _DevicePool:
         self.layer_transfer_counter: Any = None
 
     def get_device_pool_infos(self) -> tuple[Any, ...]:
-        """SGLang 0.5.23's description of this pool for host assembly: one ``DevicePoolInfo``
-        (the KV pool, its layer ids, an ``MHABufferInfo`` / ``MLABufferInfo`` over this pool's
-        own tensors and pointer tables). Imports SGLang; ``ImportError`` without it."""
+        """SGLang 0.5.23's ``DevicePoolInfo`` of this pool; ``ImportError`` without SGLang."""
         from kernels.sglang.pool_info import sglang_device_pool_infos
 
         return sglang_device_pool_infos(self)
 
     def register_layer_transfer_counter(self, layer_transfer_counter: Any) -> None:
-        """Make the ``get_*_buffer`` accessors wait for each layer's load (SGLang's hook):
-        ``layer_transfer_counter.wait_until(layer_id)`` is called first."""
+        """Make ``get_*_buffer`` call ``layer_transfer_counter.wait_until(layer_id)`` first."""
         self.layer_transfer_counter = layer_transfer_counter
 
     def _owned_local_layer_range(self) -> tuple[int, int]:
-        """Layers this pool holds, ``[0, layer_num)`` (SGLang's sharded pools hold fewer)."""
         return 0, self.layer_num
 
     def _check_layer(self, layer_id: int) -> None:
@@ -94,18 +82,19 @@ class _DevicePool:
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
 
+    def mem_bytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()
+
+    def _log_built(self, heads: str) -> None:
+        args = (type(self).__name__, self.size, self.layer_num, heads, self.mem_bytes() / 1e9)
+        logger.info("%s: %d slots x %d layers%s, %.3f GB on %s", *args, self.device)
+
 
 class MHATokenToKVPool(_DevicePool):
     """Per-layer K and V buffers of a multi-head-attention model, in one allocation.
 
-    K heads are ``head_dim`` wide, V heads ``v_head_dim`` (default ``head_dim``; K 192 / V 128
-    models differ). Memory, on ``device`` (not pinned): when the widths agree, ``kv_buffer`` of
-    shape ``(2, L, size + page_size, H, D)`` with ``k_buffer_all = kv_buffer[0]`` and
-    ``v_buffer_all = kv_buffer[1]``; otherwise one allocation split into ``k_buffer_all``
-    ``(L, size + page_size, H, D)`` and ``v_buffer_all`` ``(L, size + page_size, H, D_v)`` (there
-    is no single ``kv_buffer`` then). ``k_buffer[l]`` / ``v_buffer[l]`` are contiguous per-layer
-    views (lists, as SGLang). ``k_data_ptrs`` / ``v_data_ptrs``: uint64 ``[L]`` on ``device``,
-    each layer view's ``data_ptr()``; ``data_ptrs`` is their concatenation ``[2L]`` (K first).
+    V heads may be narrower than K (``v_head_dim``); then there is no single ``kv_buffer``, only
+    ``k_buffer_all`` / ``v_buffer_all``. ``data_ptrs`` is ``k_data_ptrs`` then ``v_data_ptrs``.
     """
 
     def __init__(
@@ -151,21 +140,11 @@ class MHATokenToKVPool(_DevicePool):
         self.k_data_ptrs = kernels.data_ptr_table(self.k_buffer, self.device)
         self.v_data_ptrs = kernels.data_ptr_table(self.v_buffer, self.device)
         self.data_ptrs = kernels.data_ptr_table(self.k_buffer + self.v_buffer, self.device)
-        logger.info(
-            "%s: %d slots x %d layers (K head %d, V head %d), %.3f GB on %s",
-            type(self).__name__,
-            size,
-            layer_num,
-            head_dim,
-            v_head_dim,
-            self.mem_bytes() / 1e9,
-            self.device,
-        )
+        self._log_built(f" (K head {head_dim}, V head {v_head_dim})")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MHATokenToKVPool:
-        """Build from ``ServerArgs``; ``size`` defaults to ``args.max_total_tokens``. Holds this
-        tensor-parallel rank's KV heads (``args.kv_heads_per_rank()``: all of them at tp 1)."""
+        """This tensor-parallel rank's KV heads; ``size`` defaults to ``max_total_tokens``."""
         return cls(
             size=args.max_total_tokens if size is None else size,
             page_size=args.page_size,
@@ -178,7 +157,6 @@ class MHATokenToKVPool(_DevicePool):
 
     @property
     def kv_buffer(self) -> torch.Tensor:
-        """``(2, L, size + page_size, H, D)``: K and V in one tensor (same head widths only)."""
         if self._kv_buffer is None:
             raise AttributeError(
                 f"kv_buffer: K and V heads differ ({self.head_dim} vs {self.v_head_dim}); "
@@ -186,7 +164,6 @@ class MHATokenToKVPool(_DevicePool):
             )
         return self._kv_buffer
 
-    # --- geometry ------------------------------------------------------------------------------
     @property
     def item_size(self) -> int:
         """Bytes of one token, one layer of K (the kernels' ``item_size``)."""
@@ -194,17 +171,12 @@ class MHATokenToKVPool(_DevicePool):
 
     @property
     def v_item_size(self) -> int:
-        """Bytes of one token, one layer of V."""
         return self.head_num * self.v_head_dim * self._storage.element_size()
 
     def get_size_per_token(self) -> int:
         """Bytes of one token across all layers, K and V (SGLang's name)."""
         return self.layer_num * (self.item_size + self.v_item_size)
 
-    def mem_bytes(self) -> int:
-        return self._storage.numel() * self._storage.element_size()
-
-    # --- access --------------------------------------------------------------------------------
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         self._wait_for_layer(layer_id)
         return self.k_buffer[layer_id]
@@ -224,9 +196,7 @@ class MHATokenToKVPool(_DevicePool):
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> None:
-        """Write ``cache_k`` (``[n, H, D]``) / ``cache_v`` (``[n, H, D_v]``) into slots ``loc``
-        (int64 ``[n]``). Runs on the current stream, does not synchronize. Values are cast to
-        the pool dtype."""
+        """Write ``cache_k`` / ``cache_v`` into slots ``loc`` on the current stream."""
         self._check_layer(layer_id)
         slot_indices("loc", loc, n_slots=self.size + self.page_size, device=self.device)
         for name, t, width in (
@@ -241,12 +211,7 @@ class MHATokenToKVPool(_DevicePool):
 
 
 class MLATokenToKVPool(_DevicePool):
-    """One latent buffer per layer of a multi-head-latent-attention model, in one allocation.
-
-    Memory: ``kv_buffer_all`` of shape ``(L, size + page_size, 1, C)`` with
-    ``C = kv_lora_rank + qk_rope_head_dim``; ``kv_buffer[l]`` is a contiguous
-    ``[size + page_size, 1, C]`` view. ``kv_data_ptrs`` (alias ``data_ptrs``): uint64 ``[L]``.
-    """
+    """One latent buffer (``kv_lora_rank + qk_rope_head_dim`` wide) per layer of an MLA model."""
 
     index_head_dim = None  # no DSA indexer cache
     dsa_kv_cache_store_fp8 = False
@@ -272,21 +237,14 @@ class MLATokenToKVPool(_DevicePool):
         self.kv_buffer_all = torch.zeros(
             (layer_num, size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=self.device
         )
+        self._storage = self.kv_buffer_all
         self.kv_buffer: list[torch.Tensor] = list(self.kv_buffer_all)
         self.kv_data_ptrs = kernels.data_ptr_table(self.kv_buffer, self.device)
         self.data_ptrs = self.kv_data_ptrs
-        logger.info(
-            "%s: %d slots x %d layers, %.3f GB on %s",
-            type(self).__name__,
-            size,
-            layer_num,
-            self.mem_bytes() / 1e9,
-            self.device,
-        )
+        self._log_built("")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, size: int | None = None) -> MLATokenToKVPool:
-        """Build from ``ServerArgs``; ``size`` defaults to ``args.max_total_tokens``."""
         return cls(
             size=args.max_total_tokens if size is None else size,
             page_size=args.page_size,
@@ -305,9 +263,6 @@ class MLATokenToKVPool(_DevicePool):
     def get_size_per_token(self) -> int:
         return self.layer_num * self.item_size
 
-    def mem_bytes(self) -> int:
-        return self.kv_buffer_all.numel() * self.kv_buffer_all.element_size()
-
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         self._wait_for_layer(layer_id)
         return self.kv_buffer[layer_id]
@@ -321,7 +276,7 @@ class MLATokenToKVPool(_DevicePool):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def set_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_kv: torch.Tensor) -> None:
-        """Write ``cache_kv`` (``[n, 1, C]``) into slots ``loc`` (int64 ``[n]``); no sync."""
+        """Write ``cache_kv`` (``[n, 1, C]``) into slots ``loc``; no sync."""
         self._check_layer(layer_id)
         slot_indices("loc", loc, n_slots=self.size + self.page_size, device=self.device)
         want = (loc.numel(), 1, self.kv_cache_dim)
@@ -334,9 +289,7 @@ KVPool = MHATokenToKVPool | MLATokenToKVPool
 
 
 def device_pool_from_server_args(args: ServerArgs, size: int | None = None) -> KVPool:
-    """The device pool ``args`` describe (``size`` tokens, default ``args.max_total_tokens``): an
-    ``MLATokenToKVPool`` with ``--use-mla``, else an ``MHATokenToKVPool`` of this rank's KV
-    heads. The one place the prefill side chooses between the two."""
+    """The device pool ``args`` describe: MLA with ``--use-mla``, else MHA."""
     cls = MLATokenToKVPool if getattr(args, "use_mla", False) else MHATokenToKVPool
     _check_pool_fits_device(args, size)
     return cls.from_server_args(args, size=size)
@@ -352,8 +305,7 @@ def device_free_bytes(device: torch.device) -> int:
 
 
 def _check_pool_fits_device(args: ServerArgs, size: int | None) -> None:
-    """``ValueError`` naming ``--max-total-tokens`` (or ``size``) when the pool ``args``
-    describe is larger than its device can hold, before anything is allocated."""
+    """``ValueError`` when the pool ``args`` describe is larger than its device can hold."""
     device, dtype = args.resolved_device(), args.torch_dtype()
     if getattr(args, "use_mla", False):
         width = args.kv_lora_rank + args.qk_rope_head_dim

@@ -1,11 +1,9 @@
 """Host KV pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``), ``make_host_pool``.
 
-A host pool is one host allocation of ``size`` token slots in one of three layouts
-(docs/DESIGN.md section 3), split into parts (K and V, or the MLA latent), plus its own page
-allocator (no padding page). ``HostKVPool`` owns sizing, the copies and slot access over the list
-of parts; the MHA and MLA pools only say which parts they have and where the device pool keeps
-them (SGLang's attribute names, so SGLang's device pools work too). Copies only launch work on
-the current stream; they never synchronize.
+One host allocation of ``size`` token slots in one of three layouts (docs/DESIGN.md section 3),
+split into parts (K and V, or the MLA latent), with its own page allocator (no padding page).
+The MHA and MLA pools only name their parts and where a device pool (SGLang's attribute names)
+keeps them. Copies launch on the current stream and never synchronize.
 """
 
 from __future__ import annotations
@@ -35,9 +33,7 @@ SUPPORTED_LAYOUT_IO = frozenset(
     }
 )
 
-# The ``kernel`` io backend's op per (layout, direction): (one part, two parts). Every op takes
-# the parts' (src, dst) pairs, then the index pair, then the layout's sizes. Ops are looked up on
-# ``kernels`` at each call, so a replaced op (tests inject faults) is the one that runs.
+# The ``kernel`` io backend's op per (layout, direction): (one part, two parts).
 KERNEL_OPS = {
     ("layer_first", "d2h"): ("transfer_kv_all_layer_mla", "transfer_kv_all_layer"),
     ("page_first", "d2h"): ("transfer_kv_all_layer_mla_lf_pf", "transfer_kv_all_layer_lf_pf"),
@@ -45,8 +41,7 @@ KERNEL_OPS = {
     ("page_first", "h2d"): ("transfer_kv_per_layer_mla_pf_lf", "transfer_kv_per_layer_pf_lf"),
 }
 
-DEVICE_POOL_FIELDS = ("page_size", "size", "layer_num", "device")
-"""What every host pool reads of any device pool (besides ``store_dtype`` or ``dtype``)."""
+DEVICE_POOL_FIELDS = ("page_size", "size", "layer_num", "device")  # and store_dtype or dtype
 
 
 def require_fields(device_pool: Any, names: Sequence[str], kind: str) -> None:
@@ -66,9 +61,7 @@ def _store_dtype(device_pool: Any) -> torch.dtype:
 
 
 class HostKVPool(HostPoolPages):
-    """A host pool over a list of parts; a subclass names the parts (``token_shapes_of``,
-    ``_name_parts``) and the device pool's per-part buffers (``device_layers``) and pointer
-    tables (``device_ptr_tables``). The constructor is SGLang's."""
+    """A host pool over a list of parts, which a subclass names. The constructor is SGLang's."""
 
     FIELDS: tuple[str, ...] = ()
     KIND = ""
@@ -96,8 +89,9 @@ class HostKVPool(HostPoolPages):
         self.dtype = _store_dtype(device_pool)
         self.layer_num = device_pool.layer_num
         self.token_shapes = self.token_shapes_of(device_pool)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.part_item_sizes = [math.prod(shape) * elem for shape in self.token_shapes]
+        self.part_item_sizes = [
+            math.prod(shape) * self.dtype.itemsize for shape in self.token_shapes
+        ]
         self.item_size = self.part_item_sizes[0]
         self.size_per_token = sum(self.part_item_sizes) * self.layer_num
         self.size = self._tokens_for(device_pool, host_to_device_ratio, host_size)
@@ -150,16 +144,14 @@ class HostKVPool(HostPoolPages):
 
     @staticmethod
     def device_layers(device_pool: Any) -> list[list[torch.Tensor]]:
-        """Per part, the device pool's per-layer buffers."""
         raise NotImplementedError
 
     @staticmethod
     def device_ptr_tables(device_pool: Any) -> list[torch.Tensor]:
-        """Per part, the device pool's per-layer ``data_ptr()`` table."""
         raise NotImplementedError
 
     def _name_parts(self) -> None:
-        """Set the kind's own names for the parts (SGLang's attributes)."""
+        """Set SGLang's attribute names for the parts."""
         raise NotImplementedError
 
     # --- sizing and memory ----------------------------------------------------------------------
@@ -179,8 +171,8 @@ class HostKVPool(HostPoolPages):
         return (self.page_num, self.layer_num, self.page_size)
 
     def _allocate(self, pin: bool) -> None:
-        """``kv_buffer`` (one host allocation, registered once when pinned) and ``parts``: the
-        parts of one shape are ``kv_buffer``'s leading axis, of different shapes its split."""
+        """``kv_buffer`` (one host allocation) and ``parts``: its leading axis when the parts
+        share a shape, else its split."""
         shapes = [self._slot_dims() + tok for tok in self.token_shapes]
         if len(shapes) == 1 or shapes[0] == shapes[1]:
             lead = (len(shapes),) if len(shapes) > 1 else ()
@@ -201,30 +193,24 @@ class HostKVPool(HostPoolPages):
     def reuse_for(
         self, device_pool: Any, host_to_device_ratio: float, host_size: float, layout: str
     ) -> None:
-        """Serve ``device_pool`` from now on with this pool's buffer and a fresh, empty allocator
-        (a benchmark pins one pool for all its caches). ``ValueError`` (nothing changes) unless
-        the device pool, sizing flags and ``layout`` ask for exactly this pool. The previous
-        user must be closed (no copy of it in flight)."""
+        """Serve ``device_pool`` with this buffer and a fresh allocator (a benchmark pins one pool
+        for all its caches). ``ValueError`` (nothing changes) unless it asks for exactly this
+        pool. The previous user must be closed (no copy of it in flight)."""
         same_kind = isinstance(self, host_pool_class(device_pool))
-        want = {
-            "layout": layout,
-            "device": torch.device(device_pool.device),
-            "page_size": device_pool.page_size,
-            "dtype": _store_dtype(device_pool),
-            "layer_num": device_pool.layer_num,
-            "token shapes": self.token_shapes_of(device_pool)
-            if same_kind
-            else "another kind of device pool (MHA / MLA)",
-        }
         have = {
-            "layout": self.layout,
-            "device": self.device,
-            "page_size": self.page_size,
-            "dtype": self.dtype,
-            "layer_num": self.layer_num,
-            "token shapes": self.token_shapes,
+            "layout": (self.layout, layout),
+            "device": (self.device, torch.device(device_pool.device)),
+            "page_size": (self.page_size, device_pool.page_size),
+            "dtype": (self.dtype, _store_dtype(device_pool)),
+            "layer_num": (self.layer_num, device_pool.layer_num),
+            "token shapes": (
+                self.token_shapes,
+                self.token_shapes_of(device_pool)
+                if same_kind
+                else "another kind of device pool (MHA / MLA)",
+            ),
         }
-        differ = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+        differ = {k: pair for k, pair in have.items() if pair[0] != pair[1]}
         if not differ:
             tokens = self._tokens_for(device_pool, host_to_device_ratio, host_size)
             if tokens != self.size:
@@ -254,8 +240,8 @@ class HostKVPool(HostPoolPages):
         return self.kv_buffer.numel() * self.kv_buffer.element_size()
 
     def destroy(self) -> None:
-        """Unregister a ``cudaHostRegister``ed buffer (idempotent; the pool is unusable after),
-        after waiting for the device: a queued copy must not touch unregistered memory."""
+        """Unregister a ``cudaHostRegister``ed buffer after waiting for the device (idempotent;
+        the pool is unusable after)."""
         if self._registered:
             torch.cuda.synchronize(self.device)
             kernels.clear_plans()  # cached launch plans assume the buffer stays registered
@@ -276,8 +262,7 @@ class HostKVPool(HostPoolPages):
         io_backend: str,
         layer_id: int | None = None,
     ) -> None:
-        """``ValueError`` for an unsupported pair, malformed indices, or (when given) a
-        ``layer_id`` out of range; in that order."""
+        """``ValueError`` for an unsupported pair, malformed indices, or a bad ``layer_id``."""
         if (self.layout, io_backend) not in SUPPORTED_LAYOUT_IO:
             raise ValueError(
                 f"io_backend={io_backend!r} is not supported with layout {self.layout!r}; "
@@ -304,8 +289,7 @@ class HostKVPool(HostPoolPages):
         device_indices: torch.Tensor,
         io_backend: str,
     ) -> None:
-        """D2H, all layers, every part: ``host[host_indices[i]] = device[device_indices[i]]``.
-        ``kernel``: indices on the device pool's device; ``direct``: on the CPU."""
+        """D2H of all layers. ``kernel``: indices on the device pool's device; ``direct``: CPU."""
         self.check_copy_args(host_indices, device_indices, io_backend)
         if host_indices.numel() == 0:
             return
@@ -340,9 +324,7 @@ class HostKVPool(HostPoolPages):
         io_backend: str,
         validate: bool = True,
     ) -> None:
-        """H2D of one layer, every part: ``device[device_indices[i]] = host[host_indices[i]]``.
-        ``validate=False``: the caller ran ``check_copy_args`` on these indices and ``layer_id``
-        (the controller checks a load once for all its layers)."""
+        """H2D of one layer. ``validate=False``: the caller ran ``check_copy_args`` already."""
         if validate:
             self.check_copy_args(host_indices, device_indices, io_backend, layer_id)
         if host_indices.numel() == 0:
@@ -371,12 +353,11 @@ class HostKVPool(HostPoolPages):
         sizes: tuple[int, ...],
     ) -> None:
         name = KERNEL_OPS[self.layout, direction][len(pairs) - 1]
-        op = getattr(kernels, name)  # looked up now: a replaced op is the one that runs
+        op = getattr(kernels, name)  # looked up now: a replaced op (tests) is the one that runs
         op(*[t for pair in pairs for t in pair], *indices, *sizes)
 
     # --- single slots on the CPU (tests and debugging; blocking) --------------------------------
     def _slot_key(self, layer_id: int, indices: torch.Tensor) -> tuple[Any, ...]:
-        """The index of host slots ``indices`` (checked, CPU) of a layer in a part."""
         self._check_layer(layer_id)
         idx = slot_indices("indices", indices, n_slots=self.size).cpu()
         if self.layout == "layer_first":
@@ -386,14 +367,13 @@ class HostKVPool(HostPoolPages):
         return (idx // self.page_size, layer_id, idx % self.page_size)
 
     def get_kv_slots(self, layer_id: int, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies of host slots ``indices`` of a layer, one ``[n, *token]`` per part (CPU)."""
+        """Copies of host slots of a layer, one ``[n, *token]`` per part (CPU)."""
         key = self._slot_key(layer_id, indices)
         return tuple(part[key] for part in self.parts)
 
     def _set_slots(
         self, layer_id: int, indices: torch.Tensor, values: tuple[torch.Tensor, ...], names: str
     ) -> None:
-        """Write one ``[n, *token]`` tensor per part into host slots ``indices`` of a layer."""
         key = self._slot_key(layer_id, indices)
         want = [(indices.numel(), *tok) for tok in self.token_shapes]
         if len(values) != len(want) or any(
@@ -405,8 +385,7 @@ class HostKVPool(HostPoolPages):
 
 
 class MHATokenToKVPoolHost(HostKVPool):
-    """Host copy of an MHA device pool: parts K (``k_buffer``, heads ``head_dim`` wide) and V
-    (``v_buffer``, ``v_head_dim``); ``k_data_ptrs`` / ``v_data_ptrs`` for ``layer_first``."""
+    """Host copy of an MHA device pool: parts K (``k_buffer``) and V (``v_buffer``)."""
 
     FIELDS = ("head_num", "head_dim", "k_buffer", "v_buffer", "k_data_ptrs", "v_data_ptrs")
     KIND = "MHA"
@@ -434,13 +413,11 @@ class MHATokenToKVPoolHost(HostKVPool):
     def set_kv_slots(
         self, layer_id: int, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write ``k`` (``[n, H, D]``), ``v`` (``[n, H, D_v]``) into host slots of a layer."""
         self._set_slots(layer_id, indices, (k, v), "k and v")
 
 
 class MLATokenToKVPoolHost(HostKVPool):
-    """Host copy of an MLA device pool: one part, the latent (``kv_cache_dim`` wide);
-    ``data_ptrs`` for ``layer_first``."""
+    """Host copy of an MLA device pool: one part, the latent (``kv_cache_dim`` wide)."""
 
     FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "kv_buffer", "data_ptrs")
     KIND = "MLA"
@@ -466,7 +443,6 @@ class MLATokenToKVPoolHost(HostKVPool):
         return [device_pool.data_ptrs]
 
     def set_kv_slots(self, layer_id: int, indices: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write ``kv`` (``[n, 1, C]``) into host slots ``indices`` of a layer."""
         self._set_slots(layer_id, indices, (kv,), "kv")
 
 
@@ -483,6 +459,6 @@ def make_host_pool(
     pin_memory: bool = True,
 ) -> HostKVPool:
     """The host pool for ``device_pool`` (this project's or any with SGLang's attributes)."""
-    page_size = getattr(device_pool, "page_size", None)  # the pool refuses a pool without one
+    page_size = getattr(device_pool, "page_size", None)  # the pool names it when missing
     cls = host_pool_class(device_pool)
     return cls(device_pool, host_to_device_ratio, host_size, page_size, layout, pin_memory)

@@ -1,22 +1,17 @@
 """Whole-page access to a host pool for L3 storage backends (SGLang 0.5.23's host-pool calls).
 
-A page is ``page_size`` host slots, every layer, every part, starting at a slot that is a
-multiple of ``page_size``. ``get_page_buffer_meta`` gives the zero-copy pointers; a flat page is
-the page in the pool's byte order (``page_first``: token-major, else layer-major), named with the
-dtype by ``storage_format_tag`` so a page stored in another format is a miss, never wrong KV.
-Pointer and shape tables per layout: docs/CONTRACTS.md.
+A page is ``page_size`` aligned host slots, every layer, every part. A flat page is the page in
+the pool's byte order, named by ``storage_format_tag`` so a page stored in another format is a
+miss, never wrong KV. Pointer and shape tables per layout: docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 
 class HostPoolPages:
-    """Page access of ``HostKVPool``: reads its ``layout``, ``page_size``, ``size``,
-    ``layer_num``, ``dtype``, ``pinned``, ``kv_buffer``, ``parts`` and ``token_shapes``."""
+    """Page access of ``HostKVPool`` (the attributes below are its)."""
 
     layout: str
     page_size: int
@@ -26,7 +21,7 @@ class HostPoolPages:
     pinned: bool
     kv_buffer: torch.Tensor
     parts: list[torch.Tensor]
-    token_shapes: list[tuple[int, ...]]
+    part_item_sizes: list[int]  # bytes of one token of one layer, per part
 
     @property
     def storage_format_tag(self) -> str:
@@ -38,28 +33,22 @@ class HostPoolPages:
     @property
     def page_nbytes(self) -> int:
         """Bytes of one flat page (every part, every layer)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        tokens = sum(math.prod(shape) for shape in self.token_shapes)
-        return self.page_size * self.layer_num * tokens * elem
+        return self.page_size * self.layer_num * sum(self.part_item_sizes)
 
     def page_regions(self) -> list[tuple[int, int]]:
-        """``(address, bytes)`` of each host allocation that ``get_page_buffer_meta``'s pointers
-        fall in (one when K and V share ``kv_buffer``, one per part otherwise): what a
-        zero-copy backend registers (Mooncake's ``register_buffer``)."""
+        """``(address, bytes)`` of each host allocation ``get_page_buffer_meta`` points into:
+        what a zero-copy backend registers."""
         regions: dict[int, int] = {}
         for part in self.parts:
             storage = part.untyped_storage()
             regions[storage.data_ptr()] = storage.nbytes()
         return list(regions.items())
 
-    # --- SGLang's calls ------------------------------------------------------------------------
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """``(ptrs, sizes)``: host addresses (ints) and byte counts of each page's pieces, in
-        page order (per layout: docs/CONTRACTS.md). Reads nothing; the pointers stay valid as long
-        as the pool. ``ValueError`` unless ``indices`` are whole, aligned, in-range pages."""
+        """``(ptrs, sizes)``: host addresses and byte counts of each page's pieces, in page
+        order. ``ValueError`` unless ``indices`` are whole, aligned, in-range pages."""
         starts = self._page_starts(indices)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        widths = [math.prod(shape) * elem for shape in self.token_shapes]  # bytes/token/layer
+        widths = self.part_item_sizes
         bases = [part.data_ptr() for part in self.parts]
         page, n_l = self.page_size, self.layer_num
         ptrs: list[int] = []
@@ -79,10 +68,8 @@ class HostPoolPages:
     def get_data_page(
         self, index: int | torch.Tensor, flat: bool = True, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The page starting at host slot ``index`` (shapes: docs/CONTRACTS.md).
-        ``out`` (``flat=True`` only; this project's addition): a flat page buffer (as
-        ``get_dummy_flat_data_page`` makes) that receives the page when it is not contiguous
-        in the pool, so a caller reusing one buffer allocates nothing; returned then."""
+        """The page starting at host slot ``index``. ``out`` (``flat=True`` only; this project's
+        addition): a flat page buffer that receives a non-contiguous page, returned then."""
         sl = self._page_slice(self._check_page_start(index))
         if not flat:
             if len(self.parts) > 1 and not self._parts_share_buffer():
@@ -103,19 +90,14 @@ class HostPoolPages:
         return torch.cat([v.flatten() for v in views])
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        """A zeroed flat page: 1-D, ``page_nbytes / itemsize`` elements of the pool dtype, CPU,
-        pinned when the pool is."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return torch.zeros(
-            self.page_nbytes // elem, dtype=self.dtype, device="cpu", pin_memory=self.pinned
-        )
+        """A zeroed flat page on the CPU, pinned when the pool is."""
+        n = self.page_nbytes // self.dtype.itemsize
+        return torch.zeros(n, dtype=self.dtype, device="cpu", pin_memory=self.pinned)
 
     def set_from_flat_data_page(self, index: int | torch.Tensor, data_page: torch.Tensor) -> None:
-        """Write a flat page (as ``get_data_page(index, flat=True)`` returns it) into the page
-        starting at host slot ``index``. ``ValueError`` on a wrong element count or dtype."""
+        """Write a flat page into the page starting at host slot ``index``."""
         sl = self._page_slice(self._check_page_start(index))
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        want = self.page_nbytes // elem
+        want = self.page_nbytes // self.dtype.itemsize
         if not isinstance(data_page, torch.Tensor) or data_page.dtype != self.dtype:
             raise ValueError(f"data_page must be a {self.dtype} tensor")
         if data_page.numel() != want:
@@ -128,13 +110,10 @@ class HostPoolPages:
             view.copy_(flat[offset : offset + n].view(view.shape))
             offset += n
 
-    # --- helpers -------------------------------------------------------------------------------
     def _parts_share_buffer(self) -> bool:
-        """True when K and V are ``kv_buffer[0]`` / ``kv_buffer[1]`` (equal head widths)."""
         return self.kv_buffer.dim() > 1 and self.kv_buffer.shape[0] == len(self.parts)
 
     def _page_slice(self, start: int) -> tuple[slice, ...]:
-        """The slot-axis slices of one page in a part (``parts`` axes)."""
         page = self.page_size
         if self.layout == "layer_first":
             return (slice(None), slice(start, start + page))

@@ -1,6 +1,5 @@
-"""Host RAM for the host KV pools: how much may be used, how many tokens a pool gets, and the
-allocation (exact-size ``cudaHostRegister`` on CUDA, docs/DESIGN.md section 3). Owns no state;
-the host pools call these through the module, so a test patches them here.
+"""Host RAM for the host KV pools: how much may be used, pool sizing, and the allocation
+(exact-size ``cudaHostRegister`` on CUDA). Tests patch these here.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ logger = logging.getLogger(__name__)
 # Host RAM left free when sizing the host pool: SGLang's 10 GiB, capped at a quarter of the
 # machine's RAM so small machines (CI, laptops) can still build small pools.
 HOST_MEMORY_RESERVE_BYTES = 10 * 1024**3
-RESERVE_ENV = "HICACHE_HOST_MEMORY_RESERVE_BYTES"
-"""Overrides the reserve (bytes, an integer >= 0): a VM whose MemAvailable is still growing."""
+RESERVE_ENV = "HICACHE_HOST_MEMORY_RESERVE_BYTES"  # overrides the reserve (bytes)
 
 
 def _meminfo_bytes(field: str) -> int | None:
@@ -49,8 +47,7 @@ def host_memory_available_bytes() -> int:
 
 
 def host_memory_reserve_bytes() -> int:
-    """Bytes of available RAM the host pool must leave free (``$HICACHE_HOST_MEMORY_RESERVE_BYTES``
-    when set; ``ValueError`` naming it when it is not an integer >= 0)."""
+    """Bytes of available RAM the host pool must leave free."""
     override = os.environ.get(RESERVE_ENV)
     if override is not None:
         if not override.strip().isdigit():
@@ -88,11 +85,8 @@ def alloc_host_buffer(
 ) -> tuple[torch.Tensor, bool]:
     """Allocate ``dims`` on the host; returns (buffer, registered_with_cudaHostRegister).
 
-    Unpinned buffers are zeroed. Pinned ones are not written first (as SGLang's host pools):
-    ``cudaHostRegister`` faults every page in itself, so a zero fill would only add a pass over
-    tens of GB; their contents are unspecified until written (fresh pages read as zero).
-    Raises ``ValueError`` when registration fails and the pinned fallback's power-of-two size
-    would not fit the RAM that may be used (``pinned_fallback_bytes``)."""
+    Pinned buffers are not zeroed (``cudaHostRegister`` faults every page in already).
+    ``ValueError`` when registration fails and the power-of-two pinned fallback would not fit."""
     if not pin:
         return torch.zeros(dims, dtype=dtype), False
     buf = torch.empty(dims, dtype=dtype)
@@ -123,15 +117,13 @@ def alloc_host_buffer(
 
 
 def pinned_fallback_bytes(nbytes: int) -> int:
-    """Bytes a ``pin_memory`` allocation of ``nbytes`` takes: torch's pinned host allocator
-    rounds every block up to a power of two."""
+    """Bytes a ``pin_memory`` allocation of ``nbytes`` takes (torch rounds to a power of two)."""
     return 1 << max(0, (nbytes - 1).bit_length())
 
 
 def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister``: torch checks
-    ``cudaGetLastError()`` after its own kernel launches and would otherwise report this error
-    at an unrelated launch. Best effort: only a runtime library torch already loaded is used."""
+    """Reset the CUDA runtime's last error after a failed ``cudaHostRegister``, which torch
+    would otherwise report at an unrelated launch (best effort)."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
         try:
             lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)

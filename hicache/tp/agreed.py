@@ -1,6 +1,4 @@
-"""Allocations every tensor-parallel rank takes alike: on every rank or on none
-(:func:`agreed_alloc`).
-"""
+"""Allocations every tensor-parallel rank takes alike: on every rank or on none."""
 
 from __future__ import annotations
 
@@ -14,10 +12,8 @@ from hicache.tp.group import TPGroup
 def agreed_alloc(
     group: TPGroup, allocator: Any, n: int, *, pool: str, tag: str
 ) -> torch.Tensor | None:
-    """``n`` slots of ``allocator`` (a ``TokenToKVPoolAllocator``) if every rank of ``group``
-    has room (``group.agree_all`` under ``tag``), else ``None`` on every rank. Raises
-    ``RuntimeError`` when this rank's allocation fails after the group agreed there was room
-    (the allocators of the ``pool`` tier diverged)."""
+    """``n`` slots of ``allocator`` if every rank has room, else ``None`` on every rank;
+    ``RuntimeError`` when the allocators diverged."""
     if not group.agree_all(allocator.can_alloc(n), tag=tag):
         return None
     slots = allocator.alloc(n)

@@ -1,6 +1,5 @@
-"""A stable digest of plain values and tensors, equal across processes, runs and ranks
-(``TPGroup.assert_same`` compares it), and ``tree_state(tree)``: the plain data of a radix tree
-and its pools that must be identical on every rank.
+"""A stable digest of plain values and tensors, equal across processes and ranks, and
+``tree_state(tree)``: what of a radix tree must be identical on every rank.
 """
 
 from __future__ import annotations
@@ -11,18 +10,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["digest", "tree_state"]
-
 _MASK = (1 << 62) - 1  # digests stay positive and far from int64's edges, so -d never overflows
 
 
 def digest(value: Any) -> int:
-    """A stable 62-bit digest of ``value``, identical across processes and runs.
-
-    Accepts ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, tensors (dtype, shape and
-    bytes; any device, copied to the host), and lists, tuples, dicts and sets of these. Raises
-    ``ValueError`` naming ``value`` for anything else (an object's ``repr`` may hold an address).
-    """
+    """A stable 62-bit digest of plain values, tensors and containers of them; ``ValueError``
+    for anything else (an object's ``repr`` may hold an address)."""
     h = hashlib.blake2b(digest_size=8)
     _feed(h, value)
     return int.from_bytes(h.digest(), "little") & _MASK
@@ -58,16 +51,8 @@ def _feed(h: Any, v: Any) -> None:
 
 
 def tree_state(tree: Any) -> list[Any]:
-    """What must be identical on every tensor-parallel rank of a radix tree (plain values and
-    tensors, for ``digest`` / ``TPGroup.assert_same``).
-
-    Nodes in depth-first order, children sorted by their first page, each as its key, device
-    and host slots, lock and host refs, hit count, access time, device-resident children, and
-    whether a backup or a load of it awaits its ack; then the tree's evictable / protected
-    sizes, both allocators' free slots and, with a host tier, the controller's queues and held
-    frees. Node ids are left out (a per-process counter). Works for ``RadixCache`` and
-    ``HiRadixCache``; O(tree size).
-    """
+    """What must be identical on every rank of a ``RadixCache`` / ``HiRadixCache``: its nodes
+    depth-first (without their per-process ids), sizes, free slots and controller queues."""
     writing = getattr(tree, "ongoing_write_through", {})
     loading = getattr(tree, "ongoing_load_back", {})
     nodes: list[Any] = []

@@ -1,15 +1,10 @@
-"""Agreement between tensor-parallel ranks on cache decisions (SGLang's ``tp_cache_group``): a
-``TPGroup`` turns rank-local values (finished acks, host room, free device memory) into one value
-every rank applies, over a CPU (gloo) group on CPU and GPU alike.
+"""Agreement between tensor-parallel ranks on cache decisions (SGLang's ``tp_cache_group``), over
+a CPU (gloo) group: rank-local values become one value every rank applies.
 
-THE INVARIANT: every rank enters every primitive, in the same order, exactly once per call
-site, whatever its local state: no early return before a collective, no collective in a loop
-whose exit is rank-local, no ``if local_condition: agree(...)``. Compute the local value
-unconditionally, agree, then act on the agreed value. Call from one thread (the scheduler's).
-
-Each primitive opens with one all_reduce (int64[4], MIN) of ``[h, -h, a, b]``, ``h`` a hash of
-the call site: ranks at different call sites all raise ``CollectiveMismatchError`` instead of
-hanging. ``SingleRankGroup`` (``tp_size == 1``) is the identity.
+THE INVARIANT: every rank enters every primitive, in the same order, exactly once per call site,
+whatever its local state: compute the local value unconditionally, agree, then act on the agreed
+value. Call from one thread. Each primitive opens with one all_reduce (MIN) of ``[h, -h, a, b]``,
+``h`` a hash of the call site, so ranks at different sites raise ``CollectiveMismatchError``.
 """
 
 from __future__ import annotations
@@ -27,31 +22,16 @@ import torch
 
 from hicache.tp.digest import digest
 
-__all__ = [
-    "DEFAULT_TP_TIMEOUT_S",
-    "TP_TIMEOUT_ENV",
-    "CollectiveMismatchError",
-    "DistTPGroup",
-    "RankDivergenceError",
-    "SingleRankGroup",
-    "TPGroup",
-    "new_cache_group",
-    "tp_timeout_s",
-]
-
 logger = logging.getLogger(__name__)
 
 _LIMIT = (1 << 62) - 1  # payload ints stay far from int64's edges, so -v never overflows
 
 TP_TIMEOUT_ENV = "SGLANG_HICACHE_TP_TIMEOUT"
-DEFAULT_TP_TIMEOUT_S = 120.0
-"""How long a blocked collective waits before it raises (gloo's own default is 30 minutes, so
-one failing rank would hold every other rank that long)."""
+DEFAULT_TP_TIMEOUT_S = 120.0  # gloo's own default, 30 minutes, would hold every other rank
 
 
 def tp_timeout_s() -> float:
-    """Seconds a collective may block before it raises: ``SGLANG_HICACHE_TP_TIMEOUT``, else
-    ``DEFAULT_TP_TIMEOUT_S``; ``ValueError`` naming the variable unless a positive number."""
+    """Seconds a collective may block before it raises (``SGLANG_HICACHE_TP_TIMEOUT``)."""
     raw = os.environ.get(TP_TIMEOUT_ENV, "").strip()
     if not raw:
         return DEFAULT_TP_TIMEOUT_S
@@ -66,10 +46,7 @@ def tp_timeout_s() -> float:
 
 class RankDivergenceError(RuntimeError):
     """Ranks disagree on a value that must be identical (``assert_same``). Raised on every rank.
-
-    ``tag``: the call site; ``digests``: one per rank (index = rank); ``differing``: ranks whose
-    digest differs from the most common one (rank 0's on a tie); ``detail``: what the raising
-    site adds (e.g. the values themselves)."""
+    ``differing``: ranks whose digest differs from the most common one (rank 0's on a tie)."""
 
     def __init__(self, tag: str, digests: list[int], detail: str = "") -> None:
         self.tag = tag
@@ -77,7 +54,6 @@ class RankDivergenceError(RuntimeError):
         counts: dict[int, int] = {}
         for d in digests:
             counts[d] = counts.get(d, 0) + 1
-        # The most common digest; on a tie rank 0's (max keeps the first key, rank 0's).
         ref = max(counts, key=lambda d: counts[d])
         self.differing = [r for r, d in enumerate(digests) if d != ref]
         table = ", ".join(f"rank {r}: {d:016x}" for r, d in enumerate(digests))
@@ -90,9 +66,7 @@ class RankDivergenceError(RuntimeError):
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks entered different collectives at the same point. Raised on every rank.
-
-    ``sites``: one ``(sequence number, kind, tag)`` per rank (index = rank); the sequence
-    number counts the collectives that rank entered on this group, this one included."""
+    ``sites``: one ``(sequence number, kind, tag)`` per rank."""
 
     def __init__(self, sites: list[tuple[int, str, str]]) -> None:
         self.sites = sites
@@ -104,58 +78,6 @@ class CollectiveMismatchError(RuntimeError):
 
 def _site_hash(kind: str, tag: str, extra: str = "") -> int:
     return digest(f"{kind}\x00{tag}\x00{extra}")
-
-
-class TPGroup:
-    """The agreement primitives every cache rank calls. ``tag`` names the call site (checked
-    across ranks); values are host ints/bools; every method blocks until every rank entered."""
-
-    rank: int = 0
-    size: int = 1
-
-    def agree_min(self, value: int, tag: str = "agree_min") -> int:
-        """The minimum of ``value`` over all ranks."""
-        raise NotImplementedError
-
-    def agree_max(self, value: int, tag: str = "agree_max") -> int:
-        """The maximum of ``value`` over all ranks."""
-        raise NotImplementedError
-
-    def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
-        """``True`` when ``flag`` is true on every rank."""
-        raise NotImplementedError
-
-    def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
-        """``True`` when ``flag`` is true on at least one rank."""
-        raise NotImplementedError
-
-    def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
-        """Element-wise minimum over ranks; every rank must pass the same number of values
-        (the count is checked with the call site). Up to two values cost one collective (the
-        tick's write and load ack counts)."""
-        raise NotImplementedError
-
-    def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
-        """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
-        raise NotImplementedError
-
-    def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order, on every rank (per-rank statistics,
-        the earliest next event of every rank's decode side)."""
-        raise NotImplementedError
-
-    def assert_same(self, tag: str, value: Any) -> None:
-        """Raise ``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on
-        all ranks."""
-        raise NotImplementedError
-
-    def barrier(self, tag: str = "barrier") -> None:
-        """Return once every rank has entered."""
-        raise NotImplementedError
-
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -171,8 +93,12 @@ def _check_int(name: str, value: Any) -> int:
     return v
 
 
-class SingleRankGroup(TPGroup):
-    """``tp_size == 1``: every primitive returns its own input; nothing is communicated."""
+class TPGroup:
+    """The agreement primitives. ``tag`` names the call site (checked across ranks); every
+    method blocks until every rank entered. Here, for one rank, each returns its own input."""
+
+    rank: int = 0
+    size: int = 1
 
     def agree_min(self, value: int, tag: str = "agree_min") -> int:
         return _check_int("value", value)
@@ -181,33 +107,44 @@ class SingleRankGroup(TPGroup):
         return _check_int("value", value)
 
     def agree_all(self, flag: bool, tag: str = "agree_all") -> bool:
+        """``True`` when ``flag`` is true on every rank."""
         return bool(flag)
 
     def agree_any(self, flag: bool, tag: str = "agree_any") -> bool:
+        """``True`` when ``flag`` is true on at least one rank."""
         return bool(flag)
 
     def agree_min_many(self, values: Sequence[int], tag: str = "agree_min_many") -> list[int]:
+        """Element-wise minimum over ranks; up to two values cost one collective."""
         return [_check_int(f"values[{i}]", v) for i, v in enumerate(values)]
 
     def broadcast_object(self, obj: Any, src: int = 0, tag: str = "broadcast") -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank; other ranks' ``obj`` is ignored."""
         if src != 0:
             raise ValueError(f"src must be 0 in a single-rank group, got {src}")
         return obj
 
     def all_gather_object(self, obj: Any, tag: str = "all_gather") -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
         return [obj]
 
     def assert_same(self, tag: str, value: Any) -> None:
-        return None
+        """``RankDivergenceError`` on every rank unless ``digest(value)`` is the same on all."""
 
     def barrier(self, tag: str = "barrier") -> None:
         return None
 
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+
+class SingleRankGroup(TPGroup):
+    """``tp_size == 1``: every primitive returns its own input; nothing is communicated."""
+
 
 class DistTPGroup(TPGroup):
-    """The primitives over a gloo process group (``None``: the default group, then gloo). Cost:
-    one all_reduce of 4 int64 per call; a second for ``broadcast_object`` and for
-    ``agree_min_many`` of more than two values."""
+    """The primitives over a gloo process group (``None``: the default group)."""
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -287,8 +224,7 @@ class DistTPGroup(TPGroup):
         self._header("barrier", tag, 0, 0)
 
     def _header(self, kind: str, tag: str, a: int, b: int, extra: str = "") -> tuple[int, int]:
-        """The opening all_reduce (MIN) of ``[h, -h, a, b]``; checks the call site, returns the
-        reduced ``(a, b)``."""
+        """The opening all_reduce; checks the call site, returns the reduced ``(a, b)``."""
         self._check_thread()
         self.seq += 1
         h = _site_hash(kind, tag, extra)
@@ -329,9 +265,8 @@ class DistTPGroup(TPGroup):
 
 
 def new_cache_group(timeout_s: float | None = None) -> TPGroup:
-    """A new gloo group over every rank of the default group (every rank calls this, in the same
-    order), or ``SingleRankGroup`` for one rank. A collective blocked ``timeout_s`` (``None``:
-    :func:`tp_timeout_s`) raises ``RuntimeError``."""
+    """A new gloo group over every rank of the default group, or ``SingleRankGroup`` for one
+    rank. A collective blocked ``timeout_s`` (``None``: :func:`tp_timeout_s`) raises."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:

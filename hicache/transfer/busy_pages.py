@@ -1,9 +1,6 @@
-"""Slots that copies in flight use (``BusyPages``), and the frees held back because of them.
-
-Invariant: a page's count is the number of launched or queued copies using it whose ack is not
-popped, so whether a free touches a busy page costs O(freed pages). ``DeferredFrees`` holds, per
-tier, the slots the tree freed while a copy used them, page-granular, until no copy does. Device
-counts of GPU slots are read lazily (``settle``: once per copy, at a decision that syncs anyway).
+"""Slots that copies in flight use (``BusyPages``), and the frees held back because of them
+(``DeferredFrees``). A page's count is the number of copies using it whose ack is not popped, so
+whether a free touches a busy page costs O(freed pages).
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ def cat_cpu(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class CopyUsage:
-    """One copy's slots: ``device`` (int64 on the device) and ``host`` (int64 on the CPU), and
-    whether ``host_written`` (a backup) or read (a load). ``state``: see the constants above."""
+    """One copy's slots (``host`` on the CPU) and whether ``host_written`` (a backup)."""
 
     __slots__ = ("device", "host", "host_written", "state", "_device_pages")
 
@@ -47,13 +43,8 @@ class CopyUsage:
 
 
 class BusyPages:
-    """Per-page counts of the copies that use each page of both tiers.
-
-    ``device[p]`` / ``host[p]``: copies (launched or queued, ack not popped) that read or write
-    page ``p``; ``host_written[p]``: backups writing host page ``p`` (a load of it must wait).
-    Counts are per slot of the copy (a page counts ``page_size`` times per copy): only "zero or
-    not" matters. Host counts move at ``add`` / ``remove``; device counts at ``settle``.
-    """
+    """Per-page counts of the copies using each page of both tiers (only zero or not matters);
+    ``host_written``: backups only. Device counts of GPU slots move at ``settle``."""
 
     def __init__(
         self, device_allocator: TokenToKVPoolAllocator, host_allocator: TokenToKVPoolAllocator
@@ -65,13 +56,14 @@ class BusyPages:
         self.host_written = np.zeros(host_allocator.page_table_size, dtype=np.int64)
         self._uncounted: list[CopyUsage] = []
 
-    def add(self, usage: CopyUsage) -> None:
-        """A copy was launched or queued. O(its slots); device slots on a GPU wait for
-        ``settle``."""
+    def _count_host(self, usage: CopyUsage, delta: int) -> None:
         pages = usage.host.numpy() // self.host_page_size
-        np.add.at(self.host, pages, 1)
+        np.add.at(self.host, pages, delta)
         if usage.host_written:
-            np.add.at(self.host_written, pages, 1)
+            np.add.at(self.host_written, pages, delta)
+
+    def add(self, usage: CopyUsage) -> None:
+        self._count_host(usage, 1)
         if usage.device.device.type == "cpu":
             self._count_device(usage)
         else:
@@ -83,20 +75,15 @@ class BusyPages:
         usage.state = _COUNTED
 
     def remove(self, usage: CopyUsage) -> None:
-        """A copy's ack was popped. O(its slots)."""
         if usage.state == _DONE:
             return
-        pages = usage.host.numpy() // self.host_page_size
-        np.subtract.at(self.host, pages, 1)
-        if usage.host_written:
-            np.subtract.at(self.host_written, pages, 1)
+        self._count_host(usage, -1)
         if usage.state == _COUNTED:
             np.subtract.at(self.device, usage._device_pages, 1)
         usage.state = _DONE
 
     def settle(self) -> None:
-        """Bring the device counts up to date: one host read of each copy launched since the
-        last call (a sync on CUDA, paid once per copy)."""
+        """Count the device slots of copies launched since the last call (a sync on CUDA)."""
         for usage in self._uncounted:
             if usage.state == _UNCOUNTED:
                 self._count_device(usage)
@@ -110,7 +97,6 @@ class BusyPages:
         return self.host[slots // self.host_page_size] > 0
 
     def host_being_written(self, slots: torch.Tensor) -> bool:
-        """Does a backup still write a host page of ``slots`` (CPU int64)?"""
         if slots.numel() == 0:
             return False
         return bool((self.host_written[slots.numpy() // self.host_page_size] > 0).any())
@@ -125,20 +111,15 @@ class InflightSlots(NamedTuple):
     host_written: torch.Tensor  # by backups
 
     def device_slots(self) -> torch.Tensor:
-        """Device slots read or written by a copy."""
         return torch.cat([self.device_read, self.device_written])
 
     def host_slots(self) -> torch.Tensor:
-        """Host slots read or written by a copy."""
         return torch.cat([self.host_read, self.host_written])
 
 
 class DeferredFrees:
-    """One tier's slots that the tree freed while a copy used them (``held``: CPU int64 chunks).
-
-    They count as allocated in ``allocator`` until ``release`` finds them unused. ``_held_pages``
-    marks their pages, so a second free of them is caught in O(freed pages).
-    """
+    """One tier's slots freed while a copy used them; allocated until ``release`` finds them
+    unused. ``_held_pages`` catches a second free of them."""
 
     def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self.allocator = allocator
@@ -150,12 +131,10 @@ class DeferredFrees:
         return self._num_held
 
     def slots(self) -> torch.Tensor:
-        """Every held slot (CPU int64)."""
         return cat_cpu(self.held)
 
     def validate(self, indices: torch.Tensor, name: str) -> torch.Tensor:
-        """``indices`` on the CPU, or ``ValueError`` (nothing changes) unless they may be freed:
-        whole pages, allocated, and not already held here. O(len(indices))."""
+        """``indices`` on the CPU, or ``ValueError`` (nothing changes) unless they may be freed."""
         slot_indices(name, indices, page_size=self.allocator.page_size)
         idx = indices.cpu()
         self.allocator.check_free(idx)
@@ -165,8 +144,7 @@ class DeferredFrees:
         return idx
 
     def free_or_defer(self, idx: torch.Tensor, busy: np.ndarray | None) -> None:
-        """Free the slots of ``idx`` (CPU int64, whole pages) whose page no copy uses; hold the
-        others. ``busy``: per slot, is its page in use (``None``: nothing is)."""
+        """Free the slots of ``idx`` whose page no copy uses (``busy``: per slot); hold the rest."""
         if idx.numel() == 0:
             return
         if busy is None or not busy.any():
@@ -182,8 +160,7 @@ class DeferredFrees:
             self.allocator.free(idx[~mask])
 
     def release(self, busy_of) -> None:
-        """Free the held pages that no copy uses any more; ``busy_of(slots)`` answers per slot.
-        O(held slots)."""
+        """Free the held pages that no copy uses any more; ``busy_of(slots)`` answers per slot."""
         if not self.held:
             return
         pending, self.held = self.held, []

@@ -1,16 +1,9 @@
 """Moves KV between the device and host pools asynchronously (SGLang ``HiCacheController``).
 
-Backups (D2H) launch at once on the write stream; loads (H2D) queue until ``start_loading``
-launches them as one copy per layer on the load stream. Each launched copy appends one
-``HiCacheAck``; acks are popped in launch order. Everything runs on the scheduler thread and
-never blocks except ``wait_write`` / ``wait_loads`` / ``wait_all`` and, on CPU streams,
-``LayerDoneCounter.wait_until``.
-
-Invariant (``check_integrity``): neither tier's slots return to their allocator while a copy
-reads or writes them. A free of a busy page is deferred until the copy's ack is popped
-(``busy_pages``); room in a pool is agreed over the tensor-parallel group before anything is
-allocated, and a launch that fails is rolled back in the call. Design: docs/DESIGN.md sections
-5 and 10; calls: docs/CONTRACTS.md.
+Backups (D2H) launch at once; loads (H2D) queue until ``start_loading`` launches one copy per
+layer. Each launched copy appends one ``HiCacheAck``, popped in launch order. Only the ``wait_*``
+calls block. Invariant (``check_integrity``): no slot returns to its allocator while a copy uses
+it; such frees are deferred until the copy's ack. Design: docs/DESIGN.md sections 5 and 10.
 """
 
 from __future__ import annotations
@@ -29,35 +22,19 @@ from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, HostKVPool
 from hicache.tp.agreed import agreed_alloc
 from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.busy_pages import (
-    BusyPages,
-    CopyUsage,
-    DeferredFrees,
-    InflightSlots,
-    cat_cpu,
-)
+from hicache.transfer.busy_pages import BusyPages, CopyUsage, DeferredFrees, InflightSlots, cat_cpu
 from hicache.transfer.errors import BackupError, CopyError, LoadBackError
 from hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
-from hicache.transfer.streams import (
-    CpuStreams,
-    CudaStreams,
-    Delay,
-    Event,
-    InlineStreams,
-    Stream,
-    make_streams,
-)
+from hicache.transfer.streams import CpuStreams, Delay, Event, Stream, Streams, make_streams
 from kernels import CopyWatch
 from kernels.ops.checks import slot_indices
-
-__all__ = ["CacheOperation", "CopyTimer", "HiCacheAck", "HiCacheController", "ack_error"]
 
 logger = logging.getLogger(__name__)
 
 
 class CopyTimer(Protocol):
-    """Modelled copy time (a simulator's seam): the clock copies are timed on, and the seconds
-    one copy of ``tokens`` tokens (all layers) takes in ``direction`` (``"d2h"`` / ``"h2d"``)."""
+    """Modelled copy time (a simulator's seam): its clock, and the seconds one copy of
+    ``tokens`` tokens (all layers) takes in ``direction``."""
 
     def now(self) -> float: ...
 
@@ -77,11 +54,9 @@ class HiCacheAck(NamedTuple):
     nbytes: int
     producer_id: int = -1  # LayerDoneCounter producer (loads only)
     usages: tuple[CopyUsage, ...] = ()  # what the busy counts hold for this copy
-    # Recorded on the side stream after its waits: copy time starts here, not behind the forward.
-    copy_start_event: Event | None = None
-    # Events whose ``error`` tells whether the copy failed (``(finish_event,)`` when empty).
-    step_events: tuple[Event, ...] = ()
-    watch: CopyWatch | None = None  # the copy's launches (bad indices found on the device)
+    copy_start_event: Event | None = None  # on the side stream, after its waits
+    step_events: tuple[Event, ...] = ()  # whose ``error`` fails the copy (else finish_event)
+    watch: CopyWatch | None = None  # bad indices found on the device
     ready_at: float | None = None  # a timed copy's modelled end (``CopyTimer``'s clock)
 
 
@@ -105,12 +80,9 @@ def ack_error(ack: HiCacheAck) -> BaseException | None:
 class HiCacheController:
     """Backups (D2H) and loads (H2D) between one device pool and one host pool.
 
-    ``io_backend``: ``"kernel"`` or ``"direct"``, suiting the host layout
-    (``SUPPORTED_LAYOUT_IO``). ``streams``: a factory, or a CPU mode of ``make_streams``
-    (default: from the device); ``copy_delay`` (CPU) is slept before every side-stream copy.
-    ``copy_timer``: gives each ack the ``ready_at`` of its modelled copy (FIFO per direction, a
-    backup also after the newest load); it is popped only once the timer's clock passed it.
-    ``group``: the tensor-parallel group that agrees room in the pools (``None``: one rank).
+    ``streams``: a factory, or a CPU mode of ``make_streams``; ``copy_delay`` (CPU) is slept
+    before every side-stream copy. ``copy_timer``: an ack is popped only once the timer's clock
+    passed its modelled end. ``group``: agrees room in the pools (``None``: one rank).
     """
 
     def __init__(
@@ -119,7 +91,7 @@ class HiCacheController:
         device_pool: MHATokenToKVPool | MLATokenToKVPool,
         host_pool: HostKVPool,
         io_backend: str = "kernel",
-        streams: CudaStreams | CpuStreams | InlineStreams | str | None = None,
+        streams: Streams | str | None = None,
         copy_delay: Delay = 0.0,
         stats: CacheStats | None = None,
         group: TPGroup | None = None,
@@ -168,14 +140,9 @@ class HiCacheController:
 
     # ------------------------------------------------------------------ writes (D2H)
     def write(self, device_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
-        """Back up device slots to freshly allocated host slots, launched at once after the
-        compute stream (and the newest load, while loads are in flight).
-
-        Returns the host slots (CPU int64, same order), or ``None`` when the host pool is short
-        on any rank (nothing changes). ``ValueError`` (nothing changes) for bad indices or slots
-        a queued load will write; ``BackupError`` when the launch fails (the host slots are freed
-        again). The host copy is readable only after the ack (``writing_check``).
-        """
+        """Back up device slots to new host slots (CPU int64, same order), launched now; ``None``
+        when the host pool is short on any rank. ``BackupError`` when the launch fails (host
+        slots freed again). The host copy is readable only after the ack."""
         slot_indices(
             "device_indices",
             device_indices,
@@ -219,8 +186,7 @@ class HiCacheController:
     def _launch_backup(
         self, device_indices: torch.Tensor, host_indices: torch.Tensor, node_id: int
     ) -> HiCacheAck:
-        """Queue the backup on the write stream (CUDA and inline streams run it, and raise,
-        here); returns its ack, not yet appended."""
+        """Queue the backup on the write stream; returns its ack, not yet appended."""
         ready = self.streams.new_event()
         ready.record(self.streams.compute)
         self.write_stream.wait_event(ready)
@@ -230,7 +196,7 @@ class HiCacheController:
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
         watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
 
-        def backup() -> None:  # index moves run on the write stream too, ordered before the copy
+        def backup() -> None:  # moves the indices on the write stream, before the copy
             h, d = self._move_indices(host_indices, device_indices)
             with watch:
                 pool.backup_from_device_all_layer(dev, h, d, io)
@@ -251,29 +217,20 @@ class HiCacheController:
         )
 
     def count_finished_writes(self) -> int:
-        """Leading backups (launch order) whose copy finished on this rank. Never blocks."""
+        """Leading backups whose copy finished on this rank. Never blocks."""
         return self._count_finished(self.ack_write_queue)
 
     def writing_check(self, n: int | None = None) -> list[int]:
-        """Pop the first ``n`` backups (``None``: every leading finished one); their node ids.
-        Never blocks for an agreed ``n`` (at most ``count_finished_writes()``)."""
-        count = self._ack_count(n, self.ack_write_queue)
-        done: list[int] = []
-        for _ in range(count):
-            done.extend(self._complete(self.ack_write_queue.popleft(), "d2h"))
-        self._release_deferred()
-        return done
+        """Pop the first ``n`` backups (``None``: every leading finished one); their node ids."""
+        return self._pop(self.ack_write_queue, n, "d2h")
 
     def wait_write(self, node_ids: list[int] | None = None) -> list[int]:
-        """Block until the backups of ``node_ids`` (all, when ``None``) finish, pop exactly those
-        acks, and return their node ids."""
+        """Block until the backups of ``node_ids`` (``None``: all) finish; pop those acks."""
         wanted = None if node_ids is None else set(node_ids)
         targets = [
             a for a in self.ack_write_queue if wanted is None or wanted.intersection(a.node_ids)
         ]
-        for a in targets:
-            a.finish_event.synchronize()
-        self._wait_ready(targets)
+        self._wait(targets)
         done: list[int] = []
         for a in targets:
             self.ack_write_queue.remove(a)
@@ -283,9 +240,8 @@ class HiCacheController:
 
     # ------------------------------------------------------------------ loads (H2D)
     def load(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor | None:
-        """Allocate device slots for ``host_indices`` and queue their H2D copy (nothing moves
-        until ``start_loading``). Returns the device slots, or ``None`` when the device pool is
-        short on any rank (nothing changes)."""
+        """Allocate device slots for ``host_indices`` and queue their H2D copy until
+        ``start_loading``; ``None`` when the device pool is short on any rank."""
         slot_indices("host_indices", host_indices, page_size=self.page_size)
         if host_indices.numel() and (
             int(host_indices.min()) < 0 or int(host_indices.max()) >= self.host_pool.size
@@ -304,13 +260,8 @@ class HiCacheController:
         return device_indices
 
     def start_loading(self) -> int:
-        """Launch every queued load as one H2D per layer, one event per layer; returns the
-        producer id (``-1`` when nothing was queued). Never blocks.
-
-        The indices are checked once for every layer. A failed launch raises ``LoadBackError``
-        naming the layer after waiting for the layers already launched; the loads stay queued
-        (``cancel_loads`` drops them) and nothing else changes.
-        """
+        """Launch every queued load as one H2D per layer; returns the producer id (``-1``: none
+        queued). A failed launch raises ``LoadBackError``; the loads stay queued."""
         if not self.load_queue:
             return -1
         ops = list(self.load_queue)
@@ -368,9 +319,8 @@ class HiCacheController:
         progress: list[int],
         watch: CopyWatch,
     ) -> Event:
-        """Queue one H2D per layer on the load stream (CUDA and inline streams run them, and
-        raise, here), each under ``watch``; ``progress[0]`` is the layer being launched.
-        Returns the timing start event, recorded after the stream's waits."""
+        """Queue one H2D per layer on the load stream; ``progress[0]`` is the layer being
+        launched. Returns the timing start event."""
         lev.start_event.record(self.streams.compute)
         self.load_stream.wait_event(lev.start_event)
         if self.ack_write_queue and self._busy.host_being_written(host_indices):
@@ -393,47 +343,31 @@ class HiCacheController:
         return copy_start
 
     def cancel_loads(self) -> list[int]:
-        """Drop every queued, unstarted load; returns their node ids. Their device slots stay
-        allocated, the caller's to free (``evict_device``). Never blocks."""
+        """Drop every queued load; returns their node ids. Their device slots stay allocated."""
         ops, self.load_queue = self.load_queue, []
         for op in ops:
             self._busy.remove(op.usage)
         return [op.node_id for op in ops]
 
     def wait_loads(self) -> None:
-        """Block until every launched load finished on this rank (acks are not popped)."""
+        """Block until every launched load finished (acks are not popped)."""
         for ack in self.ack_load_queue:
             ack.finish_event.synchronize()
 
     def count_finished_loads(self) -> int:
-        """Leading loads (launch order) whose copy finished on this rank. Never blocks."""
+        """Leading loads whose copy finished on this rank. Never blocks."""
         return self._count_finished(self.ack_load_queue)
 
     def loading_check(self, n: int | None = None) -> list[int]:
-        """Pop the first ``n`` loads (``None``: every leading finished one); their node ids.
-        Never blocks for an agreed ``n``."""
-        count = self._ack_count(n, self.ack_load_queue)
-        done: list[int] = []
-        for _ in range(count):
-            ack = self.ack_load_queue.popleft()
-            done.extend(self._complete(ack, "h2d"))
-            self.layer_done_counter.release(ack.producer_id)
-        self._release_deferred()
-        return done
+        """Pop the first ``n`` loads (``None``: every leading finished one); their node ids."""
+        return self._pop(self.ack_load_queue, n, "h2d")
 
-    # ------------------------------------------------------------------ both
     def wait_all(self) -> tuple[list[int], list[int]]:
-        """Block until every launched copy finished; pop all acks. Returns (written node ids,
-        loaded node ids). Queued, unstarted loads stay queued."""
-        acks = list(self.ack_write_queue) + list(self.ack_load_queue)
-        for a in acks:
-            a.finish_event.synchronize()
-        self._wait_ready(acks)
+        """Block until every launched copy finished; pop all acks: (written, loaded) node ids."""
+        self._wait([*self.ack_write_queue, *self.ack_load_queue])
         return self.writing_check(), self.loading_check()
 
     def _count_finished(self, queue: deque[HiCacheAck]) -> int:
-        """Leading acks whose copy finished on this rank (a timed one also at the timer's
-        clock). Never blocks."""
         now = self._timer_now()
         n = 0
         for ack in queue:
@@ -444,18 +378,20 @@ class HiCacheController:
             n += 1
         return n
 
-    def _ack_count(self, n: int | None, queue: deque[HiCacheAck]) -> int:
-        """How many acks to pop: ``n`` (agreed over the ranks), or the leading finished ones."""
+    def _pop(self, queue: deque[HiCacheAck], n: int | None, direction: str) -> list[int]:
+        """Pop ``n`` acks (agreed over the ranks), or the leading finished ones."""
         if n is None:
-            return self._count_finished(queue)
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
+            n = self._count_finished(queue)
+        elif isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(queue):
             raise ValueError(f"n must be an int in [0, {len(queue)}] (acks queued), got {n!r}")
-        return n
+        done: list[int] = []
+        for _ in range(n):
+            done.extend(self._complete(queue.popleft(), direction))
+        self._release_deferred()
+        return done
 
-    # ------------------------------------------------------------------ modelled copy time
     def next_ack_time(self) -> float | None:
-        """When the next timed copy ends, if that is ahead of the timer's clock (else, or
-        without a copy timer, ``None``)."""
+        """When the next timed copy ends, if ahead of the timer's clock; else ``None``."""
         now = self._timer_now()
         ahead = [
             a.ready_at
@@ -465,8 +401,7 @@ class HiCacheController:
         return min(ahead) if ahead else None
 
     def loads_ready_at(self) -> float | None:
-        """The modelled end of the newest unpopped load (``None`` without a timer or load): a
-        forward reading loaded layers ends after it."""
+        """The modelled end of the newest unpopped load (``None`` without a timer or load)."""
         times = [a.ready_at for a in self.ack_load_queue if a.ready_at is not None]
         return max(times) if times else None
 
@@ -474,8 +409,8 @@ class HiCacheController:
         return None if self.copy_timer is None else self.copy_timer.now()
 
     def _ready_at(self, direction: str, tokens: int) -> float | None:
-        """The end of a timed copy launched now: after the previous copy in its direction
-        (and, for a backup, after the newest load, as the streams order it)."""
+        """The end of a timed copy launched now (after the previous one in its direction and,
+        for a backup, after the newest load)."""
         if self.copy_timer is None:
             return None
         start = max(self.copy_timer.now(), self._stream_free[direction])
@@ -486,16 +421,17 @@ class HiCacheController:
         self._stream_free[direction] = end
         return end
 
-    def _wait_ready(self, acks: list[HiCacheAck]) -> None:
-        """A blocking wait for timed copies moves the timer's clock to their end."""
+    def _wait(self, acks: list[HiCacheAck]) -> None:
+        """Block until ``acks`` finish; move a copy timer's clock to their modelled end."""
+        for a in acks:
+            a.finish_event.synchronize()
         ends = [a.ready_at for a in acks if a.ready_at is not None]
         if ends and self.copy_timer is not None:
             self.copy_timer.wait_until(max(ends))
 
-    # ------------------------------------------------------------------ eviction
     def evict_device(self, device_indices: torch.Tensor) -> int:
-        """Return device slots to the allocator; slots a copy still uses are held until its ack
-        is popped. ``ValueError`` (nothing changes) on a bad or double free. O(freed slots)."""
+        """Free device slots; those a copy still uses are held until its ack. ``ValueError``
+        (nothing changes) on a bad or double free."""
         idx = self._deferred_device.validate(device_indices, "device_indices")
         self._busy.settle()
         self._deferred_device.free_or_defer(idx, self._busy.device_busy(idx.numpy()))
@@ -508,16 +444,14 @@ class HiCacheController:
         return host_indices.numel()
 
     def _release_deferred(self) -> None:
-        """Free the held slots no copy uses any more. O(held slots)."""
         if self._deferred_device.held:
             self._busy.settle()
             self._deferred_device.release(self._busy.device_busy)
         if self._deferred_host.held:
             self._deferred_host.release(self._busy.host_busy)
 
-    # ------------------------------------------------------------------ accounting
     def inflight_slots(self) -> InflightSlots:
-        """Slots used by launched or queued copies whose acks are not popped (CPU int64)."""
+        """Slots used by copies whose acks are not popped (CPU int64)."""
         writes = list(self.ack_write_queue)
         loads = list(self.ack_load_queue)
         return InflightSlots(
@@ -532,17 +466,16 @@ class HiCacheController:
         )
 
     def device_in_flight(self) -> int:
-        """Device slots the tree freed that the controller holds until a copy's ack."""
+        """Freed device slots held until a copy's ack."""
         return self._deferred_device.num_slots()
 
     def host_in_flight(self) -> int:
-        """Host slots the tree freed that the controller holds until a copy's ack."""
+        """Freed host slots held until a copy's ack."""
         return self._deferred_host.num_slots()
 
     def check_integrity(self) -> None:
-        """``AssertionError`` unless both allocators are consistent, every slot a copy uses is
-        allocated, the busy counts equal a recount from the copies, and deferred frees are
-        allocated and distinct."""
+        """``AssertionError`` unless the allocators, busy counts and deferred frees agree with
+        the copies in flight."""
         self.device_allocator.check_integrity()
         self.host_allocator.check_integrity()
         busy = self.inflight_slots()
@@ -569,24 +502,23 @@ class HiCacheController:
                 raise AssertionError(f"controller: a {name} slot is deferred twice")
 
     def close(self) -> None:
-        """Finish every launched copy (stop CPU stream threads after their queued work, or wait
-        for the CUDA side streams). Acks are not popped (``wait_all`` does that)."""
-        if isinstance(self.streams, CpuStreams | InlineStreams):
+        """Finish every launched copy and stop CPU stream threads; acks are not popped."""
+        if isinstance(self.streams, CpuStreams):  # inline ones too
             self.streams.close()
         else:
             self.write_stream.synchronize()
             self.load_stream.synchronize()
 
-    # ------------------------------------------------------------------ completion and failures
     def _nbytes(self, indices: torch.Tensor) -> int:
         return indices.numel() * self.host_pool.size_per_token
 
     def _complete(self, ack: HiCacheAck, direction: str) -> list[int]:
-        """Lower the busy counts of a popped ack and record it in ``stats``; a copy that failed
-        while it ran, or whose kernel skipped a bad index, is kept for ``take_failure``."""
+        """Settle a popped ack; a copy that failed is kept for ``take_failure``."""
         ack.finish_event.synchronize()  # already done; orders the host after it on CUDA
         for usage in ack.usages:
             self._busy.remove(usage)
+        if direction == "h2d":
+            self.layer_done_counter.release(ack.producer_id)
         error = ack_error(ack)
         if error is None and ack.watch is not None:
             try:
@@ -608,41 +540,31 @@ class HiCacheController:
     @staticmethod
     def _failure(ack: HiCacheAck, direction: str, error: BaseException) -> CopyError:
         ids = ack.node_ids
-        cls = BackupError if direction == "d2h" else LoadBackError
         if isinstance(error, kernels.KVIndexError):  # the kernel skipped a pair: incomplete copy
-            return cls(
-                f"{error.op}({error.argument})",
+            op = f"{error.op}({error.argument})"
+            detail = (
                 f"the copy of node ids {ids} skipped slot {error.slot} (out of range for "
-                f"{error.n_slots} slots) and is incomplete",
-                ids,
-                error,
+                f"{error.n_slots} slots) and is incomplete"
             )
-        if direction == "d2h":
-            return BackupError(
-                f"backup_from_device_all_layer(device_indices=[{ack.device_indices.numel()} "
-                "slots])",
-                f"the backup of node ids {ids} failed while it ran",
-                ids,
-                error,
+        elif direction == "d2h":
+            op = (
+                f"backup_from_device_all_layer(device_indices=[{ack.device_indices.numel()} slots])"
             )
-        layer = next((i for i, ev in enumerate(ack.step_events) if ev.error is not None), -1)
-        return LoadBackError(
-            f"load_to_device_per_layer(layer_id={layer})",
-            f"the load of node ids {ids} failed while it ran",
-            ids,
-            error,
-        )
+            detail = f"the backup of node ids {ids} failed while it ran"
+        else:
+            layer = next((i for i, ev in enumerate(ack.step_events) if ev.error is not None), -1)
+            op = f"load_to_device_per_layer(layer_id={layer})"
+            detail = f"the load of node ids {ids} failed while it ran"
+        return (BackupError if direction == "d2h" else LoadBackError)(op, detail, ids, error)
 
     def take_failure(self, node_id: int) -> CopyError | None:
-        """The error of a popped ack whose copy failed while it ran, for ``node_id`` (``None``
-        when it succeeded); each is handed out once."""
+        """The error of ``node_id``'s failed copy (``None``: it succeeded); handed out once."""
         return self._failures.pop(node_id, None)
 
     @staticmethod
     def _settle_after_failed_launch(stream: Stream) -> None:
-        """After a launch raised, wait for what the stream already runs (on CUDA, layers
-        launched before the failure may still write the slots about to be given back). Its
-        error is logged; the caller's error is the one raised."""
+        """After a launch raised, wait for what the stream already runs before slots are given
+        back; its own error is only logged."""
         try:
             stream.synchronize()
         except Exception:  # noqa: BLE001 - the failed launch is what gets reported

@@ -4,17 +4,16 @@ waits for layer ``i``'s load only (through ``HiRadixCache.layer_wait``)."""
 from __future__ import annotations
 
 from hicache.transfer.errors import LoadBackError
-from hicache.transfer.streams import CpuStreams, CudaStreams, Event, InlineStreams
+from hicache.transfer.streams import Event, Streams
 
 
 class LayerLoadingEvent:
-    """Per-layer load events of one ``start_loading`` call (plus its start event) and the node
-    ids of the loads it launched."""
+    """Per-layer load events of one ``start_loading`` call and the node ids it loads."""
 
     def __init__(
         self,
         num_layers: int,
-        streams: CudaStreams | CpuStreams | InlineStreams,
+        streams: Streams,
         node_ids: list[int] | None = None,
     ) -> None:
         self.node_ids = list(node_ids or ())
@@ -31,15 +30,11 @@ class LayerLoadingEvent:
 class LayerDoneCounter:
     """Lets layer ``i``'s attention wait for layer ``i``'s load only (SGLang's name).
 
-    ``update_producer()`` makes the events of a new load and returns its id; ``set_consumer(id)``
-    picks the load the forward pass consumes (``start_loading`` sets it to the newest);
-    ``wait_until(layer)``: on CUDA the compute stream waits for the event (the host never blocks);
-    on CPU the caller blocks until that layer's copy has run, and raises ``LoadBackError`` when
-    a layer up to it failed while it ran (thread CPU streams; the KV must not be read). No-op
-    when nothing was loaded or the consumed load's ack was already popped.
+    ``wait_until(layer)``: on CUDA the compute stream waits; on CPU the caller blocks, and raises
+    ``LoadBackError`` when a layer up to it failed while it ran (the KV must not be read).
     """
 
-    def __init__(self, num_layers: int, streams: CudaStreams | CpuStreams | InlineStreams) -> None:
+    def __init__(self, num_layers: int, streams: Streams) -> None:
         self.num_layers = num_layers
         self.streams = streams
         self.events: dict[int, LayerLoadingEvent] = {}
@@ -47,7 +42,6 @@ class LayerDoneCounter:
         self.consumer_index = -1
 
     def update_producer(self, node_ids: list[int] | None = None) -> int:
-        """Events for a new load (of ``node_ids``); returns its producer id."""
         pid = self._next_id
         self._next_id += 1
         self.events[pid] = LayerLoadingEvent(self.num_layers, self.streams, node_ids)
@@ -75,9 +69,4 @@ class LayerDoneCounter:
                 ) from error
 
     def release(self, index: int) -> None:
-        """Forget a producer whose load ack was popped (its events have all fired)."""
         self.events.pop(index, None)
-
-    def reset(self) -> None:
-        self.events.clear()
-        self.consumer_index = -1

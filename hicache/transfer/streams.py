@@ -1,15 +1,10 @@
 """Streams and events, once for CUDA and once for a machine without it (``make_streams``).
 
-The controller is written against ``Streams`` / ``Stream`` / ``Event`` below; an event never
-recorded counts as complete, as in CUDA. ``CudaStreams``: ``submit`` launches on a
-``torch.cuda.Stream`` (a launch error raises in the caller). ``CpuStreams`` (``"thread"``): a side
-stream is a worker thread running callables in order; a callable's exception goes to the next
-event recorded on that stream (``Event.error``) or the next ``synchronize``, and never sticks.
-``InlineStreams`` (``"inline"``): CUDA's launch semantics on a CPU, ``submit`` runs on the
-caller's thread and raises there. On CPU the compute stream is the caller itself. A CPU delay is
-slept before every side-stream callable (inline: on the caller's thread, so a delay waiting for
-the caller deadlocks); callables run under ``CPU_COPY_LOCK`` (the Triton interpreter is not
-thread-safe), thread delays outside it.
+An event never recorded counts as complete, as in CUDA. ``CpuStreams`` (``"thread"``): a side
+stream is a worker thread; a callable's exception goes to the next event recorded on that stream
+(``Event.error``) or the next ``synchronize``. ``InlineStreams`` (``"inline"``): ``submit`` runs on
+the caller's thread and raises there, as a CUDA launch. On CPU the compute stream is the caller,
+and a delay is slept before every side-stream callable.
 """
 
 from __future__ import annotations
@@ -31,9 +26,7 @@ Delay = float | Callable[[], float]
 CPU_COPY_LOCK = threading.Lock()
 
 
-STREAM_MODES = ("thread", "inline")
-"""CPU stream kinds of ``make_streams`` (the module docstring): worker threads, or CUDA's launch
-semantics on the caller's thread."""
+STREAM_MODES = ("thread", "inline")  # CPU stream kinds of ``make_streams``
 
 
 def _sleep(delay: Delay) -> None:
@@ -61,13 +54,10 @@ class Stream(Protocol):
     def wait_event(self, event: Event) -> None: ...
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
-    def check_error(self) -> None: ...
 
 
 class Streams(Protocol):
     """Factory for one device's streams and events; ``compute`` is the forward pass's stream."""
-
-    is_cuda: bool
 
     @property
     def compute(self) -> Stream: ...
@@ -75,12 +65,8 @@ class Streams(Protocol):
     def new_event(self, enable_timing: bool = False) -> Event: ...
 
 
-# ------------------------------------------------------------------------------------------------
-# CUDA
-# ------------------------------------------------------------------------------------------------
 class CudaEvent:
-    """A ``torch.cuda.Event``; ``record`` defaults to the current stream. ``error`` is always
-    ``None``: a failed launch raises in ``submit``."""
+    """A ``torch.cuda.Event``; ``error`` stays ``None`` (a failed launch raises in ``submit``)."""
 
     error: BaseException | None = None
 
@@ -97,11 +83,7 @@ class CudaEvent:
     def synchronize(self) -> None:
         self.event.synchronize()
 
-    def elapsed_time(self, end: Event) -> float:
-        """Milliseconds between this event and ``end`` (both need ``enable_timing``; both must
-        have completed)."""
-        if not isinstance(end, CudaEvent):
-            raise ValueError(f"end must be a CudaEvent, got {type(end).__name__}")
+    def elapsed_time(self, end: CudaEvent) -> float:
         return self.event.elapsed_time(end.event)
 
 
@@ -120,9 +102,7 @@ class CudaStream:
         ev.record(self)
         return ev
 
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent):
-            raise ValueError(f"event must be a CudaEvent, got {type(event).__name__}")
+    def wait_event(self, event: CudaEvent) -> None:
         self.stream.wait_event(event.event)
 
     def query(self) -> bool:
@@ -131,26 +111,18 @@ class CudaStream:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def check_error(self) -> None:
-        return None
-
 
 class CudaStreams:
     """Streams on one CUDA device; ``compute`` is whatever stream is current when asked."""
-
-    is_cuda = True
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else "cuda")
 
     @property
     def compute(self) -> CudaStream:
-        """The stream current now on this device (where the forward pass runs)."""
         return CudaStream(torch.cuda.current_stream(self.device))
 
     def new_stream(self, high_priority: bool = False) -> CudaStream:
-        """A side stream; ``high_priority``: above the default priority of the compute stream
-        (``HIGH_PRIORITY``, clamped by torch into the device's range)."""
         priority = HIGH_PRIORITY if high_priority else 0
         return CudaStream(torch.cuda.Stream(self.device, priority=priority))
 
@@ -158,12 +130,9 @@ class CudaStreams:
         return CudaEvent(enable_timing)
 
 
-# ------------------------------------------------------------------------------------------------
-# CPU
-# ------------------------------------------------------------------------------------------------
 class CpuEvent:
-    """A thread event; each ``record`` arms a fresh flag that the stream sets when reached.
-    ``error``: what failed on a thread stream since its previous record (set before the flag)."""
+    """Each ``record`` arms a fresh flag that the stream sets when reached. ``error``: what failed
+    on a thread stream since its previous record."""
 
     def __init__(self) -> None:
         self._flag: threading.Event | None = None
@@ -229,12 +198,9 @@ class CpuComputeStream:
     def synchronize(self) -> None:
         return None
 
-    def check_error(self) -> None:
-        return None
-
 
 class CpuStream:
-    """One daemon worker thread running submitted callables in order (see module docstring)."""
+    """One daemon worker thread running submitted callables in order."""
 
     def __init__(self, delay: Delay = 0.0, name: str = "cpu-stream") -> None:
         self.delay = delay
@@ -247,9 +213,7 @@ class CpuStream:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    # --- Stream API ----------------------------------------------------------------------------
     def submit(self, fn: Callable[[], object]) -> None:
-        """Queue ``fn``; the stream's delay is slept before it runs. Never blocks."""
         self._put(fn, delayed=True)
 
     def record(self, event: Event | None = None) -> Event:
@@ -257,10 +221,8 @@ class CpuStream:
         ev.record(self)
         return ev
 
-    def wait_event(self, event: Event) -> None:
+    def wait_event(self, event: CpuEvent) -> None:
         """Later work on this stream starts only after ``event`` completes; the caller goes on."""
-        if not isinstance(event, CpuEvent):
-            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
         self._put(event._waiter(), delayed=False)
 
     def query(self) -> bool:
@@ -268,15 +230,11 @@ class CpuStream:
             return self._pending == 0
 
     def synchronize(self) -> None:
-        """Block until everything submitted so far has run; raise (once) the error of a callable
-        that no later event took (``Event.error``)."""
+        """Block until everything submitted so far has run; raise, once, the error of a callable
+        that no later event took."""
         with self._cv:
             while self._pending:
                 self._cv.wait()
-        self.check_error()
-
-    def check_error(self) -> None:
-        """Raise, once, the error of a callable that no later event took; never blocks."""
         error = self._take_error()
         if error is not None:
             raise RuntimeError(f"{self.name}: a submitted callable failed: {error!r}") from error
@@ -288,7 +246,6 @@ class CpuStream:
             self._queue.put(None)
             self._thread.join()
 
-    # --- internals -----------------------------------------------------------------------------
     def _put(self, fn: Callable[[], object], delayed: bool) -> None:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
@@ -332,7 +289,8 @@ class CpuStream:
 class CpuStreams:
     """CPU streams; ``delay`` (seconds or a callable) is given to every new side stream."""
 
-    is_cuda = False
+    _stream_cls: type[CpuStream | InlineStream] = CpuStream
+    _stream_name = "cpu-stream"
 
     def __init__(self, delay: Delay = 0.0) -> None:
         self.delay = delay
@@ -344,15 +302,13 @@ class CpuStreams:
         return self._compute
 
     def new_stream(self, high_priority: bool = False) -> CpuStream | InlineStream:
-        """A worker-thread stream (a CPU has no stream priorities: ``high_priority`` is
-        ignored)."""
-        s = CpuStream(self.delay, name=f"cpu-stream-{len(self._streams)}")
+        """``high_priority`` is ignored: a CPU has no stream priorities."""
+        s = self._stream_cls(self.delay, name=f"{self._stream_name}-{len(self._streams)}")
         self._streams.append(s)
         return s
 
     def new_event(self, enable_timing: bool = False) -> CpuEvent:
-        """A CPU event (always timed: ``recorded_at`` is set when it fires)."""
-        return CpuEvent()
+        return CpuEvent()  # always timed
 
     def close(self) -> None:
         for s in self._streams:
@@ -360,9 +316,8 @@ class CpuStreams:
 
 
 class InlineStream(CpuComputeStream):
-    """CUDA's launch semantics on a CPU: ``submit`` runs ``fn`` now on the caller's thread (after
-    the stream's delay) and lets its exception propagate; events recorded here fire at once
-    (``record``, ``query``, ``synchronize``, ``check_error``: the compute stream's)."""
+    """``submit`` runs ``fn`` now on the caller's thread (after the delay) and lets its exception
+    propagate; events recorded here fire at once."""
 
     def __init__(self, delay: Delay = 0.0, name: str = "inline-stream") -> None:
         self.delay = delay
@@ -373,12 +328,6 @@ class InlineStream(CpuComputeStream):
         with CPU_COPY_LOCK:
             fn()
 
-    def wait_event(self, event: Event) -> None:
-        """Every inline or compute-stream event has fired when recorded: nothing to wait for."""
-        if not isinstance(event, CpuEvent):
-            raise ValueError(f"event must be a CpuEvent, got {type(event).__name__}")
-        event.synchronize()
-
     def close(self) -> None:
         return None
 
@@ -386,21 +335,15 @@ class InlineStream(CpuComputeStream):
 class InlineStreams(CpuStreams):
     """CPU streams with CUDA's launch semantics (``mode="inline"``)."""
 
-    def new_stream(self, high_priority: bool = False) -> InlineStream:
-        """An inline stream (``high_priority`` ignored, as on ``CpuStreams``)."""
-        s = InlineStream(self.delay, name=f"inline-stream-{len(self._streams)}")
-        self._streams.append(s)
-        return s
+    _stream_cls = InlineStream
+    _stream_name = "inline-stream"
 
 
 def make_streams(
     device: torch.device | str, delay: Delay = 0.0, mode: str | None = None
 ) -> CudaStreams | CpuStreams | InlineStreams:
-    """The streams of ``device``: ``CudaStreams`` for a CUDA device, else ``CpuStreams(delay)``
-    (``mode`` ``None`` or ``"thread"``) or ``InlineStreams(delay)`` (``mode="inline"``).
-
-    On CUDA ``delay`` is unused and ``mode`` may be ``None`` or ``"inline"`` (CUDA streams launch
-    inline already); ``"thread"`` there, or any other mode, raises ``ValueError``."""
+    """The streams of ``device``; ``mode`` (CPU): ``None`` / ``"thread"`` or ``"inline"``. On
+    CUDA ``delay`` is unused and ``"inline"`` is what CUDA streams do already."""
     device = torch.device(device)
     if mode is not None and mode not in STREAM_MODES:
         raise ValueError(f"streams mode must be one of {STREAM_MODES}, got {mode!r}")
