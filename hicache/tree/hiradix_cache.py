@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hicache.storage.hash_keys import page_hashes
-from hicache.transfer.acks import ack_error
+from hicache.transfer.controller import ack_error
 from hicache.transfer.errors import BackupError, LoadBackError
 from hicache.tree.keys import TOKEN_BYTES, key_bytes
 from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
