@@ -1,15 +1,7 @@
-"""Radix tree across two tiers with SGLang's write policies (SGLang ``HiRadixCache``).
-
-Owns what to back up (D2H), load back (H2D) and evict under the write policy, and the in-flight
-state between a copy's start and its ack: a node with a copy in flight is listed in
-``ongoing_write_through`` / ``ongoing_load_back`` and held (locked, or waited for by write_back
-eviction); a host copy is readable only after its ack. A failed backup leaves its node
-device-only; a failed load back is undone (``cancel_load_back``) once callers released their
-locks. With an L3 tier (``attach_storage``) every node carries its pages' keys and an acked host
-copy goes on to storage. Everything runs on the scheduler thread and never blocks, except
-write_back device eviction (it waits for its own backups); under TP every rank-local input is
-agreed on ``group`` first.
-"""
+"""Radix tree across two tiers with SGLang's write policies (SGLang ``HiRadixCache``). A node
+with a copy in flight is in ``ongoing_write_through`` / ``ongoing_load_back`` and held (locked, or
+waited for by write_back eviction); a host copy is readable only after its ack. Under TP every
+rank-local input is agreed on ``group`` first."""
 
 from __future__ import annotations
 
@@ -36,46 +28,33 @@ if TYPE_CHECKING:
     from hicache.tp.group import TPGroup
     from hicache.transfer.controller import HiCacheController
 
-__all__ = ["WRITE_POLICIES", "HiRadixCache", "StorageHooks"]
-
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class StorageHooks(Protocol):
-    """What the tree calls on its L3 tier (``hicache.storage.io.controller`` provides it)."""
+    """What the tree calls on its L3 tier (``hicache.storage.io.controller``): ``backup_node``
+    stores an acked host copy (cache mode), ``backup_staged`` an acked ``buffer_only`` staging,
+    which ``note_staging`` announced; ``host_slots_held`` counts prefetch and staging slots."""
 
     buffer_only: bool
 
-    def backup_node(self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]) -> None:
-        """Cache mode: store an acked host copy, its pages protected until the storage ack."""
-
-    def backup_staged(self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]) -> None:
-        """``buffer_only``: store an acked D2H staging, then free it."""
-
-    def believed_stored(self, keys: list[str]) -> bool:
-        """``buffer_only``: every key was stored (or its write is on the way)."""
-
-    def note_staging(self, keys: list[str]) -> None:
-        """``buffer_only``: a write of these keys was started."""
-
-    def check_events(self) -> None:
-        """Agree and apply the storage threads' results (one tick)."""
-
-    def host_slots_held(self) -> int:
-        """Host slots the tier holds outside the tree (prefetch and staging)."""
-
-    def ops_in_flight(self) -> int:
-        """Prefetches and backups not acked yet."""
+    def backup_node(self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]) -> None: ...
+    def backup_staged(
+        self, node: TreeNode, host_indices: torch.Tensor, keys: list[str]
+    ) -> None: ...
+    def believed_stored(self, keys: list[str]) -> bool: ...
+    def note_staging(self, keys: list[str]) -> None: ...
+    def check_events(self) -> None: ...
+    def host_slots_held(self) -> int: ...
 
 
 @dataclass
 class _EvictionRun:
     """One device eviction. ``host_bound``: nodes moving to the host once their write-back
-    backups (``backups``) are acked, children before parents; ``parents``: parents whose every
-    device child is host-bound, leaves for this run (heap by access time); ``kept``: host-bound
-    nodes whose backup failed and that stay on the device; ``frees``: device slots to free."""
+    ``backups`` are acked, children first; ``parents``: heap of parents whose every device child
+    is host-bound; ``kept``: host-bound nodes whose backup failed (they stay on the device)."""
 
     freed: int = 0
     host_bound: dict[int, TreeNode] = field(default_factory=dict)  # by id, in order taken
@@ -87,12 +66,9 @@ class _EvictionRun:
 
 
 class HiRadixCache(RadixCache):
-    """Device + host prefix cache over the ``controller``'s allocators and copy streams.
-
-    Host hits shorter than ``load_back_threshold`` tokens are recomputed;
-    ``upstream_chunked_insert`` reproduces SGLang's chunked inserts (never backed up); ``stats``
-    is fed with backups, loads and evictions.
-    """
+    """Device + host prefix cache over the ``controller``'s allocators and copy streams. Host
+    hits shorter than ``load_back_threshold`` tokens are recomputed; ``upstream_chunked_insert``
+    reproduces SGLang's chunked inserts (never backed up)."""
 
     def __init__(
         self,
@@ -139,8 +115,7 @@ class HiRadixCache(RadixCache):
         return self.controller.group
 
     def attach_storage(self, storage: StorageHooks) -> None:
-        """Give the tree its L3 tier, before the first insert. ``buffer_only`` storage needs
-        ``write_through``."""
+        """Give the tree its L3 tier, before the first insert."""
         if self.all_nodes():
             raise ValueError("attach_storage: the tree already holds nodes without page keys")
         if storage.buffer_only and self.write_policy != "write_through":
@@ -159,16 +134,13 @@ class HiRadixCache(RadixCache):
         """``write_through*`` back up from ``insert``; ``write_back`` only at eviction."""
         return self.write_policy != "write_back"
 
-    # ------------------------------------------------------------------ insert
-
     def insert(
         self,
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
     ) -> int:
-        """``RadixCache.insert``, with the slots checked against the device pool first (the
-        backups it starts read them): a bad slot raises before the tree changes."""
+        """``RadixCache.insert``, with the slots first checked against the device pool's range."""
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
             alloc = self.controller.device_allocator
             slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
@@ -182,11 +154,10 @@ class HiRadixCache(RadixCache):
         self._device_queue.push_if_candidate(node)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
-        """Count the hit (a new node gets its page keys first, with storage), then back the node
-        up when the policy says so; a chunked insert counts no hit and, with
-        ``upstream_chunked_insert``, backs up nothing."""
+        """Count the hit (after giving a new node its page keys), then back the node up when the
+        policy says so (a chunked insert under ``upstream_chunked_insert``: never)."""
         if self.storage is not None and node.hash_value is None:
-            self._assign_hashes(node)
+            node.hash_value = self._chained_keys(node, node.tokens)
         super()._inc_hit_count(node, chunked)
         if chunked and self.upstream_chunked_insert:
             return
@@ -201,16 +172,9 @@ class HiRadixCache(RadixCache):
         ):
             self.write_backup(node)
 
-    # ------------------------------------------------------------------ backup (D2H)
-
-    # The node keeps its device slots (read by the copy) and gets host slots at once (written by
-    # the copy), not readable before the ack: write_through* lock the node until then, write_back
-    # eviction waits for the copy before freeing.
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Start the D2H backup of ``node``; returns the tokens backed up: 0 when the host is
-        full even after host eviction or the launch failed (``BackupError``: logged, the node
-        stays device-only; raised under TP). With storage the copied pages and keys are kept for
-        the storage write at the ack; ``buffer_only`` host slots leave the node at once."""
+        """Start the D2H backup of ``node``; returns the tokens backed up: 0 when the host is full
+        even after host eviction or the launch failed (``BackupError``: logged; raised under TP)."""
         try:
             host_indices = self.controller.write(node.value, node_id=node.id)
             if host_indices is None:
@@ -243,9 +207,8 @@ class HiRadixCache(RadixCache):
         for node_id in self.controller.writing_check(n):
             self._ack_write(node_id)
 
-    def _ack_write(self, node_id: int) -> bool:
-        """Apply one popped backup ack: release its lock and send its pages to storage; a copy
-        that failed leaves the node device-only instead. Returns whether the copy succeeded."""
+    def _ack_write(self, node_id: int) -> None:
+        """Apply one popped backup ack: release its lock, then store its pages or drop it."""
         node = self.ongoing_write_through.pop(node_id, None)
         slots = self._unacked_write_slots.pop(node_id, None)
         written = self._storage_writes.pop(node_id, None)
@@ -256,17 +219,15 @@ class HiRadixCache(RadixCache):
         if node is not None and self.write_locks:
             self.dec_lock_ref(node)
         if written is None or node is None or failure is not None:
-            return failure is None
+            return
         host_indices, keys = written
         if self.storage.buffer_only:
             self.storage.backup_staged(node, host_indices, keys)
         elif node.parent is not None and node.host_value is not None:
             self.storage.backup_node(node, host_indices, keys)
-        return True
 
     def _drop_failed_backup(self, node: TreeNode, host_slots: torch.Tensor) -> None:
-        """``node`` and the upper halves split off it while the copy ran lose their host copy;
-        ``host_slots`` go back to the host pool."""
+        """``node`` and the upper halves split off it lose their host copy; frees ``host_slots``."""
         x: TreeNode | None = node
         while x is not None and x is not self.root_node and x.host_value is not None:
             if not bool(torch.isin(x.host_value.cpu(), host_slots.cpu()).all()):
@@ -276,8 +237,7 @@ class HiRadixCache(RadixCache):
         self.controller.evict_host(host_slots)
 
     def check_hicache_events(self) -> None:
-        """Apply, without blocking, as many finished backups and loads as every rank of the
-        group has finished (one collective per call under TP), then the storage tier's tick."""
+        """Apply the backups and loads every rank has finished (one collective), then L3's tick."""
         c = self.controller
         writes, loads = self.group.agree_min_many(
             [c.count_finished_writes(), c.count_finished_loads()], tag="hicache_acks"
@@ -287,18 +247,12 @@ class HiRadixCache(RadixCache):
         if self.storage is not None:
             self.storage.check_events()
 
-    # ------------------------------------------------------------------ load back (H2D)
-
-    # The host-only chain keeps its host slots (read by the copy) and gets device slots at once
-    # (written by the copy); it is locked until the load ack and read after layer_wait(layer).
     def init_load_back(
         self, last_host_node: TreeNode, host_hit_length: int
     ) -> tuple[torch.Tensor, TreeNode]:
         """Queue the H2D load of the host-only chain ending at ``last_host_node``; returns its
-        device slots and the node now ending the device prefix (the caller locks it). Empty
-        slots and the last device ancestor when the hit is below ``load_back_threshold`` or no
-        device room is made (the caller recomputes). The copy starts at
-        ``ready_to_load_host_cache()``."""
+        device slots and the node now ending the device prefix (the caller locks it), or empty
+        slots and the device ancestor when the hit is below the threshold or finds no room."""
         self._check_attached(last_host_node, "last_host_node")
         if host_hit_length < 0:
             raise ValueError(f"host_hit_length must be >= 0, got {host_hit_length}")
@@ -312,9 +266,7 @@ class HiRadixCache(RadixCache):
             return self._empty(), last_host_node
         total = sum(len(x.host_value) for x in chain)
         if total != host_hit_length:
-            logger.debug(
-                "init_load_back: host_hit_length %d, chain holds %d", host_hit_length, total
-            )
+            logger.debug("init_load_back: host_hit_length %d, chain %d", host_hit_length, total)
         if total < self.load_back_threshold:
             return self._no_load_back(last_host_node, ancestor)
         host_indices = torch.cat([x.host_value for x in chain])
@@ -339,7 +291,7 @@ class HiRadixCache(RadixCache):
             offset += len(x.host_value)
             x.parent.device_children += 1
             self._add_device_tokens(x, len(x.value))
-        self._own(device_indices)
+        self._set_owned(device_indices, True)
         self.ongoing_load_back[last_host_node.id] = last_host_node
         self._load_ancestors[last_host_node.id] = ancestor
         self.inc_lock_ref(last_host_node)
@@ -381,8 +333,7 @@ class HiRadixCache(RadixCache):
             x = x.parent
 
     def ready_to_load_host_cache(self) -> int:
-        """Launch the queued loads (one H2D per layer); returns the controller's producer id.
-        A failed launch raises ``LoadBackError`` with the loads still queued."""
+        """Launch the queued loads; ``LoadBackError`` on a failed launch (the loads stay queued)."""
         return self.controller.start_loading()
 
     def layer_wait(self, layer_id: int) -> None:
@@ -390,9 +341,8 @@ class HiRadixCache(RadixCache):
         self.controller.layer_done_counter.wait_until(layer_id)
 
     def loading_check(self, n: int | None = None) -> None:
-        """Complete the first ``n`` loads (``None``: the finished ones; non-blocking). A failed
-        load is undone at once when no caller locks its nodes, else ``LoadBackError`` is raised
-        after the other acks: the caller releases its locks, then ``cancel_load_back()``."""
+        """Complete the first ``n`` loads (``None``: the finished ones). A failed load is undone at
+        once when no caller locks its nodes, else ``LoadBackError`` after the other acks."""
         failed = self._apply_load_acks(self.controller.loading_check(n))
         if not failed:
             return
@@ -410,8 +360,7 @@ class HiRadixCache(RadixCache):
         self._failed_loads.clear()
 
     def _apply_load_acks(self, node_ids: list[int]) -> list[int]:
-        """Release the locks of the popped loads that succeeded; returns the ids of those that
-        failed (still held)."""
+        """Release the locks of the popped loads that succeeded; returns the ids of failed ones."""
         failed = []
         for node_id in node_ids:
             failure = self.controller.take_failure(node_id)
@@ -425,10 +374,8 @@ class HiRadixCache(RadixCache):
         return failed
 
     def cancel_load_back(self) -> int:
-        """Undo every load back that did not complete (queued, or failed while it ran): its
-        nodes are host-only again and its device slots freed. Call after a ``LoadBackError``
-        once the caller's locks on those nodes are released (``ValueError``, nothing changed,
-        otherwise). Blocks until launched loads finish. Single rank only. Returns the tokens."""
+        """Undo every load back that did not complete (queued, or failed while it ran) once the
+        caller released its locks (``ValueError`` otherwise); returns the tokens. Single rank."""
         c = self.controller
         if self.group.size > 1:
             raise RuntimeError("cancel_load_back: a failed copy is not agreed across TP ranks")
@@ -488,13 +435,11 @@ class HiRadixCache(RadixCache):
                         )
 
     def _revert_loads(self, node_ids: Iterable[int]) -> int:
-        """Make the nodes of these loads (dropped from the controller) host-only again, deepest
-        load first; returns the tokens reverted."""
+        """Make the nodes of these loads host-only again, deepest first; returns the tokens."""
         ids = [nid for nid in node_ids if nid in self.ongoing_load_back]
-        depth = {nid: self._depth(self.ongoing_load_back[nid]) for nid in ids}
         frees: list[torch.Tensor] = []
         total = 0
-        for nid in sorted(ids, key=lambda i: -depth[i]):
+        for nid in sorted(ids, key=lambda i: -self._depth(self.ongoing_load_back[i])):
             chain = self._load_chain(nid)
             ancestor = self._load_ancestors.pop(nid)
             self.dec_lock_ref(self.ongoing_load_back.pop(nid))
@@ -521,11 +466,6 @@ class HiRadixCache(RadixCache):
             x = x.parent
         return d
 
-    # ------------------------------------------------------------------ device eviction
-
-    # An unlocked device leaf that is backed up keeps only its host copy; one that is not is
-    # deleted (write_through*) or, under write_back, backed up and freed after that copy's ack.
-    # Device slots go back in one call at the end.
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens (LRU unlocked leaves), or all evictable;
         returns the tokens freed. Blocks only under write_back, on the backups it launched."""
@@ -577,7 +517,7 @@ class HiRadixCache(RadixCache):
             if x.device_children:  # its children are host-bound: it follows them to the host
                 self._add_host_bound(run, x)
             else:
-                run.freed += self._evict_backuped(x, run.frees)
+                run.freed += self._evict_device(x, run.frees)
             return
         if self.write_policy == "write_back":
             ok = self.write_backup(x, write_back=True)
@@ -590,8 +530,8 @@ class HiRadixCache(RadixCache):
                 run.backups.append(x.id)
                 self._add_host_bound(run, x)
                 return
-        if self._droppable(x) and x.parent is not None:
-            run.freed += self._evict_regular(x, run.frees)
+        if self._droppable(x):
+            run.freed += self._evict_device(x, run.frees)
 
     def _add_host_bound(self, run: _EvictionRun, x: TreeNode) -> None:
         run.host_bound[x.id] = x
@@ -614,10 +554,8 @@ class HiRadixCache(RadixCache):
             for node_id in run.backups:
                 self._ack_write(node_id)
         for x in run.host_bound.values():  # children before parents
-            if x.device_children == 0 and x.backuped:
-                self._evict_backuped(x, run.frees)
-            elif x.device_children == 0 and self._droppable(x) and x.parent is not None:
-                self._evict_regular(x, run.frees)
+            if (x.backuped and x.device_children == 0) or self._droppable(x):
+                self._evict_device(x, run.frees)
             else:
                 run.freed -= len(x.value)
                 run.kept[x.id] = x
@@ -626,58 +564,44 @@ class HiRadixCache(RadixCache):
         run.host_bound_children.clear()
 
     def _droppable(self, node: TreeNode) -> bool:
-        """A device leaf may be deleted with its host-only subtree unless a host copy below it is
-        protected or a child is still device-resident."""
-        return node.host_ref == 0 and node.device_children == 0
+        """An attached device leaf with no protected host copy below may be deleted."""
+        return node.parent is not None and node.host_ref == 0 and node.device_children == 0
 
-    def _evict_backuped(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
-        """Drop the device copy of a backed-up node (its slots go to ``frees``)."""
+    def _evict_device(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
+        """Free a device leaf's copy (slots to ``frees``): a backed-up one stays host-only, any
+        other is deleted with its host-only subtree (KV lost)."""
         n = len(node.value)
         frees.append(node.value)
         self.evictable_size_ -= n
-        node.value = None
-        self._drop_device_child(node.parent)
-        self._host_queue.push_if_candidate(node)
-        if self.stats is not None:
-            self.stats.record_evict_device(n)
-        return n
-
-    def _evict_regular(self, node: TreeNode, frees: list[torch.Tensor]) -> int:
-        """Delete a device leaf without a host copy (KV lost) with its host-only subtree."""
-        n = len(node.value)
-        frees.append(node.value)
-        self.evictable_size_ -= n
-        host_frees: list[torch.Tensor] = []
-        stack = list(node.children.values())
-        while stack:
-            x = stack.pop()
-            stack.extend(x.children.values())
-            host_frees.append(x.host_value)
-            x.parent = None  # deleted with the subtree
-            if x.queued:
-                self._note_stale()
-        if node.host_value is not None:  # not reached: backed-up leaves are never deleted
-            host_frees.append(node.host_value)
-        self._free_host(host_frees)
         parent = node.parent
-        self._delete_leaf(node)
+        if node.backuped:
+            node.value = None
+            self._host_queue.push_if_candidate(node)
+        else:
+            host_frees: list[torch.Tensor] = []
+            stack = list(node.children.values())
+            while stack:
+                x = stack.pop()
+                stack.extend(x.children.values())
+                host_frees.append(x.host_value)
+                x.parent = None  # deleted with the subtree
+                if x.queued:
+                    self._note_stale()
+            self._free_host(host_frees)
+            self._delete_leaf(node)
         self._drop_device_child(parent)
         if self.stats is not None:
             self.stats.record_evict_device(n)
         return n
 
     def _free_device(self, frees: list[torch.Tensor]) -> None:
-        """Give device slots that left the tree back to the controller, in one call."""
         if frees:
             slots = frees[0] if len(frees) == 1 else torch.cat(frees)
             self.controller.evict_device(slots)
-            self._disown(slots)
-
-    # ------------------------------------------------------------------ host eviction
+            self._set_owned(slots, False)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host tokens from host-only, unprotected leaves in LRU
-        order (a device node's host copy is a mirror, never freed alone); returns the tokens."""
+        """Free at least ``num_tokens`` host tokens from host-only, unprotected LRU leaves."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         taken = self._pop_leaves(self._host_queue, num_tokens, device=False)
@@ -685,7 +609,6 @@ class HiRadixCache(RadixCache):
         return sum(len(x.host_value) for x, _ in taken)
 
     def _free_host(self, slots: list[torch.Tensor]) -> None:
-        """Give host slots of deleted nodes back to the controller, in one call."""
         if not slots:
             return
         host = slots[0] if len(slots) == 1 else torch.cat(slots)
@@ -693,21 +616,19 @@ class HiRadixCache(RadixCache):
         if self.stats is not None:
             self.stats.record_evict_host(host.numel())
 
-    # ------------------------------------------------------------------ L3 storage
-
-    def _assign_hashes(self, node: TreeNode) -> None:
-        """SGLang's ``compute_node_hash_values``: page keys chained from the parent's last."""
+    def _chained_keys(self, node: TreeNode, tokens: bytes) -> list[str]:
+        """Page keys of ``tokens`` (``node``'s) chained from its parent's last key (SGLang's
+        ``compute_node_hash_values``)."""
         parent = node.parent
         prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
-        node.hash_value = page_hashes(np.frombuffer(node.tokens, np.int64), self.page_size, prior)
+        return page_hashes(np.frombuffer(tokens, np.int64), self.page_size, prior)
 
     def insert_host(
         self, anchor: TreeNode, key: list[int], host_indices: torch.Tensor, hashes: list[str]
     ) -> int:
-        """SGLang's ``insert_host``: pages fetched from storage (``key``, whole pages right after
-        ``anchor``) enter as one host-only node below what is already there, taking a clone of
-        ``host_indices[returned:]``. Returns the tokens already in the tree (their slots stay
-        the caller's). ``ValueError``, nothing changed, for mismatched lengths."""
+        """SGLang's ``insert_host``: pages fetched from storage (whole pages right after
+        ``anchor``) enter as one host-only node taking a clone of ``host_indices[returned:]``;
+        returns the tokens already in the tree. ``ValueError`` for mismatched lengths."""
         ps = self.page_size
         if len(key) % ps or len(key) != host_indices.numel() or len(hashes) != len(key) // ps:
             raise ValueError(
@@ -743,8 +664,6 @@ class HiRadixCache(RadixCache):
             x = x.parent
         return n
 
-    # ------------------------------------------------------------------ integrity
-
     def check_integrity(self, request_owned: int = 0) -> None:
         """``RadixCache.check_integrity``; with storage, every node also carries one key per page
         chained from its parent's, and no ``buffer_only`` node keeps a host copy."""
@@ -755,10 +674,7 @@ class HiRadixCache(RadixCache):
         for x in self.all_nodes():
             if x.hash_value is None or len(x.hash_value) != x.num_tokens // ps:
                 raise AssertionError(f"storage: {x!r} lacks one page key per page")
-            parent = x.parent
-            prior = parent.hash_value[-1] if parent is not None and parent.hash_value else None
-            first = np.frombuffer(x.tokens[: ps * TOKEN_BYTES], np.int64)
-            if page_hashes(first, ps, prior)[0] != x.hash_value[0]:
+            if self._chained_keys(x, x.tokens[: ps * TOKEN_BYTES])[0] != x.hash_value[0]:
                 raise AssertionError(f"storage: {x!r}'s first key does not continue its parent's")
             if self.storage.buffer_only and x.host_value is not None:
                 raise AssertionError(f"storage: buffer_only, yet {x!r} keeps a host copy")
@@ -782,8 +698,7 @@ class HiRadixCache(RadixCache):
         return sum(h.numel() for h, _ in self._storage_writes.values())
 
     def host_in_flight(self) -> int:
-        """Host slots outside the tree: the controller's deferred frees, unacked
-        ``buffer_only`` staging, and what the storage tier holds."""
+        """Host slots outside the tree: deferred frees, staging, what the storage tier holds."""
         held = self.controller.host_in_flight()
         if self.storage is not None:
             held += self.storage.host_slots_held()

@@ -1,13 +1,7 @@
-"""Structural and accounting checks of a radix tree and the pools it indexes.
-
-``check_tree(tree, request_owned)`` raises ``AssertionError`` naming the first broken invariant:
-node shape and reachability, path counts, device-resident nodes forming a prefix of every path,
-each tier's queue holding exactly its candidates, the size counters, no slot owned twice, both
-ledgers (free + in tree + request-owned + in flight == total), and unacked copies neither
-matchable nor detached; plus the allocators' and the controller's own checks. O(tree size): for
-tests and idle-time checks. The trees import this module and are seen through ``TreeView`` /
-``HiTreeView`` (public members only).
-"""
+"""Structural and accounting checks of a radix tree and its pools, O(tree size): ``check_tree``
+raises ``AssertionError`` naming the first broken invariant (node shape, path counts, queues,
+counters, slots owned once, both ledgers, unacked copies). The trees are seen through
+``TreeView`` / ``HiTreeView``."""
 
 from __future__ import annotations
 
@@ -33,7 +27,6 @@ class TreeView(Protocol):
     owned_pages: torch.Tensor | None
 
     def all_nodes(self) -> list[TreeNode]: ...
-
     def eviction_queues(self) -> tuple[LRUQueue, ...]: ...
 
 
@@ -47,9 +40,7 @@ class HiTreeView(TreeView, Protocol):
     ongoing_load_back: dict[int, TreeNode]
 
     def device_in_flight(self) -> int: ...
-
     def host_in_flight(self) -> int: ...
-
     def unacked_write_host_slots(self) -> torch.Tensor: ...
 
 
@@ -85,19 +76,19 @@ def _check_node(tree: TreeView, x: TreeNode) -> None:
             _fail(f"{x!r} is evicted but has a device-resident child")
 
 
-def _check_unique_allocated(slots: list[torch.Tensor], allocator, tier: str) -> int:
+def _check_unique_allocated(slots: list[torch.Tensor], allocator, tier: str) -> torch.Tensor:
+    """The tier's slots in the tree (CPU), checked owned once and allocated."""
     if not slots:
-        return 0
+        return torch.empty((0,), dtype=torch.int64)
     allv = torch.cat([s.cpu() for s in slots])
     if torch.unique(allv).numel() != allv.numel():
         _fail(f"a {tier} slot is owned by two nodes")
     if allocator is not None and not allocator.is_allocated(allv):
         _fail(f"a {tier} slot in the tree is free in its allocator")
-    return allv.numel()
+    return allv
 
 
 def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
-    """Check ``tree`` (a ``RadixCache`` or ``HiRadixCache``); see the module docstring."""
     if request_owned < 0:
         raise ValueError(f"request_owned must be >= 0, got {request_owned}")
     controller = getattr(tree, "controller", None)
@@ -130,11 +121,15 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
         )
     if tree.root_node.lock_ref != 1 or tree.root_node.value is None:
         _fail("the root lost its sentinel lock or its (empty) device value")
-
     if tree.allocator is None:  # a simulated tree: no pool to balance
         return
-    n_dev = _check_unique_allocated(device_slots, tree.allocator, "device")
-    _check_owned_pages(tree, device_slots)
+    dev = _check_unique_allocated(device_slots, tree.allocator, "device")
+    owned = tree.owned_pages
+    if owned is not None and not torch.equal(
+        torch.nonzero(owned.cpu()).flatten(), torch.unique(dev // tree.page_size)
+    ):
+        _fail("the map of owned device pages disagrees with the nodes' device slots")
+    n_dev = dev.numel()
     in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
     pending = tree.allocator.group_freed_size()
     allocated = tree.allocator.size - tree.allocator.available_size() - pending
@@ -149,8 +144,7 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
         if host_slots:
             _fail("a device-only tree holds host slots")
         return
-
-    n_host = _check_unique_allocated(host_slots, host_alloc, "host")
+    n_host = _check_unique_allocated(host_slots, host_alloc, "host").numel()
     host_in_flight = tree.host_in_flight()
     host_allocated = host_alloc.size - host_alloc.available_size()
     if host_allocated != n_host + host_in_flight:
@@ -159,18 +153,6 @@ def check_tree(tree: TreeView | HiTreeView, request_owned: int = 0) -> None:
             f"{host_in_flight} (free {host_alloc.available_size()}, total {host_alloc.size})"
         )
     _check_unacked(tree, nodes)
-
-
-def _check_owned_pages(tree: TreeView, device_slots: list[torch.Tensor]) -> None:
-    owned = tree.owned_pages
-    if owned is None:
-        return
-    ps = tree.page_size
-    pages = torch.empty((0,), dtype=torch.int64)
-    if device_slots:
-        pages = torch.unique(torch.cat([s.cpu() for s in device_slots]) // ps)
-    if not torch.equal(torch.nonzero(owned.cpu()).flatten(), pages):
-        _fail("the map of owned device pages disagrees with the nodes' device slots")
 
 
 def _check_queues(tree: TreeView, nodes: list[TreeNode]) -> None:

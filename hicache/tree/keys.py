@@ -1,10 +1,5 @@
-"""Token keys as the radix tree stores and compares them: packed native int64 bytes.
-
-A caller's token ids (``array('q')``, a list, a 1-D integer tensor or array) become one ``bytes``
-object, 8 bytes a token (``key_bytes``), as every node stores its edge. A walk then costs one
-dict lookup by first page and one ``memcmp`` per node, no Python work per token; only the node
-where the key diverges needs the common prefix (``match_bytes``). Nothing here knows the tree.
-"""
+"""Token keys as the tree stores and compares them: packed native int64 bytes, 8 a token, so a
+walk does one dict lookup and one ``memcmp`` per node (docs/DESIGN.md section 6)."""
 
 from __future__ import annotations
 
@@ -28,13 +23,8 @@ def key_bytes(key: Sequence[int] | torch.Tensor | array | np.ndarray) -> bytes:
     """``key``'s token ids as native int64 bytes; ``ValueError`` for a string, a tensor or
     array that is not 1-D integer, or items that are not int64 token ids."""
     kind = type(key)
-    if kind is array:
-        if key.typecode == "q":
-            return key.tobytes()
-        try:
-            return array("q", key).tobytes()
-        except (TypeError, OverflowError) as exc:
-            raise _not_token_ids(exc) from exc
+    if kind is array and key.typecode == "q":
+        return key.tobytes()
     if kind is list:
         return list_bytes(key, 0, len(key))
     if isinstance(key, torch.Tensor):
@@ -58,8 +48,6 @@ def key_bytes(key: Sequence[int] | torch.Tensor | array | np.ndarray) -> bytes:
 
 
 def list_bytes(key: list[int], start: int, stop: int) -> bytes:
-    """``key[start:stop]`` (a list of ints) as native int64 bytes (``match_prefix`` reads a
-    first page this way, so a miss converts one page)."""
     try:  # struct converts a list of ints faster than array() or numpy do (~1 compare each)
         if start == 0 and stop == len(key):
             return struct.pack(f"{stop}q", *key)  # no slice: the whole key, as insert needs it
@@ -69,7 +57,6 @@ def list_bytes(key: list[int], start: int, stop: int) -> bytes:
 
 
 def token_list(tokens: bytes) -> list[int]:
-    """Packed token bytes back as a list of ints (for checks, digests and readers; O(n))."""
     return memoryview(tokens).cast("q").tolist()
 
 

@@ -1,12 +1,7 @@
-"""LRU order of a radix tree's eviction candidates, one queue per tier.
-
-A heap of ``(last_access_time, node id, node)`` kept lazily: the tree pushes a node whenever it
-*may have become* a candidate; a node holds at most one entry per queue (its bit in
-``node.queued``); an entry whose node stopped being a candidate is dropped when it reaches the
-top, and one older than its node's access time is pushed again with the new time. Access times
-only grow, so the first current entry of a candidate is the least recently used candidate (ties:
-older node first). Evicting k nodes pops k entries, O(k log n).
-"""
+"""LRU order of a radix tree's eviction candidates, one lazy heap of ``(last_access_time, node
+id, node)`` per tier. A node that *may have become* a candidate is pushed, at most once per queue
+(its bit in ``node.queued``); at the top, a non-candidate is dropped and a stale time refreshed.
+Access times only grow, so the first current entry is the least recently used candidate."""
 
 from __future__ import annotations
 
@@ -22,21 +17,17 @@ HOST = 2  # ... and of the host queue
 
 
 def is_device_candidate(x: TreeNode) -> bool:
-    """Device-resident, unlocked, attached, and no child on the device (a device leaf)."""
     return (
         x.value is not None and x.lock_ref == 0 and x.device_children == 0 and x.parent is not None
     )
 
 
 def is_host_candidate(x: TreeNode) -> bool:
-    """Host-only, childless, attached, and not protected by a load (``host_ref == 0``)."""
     return x.value is None and not x.children and x.host_ref == 0 and x.parent is not None
 
 
 class LRUQueue:
-    """Candidates of one tier's eviction, least recently used first. ``is_candidate`` is the
-    tier's O(1) test, ``mask`` its bit in ``TreeNode.queued``; the tree decides what a popped
-    node loses."""
+    """One tier's candidates, LRU first: ``is_candidate`` is its O(1) test, ``mask`` its bit."""
 
     __slots__ = ("heap", "mask", "is_candidate")
 
@@ -59,8 +50,7 @@ class LRUQueue:
             self.push(x)
 
     def peek(self) -> TreeNode | None:
-        """The least recently used candidate, left in the queue; ``None`` when there is none.
-        Drops and refreshes the stale entries above it (amortized O(log n))."""
+        """The LRU candidate, left queued (``None``: none); drops or refreshes stale entries."""
         heap = self.heap
         is_candidate = self.is_candidate
         while heap:
@@ -75,7 +65,6 @@ class LRUQueue:
         return None
 
     def pop(self) -> TreeNode | None:
-        """Remove and return the least recently used candidate; ``None`` when there is none."""
         x = self.peek()
         if x is not None:
             heapq.heappop(self.heap)
@@ -94,5 +83,4 @@ class LRUQueue:
         self.heap = keep
 
     def nodes(self) -> Iterator[TreeNode]:
-        """Every node holding an entry (for integrity checks)."""
         return (x for _, _, x in self.heap)

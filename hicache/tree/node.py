@@ -1,9 +1,5 @@
-"""Radix tree nodes, match results, one step of the walk, the split, and insert's argument check.
-
-``TreeNode`` is one edge; it carries the host tier's fields too, so ``RadixCache`` and
-``HiRadixCache`` share one node type and one walk (``descend``). A split keeps both tiers' slots
-and page keys with their tokens and changes no accounting. Nothing here owns slots.
-"""
+"""Radix tree nodes (both tiers' fields), match results, one step of the walk, the split, and
+insert's argument check. Nothing here owns slots."""
 
 from __future__ import annotations
 
@@ -17,10 +13,8 @@ from hicache.tree.keys import TOKEN_BYTES, key_bytes, match_bytes, token_list
 
 
 class TreeNode:
-    """One edge of the radix tree: ``tokens`` (packed, whole pages), device slots ``value`` and
-    host slots ``host_value`` (``None`` when absent), path counts ``lock_ref`` / ``host_ref``,
-    ``device_children`` (O(1) leaf test), ``queued`` (bits of the queues holding it),
-    ``hash_value`` (one L3 key per page, with storage) and ``children`` by first page."""
+    """One edge: ``tokens`` (packed, whole pages), slots ``value`` / ``host_value`` (``None``:
+    absent), path counts ``lock_ref`` / ``host_ref``, ``queued`` (bits of the queues holding it)."""
 
     __slots__ = (
         "id",
@@ -62,7 +56,7 @@ class TreeNode:
 
     @property
     def key(self) -> list[int]:
-        """The edge's token ids as a list (a fresh list, O(len); the walk never uses it)."""
+        """The edge's token ids as a fresh list (O(len))."""
         return token_list(self.tokens)
 
     @property
@@ -71,12 +65,10 @@ class TreeNode:
 
     @property
     def evicted(self) -> bool:
-        """True when the node has no device copy (its KV lives on the host only)."""
         return self.value is None
 
     @property
     def backuped(self) -> bool:
-        """True when the node has a host copy (SGLang's spelling)."""
         return self.host_value is not None
 
     def __repr__(self) -> str:
@@ -87,9 +79,7 @@ class TreeNode:
 
 
 class MatchResult(NamedTuple):
-    """``match_prefix``'s result: the device slots of the matched device prefix, its last
-    node (root when none), the deepest matched node of either tier, and the tokens matched past
-    the device prefix (host only)."""
+    """``match_prefix``'s result; ``host_hit_length``: tokens matched past the device prefix."""
 
     device_indices: torch.Tensor
     last_device_node: TreeNode
@@ -98,10 +88,8 @@ class MatchResult(NamedTuple):
 
 
 def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
-    """Split ``child`` into ``new -> child``, ``new`` holding the first ``split`` bytes (whole
-    pages) with both tiers' slots under them. ``new`` inherits the path counts, access time and
-    hit count and takes ``child``'s entry in the parent; having a child, it needs no queue
-    entry."""
+    """Split ``child`` into ``new -> child``, ``new`` taking the first ``split`` bytes (whole
+    pages), both tiers' slots and page keys under them, the path counts and the parent's entry."""
     n = split // TOKEN_BYTES
     tokens = child.tokens
     parent = child.parent
@@ -116,7 +104,7 @@ def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
     if child.host_value is not None:
         new.host_value = child.host_value[:n]
         child.host_value = child.host_value[n:]
-    if child.hash_value is not None:  # page keys follow their pages (L3 storage)
+    if child.hash_value is not None:
         pages = split // page_bytes
         new.hash_value = child.hash_value[:pages]
         child.hash_value = child.hash_value[pages:]
@@ -130,9 +118,8 @@ def split_node(child: TreeNode, split: int, page_bytes: int) -> TreeNode:
 def descend(
     child: TreeNode, key: bytes, start: int, end: int, now: int, page_bytes: int
 ) -> TreeNode:
-    """One node of a walk: stamp ``child`` (found under ``key``'s page at ``start``) with
-    ``now`` and return the node covering exactly the match of ``key[start:end]``: ``child``, or
-    the upper half of its split (both halves stamped, as SGLang)."""
+    """One step of a walk: stamp ``child`` with ``now``; return it, or the upper half of its split
+    when ``key[start:end]`` diverges or ends inside it."""
     tokens = child.tokens
     child.last_access_time = now
     if start + len(tokens) <= end and key.startswith(tokens, start):
@@ -147,9 +134,8 @@ def check_insert_args(
     page_size: int,
     simulated: bool,
 ) -> tuple[bytes, torch.Tensor]:
-    """``(key bytes, value)`` cut to whole pages (SGLang ``RadixKey.page_aligned``) after
-    checking ``value`` is 1-D int64 on ``device``'s type, one slot a token; ``None`` only in a
-    simulated tree (token ids stand in for slots). ``ValueError`` otherwise."""
+    """``(key bytes, value)`` cut to whole pages; ``ValueError`` unless ``value`` is 1-D int64 on
+    ``device``'s type, one slot a token (``None`` only in a simulated tree)."""
     kb = key_bytes(key)
     n = len(kb) // TOKEN_BYTES
     if value is None:
@@ -169,9 +155,5 @@ def check_insert_args(
         raise ValueError(f"value is on {value.device}, the tree's slots are on {device}")
     if n != value.numel():
         raise ValueError(f"key has {n} tokens but value has {value.numel()} slots")
-    tail = n % page_size
-    if tail:
-        n -= tail
-        kb = kb[: n * TOKEN_BYTES]
-        value = value[:n]
-    return kb, value
+    n -= n % page_size
+    return kb[: n * TOKEN_BYTES], value[:n]

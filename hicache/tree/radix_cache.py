@@ -1,12 +1,7 @@
-"""Device-only radix tree over token ids (SGLang ``RadixCache``), page-aligned.
-
-Owns the walk (match, split, insert), the locks, the device accounting and the device queue of
-eviction candidates, kept current on every change so that evicting k leaves pops k entries.
-Invariant: each node owns the device slots of its edge; a request owns its slots until it
-``insert``s them, after which the tree owns the new nodes' slots and the caller frees its
-duplicates of the prefix already present. ``HiRadixCache`` adds the host tier on the same
-``TreeNode``.
-"""
+"""Device-only radix tree over token ids (SGLang ``RadixCache``), page-aligned: the walk, the
+locks, the device accounting and the device queue of eviction candidates. Each node owns the
+device slots of its edge; a request owns its slots until it ``insert``s them, then frees its
+duplicates of the prefix already present."""
 
 from __future__ import annotations
 
@@ -27,12 +22,9 @@ if TYPE_CHECKING:
 
 
 class RadixCache:
-    """Device-only prefix cache with LRU eviction of unlocked leaves.
-
-    ``allocator=None`` makes a simulated tree (SGLang's ``RadixCache.create_simulated``):
-    ``insert`` may omit ``value`` (token ids stand in for slots) and eviction frees nothing.
-    ``page_size`` must be the allocator's; ``device`` defaults to the allocator's.
-    """
+    """Device-only prefix cache with LRU eviction of unlocked leaves. ``allocator=None`` makes
+    a simulated tree (SGLang's ``create_simulated``): ``insert`` may omit ``value`` (token ids
+    stand in for slots) and eviction frees nothing."""
 
     def __init__(
         self,
@@ -56,8 +48,6 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.reset()
 
-    # ------------------------------------------------------------------ basics
-
     def reset(self) -> None:
         """Forget every node (does not free slots: only for a fresh or fully drained pool)."""
         self.root_node = TreeNode()
@@ -80,7 +70,6 @@ class RadixCache:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def eviction_queues(self) -> tuple[LRUQueue, ...]:
-        """One LRU queue of eviction candidates per tier."""
         return (self._device_queue,)
 
     def _tick(self) -> int:
@@ -103,15 +92,9 @@ class RadixCache:
         """Whether ``insert`` may start a host backup of the pages it is given. Never here."""
         return False
 
-    # ------------------------------------------------------------------ match
-
     def match_prefix(self, key: Sequence[int] | torch.Tensor) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages (``keys.key_bytes`` takes it).
-
-        Splits the node the match ends inside (refreshed first, as SGLang) and refreshes access
-        times along the path. A miss returns one shared empty result (read-only);
-        ``device_indices`` is a fresh tensor, never a view of the tree's.
-        """
+        """Longest cached prefix of ``key`` in whole pages; splits the node the match ends inside.
+        A miss returns one shared (read-only) result; else ``device_indices`` is a fresh tensor."""
         root = self.root_node
         pb = self.page_bytes
         if type(key) is list and (
@@ -127,8 +110,7 @@ class RadixCache:
         root.last_access_time = now
         values: list[torch.Tensor] = []
         node = last_device = root
-        host_hit_length = 0
-        off = 0
+        host_hit_length = off = 0
         while child is not None:
             node = descend(child, kb, off, end, now, pb)
             n = len(node.tokens)
@@ -141,34 +123,25 @@ class RadixCache:
             if node is not child or off == end:  # split (the match ends inside) or key done
                 break
             child = node.children.get(kb[off : off + pb])
-        if not values:
-            device_indices = self._empty_indices
-        else:
-            device_indices = torch.cat(values)
+        device_indices = torch.cat(values) if values else self._empty_indices
         return MatchResult(device_indices, last_device, node, host_hit_length)
 
-    # ------------------------------------------------------------------ insert
-
-    # Slots: value[:returned] were already in the tree (the caller frees them); the rest up to
-    # the last whole page goes to the tree (as clones: revived host-only nodes or the new leaf);
-    # a partial last page stays the caller's.
     def insert(
         self,
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
     ) -> int:
-        """Insert ``key`` with device slots ``value`` (int64 ``[len(key)]``), both cut to whole
-        pages; ``chunked`` marks an unfinished (chunk-prefilled) request. Returns the length
-        already device-resident. ``ValueError``, state unchanged, for bad arguments or slots
-        the tree could not own."""
+        """Insert ``key`` with device slots ``value``, both cut to whole pages; returns the length
+        already device-resident (``value[:returned]`` stays the caller's to free; the tree clones
+        the rest). ``ValueError``, state unchanged, for bad arguments or slots it could not own."""
         kb, value = check_insert_args(
             key, value, self.device, self.page_size, self.allocator is None
         )
         if not kb:
             return 0
         if self.allocator is not None:
-            self._own(value[self._check_slots(kb, value) :])
+            self._set_owned(value[self._check_slots(kb, value) :], True)
         pb = self.page_bytes
         end = len(kb)
         now = self._tick()
@@ -203,9 +176,8 @@ class RadixCache:
         return present
 
     def _check_slots(self, kb: bytes, value: torch.Tensor) -> int:
-        """Where the slots the tree would take begin (a walk that changes nothing).
-        ``ValueError`` unless every slot is allocated and those the tree would take are whole
-        free-able pages no node owns; contents are read where ``content_checks`` allows."""
+        """Where the slots the tree would take begin; ``ValueError`` unless every slot is allocated
+        and those it would take are free-able pages no node owns (where ``content_checks``)."""
         pb = self.page_bytes
         end = len(kb)
         off = 0
@@ -242,18 +214,12 @@ class RadixCache:
         return present
 
     def _pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """The page of each whole page of ``slots``."""
         return slots[:: self.page_size] // self.page_size
 
-    def _own(self, slots: torch.Tensor) -> None:
-        """The tree now owns these device slots (whole pages)."""
+    def _set_owned(self, slots: torch.Tensor, owned: bool) -> None:
+        """These device slots (whole pages) entered (``owned``) or left the tree."""
         if self.owned_pages is not None and slots.numel():
-            self.owned_pages[self._pages(slots)] = True
-
-    def _disown(self, slots: torch.Tensor) -> None:
-        """These device slots (whole pages) left the tree."""
-        if self.owned_pages is not None and slots.numel():
-            self.owned_pages[self._pages(slots)] = False
+            self.owned_pages[self._pages(slots)] = owned
 
     def _add_device_tokens(self, node: TreeNode, n: int) -> None:
         """Count ``n`` device tokens of ``node`` (negative: uncount) as protected or evictable."""
@@ -266,16 +232,12 @@ class RadixCache:
         raise AssertionError("device-only tree has no evicted nodes")  # pragma: no cover
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
-        """An insert created ``node`` or passed through it while it was device-resident
-        (SGLang skips chunked inserts)."""
+        """An insert created or passed a device-resident ``node`` (SGLang skips chunked ones)."""
         if not chunked:
             node.hit_count += 1
 
-    # ------------------------------------------------------------------ locks
-
     def _check_attached(self, node: TreeNode, arg: str = "node") -> None:
-        """``ValueError`` unless ``node`` is in this tree (a deleted subtree's walk up ends at
-        ``parent is None``). O(depth)."""
+        """``ValueError`` unless ``node`` is in this tree (a deleted one's walk ends at None)."""
         if not isinstance(node, TreeNode):
             raise ValueError(f"{arg} must be a TreeNode, got {type(node).__name__}")
         root = self.root_node
@@ -306,16 +268,13 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Release one lock taken by ``inc_lock_ref(node)``; returns the tokens made evictable.
         Raises ``ValueError`` (state unchanged) when it would drop a count below zero."""
-        if not isinstance(node, TreeNode):
-            raise ValueError(f"node must be a TreeNode, got {type(node).__name__}")
+        self._check_attached(node)
         root = self.root_node
         x = node
         while x is not root:
             if x.lock_ref <= 0:
                 raise ValueError(f"dec_lock_ref({node!r}): lock_ref of {x!r} would go below 0")
             x = x.parent
-            if x is None:
-                raise ValueError(f"node {node!r} is not in this tree (deleted or foreign)")
         delta = 0
         push = self._device_queue.push
         x = node
@@ -330,8 +289,6 @@ class RadixCache:
         self.protected_size_ -= delta
         return delta
 
-    # ------------------------------------------------------------------ evict
-
     def _delete_leaf(self, node: TreeNode) -> None:
         """Unlink ``node`` from its parent; ``parent is None`` marks it deleted."""
         del node.parent.children[node.tokens[: self.page_bytes]]
@@ -340,8 +297,7 @@ class RadixCache:
             self._note_stale()
 
     def _note_stale(self) -> None:
-        """A deleted node kept a queue entry; compact the queues when such entries could be
-        half of them (amortized O(1) per deletion)."""
+        """A deleted node kept a queue entry; compact the queues when those could be half."""
         self._stale_entries += 1
         queues = self.eviction_queues()
         if self._stale_entries > 256 and 2 * self._stale_entries > sum(len(q) for q in queues):
@@ -376,12 +332,9 @@ class RadixCache:
         if parent is not self.root_node:
             self._device_queue.push_if_candidate(parent)
 
-    # Every slot of an evicted leaf goes back in one free; a free the allocator refuses
-    # relinks every leaf taken.
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device tokens from unlocked leaves in LRU order, or as
-        many as are evictable; returns the tokens freed. O(k log n) for k leaves. A refused
-        free propagates its ``ValueError`` with the tree unchanged."""
+        """Free at least ``num_tokens`` device tokens (LRU unlocked leaves, in one free), or all
+        evictable; returns the tokens freed. A refused free raises with the tree unchanged."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         taken = self._pop_leaves(self._device_queue, num_tokens, device=True)
@@ -393,7 +346,7 @@ class RadixCache:
             except ValueError:
                 self._relink(taken)
                 raise
-            self._disown(slots)
+            self._set_owned(slots, False)
         self.evictable_size_ -= freed
         return freed
 
@@ -411,8 +364,6 @@ class RadixCache:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return 0
 
-    # ------------------------------------------------------------------ hierarchy hooks
-
     def init_load_back(
         self, last_host_node: TreeNode, host_hit_length: int
     ) -> tuple[torch.Tensor, TreeNode]:
@@ -429,11 +380,8 @@ class RadixCache:
     def layer_wait(self, layer_id: int) -> None:
         """No host tier: KV of every layer is already on the device."""
 
-    # ------------------------------------------------------------------ integrity
-
     def check_integrity(self, request_owned: int = 0) -> None:
-        """``AssertionError`` when the tree or its pools are inconsistent (``integrity``);
-        ``request_owned``: device slots requests hold outside the tree."""
+        """``AssertionError`` on an inconsistent tree; ``request_owned``: slots requests hold."""
         check_tree(self, request_owned=request_owned)
 
     def all_nodes(self) -> list[TreeNode]:
