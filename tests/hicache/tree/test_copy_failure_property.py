@@ -24,7 +24,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -146,9 +145,12 @@ def _machine(config: Config, mode: str) -> type[RuleBasedStateMachine]:
                 self.tree.inc_lock_ref(node)
                 self.held.append(node)
 
-        @precondition(lambda self: self.held)
         @rule(i=st.integers(0, 100))
         def unlock(self, i: int) -> None:
+            # No precondition: what is held depends on copy timing, and Hypothesis needs the
+            # same rules enabled when it replays a sequence.
+            if not self.held:
+                return
             self.tree.dec_lock_ref(self.held.pop(i % len(self.held)))
 
         @rule(pages=st.integers(1, DEVICE_PAGES))
