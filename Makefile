@@ -67,10 +67,16 @@ lint: $(STAMP)
 SGLANG_PINS ?= 0.5.17 0.5.23
 SGLANG_VENV := .venv-sglang-check
 
-$(SGLANG_VENV)/.installed: Makefile
+# SGLang 0.5.23 depends on HuggingFace's `kernels` (import name `kernels`): installed at SGLang's
+# pin beside the project (editable here; a non-editable copy in project-wheel/, rebuilt per run),
+# so the check proves the project's namespace never shadows it.
+HF_KERNELS_PIN ?= kernels>=0.14.1,<0.15
+
+$(SGLANG_VENV)/.installed: Makefile pyproject.toml
 	$(PY) -m venv $(SGLANG_VENV)
 	$(call cpu_torch,$(SGLANG_VENV)/bin/pip)
-	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec
+	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec '$(HF_KERNELS_PIN)'
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
 	@touch $@
 
 sglang-check: $(SGLANG_VENV)/.installed
@@ -82,6 +88,8 @@ sglang-check: $(SGLANG_VENV)/.installed
 				sglang==$$pin && touch $(SGLANG_VENV)/sglang-$$pin/.done || exit 1; \
 		fi; \
 	done
+	@rm -rf $(SGLANG_VENV)/project-wheel
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --target $(SGLANG_VENV)/project-wheel .
 	PYTHONPATH=$(CURDIR) $(SGLANG_VENV)/bin/python -m tests.sglang_check \
 		--venv $(SGLANG_VENV) --pins $(SGLANG_PINS)
 

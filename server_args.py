@@ -26,6 +26,7 @@ DISAGGREGATION_MODE_CHOICES = ("null", "prefill", "decode")
 # "simulated": the in-process decode simulation (this project's default, deterministic);
 # "mooncake": a real decode worker, KV over Mooncake's transfer engine (SGLang's default).
 TRANSFER_BACKEND_CHOICES = ("simulated", "mooncake")
+DECODE_ALLOCATION_POLICY_CHOICES = ("early", "prefill_complete")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 MODEL_PRESET_CHOICES = ("tiny", "llama3-8b-shape", "deepseek-v2-lite-shape", "deepseek-v3-shape")
@@ -45,6 +46,13 @@ GATE_MAMBA = "Optimistic prefill does not support models that use mamba radix ca
 GATE_HICACHE_WRITE_THROUGH = (
     "Optimistic prefill supports L2 write-back/write-through or "
     "L3 buffer-only write-through hierarchical cache"
+)
+PREFILL_COMPLETE_FORCES_ATTEMPTS = (
+    "prefill_complete retains KV on prefill until prefill finishes: optimistic prefill on"
+)
+PREFILL_COMPLETE_NEEDS_ATTEMPTS = (
+    "prefill_complete requires optimistic prefill, but the resolved model/cache configuration "
+    "disabled it."
 )
 LAYOUT_DIRECT_NEEDS_DIRECT_IO = "Page first direct layout only support direct io backend"
 LAYOUT_PAGE_FIRST_WITH_DIRECT_IO = (
@@ -284,6 +292,13 @@ class ServerArgs:
         "control socket and transfer engines).",
         type=str,
     )
+    disaggregation_decode_allocation_policy: str = _opt(
+        "early",
+        "When decode reserves a request's KV: early (at bootstrap, SGLang's default) or "
+        "prefill_complete (after prefill finished; a prefill server then runs optimistic prefill, "
+        "as SGLang 0.5.23). prefill_complete is accepted for validation; the runtime refuses it.",
+        choices=DECODE_ALLOCATION_POLICY_CHOICES,
+    )
     optimistic_prefill_write_through: bool = _opt(
         False,
         "Keep optimistic prefill under L2 write_through (SGLang 0.5.23's gate). Off = the "
@@ -330,10 +345,17 @@ class ServerArgs:
         errors = self._validation_errors()
         if errors:
             raise ValueError("invalid server arguments:\n  - " + "\n  - ".join(errors))
+        self._handle_decode_allocation_policy()
         self._handle_hicache_layout()
         self._handle_storage_layout()
         self._handle_host_memory_mode()
         self._handle_optimistic_prefill_gate()
+        if (
+            self.disaggregation_decode_allocation_policy == "prefill_complete"
+            and self.disaggregation_mode == "prefill"
+            and self.optimistic_prefill_attempts <= 0
+        ):
+            raise ValueError(PREFILL_COMPLETE_NEEDS_ATTEMPTS)
 
     # ------------------------------------------------------------------ resolution helpers
     def _resolve(self, name: str, new: Any, reason: str) -> None:
@@ -574,6 +596,39 @@ class ServerArgs:
         ):
             self._resolve("hicache_write_policy", "write_through", BUFFER_ONLY_WRITE_BACK)
 
+    def _handle_decode_allocation_policy(self) -> None:
+        """SGLang 0.5.23's PD hook: ``prefill_complete`` only where it is supported, and on a
+        prefill server with optimistic prefill (attempts 0 -> 1)."""
+        if self.disaggregation_decode_allocation_policy != "prefill_complete":
+            return
+        unsupported = []
+        if self.disaggregation_mode not in ("prefill", "decode"):
+            unsupported.append("aggregated serving")
+        if self.disaggregation_transfer_backend != "mooncake":
+            unsupported.append("transfer backends other than Mooncake")
+        if self.pp_size != 1:
+            unsupported.append("pipeline or attention context parallelism")
+        if self.tp_size != 1:
+            unsupported.append("attention tensor parallelism greater than one")
+        if self.disaggregation_mode == "decode" and self.enable_hierarchical_cache:
+            unsupported.append("decode radix cache or decode HiCache")
+        if (
+            self.disaggregation_mode == "prefill"
+            and self.enable_hierarchical_cache
+            and (
+                self.hicache_storage_backend is not None
+                or self.hicache_write_policy != "write_back"
+            )
+        ):
+            unsupported.append("prefill HiCache other than L2 write_back")
+        if unsupported:
+            raise ValueError(
+                "--disaggregation-decode-allocation-policy prefill_complete does not yet support "
+                + ", ".join(unsupported)
+            )
+        if self.disaggregation_mode == "prefill" and self.optimistic_prefill_attempts == 0:
+            self._resolve("optimistic_prefill_attempts", 1, PREFILL_COMPLETE_FORCES_ATTEMPTS)
+
     def _handle_optimistic_prefill_gate(self) -> None:
         """The upstream gate (SGLang 0.5.17's, or 0.5.23's with the write-through flag): the
         first matching rule resolves the attempts to 0."""
@@ -629,6 +684,11 @@ class ServerArgs:
             )
         if self.uses_mamba_radix_cache:
             out.append("--uses-mamba-radix-cache: mamba models are not implemented")
+        if self.disaggregation_decode_allocation_policy == "prefill_complete":
+            out.append(
+                "--disaggregation-decode-allocation-policy=prefill_complete: decode allocation "
+                "after prefill completes is not implemented"
+            )
         if self.disable_radix_cache:
             out.append("--disable-radix-cache: the runtime always uses a radix cache")
         if self.disaggregation_transfer_backend == "mooncake" and self.tp_size > 1:

@@ -24,7 +24,7 @@ from bench.summary import (
     run_info,
     write_results_readme,
 )
-from kernels._env import cuda_available, ensure_triton_interpret
+from hicache_prefill.kernels._env import cuda_available, ensure_triton_interpret
 
 ensure_triton_interpret()
 

@@ -33,7 +33,10 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$RES"
 rm -f "$OUT"/{results.tar.gz,status.txt,headline.txt,profile.json,plan.txt}
 export PY RES TRITON_CACHE_DIR=$WORK/triton_cache PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Uninstalled, the project is importable as hicache_prefill.* through a namespace of links.
+mkdir -p "$WORK/ns/hicache_prefill" || exit 2
+ln -s "$PWD"/kernels "$PWD"/hicache "$PWD"/prefill "$PWD"/server_args.py "$WORK/ns/hicache_prefill/"
+export PYTHONPATH="$WORK/ns:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # A fresh VM's MemAvailable may still be growing: the host pools may use all but 2 GiB of it.
 export HICACHE_HOST_MEMORY_RESERVE_BYTES=${HICACHE_HOST_MEMORY_RESERVE_BYTES:-2147483648}
 "$PY" bench/gpu/plan.py --render "${PLAN_ARGS[@]}" > "$OUT/plan.txt"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Column, table_header, table_row, write_json
-from server_args import prepare_server_args
+from hicache_prefill.server_args import prepare_server_args
 from tests.support.harness import single_torch_thread
 from tests.support.soak import SoakConfig, SoakReport, run_soak, soak_executor
 

@@ -11,25 +11,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.cache_stats import CacheStats
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import (
+from hicache_prefill.hicache.cache_stats import CacheStats
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
     device_pool_from_server_args,
 )
-from hicache.tp.agreed import agreed_alloc
-from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.streams import STREAM_MODES
-from hicache.tree.hiradix_cache import HiRadixCache
-from hicache.tree.radix_cache import RadixCache
+from hicache_prefill.hicache.tp.agreed import agreed_alloc
+from hicache_prefill.hicache.tp.group import SingleRankGroup, TPGroup
+from hicache_prefill.hicache.transfer.streams import STREAM_MODES
+from hicache_prefill.hicache.tree.hiradix_cache import HiRadixCache
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
 
 if TYPE_CHECKING:
-    from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-    from hicache.storage.io.controller import HiCacheStorageController
-    from hicache.transfer.controller import CopyTimer, HiCacheController
-    from hicache.transfer.streams import Delay, Streams
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+    from hicache_prefill.hicache.storage.io.controller import HiCacheStorageController
+    from hicache_prefill.hicache.transfer.controller import CopyTimer, HiCacheController
+    from hicache_prefill.hicache.transfer.streams import Delay, Streams
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def build_kv_cache(
         logger.info("KV cache: device only, %d tokens, page %d", allocator.size, args.page_size)
         return KVCache(device_pool, allocator, tree, None, None, stats, group)
 
-    from hicache.transfer.controller import HiCacheController
+    from hicache_prefill.hicache.transfer.controller import HiCacheController
 
     if host_pool is None:
         host_pool = _agreed_host_pool(args, device_pool, group)
@@ -178,7 +178,7 @@ def build_kv_cache(
     )
     storage = None
     if args.hicache_storage_backend is not None:
-        from hicache.storage.io.controller import build_storage_controller
+        from hicache_prefill.hicache.storage.io.controller import build_storage_controller
 
         try:
             storage = build_storage_controller(args, tree, host_pool, group)
@@ -204,8 +204,8 @@ def _agreed_host_pool(
 ) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
     """This rank's host pool, of the smallest capacity any rank asks for. A rank whose pool
     could not be built makes every rank raise ``ValueError``, not wait in a collective."""
-    from hicache.memory.host_pool import make_host_pool
-    from hicache.memory.host_ram import host_pool_tokens
+    from hicache_prefill.hicache.memory.host_pool import make_host_pool
+    from hicache_prefill.hicache.memory.host_ram import host_pool_tokens
 
     ratio, host_size = args.hicache_ratio, args.hicache_size
     mine = host_pool_tokens(

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tp.group import TPGroup
-from prefill.clock import Clock, WallClock
-from prefill.disagg.backends import make_decode_backend
-from prefill.disagg.protocol import DecodeBackend, DecodeLink, force_not_ready
-from prefill.executor_stats import ExecutorStats
-from prefill.integrity import check_executor
-from prefill.model.paged import PagedTransformer
-from prefill.request.kv import RequestKV
-from prefill.request.state import PrefillRequest, RequestResult
-from prefill.scheduler.admission import (
+from hicache_prefill.hicache.tp.group import TPGroup
+from hicache_prefill.prefill.clock import Clock, WallClock
+from hicache_prefill.prefill.disagg.backends import make_decode_backend
+from hicache_prefill.prefill.disagg.protocol import DecodeBackend, DecodeLink, force_not_ready
+from hicache_prefill.prefill.executor_stats import ExecutorStats
+from hicache_prefill.prefill.integrity import check_executor
+from hicache_prefill.prefill.model.paged import PagedTransformer
+from hicache_prefill.prefill.request.kv import RequestKV
+from hicache_prefill.prefill.request.state import PrefillRequest, RequestResult
+from hicache_prefill.prefill.scheduler.admission import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     AdmissionQueue,
     ReqToMetadataIdxAllocator,
@@ -32,16 +32,16 @@ from prefill.scheduler.admission import (
     metadata_buffer_count,
     resolved_attempts,
 )
-from prefill.scheduler.batch_runner import BatchRunner, CostModel
-from prefill.scheduler.inflight_queue import InflightQueue
-from prefill.scheduler.pending_kv import PendingKV
-from prefill.scheduler.storage_prefetch import StoragePrefetch
-from prefill.tp_lockstep.driver import TPDriver, agreed_clock
-from prefill.tp_lockstep.sync import PeerPolls
+from hicache_prefill.prefill.scheduler.batch_runner import BatchRunner, CostModel
+from hicache_prefill.prefill.scheduler.inflight_queue import InflightQueue
+from hicache_prefill.prefill.scheduler.pending_kv import PendingKV
+from hicache_prefill.prefill.scheduler.storage_prefetch import StoragePrefetch
+from hicache_prefill.prefill.tp_lockstep.driver import TPDriver, agreed_clock
+from hicache_prefill.prefill.tp_lockstep.sync import PeerPolls
 
 if TYPE_CHECKING:
-    from hicache.builder import KVCache
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.builder import KVCache
+    from hicache_prefill.server_args import ServerArgs
 
 
 class OptimisticPrefillExecutor:
@@ -62,7 +62,7 @@ class OptimisticPrefillExecutor:
     ) -> None:
         self.max_attempts = resolved_attempts(args)
         if cache is None:
-            from hicache.builder import build_kv_cache
+            from hicache_prefill.hicache.builder import build_kv_cache
 
             built = build_kv_cache(args, group=group)
             try:
@@ -80,7 +80,7 @@ class OptimisticPrefillExecutor:
             clock if clock is not None else WallClock(), self.group, decode
         )
         if model is None:
-            from prefill.model.factory import build_model
+            from hicache_prefill.prefill.model.factory import build_model
 
             model = build_model(args)
         self.args = args

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prefill.executor_stats import ExecutorStats
-from prefill.request.state import PrefillRequest, Stage
+from hicache_prefill.prefill.executor_stats import ExecutorStats
+from hicache_prefill.prefill.request.state import PrefillRequest, Stage
 
 if TYPE_CHECKING:
-    from prefill.scheduler.admission import ReqToMetadataIdxAllocator
+    from hicache_prefill.prefill.scheduler.admission import ReqToMetadataIdxAllocator
 
 
 class ExecutorView(Protocol):

@@ -22,7 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # Before any test module imports triton.
-from kernels._env import cuda_available, ensure_triton_interpret  # noqa: E402
+from hicache_prefill.kernels._env import cuda_available, ensure_triton_interpret  # noqa: E402
 
 ensure_triton_interpret()
 
@@ -30,7 +30,7 @@ HAS_CUDA = cuda_available()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from hicache.storage.mooncake import availability
+    from hicache_prefill.hicache.storage.mooncake import availability
     from tests.support import loopback
 
     if availability.shim_loaded():

@@ -12,7 +12,7 @@ import typing
 
 import pytest
 
-from server_args import (
+from hicache_prefill.server_args import (
     GATE_HICACHE,
     GATE_HICACHE_WRITE_THROUGH,
     GATE_MAMBA,
@@ -632,7 +632,7 @@ def test_bootstrap_delay_refuses_non_finite_seconds(delay):
 
 
 def test_cli_main_refuses_nan_instead_of_printing_it(capsys):
-    from server_args import main
+    from hicache_prefill.server_args import main
 
     assert main(["--hicache-ratio", "nan"]) == 2
     out = capsys.readouterr()
@@ -640,8 +640,8 @@ def test_cli_main_refuses_nan_instead_of_printing_it(capsys):
 
 
 def test_device_pool_larger_than_the_device_is_refused_with_the_flag(monkeypatch):
-    from hicache.builder import build_kv_cache
-    from hicache.memory import host_ram
+    from hicache_prefill.hicache.builder import build_kv_cache
+    from hicache_prefill.hicache.memory import host_ram
 
     with pytest.raises(ValueError, match="--max-total-tokens=1000000000000"):
         build_kv_cache(ServerArgs(device="cpu", max_total_tokens=10**12))
@@ -658,9 +658,68 @@ def test_device_pool_larger_than_the_device_is_refused_with_the_flag(monkeypatch
 
 @pytest.mark.parametrize("need", [4.0, True, "4"])
 def test_alloc_refuses_a_non_integer_size_and_changes_nothing(need):
-    from hicache.memory.allocator import TokenToKVPoolAllocator
+    from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
 
     alloc = TokenToKVPoolAllocator(64, 1, "cpu")
     with pytest.raises(ValueError, match="need_size"):
         alloc.alloc(need)
     assert alloc.available_size() == 64 and alloc.alloc(4).numel() == 4
+
+
+# ---------------------------------------------------------------- prefill_complete (SGLang 0.5.23)
+PREFILL_COMPLETE = dict(
+    disaggregation_decode_allocation_policy="prefill_complete",
+    disaggregation_transfer_backend="mooncake",
+)
+
+
+def test_prefill_complete_turns_optimistic_prefill_on_for_a_prefill_server() -> None:
+    args = ServerArgs(disaggregation_mode="prefill", **PREFILL_COMPLETE)
+    assert args.optimistic_prefill_attempts == 1
+    assert [r.field for r in args.resolutions] == ["optimistic_prefill_attempts"]
+    kept = ServerArgs(
+        disaggregation_mode="prefill", optimistic_prefill_attempts=3, **PREFILL_COMPLETE
+    )
+    assert kept.optimistic_prefill_attempts == 3
+    decode = ServerArgs(disaggregation_mode="decode", **PREFILL_COMPLETE)
+    assert decode.optimistic_prefill_attempts == 0
+
+
+@pytest.mark.parametrize(
+    "extra,unsupported",
+    [
+        (dict(disaggregation_mode="null"), "aggregated serving"),
+        (
+            dict(disaggregation_mode="prefill", disaggregation_transfer_backend="simulated"),
+            "transfer backends other than Mooncake",
+        ),
+        (dict(disaggregation_mode="prefill", pp_size=2), "pipeline"),
+        (dict(disaggregation_mode="prefill", tp_size=2), "attention tensor parallelism"),
+        (dict(disaggregation_mode="decode", enable_hierarchical_cache=True), "decode HiCache"),
+        (
+            dict(
+                disaggregation_mode="prefill",
+                enable_hierarchical_cache=True,
+                hicache_write_policy="write_through",
+            ),
+            "prefill HiCache other than L2 write_back",
+        ),
+    ],
+)
+def test_prefill_complete_refuses_what_sglang_refuses(extra: dict, unsupported: str) -> None:
+    with pytest.raises(ValueError, match="prefill_complete does not yet support .*" + unsupported):
+        ServerArgs(**{**PREFILL_COMPLETE, **extra})
+
+
+def test_prefill_complete_refused_when_the_gate_turns_optimism_off() -> None:
+    with pytest.raises(ValueError, match="prefill_complete requires optimistic prefill"):
+        ServerArgs(disaggregation_mode="prefill", uses_mamba_radix_cache=True, **PREFILL_COMPLETE)
+
+
+def test_prefill_complete_is_validation_only_at_runtime() -> None:
+    args = ServerArgs(disaggregation_mode="prefill", **PREFILL_COMPLETE)
+    with pytest.raises(ValueError, match="decode allocation after prefill completes"):
+        args.check_runtime_supported()
+    assert (
+        ServerArgs(disaggregation_mode="prefill").disaggregation_decode_allocation_policy == "early"
+    )

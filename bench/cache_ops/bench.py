@@ -19,7 +19,7 @@ from typing import Any
 from bench.cache_ops.sglang_loader import sglang_drivers
 from bench.cache_ops.trace import OPS, MultiTurnTrace, ProjectDriver, play_step
 from bench.common import positive
-from hicache.memory.allocator import page_ceil
+from hicache_prefill.hicache.memory.allocator import page_ceil
 
 ALL_OPS = OPS + ("evict_1pct", "evict_leaf")
 SIZES = (10_000, 100_000, 1_000_000)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.tree.radix_cache import RadixCache
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
 
 SEGMENT, VOCAB = 16, 50_000
 OPS = ("match", "miss", "insert", "lock", "unlock")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from bench.e2e.driver import TraceRun
-from prefill.request.state import Outcome
+from hicache_prefill.prefill.request.state import Outcome
 from tests.support.harness import decode_kv_and_reference, kv_max_rel_error
 
 KV_REL_TOL = 0.2

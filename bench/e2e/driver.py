@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state import Outcome, RequestResult
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.request.state import Outcome, RequestResult
 
 
 @dataclass

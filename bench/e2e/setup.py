@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from bench.profile import GpuProfile
-from hicache.builder import KVCache, build_kv_cache
-from hicache.transfer.controller import HiCacheController
-from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.simulated import PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.model.factory import build_model
-from prefill.model.paged import PagedTransformer
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import KVCache, build_kv_cache
+from hicache_prefill.hicache.transfer.controller import HiCacheController
+from hicache_prefill.prefill.clock import VirtualClock, WallClock
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.model.paged import PagedTransformer
+from hicache_prefill.server_args import ServerArgs
 from tests.support.harness import make_executor
 
 # The CPU model: small enough for minutes on 2 cores. On CUDA the Llama-3-8B shape in bf16.

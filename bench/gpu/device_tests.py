@@ -30,10 +30,10 @@ def variants() -> list[str]:
 
     from bench.transfer.bench import GPU_QUICK as SZ
     from bench.transfer.bench import Pools
-    from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-    from hicache.memory.host_pool import make_host_pool
-    from kernels.sglang.warm_up import warm_up
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+    from hicache_prefill.hicache.memory.host_pool import make_host_pool
+    from hicache_prefill.kernels.sglang.warm_up import warm_up
+    from hicache_prefill.server_args import ServerArgs
 
     done = []
     for preset, mla in (("llama3-8b-shape", False), ("deepseek-v2-lite-shape", True)):

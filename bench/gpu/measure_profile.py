@@ -15,11 +15,11 @@ import torch
 
 from bench.common import time_ms
 from bench.profile import CopyPath, ForwardCost, GpuProfile, load_profile
-from hicache.memory.device_pool import MHATokenToKVPool
-from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
-from prefill.model.factory import build_model
-from prefill.model.paged import ExtendInput
-from server_args import ServerArgs
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.model.paged import ExtendInput
+from hicache_prefill.server_args import ServerArgs
 
 SHAPES = {
     False: ((16, 0), (1024, 0), (4096, 0), (8192, 0), (2048, 6144), (1024, 15360)),

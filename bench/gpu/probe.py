@@ -135,7 +135,7 @@ def check_kernel(kernel: Any, src: Any, dst: Any, how: str, what: str) -> None:
     try:
         ptr = src
         if how == "uint64 table":
-            import kernels
+            from hicache_prefill import kernels
 
             ptr = kernels.data_ptr_table([src], dst.device)
         elif how == "int64 table":

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from bench.common import time_ms, write_json
-from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.memory.host_pool import make_host_pool
-from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
-from hicache.storage.config import storage_config_for_pool
-from hicache.storage.file_backend import HiCacheFile
-from hicache.storage.hash_keys import page_hashes
-from prefill.clock import WallClock
-from server_args import prepare_server_args
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import make_host_pool
+from hicache_prefill.hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.prefill.clock import WallClock
+from hicache_prefill.server_args import prepare_server_args
 from tests.support.harness import make_executor, single_torch_thread
 
 MEASURED_ON = "a CPU, wall clock"

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from bench.common import Column, print_table, write_json
-from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.memory.host_pool import make_host_pool
-from hicache.storage.backend_factory import StorageBackendFactory
-from hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
-from hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import make_host_pool
+from hicache_prefill.hicache.storage.backend_factory import StorageBackendFactory
+from hicache_prefill.hicache.storage.base import STORAGE_BATCH_SIZE as BATCH
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
 from tests.support.loopback import skip_reason
 from tests.support.mooncake_master import MooncakeMaster
 from tests.support.node_main import Node

@@ -36,9 +36,9 @@ from bench.e2e.setup import (
 )
 from bench.e2e.workload import Conversation, make_conversations
 from bench.profile import GpuProfile
-from hicache.memory.allocator import page_ceil
-from prefill.disagg.simulated import PeerConfig
-from server_args import ServerArgs
+from hicache_prefill.hicache.memory.allocator import page_ceil
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.server_args import ServerArgs
 
 CONFIGS = {  # in run order: the headline (L2 write_through vs device-only) first
     "device_only": dict(enable_hierarchical_cache=False),

@@ -38,10 +38,10 @@ from bench.e2e.setup import (
 )
 from bench.e2e.workload import cached_prompts, poisson_arrivals
 from bench.profile import GpuProfile
-from hicache.memory.allocator import page_ceil
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.hicache.memory.allocator import page_ceil
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 
 RATIO = "ttft_mean_speedup_vs_0"
 WRITE_THROUGH_FLAG = "optimistic_prefill_write_through"

@@ -26,15 +26,18 @@ import numpy as np
 
 from bench.common import Column, print_table, write_json
 from bench.profile import CopyPath
-from hicache.storage.mooncake.availability import shim_loaded
-from prefill.clock import WallClock
-from prefill.disagg.backends import make_decode_backend
-from prefill.disagg.mooncake.engine import KVTransferEngine
-from prefill.executor import OptimisticPrefillExecutor as Executor
-from prefill.model.factory import build_model
-from prefill.request.state import Outcome
-from prefill.scheduler.admission import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
-from server_args import ServerArgs, prepare_server_args
+from hicache_prefill.hicache.storage.mooncake.availability import shim_loaded
+from hicache_prefill.prefill.clock import WallClock
+from hicache_prefill.prefill.disagg.backends import make_decode_backend
+from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor as Executor
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.prefill.scheduler.admission import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    metadata_buffer_count,
+)
+from hicache_prefill.server_args import ServerArgs, prepare_server_args
 from tests.support import harness
 from tests.support.loopback import preload_env, skip_reason
 from tests.support.mooncake_decode import DecodeWorker, MooncakeDecode, start_workers, wait_for

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.builder import KVCache, build_kv_cache
-from hicache.storage.io.workers import CacheRequestHandle
-from hicache.tree.radix_cache import RadixCache
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import KVCache, build_kv_cache
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
+from hicache_prefill.server_args import ServerArgs
 
 BLOCK = 512
 TOKEN_BYTES = 4  # K and V of one layer, one head, head_dim 1, float16

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-import kernels
 from bench.common import Column, table_header, table_row, time_left, write_json
-from hicache.memory import host_ram
-from hicache.transfer.streams import HIGH_PRIORITY
-from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
+from hicache_prefill import kernels
+from hicache_prefill.hicache.memory import host_ram
+from hicache_prefill.hicache.transfer.streams import HIGH_PRIORITY
+from hicache_prefill.kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA
 
 MARGIN_S, BUDGET_S = 2.0, 0.3  # no measurement this close to the deadline; seconds of reps
 PATHS = ("kernel", "registered", "copy_engine", "direct")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from server_args import ServerArgs
+    from hicache_prefill.server_args import ServerArgs
 
 # Page states in ``_state``.
 _ALLOCATED = 0

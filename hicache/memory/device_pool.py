@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import kernels
-from hicache.memory import host_ram
-from hicache.memory.allocator import check_page_geometry
-from kernels.ops.checks import slot_indices
+from hicache_prefill import kernels
+from hicache_prefill.hicache.memory import host_ram
+from hicache_prefill.hicache.memory.allocator import check_page_geometry
+from hicache_prefill.kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
-    from server_args import ServerArgs
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _DevicePool:
 
     def get_device_pool_infos(self) -> tuple[Any, ...]:
         """SGLang 0.5.23's ``DevicePoolInfo`` of this pool; ``ImportError`` without SGLang."""
-        from kernels.sglang.pool_info import sglang_device_pool_infos
+        from hicache_prefill.kernels.sglang.pool_info import sglang_device_pool_infos
 
         return sglang_device_pool_infos(self)
 

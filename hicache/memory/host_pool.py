@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-import kernels
-from hicache.memory import host_ram
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.host_pool_pages import HostPoolPages
-from kernels.ops.checks import slot_indices
+from hicache_prefill import kernels
+from hicache_prefill.hicache.memory import host_ram
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.host_pool_pages import HostPoolPages
+from hicache_prefill.kernels.ops.checks import slot_indices
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from hicache.memory.allocator import page_ceil
+from hicache_prefill.hicache.memory.allocator import page_ceil
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,11 @@ import importlib
 import logging
 from typing import Any, ClassVar
 
-from hicache.storage.base import HiCacheStorage
-from hicache.storage.config import HiCacheStorageConfig
-from hicache.storage.fault_injector import maybe_wrap_hicache_storage_failure_injector
+from hicache_prefill.hicache.storage.base import HiCacheStorage
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig
+from hicache_prefill.hicache.storage.fault_injector import (
+    maybe_wrap_hicache_storage_failure_injector,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,9 @@ class StorageBackendFactory:
         return backend_cls(storage_config, kwargs)
 
 
-StorageBackendFactory.register_backend("file", "hicache.storage.file_backend", "HiCacheFile")
 StorageBackendFactory.register_backend(
-    "mooncake", "hicache.storage.mooncake.store", "MooncakeStore"
+    "file", "hicache_prefill.hicache.storage.file_backend", "HiCacheFile"
+)
+StorageBackendFactory.register_backend(
+    "mooncake", "hicache_prefill.hicache.storage.mooncake.store", "MooncakeStore"
 )

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from hicache.storage.format_tag import AUTO, FORMAT_TAG_KEY, resolve_format_tag, tagged_model_name
+from hicache_prefill.hicache.storage.format_tag import (
+    AUTO,
+    FORMAT_TAG_KEY,
+    resolve_format_tag,
+    tagged_model_name,
+)
 
 FLAG = "--hicache-storage-backend-extra-config"
 

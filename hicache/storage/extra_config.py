@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.storage.config import FLAG, as_extra_config, parse_size
+from hicache_prefill.hicache.storage.config import FLAG, as_extra_config, parse_size
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from hicache.storage.base import HiCacheStorage
-from hicache.storage.extra_config import read_env_float
+from hicache_prefill.hicache.storage.base import HiCacheStorage
+from hicache_prefill.hicache.storage.extra_config import read_env_float
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from hicache.storage.base import HiCacheStorage
-from hicache.storage.config import HiCacheStorageConfig, as_extra_config
-from hicache.storage.lru_file_evictor import LRUFileEvictor
+from hicache_prefill.hicache.storage.base import HiCacheStorage
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig, as_extra_config
+from hicache_prefill.hicache.storage.lru_file_evictor import LRUFileEvictor
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
-from hicache.storage.extra_config import read_fraction, read_size
+from hicache_prefill.hicache.storage.extra_config import read_fraction, read_size
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hicache.tp.group import TPGroup
+from hicache_prefill.hicache.tp.group import TPGroup
 
 
 def agreed_alloc(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hicache.tp.digest import digest
+from hicache_prefill.hicache.tp.digest import digest
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from kernels.ops.checks import slot_indices
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.kernels.ops.checks import slot_indices
 
 logger = logging.getLogger(__name__)
 

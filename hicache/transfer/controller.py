@@ -15,19 +15,32 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-import kernels
-from hicache.cache_stats import CacheStats
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, HostKVPool
-from hicache.tp.agreed import agreed_alloc
-from hicache.tp.group import SingleRankGroup, TPGroup
-from hicache.transfer.busy_pages import BusyPages, CopyUsage, DeferredFrees, InflightSlots, cat_cpu
-from hicache.transfer.errors import BackupError, CopyError, LoadBackError
-from hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
-from hicache.transfer.streams import CpuStreams, Delay, Event, Stream, Streams, make_streams
-from kernels import CopyWatch
-from kernels.ops.checks import slot_indices
+from hicache_prefill import kernels
+from hicache_prefill.hicache.cache_stats import CacheStats
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, HostKVPool
+from hicache_prefill.hicache.tp.agreed import agreed_alloc
+from hicache_prefill.hicache.tp.group import SingleRankGroup, TPGroup
+from hicache_prefill.hicache.transfer.busy_pages import (
+    BusyPages,
+    CopyUsage,
+    DeferredFrees,
+    InflightSlots,
+    cat_cpu,
+)
+from hicache_prefill.hicache.transfer.errors import BackupError, CopyError, LoadBackError
+from hicache_prefill.hicache.transfer.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
+from hicache_prefill.hicache.transfer.streams import (
+    CpuStreams,
+    Delay,
+    Event,
+    Stream,
+    Streams,
+    make_streams,
+)
+from hicache_prefill.kernels import CopyWatch
+from hicache_prefill.kernels.ops.checks import slot_indices
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ waits for layer ``i``'s load only (through ``HiRadixCache.layer_wait``)."""
 
 from __future__ import annotations
 
-from hicache.transfer.errors import LoadBackError
-from hicache.transfer.streams import Event, Streams
+from hicache_prefill.hicache.transfer.errors import LoadBackError
+from hicache_prefill.hicache.transfer.streams import Event, Streams
 
 
 class LayerLoadingEvent:

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from hicache.storage.hash_keys import page_hashes
-from hicache.transfer.controller import ack_error
-from hicache.transfer.errors import BackupError, LoadBackError
-from hicache.tree.keys import TOKEN_BYTES, key_bytes
-from hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
-from hicache.tree.node import TreeNode, descend
-from hicache.tree.radix_cache import RadixCache
-from kernels.ops.checks import slot_indices
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.transfer.controller import ack_error
+from hicache_prefill.hicache.transfer.errors import BackupError, LoadBackError
+from hicache_prefill.hicache.tree.keys import TOKEN_BYTES, key_bytes
+from hicache_prefill.hicache.tree.lru_queues import HOST, LRUQueue, is_host_candidate
+from hicache_prefill.hicache.tree.node import TreeNode, descend
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
+from hicache_prefill.kernels.ops.checks import slot_indices
 
 if TYPE_CHECKING:
-    from hicache.cache_stats import CacheStats
-    from hicache.tp.group import TPGroup
-    from hicache.transfer.controller import HiCacheController
+    from hicache_prefill.hicache.cache_stats import CacheStats
+    from hicache_prefill.hicache.tp.group import TPGroup
+    from hicache_prefill.hicache.transfer.controller import HiCacheController
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hicache.tree.keys import TOKEN_BYTES
-from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate, is_host_candidate
+from hicache_prefill.hicache.tree.keys import TOKEN_BYTES
+from hicache_prefill.hicache.tree.lru_queues import (
+    DEVICE,
+    LRUQueue,
+    is_device_candidate,
+    is_host_candidate,
+)
 
 if TYPE_CHECKING:
-    from hicache.tree.node import TreeNode
+    from hicache_prefill.hicache.tree.node import TreeNode
 
 
 class TreeView(Protocol):

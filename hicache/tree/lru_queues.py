@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hicache.tree.node import TreeNode
+    from hicache_prefill.hicache.tree.node import TreeNode
 
 DEVICE = 1  # ``TreeNode.queued`` bit of the device queue
 HOST = 2  # ... and of the host queue

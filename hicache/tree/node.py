@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.tree.keys import TOKEN_BYTES, key_bytes, match_bytes, token_list
+from hicache_prefill.hicache.tree.keys import TOKEN_BYTES, key_bytes, match_bytes, token_list
 
 
 class TreeNode:

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tree.integrity import check_tree
-from hicache.tree.keys import TOKEN_BYTES, key_bytes, list_bytes, match_bytes
-from hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate
-from hicache.tree.node import MatchResult, TreeNode, check_insert_args, descend
-from kernels.ops.checks import content_checks
+from hicache_prefill.hicache.tree.integrity import check_tree
+from hicache_prefill.hicache.tree.keys import TOKEN_BYTES, key_bytes, list_bytes, match_bytes
+from hicache_prefill.hicache.tree.lru_queues import DEVICE, LRUQueue, is_device_candidate
+from hicache_prefill.hicache.tree.node import MatchResult, TreeNode, check_insert_args, descend
+from hicache_prefill.kernels.ops.checks import content_checks
 
 if TYPE_CHECKING:
-    from hicache.memory.allocator import TokenToKVPoolAllocator
+    from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
 
 
 class RadixCache:

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from kernels.layout.ptr_tables import table_bound
+from hicache_prefill.kernels.layout.ptr_tables import table_bound
 
 Layout = Literal["layer_first", "page_first", "page_head", "table"]
 LAYER_FIRST: Layout = "layer_first"

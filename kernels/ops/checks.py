@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kernels.errors import KVIndexError
-from kernels.layout.byte_views import row_bytes
-from kernels.layout.ptr_tables import pointer_alignment, verified_alignment
+from hicache_prefill.kernels.errors import KVIndexError
+from hicache_prefill.kernels.layout.byte_views import row_bytes
+from hicache_prefill.kernels.layout.ptr_tables import pointer_alignment, verified_alignment
 
 logger = logging.getLogger(__name__)
 

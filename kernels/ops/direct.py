@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.errors import KVIndexError
-from kernels.layout.byte_views import page_rows, row_bytes, token_rows
-from kernels.ops import checks
+from hicache_prefill.kernels.errors import KVIndexError
+from hicache_prefill.kernels.layout.byte_views import page_rows, row_bytes, token_rows
+from hicache_prefill.kernels.ops import checks
 
 
 def _host_indices(

@@ -11,8 +11,8 @@ import logging
 
 import torch
 
-from kernels.errors import KVIndexError
-from kernels.layout.addressing import (
+from hicache_prefill.kernels.errors import KVIndexError
+from hicache_prefill.kernels.layout.addressing import (
     LAYER_FIRST,
     NO_BOUND,
     PAGE_FIRST,
@@ -24,10 +24,10 @@ from kernels.layout.addressing import (
     buffer_names,
     token_bytes,
 )
-from kernels.ops import checks, reference
-from kernels.ops.plans import Plan, cached_plan
-from kernels.triton.index_record import launch_slot
-from kernels.triton.launch import (
+from hicache_prefill.kernels.ops import checks, reference
+from hicache_prefill.kernels.ops.plans import Plan, cached_plan
+from hicache_prefill.kernels.triton.index_record import launch_slot
+from hicache_prefill.kernels.triton.launch import (
     cache_hints_supported,
     launch_for,
     launch_kv_copy,
@@ -42,7 +42,7 @@ _fallback_logged = False
 
 def _runs_triton(device: torch.device) -> bool:
     """Compiled on CUDA tensors, interpreted on CPU tensors; anything else: the reference."""
-    from kernels import TRITON_INTERPRETED
+    from hicache_prefill.kernels import TRITON_INTERPRETED
 
     global _fallback_logged
     if (device.type == "cuda") != TRITON_INTERPRETED and device.type in ("cuda", "cpu"):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout.addressing import (
+from hicache_prefill.kernels.layout.addressing import (
     LF_TO_LF,
     LF_TO_PF,
     PF_TO_LF,

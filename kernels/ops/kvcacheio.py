@@ -4,8 +4,8 @@ bound here so that readers and tools find the public surface."""
 
 from __future__ import annotations
 
-from kernels.ops.dispatch import transfer
-from kernels.ops.kernel_backend import build_ops
+from hicache_prefill.kernels.ops.dispatch import transfer
+from hicache_prefill.kernels.ops.kernel_backend import build_ops
 
 _OPS = build_ops(transfer, __name__)
 transfer_kv_per_layer = _OPS["transfer_kv_per_layer"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout.addressing import KVCopy
-from kernels.layout.ptr_tables import table_record, version_counter
-from kernels.triton.launch import PartPlan
+from hicache_prefill.kernels.layout.addressing import KVCopy
+from hicache_prefill.kernels.layout.ptr_tables import table_record, version_counter
+from hicache_prefill.kernels.triton.launch import PartPlan
 
 MAX_PLANS = 4096  # a 64-layer model with a few pools and ops needs a few hundred
 

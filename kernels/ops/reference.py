@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from kernels.layout.addressing import KVCopy, Side
-from kernels.ops.kernel_backend import build_ops
+from hicache_prefill.kernels.layout.addressing import KVCopy, Side
+from hicache_prefill.kernels.ops.kernel_backend import build_ops
 
 
 class _CudaBytes:

@@ -18,9 +18,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels import KVCACHEIO_OPS
-from kernels.sglang.rebind import Binding, plan_rebinding, required_names
-from kernels.sglang.warm_up import HOST_POOL_JIT_FLAGS, WarmUpReport, verify_pool_tables, warm_up
+from hicache_prefill.kernels import KVCACHEIO_OPS
+from hicache_prefill.kernels.sglang.rebind import Binding, plan_rebinding, required_names
+from hicache_prefill.kernels.sglang.warm_up import (
+    HOST_POOL_JIT_FLAGS,
+    WarmUpReport,
+    verify_pool_tables,
+    warm_up,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ def sglang_version() -> str:
 
 
 def provided_ops() -> dict[str, Any]:
-    import kernels
+    from hicache_prefill import kernels
 
     return {name: getattr(kernels, name) for name in KVCACHEIO_NAMES if hasattr(kernels, name)}
 

@@ -51,7 +51,7 @@ def warm_up(host_pool: Any, device_pool: Any) -> WarmUpReport:
 def verify_pool_tables(*pools: Any) -> list[tuple[str, str, int]]:
     """Verify every unverified pointer table (``*ptrs`` attributes) the pools hold, with its bound
     when every entry is a per-layer tensor they hold. Synchronizes on CUDA: call at build time."""
-    from kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
+    from hicache_prefill.kernels.layout.ptr_tables import verified_alignment, verify_ptr_table
 
     out: list[tuple[str, str, int]] = []
     seen: set[int] = set()

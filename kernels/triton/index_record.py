@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.errors import KVIndexError
+from hicache_prefill.kernels.errors import KVIndexError
 
 logger = logging.getLogger(__name__)
 

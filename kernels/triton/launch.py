@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._env import cuda_available, version_tuple
-from kernels.layout.addressing import Part, Side
-from kernels.layout.ptr_tables import alignment, verified_alignment
-from kernels.triton.copy_kernel import kv_copy_kernel
-from kernels.triton.index_record import LaunchSlot, launch_slot
+from hicache_prefill.kernels._env import cuda_available, version_tuple
+from hicache_prefill.kernels.layout.addressing import Part, Side
+from hicache_prefill.kernels.layout.ptr_tables import alignment, verified_alignment
+from hicache_prefill.kernels.triton.copy_kernel import kv_copy_kernel
+from hicache_prefill.kernels.triton.index_record import LaunchSlot, launch_slot
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
 
 def cache_hints_supported(device: torch.device) -> bool:
     """PTX cache modifiers apply to compiled NVIDIA kernels only (not the interpreter, not HIP)."""
-    from kernels import TRITON_INTERPRETED
+    from hicache_prefill.kernels import TRITON_INTERPRETED
 
     return (
         device.type == "cuda"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache.memory.device_pool import KVPool
-from prefill.disagg.protocol import DecodeBackend
-from prefill.disagg.simulated import DecodeSide, PeerConfig
+from hicache_prefill.hicache.memory.device_pool import KVPool
+from hicache_prefill.prefill.disagg.protocol import DecodeBackend
+from hicache_prefill.prefill.disagg.simulated import DecodeSide, PeerConfig
 
 TRANSFER_BACKENDS = ("simulated", "mooncake")
 
@@ -38,7 +38,7 @@ def make_decode_backend(
             send_log_size=send_log_size,
         )
     if name == "mooncake":
-        from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
+        from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
 
         cfg = MooncakeConfig.from_server_args(args)
         return MooncakeBackend(

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-import kernels
-from hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
-from hicache.memory.device_pool import KVPool, MLATokenToKVPool
-from hicache.transfer.streams import CPU_COPY_LOCK
-from prefill.clock import Clock
-from prefill.disagg.mooncake.layout import KVGeometry, buffer_kinds, layer_buffers
-from prefill.disagg.protocol import (
+from hicache_prefill import kernels
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
+from hicache_prefill.hicache.memory.device_pool import KVPool, MLATokenToKVPool
+from hicache_prefill.hicache.transfer.streams import CPU_COPY_LOCK
+from hicache_prefill.prefill.clock import Clock
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry, buffer_kinds, layer_buffers
+from hicache_prefill.prefill.disagg.protocol import (
     BOOTSTRAP_TIMEOUT_ENV,
     DEFAULT_BOOTSTRAP_TIMEOUT_S,
     TERMINAL,

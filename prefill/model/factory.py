@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from prefill.model.mla import MLAConfig, MLATransformer
-from prefill.model.mla_tp import TPMLATransformer
-from prefill.model.paged import ModelConfig, PagedTransformer
-from prefill.model.tp import TPPagedTransformer
+from hicache_prefill.prefill.model.mla import MLAConfig, MLATransformer
+from hicache_prefill.prefill.model.mla_tp import TPMLATransformer
+from hicache_prefill.prefill.model.paged import ModelConfig, PagedTransformer
+from hicache_prefill.prefill.model.tp import TPPagedTransformer
 
 if TYPE_CHECKING:
-    from server_args import ServerArgs
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from prefill.model.paged import ExtendBatch, ModelConfig, PagedTransformer, RMSNorm, _sdpa
+from hicache_prefill.prefill.model.paged import (
+    ExtendBatch,
+    ModelConfig,
+    PagedTransformer,
+    RMSNorm,
+    _sdpa,
+)
 
 if TYPE_CHECKING:
-    from hicache.memory.device_pool import MLATokenToKVPool
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.memory.device_pool import MLATokenToKVPool
+    from hicache_prefill.server_args import ServerArgs
 
 _REF_SCORES = 1 << 26  # largest score block (values) the reference materializes at once
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from prefill.model.mla import MLATransformer
-from prefill.model.tp import TPPagedTransformer, keep_param
+from hicache_prefill.prefill.model.mla import MLATransformer
+from hicache_prefill.prefill.model.tp import TPPagedTransformer, keep_param
 
 
 class TPMLATransformer(TPPagedTransformer, MLATransformer):

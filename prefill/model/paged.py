@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels._env import version_tuple
+from hicache_prefill.kernels._env import version_tuple
 
 if TYPE_CHECKING:
-    from hicache.memory.device_pool import MHATokenToKVPool
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from prefill.model.paged import ModelConfig, PagedTransformer
-from server_args import tp_geometry_errors
+from hicache_prefill.prefill.model.paged import ModelConfig, PagedTransformer
+from hicache_prefill.server_args import tp_geometry_errors
 
 logger = logging.getLogger(__name__)
 

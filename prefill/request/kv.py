@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.memory.allocator import page_ceil
-from prefill.executor_stats import ExecutorStats
-from prefill.request.speculative_l3_pages import SpeculativeL3Pages
-from prefill.request.state import PrefillRequest
+from hicache_prefill.hicache.memory.allocator import page_ceil
+from hicache_prefill.prefill.executor_stats import ExecutorStats
+from hicache_prefill.prefill.request.speculative_l3_pages import SpeculativeL3Pages
+from hicache_prefill.prefill.request.state import PrefillRequest
 
 if TYPE_CHECKING:
-    from hicache.builder import KVCache
+    from hicache_prefill.hicache.builder import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from hicache.storage.hash_keys import page_hashes
-from prefill.executor_stats import ExecutorStats
-from prefill.request.state import PrefillRequest
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.prefill.executor_stats import ExecutorStats
+from hicache_prefill.prefill.request.state import PrefillRequest
 
 logger = logging.getLogger(__name__)
 

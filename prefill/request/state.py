@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from prefill.disagg.protocol import DecodeLink
+    from hicache_prefill.prefill.disagg.protocol import DecodeLink
 
 
 class Stage(enum.Enum):

@@ -11,15 +11,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from hicache.tp.group import TPGroup
-from prefill.disagg.protocol import KVPoll
-from prefill.executor_stats import ExecutorStats
-from prefill.request.state import PrefillRequest, Stage
-from prefill.tp_lockstep.sync import PeerPolls
+from hicache_prefill.hicache.tp.group import TPGroup
+from hicache_prefill.prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.executor_stats import ExecutorStats
+from hicache_prefill.prefill.request.state import PrefillRequest, Stage
+from hicache_prefill.prefill.tp_lockstep.sync import PeerPolls
 
 if TYPE_CHECKING:
-    from hicache.builder import KVCache
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.builder import KVCache
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.transfer.errors import LoadBackError
-from prefill.disagg.protocol import KVPoll
-from prefill.model.paged import ExtendInput, PagedTransformer
-from prefill.request.state import PrefillRequest, Stage
-from prefill.scheduler.inflight_queue import InflightQueue
-from prefill.tp_lockstep.sync import check_batch
+from hicache_prefill.hicache.transfer.errors import LoadBackError
+from hicache_prefill.prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.model.paged import ExtendInput, PagedTransformer
+from hicache_prefill.prefill.request.state import PrefillRequest, Stage
+from hicache_prefill.prefill.scheduler.inflight_queue import InflightQueue
+from hicache_prefill.prefill.tp_lockstep.sync import check_batch
 
 if TYPE_CHECKING:
-    from hicache.builder import KVCache
-    from server_args import ServerArgs
+    from hicache_prefill.hicache.builder import KVCache
+    from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prefill.clock import Clock
-from prefill.disagg.protocol import KVPoll, MetadataRow
-from prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
-from prefill.scheduler.pending_kv import PendingKV
+from hicache_prefill.prefill.clock import Clock
+from hicache_prefill.prefill.disagg.protocol import KVPoll, MetadataRow
+from hicache_prefill.prefill.request.state import Outcome, PrefillRequest, RequestResult, Stage
+from hicache_prefill.prefill.scheduler.pending_kv import PendingKV
 
 
 class InflightQueue:

@@ -5,10 +5,10 @@ finalize when it does (docs/DESIGN.md section 7).
 
 from __future__ import annotations
 
-from prefill.request.kv import RequestKV
-from prefill.request.state import PrefillRequest
-from prefill.scheduler.admission import AdmissionQueue
-from prefill.scheduler.storage_prefetch import StoragePrefetch
+from hicache_prefill.prefill.request.kv import RequestKV
+from hicache_prefill.prefill.request.state import PrefillRequest
+from hicache_prefill.prefill.scheduler.admission import AdmissionQueue
+from hicache_prefill.prefill.scheduler.storage_prefetch import StoragePrefetch
 
 
 class PendingKV:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from hicache.storage.io.workers import CacheRequestHandle
-from prefill.clock import Clock
-from prefill.request.state import PrefillRequest
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle
+from hicache_prefill.prefill.clock import Clock
+from hicache_prefill.prefill.request.state import PrefillRequest
 
 if TYPE_CHECKING:
-    from hicache.builder import KVCache
+    from hicache_prefill.hicache.builder import KVCache
 
 logger = logging.getLogger(__name__)
 

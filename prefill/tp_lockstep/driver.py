@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hicache.tp.group import TPGroup
-from prefill.clock import Clock
-from prefill.disagg.protocol import DecodeLink
-from prefill.tp_lockstep.sync import AgreedClock, RankZeroInputs
+from hicache_prefill.hicache.tp.group import TPGroup
+from hicache_prefill.prefill.clock import Clock
+from hicache_prefill.prefill.disagg.protocol import DecodeLink
+from hicache_prefill.prefill.tp_lockstep.sync import AgreedClock, RankZeroInputs
 
 if TYPE_CHECKING:
-    from prefill.disagg.protocol import DecodeBackend
+    from hicache_prefill.prefill.disagg.protocol import DecodeBackend
 
 
 def agreed_clock(clock: Clock, group: TPGroup, decode: DecodeBackend | None) -> Clock:

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hicache.tp.group import RankDivergenceError, TPGroup
-from prefill.clock import Clock
-from prefill.disagg.protocol import KVPoll
+from hicache_prefill.hicache.tp.group import RankDivergenceError, TPGroup
+from hicache_prefill.prefill.clock import Clock
+from hicache_prefill.prefill.disagg.protocol import KVPoll
 
 if TYPE_CHECKING:
-    from prefill.disagg.protocol import DecodeBackend
-    from prefill.request.state import PrefillRequest
+    from hicache_prefill.prefill.disagg.protocol import DecodeBackend
+    from hicache_prefill.prefill.request.state import PrefillRequest
 
 
 class AgreedClock:

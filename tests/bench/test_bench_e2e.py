@@ -15,8 +15,8 @@ from bench.e2e.setup import ProfileTiming
 from bench.multiturn import bench as bm
 from bench.optimistic import bench as bo
 from bench.profile import CopyPath, ForwardCost, GpuProfile, load_profile
-from prefill.clock import VirtualClock
-from prefill.disagg.simulated import DelayDistribution
+from hicache_prefill.prefill.clock import VirtualClock
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MT = (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.mooncake_store import bench as mc_bench
-from hicache.storage.mooncake.store import MooncakeStore
+from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 
 

@@ -11,7 +11,7 @@ import pytest
 from bench.pd import bench as pd_bench
 from bench.pd.bench import INTEGRITY, ITEM_SIZES, aggregate, fit_copy_path, write_cost
 from bench.profile import CopyPath
-from prefill.model.factory import build_model
+from hicache_prefill.prefill.model.factory import build_model
 from tests.support.loopback import skip_reason
 from tests.support.mooncake_decode import start_workers
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels
 from bench.common import sync_device
-from kernels.ops import reference
+from hicache_prefill import kernels
+from hicache_prefill.kernels.ops import reference
 
 L = 3  # layers of the small pools
 H, D = 8, 128  # an 8B model's KV heads and head dim: 2 KiB per token-layer in bf16
@@ -132,10 +132,10 @@ def check_kernels_pinned(device: torch.device | None = None, registered: bool = 
 # Controller
 # ---------------------------------------------------------------------------------------------
 def _controller(device: torch.device, layout: str, io: str, page: int = 16, size: int = 256):
-    from hicache.memory.allocator import TokenToKVPoolAllocator
-    from hicache.memory.device_pool import MHATokenToKVPool
-    from hicache.memory.host_pool import make_host_pool
-    from hicache.transfer.controller import HiCacheController
+    from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+    from hicache_prefill.hicache.memory.host_pool import make_host_pool
+    from hicache_prefill.hicache.transfer.controller import HiCacheController
 
     pool = MHATokenToKVPool(size, page, torch.bfloat16, H, D, L, device)
     host = make_host_pool(pool, 2.0, 0, layout)
@@ -244,9 +244,9 @@ def check_model_fused_attention(device: torch.device | None = None) -> float:
     """Chunked paged prefill (two chunks, the second over a cached prefix: the bottom-right
     causal mask) vs a full recompute, bf16 on CUDA (fp32 on CPU), GQA 4:1, head dim 128.
     Returns the largest relative error of a (layer, token) K/V row."""
-    from hicache.memory.device_pool import MHATokenToKVPool
-    from prefill.model import paged as model_mod
-    from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+    from hicache_prefill.prefill.model import paged as model_mod
+    from hicache_prefill.prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
     from tests.support.harness import kv_max_rel_error
 
     device = device or _device()
@@ -281,9 +281,9 @@ def check_executor_l2(device: torch.device | None = None) -> None:
     """Write-back L2 end to end on ``device``: A is evicted to the host by B, C = A + more is a
     host hit loaded back layer by layer under its forward; integrity after every step; every
     request's decode-side KV equals a full recompute (fp32, tiny model)."""
-    from prefill.disagg.simulated import DelayDistribution, PeerConfig
-    from prefill.request.state import Outcome
-    from server_args import ServerArgs
+    from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+    from hicache_prefill.prefill.request.state import Outcome
+    from hicache_prefill.server_args import ServerArgs
     from tests.support.harness import assert_decode_kv_matches, make_executor
 
     device = device or _device()

@@ -12,7 +12,7 @@ from bench.profile import CopyPath, ForwardCost, GpuProfile
 from bench.trace import bench as trace_bench
 from bench.trace.bench import DEFAULT_TRACE, ttft
 from bench.trace.replay import UNBOUNDED, Request, Tiers, load_trace, lru_hits, replay_tiers, tokens
-from hicache.builder import KVCache
+from hicache_prefill.hicache.builder import KVCache
 
 
 def req(*ids: int, n: int | None = None, at: float = 0.0) -> Request:

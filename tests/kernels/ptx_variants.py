@@ -49,8 +49,8 @@ def ptxas_path() -> str | None:
 
 def calls():  # noqa: ANN201 - a list of (name, KVCopy, unverified_tables)
     """Every kernel-backend op (MHA and MLA twins, page_head) at each item size."""
-    import kernels
-    from kernels.layout import addressing as a
+    from hicache_prefill import kernels
+    from hicache_prefill.kernels.layout import addressing as a
 
     out = []
     for item in ITEM_SIZES:
@@ -96,10 +96,10 @@ def compile_variant(call, unverified: bool, ptxas: str) -> dict:  # noqa: ANN001
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from kernels.ops.dispatch import validate
-    from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
-    from kernels.triton.copy_kernel import kv_copy_kernel
-    from kernels.triton.launch import plan_launch
+    from hicache_prefill.kernels.ops.dispatch import validate
+    from hicache_prefill.kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
+    from hicache_prefill.kernels.triton.copy_kernel import kv_copy_kernel
+    from hicache_prefill.kernels.triton.launch import plan_launch
 
     call, parts = validate(call, DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS)
     (part,) = parts

@@ -19,9 +19,9 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from kernels.ops import checks
-from kernels.triton import index_record
+from hicache_prefill import kernels
+from hicache_prefill.kernels.ops import checks
+from hicache_prefill.kernels.triton import index_record
 from tests.kernels import test_kernels_oracle as oc
 from tests.kernels.oracle import Oracle
 
@@ -153,7 +153,7 @@ def test_table_bounds_are_recorded_and_voided_by_an_in_place_write() -> None:
 def test_sglang_tables_get_their_bound_at_warm_up() -> None:
     """Tables built by SGLang's pools (plain ``torch.tensor`` of ``data_ptr()``s) get the
     bound of the per-layer tensors the pools hold in lists; one with an unknown entry none."""
-    from kernels.sglang.warm_up import verify_pool_tables
+    from hicache_prefill.kernels.sglang.warm_up import verify_pool_tables
 
     @dataclasses.dataclass
     class Pool:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.layout import addressing as a
-from kernels.ops.dispatch import validate
-from kernels.triton.launch import plan_launch
+from hicache_prefill import kernels
+from hicache_prefill.kernels.layout import addressing as a
+from hicache_prefill.kernels.ops.dispatch import validate
+from hicache_prefill.kernels.triton.launch import plan_launch
 from tests.support.triton_keys import available, launch_key
 
 pytestmark = pytest.mark.skipif(not available(), reason="Triton has no NVIDIA backend here")

@@ -25,9 +25,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels.layout.byte_views import page_rows, token_rows
-from kernels.ops import reference
+from hicache_prefill import kernels
+from hicache_prefill.kernels.layout.byte_views import page_rows, token_rows
+from hicache_prefill.kernels.ops import reference
 from tests.kernels.oracle import Oracle
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -479,8 +479,12 @@ def test_kernel_skips_and_records_out_of_range_slots_when_unchecked() -> None:
     """Even past validation (e.g. CUDA without debug checks), a tensor side is never written or
     read past its end: the launcher is called directly with out-of-range indices, and the
     kernel records the skipped pair for the copy's check."""
-    from kernels.layout.addressing import Part, Side
-    from kernels.triton.launch import cache_hints_supported, launch_kv_copy, plan_launch
+    from hicache_prefill.kernels.layout.addressing import Part, Side
+    from hicache_prefill.kernels.triton.launch import (
+        cache_hints_supported,
+        launch_kv_copy,
+        plan_launch,
+    )
 
     guard = torch.full((64, 8), 7, dtype=torch.uint8, device=DEVICE)
     dst = guard[:16]  # slots 16.. of `guard` lie past the end of `dst`
@@ -646,11 +650,11 @@ def test_cpu_tensors_without_the_interpreter_use_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a CUDA machine Triton compiles for the GPU, so CPU tensors take the torch reference."""
-    import kernels.ops.dispatch
+    from hicache_prefill.kernels.ops import dispatch
 
     monkeypatch.setattr(kernels, "TRITON_INTERPRETED", False)
     launched: list[object] = []
-    monkeypatch.setattr(kernels.ops.dispatch, "launch_kv_copy", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dispatch, "launch_kv_copy", lambda *a, **k: launched.append(a))
     src = torch.arange(8 * 4, dtype=torch.float32).view(8, 1, 4)
     dst = torch.zeros(8, 1, 4)
     kernels.transfer_kv_per_layer_mla(src, dst, torch.tensor([6, 2]), torch.tensor([1, 7]), 16)

@@ -33,10 +33,10 @@ def _hypothesis_stand_in() -> None:
     """``hypothesis`` / ``hypothesis.strategies`` stand-ins: ``@given`` skips the test."""
     hyp = types.ModuleType("hypothesis")
     strategies = types.ModuleType("hypothesis.strategies")
-    strategies.__getattr__ = lambda name: (lambda *a, **k: None)  # type: ignore[attr-defined]
+    strategies.__getattr__ = lambda name: lambda *a, **k: None  # type: ignore[attr-defined]
     hyp.strategies = strategies  # type: ignore[attr-defined]
     hyp.given = lambda *a, **k: pytest.mark.skip(reason="hypothesis is not installed")
-    hyp.settings = lambda *a, **k: (lambda fn: fn)  # type: ignore[attr-defined]
+    hyp.settings = lambda *a, **k: lambda fn: fn  # type: ignore[attr-defined]
     hyp.HealthCheck = types.SimpleNamespace(too_slow=None)  # type: ignore[attr-defined]
     hyp.__stand_in__ = True  # type: ignore[attr-defined]
     sys.modules["hypothesis"] = hyp
@@ -48,7 +48,7 @@ try:
 except ImportError:
     _hypothesis_stand_in()
 
-import kernels  # noqa: E402
+from hicache_prefill import kernels  # noqa: E402
 from tests.kernels import test_kernels_oracle as oracle_cases  # noqa: E402
 from tests.kernels.test_kernels import (  # noqa: E402
     CASES,

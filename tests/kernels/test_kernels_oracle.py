@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
+from hicache_prefill import kernels
 from tests.kernels.oracle import Oracle
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -79,9 +79,9 @@ def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) 
     outstanding; fewer items than two blocks simply use fewer programs. With Triton 3.6 a block
     is half as big (``MAX_ROWS_PER_THREAD``: that compiler spills at two rows per thread), so
     128 KiB are in flight there."""
-    from kernels.ops.dispatch import validate
-    from kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
-    from kernels.triton.launch import MAX_ROWS_PER_THREAD, plan_launch
+    from hicache_prefill.kernels.ops.dispatch import validate
+    from hicache_prefill.kernels.ops.kernel_backend import DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS
+    from hicache_prefill.kernels.triton.launch import MAX_ROWS_PER_THREAD, plan_launch
 
     (call,) = [c for n, c, _ in calls() if n == f"{op}[{kv},2048B]"]
     call, (part,) = validate(call, DEFAULT_BLOCK_QUOTA, DEFAULT_NUM_WARPS)
@@ -99,8 +99,8 @@ def test_default_grid_keeps_256_kib_in_flight_for_2_kib_items(op: str, kv: str) 
 
 @pytest.mark.parametrize("block_quota", [1, 2, 3, 7, 64])
 def test_block_quota_bounds_the_programs(block_quota: int) -> None:
-    from kernels.ops.dispatch import validate
-    from kernels.triton.launch import plan_launch
+    from hicache_prefill.kernels.ops.dispatch import validate
+    from hicache_prefill.kernels.triton.launch import plan_launch
 
     (call,) = [c for n, c, _ in calls() if n == "per_layer_pf_lf[mha,576B]"]
     call, (part,) = validate(call, block_quota, 32)

@@ -20,9 +20,9 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels.layout.ptr_tables import pointer_alignment, verified_alignment
-from kernels.ops import reference
+from hicache_prefill import kernels
+from hicache_prefill.kernels.layout.ptr_tables import pointer_alignment, verified_alignment
+from hicache_prefill.kernels.ops import reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PIN = DEVICE.type == "cuda"
@@ -355,8 +355,8 @@ def test_table_alignment_is_recorded_at_build_and_voided_by_writes() -> None:
 def test_table_entries_of_any_alignment_copy_exactly() -> None:
     """An entry 1 byte into a buffer is a valid (if odd) layer base: the copy uses byte words
     and still equals the reference; the 16-byte hint is only given for verified alignment."""
-    from kernels.layout.addressing import TABLE_TO_TABLE, KVCopy
-    from kernels.triton.launch import plan_geometry
+    from hicache_prefill.kernels.layout.addressing import TABLE_TO_TABLE, KVCopy
+    from hicache_prefill.kernels.triton.launch import plan_geometry
 
     backing = torch.randint(0, 256, (2, 33 * 32), dtype=torch.uint8)
     src_tbl = torch.tensor([backing[0].data_ptr() + 1, backing[1].data_ptr()], dtype=torch.int64)

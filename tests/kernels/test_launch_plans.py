@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-import kernels
-from kernels.ops import dispatch, plans
+from hicache_prefill import kernels
+from hicache_prefill.kernels.ops import dispatch, plans
 
 L, T, C = 2, 16, 8  # layers, slots, bytes per slot (MLA, uint8)
 

@@ -38,7 +38,7 @@ import sys
 import pytest
 import torch
 
-from kernels import (
+from hicache_prefill.kernels import (
     transfer_embedding_ranges_direct,
     transfer_kv_all_layer,
     transfer_kv_all_layer_direct_lf_pf,
@@ -160,17 +160,15 @@ def ref_copy_with_indices_page_head(
     if lf_to_ph:
         for head_id in range(head_num):
             for i in range(0, len(src_indices)):
-                dst_pool[dst_indices[i] // page_size][head_id][
-                    dst_indices[i] % page_size
-                ][layer_id] = src_pool[layer_id][src_indices[i]][head_id].to(
-                    dst_pool.device
-                )
+                dst_pool[dst_indices[i] // page_size][head_id][dst_indices[i] % page_size][
+                    layer_id
+                ] = src_pool[layer_id][src_indices[i]][head_id].to(dst_pool.device)
     else:
         for head_id in range(head_num):
             for i in range(0, len(src_indices)):
-                dst_pool[layer_id][dst_indices[i]][head_id] = src_pool[
-                    src_indices[i] // page_size
-                ][head_id][src_indices[i] % page_size][layer_id].to(dst_pool.device)
+                dst_pool[layer_id][dst_indices[i]][head_id] = src_pool[src_indices[i] // page_size][
+                    head_id
+                ][src_indices[i] % page_size][layer_id].to(dst_pool.device)
 
 
 def ref_copy_embedding_ranges(src, dst, src_starts, dst_starts, lengths):
@@ -196,15 +194,13 @@ def test_transfer_embedding_ranges_direct(direction: str):
     host_values = torch.arange(host_rows * embedding_dim, dtype=torch.float32).reshape(
         host_rows, embedding_dim
     )
-    device_values = torch.arange(
-        device_rows * embedding_dim, dtype=torch.float32
-    ).reshape(device_rows, embedding_dim)
+    device_values = torch.arange(device_rows * embedding_dim, dtype=torch.float32).reshape(
+        device_rows, embedding_dim
+    )
 
     if direction == "h2d":
         src = pin(host_values.to(dtype))
-        direct_dst = torch.full(
-            (device_rows, embedding_dim), -1, dtype=dtype, device=DEVICE
-        )
+        direct_dst = torch.full((device_rows, embedding_dim), -1, dtype=dtype, device=DEVICE)
         reference_dst = torch.full_like(direct_dst, -1)
         src_starts, dst_starts = fragmented_starts, contiguous_starts
     else:
@@ -218,9 +214,7 @@ def test_transfer_embedding_ranges_direct(direction: str):
     assert copy_stream.cuda_stream != cuda.default_stream().cuda_stream
     with cuda.stream(copy_stream):
         ref_copy_embedding_ranges(src, reference_dst, src_starts, dst_starts, lengths)
-        transfer_embedding_ranges_direct(
-            src, direct_dst, src_starts, dst_starts, lengths
-        )
+        transfer_embedding_ranges_direct(src, direct_dst, src_starts, dst_starts, lengths)
         completion_event = cuda.Event()
         completion_event.record(copy_stream)
 
@@ -333,10 +327,7 @@ def test_transfer_kv(
                 device=device,
             )
             dst_layers_device = torch.tensor(
-                [
-                    dst_pool_kernel[layer_id].data_ptr()
-                    for layer_id in range(num_layers)
-                ],
+                [dst_pool_kernel[layer_id].data_ptr() for layer_id in range(num_layers)],
                 dtype=torch.uint64,
                 device=device,
             )
@@ -417,18 +408,12 @@ def test_transfer_kv(
                 device=device,
             )
             dst_k_layers_device = torch.tensor(
-                [
-                    dst_k_pool_kernel[layer_id].data_ptr()
-                    for layer_id in range(num_layers)
-                ],
+                [dst_k_pool_kernel[layer_id].data_ptr() for layer_id in range(num_layers)],
                 dtype=torch.uint64,
                 device=device,
             )
             dst_v_layers_device = torch.tensor(
-                [
-                    dst_v_pool_kernel[layer_id].data_ptr()
-                    for layer_id in range(num_layers)
-                ],
+                [dst_v_pool_kernel[layer_id].data_ptr() for layer_id in range(num_layers)],
                 dtype=torch.uint64,
                 device=device,
             )
@@ -568,13 +553,9 @@ def test_transfer_kv_pf_direct(
 
     if lf_to_pf:
         if is_mla:
-            src_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(
-                device
-            )
+            src_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(device)
             src_pool_ptrs = [src_pool[i] for i in range(num_layers)]
-            dst_pool_ref = pin(
-                torch.zeros(total_pages_in_pool, num_layers, page_size, item_size)
-            )
+            dst_pool_ref = pin(torch.zeros(total_pages_in_pool, num_layers, page_size, item_size))
             dst_pool_direct = torch.zeros_like(dst_pool_ref)
             cuda.synchronize()
 
@@ -602,17 +583,11 @@ def test_transfer_kv_pf_direct(
             torch.testing.assert_close(dst_pool_direct, dst_pool_ref)
 
         else:
-            src_k_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(
-                device
-            )
+            src_k_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(device)
             src_k_pool_ptrs = [src_k_pool[i] for i in range(num_layers)]
-            src_v_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(
-                device
-            )
+            src_v_pool = torch.randn(num_layers, total_items_in_pool, item_size).to(device)
             src_v_pool_ptrs = [src_v_pool[i] for i in range(num_layers)]
-            dst_k_pool_ref = pin(
-                torch.zeros(total_pages_in_pool, num_layers, page_size, item_size)
-            )
+            dst_k_pool_ref = pin(torch.zeros(total_pages_in_pool, num_layers, page_size, item_size))
             dst_v_pool_ref = torch.zeros_like(dst_k_pool_ref)
             dst_k_pool_direct = torch.zeros_like(dst_k_pool_ref)
             dst_v_pool_direct = torch.zeros_like(dst_v_pool_ref)
@@ -652,13 +627,9 @@ def test_transfer_kv_pf_direct(
             torch.testing.assert_close(dst_v_pool_direct, dst_v_pool_ref)
     else:
         if is_mla:
-            src_pool = pin(
-                torch.randn(total_pages_in_pool, num_layers, page_size, item_size)
-            )
+            src_pool = pin(torch.randn(total_pages_in_pool, num_layers, page_size, item_size))
 
-            dst_pool_ref = torch.zeros(num_layers, total_items_in_pool, item_size).to(
-                device
-            )
+            dst_pool_ref = torch.zeros(num_layers, total_items_in_pool, item_size).to(device)
             dst_pool_direct = torch.zeros_like(dst_pool_ref)
             dst_pool_direct_ptrs = [dst_pool_direct[i] for i in range(num_layers)]
             cuda.synchronize()
@@ -686,16 +657,10 @@ def test_transfer_kv_pf_direct(
             cuda.synchronize()
             torch.testing.assert_close(dst_pool_direct, dst_pool_ref)
         else:
-            src_k_pool = pin(
-                torch.randn(total_pages_in_pool, num_layers, page_size, item_size)
-            )
-            src_v_pool = pin(
-                torch.randn(total_pages_in_pool, num_layers, page_size, item_size)
-            )
+            src_k_pool = pin(torch.randn(total_pages_in_pool, num_layers, page_size, item_size))
+            src_v_pool = pin(torch.randn(total_pages_in_pool, num_layers, page_size, item_size))
 
-            dst_k_pool_ref = torch.zeros(num_layers, total_items_in_pool, item_size).to(
-                device
-            )
+            dst_k_pool_ref = torch.zeros(num_layers, total_items_in_pool, item_size).to(device)
             dst_k_pool_direct = torch.zeros_like(dst_k_pool_ref)
             dst_k_pool_direct_ptrs = [dst_k_pool_direct[i] for i in range(num_layers)]
 
@@ -796,12 +761,8 @@ def test_transfer_kv_page_head(
     layer_idx_to_test = 0
 
     if lf_to_ph:
-        src_k_pool = torch.randn(
-            num_layers, total_items_in_pool, head_num, head_dim
-        ).to(device)
-        src_v_pool = torch.randn(
-            num_layers, total_items_in_pool, head_num, head_dim
-        ).to(device)
+        src_k_pool = torch.randn(num_layers, total_items_in_pool, head_num, head_dim).to(device)
+        src_v_pool = torch.randn(num_layers, total_items_in_pool, head_num, head_dim).to(device)
         src_k_pool_ptrs = [src_k_pool[i] for i in range(num_layers)]
         src_k_pool_ptrs = torch.tensor(
             [x.data_ptr() for x in src_k_pool_ptrs],
@@ -864,7 +825,7 @@ def test_transfer_kv_page_head(
         torch.testing.assert_close(dst_k_pool_kernel, dst_k_pool_ref)
         torch.testing.assert_close(dst_v_pool_kernel, dst_v_pool_ref)
     else:
-        from kernels import transfer_kv_per_layer_ph_lf
+        from hicache_prefill.kernels import transfer_kv_per_layer_ph_lf
 
         src_k_pool = pin(
             torch.randn(total_pages_in_pool, head_num, page_size, num_layers, head_dim)
@@ -873,9 +834,7 @@ def test_transfer_kv_page_head(
             torch.randn(total_pages_in_pool, head_num, page_size, num_layers, head_dim)
         )
 
-        dst_k_pool_ref = torch.zeros(
-            num_layers, total_items_in_pool, head_num, head_dim
-        ).to(device)
+        dst_k_pool_ref = torch.zeros(num_layers, total_items_in_pool, head_num, head_dim).to(device)
         dst_v_pool_ref = torch.zeros_like(dst_k_pool_ref)
         dst_k_pool_kernel = torch.zeros_like(dst_k_pool_ref)
         dst_v_pool_kernel = torch.zeros_like(dst_v_pool_ref)

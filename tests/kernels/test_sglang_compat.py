@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels.sglang import compat
-from kernels.sglang.rebind import KVCACHEIO_SOURCES, imported_names
+from hicache_prefill import kernels
+from hicache_prefill.kernels.sglang import compat
+from hicache_prefill.kernels.sglang.rebind import KVCACHEIO_SOURCES, imported_names
 
 MHA_SRC = """
 IS_CUDA = {cuda}

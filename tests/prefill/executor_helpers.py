@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from prefill.disagg.simulated import DelayDistribution
-from prefill.executor import OptimisticPrefillExecutor
-from server_args import ServerArgs
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from hicache.tp.group import new_cache_group
-from prefill.clock import VirtualClock
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.request.state import Outcome
-from prefill.tp_lockstep.sync import AgreedClock
-from server_args import ServerArgs
+from hicache_prefill.hicache.tp.group import new_cache_group
+from hicache_prefill.prefill.clock import VirtualClock
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.prefill.tp_lockstep.sync import AgreedClock
+from hicache_prefill.server_args import ServerArgs
 from tests.support.harness import make_executor
 from tests.support.tp_harness import run_ranks
 

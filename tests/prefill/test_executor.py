@@ -12,10 +12,10 @@ import logging
 
 import pytest
 
-from prefill.disagg.protocol import KVPoll
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state import Outcome, Stage
+from hicache_prefill.prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.request.state import Outcome, Stage
 from tests.prefill.executor_helpers import BASE_ARGS, NEVER, executor_args, finish, prompt, step
 from tests.support.harness import assert_decode_kv_matches, make_executor
 
@@ -29,7 +29,8 @@ def make(
     delay=NEVER, latency: float = 1.0, streams: str | None = None, **kw
 ) -> OptimisticPrefillExecutor:
     peer = PeerConfig(
-        bootstrap_delay=delay, transfer_latency_s=latency,
+        bootstrap_delay=delay,
+        transfer_latency_s=latency,
         force_not_ready_prob=kw.pop("force_not_ready_prob", 0.0),
         transfer_failure_prob=kw.pop("transfer_failure_prob", 0.0),
         decode_prefix_len=kw.pop("decode_prefix_len", 0),
@@ -175,8 +176,12 @@ def test_l2_write_back_evicted_prefix_is_loaded_back(stream_mode):
     """A's KV is evicted to the host (write_back backs it up on eviction); C shares A's prompt
     and gets it back as a host hit, loaded layer by layer under the forward."""
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
-        enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
+        delay=DelayDistribution("fixed", 0.0),
+        max_total_tokens=64,
+        streams=stream_mode,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+        load_back_threshold=4,
     )
     a = prompt(40, seed=1)
     ex.submit("a", a)
@@ -227,8 +232,12 @@ def test_chunk_re_matches_do_not_count_as_prefix_hits(hierarchical, stream_mode)
 def test_host_hits_count_what_admission_loads_back(stream_mode):
     """As the L2 load-back story: C's host hit is recorded once, as the tokens loaded."""
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
-        enable_hierarchical_cache=True, hicache_write_policy="write_back", load_back_threshold=4,
+        delay=DelayDistribution("fixed", 0.0),
+        max_total_tokens=64,
+        streams=stream_mode,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+        load_back_threshold=4,
     )
     a = prompt(40, seed=1)
     ex.submit("a", a)
@@ -244,8 +253,11 @@ def test_host_hits_count_what_admission_loads_back(stream_mode):
 
 def test_host_hit_below_load_back_threshold_is_recomputed_not_counted(stream_mode):
     ex = make(
-        delay=DelayDistribution("fixed", 0.0), max_total_tokens=64, streams=stream_mode,
-        enable_hierarchical_cache=True, hicache_write_policy="write_back",
+        delay=DelayDistribution("fixed", 0.0),
+        max_total_tokens=64,
+        streams=stream_mode,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
         load_back_threshold=1000,
     )
     a = prompt(40, seed=1)
@@ -372,7 +384,7 @@ def test_injected_transfer_failure_aborts():
 def test_gate_resolved_to_zero_under_write_through_runs_without_optimism(caplog, stream_mode):
     args = executor_args(enable_hierarchical_cache=True, hicache_write_policy="write_through")
     assert args.optimistic_prefill_attempts == 0
-    with caplog.at_level(logging.WARNING, logger="prefill.scheduler.admission"):
+    with caplog.at_level(logging.WARNING, logger="hicache_prefill.prefill.scheduler.admission"):
         peer = PeerConfig(bootstrap_delay=NEVER)
         ex = make_executor(args, peer_config=peer, streams=stream_mode)
     gate_logs = [r for r in caplog.records if "optimistic prefill disabled" in r.message]

@@ -13,8 +13,8 @@ import logging
 
 import pytest
 
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.request.state import Outcome
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
 from tests.prefill.executor_helpers import executor_args, finish, prompt
 from tests.support.faults import CopyFaults
 from tests.support.harness import assert_decode_kv_matches, make_executor
@@ -39,7 +39,7 @@ def test_a_failed_load_back_during_admission_is_recomputed(stream_mode, caplog) 
     assert ex.tree.match_prefix(a).host_hit_length > 0
     with (
         CopyFaults().fail_calls("load_to_device_per_layer", [0]) as faults,
-        caplog.at_level(logging.WARNING, logger="prefill.scheduler"),
+        caplog.at_level(logging.WARNING, logger="hicache_prefill.prefill.scheduler"),
     ):
         ex.submit("c", a + prompt(6, seed=3))
         finish(ex)

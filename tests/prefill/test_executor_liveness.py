@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.protocol import KVPoll
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state import Outcome, Stage
-from server_args import ServerArgs
+from hicache_prefill.prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.request.state import Outcome, Stage
+from hicache_prefill.server_args import ServerArgs
 from tests.prefill.executor_helpers import NOW, assert_drained, executor_args, prompt
 from tests.support.harness import assert_decode_kv_matches, make_executor
 
@@ -169,7 +169,7 @@ def test_records_are_freed_after_the_outcome_and_a_rid_can_come_back():
 
 
 def test_ttft_reservoir_is_bounded_and_aggregates_stay_exact():
-    from prefill.executor_stats import TTFT_RESERVOIR_SIZE, ExecutorStats
+    from hicache_prefill.prefill.executor_stats import TTFT_RESERVOIR_SIZE, ExecutorStats
 
     s = ExecutorStats()
     values = [i * 1e-3 for i in range(3 * TTFT_RESERVOIR_SIZE)]

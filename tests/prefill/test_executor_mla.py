@@ -22,13 +22,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from hicache.memory.device_pool import MLATokenToKVPool
-from hicache.memory.host_pool import MLATokenToKVPoolHost
-from prefill.disagg.simulated import PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.model.mla import MLATransformer
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.hicache.memory.device_pool import MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import MLATokenToKVPoolHost
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.model.mla import MLATransformer
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.prefill.executor_helpers import (
     NEVER,
     NOW,

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from prefill.disagg.protocol import KVPoll
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.model.paged import ModelConfig, PagedTransformer
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.model.paged import ModelConfig, PagedTransformer
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.prefill.executor_helpers import WRITE_THROUGH, assert_drained, executor_args
 from tests.support.harness import assert_decode_kv_matches, make_executor
 from tests.support.soak import SoakConfig, SoakReport, run_soak, soak_executor, workload
@@ -75,7 +75,7 @@ def test_soak(hierarchical):
 
 def test_soak_wall_clock_smoke():
     """The same machinery on real time (what benchmarks use), briefly."""
-    from prefill.clock import WallClock
+    from hicache_prefill.prefill.clock import WallClock
 
     args = soak_args(True)
     ex = make_executor(

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-import prefill.executor as executor_module
-from hicache.storage.hash_keys import page_hashes
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+import hicache_prefill.prefill.executor as executor_module
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.hicache.storage.io.io_helpers import DYNAMIC, TestStorage
 from tests.prefill.executor_helpers import NEVER, NOW, executor_args, prompt, step
 from tests.support.harness import assert_decode_kv_matches, make_executor
@@ -194,10 +194,13 @@ def test_the_refused_interleaving_l3_write_back_stores_kv_of_an_aborted_attempt(
     """The gate bypassed under L3 + write_back: publish at a chunk boundary, yield, device
     eviction (write_back backs up to L2, then L3), bootstrap failure: the aborted attempt's KV is
     in the shared store, and ``check_integrity`` says so."""
-    args = l3_args("refused", hicache_write_policy="write_back",
-                   optimistic_prefill_write_through=True,
-                   extra={"prefetch_threshold": 4096},  # no lookups: only the write path here
-                   max_running_requests=1)  # the retry waits while b runs
+    args = l3_args(
+        "refused",
+        hicache_write_policy="write_back",
+        optimistic_prefill_write_through=True,
+        extra={"prefetch_threshold": 4096},  # no lookups: only the write path here
+        max_running_requests=1,
+    )  # the retry waits while b runs
     assert args.optimistic_prefill_attempts == 0  # the gate refuses it
     args.optimistic_prefill_attempts = 2
     with pytest.raises(ValueError, match="optimistic-prefill-attempts"):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.simulated import PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.prefill import executor_helpers
 from tests.prefill.executor_helpers import (
     NEVER,

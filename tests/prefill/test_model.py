@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,8 +50,11 @@ def pool_kv(pool: MHATokenToKVPool, slots: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def test_weights_are_deterministic_from_seed():
-    a, b, c = PagedTransformer(ModelConfig.tiny(0)), PagedTransformer(ModelConfig.tiny(0)), \
-        PagedTransformer(ModelConfig.tiny(1))
+    a, b, c = (
+        PagedTransformer(ModelConfig.tiny(0)),
+        PagedTransformer(ModelConfig.tiny(0)),
+        PagedTransformer(ModelConfig.tiny(1)),
+    )
     assert torch.equal(a.layers[0].qkv, b.layers[0].qkv)
     assert not torch.equal(a.layers[0].qkv, c.layers[0].qkv)
 
@@ -161,13 +164,15 @@ def test_pool_geometry_mismatch_raises():
         model.forward_extend(bad, [ExtendInput(tokens(2), torch.tensor([1, 2]), 0)])
 
 
-@pytest.mark.parametrize("layout,io", [("page_first", "kernel"), ("layer_first", "kernel"),
-                                       ("page_first_direct", "direct")])
+@pytest.mark.parametrize(
+    "layout,io",
+    [("page_first", "kernel"), ("layer_first", "kernel"), ("page_first_direct", "direct")],
+)
 def test_prefix_copied_device_host_device_matches_recompute(layout, io):
     """A's KV goes D2H into the host pool, A's device slots are scrubbed and freed, then the
     prefix comes back H2D into different slots layer by layer (one load per layer_wait) and B
     reads it from there."""
-    from hicache.memory.host_pool import MHATokenToKVPoolHost
+    from hicache_prefill.hicache.memory.host_pool import MHATokenToKVPoolHost
 
     model, pool, alloc = make(4, size=128)
     host = MHATokenToKVPoolHost(pool, 2.0, 0.0, 4, layout, pin_memory=False)
@@ -186,7 +191,9 @@ def test_prefix_copied_device_host_device_matches_recompute(layout, io):
         host.load_to_device_per_layer(pool, host_slots, back, layer_id, io)
 
     out = model.forward_extend(
-        pool, [ExtendInput(b[16:], torch.cat([back, new_slots]), 16)], layer_wait=load,
+        pool,
+        [ExtendInput(b[16:], torch.cat([back, new_slots]), 16)],
+        layer_wait=load,
         return_all_logits=True,
     )[0]
     ref_logits, ref_k, ref_v = model.forward_reference(b)
@@ -200,8 +207,7 @@ def test_bf16_prefix_matches_recompute_loosely():
     """bf16 (the GPU dtype): same paths, tolerance of bf16 rounding (logits atol 5e-2)."""
     cfg = ModelConfig.tiny(seed=3, dtype=torch.bfloat16)
     model = PagedTransformer(cfg)
-    pool = MHATokenToKVPool(64, 1, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
-                            "cpu")
+    pool = MHATokenToKVPool(64, 1, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, "cpu")
     alloc = TokenToKVPoolAllocator(64, 1, "cpu")
     ids = tokens(20, seed=10)
     s1 = alloc_slots(alloc, 12)
@@ -214,7 +220,7 @@ def test_bf16_prefix_matches_recompute_loosely():
 
 def test_expanded_kv_heads_path_equals_native_gqa(monkeypatch):
     """The fallback for SDPA kernels without native GQA gives the same logits."""
-    import prefill.model.paged as pm
+    import hicache_prefill.prefill.model.paged as pm
 
     model, pool, alloc = make(1)
     ids = tokens(18, seed=11)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from prefill.model.factory import build_model
-from prefill.model.mla import MLAConfig, MLATransformer
-from prefill.model.mla_tp import TPMLATransformer
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-from server_args import ServerArgs
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.model.mla import MLAConfig, MLATransformer
+from hicache_prefill.prefill.model.mla_tp import TPMLATransformer
+from hicache_prefill.prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+from hicache_prefill.server_args import ServerArgs
 from tests.support.harness import single_torch_thread
 from tests.support.tp_harness import run_ranks
 
@@ -116,7 +116,7 @@ def test_small_batch_equals_separate_calls():
 def test_prefix_copied_device_host_device_matches_recompute(layout, io):
     """A's latent goes D2H, its device slots are scrubbed (NaN) and freed, and the prefix comes
     back H2D into other slots, one layer per ``layer_wait``; B reads it from there."""
-    from hicache.memory.host_pool import MLATokenToKVPoolHost
+    from hicache_prefill.hicache.memory.host_pool import MLATokenToKVPoolHost
 
     model, pool, alloc = make(4, size=128)
     host = MLATokenToKVPoolHost(pool, 2.0, 0.0, 4, layout, pin_memory=False)

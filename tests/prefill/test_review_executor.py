@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefill.disagg.simulated import PeerConfig
-from prefill.request.state import Outcome
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
 from tests.prefill.executor_helpers import NEVER, NOW, executor_args, prompt
 from tests.support.harness import make_executor
 
@@ -27,8 +27,9 @@ def test_failed_earlier_chunk_transfer_aborts_instead_of_crashing_at_the_last_se
     # finishing, the executor sends [16, 24) to a peer that is Failed by now.
     ex = make_executor(
         executor_args(optimistic_prefill_attempts=attempts),
-        peer_config=PeerConfig(bootstrap_delay=NOW, transfer_latency_s=0.0,
-                               transfer_failure_prob=1.0),
+        peer_config=PeerConfig(
+            bootstrap_delay=NOW, transfer_latency_s=0.0, transfer_failure_prob=1.0
+        ),
     )
     ex.submit("a", prompt(24))
     ex.run_until_idle(max_steps=100, check=True)  # raises RuntimeError("a: send in state Failed")

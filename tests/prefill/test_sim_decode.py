@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from prefill.clock import VirtualClock, WallClock
-from prefill.disagg.protocol import KVPoll, force_not_ready
-from prefill.disagg.simulated import (
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.prefill.clock import VirtualClock, WallClock
+from hicache_prefill.prefill.disagg.protocol import KVPoll, force_not_ready
+from hicache_prefill.prefill.disagg.simulated import (
     DecodeSide,
     DelayDistribution,
     PeerConfig,
@@ -38,7 +38,10 @@ def make_side(
 
 def test_kvpoll_values_match_upstream():
     assert [(p.name, int(p)) for p in KVPoll] == [
-        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3),
+        ("Failed", 0),
+        ("Bootstrapping", 1),
+        ("WaitingForInput", 2),
+        ("Transferring", 3),
         ("Success", 4),
     ]
 
@@ -96,7 +99,8 @@ def test_bootstrap_ready_after_delay_then_send_and_ack():
         assert torch.equal(k[layer], side.src_pool.k_buffer[layer][src])
         assert torch.equal(v[layer], side.src_pool.v_buffer[layer][src])
     assert [(s.attempt, s.start, s.end, s.last) for s in side.send_log] == [
-        (1, 0, 4, False), (1, 4, 6, True)
+        (1, 0, 4, False),
+        (1, 4, 6, True),
     ]
     side.release("r")
     assert side.allocator.available_size() == side.allocator.size
@@ -134,7 +138,6 @@ def test_decode_side_of_an_mla_or_asymmetric_pool_receives_every_buffer(kind):
     assert not any(t.any() for kind_ in read_kv(wrong, torch.arange(32)) for t in kind_)
 
 
-
 @pytest.mark.parametrize("kind", ["mla", "mha"])
 def test_write_kv_is_read_kvs_inverse_and_refuses_a_wrong_shape(kind):
     """What ``read_kv`` returns, written into a fresh pool of the kind at other slots, reads back
@@ -160,6 +163,7 @@ def test_write_kv_is_read_kvs_inverse_and_refuses_a_wrong_shape(kind):
     with pytest.raises(ValueError, match="kv"):
         write_kv(other, at[:2], kv)
     assert not any(t.any() for t in read_kv(other, torch.arange(16)))
+
 
 def test_decode_prefix_len_is_page_aligned_and_skips_the_prefix():
     side = make_side(page_size=4, decode_prefix_len=9)
@@ -279,7 +283,7 @@ def test_bootstrap_timeout_counts_from_creation_and_spares_a_ready_peer():
 
 
 def test_bootstrap_timeout_env_var(monkeypatch):
-    from prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV
+    from hicache_prefill.prefill.disagg.protocol import BOOTSTRAP_TIMEOUT_ENV
 
     class Args:
         pass
@@ -366,7 +370,7 @@ def test_peer_config_validation_and_server_args():
 
 
 def test_upstream_env_var_overrides_force_probability(monkeypatch):
-    from prefill.disagg.protocol import FORCE_RETRY_ENV
+    from hicache_prefill.prefill.disagg.protocol import FORCE_RETRY_ENV
 
     class Args:
         disaggregation_force_not_ready_prob = 0.0
@@ -378,7 +382,7 @@ def test_upstream_env_var_overrides_force_probability(monkeypatch):
 def test_positive_env_is_the_one_parser_of_sglangs_timeouts(monkeypatch):
     """Every timeout and count read from SGLang's variables (bootstrap, decode waiting /
     release / heartbeat, the failed-session probe) goes through ``positive_env``."""
-    from prefill.disagg.protocol import positive_env
+    from hicache_prefill.prefill.disagg.protocol import positive_env
 
     monkeypatch.delenv("HICACHE_TEST_ENV", raising=False)
     assert positive_env("HICACHE_TEST_ENV", 30) == 30.0

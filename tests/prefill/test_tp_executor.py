@@ -21,13 +21,17 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.tp.digest import tree_state
-from hicache.tp.group import CollectiveMismatchError, RankDivergenceError, new_cache_group
-from prefill.clock import VirtualClock
-from prefill.disagg.simulated import PeerConfig
-from prefill.model.factory import build_model
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.hicache.tp.digest import tree_state
+from hicache_prefill.hicache.tp.group import (
+    CollectiveMismatchError,
+    RankDivergenceError,
+    new_cache_group,
+)
+from hicache_prefill.prefill.clock import VirtualClock
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.support.harness import KV_ATOL, build_cache, make_executor
 from tests.support.tp_harness import run_ranks
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool
-from prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
-from prefill.model.tp import TPPagedTransformer, TPShard
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.prefill.model.paged import ExtendInput, ModelConfig, PagedTransformer
+from hicache_prefill.prefill.model.tp import TPPagedTransformer, TPShard
 from tests.support.harness import single_torch_thread
 from tests.support.tp_harness import run_ranks
 

@@ -25,24 +25,40 @@ logger = logging.getLogger(__name__)
 MODES = ("cpu", "cuda-shaped")
 
 
-def run_one(venv: str, pin: str, mode: str) -> dict[str, Any]:
-    site = os.path.join(venv, f"sglang-{pin}")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_one(venv: str, pin: str, mode: str, project_dir: str | None = None) -> dict[str, Any]:
+    """One (pin, mode) run in its own process, from a folder outside the repository: only
+    ``tests`` is linked there, so ``hicache_prefill`` comes from its install (``project_dir``: a
+    non-editable copy put first on the path; else the venv's editable install) and ``kernels``
+    is whatever the venv has (HuggingFace's, at SGLang's pin)."""
+    site = os.path.abspath(os.path.join(venv, f"sglang-{pin}"))
     if not os.path.isdir(site):
         return {"mode": mode, "fatal": f"{site} missing: run make sglang-check"}
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, "-m", "tests.sglang_check.run_pin", "--site", site,
-           "--mode", mode, "--out", out]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    try:
-        with open(out, encoding="utf-8") as f:
-            result = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        result = {"mode": mode, "fatal": f"no result (exit {proc.returncode})"}
-    finally:
-        os.unlink(out)
+    with tempfile.TemporaryDirectory(prefix="sglang-check-") as outside:
+        os.symlink(os.path.join(REPO, "tests"), os.path.join(outside, "tests"))
+        out = os.path.join(outside, "result.json")
+        path = [outside, *([os.path.abspath(project_dir)] if project_dir else [])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        cmd = [
+            *(sys.executable, "-m", "tests.sglang_check.run_pin", "--site", site),
+            *("--mode", mode, "--out", out),
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, cwd=outside, env=env
+        )
+        try:
+            with open(out, encoding="utf-8") as f:
+                result = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            result = {"mode": mode, "fatal": f"no result (exit {proc.returncode})"}
     if proc.returncode:
         result.setdefault("fatal", f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+    fork = result.get("fork_import")
+    if fork is not None and project_dir:
+        fork["expected_project_dir"] = os.path.abspath(project_dir)
+        fork["ok"] = fork["ok"] and fork["project_file"].startswith(os.path.abspath(project_dir))
     return result
 
 
@@ -52,6 +68,9 @@ def verdict(r: dict[str, Any]) -> list[str]:
     for key in ("fatal", "gate_fatal"):
         if key in r:
             bad.append(r[key])
+    fork = r.get("fork_import")
+    if fork is not None and not fork["ok"]:
+        bad.append(f"fork import: {fork}")
     rt = r.get("roundtrip", {})
     for key in ("idempotent", "uninstall_restores_exactly", "reinstall_same_bindings"):
         if rt and not rt.get(key):
@@ -76,10 +95,10 @@ def _roundtrip_word(rt: dict[str, Any]) -> str:
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
-        "| pin | mode | install | transfer cases ok | kernel launches (variants) "
+        "| pin | mode | fork import | install | transfer cases ok | kernel launches (variants) "
         "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok | gate rows "
         "| gate differences (class: count) | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -97,8 +116,10 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             variants = sum(t.get("variants", 0) for t in ts)
             l3 = r.get("storage", [])
             l3_word = f"{sum(s['ok'] for s in l3)}/{len(l3)}" if l3 else "-"
+            fork = r.get("fork_import")
+            fork_word = "-" if fork is None else ("HF kernels kept" if fork["ok"] else "FAILED")
             lines.append(
-                f"| {pin} | {mode} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
+                f"| {pin} | {mode} | {fork_word} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
                 f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
                 f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
@@ -136,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
+    wheel = os.path.join(args.venv, "project-wheel")
+    if os.path.isdir(wheel):  # the last pin again, over the non-editable install
+        pin = args.pins[-1]
+        print(f"[sglang-check] sglang=={pin} (cpu, project installed non-editable) ...", flush=True)
+        results[pin]["cpu, non-editable"] = run_one(args.venv, pin, "cpu", project_dir=wheel)
     print()
     print(table(results))
     for pin, modes in results.items():

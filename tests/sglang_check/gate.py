@@ -13,6 +13,10 @@ reads (every field the function reads outside the gate is set to SGLang's "not u
   SGLang's own ``hicache_hook.validate_hicache_host_memory_mode`` (which runs before it in
   SGLang's pipeline: it refuses ``buffer_only`` without a storage backend or on a decode
   server, and resolves its ``write_back`` to ``write_through``). A row both refuse is equal.
+  0.5.23 rows also cross ``--disaggregation-decode-allocation-policy`` (``early``,
+  ``prefill_complete``) and run SGLang's ``handle_pd_disaggregation`` first, as its pipeline
+  does (the ``prefill_complete`` support check, then attempts 0 -> 1 on a prefill server; the
+  gate then refuses a prefill server whose attempts it zeroed).
 
 Each row compares SGLang's resolved ``optimistic_prefill_attempts`` with this project's
 ``ServerArgs(...)`` resolution, and each difference is classified by :func:`classify`.
@@ -43,6 +47,7 @@ AXES: dict[str, tuple] = {
     "uses_mamba_radix_cache": (False, True),
 }
 HOST_MEMORY_MODES = ("cache", "buffer_only")  # 0.5.23 only
+DECODE_ALLOCATION_POLICIES = ("early", "prefill_complete")  # 0.5.23 only
 
 # Fields the SGLang gate functions read besides the axes, at their "not in use" values.
 _QUIET_FIELDS: dict[str, Any] = {
@@ -53,6 +58,23 @@ _QUIET_FIELDS: dict[str, Any] = {
     "skip_tokenizer_init": False,
     "default_chat_template_kwargs": None,
     "disaggregation_decode_allocation_policy": "early",
+    # read by 0.5.23's PD hook (``handle_pd_disaggregation``, ``_validate_prefill_complete``)
+    "disaggregation_transfer_backend": "mooncake",
+    "dcp_size": 1,
+    "attn_cp_size": 1,
+    "tp_size": 1,
+    "dp_size": 1,
+    "enable_dp_attention": False,
+    "enable_pdmux": False,
+    "decoupled_spec_role": "null",
+    "enable_pd_role_switch": False,
+    "encoder_only": False,
+    "language_only": False,
+    "enable_hisparse": False,
+    "disaggregation_decode_enable_radix_cache": False,
+    "disaggregation_decode_host_receive_threshold": 1.0,
+    "disaggregation_decode_extra_slots": 0,
+    "max_running_requests": None,
     "cuda_graph_config": None,
     "skip_server_warmup": False,
     "hicache_size": 0,
@@ -79,9 +101,10 @@ def _method_from_source(path: str, class_name: str, method: str, env: dict) -> C
 def load_gate(version: str) -> tuple[str, Callable[[Any], int]]:
     """SGLang's gate for ``version``: ``(where, run)``, ``run(obj) -> resolved attempts``."""
     hook_spec = importlib.util.find_spec("sglang.srt.arg_groups.serving_hook")
-    has_hook = hook_spec is not None and "def handle_other_validations(" in open(
-        hook_spec.origin, encoding="utf-8"
-    ).read()
+    has_hook = (
+        hook_spec is not None
+        and "def handle_other_validations(" in open(hook_spec.origin, encoding="utf-8").read()
+    )
     if has_hook:
         fn = importlib.import_module("sglang.srt.arg_groups.serving_hook").handle_other_validations
         from sglang.srt.arg_groups.model_override_base import resolving_view
@@ -112,9 +135,14 @@ def load_gate(version: str) -> tuple[str, Callable[[Any], int]]:
 
 def project_attempts(row: dict[str, Any], write_through_flag: bool | None) -> int:
     """This project's resolved attempts for ``row`` (``write_through_flag`` None: flag absent)."""
-    import server_args as sa
+    from hicache_prefill import server_args as sa
 
     kwargs = {k: row[k] for k in AXES}
+    if "disaggregation_decode_allocation_policy" in row:
+        kwargs["disaggregation_decode_allocation_policy"] = row[
+            "disaggregation_decode_allocation_policy"
+        ]
+        kwargs["disaggregation_transfer_backend"] = "mooncake"
     if "hicache_host_memory_mode" in row and "hicache_host_memory_mode" in {
         f.name for f in dataclasses.fields(sa.ServerArgs)
     }:
@@ -136,8 +164,17 @@ def _sglang_validate_host_memory_mode() -> Callable[[Any], None] | None:
     return getattr(hook, "validate_hicache_host_memory_mode", None)
 
 
+def _sglang_pd_hook() -> Callable[[Any], None] | None:
+    """0.5.23's ``handle_pd_disaggregation`` (``prefill_complete``: its support check, then
+    attempts 0 -> 1 on a prefill server); ``None`` where it does not exist."""
+    name = "sglang.srt.arg_groups.pd_disaggregation_hook"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return getattr(importlib.import_module(name), "handle_pd_disaggregation", None)
+
+
 def project_has_write_through_flag() -> bool:
-    import server_args as sa
+    from hicache_prefill import server_args as sa
 
     return "optimistic_prefill_write_through" in {f.name for f in dataclasses.fields(sa.ServerArgs)}
 
@@ -153,11 +190,19 @@ def classify(row: dict[str, Any], sglang: int, project: int, version: str, flag:
       write_through with no storage backend, as 0.5.23 does; 0.5.17 resolves 0.
     - ``write_through_flag_off`` (0.5.23 rows, flag off): the reverse.
     - ``mamba`` (0.5.23): 0.5.23 dropped the mamba clause; the project keeps it (mamba models are
-      refused at runtime anyway).
+      refused at runtime anyway). Under ``prefill_complete`` the project therefore refuses the
+      row (the clause zeroes the attempts it needs) where SGLang keeps them.
     - ``l3_buffer_only_flag_off`` (0.5.23 rows, flag off): 0.5.23 keeps attempts with an L3
       backend in ``buffer_only`` host mode under write_through; the project's earlier gate
       (flag off) refuses every storage backend. With the flag the project resolves as 0.5.23.
     """
+    if (
+        row.get("disaggregation_decode_allocation_policy") == "prefill_complete"
+        and row["uses_mamba_radix_cache"]
+        and sglang > 0
+        and project == REFUSED
+    ):
+        return "mamba"  # the project's mamba clause zeroes the attempts prefill_complete needs
     live = (
         row["disaggregation_mode"] == "prefill"
         and row["optimistic_prefill_attempts"] > 0
@@ -199,22 +244,24 @@ def _only_mamba_differs(row: dict[str, Any], sglang: int, version: str, flag: bo
 
 def run(version: str) -> dict[str, Any]:
     """The whole cross product for the installed SGLang ``version``."""
-    for name in ("sglang", "server_args"):  # one warning per resolved row otherwise
+    for name in ("sglang", "hicache_prefill.server_args"):  # one warning per resolved row
         logging.getLogger(name).setLevel(logging.ERROR)
     where, gate = load_gate(version)
-    modes = HOST_MEMORY_MODES if version.startswith("0.5.23") else (None,)
-    validate = _sglang_validate_host_memory_mode() if modes != (None,) else None
-    flags: tuple[bool | None, ...] = (
-        (False, True) if project_has_write_through_flag() else (None,)
-    )
+    newer = version.startswith("0.5.23")
+    modes = HOST_MEMORY_MODES if newer else (None,)
+    policies = DECODE_ALLOCATION_POLICIES if newer else (None,)
+    validate = _sglang_validate_host_memory_mode() if newer else None
+    pd_hook = _sglang_pd_hook() if newer else None
+    flags: tuple[bool | None, ...] = (False, True) if project_has_write_through_flag() else (None,)
     rows, diffs = 0, []
     counts: dict[str, int] = {}
-    for values in itertools.product(*AXES.values(), modes):
-        row = dict(zip([*AXES, "hicache_host_memory_mode"], values, strict=True))
-        if row["hicache_host_memory_mode"] is None:
-            del row["hicache_host_memory_mode"]
-        obj = types.SimpleNamespace(**_QUIET_FIELDS, **row)
+    names = [*AXES, "hicache_host_memory_mode", "disaggregation_decode_allocation_policy"]
+    for values in itertools.product(*AXES.values(), modes, policies):
+        row = {k: v for k, v in zip(names, values, strict=True) if v is not None or k in AXES}
+        obj = types.SimpleNamespace(**{**_QUIET_FIELDS, **row})
         try:
+            if pd_hook is not None:  # SGLang's pipeline: the PD hook, the HiCache hook, the gate
+                pd_hook(obj)
             if validate is not None and row["enable_hierarchical_cache"]:
                 validate(obj)
             sglang_value = gate(obj)

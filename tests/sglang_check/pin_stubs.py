@@ -69,7 +69,8 @@ def stubs(cuda_shaped: bool) -> dict[str, Stub]:
         ),
         "sglang.kernels.ops.kvcache.hicache": Stub(
             "SGLang's JIT CUDA HiCache kernels (need nvcc and tvm_ffi); the two predicates "
-            "answer " + ("True (as on CUDA with 128-byte multiples)" if cuda_shaped else "False")
+            "answer "
+            + ("True (as on CUDA with 128-byte multiples)" if cuda_shaped else "False")
             + ", the kernels are placeholders that fail the check if called",
             lambda: _jit_hicache(cuda_shaped),
         ),

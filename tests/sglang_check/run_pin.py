@@ -40,7 +40,7 @@ HOST_POOL_MODULES = (
 
 def _setup(site: str, cuda_shaped: bool) -> Any:
     sys.path.insert(0, site)
-    from kernels._env import ensure_triton_interpret
+    from hicache_prefill.kernels._env import ensure_triton_interpret
 
     ensure_triton_interpret()
     from tests.sglang_check import pin_stubs, stubs
@@ -73,14 +73,29 @@ def _roundtrip(compat: Any, handle: Any, before_install: dict) -> tuple[dict[str
         "idempotent": again is handle,
         "uninstall_restores_exactly": restored == before_install and not fake_left,
         "differences_after_uninstall": sorted(
-            f"{m}.{n}"
-            for m in modules
-            for n in WATCHED
-            if restored[m][n] != before_install[m][n]
+            f"{m}.{n}" for m in modules for n in WATCHED if restored[m][n] != before_install[m][n]
         ),
         "reinstall_same_bindings": _snapshot(modules) == installed,
     }
     return result, reinstalled
+
+
+def _hf_kernels() -> dict[str, Any]:
+    """Where ``import kernels`` leads (SGLang's FA3 loader does ``from kernels import get_kernel,
+    load_kernel``): HuggingFace's package, never this project's ``hicache_prefill.kernels``."""
+    import hicache_prefill.kernels as project
+
+    try:
+        import kernels as hf
+        from kernels import get_kernel, load_kernel  # noqa: F401 - SGLang's import line
+    except ImportError as e:
+        return {"ok": False, "error": f"import kernels: {e}", "project_file": project.__file__}
+    return {
+        "ok": hf is not project and hf.__file__ != project.__file__,
+        "kernels_file": hf.__file__,
+        "project_file": project.__file__,
+        "cwd": os.getcwd(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
-    from kernels.sglang import compat, rebind
+    from hicache_prefill.kernels.sglang import compat, rebind
     from tests.sglang_check import gate, storage, stubs, transfers
 
     out: dict[str, Any] = {"mode": args.mode, "sglang_version": compat.sglang_version()}
+    out["fork_import"] = _hf_kernels()
     t0 = time.monotonic()
     if not cuda_shaped:  # the gate does not depend on the ops: reported even if install fails
         try:
@@ -124,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             "route_around_jit": handle.route_around_jit,
         }
         out["roundtrip"], handle = _roundtrip(compat, handle, before)
+        after = _hf_kernels()  # the fork's one call leaves ``kernels`` HuggingFace's
+        out["fork_import"]["ok"] = out["fork_import"]["ok"] and after["ok"]
+        out["fork_import"]["after_install"] = after.get("kernels_file", after.get("error"))
         import sglang.srt.mem_cache.pool_host.mha as mha
         import sglang.srt.mem_cache.pool_host.mla as mla
 
@@ -156,7 +175,7 @@ def _import_time_bindings(compat: Any, handle: Any) -> dict[str, dict[str, int |
     """What the cuda-shaped modules hold without the compat rebinding: the ops they imported
     from the registered ``sgl_kernel.kvcacheio`` (this project's) and SGLang's own JIT predicates
     (here the stub's)."""
-    from kernels.sglang import rebind
+    from hicache_prefill.kernels.sglang import rebind
 
     ops = compat.provided_ops()
     jit = sys.modules["sglang.kernels.ops.kvcache.hicache"]

@@ -57,14 +57,14 @@ CASES = [
 
 
 def _ours(kind: str, layout: str, dev: Any) -> Any:
-    from hicache.memory.host_pool import make_host_pool
+    from hicache_prefill.hicache.memory.host_pool import make_host_pool
 
     return make_host_pool(dev, transfers.HOST_RATIO, 0, layout)
 
 
 def _our_file(host: Any, path: str, tag: str | None = "none") -> Any:
-    from hicache.storage.config import storage_config_for_pool
-    from hicache.storage.file_backend import HiCacheFile
+    from hicache_prefill.hicache.storage.config import storage_config_for_pool
+    from hicache_prefill.hicache.storage.file_backend import HiCacheFile
 
     extra = {"file_storage_path": path}
     if tag is not None:
@@ -95,6 +95,7 @@ def _same_slots(kind: str, a: Any, a_starts: list[int], b: Any, b_starts: list[i
     ra, rb = transfers.host_rows(kind, a), transfers.host_rows(kind, b)
     ia = torch.tensor([s + t for s in a_starts for t in range(PAGE)])
     ib = torch.tensor([s + t for s in b_starts for t in range(PAGE)])
+
     def raw(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return t[:, idx].contiguous().view(torch.uint8)
 
@@ -102,7 +103,7 @@ def _same_slots(kind: str, a: Any, a_starts: list[int], b: Any, b_starts: list[i
 
 
 def _keys(seed: int) -> list[str]:
-    from hicache.storage.hash_keys import page_hashes
+    from hicache_prefill.hicache.storage.hash_keys import page_hashes
 
     return page_hashes(list(range(seed, seed + PAGES * PAGE)), PAGE)
 

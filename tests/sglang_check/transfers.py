@@ -110,7 +110,7 @@ class LaunchRecorder:
     specialization key (sm_90)."""
 
     def __init__(self) -> None:
-        import kernels.triton.launch as launch_module
+        import hicache_prefill.kernels.triton.launch as launch_module
         from tests.support.triton_keys import launch_key
 
         self._module = launch_module
@@ -141,7 +141,7 @@ class LaunchRecorder:
 
 def device_pool(kind: str, page_size: int) -> Any:
     """One of this project's device pools (CPU)."""
-    from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if kind.startswith("MLA"):
         pool = MLATokenToKVPool(
@@ -161,7 +161,7 @@ def device_pool(kind: str, page_size: int) -> Any:
 
 
 def supports_asymmetric() -> bool:
-    from hicache.memory.device_pool import MHATokenToKVPool
+    from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
 
     return "v_head_dim" in inspect.signature(MHATokenToKVPool).parameters
 
@@ -181,7 +181,7 @@ def host_pool(sglang: dict[str, Any], case: Case, dev: Any) -> Any:
     )  # fmt: skip
     if not sglang["takes_buffer_info"]:
         return cls(dev, **common)
-    from kernels.sglang.pool_info import sglang_buffer_info
+    from hicache_prefill.kernels.sglang.pool_info import sglang_buffer_info
 
     kwargs = dict(
         device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer
@@ -329,7 +329,7 @@ def run_case(sglang: dict[str, Any], case: Case, handle: Any, seed: int) -> Case
 def _check_tables_verified(host: Any, dev: Any) -> None:
     """After the warm-up every pointer table of both pools has a verified alignment (so on CUDA
     the kernels copy it with the widest word its addresses allow, in the variant warmed)."""
-    from kernels import verified_alignment
+    from hicache_prefill.kernels import verified_alignment
 
     unknown = [
         f"{type(pool).__name__}.{name}"

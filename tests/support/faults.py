@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import kernels
-from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-from hicache.transfer.controller import HiCacheController
+from hicache_prefill import kernels
+from hicache_prefill.hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hicache_prefill.hicache.transfer.controller import HiCacheController
 
 STREAM_MODES = ("thread", "inline")
 

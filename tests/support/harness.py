@@ -15,17 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefill.clock import Clock, VirtualClock, WallClock
-from prefill.disagg.backends import make_decode_backend
-from prefill.disagg.simulated import DEFAULT_SEND_LOG_SIZE, PeerConfig
-from prefill.executor import CostModel, OptimisticPrefillExecutor
-from prefill.model.factory import build_model
-from prefill.model.paged import PagedTransformer
-from prefill.scheduler.admission import DEFAULT_MAX_RUNNING_REQUESTS, metadata_buffer_count
-from prefill.tp_lockstep.driver import agreed_clock
+from hicache_prefill.prefill.clock import Clock, VirtualClock, WallClock
+from hicache_prefill.prefill.disagg.backends import make_decode_backend
+from hicache_prefill.prefill.disagg.simulated import DEFAULT_SEND_LOG_SIZE, PeerConfig
+from hicache_prefill.prefill.executor import CostModel, OptimisticPrefillExecutor
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.model.paged import PagedTransformer
+from hicache_prefill.prefill.scheduler.admission import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    metadata_buffer_count,
+)
+from hicache_prefill.prefill.tp_lockstep.driver import agreed_clock
 
 if TYPE_CHECKING:
-    from hicache.tp.group import TPGroup
+    from hicache_prefill.hicache.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def build_cache(
     (CPU only, seconds or a callable) is slept before every copy on the controller's side
     streams, to widen race windows; ``streams``: a CPU stream mode (``"thread"``, ``"inline"``)
     or ``None`` for the device's default."""
-    from hicache.builder import build_kv_cache
+    from hicache_prefill.hicache.builder import build_kv_cache
 
     return build_kv_cache(args, copy_delay=copy_delay, group=group, streams=streams)
 

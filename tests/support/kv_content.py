@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import MHATokenToKVPoolHost, MLATokenToKVPoolHost
 
 AnyPool = MHATokenToKVPool | MLATokenToKVPool | MHATokenToKVPoolHost | MLATokenToKVPoolHost
 
@@ -60,8 +60,11 @@ def _hash(x: torch.Tensor) -> torch.Tensor:
 
 
 def expected_kv(
-    pool: AnyPool, layer: int, tokens: torch.Tensor | list[int],
-    positions: torch.Tensor | list[int], head_offset: int = 0,
+    pool: AnyPool,
+    layer: int,
+    tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+    head_offset: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The content every slot holding (token, position) must have in ``layer`` (CPU tensors);
     heads counted from ``head_offset``."""
@@ -85,8 +88,11 @@ def _check_lengths(slots: torch.Tensor, tokens: torch.Tensor) -> None:
 
 
 def write_device(
-    pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
+    pool: MHATokenToKVPool | MLATokenToKVPool,
+    slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+    head_offset: int = 0,
 ) -> None:
     """Write the expected content of every layer into device ``slots`` (blocking)."""
     s = _as_i64(slots)
@@ -101,8 +107,11 @@ def write_device(
 
 
 def write_host(
-    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
+    host_slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+    head_offset: int = 0,
 ) -> None:
     """Write the expected content of every layer into ``host_slots`` (blocking)."""
     s = _as_i64(host_slots)
@@ -114,7 +123,10 @@ def write_host(
 
 
 def _compare(
-    where: str, slots: torch.Tensor, layer: int, got: tuple[torch.Tensor, ...],
+    where: str,
+    slots: torch.Tensor,
+    layer: int,
+    got: tuple[torch.Tensor, ...],
     want: tuple[torch.Tensor, ...],
 ) -> None:
     for part, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -131,8 +143,11 @@ def _compare(
 
 
 def check_device(
-    pool: MHATokenToKVPool | MLATokenToKVPool, slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
+    pool: MHATokenToKVPool | MLATokenToKVPool,
+    slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+    head_offset: int = 0,
 ) -> None:
     """Assert device ``slots`` hold (tokens, positions) in every layer, bit for bit."""
     s = _as_i64(slots)
@@ -147,8 +162,11 @@ def check_device(
 
 
 def check_host(
-    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost, host_slots: torch.Tensor | list[int],
-    tokens: torch.Tensor | list[int], positions: torch.Tensor | list[int], head_offset: int = 0,
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost,
+    host_slots: torch.Tensor | list[int],
+    tokens: torch.Tensor | list[int],
+    positions: torch.Tensor | list[int],
+    head_offset: int = 0,
 ) -> None:
     """Assert ``host_slots`` hold (tokens, positions) in every layer, bit for bit."""
     s = _as_i64(host_slots)

@@ -23,7 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hicache.storage.mooncake.availability import SHIM_ENV, module_reason, shim_loaded, shim_path
+from hicache_prefill.hicache.storage.mooncake.availability import (
+    SHIM_ENV,
+    module_reason,
+    shim_loaded,
+    shim_path,
+)
 
 logger = logging.getLogger(__name__)
 

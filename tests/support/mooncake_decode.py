@@ -2,7 +2,8 @@
 one of them: the ``decode`` object of an executor built with
 ``--disaggregation-transfer-backend mooncake`` (``harness.make_executor``).
 
-``DecodeWorker``: one ``python -m prefill.disagg.mooncake.decode_worker`` process, started under
+``DecodeWorker``: one ``python -m hicache_prefill.prefill.disagg.mooncake.decode_worker``
+process, started under
 the loopback shim (``tests.support.loopback.preload_env``) with
 ``PR_SET_PDEATHSIG`` (it dies with its parent), its pid recorded, commanded over its
 stdin/stdout, and stopped by that pid (``stop``, also after a kill or freeze). Test hooks:
@@ -40,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefill.disagg.mooncake.layout import KVGeometry
-from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeLink
-from prefill.disagg.mooncake.session_worker import TransferHook
-from prefill.disagg.mooncake.wire import encode_frames, read_stream
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
+from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeLink
+from hicache_prefill.prefill.disagg.mooncake.session_worker import TransferHook
+from hicache_prefill.prefill.disagg.mooncake.wire import encode_frames, read_stream
 from tests.support.loopback import die_with_parent, preload_env
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ class DecodeWorker:
         log_dir: str | None = None,
         host: str = "127.0.0.1",
     ) -> None:
-        cmd = [sys.executable, "-m", "prefill.disagg.mooncake.decode_worker", "--host", host,
-               "--max-total-tokens", str(pool_tokens),
-               "--max-running-requests", str(max_running_requests)]  # fmt: skip
+        cmd = [
+            *(sys.executable, "-m", "hicache_prefill.prefill.disagg.mooncake.decode_worker"),
+            *("--host", host, "--max-total-tokens", str(pool_tokens)),
+            *("--max-running-requests", str(max_running_requests)),
+        ]
         if check_free_pages:
             cmd.append("--check-free-pages")
         if expect_geometry is not None:

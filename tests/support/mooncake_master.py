@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hicache.storage.mooncake.config import split_address
+from hicache_prefill.hicache.storage.mooncake.config import split_address
 from tests.support.loopback import LOOPBACK, die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,7 @@ def master_binary() -> str:
 def master_health(host: str, metrics_port: int, timeout_s: float = 0.5) -> dict | None:
     """The master's ``GET /health`` answer, or ``None`` when it does not answer."""
     try:
-        with urllib.request.urlopen(
-            f"http://{host}:{metrics_port}/health", timeout=timeout_s
-        ) as r:
+        with urllib.request.urlopen(f"http://{host}:{metrics_port}/health", timeout=timeout_s) as r:
             return json.loads(r.read())
     except (OSError, ValueError):
         return None
@@ -266,8 +264,13 @@ class MooncakeMaster:
         if self.metrics_port is None:
             raise ValueError("restart: only a master this project started can be restarted")
         self.stop()
-        return MooncakeMaster.start(self.rpc_port, self.metrics_port, flags=self.flags,
-                                    ready_timeout_s=ready_timeout_s, log_path=self.log_path)
+        return MooncakeMaster.start(
+            self.rpc_port,
+            self.metrics_port,
+            flags=self.flags,
+            ready_timeout_s=ready_timeout_s,
+            log_path=self.log_path,
+        )
 
     def __enter__(self) -> MooncakeMaster:
         return self

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from hicache.storage.hash_keys import page_hashes
-from hicache.tp.group import new_cache_group
-from prefill.clock import VirtualClock, WallClock
-from prefill.model.factory import build_model
-from prefill.request.state import Outcome
-from server_args import ServerArgs
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.tp.group import new_cache_group
+from hicache_prefill.prefill.clock import VirtualClock, WallClock
+from hicache_prefill.prefill.model.factory import build_model
+from hicache_prefill.prefill.request.state import Outcome
+from hicache_prefill.server_args import ServerArgs
 from tests.support.harness import make_executor
 from tests.support.node_main import Node, main
 from tests.support.node_stores import STORE_COMMANDS

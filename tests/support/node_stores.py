@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import make_host_pool
-from hicache.storage.backend_factory import StorageBackendFactory
-from hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import make_host_pool
+from hicache_prefill.hicache.storage.backend_factory import StorageBackendFactory
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
 from tests.support.node_main import Node, main
 
 logger = logging.getLogger(__name__)

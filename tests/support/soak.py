@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefill.disagg.simulated import DelayDistribution, PeerConfig
-from prefill.executor import OptimisticPrefillExecutor
-from prefill.request.state import Outcome, RequestResult
+from hicache_prefill.prefill.disagg.simulated import DelayDistribution, PeerConfig
+from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+from hicache_prefill.prefill.request.state import Outcome, RequestResult
 from tests.support.harness import (
     build_cache,
     decode_kv_and_reference,
@@ -130,7 +130,7 @@ def workload(cfg: SoakConfig) -> Iterator[tuple[float, str, list[int]]]:
             base = rng.choice(recent)  # a follow-up turn: the whole earlier prompt is a prefix
         else:
             base = rng.choice(systems)
-        tokens = (base + [rng.randrange(cfg.vocab) for _ in range(rng.randint(1, 40))])
+        tokens = base + [rng.randrange(cfg.vocab) for _ in range(rng.randint(1, 40))]
         tokens = tokens[: cfg.max_prompt]
         recent.append(tokens)
         if len(recent) > 64:

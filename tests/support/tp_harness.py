@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from hicache.tp.group import tp_timeout_s
+from hicache_prefill.hicache.tp.group import tp_timeout_s
 from tests.support.loopback import free_port
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RanksFailed", "RanksHung", "run_ranks"]
@@ -145,7 +145,13 @@ def run_ranks(
             ctx.Process(
                 target=_rank_entry,
                 args=(
-                    r, world_size, init_method, fn, args, results, paths[r],
+                    r,
+                    world_size,
+                    init_method,
+                    fn,
+                    args,
+                    results,
+                    paths[r],
                     collective_timeout_s,
                 ),  # fmt: skip
                 daemon=True,

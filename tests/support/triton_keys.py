@@ -24,7 +24,7 @@ def _binder() -> Any:
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from kernels.triton.copy_kernel import kv_copy_kernel
+    from hicache_prefill.kernels.triton.copy_kernel import kv_copy_kernel
 
     kernel = kv_copy_kernel
     if not isinstance(kernel, JITFunction):  # interpreted: the same function, as @triton.jit

@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from hicache.storage.backend_factory import StorageBackendFactory
-from hicache.storage.base import HiCacheStorage
-from hicache.storage.config import storage_config_for_pool
-from hicache.storage.extra_config import StorageSettings, split_extra_config
-from hicache.storage.io.prefetch import PrefetchBook, StorageTree
-from hicache.storage.io.workers import (
+from hicache_prefill.hicache.storage.backend_factory import StorageBackendFactory
+from hicache_prefill.hicache.storage.base import HiCacheStorage
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.storage.extra_config import StorageSettings, split_extra_config
+from hicache_prefill.hicache.storage.io.prefetch import PrefetchBook, StorageTree
+from hicache_prefill.hicache.storage.io.workers import (
     CacheRequestHandle,
     StorageOperation,
     StorageStats,
     StorageWorkers,
     uses_zero_copy,
 )
-from hicache.tp.group import TPGroup
+from hicache_prefill.hicache.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 

@@ -15,16 +15,16 @@ from typing import Any, Protocol
 
 import torch
 
-from hicache.storage.extra_config import StorageSettings
-from hicache.storage.io.workers import (
+from hicache_prefill.hicache.storage.extra_config import StorageSettings
+from hicache_prefill.hicache.storage.io.workers import (
     CacheRequestHandle,
     PrefetchAck,
     PrefetchOperation,
     StorageStats,
     StorageWorkers,
 )
-from hicache.tp.agreed import agreed_alloc
-from hicache.tp.group import TPGroup
+from hicache_prefill.hicache.tp.agreed import agreed_alloc
+from hicache_prefill.hicache.tp.group import TPGroup
 
 logger = logging.getLogger(__name__)
 

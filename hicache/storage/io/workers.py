@@ -18,8 +18,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hicache.storage.base import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageExtraInfo
-from hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.base import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+)
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from hicache.storage.mooncake import availability
-from hicache.storage.mooncake.config import MooncakeStoreConfig
+from hicache_prefill.hicache.storage.mooncake import availability
+from hicache_prefill.hicache.storage.mooncake.config import MooncakeStoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.storage.config import FLAG, parse_size
+from hicache_prefill.hicache.storage.config import FLAG, parse_size
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 DEFAULT_TENANT_ID = "default"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hicache.storage.config import HiCacheStorageConfig
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import threading
 
 import torch
 
-from hicache.storage.file_backend import FOOTER, MAGIC, page_checksum
-from hicache.storage.mooncake.client import MooncakeClient, error_name
+from hicache_prefill.hicache.storage.file_backend import FOOTER, MAGIC, page_checksum
+from hicache_prefill.hicache.storage.mooncake.client import MooncakeClient, error_name
 
 logger = logging.getLogger(__name__)
 

@@ -20,19 +20,31 @@ from typing import Any, ClassVar
 
 import torch
 
-from hicache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo, host_indices_fit
-from hicache.storage.config import FLAG, HiCacheStorageConfig, as_extra_config
-from hicache.storage.mooncake.client import HEALTHY, MooncakeClient, error_name, open_client
-from hicache.storage.mooncake.config import (
+from hicache_prefill.hicache.storage.base import (
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    host_indices_fit,
+)
+from hicache_prefill.hicache.storage.config import FLAG, HiCacheStorageConfig, as_extra_config
+from hicache_prefill.hicache.storage.mooncake.client import (
+    HEALTHY,
+    MooncakeClient,
+    error_name,
+    open_client,
+)
+from hicache_prefill.hicache.storage.mooncake.config import (
     BACKEND_KEYS,
     MooncakeStoreConfig,
     device_for_rank,
     load_mooncake_config,
     parse_bool,
 )
-from hicache.storage.mooncake.names import ObjectNames
-from hicache.storage.mooncake.page_footers import GET_CALL, PUT_CALL, PageFooters
-from hicache.storage.mooncake.store_stats import MooncakeCounters, MooncakeStoreStats
+from hicache_prefill.hicache.storage.mooncake.names import ObjectNames
+from hicache_prefill.hicache.storage.mooncake.page_footers import GET_CALL, PUT_CALL, PageFooters
+from hicache_prefill.hicache.storage.mooncake.store_stats import (
+    MooncakeCounters,
+    MooncakeStoreStats,
+)
 
 logger = logging.getLogger(__name__)
 

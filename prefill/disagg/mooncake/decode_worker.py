@@ -1,5 +1,6 @@
-"""The decode worker process (``python -m prefill.disagg.mooncake.decode_worker``): a decode
-instance without a model (``receiver.DecodeReceiver``), driven over stdin/stdout. Each command is
+"""The decode worker process
+(``python -m hicache_prefill.prefill.disagg.mooncake.decode_worker``): a decode instance without a
+model (``receiver.DecodeReceiver``), driven over stdin/stdout. Each command is
 a framed message whose first frame is JSON ``{"op": ..., ...}``; each answer a JSON frame echoing
 its ``seq``, then raw tensor frames for ``received_kv``. The first message is ``{"ready": true,
 ...}``, or ``{"ready": false, "error": ...}`` and a non-zero exit. It exits when stdin closes."""
@@ -15,16 +16,18 @@ from typing import Any, BinaryIO
 
 import torch
 
-from hicache.storage.mooncake.availability import require_loopback_engines
-from prefill.disagg.mooncake.layout import KVGeometry
-from prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
-from prefill.disagg.mooncake.wire import read_stream, write_stream
+from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
+from hicache_prefill.prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
+from hicache_prefill.prefill.disagg.mooncake.wire import read_stream, write_stream
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m prefill.disagg.mooncake.decode_worker")
+    p = argparse.ArgumentParser(
+        prog="python -m hicache_prefill.prefill.disagg.mooncake.decode_worker"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--max-total-tokens", type=int, default=1 << 16)
     p.add_argument("--max-running-requests", type=int, default=256)

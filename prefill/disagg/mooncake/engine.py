@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hicache.storage.mooncake.availability import module_reason
+from hicache_prefill.hicache.storage.mooncake.availability import module_reason
 
 MAX_ITEMS_PER_CALL = 1024
 """Items per ``batch_transfer_sync_write``: half of what the default TCP queue limits accept."""

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.device_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 
 _DTYPES = {
     "float32": torch.float32,

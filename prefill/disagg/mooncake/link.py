@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.memory.device_pool import KVPool
-from hicache.storage.mooncake.availability import require_loopback_engines
-from prefill.disagg.mooncake.layout import MetadataBuffers
-from prefill.disagg.mooncake.sender import PrefillTransport, Room
-from prefill.disagg.mooncake.session_worker import Job, TransferHook
-from prefill.disagg.protocol import (
+from hicache_prefill.hicache.memory.device_pool import KVPool
+from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
+from hicache_prefill.prefill.disagg.mooncake.layout import MetadataBuffers
+from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport, Room
+from hicache_prefill.prefill.disagg.mooncake.session_worker import Job, TransferHook
+from hicache_prefill.prefill.disagg.protocol import (
     BOOTSTRAP_TIMEOUT_ENV,
     TERMINAL,
     KVPoll,

@@ -14,17 +14,21 @@ from typing import Any
 
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
-from prefill.disagg.mooncake.bootstrap import BootstrapUnreachable, fetch_route, healthy
-from prefill.disagg.mooncake.engine import KVTransferEngine
-from prefill.disagg.mooncake.layout import (
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator, page_ceil
+from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
+    BootstrapUnreachable,
+    fetch_route,
+    healthy,
+)
+from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
+from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
     MetadataBuffers,
     layer_buffers,
     pool_region,
     read_pool,
 )
-from prefill.disagg.mooncake.wire import (
+from hicache_prefill.prefill.disagg.mooncake.wire import (
     Abort,
     AbortAck,
     Listener,
@@ -34,8 +38,8 @@ from prefill.disagg.mooncake.wire import (
     Status,
     parse_to_decode,
 )
-from prefill.disagg.protocol import TERMINAL, KVPoll, positive_env
-from prefill.scheduler.admission import ReqToMetadataIdxAllocator
+from hicache_prefill.prefill.disagg.protocol import TERMINAL, KVPoll, positive_env
+from hicache_prefill.prefill.scheduler.admission import ReqToMetadataIdxAllocator
 
 logger = logging.getLogger(__name__)
 

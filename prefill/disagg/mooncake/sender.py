@@ -14,12 +14,22 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from hicache.memory.allocator import page_ceil
-from hicache.memory.device_pool import KVPool
-from prefill.disagg.mooncake.bootstrap import BootstrapServer
-from prefill.disagg.mooncake.layout import KVGeometry, MetadataBuffers, layer_buffers, pool_region
-from prefill.disagg.mooncake.session_worker import Job, SessionWorker, SourceMemory, TransferHook
-from prefill.disagg.mooncake.wire import (
+from hicache_prefill.hicache.memory.allocator import page_ceil
+from hicache_prefill.hicache.memory.device_pool import KVPool
+from hicache_prefill.prefill.disagg.mooncake.bootstrap import BootstrapServer
+from hicache_prefill.prefill.disagg.mooncake.layout import (
+    KVGeometry,
+    MetadataBuffers,
+    layer_buffers,
+    pool_region,
+)
+from hicache_prefill.prefill.disagg.mooncake.session_worker import (
+    Job,
+    SessionWorker,
+    SourceMemory,
+    TransferHook,
+)
+from hicache_prefill.prefill.disagg.mooncake.wire import (
     Abort,
     AbortAck,
     ControlMessageError,
@@ -30,7 +40,7 @@ from prefill.disagg.mooncake.wire import (
     Status,
     parse_to_prefill,
 )
-from prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.disagg.protocol import KVPoll
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, EngineError, KVTransferEngine
-from prefill.disagg.mooncake.wire import Register
+from hicache_prefill.prefill.disagg.mooncake.engine import (
+    MAX_ITEMS_PER_CALL,
+    EngineError,
+    KVTransferEngine,
+)
+from hicache_prefill.prefill.disagg.mooncake.wire import Register
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
 
 
 def test_alloc_starts_at_page_one_and_returns_none_when_short() -> None:
@@ -137,7 +137,7 @@ def test_random_alloc_free_keeps_accounting(page: int, ops: list[tuple[bool, int
 
 
 def test_from_server_args() -> None:
-    from server_args import ServerArgs
+    from hicache_prefill.server_args import ServerArgs
 
     args = ServerArgs(max_total_tokens=64, page_size=16, device="cpu")
     a = TokenToKVPoolAllocator.from_server_args(args)

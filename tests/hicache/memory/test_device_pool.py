@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 
 
 def test_mha_pool_views_share_one_allocation() -> None:
@@ -46,8 +46,10 @@ def test_mha_set_kv_buffer_writes_only_loc() -> None:
 def test_mha_set_kv_buffer_rejects_bad_input(bad: dict) -> None:
     pool = MHATokenToKVPool(8, 1, torch.float32, head_num=1, head_dim=4, layer_num=2, device="cpu")
     call = dict(
-        layer_id=0, loc=torch.tensor([1], dtype=torch.int64),
-        cache_k=torch.ones(1, 1, 4), cache_v=torch.ones(1, 1, 4),
+        layer_id=0,
+        loc=torch.tensor([1], dtype=torch.int64),
+        cache_k=torch.ones(1, 1, 4),
+        cache_v=torch.ones(1, 1, 4),
     )
     call.update(bad)
     with pytest.raises(ValueError):
@@ -56,8 +58,9 @@ def test_mha_set_kv_buffer_rejects_bad_input(bad: dict) -> None:
 
 
 def test_mla_pool() -> None:
-    pool = MLATokenToKVPool(16, 16, torch.float32, kv_lora_rank=6, qk_rope_head_dim=2,
-                            layer_num=2, device="cpu")
+    pool = MLATokenToKVPool(
+        16, 16, torch.float32, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2, device="cpu"
+    )
     assert pool.kv_buffer_all.shape == (2, 32, 1, 8)
     assert pool.kv_buffer[1].shape == (32, 1, 8)
     assert int(pool.kv_data_ptrs[1]) == pool.kv_buffer[1].data_ptr()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hicache.memory.host_ram as host_memory
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import (
+import hicache_prefill.hicache.memory.host_ram as host_memory
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import (
     LAYOUTS,
     SUPPORTED_LAYOUT_IO,
     MHATokenToKVPoolHost,
@@ -22,8 +22,9 @@ L, H, D, C = 3, 2, 8, 12
 
 def device_pool(mla: bool, page: int, size: int = 64, dtype=torch.float32):
     if mla:
-        return MLATokenToKVPool(size, page, dtype, kv_lora_rank=C - 4, qk_rope_head_dim=4,
-                                layer_num=L, device="cpu")
+        return MLATokenToKVPool(
+            size, page, dtype, kv_lora_rank=C - 4, qk_rope_head_dim=4, layer_num=L, device="cpu"
+        )
     return MHATokenToKVPool(size, page, dtype, head_num=H, head_dim=D, layer_num=L, device="cpu")
 
 
@@ -160,8 +161,9 @@ def test_get_set_slot_helpers() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_host_pool_is_registered_at_exact_size(layout: str) -> None:
-    dev = MHATokenToKVPool(48, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
-                           device="cuda")
+    dev = MHATokenToKVPool(
+        48, 16, torch.bfloat16, head_num=2, head_dim=64, layer_num=2, device="cuda"
+    )
     host = MHATokenToKVPoolHost(dev, 3.0, 0, 16, layout)
     assert host.pinned and host._registered  # cudaHostRegister, not pin_memory()
     assert host.kv_buffer.is_pinned()
@@ -181,7 +183,7 @@ def test_cpu_host_pool_is_not_pinned() -> None:
 
 
 def test_the_host_ram_reserve_can_be_overridden_and_a_bad_value_is_named(monkeypatch) -> None:
-    from hicache.memory import host_ram
+    from hicache_prefill.hicache.memory import host_ram
 
     monkeypatch.setenv(host_ram.RESERVE_ENV, "1234")
     assert host_ram.host_memory_reserve_bytes() == 1234

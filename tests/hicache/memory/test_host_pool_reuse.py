@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 from bench.e2e.setup import SharedHostPool
-from hicache.builder import build_kv_cache
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.server_args import ServerArgs
 
 ARGS = ServerArgs(device="cpu", dtype="float32", num_layers=2, head_num=1, head_dim=4,
                   max_total_tokens=64, page_size=4, enable_hierarchical_cache=True,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import LAYOUTS, make_host_pool
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import LAYOUTS, make_host_pool
 from tests.support.kv_content import check_device, check_host, write_device, write_host
 
 PAGE = 4

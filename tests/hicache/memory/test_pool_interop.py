@@ -20,8 +20,8 @@ import types
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
 
 L, H = 3, 2
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import HostKVPool, make_host_pool
-from hicache.storage.base import HiCacheStorage
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import HostKVPool, make_host_pool
+from hicache_prefill.hicache.storage.base import HiCacheStorage
 
 L, H, D, DV, C = 3, 2, 8, 4, 12
 KINDS = ("mha", "mha_v", "mla")  # mha_v: V heads narrower than K heads

@@ -9,10 +9,10 @@ import stat
 import pytest
 import torch
 
-import hicache.storage.file_backend as file_backend
-from hicache.storage.config import HiCacheStorageConfig, storage_config_for_pool
-from hicache.storage.file_backend import HiCacheFile
-from hicache.storage.hash_keys import page_hashes
+import hicache_prefill.hicache.storage.file_backend as file_backend
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig, storage_config_for_pool
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
 from tests.hicache.storage.helpers import fill_random, host_pool, same_slots
 
 

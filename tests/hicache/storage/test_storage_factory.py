@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from hicache.storage.backend_factory import StorageBackendFactory
-from hicache.storage.config import HiCacheStorageConfig
-from hicache.storage.fault_injector import HiCacheStorageFailureInjector
-from hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.backend_factory import StorageBackendFactory
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig
+from hicache_prefill.hicache.storage.fault_injector import HiCacheStorageFailureInjector
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
 from tests.hicache.storage.helpers import MemoryStorage
 
 DYNAMIC = {"backend_name": "mem", "module_path": "tests.hicache.storage.helpers",

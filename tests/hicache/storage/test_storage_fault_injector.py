@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.storage.fault_injector import (
+from hicache_prefill.hicache.storage.fault_injector import (
     HiCacheStorageFailureInjector,
     maybe_wrap_hicache_storage_failure_injector,
 )

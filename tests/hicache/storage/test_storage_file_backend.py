@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-import hicache.storage.file_backend as file_backend
-from hicache.storage.config import HiCacheStorageConfig, storage_config_for_pool
-from hicache.storage.file_backend import HiCacheFile
-from hicache.storage.hash_keys import page_hashes
-from hicache.storage.lru_file_evictor import LRUFileEvictor
+import hicache_prefill.hicache.storage.file_backend as file_backend
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig, storage_config_for_pool
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.lru_file_evictor import LRUFileEvictor
 from tests.hicache.storage.helpers import fill_random, host_pool, same_slots, slot_bytes
 
 V1 = "77d735ce838418aa151bd96b5b1e78ee63860892e0a95c00fe34178442be9b07"

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.storage.hash_keys import (
+from hicache_prefill.hicache.storage.hash_keys import (
     get_hash_str,
     get_storage_hash_str,
     page_hashes,

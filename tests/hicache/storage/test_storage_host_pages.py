@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 
-from hicache.memory.host_pool import LAYOUTS
+from hicache_prefill.hicache.memory.host_pool import LAYOUTS
 from tests.hicache.storage.helpers import (
     DV,
     KINDS,
@@ -68,9 +68,7 @@ def test_page_buffer_meta_points_at_each_page(kind: str, layout: str) -> None:
     want = []
     for s in (4, 24):
         if layout == "layer_first":
-            want += [
-                _raw(part[layer, s : s + page]) for layer in range(L) for part in host.parts
-            ]
+            want += [_raw(part[layer, s : s + page]) for layer in range(L) for part in host.parts]
         elif layout == "page_first":
             want += [_raw(part[s : s + page]) for part in host.parts]
         else:

@@ -21,10 +21,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage.config import storage_config_for_pool
-from hicache.storage.fault_injector import HiCacheStorageFailureInjector
-from hicache.storage.file_backend import HiCacheFile
-from hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.storage.fault_injector import HiCacheStorageFailureInjector
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
 from tests.hicache.storage.helpers import fill_random, host_pool, same_slots, slot_bytes
 
 N_KEYS, PAGE = 5, 2

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.storage.config import HiCacheStorageConfig, parse_size
-from hicache.storage.file_backend import HiCacheFile
-from hicache.storage.mooncake.config import load_mooncake_config
+from hicache_prefill.hicache.storage.config import HiCacheStorageConfig, parse_size
+from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+from hicache_prefill.hicache.storage.mooncake.config import load_mooncake_config
 
 GOOD = {
     "200G": 200 * 10**9,

@@ -24,17 +24,17 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from hicache.builder import build_kv_cache
-from hicache.tp.digest import tree_state
-from hicache.tp.group import (
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.hicache.tp.digest import tree_state
+from hicache_prefill.hicache.tp.group import (
     CollectiveMismatchError,
     RankDivergenceError,
     SingleRankGroup,
     new_cache_group,
 )
-from prefill.model.paged import ModelConfig
-from prefill.model.tp import TPShard
-from server_args import ServerArgs
+from hicache_prefill.prefill.model.paged import ModelConfig
+from hicache_prefill.prefill.model.tp import TPShard
+from hicache_prefill.server_args import ServerArgs
 from tests.support.kv_content import check_device, check_tree_content, write_device
 from tests.support.tp_harness import run_ranks
 
@@ -64,10 +64,20 @@ STORIES_2 = [
     Story("write_back", 1, "page_first", "kernel", 60, 4, (2.0,), (0.0, 8.0)),
 ]
 STORIES_4 = [
-    Story("write_through", 16, "layer_first", "direct", 50, 5, (2.0, 1.5), (8.0, 0.0, 4.0, 0.0),
-          refuse_host=0.2),  # fmt: skip
-    Story("write_back", 1, "page_first_direct", "direct", 50, 6, (1.5, 1.0),
-          (0.0, 4.0, 0.0, 8.0)),  # fmt: skip
+    Story(
+        "write_through",
+        16,
+        "layer_first",
+        "direct",
+        50,
+        5,
+        (2.0, 1.5),
+        (8.0, 0.0, 4.0, 0.0),
+        refuse_host=0.2,
+    ),  # fmt: skip
+    Story(
+        "write_back", 1, "page_first_direct", "direct", 50, 6, (1.5, 1.0), (0.0, 4.0, 0.0, 8.0)
+    ),  # fmt: skip
 ]
 
 
@@ -377,13 +387,16 @@ def _inject(r: Rank, how: str) -> None:
 INJECTIONS = {
     # rank 0's copies are held at its gate for the whole run, rank 1's finish before it counts:
     # rank 1 pops acks the group has not
-    "local_ack_count": Story("write_through", 1, "layer_first", "direct", 120, 7, (2.0,),
-                             (4.0, 0.0)),  # fmt: skip
+    "local_ack_count": Story(
+        "write_through", 1, "layer_first", "direct", 120, 7, (2.0,), (4.0, 0.0)
+    ),  # fmt: skip
     # rank 1's host pool refuses on its own; the others back up
-    "local_host_room": Story("write_through", 1, "layer_first", "direct", 120, 8, (2.0,),
-                             (0.0, 0.0), refuse_host=0.3),  # fmt: skip
-    "early_return": Story("write_through", 1, "layer_first", "direct", 120, 9, (2.0,),
-                          (4.0, 0.0)),  # fmt: skip
+    "local_host_room": Story(
+        "write_through", 1, "layer_first", "direct", 120, 8, (2.0,), (0.0, 0.0), refuse_host=0.3
+    ),  # fmt: skip
+    "early_return": Story(
+        "write_through", 1, "layer_first", "direct", 120, 9, (2.0,), (4.0, 0.0)
+    ),  # fmt: skip
 }
 
 
@@ -438,7 +451,7 @@ def test_injected_rank_local_decisions_are_caught():
 
 
 def test_tp_model_needs_the_process_group():
-    from prefill.model.factory import build_model
+    from hicache_prefill.prefill.model.factory import build_model
 
     with pytest.raises(ValueError, match="tp_size: --tp-size=2 needs an initialized default"):
         build_model(ServerArgs(device="cpu", tp_size=2))

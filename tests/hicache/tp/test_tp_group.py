@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from hicache.tp.digest import digest
-from hicache.tp.group import (
+from hicache_prefill.hicache.tp.digest import digest
+from hicache_prefill.hicache.tp.group import (
     DEFAULT_TP_TIMEOUT_S,
     TP_TIMEOUT_ENV,
     CollectiveMismatchError,

@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
-from hicache.transfer.controller import HiCacheController
-from hicache.transfer.streams import make_streams
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import SUPPORTED_LAYOUT_IO, make_host_pool
+from hicache_prefill.hicache.transfer.controller import HiCacheController
+from hicache_prefill.hicache.transfer.streams import make_streams
 from tests.support.kv_content import check_device, check_host, write_device
 
 L = 3

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.memory.host_pool import SUPPORTED_LAYOUT_IO
+from hicache_prefill.hicache.memory.host_pool import SUPPORTED_LAYOUT_IO
 from tests.hicache.transfer.test_controller import make
 from tests.support.kv_content import check_device, check_host, write_device
 
@@ -35,12 +35,18 @@ class Seg:
 
 @pytest.mark.parametrize("layout,io,mla,page", CONFIGS)
 @settings(max_examples=20, deadline=None)
-@given(steps=st.lists(st.integers(0, 10**6), min_size=15, max_size=50),
-       seed=st.integers(0, 2**16))
+@given(steps=st.lists(st.integers(0, 10**6), min_size=15, max_size=50), seed=st.integers(0, 2**16))
 def test_random_controller_sequences(layout, io, mla, page, steps, seed) -> None:
     rng = random.Random(seed)
-    c = make(page=page, size=16 * page, layout=layout, io=io, mla=mla, ratio=1.5,
-             delay=lambda: rng.choice([0.0, 0.0005, 0.002]))
+    c = make(
+        page=page,
+        size=16 * page,
+        layout=layout,
+        io=io,
+        mla=mla,
+        ratio=1.5,
+        delay=lambda: rng.choice([0.0, 0.0005, 0.002]),
+    )
     dev: list[Seg] = []
     host: list[Seg] = []
     pending_w: dict[int, Seg] = {}  # node id -> host seg
@@ -49,11 +55,14 @@ def test_random_controller_sequences(layout, io, mla, page, steps, seed) -> None
     try:
         for step in steps:
             # each step picks among the operations that apply now, so every step does something
-            applicable = [o for o in OPS
-                          if (o not in ("backup", "evict_device") or dev)
-                          and (o not in ("evict_host",) or host)
-                          and (o != "load" or any(x.ready for x in host))
-                          and (o != "start" or c.load_queue)]
+            applicable = [
+                o
+                for o in OPS
+                if (o not in ("backup", "evict_device") or dev)
+                and (o not in ("evict_host",) or host)
+                and (o != "load" or any(x.ready for x in host))
+                and (o != "start" or c.load_queue)
+            ]
             mixed = (step * 2654435761 + seed) % (1 << 32)  # small hypothesis ints spread out
             op, k = applicable[mixed % len(applicable)], mixed // len(applicable)
             if op == "new":

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from hicache.transfer.errors import BackupError, LoadBackError
-from kernels.ops import checks
+from hicache_prefill import kernels
+from hicache_prefill.hicache.transfer.errors import BackupError, LoadBackError
+from hicache_prefill.kernels.ops import checks
 from tests.hicache.transfer.test_controller import make
 from tests.support.kv_content import check_host, write_device
 

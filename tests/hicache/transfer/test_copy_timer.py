@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.memory.device_pool import MHATokenToKVPool
-from hicache.memory.host_pool import make_host_pool
-from hicache.transfer.controller import HiCacheController
-from hicache.transfer.streams import make_streams
-from prefill.clock import VirtualClock
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool
+from hicache_prefill.hicache.memory.host_pool import make_host_pool
+from hicache_prefill.hicache.transfer.controller import HiCacheController
+from hicache_prefill.hicache.transfer.streams import make_streams
+from hicache_prefill.prefill.clock import VirtualClock
 
 
 def approx(x: float) -> object:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hicache.transfer.streams import (
+from hicache_prefill.hicache.transfer.streams import (
     CpuEvent,
     CpuStreams,
     CudaStreams,

@@ -30,8 +30,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hicache.builder import build_kv_cache
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.server_args import ServerArgs
 from tests.support.kv_content import check_device, check_tree_content, write_device
 
 

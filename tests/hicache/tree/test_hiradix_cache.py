@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from hicache.builder import KVCache, build_kv_cache
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import KVCache, build_kv_cache
+from hicache_prefill.server_args import ServerArgs
 from tests.support.kv_content import check_device, check_tree_content, write_device
 
 PAGE = 4

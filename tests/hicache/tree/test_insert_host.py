@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.builder import KVCache, build_kv_cache
-from hicache.storage.hash_keys import page_hashes
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import KVCache, build_kv_cache
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.server_args import ServerArgs
 
 
 def _cache(page_size: int) -> KVCache:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.builder import build_kv_cache
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.tree.radix_cache import RadixCache
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
+from hicache_prefill.server_args import ServerArgs
 
 A = list(range(100, 108))
 B = list(range(200, 208))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.tree.radix_cache import RadixCache
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
 
 
 def make(page_size: int = 1, size: int = 64) -> tuple[RadixCache, TokenToKVPoolAllocator]:

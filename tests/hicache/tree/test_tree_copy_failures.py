@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.transfer.errors import LoadBackError
-from hicache.tree.lru_queues import DEVICE
+from hicache_prefill.hicache.transfer.errors import LoadBackError
+from hicache_prefill.hicache.tree.lru_queues import DEVICE
 from tests.hicache.tree.test_hiradix_cache import (
     A,
     B,

@@ -33,8 +33,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hicache.memory.allocator import TokenToKVPoolAllocator
-from hicache.tree.radix_cache import RadixCache
+from hicache_prefill.hicache.memory.allocator import TokenToKVPoolAllocator
+from hicache_prefill.hicache.tree.radix_cache import RadixCache
 
 POOL_PAGES = 24
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from prefill.disagg.simulated import PeerConfig
-from prefill.request.state import Outcome, Stage
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.request.state import Outcome, Stage
 from tests.prefill.executor_helpers import NOW, executor_args, prompt, step
 from tests.support.harness import make_executor
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill.disagg.mooncake.wire import read_stream
+from hicache_prefill.prefill.disagg.mooncake.wire import read_stream
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 def _run_worker(*flags: str) -> tuple[int, list[dict], str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "prefill.disagg.mooncake.decode_worker", *flags],
+        [sys.executable, "-m", "hicache_prefill.prefill.disagg.mooncake.decode_worker", *flags],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,

@@ -31,15 +31,15 @@ _REASON = skip_reason("engine", shim_in_process=True)
 if _REASON is not None:
     pytest.skip(f"Mooncake transport tests: {_REASON}", allow_module_level=True)
 
-from prefill.clock import WallClock  # noqa: E402
-from prefill.disagg.mooncake.layout import KVGeometry  # noqa: E402
-from prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa: E402
-from prefill.disagg.mooncake.receiver import POISON  # noqa: E402
-from prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
-from prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
-from prefill.disagg.simulated import PeerConfig  # noqa: E402
-from prefill.request.state import Outcome  # noqa: E402
-from server_args import ServerArgs  # noqa: E402
+from hicache_prefill.prefill.clock import WallClock  # noqa: E402
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry  # noqa: E402
+from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa: E402
+from hicache_prefill.prefill.disagg.mooncake.receiver import POISON  # noqa: E402
+from hicache_prefill.prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
+from hicache_prefill.prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
+from hicache_prefill.prefill.disagg.simulated import PeerConfig  # noqa: E402
+from hicache_prefill.prefill.request.state import Outcome  # noqa: E402
+from hicache_prefill.server_args import ServerArgs  # noqa: E402
 from tests.support.harness import assert_decode_kv_matches, make_executor  # noqa: E402
 from tests.support.mooncake_decode import (  # noqa: E402
     DecodeWorker,
@@ -96,9 +96,16 @@ def workers(env: object) -> object:
 
 
 def mk_args(**kw: object) -> ServerArgs:
-    base = dict(page_size=PAGE, max_total_tokens=4096, chunked_prefill_size=64, device="cpu",
-                dtype="float32", disaggregation_mode="prefill",
-                disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=0)
+    base = dict(
+        page_size=PAGE,
+        max_total_tokens=4096,
+        chunked_prefill_size=64,
+        device="cpu",
+        dtype="float32",
+        disaggregation_mode="prefill",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=0,
+    )
     return ServerArgs(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -196,9 +203,10 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
         (geom,) = other.pop_results()
         results = {r.rid: r for r in ex.pop_results()}
         assert all(results[f"r{i}"].outcome == Outcome.SUCCESS for i in range(len(lengths)))
-        assert all(r.decode_prefix_len == (min(PAGE, (n - 1) // PAGE * PAGE))
-                   for r, n in zip([results[f"r{i}"] for i in range(len(lengths))], lengths,
-                                   strict=True))
+        assert all(
+            r.decode_prefix_len == (min(PAGE, (n - 1) // PAGE * PAGE))
+            for r, n in zip([results[f"r{i}"] for i in range(len(lengths))], lengths, strict=True)
+        )
         # Another geometry: refused by the decode worker (its pool has the first prefill's),
         # naming the fields; that prefill's request fails at once (decode's ABORT), not by its
         # bootstrap timeout.
@@ -251,6 +259,7 @@ def test_optimistic_attempts_send_nothing_before_finalize(workers: dict) -> None
         # pattern: nothing of an attempt that was not finalized was written.
         untouched: dict[str, bool] = {}
         for rid, link in decode.peers.items():
+
             def init(attempt: int, rid: str = rid, inner: Callable = link.init) -> None:
                 _, *kv = decode.pages_kv(rid)
                 untouched[rid] = all(bool((t.view(torch.uint8) == POISON).all()) for t in kv)
@@ -372,7 +381,8 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
 
                 def landed(want: torch.Tensor = want) -> bool:
                     return decode.state("V")["held"] and torch.allclose(
-                        decode.pages_kv("V")[1][:, 64:128], want, atol=1e-5)
+                        decode.pages_kv("V")[1][:, 64:128], want, atol=1e-5
+                    )
 
                 assert wait_for(landed, 10), "the failed call's bytes did not land (held pages)"
             if point == "bootstrapping":
@@ -380,8 +390,9 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
                 assert wait_for(lambda: decode.state("V")["state"] == "Failed", 30)
             check_results(ex, list(results.values()))
             sessions = decode.backend.transport.stats()["sessions"]
-            assert wait_for(lambda: decode.backend.transport.sessions[session].blacklisted
-                            is None, 30), sessions  # probed back after the resume
+            assert wait_for(
+                lambda: decode.backend.transport.sessions[session].blacklisted is None, 30
+            ), sessions  # probed back after the resume
             ex.submit("R", prompt(277 + i, 200))
             ex.run_until_idle(check=True)
             (r,) = ex.pop_results()

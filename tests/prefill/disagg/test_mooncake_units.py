@@ -12,18 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from prefill.disagg.mooncake.bootstrap import BootstrapServer, BootstrapUnreachable, fetch_route
-from prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
-from prefill.disagg.mooncake.layout import (
+from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
+from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
+    BootstrapServer,
+    BootstrapUnreachable,
+    fetch_route,
+)
+from hicache_prefill.prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
+from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
     MetadataBuffers,
     layer_buffers,
     pool_region,
 )
-from prefill.disagg.mooncake.sender import PrefillTransport
-from prefill.disagg.mooncake.session_worker import Job, SourceMemory, coalesce, kv_items
-from prefill.disagg.mooncake.wire import (
+from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport
+from hicache_prefill.prefill.disagg.mooncake.session_worker import (
+    Job,
+    SourceMemory,
+    coalesce,
+    kv_items,
+)
+from hicache_prefill.prefill.disagg.mooncake.wire import (
     Abort,
     AbortAck,
     ControlMessageError,
@@ -35,7 +44,7 @@ from prefill.disagg.mooncake.wire import (
     parse_to_prefill,
     read_frames,
 )
-from prefill.disagg.protocol import KVPoll
+from hicache_prefill.prefill.disagg.protocol import KVPoll
 
 
 def _reader(data: bytes):  # noqa: ANN202

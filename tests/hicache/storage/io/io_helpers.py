@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from hicache.builder import build_kv_cache
-from hicache.storage.base import HiCacheStorage
-from server_args import ServerArgs
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.hicache.storage.base import HiCacheStorage
+from hicache_prefill.server_args import ServerArgs
 from tests.support.kv_content import write_device
 
 STORES: dict[str, dict[str, torch.Tensor]] = {}

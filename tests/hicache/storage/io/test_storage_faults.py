@@ -15,8 +15,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.storage.fault_injector import ENV_DELAY, ENV_FAILURE
-from hicache.storage.io.workers import CacheRequestHandle
+from hicache_prefill.hicache.storage.fault_injector import ENV_DELAY, ENV_FAILURE
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle
 from tests.hicache.storage.io.io_helpers import STORES, build, drain
 from tests.support.kv_content import check_device, write_device
 
@@ -97,7 +97,7 @@ class Story:
             tree.evict_host(self.rng.randint(1, 12) * PAGE)
         elif op == "damage" and self.backend.pages:
             name = self.rng.choice(sorted(self.backend.pages))
-            self.backend.pages[name] = self.backend.pages[name][:-self.rng.randint(1, 8)]
+            self.backend.pages[name] = self.backend.pages[name][: -self.rng.randint(1, 8)]
         elif op == "restart":
             drain(self.kv)
             self.kv.close()

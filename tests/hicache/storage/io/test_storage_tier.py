@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.storage.hash_keys import page_hashes
-from hicache.storage.io.workers import CacheRequestHandle
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle
 from tests.hicache.storage.io.io_helpers import build, compute, drain, tick_until
 from tests.support.kv_content import check_device
 

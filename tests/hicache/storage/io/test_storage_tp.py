@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache.builder import build_kv_cache
-from hicache.storage.hash_keys import page_hashes
-from hicache.storage.io.workers import CacheRequestHandle
-from hicache.tp.digest import tree_state
-from hicache.tp.group import new_cache_group
-from prefill.model.paged import ModelConfig
-from prefill.model.tp import TPShard
+from hicache_prefill.hicache.builder import build_kv_cache
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle
+from hicache_prefill.hicache.tp.digest import tree_state
+from hicache_prefill.hicache.tp.group import new_cache_group
+from hicache_prefill.prefill.model.paged import ModelConfig
+from hicache_prefill.prefill.model.tp import TPShard
 from tests.hicache.storage.io.io_helpers import TestStorage, cache_args
 from tests.support.kv_content import check_device, write_device
 from tests.support.tp_harness import run_ranks

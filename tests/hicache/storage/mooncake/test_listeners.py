@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from hicache.storage.mooncake.availability import shim_loaded
+from hicache_prefill.hicache.storage.mooncake.availability import shim_loaded
 from tests.support.loopback import non_loopback, tcp_listeners
 
 

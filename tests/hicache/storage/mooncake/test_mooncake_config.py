@@ -7,8 +7,12 @@ import json
 
 import pytest
 
-from hicache.storage.config import parse_size
-from hicache.storage.mooncake.config import ENV_CONFIG_PATH, device_for_rank, load_mooncake_config
+from hicache_prefill.hicache.storage.config import parse_size
+from hicache_prefill.hicache.storage.mooncake.config import (
+    ENV_CONFIG_PATH,
+    device_for_rank,
+    load_mooncake_config,
+)
 
 MASTER = {"master_server_address": "127.0.0.1:50051"}
 

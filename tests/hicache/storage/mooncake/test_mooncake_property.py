@@ -21,9 +21,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.storage.config import storage_config_for_pool
-from hicache.storage.hash_keys import page_hashes
-from hicache.storage.mooncake.store import MooncakeStore
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.storage.hash_keys import page_hashes
+from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
 from tests.hicache.storage.helpers import fill_random, host_pool, same_slots, slot_bytes
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 

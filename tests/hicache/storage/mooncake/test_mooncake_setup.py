@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hicache.storage.mooncake import availability
+from hicache_prefill.hicache.storage.mooncake import availability
 from tests.support import loopback
 
 
@@ -41,7 +41,8 @@ def test_missing_wheel_and_library_are_named(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(availability, "IBVERBS", "libno-such-library-here.so.1")
     try:
         assert availability.wheel_reason() == (
-            f"the Mooncake wheel is not installed (pip install {availability.WHEEL})")
+            f"the Mooncake wheel is not installed (pip install {availability.WHEEL})"
+        )
         assert "libno-such-library-here.so.1 does not load" in availability.ibverbs_reason()
         assert not availability.installed()
         assert loopback.skip_reason("store").startswith("Mooncake unavailable: the Mooncake "

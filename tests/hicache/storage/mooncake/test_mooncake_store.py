@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.storage.config import storage_config_for_pool
-from hicache.storage.hash_keys import get_hash_str, page_hashes
-from hicache.storage.mooncake import availability
-from hicache.storage.mooncake import client as client_module
-from hicache.storage.mooncake.names import ObjectNames
-from hicache.storage.mooncake.store import MooncakeStore
+from hicache_prefill.hicache.storage.config import storage_config_for_pool
+from hicache_prefill.hicache.storage.hash_keys import get_hash_str, page_hashes
+from hicache_prefill.hicache.storage.mooncake import availability
+from hicache_prefill.hicache.storage.mooncake import client as client_module
+from hicache_prefill.hicache.storage.mooncake.names import ObjectNames
+from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
 from tests.hicache.storage.helpers import fill_random, host_pool, same_slots, slot_bytes
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 

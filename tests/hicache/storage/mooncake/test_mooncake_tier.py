@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from hicache.storage.mooncake.page_footers import PageFooters
-from hicache.storage.mooncake.store import MooncakeStore
-from prefill.disagg.simulated import PeerConfig
-from prefill.request.state import Outcome
+from hicache_prefill.hicache.storage.mooncake.page_footers import PageFooters
+from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+from hicache_prefill.prefill.disagg.simulated import PeerConfig
+from hicache_prefill.prefill.request.state import Outcome
 from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 from tests.prefill.executor_helpers import NOW, executor_args, prompt
 from tests.support.harness import assert_decode_kv_matches, make_executor
