@@ -39,7 +39,11 @@ def run_one(venv: str, pin: str, mode: str, project_dir: str | None = None) -> d
     with tempfile.TemporaryDirectory(prefix="sglang-check-") as outside:
         os.symlink(os.path.join(REPO, "tests"), os.path.join(outside, "tests"))
         out = os.path.join(outside, "result.json")
+        # SGLANG_CHECK_PROJECT_PATH: a path holding ``hicache_prefill`` to check instead of the
+        # venv's editable install (another checkout); a ``project_dir`` still goes first.
+        extra = os.environ.get("SGLANG_CHECK_PROJECT_PATH")
         path = [outside, *([os.path.abspath(project_dir)] if project_dir else [])]
+        path += [extra] if extra else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         cmd = [
             *(sys.executable, "-m", "tests.sglang_check.run_pin", "--site", site),
