@@ -4,14 +4,28 @@ conventions, one object per KV page under its page key), and ``HiCacheStorageExt
 Runtime failures (a missing or damaged object, a full disk, an unreachable server) are results
 (``None``, ``False``, a shorter count), never exceptions; bad arguments raise ``ValueError``.
 Calls may come from several threads at once. The v1 calls default to ``get`` / ``set`` over the
-registered host pool (the copying path); zero-copy backends override them.
+registered host pool (the copying path); zero-copy backends override them. The v2 calls (SGLang's
+multi-pool calls) move the KV pool through the v1 calls; sidecar pools (Mamba, SWA, indexer) are
+not stored: their pages are misses.
+
+**SGLang's base class.** When SGLang is importable, ``HiCacheStorage`` derives from SGLang's own
+``sglang.srt.mem_cache.hicache_storage.HiCacheStorage`` (so SGLang's ``StorageBackendFactory``
+accepts every backend here), and ``HiCacheStorageExtraInfo``, ``PoolTransferResult`` and the pool
+names are SGLang's classes; otherwise they are this module's own, with the same fields. Decided
+once, at this module's import: SGLang's module when it is already imported, else when a
+top-level ``sglang`` package is installed (``importlib.util.find_spec``, nothing imported when it
+is absent); ``HICACHE_PREFILL_SGLANG_BASE=0`` keeps this module's own classes.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import os
+import sys
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,18 +33,80 @@ import torch
 logger = logging.getLogger(__name__)
 
 STORAGE_BATCH_SIZE = 128  # pages per storage IO call (SGLang's constant)
+SGLANG_STORAGE_MODULE = "sglang.srt.mem_cache.hicache_storage"
+SGLANG_BASE_ENV = "HICACHE_PREFILL_SGLANG_BASE"
 
 
-@dataclass
-class HiCacheStorageExtraInfo:
-    """``prefix_keys``: the page keys before this call's (only with
-    ``hicache_storage_pass_prefix_keys``); ``extra_info``: backend-specific fields."""
+def _sglang_storage() -> Any:
+    """SGLang's ``hicache_storage`` module, or ``None`` (module docstring)."""
+    if os.environ.get(SGLANG_BASE_ENV, "auto").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    module = sys.modules.get(SGLANG_STORAGE_MODULE)
+    if module is not None:
+        return module
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        return importlib.import_module(SGLANG_STORAGE_MODULE)
+    except Exception as e:  # noqa: BLE001 - an unusable SGLang leaves the project's own base
+        logger.warning(
+            "SGLang is installed but %s does not import (%s: %s): the storage backends derive "
+            "from this project's own HiCacheStorage, which SGLang's factory refuses",
+            SGLANG_STORAGE_MODULE,
+            type(e).__name__,
+            e,
+        )
+        return None
 
-    prefix_keys: list[str] | None = None
-    extra_info: dict | None = None
+
+SGLANG = _sglang_storage()
+"""SGLang's ``hicache_storage`` module when the backends derive from its class, else ``None``."""
+
+ALL_PAGES, TRAILING_PAGES = "all_pages", "trailing_pages"
+
+if SGLANG is not None:
+    _Base: type = SGLANG.HiCacheStorage
+    HiCacheStorageExtraInfo = SGLANG.HiCacheStorageExtraInfo
+    PoolTransferResult = SGLANG.PoolTransferResult
+    KV_POOL: Any = SGLANG.PoolName.KV
+else:
+    _Base = ABC
+    KV_POOL = "kv"
+
+    @dataclass
+    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
+        """``prefix_keys``: the page keys before this call's (only with
+        ``hicache_storage_pass_prefix_keys``); ``extra_info``: backend-specific fields."""
+
+        prefix_keys: list[str] | None = None
+        extra_info: dict | None = None
+
+    @dataclass
+    class PoolTransferResult:  # type: ignore[no-redef]
+        """SGLang's ``batch_exists_v2`` answer: the usable KV prefix, pages found per pool, and
+        the restorable prefix lengths."""
+
+        kv_hit_pages: int
+        extra_pool_hit_pages: dict[str, int] = field(default_factory=dict)
+        restorable_prefix_pages: list[int] | None = None
+
+        @classmethod
+        def empty(cls) -> PoolTransferResult:
+            return cls(0, {})
+
+        def update_kv_hit_pages(self, kv_hit_pages: int) -> None:
+            self.kv_hit_pages = max(self.kv_hit_pages, kv_hit_pages)
+
+        def update_extra_pool_hit_pages(self, results: dict[str, int]) -> None:
+            self.extra_pool_hit_pages.update(results)
 
 
-class HiCacheStorage(ABC):
+def pool_key(name: Any) -> str:
+    """A pool name (SGLang's ``PoolName`` or a string) as its string value."""
+    return str(getattr(name, "value", name))
+
+
+class HiCacheStorage(_Base):  # type: ignore[valid-type,misc]
     mem_pool_host: Any = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -123,6 +199,69 @@ class HiCacheStorage(ABC):
                 keys, host_indices.reshape(-1)[:: pool.page_size].tolist(), strict=True
             )
         ]
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A host pool of SGLang's pool group by name. The KV pool is the anchor registered by
+        ``register_mem_pool_host``; other (sidecar) pools are recorded, their pages are misses."""
+        pools = self.__dict__.setdefault("registered_pools", {})
+        pools[pool_key(host_pool_name)] = host_pool
+        if pool_key(host_pool_name) != pool_key(KV_POOL):
+            logger.warning(
+                "%s: host pool %r is not stored (only the KV pool is); its pages are misses",
+                type(self).__name__,
+                pool_key(host_pool_name),
+            )
+
+    def on_host_pools_registered(self) -> None:  # noqa: B027 - optional hook
+        """SGLang's controller: the first round of registrations is over."""
+
+    def _kv_transfer(self, transfer: Any) -> bool:
+        """Whether ``transfer`` is the KV pool's, over the anchor pool."""
+        if pool_key(transfer.name) != pool_key(KV_POOL):
+            return False
+        pool = self.__dict__.get("registered_pools", {}).get(pool_key(KV_POOL))
+        return pool is None or pool is self.mem_pool_host
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[Any] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """SGLang's semantics: the KV prefix, cut by each extra pool's hit policy (a sidecar
+        pool, never stored here, cuts it to 0)."""
+        kv_pages = self.batch_exists(keys, extra_info) if keys else 0
+        hits: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            policy = pool_key(transfer.hit_policy)
+            if policy not in (ALL_PAGES, TRAILING_PAGES):
+                raise ValueError(f"Unsupported pool hit policy: {transfer.hit_policy}")
+            if not self._kv_transfer(transfer):
+                restorable = []
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _v2(self, transfers: list[Any], extra_info: Any, v1: Any) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            if not keys or not self._kv_transfer(transfer) or transfer.host_indices is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            results[transfer.name] = v1(keys, transfer.host_indices, extra_info)
+        return results
+
+    def batch_get_v2(
+        self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        """``{pool name: [bool per key]}``; the KV pool's through ``batch_get_v1``."""
+        return self._v2(transfers, extra_info, self.batch_get_v1)
+
+    def batch_set_v2(
+        self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        """``{pool name: [bool per key]}``; the KV pool's through ``batch_set_v1``."""
+        return self._v2(transfers, extra_info, self.batch_set_v1)
 
     def clear(self) -> bool | None:
         return None

@@ -147,3 +147,40 @@ def storage_config_for_pool(
         extra_config=extra,
         format_tag=tag,
     )
+
+
+def as_storage_config(config: Any) -> HiCacheStorageConfig:
+    """This project's config for ``config``: itself, or one made from another class with
+    SGLang's fields (SGLang's ``HiCacheStorageConfig``, as SGLang's controller and factory build
+    it). SGLang's controller has already put its host pool's tag in the model name (SGLang's
+    ``storage_model_name``; its MHA / MLA host pools carry none), so the extra-config key
+    ``storage_format_tag`` absent, ``"auto"`` or ``"none"`` keeps that name and SGLang's
+    unchecked page bytes; another string appends ``-{tag}`` and turns the integrity footer on."""
+    if isinstance(config, HiCacheStorageConfig):
+        return config
+    extra = as_extra_config(getattr(config, "extra_config", None))
+    setting = extra.pop(FORMAT_TAG_KEY, AUTO)
+    tag = None if setting == AUTO else resolve_format_tag(setting, None)
+    model = config.model_name
+    if tag is not None:
+        model = f"{model}-{tag}" if model else tag
+    return HiCacheStorageConfig(
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        attn_cp_rank=config.attn_cp_rank,
+        attn_cp_size=config.attn_cp_size,
+        is_mla_model=bool(config.is_mla_model),
+        enable_storage_metrics=bool(config.enable_storage_metrics),
+        is_page_first_layout=bool(config.is_page_first_layout),
+        model_name=model,
+        tp_lcm_size=getattr(config, "tp_lcm_size", None),
+        should_split_heads=bool(getattr(config, "should_split_heads", False)),
+        dp_rank=getattr(config, "dp_rank", 0),
+        extra_config=extra,
+        dcp_size=getattr(config, "dcp_size", 1),
+        dcp_rank=getattr(config, "dcp_rank", 0),
+        logical_page_size=getattr(config, "logical_page_size", None),
+        format_tag=tag,
+    )

@@ -25,7 +25,11 @@ from typing import Any
 import torch
 
 from hicache_prefill.hicache.storage.base import HiCacheStorage
-from hicache_prefill.hicache.storage.config import HiCacheStorageConfig, as_extra_config
+from hicache_prefill.hicache.storage.config import (
+    HiCacheStorageConfig,
+    as_extra_config,
+    as_storage_config,
+)
 from hicache_prefill.hicache.storage.lru_file_evictor import LRUFileEvictor
 
 logger = logging.getLogger(__name__)
@@ -139,9 +143,14 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 class HiCacheFile(HiCacheStorage):
     """``file_path``: the directory when neither ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` nor
-    ``file_storage_path`` names one."""
+    ``file_storage_path`` names one (SGLang's ``dynamic`` factory passes its keyword dict here:
+    anything but a string is the default). ``storage_config``: this project's or SGLang's
+    (``as_storage_config``)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, file_path: str = DEFAULT_DIR) -> None:
+    def __init__(self, storage_config: Any, file_path: Any = DEFAULT_DIR) -> None:
+        storage_config = as_storage_config(storage_config)
+        if not isinstance(file_path, str) or not file_path:
+            file_path = DEFAULT_DIR
         extra = as_extra_config(storage_config.extra_config)
         self.file_path, source = _storage_dir(extra, file_path)
         _prepare_dir(self.file_path, source)

@@ -87,6 +87,14 @@ def stubs(cuda_shaped: bool) -> dict[str, Stub]:
         "sglang.srt.hardware_backend.mlx.runtime": Stub(
             "Apple MLX runtime probe (imports packaging), reached from the 0.5.23 gate module"
         ),
+        "requests": Stub(
+            "HTTP client, imported by SGLang's mooncake_store for check_server (the master's "
+            "metrics probe), which the L3 rows leave off (not installed with --no-deps)"
+        ),
+        "sglang.srt.observability.metrics_collector": Stub(
+            "Prometheus metrics (imports the model configs and transformers); SGLang's "
+            "mooncake_store imports StorageMetrics, used only with storage metrics on (off here)"
+        ),
         "sglang.utils": Stub(
             "frontend utilities (imports pybase64, requests), reached from the 0.5.23 gate module"
         ),

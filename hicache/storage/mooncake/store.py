@@ -25,7 +25,12 @@ from hicache_prefill.hicache.storage.base import (
     HiCacheStorageExtraInfo,
     host_indices_fit,
 )
-from hicache_prefill.hicache.storage.config import FLAG, HiCacheStorageConfig, as_extra_config
+from hicache_prefill.hicache.storage.config import (
+    FLAG,
+    HiCacheStorageConfig,
+    as_extra_config,
+    as_storage_config,
+)
 from hicache_prefill.hicache.storage.mooncake.client import (
     HEALTHY,
     MooncakeClient,
@@ -48,6 +53,9 @@ from hicache_prefill.hicache.storage.mooncake.store_stats import (
 
 logger = logging.getLogger(__name__)
 
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+"""Extra-config keys SGLang's factory and controller read and pass on (``dynamic``)."""
+
 _Meta = tuple[list[str], list[str], list[int], list[int]]  # keys, object names, addresses, sizes
 
 
@@ -57,9 +65,33 @@ def _check_keys(keys: list[str], call: str) -> None:
             raise ValueError(f"{call}: storage keys must be non-empty strings, got {key!r}")
 
 
+def host_regions(host_pool: Any) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of each host allocation of ``host_pool`` to register: its
+    ``page_regions()`` (this project's host pools), else what SGLang's ``MooncakeStore``
+    registers (SGLang's host pools): each tensor of ``get_hybrid_pool_buffer()``, else
+    ``kv_buffer`` (a tensor or a sequence of them), as its whole allocation."""
+    if hasattr(host_pool, "page_regions"):
+        return list(host_pool.page_regions())
+    get_buffers = getattr(host_pool, "get_hybrid_pool_buffer", None)
+    buffers = list(get_buffers()) if get_buffers is not None else [host_pool.kv_buffer]
+    regions: dict[int, int] = {}
+    while buffers:
+        buf = buffers.pop(0)
+        if isinstance(buf, list | tuple):
+            buffers[:0] = list(buf)
+        elif isinstance(buf, torch.Tensor):
+            storage = buf.untyped_storage()
+            regions[storage.data_ptr()] = storage.nbytes()
+    if not regions:
+        raise ValueError(f"{type(host_pool).__name__} has no host buffer to register")
+    return list(regions.items())
+
+
 class MooncakeStore(HiCacheStorage):
-    """``storage_config=None``: rank 0 of 1; ``mem_pool_host`` is accepted for SGLang's
-    constructor shape (``register_mem_pool_host`` registers it). Construction connects."""
+    """``storage_config``: this project's or SGLang's (``as_storage_config``); ``None``: rank 0 of
+    1. ``mem_pool_host`` is accepted for SGLang's constructor shapes (``mooncake``: the host
+    pool; ``dynamic``: the factory's keyword dict) and not used: ``register_mem_pool_host``
+    registers the pool. Construction connects."""
 
     store_factory: ClassVar[Callable[[], Any] | None] = None
     """Builds the raw ``MooncakeDistributedStore`` (tests substitute a fake)."""
@@ -67,9 +99,11 @@ class MooncakeStore(HiCacheStorage):
     def __init__(
         self, storage_config: HiCacheStorageConfig | None = None, mem_pool_host: Any = None
     ) -> None:
-        cfg = storage_config if storage_config is not None else HiCacheStorageConfig(0, 1)
+        cfg = as_storage_config(
+            storage_config if storage_config is not None else HiCacheStorageConfig(0, 1)
+        )
         extra = as_extra_config(cfg.extra_config)
-        unknown = sorted(set(extra) - BACKEND_KEYS)
+        unknown = sorted(set(extra) - BACKEND_KEYS - SGLANG_KEYS)
         if unknown:
             logger.warning("MooncakeStore: extra config keys %s are not Mooncake settings", unknown)
         if cfg.attn_cp_size > 1:
@@ -160,7 +194,7 @@ class MooncakeStore(HiCacheStorage):
                 f"host pool gives {len(sizes)} buffers per page, Mooncake names "
                 f"{self.names.per_page} objects per page (MLA: {self.storage_config.is_mla_model})"
             )
-        self.client.register(mem_pool_host.page_regions())
+        self.client.register(host_regions(mem_pool_host))
         super().register_mem_pool_host(mem_pool_host)
         self._object_sizes = list(sizes)
 

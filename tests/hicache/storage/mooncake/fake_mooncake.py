@@ -174,6 +174,11 @@ class FakeDistributedStore:
             self.cluster.objects.setdefault(name, bytes(value))
         return 0
 
+    def is_exist(self, name: str) -> int:
+        """1 or 0 (SGLang's ``MooncakeStore.warmup`` asks it of one name)."""
+        self._record("is_exist")
+        return int(name in self.cluster.objects)
+
     def get(self, name: str) -> bytes:
         self._record("get")
         return self.cluster.objects.get(name, b"")
