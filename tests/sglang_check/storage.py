@@ -26,6 +26,15 @@ device pools: it reads ``get_device_pool_infos()``, ``host_capacity_tokens``,
 sharding fields; the host pool it returns must have this project's host pool's layout, dtype and
 per-token geometry (layers, heads, widths; its token count follows SGLang's sizing). The
 one change: its host pool classes get ``pin_memory=False`` (pinning needs CUDA).
+
+``factory/{dynamic|registered}/{file|mooncake}/{MHA|MLA}``: SGLang's own ``StorageBackendFactory``
+builds this project's ``HiCacheFile`` / ``MooncakeStore`` (``dynamic`` with ``module_path`` /
+``class_name``, or ``register_backend`` over SGLang's ``file`` / ``mooncake``) over SGLang's host
+pool (``page_first``); the attach calls and the controller's calls (generic or zero-copy, and v2)
+store and read pages; SGLang's own ``HiCacheFile`` / ``MooncakeStore`` read what they stored and
+store what they read, byte for byte. Mooncake runs over this project's fake
+(``tests/hicache/storage/mooncake/fake_mooncake.py`` as ``mooncake.store``); a real
+``mooncake.store`` importing fails the row (not written).
 """
 
 from __future__ import annotations
