@@ -3,18 +3,14 @@ conventions, one object per KV page under its page key), and ``HiCacheStorageExt
 
 Runtime failures (a missing or damaged object, a full disk, an unreachable server) are results
 (``None``, ``False``, a shorter count), never exceptions; bad arguments raise ``ValueError``.
-Calls may come from several threads at once. The v1 calls default to ``get`` / ``set`` over the
-registered host pool (the copying path); zero-copy backends override them. The v2 calls (SGLang's
-multi-pool calls) move the KV pool through the v1 calls; sidecar pools (Mamba, SWA, indexer) are
-not stored: their pages are misses.
+Calls may come from several threads. The v1 calls default to ``get`` / ``set`` over the
+registered host pool; zero-copy backends override them. The v2 calls move the KV pool through v1;
+sidecar pools (Mamba, SWA, indexer) are not stored (misses).
 
-**SGLang's base class.** When SGLang is importable, ``HiCacheStorage`` derives from SGLang's own
-``sglang.srt.mem_cache.hicache_storage.HiCacheStorage`` (so SGLang's ``StorageBackendFactory``
-accepts every backend here), and ``HiCacheStorageExtraInfo``, ``PoolTransferResult`` and the pool
-names are SGLang's classes; otherwise they are this module's own, with the same fields. Decided
-once, at this module's import: SGLang's module when it is already imported, else when a
-top-level ``sglang`` package is installed (``importlib.util.find_spec``, nothing imported when it
-is absent); ``HICACHE_PREFILL_SGLANG_BASE=0`` keeps this module's own classes.
+When SGLang is installed, ``HiCacheStorage`` derives from SGLang's own class (so SGLang's
+``StorageBackendFactory`` accepts the backends) and the extra-info, result and pool-name types are
+SGLang's; decided once at import (``find_spec``: nothing is imported without SGLang);
+``HICACHE_PREFILL_SGLANG_BASE=0`` keeps this module's own classes.
 """
 
 from __future__ import annotations
