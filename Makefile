@@ -71,11 +71,19 @@ SGLANG_VENV := .venv-sglang-check
 # pin beside the project (editable here; a non-editable copy in project-wheel/, rebuilt per run),
 # so the check proves the project's namespace never shadows it.
 HF_KERNELS_PIN ?= kernels>=0.14.1,<0.15
+# The real-stack run (tests/sglang_check/real_stack.py) imports SGLang 0.5.23's own device pools,
+# `sglang.srt.utils` and `sglang/__init__`, so the venv holds the pure-Python packages they import
+# (SGLang's pins where it has one). CUDA-only wheels (sglang-kernel, flashinfer, deep-ep, ...) and
+# torchvision (PyPI's wheel is the CUDA build) are not installed; the check stubs what needs them.
+SGLANG_REAL_DEPS ?= orjson pybase64 requests pillow starlette pydantic pyzmq IPython aiohttp \
+	'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' 'sentencepiece==0.2.1' dill \
+	'compressed-tensors==0.18.0' gguf partial_json_parser 'openai==2.8.0' datasets
 
 $(SGLANG_VENV)/.installed: Makefile pyproject.toml
 	$(PY) -m venv $(SGLANG_VENV)
 	$(call cpu_torch,$(SGLANG_VENV)/bin/pip)
 	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec '$(HF_KERNELS_PIN)'
+	$(SGLANG_VENV)/bin/pip install -q $(SGLANG_REAL_DEPS)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
 	@touch $@
 

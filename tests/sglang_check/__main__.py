@@ -23,6 +23,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MODES = ("cpu", "cuda-shaped")
+REAL_STACK_PINS = ("0.5.23",)
+"""Pins also run in ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`): SGLang imported
+with its pure-Python dependencies, its own device pools, assembler and ``L2TransferEngine``."""
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for pin in args.pins:
         results[pin] = {}
-        for mode in MODES:
+        for mode in (*MODES, *(("real-stack",) if pin in REAL_STACK_PINS else ())):
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
     wheel = os.path.join(args.venv, "project-wheel")
@@ -172,6 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         names = [t["case"] for t in next(iter(modes.values())).get("transfers", [])]
         if names:
             print(f"\nTransfer cases, sglang=={pin} (each mode): " + ", ".join(names))
+    for pin, modes in results.items():
+        real = modes.get("real-stack")
+        if real and real.get("transfers"):
+            own = ", ".join(real.get("real_modules", []))
+            print(f"\nReal stack, sglang=={pin} (SGLang's own {own}): device pool -> "
+                  "build_kv_host_pool / HostPoolGroup -> L2TransferEngine:")  # fmt: skip
+            for t in real["transfers"]:
+                what = (
+                    f"ok, {t.get('project_op_calls', 0)} project op calls, {t['launches']} "
+                    "kernel launches, byte-exact both ways"
+                    if t["ok"]
+                    else f"FAILED: {t['error']}"
+                )
+                print(f"  {t['case']}: {what}")
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {

@@ -101,10 +101,14 @@ def _hf_kernels() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
-    parser.add_argument("--mode", choices=("cpu", "cuda-shaped"), required=True)
+    parser.add_argument("--mode", choices=("cpu", "cuda-shaped", "real-stack"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
+    if args.mode == "real-stack":  # SGLang's own device pools, assembler and L2 engine
+        from tests.sglang_check import real_stack
+
+        return real_stack.main(args.site, args.out)
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
     from hicache_prefill.kernels.sglang import compat, rebind

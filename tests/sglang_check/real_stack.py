@@ -1,0 +1,292 @@
+"""SGLang's real KV stack on a CPU, with this project's ops underneath, byte for byte.
+
+``python -m tests.sglang_check.run_pin --site DIR --mode real-stack --out FILE.json``
+
+Unlike the ``cpu`` / ``cuda-shaped`` runs, nothing of SGLang is stubbed whole: SGLang imports
+with its pure-Python dependencies installed (the Makefile's sglang-check venv) and the
+``sglang`` package ``__init__``, ``sglang.srt.utils`` and SGLang's device pools
+(``sglang.srt.mem_cache.memory_pool``) are its own files. Only what needs a CUDA-only wheel or a
+GPU is replaced (:data:`STUBS`, :data:`PATCHES`, each with its reason, reported in the table's
+stub list).
+
+Per case (MHA / MLA x page size x layout x io backend), after
+``install(route_around_jit=True)``:
+
+- SGLang's own ``MHATokenToKVPool`` / ``MLATokenToKVPool`` on the CPU;
+- SGLang's assembler (``hybrid_pool_assembler.build_kv_only_group``, which calls
+  ``build_kv_host_pool``) builds the host pool and the ``HostPoolGroup`` from the server
+  arguments (``hicache_mem_layout``, ``hicache_ratio``) as ``UnifiedRadixCache.init_hicache``
+  does;
+- ``compat.warm_up`` on the pair (kernel io backend), then SGLang's ``L2TransferEngine`` moves
+  shuffled whole pages device -> host (``submit_device_to_host``) and host -> device
+  (``submit_host_to_device``, layer by layer through the group's layer mapper);
+- after each direction the whole destination equals a plain torch copy of the same slots and the
+  source is unchanged; every copy kernel launch is counted (kernel io backend: at least one, all
+  warmed; direct: none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TORCHVISION_REASON = (
+    "PyPI's torchvision wheel links libtorch_cuda / libcudart (the CPU build is only on the "
+    "PyTorch index); SGLang's VLM configs (configs.deepseek_ocr, multimodal.internvl_utils) "
+    "import transform names at module level and never call them here. transformers' "
+    "is_torchvision_available() is asked first (answer cached: not installed), so transformers "
+    "never reaches the stub"
+)
+STUB_NAMES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+
+PATCHES: dict[str, str] = {
+    "sglang.srt.mem_cache.pool_host.common._cuda_host_register": "cudaHostRegister (page-locks "
+    "the host pool for CUDA copies) needs a CUDA device; replaced by a function that records the "
+    "byte count and registers nothing. The host pool's bytes and layout are SGLang's",
+}
+
+PAGE_SIZES = (1, 16)
+LAYOUTS = {
+    ("MHA", "kernel"): ("layer_first", "page_first", "page_head"),
+    ("MHA", "direct"): ("layer_first", "page_first_direct"),
+    ("MLA", "kernel"): ("layer_first", "page_first"),
+    ("MLA", "direct"): ("layer_first", "page_first_direct"),
+}
+LAYERS, HEADS, HEAD_DIM = 3, 2, 8
+KV_LORA_RANK, QK_ROPE_HEAD_DIM = 16, 8
+DEVICE_TOKENS = 64
+HOST_RATIO = 2.0
+
+REGISTERED: list[int] = []
+OP_CALLS: list[str] = []
+
+
+def _count_op_calls(handle: Any) -> list[tuple[Any, str, Any]]:
+    """Wrap each of this project's ops where ``install`` bound it in SGLang's host-pool modules,
+    recording each call by name; returns what to restore."""
+    from hicache_prefill.kernels.sglang import compat
+
+    ops = compat.provided_ops()
+    restore = []
+    for module_name, names in handle.patched_modules.items():
+        module = sys.modules[module_name]
+        for name in names:
+            op = module.__dict__.get(name)
+            if op is None or op is not ops.get(name):
+                raise AssertionError(f"{module_name}.{name} is not this project's op after install")
+
+            def counted(*args: Any, _op: Any = op, _name: str = name, **kwargs: Any) -> Any:
+                OP_CALLS.append(_name)
+                return _op(*args, **kwargs)
+
+            restore.append((module, name, op))
+            module.__dict__[name] = counted
+    return restore
+
+
+def _setup(site: str) -> Any:
+    """SGLang's site first on the path, the CUDA-only pieces replaced; returns the finder."""
+    sys.path.insert(0, site)
+    from hicache_prefill.kernels._env import ensure_triton_interpret
+
+    ensure_triton_interpret()
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # cached before the stub exists
+    from tests.sglang_check.stubs import Stub, install_importer
+
+    return install_importer({n: Stub(TORCHVISION_REASON) for n in STUB_NAMES}, {})
+
+
+def _patch() -> None:
+    common = importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+
+    def no_cuda_host_register(buffer: Any, registration_granularity_bytes: Any = None) -> None:
+        REGISTERED.append(buffer.numel() * buffer.element_size())
+        setattr(buffer, common._CUDA_HOST_REGISTERED_RANGES_ATTR, [])
+
+    common._cuda_host_register = no_cuda_host_register
+
+
+def cases() -> list[tuple[str, int, str, str]]:
+    return [
+        (kind, page, layout, io)
+        for kind in ("MHA", "MLA")
+        for page in PAGE_SIZES
+        for io in ("kernel", "direct")
+        for layout in LAYOUTS[(kind, io)]
+    ]
+
+
+def _device_pool(kind: str, page_size: int) -> Any:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    common = dict(size=DEVICE_TOKENS, page_size=page_size, dtype=torch.bfloat16,
+                  layer_num=LAYERS, device="cpu", enable_memory_saver=False)  # fmt: skip
+    if kind == "MLA":
+        return MLATokenToKVPool(
+            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM, **common
+        )
+    return MHATokenToKVPool(head_num=HEADS, head_dim=HEAD_DIM, **common)
+
+
+def run_case(case: tuple[str, int, str, str], handle: Any, seed: int) -> dict[str, Any]:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_only_group
+    from sglang.srt.mem_cache.l2_transfer import L2Transfer, L2TransferEngine
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from tests.sglang_check import transfers as t
+
+    kind, page, layout, io = case
+    name = f"real/{kind}/p{page}/{layout}/{io}"
+    out: dict[str, Any] = {"case": name, "ok": False, "error": None, "launches": 0,
+                           "variants": 0, "unwarmed_launches": 0, "calls": [],
+                           "project_op_calls": 0}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    recorder = t.LaunchRecorder()
+    try:
+        set_global_server_args_for_scheduler(
+            ServerArgs(model_path="dummy", page_size=page, hicache_io_backend=io,
+                       hicache_mem_layout=layout, hicache_ratio=HOST_RATIO)
+        )  # fmt: skip
+        dev = _device_pool(kind, page)
+        group = build_kv_only_group(
+            page_size=page, kv_pool=dev, full_layer_mapping={i: i for i in range(LAYERS)},
+            use_mla=kind == "MLA",
+        )  # fmt: skip
+        entry = group.get_entry(PoolName.KV)
+        host = entry.host_pool
+        out["classes"] = [type(dev).__name__, type(group).__name__, type(host).__name__]
+        if host.layout != layout:
+            raise AssertionError(f"SGLang's assembler built a {host.layout} host pool")
+        if io == "kernel":
+            handle.warm_up(host, dev)
+        warmed = set(recorder.keys)
+        recorder.keys.clear()
+        OP_CALLS.clear()
+        engine = L2TransferEngine(io)
+        n_pages = 24 if page == 1 else 2
+        host_idx = t._page_indices(host.alloc(n_pages * page), page, gen)
+        dev_idx = t._device_indices(dev, n_pages, page, gen)
+        transfer = L2Transfer(host, dev, host_idx, dev_idx, entry.layer_mapper)
+
+        t._randomize(t._device_buffers(kind, dev), gen)
+        t._randomize(t._host_buffers(host), gen)
+        dev_before, host_before = t.device_rows(kind, dev), t.host_rows(kind, host)
+        expected = [h.clone() for h in host_before]
+        for e, d in zip(expected, dev_before, strict=True):
+            e[:, host_idx] = d[:, dev_idx]
+        engine.submit_device_to_host([transfer]).finish_event.synchronize()
+        out["calls"].append("L2TransferEngine.submit_device_to_host")
+        if not t._bytes_equal(t.host_rows(kind, host), expected):
+            raise AssertionError("device->host: host bytes differ from a plain torch copy")
+        if not t._bytes_equal(t.device_rows(kind, dev), dev_before):
+            raise AssertionError("device->host: the device pool changed")
+
+        t._randomize(t._device_buffers(kind, dev), gen)
+        host_before = t.host_rows(kind, host)
+        expected = t.device_rows(kind, dev)
+        for e, h in zip(expected, host_before, strict=True):
+            e[:, dev_idx] = h[:, host_idx]
+        engine.submit_host_to_device(
+            [transfer], transfer_layer_id_max=LAYERS
+        ).finish_event.synchronize()
+        out["calls"].append(f"L2TransferEngine.submit_host_to_device ({LAYERS} layers)")
+        if not t._bytes_equal(t.device_rows(kind, dev), expected):
+            raise AssertionError("host->device: device bytes differ from a plain torch copy")
+        if not t._bytes_equal(t.host_rows(kind, host), host_before):
+            raise AssertionError("host->device: the host pool changed")
+        host.free(host_idx)
+
+        out["project_op_calls"] = len(OP_CALLS)
+        out["calls"] += sorted(set(OP_CALLS))
+        if len(OP_CALLS) != 1 + LAYERS:  # one all-layer backup, one load per layer
+            raise AssertionError(f"{len(OP_CALLS)} calls of this project's ops, not {1 + LAYERS}")
+        out["launches"] = len(recorder.keys)
+        out["variants"] = len(set(recorder.keys))
+        out["unwarmed_launches"] = sum(1 for k in recorder.keys if k not in warmed)
+        if io == "kernel" and not recorder.keys:
+            raise AssertionError("no copy kernel launch on the kernel io backend")
+        if io == "direct" and recorder.keys:
+            raise AssertionError("the direct io backend launched the copy kernel")
+        if out["unwarmed_launches"]:
+            raise AssertionError(f"{out['unwarmed_launches']} launches the warm-up did not make")
+        out["ok"] = True
+    except Exception as e:  # reported per case; the check fails on any
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        recorder.close()
+    return out
+
+
+def _stub_rows(finder: Any) -> list[dict[str, Any]]:
+    from tests.sglang_check import stubs
+
+    rows = stubs.report(finder)
+    for name, reason in PATCHES.items():
+        rows.append({"module": name, "kind": "patched function", "reason": reason})
+    return rows
+
+
+def main(site: str, out_path: str) -> int:
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"mode": "real-stack"}
+    finder = _setup(site)
+    try:
+        from hicache_prefill.kernels.sglang import compat
+
+        out["sglang_version"] = compat.sglang_version()
+        handle = compat.install(route_around_jit=True)
+        out["install"] = {
+            "layout": handle.layout,
+            "registered_sgl_kernel": handle.registered_sgl_kernel,
+            "patched_modules": handle.patched_modules,
+            "route_around_jit": handle.route_around_jit,
+        }
+        _patch()
+        base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
+        from tests.sglang_check.run_pin import _relax_host_reserve
+
+        out["host_memory_reserve_bytes_set_to_0"] = _relax_host_reserve(base)
+        real = [m for m in ("sglang", "sglang.srt.utils", "sglang.srt.mem_cache.memory_pool")
+                if getattr(sys.modules.get(m), "__file__", None)]  # fmt: skip
+        out["real_modules"] = real
+        restore = _count_op_calls(handle)
+        try:
+            out["transfers"] = [run_case(c, handle, seed=i) for i, c in enumerate(cases())]
+        finally:
+            for module, name, op in restore:
+                module.__dict__[name] = op
+        out["host_bytes_registered"] = sum(REGISTERED)
+        handle.uninstall()
+    except Exception as e:
+        out["fatal"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    out["stubs"] = _stub_rows(finder)
+    out["sglang_modules_loaded"] = sum(1 for m in sys.modules if m.startswith("sglang"))
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
+    sys.exit(main(args.site, args.out))
