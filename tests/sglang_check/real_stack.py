@@ -52,6 +52,8 @@ PATCHES: dict[str, str] = {
     "sglang.srt.mem_cache.pool_host.common._cuda_host_register": "cudaHostRegister (page-locks "
     "the host pool for CUDA copies) needs a CUDA device; replaced by a function that records the "
     "byte count and registers nothing. The host pool's bytes and layout are SGLang's",
+    "sglang.test.kits.unified_radix_cache.fixtures.get_device": "SGLang's get_device raises on "
+    "a host with no accelerator; the kit's fixture builds its pools on 'cpu' instead",
 }
 
 PAGE_SIZES = (1, 16)
@@ -232,6 +234,81 @@ def run_case(case: tuple[str, int, str, str], handle: Any, seed: int) -> dict[st
     return out
 
 
+def run_unified_tree(seed: int) -> dict[str, Any]:
+    """SGLang's ``UnifiedRadixCache`` with HiCache, built by SGLang's shipped kit
+    (``sglang/test/kits/unified_radix_cache``: ``build_fixture`` + the mixin's ``_init_hicache``,
+    io backend ``kernel``): insert a 3-page sequence, fill its KV (every layer) with random bytes,
+    back it up (``HybridCacheController`` -> ``L2TransferEngine`` -> host pool), evict it from the
+    device, load it back; every layer's K and V must come back byte for byte."""
+    import unittest
+
+    import torch
+
+    fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+    fixtures.get_device = lambda *a, **k: "cpu"
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+    from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
+
+    from tests.sglang_check import transfers as t
+
+    page = 4
+    out: dict[str, Any] = {"case": f"real/UnifiedRadixCache+HiCache/MHA/p{page}/kernel",
+                           "ok": False, "error": None, "launches": 0, "variants": 0,
+                           "unwarmed_launches": 0, "calls": [], "project_op_calls": 0}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    recorder = t.LaunchRecorder()
+
+    class Case(UnifiedRadixCacheFixtures, unittest.TestCase):
+        cfg = CacheConfig(page_size=page, num_layers=LAYERS)
+
+        def runTest(self) -> None:
+            cache, alloc, req_to_token = fixtures.build_fixture(self.cfg)
+            self._init_hicache(cache)
+            out["classes"] = [type(cache).__name__, type(cache.cache_controller).__name__,
+                              type(cache.cache_controller.mem_pool_host).__name__]  # fmt: skip
+            seq = self._make_seq(100, 3)
+            self._insert(cache, alloc, req_to_token, seq)
+            node = fixtures.match_prefix(cache, seq).last_device_node
+            kv = self._get_full_kv_pool(alloc)
+            slots = fixtures.node_device_value(cache, node, ComponentType.FULL)
+            t._randomize([*kv.k_buffer, *kv.v_buffer], gen)
+            before = [torch.stack([b[slots] for b in bufs]).clone()
+                      for bufs in (kv.k_buffer, kv.v_buffer)]  # fmt: skip
+            OP_CALLS.clear()
+            self._backup_node(cache, node)
+            out["calls"].append("backup (HybridCacheController -> L2TransferEngine)")
+            cache.evict(EvictParams(num_tokens=len(seq)))
+            self.assertIsNone(fixtures.node_device_value(cache, node, ComponentType.FULL))
+            out["calls"].append("evict (device copy dropped)")
+            t._randomize([*kv.k_buffer, *kv.v_buffer], gen)
+            slots = self._load_back_node(cache, node)
+            out["calls"].append("load_back")
+            after = [torch.stack([b[slots] for b in bufs])
+                     for bufs in (kv.k_buffer, kv.v_buffer)]  # fmt: skip
+            if not t._bytes_equal(after, before):
+                raise AssertionError("loaded-back K/V differ from the bytes backed up")
+
+    try:
+        result = unittest.TestResult()
+        Case().run(result)
+        for _, tb in result.errors + result.failures:
+            raise AssertionError(tb.strip().splitlines()[-1] + "\n" + tb)
+        out["project_op_calls"] = len(OP_CALLS)
+        out["calls"] += sorted(set(OP_CALLS))
+        out["launches"] = len(recorder.keys)
+        out["variants"] = len(set(recorder.keys))
+        if not OP_CALLS or not recorder.keys:
+            raise AssertionError("the tree's transfers did not reach this project's ops")
+        out["ok"] = True
+    except Exception as e:  # reported; the check fails on it
+        out["error"] = f"{type(e).__name__}: {e}"[:4000]
+    finally:
+        recorder.close()
+    return out
+
+
 def _stub_rows(finder: Any) -> list[dict[str, Any]]:
     from tests.sglang_check import stubs
 
@@ -267,6 +344,7 @@ def main(site: str, out_path: str) -> int:
         restore = _count_op_calls(handle)
         try:
             out["transfers"] = [run_case(c, handle, seed=i) for i, c in enumerate(cases())]
+            out["transfers"].append(run_unified_tree(seed=len(out["transfers"])))
         finally:
             for module, name, op in restore:
                 module.__dict__[name] = op
