@@ -75,6 +75,7 @@ HF_KERNELS_PIN ?= kernels>=0.14.1,<0.15
 # `sglang.srt.utils` and `sglang/__init__`, so the venv holds the pure-Python packages they import
 # (SGLang's pins where it has one). CUDA-only wheels (sglang-kernel, flashinfer, deep-ep, ...) and
 # torchvision (PyPI's wheel is the CUDA build) are not installed; the check stubs what needs them.
+# The torch already installed is a constraint: none of them may replace it (with a CUDA build).
 SGLANG_REAL_DEPS ?= orjson pybase64 requests pillow starlette pydantic pyzmq IPython aiohttp \
 	'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' 'sentencepiece==0.2.1' dill \
 	'compressed-tensors==0.18.0' gguf partial_json_parser 'openai==2.8.0' datasets
@@ -83,7 +84,8 @@ $(SGLANG_VENV)/.installed: Makefile pyproject.toml
 	$(PY) -m venv $(SGLANG_VENV)
 	$(call cpu_torch,$(SGLANG_VENV)/bin/pip)
 	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec '$(HF_KERNELS_PIN)'
-	$(SGLANG_VENV)/bin/pip install -q $(SGLANG_REAL_DEPS)
+	$(SGLANG_VENV)/bin/pip freeze | grep -i '^torch==' > $(SGLANG_VENV)/torch-pin.txt
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/torch-pin.txt $(SGLANG_REAL_DEPS)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
 	@touch $@
 

@@ -89,7 +89,8 @@ def stubs(cuda_shaped: bool) -> dict[str, Stub]:
         ),
         "requests": Stub(
             "HTTP client, imported by SGLang's mooncake_store for check_server (the master's "
-            "metrics probe), which the L3 rows leave off (not installed with --no-deps)"
+            "metrics probe), which the L3 rows leave off (the cpu and cuda-shaped runs keep "
+            "SGLang's import surface to the KV path; the real-stack run imports the real one)"
         ),
         "sglang.srt.observability.metrics_collector": Stub(
             "Prometheus metrics (imports the model configs and transformers); SGLang's "
