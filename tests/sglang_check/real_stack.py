@@ -23,11 +23,18 @@ Per case (MHA / MLA x page size x layout x io backend), after
 - after each direction the whole destination equals a plain torch copy of the same slots and the
   source is unchanged; every copy kernel launch is counted (kernel io backend: at least one, all
   warmed; direct: none).
+
+Then one row per (MHA / MLA x layout x io backend) of SGLang's ``UnifiedRadixCache`` with HiCache,
+built through SGLang's shipped kit (``sglang/test/kits/unified_radix_cache``, page size 4): backup,
+device eviction and load back, byte-exact at the host pool and back on the device, through
+exactly the project ops SGLang's host pool picks (:func:`run_unified_tree`; what the kit is
+given per row: :data:`TREE_PATCHES`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -234,60 +241,137 @@ def run_case(case: tuple[str, int, str, str], handle: Any, seed: int) -> dict[st
     return out
 
 
-def run_unified_tree(seed: int) -> dict[str, Any]:
+TREE_PAGE = 4
+TREE_OPS: dict[tuple[str, str, str], set[str]] = {
+    ("MHA", "layer_first", "kernel"): {"transfer_kv_all_layer", "transfer_kv_per_layer"},
+    ("MHA", "page_first", "kernel"): {"transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_pf_lf"},
+    ("MHA", "page_head", "kernel"): {"transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_ph_lf"},
+    ("MLA", "layer_first", "kernel"): {"transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla"},
+    ("MLA", "page_first", "kernel"): {"transfer_kv_all_layer_mla_lf_pf",
+                                      "transfer_kv_per_layer_mla_pf_lf"},
+    ("MHA", "layer_first", "direct"): {"transfer_kv_direct"},
+    ("MLA", "layer_first", "direct"): {"transfer_kv_direct"},
+    ("MHA", "page_first_direct", "direct"): {"transfer_kv_all_layer_direct_lf_pf",
+                                             "transfer_kv_per_layer_direct_pf_lf"},
+    ("MLA", "page_first_direct", "direct"): {"transfer_kv_all_layer_direct_lf_pf",
+                                             "transfer_kv_per_layer_direct_pf_lf"},
+}  # fmt: skip
+"""This project's ops each tree row must call (and no others): one all-layer backup, then one
+load per layer, as SGLang's host pool picks them for the (pool, layout, io backend)."""
+
+TREE_PATCHES: dict[str, str] = {
+    "sglang.test.kits.unified_radix_cache.mixins.ServerArgs (tree rows)": "the kit's "
+    "_init_hicache builds ServerArgs with hicache_io_backend='kernel' and the default layout "
+    "(page_first); each tree row wraps the name for the duration of that call so the same "
+    "ServerArgs also carries the row's hicache_io_backend / hicache_mem_layout. Every other "
+    "argument and step is the kit's",
+    "sglang.test.kits.unified_radix_cache.fixtures.MHATokenToKVPool (MLA tree rows)": "the "
+    "kit's build_fixture constructs only MHATokenToKVPool (FULL), SWAKVPool (SWA) or "
+    "HybridLinearKVPool (Mamba), and CacheConfig has no MLA field; the MLA rows substitute "
+    "SGLang's own MLATokenToKVPool (kv_lora_rank 16, qk_rope_head_dim 8) for that name while "
+    "build_fixture runs. init_hicache then takes SGLang's _PlainKvStrategy MLA branch "
+    "(use_mla from isinstance MLATokenToKVPool) as it does in a server",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.get_mha_host_pool_cls (L3 row)": "as "
+    "the kit's own UnifiedRadixPrefetchCorruptionFixtures does, the host pool class gets "
+    "pin_memory=False: SGLang's prefetch allocates its dummy page with "
+    "torch.zeros(..., pin_memory=True), which raises without an accelerator",
+}
+
+
+def tree_cases() -> list[tuple[str, str, str]]:
+    return [
+        (kind, layout, io)
+        for kind in ("MHA", "MLA")
+        for io in ("kernel", "direct")
+        for layout in LAYOUTS[(kind, io)]
+    ]
+
+
+def run_unified_tree(case: tuple[str, str, str], seed: int) -> dict[str, Any]:
     """SGLang's ``UnifiedRadixCache`` with HiCache, built by SGLang's shipped kit
-    (``sglang/test/kits/unified_radix_cache``: ``build_fixture`` + the mixin's ``_init_hicache``,
-    io backend ``kernel``): insert a 3-page sequence, fill its KV (every layer) with random bytes,
-    back it up (``HybridCacheController`` -> ``L2TransferEngine`` -> host pool), evict it from the
-    device, load it back; every layer's K and V must come back byte for byte."""
+    (``sglang/test/kits/unified_radix_cache``: ``build_fixture`` + the mixin's ``_init_hicache``)
+    with the row's layout and io backend (:data:`TREE_PATCHES`): insert a 3-page sequence, fill
+    its KV (every layer) with random bytes, back it up (``HybridCacheController`` ->
+    ``L2TransferEngine`` -> host pool; the host pool's rows at the node's host slots must equal
+    the device bytes), evict it from the device, scramble the device pool, load it back; every
+    layer's K and V (MLA: latent) must come back byte for byte, through exactly the ops of
+    :data:`TREE_OPS` (1 + layers calls), with copy kernel launches on ``kernel`` and none on
+    ``direct``."""
     import unittest
+    from unittest import mock
 
     import torch
 
     fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+    mixins = importlib.import_module("sglang.test.kits.unified_radix_cache.mixins")
     fixtures.get_device = lambda *a, **k: "cpu"
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.server_args import ServerArgs
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
     from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 
     from tests.sglang_check import transfers as t
 
-    page = 4
-    out: dict[str, Any] = {"case": f"real/UnifiedRadixCache+HiCache/MHA/p{page}/kernel",
+    kind, layout, io = case
+    name = f"real/UnifiedRadixCache+HiCache/{kind}/p{TREE_PAGE}/{layout}/{io}"
+    out: dict[str, Any] = {"case": name,
                            "ok": False, "error": None, "launches": 0, "variants": 0,
                            "unwarmed_launches": 0, "calls": [], "project_op_calls": 0}  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     recorder = t.LaunchRecorder()
 
+    def row_server_args(**kwargs: Any) -> Any:
+        return ServerArgs(**{**kwargs, "hicache_io_backend": io, "hicache_mem_layout": layout})
+
+    def mla_pool(*, head_num: int, head_dim: int, **kwargs: Any) -> Any:
+        return MLATokenToKVPool(
+            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM, **kwargs
+        )
+
+    def rows(dev: Any, slots: Any) -> list[Any]:
+        return [r[:, slots] for r in t.device_rows(kind, dev)]
+
     class Case(UnifiedRadixCacheFixtures, unittest.TestCase):
-        cfg = CacheConfig(page_size=page, num_layers=LAYERS)
+        cfg = CacheConfig(page_size=TREE_PAGE, num_layers=LAYERS)
 
         def runTest(self) -> None:
-            cache, alloc, req_to_token = fixtures.build_fixture(self.cfg)
-            self._init_hicache(cache)
-            out["classes"] = [type(cache).__name__, type(cache.cache_controller).__name__,
-                              type(cache.cache_controller.mem_pool_host).__name__]  # fmt: skip
+            swap = mock.patch.object(fixtures, "MHATokenToKVPool", mla_pool)
+            with swap if kind == "MLA" else contextlib.nullcontext():
+                cache, alloc, req_to_token = fixtures.build_fixture(self.cfg)
+            with mock.patch.object(mixins, "ServerArgs", row_server_args):
+                self._init_hicache(cache)
+            cc = cache.cache_controller
+            host = cc.mem_pool_host.get_entry(PoolName.KV).host_pool
+            dev = self._get_full_kv_pool(alloc)
+            out["classes"] = [type(cache).__name__, type(cc).__name__, type(dev).__name__,
+                              type(host).__name__]  # fmt: skip
+            if (host.layout, cc.io_backend) != (layout, io):
+                raise AssertionError(f"the kit built {host.layout}/{cc.io_backend}")
+            if isinstance(dev, MLATokenToKVPool) != (kind == "MLA"):
+                raise AssertionError(f"the kit built a {type(dev).__name__}")
             seq = self._make_seq(100, 3)
             self._insert(cache, alloc, req_to_token, seq)
             node = fixtures.match_prefix(cache, seq).last_device_node
-            kv = self._get_full_kv_pool(alloc)
             slots = fixtures.node_device_value(cache, node, ComponentType.FULL)
-            t._randomize([*kv.k_buffer, *kv.v_buffer], gen)
-            before = [torch.stack([b[slots] for b in bufs]).clone()
-                      for bufs in (kv.k_buffer, kv.v_buffer)]  # fmt: skip
+            t._randomize(t._device_buffers(kind, dev), gen)
+            before = rows(dev, slots)
             OP_CALLS.clear()
             self._backup_node(cache, node)
-            out["calls"].append("backup (HybridCacheController -> L2TransferEngine)")
+            host_slots = fixtures.node_host_value(cache, node, ComponentType.FULL)
+            backed = [r[:, host_slots] for r in t.host_rows(kind, host)]
+            if not t._bytes_equal(backed, before):
+                raise AssertionError("backup: host rows differ from the device bytes")
+            out["calls"].append("backup (HybridCacheController -> L2TransferEngine), host rows")
             cache.evict(EvictParams(num_tokens=len(seq)))
             self.assertIsNone(fixtures.node_device_value(cache, node, ComponentType.FULL))
             out["calls"].append("evict (device copy dropped)")
-            t._randomize([*kv.k_buffer, *kv.v_buffer], gen)
+            t._randomize(t._device_buffers(kind, dev), gen)
             slots = self._load_back_node(cache, node)
             out["calls"].append("load_back")
-            after = [torch.stack([b[slots] for b in bufs])
-                     for bufs in (kv.k_buffer, kv.v_buffer)]  # fmt: skip
-            if not t._bytes_equal(after, before):
+            if not t._bytes_equal(rows(dev, slots), before):
                 raise AssertionError("loaded-back K/V differ from the bytes backed up")
 
     try:
@@ -299,8 +383,127 @@ def run_unified_tree(seed: int) -> dict[str, Any]:
         out["calls"] += sorted(set(OP_CALLS))
         out["launches"] = len(recorder.keys)
         out["variants"] = len(set(recorder.keys))
-        if not OP_CALLS or not recorder.keys:
-            raise AssertionError("the tree's transfers did not reach this project's ops")
+        if set(OP_CALLS) != TREE_OPS[case]:
+            raise AssertionError(f"ops {sorted(set(OP_CALLS))}, not {sorted(TREE_OPS[case])}")
+        if len(OP_CALLS) != 1 + LAYERS:  # one all-layer backup, one load per layer
+            raise AssertionError(f"{len(OP_CALLS)} calls of this project's ops, not {1 + LAYERS}")
+        if io == "kernel" and not recorder.keys:
+            raise AssertionError("no copy kernel launch on the kernel io backend")
+        if io == "direct" and recorder.keys:
+            raise AssertionError("the direct io backend launched the copy kernel")
+        out["ok"] = True
+    except Exception as e:  # reported; the check fails on it
+        out["error"] = f"{type(e).__name__}: {e}"[:4000]
+    finally:
+        recorder.close()
+    return out
+
+
+def run_unified_storage(seed: int) -> dict[str, Any]:
+    """SGLang's L3 path through its kit (``UnifiedRadixCacheStorageFixtures``): a producer
+    ``UnifiedRadixCache`` with HiCache and ``hicache_storage_backend="file"`` (SGLang's
+    ``HiCacheFile`` under a temporary directory, the kit's single-rank topology) inserts 3 pages of
+    random KV, backs them up to the host pool and writes them to storage through SGLang's
+    controller (its backup thread); a second cache on the same directory prefetches them from
+    storage (its prefetch threads) into its host pool and loads them back onto its device: every
+    layer's K and V byte for byte, the L2 hops through this project's ops."""
+    import os
+    import unittest
+    from unittest import mock
+
+    import torch
+
+    fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+    fixtures.get_device = lambda *a, **k: "cpu"
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+    from sglang.test.kits.unified_radix_cache.storage import UnifiedRadixCacheStorageFixtures
+
+    from tests.sglang_check import transfers as t
+
+    out: dict[str, Any] = {"case": f"real/UnifiedRadixCache+HiCache+L3 file/MHA/p{TREE_PAGE}",
+                           "ok": False, "error": None, "launches": 0, "variants": 0,
+                           "unwarmed_launches": 0, "calls": [], "project_op_calls": 0}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    recorder = t.LaunchRecorder()
+
+    def rows(dev: Any, slots: Any) -> list[Any]:
+        return [r[:, slots] for r in t.device_rows("MHA", dev)]
+
+    assembler = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    mha_host_pool_cls = assembler.get_mha_host_pool_cls
+
+    def unpinned_host_pool_cls(device_pool: Any) -> Any:
+        # As the kit's UnifiedRadixPrefetchCorruptionFixtures does: pin_memory=False, else the
+        # prefetch's dummy page (torch.zeros(..., pin_memory=True)) raises without CUDA.
+        cls = mha_host_pool_cls(device_pool)
+        return lambda *a, **k: cls(*a, **{**k, "pin_memory": False})
+
+    class Case(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
+        cfg = CacheConfig(page_size=TREE_PAGE, num_layers=LAYERS)
+
+        def setUp(self) -> None:
+            patcher = mock.patch.object(
+                assembler, "get_mha_host_pool_cls", side_effect=unpinned_host_pool_cls
+            )
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
+        def runTest(self) -> None:
+            storage_dir = self._make_storage_dir()
+            seq = self._make_seq(100, 3)
+            prod, prod_alloc, prod_rtp = fixtures.build_fixture(self.cfg)
+            self._init_hicache(
+                prod, storage_backend="file", storage_dir=storage_dir, prefetch_threshold=1
+            )
+            out["classes"] = [type(prod).__name__, type(prod.cache_controller).__name__,
+                              type(prod.cache_controller.storage_backend).__name__]  # fmt: skip
+            self._insert(prod, prod_alloc, prod_rtp, seq)
+            leaf = fixtures.match_prefix(prod, seq).last_device_node
+            dev = self._get_full_kv_pool(prod_alloc)
+            t._randomize(t._device_buffers("MHA", dev), gen)
+            before = rows(dev, prod.path_device_indices(leaf))
+            self._backup_node(prod, leaf)
+            self._write_path_to_l3(prod, leaf)
+            self._flush_l3_backups(prod)
+            files = os.listdir(storage_dir)
+            out["calls"].append(f"L2 backup, write_backup_storage -> {len(files)} files")
+            if not files:
+                raise AssertionError("nothing written to storage")
+
+            cons, cons_alloc, _ = self._l3_consumer(storage_dir)
+            cdev = self._get_full_kv_pool(cons_alloc)
+            t._randomize(t._device_buffers("MHA", cdev), gen)
+            self._consume_prefetch(cons, seq, CacheRequestHandle("l3", 0))
+            m = fixtures.match_prefix(cons, seq)
+            out["calls"].append(f"prefetch_from_storage: host hit {m.host_hit_length}")
+            if m.host_hit_length != len(seq):
+                raise AssertionError(f"prefetch brought {m.host_hit_length} of {len(seq)} tokens")
+            self._load_back_node(cons, m.last_host_node)
+            out["calls"].append("load_back")
+            after = fixtures.match_prefix(cons, seq)
+            slots = cons.path_device_indices(after.last_device_node)
+            if len(slots) != len(seq):
+                raise AssertionError(f"{len(slots)} tokens on the device after load back")
+            if not t._bytes_equal(rows(cdev, slots), before):
+                raise AssertionError("K/V through storage differ from the bytes written")
+
+    try:
+        OP_CALLS.clear()
+        result = unittest.TestResult()
+        Case().run(result)
+        for _, tb in result.errors + result.failures:
+            raise AssertionError(tb.strip().splitlines()[-1] + "\n" + tb)
+        out["project_op_calls"] = len(OP_CALLS)
+        out["calls"] += sorted(set(OP_CALLS))
+        out["launches"] = len(recorder.keys)
+        out["variants"] = len(set(recorder.keys))
+        expected = TREE_OPS[("MHA", "page_first", "kernel")]  # the kit's default layout / io
+        if set(OP_CALLS) != expected or len(OP_CALLS) != 1 + LAYERS:
+            raise AssertionError(f"ops {OP_CALLS}: not one backup and {LAYERS} loads of "
+                                 f"{sorted(expected)}")  # fmt: skip
+        if not recorder.keys:
+            raise AssertionError("no copy kernel launch on the kernel io backend")
         out["ok"] = True
     except Exception as e:  # reported; the check fails on it
         out["error"] = f"{type(e).__name__}: {e}"[:4000]
@@ -313,7 +516,7 @@ def _stub_rows(finder: Any) -> list[dict[str, Any]]:
     from tests.sglang_check import stubs
 
     rows = stubs.report(finder)
-    for name, reason in PATCHES.items():
+    for name, reason in {**PATCHES, **TREE_PATCHES}.items():
         rows.append({"module": name, "kind": "patched function", "reason": reason})
     return rows
 
@@ -344,7 +547,9 @@ def main(site: str, out_path: str) -> int:
         restore = _count_op_calls(handle)
         try:
             out["transfers"] = [run_case(c, handle, seed=i) for i, c in enumerate(cases())]
-            out["transfers"].append(run_unified_tree(seed=len(out["transfers"])))
+            out["transfers"] += [run_unified_tree(c, seed=len(out["transfers"]) + i)
+                                 for i, c in enumerate(tree_cases())]  # fmt: skip
+            out["transfers"].append(run_unified_storage(seed=len(out["transfers"])))
         finally:
             for module, name, op in restore:
                 module.__dict__[name] = op
