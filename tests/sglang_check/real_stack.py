@@ -399,14 +399,47 @@ def run_unified_tree(case: tuple[str, str, str], seed: int) -> dict[str, Any]:
     return out
 
 
-def run_unified_storage(seed: int) -> dict[str, Any]:
+PROJECT_FILE = ("hicache_prefill.hicache.storage.file_backend", "HiCacheFile")
+PROJECT_STORAGE_CALLS = ("batch_set_v2", "batch_get_v2", "batch_exists_v2", "batch_set_v1",
+                         "batch_get_v1", "batch_set", "batch_get", "batch_exists", "set", "get",
+                         "exists")  # fmt: skip
+"""The project backend's calls each dynamic-backend row counts (for a KV-only pool group SGLang's
+controller writes with ``batch_set`` and reads with ``batch_get``, one ``set`` / ``get`` a
+page)."""
+
+
+def _count_backend_calls(cls: type, calls: dict[str, int]) -> list[Any]:
+    """Patchers wrapping :data:`PROJECT_STORAGE_CALLS` on ``cls`` to count each call by name."""
+    from unittest import mock
+
+    patchers = []
+    for name in PROJECT_STORAGE_CALLS:
+        method = getattr(cls, name, None)
+        if method is None:
+            continue
+
+        def counted(self: Any, *args: Any, _m: Any = method, _n: str = name, **kw: Any) -> Any:
+            calls[_n] = calls.get(_n, 0) + 1
+            return _m(self, *args, **kw)
+
+        patchers.append(mock.patch.object(cls, name, counted))
+    return patchers
+
+
+def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
     """SGLang's L3 path through its kit (``UnifiedRadixCacheStorageFixtures``): a producer
     ``UnifiedRadixCache`` with HiCache and ``hicache_storage_backend="file"`` (SGLang's
     ``HiCacheFile`` under a temporary directory, the kit's single-rank topology) inserts 3 pages of
     random KV, backs them up to the host pool and writes them to storage through SGLang's
     controller (its backup thread); a second cache on the same directory prefetches them from
     storage (its prefetch threads) into its host pool and loads them back onto its device: every
-    layer's K and V byte for byte, the L2 hops through this project's ops."""
+    layer's K and V byte for byte, the L2 hops through this project's ops.
+
+    ``backend="dynamic file"``: the same, with ``hicache_storage_backend="dynamic"`` and the extra
+    config naming this project's ``HiCacheFile`` (``module_path`` / ``class_name``; SGLang's
+    ``StorageBackendFactory`` imports it): both caches' backends must be instances of that class,
+    and the producer must store the 3 pages (``set``) and the consumer read them (``get``) through
+    it (calls counted, :func:`_count_backend_calls`)."""
     import os
     import unittest
     from unittest import mock
@@ -421,7 +454,7 @@ def run_unified_storage(seed: int) -> dict[str, Any]:
 
     from tests.sglang_check import transfers as t
 
-    out: dict[str, Any] = {"case": f"real/UnifiedRadixCache+HiCache+L3 file/MHA/p{TREE_PAGE}",
+    out: dict[str, Any] = {"case": f"real/UnifiedRadixCache+HiCache+L3 {backend}/MHA/p{TREE_PAGE}",
                            "ok": False, "error": None, "launches": 0, "variants": 0,
                            "unwarmed_launches": 0, "calls": [], "project_op_calls": 0}  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
@@ -439,25 +472,62 @@ def run_unified_storage(seed: int) -> dict[str, Any]:
         cls = mha_host_pool_cls(device_pool)
         return lambda *a, **k: cls(*a, **{**k, "pin_memory": False})
 
+    mixins = importlib.import_module("sglang.test.kits.unified_radix_cache.mixins")
+    project_cls: type | None = None
+    storage_extra: dict[str, Any] | None = None
+    calls: dict[str, int] = {}
+    if backend == "dynamic file":
+        project_cls = getattr(importlib.import_module(PROJECT_FILE[0]), PROJECT_FILE[1])
+        storage_extra = {"backend_name": "hicache_prefill_file", "module_path": PROJECT_FILE[0],
+                         "class_name": PROJECT_FILE[1]}  # fmt: skip
+    elif backend != "file":
+        raise ValueError(f"unknown storage row {backend!r}")
+    kit_server_args = mixins.ServerArgs
+
+    def dynamic_server_args(**kwargs: Any) -> Any:
+        # The kit's _init_hicache builds the extra config (and the single-rank topology, the
+        # storage directory) only for "file": the row asks for "file" and SGLang gets "dynamic".
+        if kwargs.get("hicache_storage_backend") == "file":
+            kwargs["hicache_storage_backend"] = "dynamic"
+        return kit_server_args(**kwargs)
+
+    def project_backend(cache: Any) -> None:
+        got = cache.cache_controller.storage_backend
+        if project_cls is not None and not isinstance(got, project_cls):
+            raise AssertionError(f"the storage backend is a {type(got).__module__}."
+                                 f"{type(got).__name__}, not this project's "
+                                 f"{PROJECT_FILE[1]}")  # fmt: skip
+
     class Case(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         cfg = CacheConfig(page_size=TREE_PAGE, num_layers=LAYERS)
 
         def setUp(self) -> None:
-            patcher = mock.patch.object(
+            patchers = [mock.patch.object(
                 assembler, "get_mha_host_pool_cls", side_effect=unpinned_host_pool_cls
-            )
-            patcher.start()
-            self.addCleanup(patcher.stop)
+            )]  # fmt: skip
+            if project_cls is not None:
+                patchers.append(mock.patch.object(mixins, "ServerArgs", dynamic_server_args))
+                patchers += _count_backend_calls(project_cls, calls)
+            for patcher in patchers:
+                patcher.start()
+                self.addCleanup(patcher.stop)
+
+        def _l3_consumer(self, storage_dir: str) -> Any:
+            fixture = fixtures.build_fixture(self.cfg)
+            self._init_hicache(fixture[0], storage_backend="file", storage_dir=storage_dir,
+                               prefetch_threshold=1, storage_extra=storage_extra)  # fmt: skip
+            return fixture
 
         def runTest(self) -> None:
             storage_dir = self._make_storage_dir()
             seq = self._make_seq(100, 3)
             prod, prod_alloc, prod_rtp = fixtures.build_fixture(self.cfg)
-            self._init_hicache(
-                prod, storage_backend="file", storage_dir=storage_dir, prefetch_threshold=1
-            )
+            self._init_hicache(prod, storage_backend="file", storage_dir=storage_dir,
+                               prefetch_threshold=1, storage_extra=storage_extra)  # fmt: skip
+            project_backend(prod)
+            sb = type(prod.cache_controller.storage_backend)
             out["classes"] = [type(prod).__name__, type(prod.cache_controller).__name__,
-                              type(prod.cache_controller.storage_backend).__name__]  # fmt: skip
+                              f"{sb.__module__}.{sb.__name__}"]  # fmt: skip
             self._insert(prod, prod_alloc, prod_rtp, seq)
             leaf = fixtures.match_prefix(prod, seq).last_device_node
             dev = self._get_full_kv_pool(prod_alloc)
@@ -470,8 +540,17 @@ def run_unified_storage(seed: int) -> dict[str, Any]:
             out["calls"].append(f"L2 backup, write_backup_storage -> {len(files)} files")
             if not files:
                 raise AssertionError("nothing written to storage")
+            if project_cls is not None:
+                stats = prod.cache_controller.storage_backend.get_stats()
+                out["calls"].append(f"{PROJECT_FILE[1]} calls {dict(sorted(calls.items()))}, "
+                                    f"{stats.writes} pages written")  # fmt: skip
+                if stats.writes != 3 or len(files) != 3 or calls.get("set", 0) < 3:
+                    raise AssertionError(f"{stats.writes} pages written, {len(files)} files "
+                                         "through this project's backend, not 3")  # fmt: skip
+                calls.clear()
 
             cons, cons_alloc, _ = self._l3_consumer(storage_dir)
+            project_backend(cons)
             cdev = self._get_full_kv_pool(cons_alloc)
             t._randomize(t._device_buffers("MHA", cdev), gen)
             self._consume_prefetch(cons, seq, CacheRequestHandle("l3", 0))
@@ -487,6 +566,13 @@ def run_unified_storage(seed: int) -> dict[str, Any]:
                 raise AssertionError(f"{len(slots)} tokens on the device after load back")
             if not t._bytes_equal(rows(cdev, slots), before):
                 raise AssertionError("K/V through storage differ from the bytes written")
+            if project_cls is not None:
+                stats = cons.cache_controller.storage_backend.get_stats()
+                out["calls"].append(f"{PROJECT_FILE[1]} calls {dict(sorted(calls.items()))}, "
+                                    f"{stats.read_hits} pages read")  # fmt: skip
+                if stats.read_hits != 3 or calls.get("get", 0) != 3:
+                    raise AssertionError(f"{stats.read_hits} pages read through this project's "
+                                         "backend, not 3")  # fmt: skip
 
     try:
         OP_CALLS.clear()
@@ -549,7 +635,10 @@ def main(site: str, out_path: str) -> int:
             out["transfers"] = [run_case(c, handle, seed=i) for i, c in enumerate(cases())]
             out["transfers"] += [run_unified_tree(c, seed=len(out["transfers"]) + i)
                                  for i, c in enumerate(tree_cases())]  # fmt: skip
-            out["transfers"].append(run_unified_storage(seed=len(out["transfers"])))
+            for backend in ("file", "dynamic file"):
+                out["transfers"].append(
+                    run_unified_storage(seed=len(out["transfers"]), backend=backend)
+                )
         finally:
             for module, name, op in restore:
                 module.__dict__[name] = op
