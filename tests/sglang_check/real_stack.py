@@ -275,6 +275,11 @@ TREE_PATCHES: dict[str, str] = {
     "the kit's own UnifiedRadixPrefetchCorruptionFixtures does, the host pool class gets "
     "pin_memory=False: SGLang's prefetch allocates its dummy page with "
     "torch.zeros(..., pin_memory=True), which raises without an accelerator",
+    "sglang.test.kits.unified_radix_cache.mixins.ServerArgs (L3 dynamic row)": "the kit's "
+    "_init_hicache builds the extra config, the single-rank topology and the storage directory "
+    "only for hicache_storage_backend='file'; the dynamic row asks for 'file' with the extra "
+    "keys backend_name / module_path / class_name naming this project's HiCacheFile, and the "
+    "wrapped name hands SGLang 'dynamic' instead, so its StorageBackendFactory imports the class",
 }
 
 
