@@ -42,6 +42,7 @@ import os
 import sys
 import time
 import traceback
+import types
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -405,6 +406,12 @@ def run_unified_tree(case: tuple[str, str, str], seed: int) -> dict[str, Any]:
 
 
 PROJECT_FILE = ("hicache_prefill.hicache.storage.file_backend", "HiCacheFile")
+PROJECT_MOONCAKE = ("hicache_prefill.hicache.storage.mooncake.store", "MooncakeStore")
+STORAGE_ROWS = ("file", "dynamic file", "dynamic mooncake")
+MOONCAKE_ZERO_COPY = ("batch_set_v1", "batch_get_v1")
+"""What the ``dynamic mooncake`` row's ``MooncakeStore`` may be called with for data: SGLang's
+controller picks its zero-copy calls for ``mooncake`` and for ``dynamic`` with ``interface_v1``
+(the row's extra config), never the generic ``batch_set`` / ``batch_get``."""
 PROJECT_STORAGE_CALLS = ("batch_set_v2", "batch_get_v2", "batch_exists_v2", "batch_set_v1",
                          "batch_get_v1", "batch_set", "batch_get", "batch_exists", "set", "get",
                          "exists")  # fmt: skip
@@ -431,6 +438,13 @@ def _count_backend_calls(cls: type, calls: dict[str, int]) -> list[Any]:
     return patchers
 
 
+def _restore_module(name: str, module: Any) -> None:
+    if module is None:
+        sys.modules.pop(name, None)
+    else:
+        sys.modules[name] = module
+
+
 def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
     """SGLang's L3 path through its kit (``UnifiedRadixCacheStorageFixtures``): a producer
     ``UnifiedRadixCache`` with HiCache and ``hicache_storage_backend="file"`` (SGLang's
@@ -444,7 +458,13 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
     config naming this project's ``HiCacheFile`` (``module_path`` / ``class_name``; SGLang's
     ``StorageBackendFactory`` imports it): both caches' backends must be instances of that class,
     and the producer must store the 3 pages (``set``) and the consumer read them (``get``) through
-    it (calls counted, :func:`_count_backend_calls`)."""
+    it (calls counted, :func:`_count_backend_calls`).
+
+    ``backend="dynamic mooncake"``: the same through this project's ``MooncakeStore`` over the
+    project's fake Mooncake (``tests/hicache/storage/mooncake/fake_mooncake.py`` as
+    ``mooncake.store``, one cluster both caches' clients share) with ``interface_v1`` as SGLang
+    runs Mooncake: the producer stores the 3 pages with ``batch_set_v1`` and the consumer reads
+    them with ``batch_get_v1`` (no generic call), every object through the fake."""
     import os
     import unittest
     from unittest import mock
@@ -481,10 +501,21 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
     project_cls: type | None = None
     storage_extra: dict[str, Any] | None = None
     calls: dict[str, int] = {}
+    project = PROJECT_FILE
+    cluster: Any = None
     if backend == "dynamic file":
         project_cls = getattr(importlib.import_module(PROJECT_FILE[0]), PROJECT_FILE[1])
         storage_extra = {"backend_name": "hicache_prefill_file", "module_path": PROJECT_FILE[0],
                          "class_name": PROJECT_FILE[1]}  # fmt: skip
+    elif backend == "dynamic mooncake":
+        from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
+        from tests.sglang_check.storage import MASTER
+
+        project = PROJECT_MOONCAKE
+        project_cls = getattr(importlib.import_module(project[0]), project[1])
+        cluster = FakeCluster()
+        storage_extra = {"backend_name": "hicache_prefill_mooncake", "module_path": project[0],
+                         "class_name": project[1], "interface_v1": 1, **MASTER}  # fmt: skip
     elif backend != "file":
         raise ValueError(f"unknown storage row {backend!r}")
     kit_server_args = mixins.ServerArgs
@@ -501,7 +532,7 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
         if project_cls is not None and not isinstance(got, project_cls):
             raise AssertionError(f"the storage backend is a {type(got).__module__}."
                                  f"{type(got).__name__}, not this project's "
-                                 f"{PROJECT_FILE[1]}")  # fmt: skip
+                                 f"{project[1]}")  # fmt: skip
 
     class Case(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         cfg = CacheConfig(page_size=TREE_PAGE, num_layers=LAYERS)
@@ -513,6 +544,17 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
             if project_cls is not None:
                 patchers.append(mock.patch.object(mixins, "ServerArgs", dynamic_server_args))
                 patchers += _count_backend_calls(project_cls, calls)
+            if cluster is not None:
+                fake = types.ModuleType("mooncake.store")
+                fake.MooncakeDistributedStore = cluster.factory
+                pkg = types.ModuleType("mooncake")
+                pkg.__path__, pkg.store = [], fake
+                # Only these two names are put back (patch.dict would drop every module the
+                # row imports).
+                for name, module in (("mooncake", pkg), ("mooncake.store", fake)):
+                    self.addCleanup(_restore_module, name, sys.modules.get(name))
+                    sys.modules[name] = module
+                patchers.append(mock.patch.object(project_cls, "store_factory", cluster.factory))
             for patcher in patchers:
                 patcher.start()
                 self.addCleanup(patcher.stop)
@@ -541,13 +583,28 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
             self._backup_node(prod, leaf)
             self._write_path_to_l3(prod, leaf)
             self._flush_l3_backups(prod)
-            files = os.listdir(storage_dir)
-            out["calls"].append(f"L2 backup, write_backup_storage -> {len(files)} files")
+            files = os.listdir(storage_dir) if cluster is None else sorted(cluster.objects)
+            where = "files" if cluster is None else "Mooncake objects"
+            out["calls"].append(f"L2 backup, write_backup_storage -> {len(files)} {where}")
             if not files:
                 raise AssertionError("nothing written to storage")
-            if project_cls is not None:
-                stats = prod.cache_controller.storage_backend.get_stats()
-                out["calls"].append(f"{PROJECT_FILE[1]} calls {dict(sorted(calls.items()))}, "
+            backend_used = prod.cache_controller.storage_backend
+            stats = None if project_cls is None else backend_used.get_stats()
+            if cluster is not None:
+                out["calls"].append(f"{project[1]} calls {dict(sorted(calls.items()))}, "
+                                    f"{stats.objects_written} objects written, "
+                                    f"{stats.objects_already_stored} already stored")  # fmt: skip
+                # MHA: a K and a V object a page; a page backed up again finds its objects.
+                if (stats.objects_written != 6 or len(files) != 6 or stats.pages_store_failed
+                        or set(calls) - {"batch_exists", *MOONCAKE_ZERO_COPY}
+                        or not calls.get("batch_set_v1")):  # fmt: skip
+                    raise AssertionError(f"{stats.objects_written} objects written, "
+                                         f"{len(files)} stored, calls {calls} through this "
+                                         "project's MooncakeStore: not 3 pages by "
+                                         "batch_set_v1")  # fmt: skip
+                calls.clear()
+            elif stats is not None:
+                out["calls"].append(f"{project[1]} calls {dict(sorted(calls.items()))}, "
                                     f"{stats.writes} pages written")  # fmt: skip
                 if stats.writes != 3 or len(files) != 3 or calls.get("set", 0) < 3:
                     raise AssertionError(f"{stats.writes} pages written, {len(files)} files "
@@ -571,9 +628,27 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
                 raise AssertionError(f"{len(slots)} tokens on the device after load back")
             if not t._bytes_equal(rows(cdev, slots), before):
                 raise AssertionError("K/V through storage differ from the bytes written")
-            if project_cls is not None:
+            if cluster is not None:
                 stats = cons.cache_controller.storage_backend.get_stats()
-                out["calls"].append(f"{PROJECT_FILE[1]} calls {dict(sorted(calls.items()))}, "
+                out["calls"].append(f"{project[1]} calls {dict(sorted(calls.items()))}, "
+                                    f"{stats.pages_read} pages read, "
+                                    f"{stats.read_corrupt} corrupt")  # fmt: skip
+                if (stats.pages_read != 3 or stats.pages_read_failed or stats.read_corrupt
+                        or set(calls) - {"batch_exists", *MOONCAKE_ZERO_COPY}
+                        or not calls.get("batch_get_v1")):  # fmt: skip
+                    raise AssertionError(f"{stats.pages_read} pages read, calls {calls} through "
+                                         "this project's MooncakeStore: not 3 pages by "
+                                         "batch_get_v1")  # fmt: skip
+                fake_calls = sorted({c[0] for c in cluster.data_calls()})
+                out["calls"].append(f"fake Mooncake {fake_calls}")
+                if not {"batch_put_from", "batch_get_into"} <= set(fake_calls) and not {
+                    "batch_put_from_multi_buffers",
+                    "batch_get_into_multi_buffers",
+                } <= set(fake_calls):
+                    raise AssertionError(f"the fake Mooncake saw {fake_calls}: no put and get")
+            elif project_cls is not None:
+                stats = cons.cache_controller.storage_backend.get_stats()
+                out["calls"].append(f"{project[1]} calls {dict(sorted(calls.items()))}, "
                                     f"{stats.read_hits} pages read")  # fmt: skip
                 if stats.read_hits != 3 or calls.get("get", 0) != 3:
                     raise AssertionError(f"{stats.read_hits} pages read through this project's "
@@ -640,7 +715,7 @@ def main(site: str, out_path: str) -> int:
             out["transfers"] = [run_case(c, handle, seed=i) for i, c in enumerate(cases())]
             out["transfers"] += [run_unified_tree(c, seed=len(out["transfers"]) + i)
                                  for i, c in enumerate(tree_cases())]  # fmt: skip
-            for backend in ("file", "dynamic file"):
+            for backend in STORAGE_ROWS:
                 out["transfers"].append(
                     run_unified_storage(seed=len(out["transfers"]), backend=backend)
                 )
