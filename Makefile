@@ -80,16 +80,20 @@ SGLANG_REAL_DEPS ?= orjson pybase64 requests pillow starlette pydantic pyzmq IPy
 	'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' 'sentencepiece==0.2.1' dill \
 	'compressed-tensors==0.18.0' gguf partial_json_parser 'openai==2.8.0' datasets
 
-$(SGLANG_VENV)/.installed: Makefile pyproject.toml
+# Mooncake (the CPU/TCP wheel, as for `make test`): the L3 rows on a real loopback mooncake_master
+# run where it imports and the loopback shim builds, and report themselves skipped otherwise.
+$(SGLANG_VENV)/.installed: Makefile pyproject.toml mk/mooncake.mk
 	$(PY) -m venv $(SGLANG_VENV)
 	$(call cpu_torch,$(SGLANG_VENV)/bin/pip)
 	$(SGLANG_VENV)/bin/pip install -q triton numpy psutil msgspec '$(HF_KERNELS_PIN)'
 	$(SGLANG_VENV)/bin/pip freeze | grep -i '^torch==' > $(SGLANG_VENV)/torch-pin.txt
 	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/torch-pin.txt $(SGLANG_REAL_DEPS)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
+	@$(call mooncake_install,$(SGLANG_VENV))
 	@touch $@
 
 sglang-check: $(SGLANG_VENV)/.installed
+	@$(call loopback_shim)
 	@for pin in $(SGLANG_PINS); do \
 		if [ ! -f $(SGLANG_VENV)/sglang-$$pin/.done ]; then \
 			echo "[sglang-check] pip install --no-deps sglang==$$pin"; \

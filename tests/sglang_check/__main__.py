@@ -48,6 +48,10 @@ def run_one(venv: str, pin: str, mode: str, project_dir: str | None = None) -> d
         path = [outside, *([os.path.abspath(project_dir)] if project_dir else [])]
         path += [extra] if extra else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        # The loopback shim of this checkout (``make test`` / ``make sglang-check`` build it),
+        # also for a non-editable copy of the project, whose default path is elsewhere.
+        env.setdefault("HICACHE_LOOPBACK_SHIM", os.path.join(REPO, "build", "loopback",
+                                                             "bind_loopback.so"))  # fmt: skip
         cmd = [
             *(sys.executable, "-m", "tests.sglang_check.run_pin", "--site", site),
             *("--mode", mode, "--out", out),
@@ -189,6 +193,20 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED: {t['error']}"
                 )
                 print(f"  {t['case']}: {what}")
+    for pin, modes in results.items():
+        for mode, r in modes.items():
+            rows = [s for s in r.get("storage", []) if s["case"].startswith("mooncake-real/")]
+            if rows:
+                print(f"\nL3 on a real mooncake_master, sglang=={pin} ({mode}), this project's "
+                      "MooncakeStore <-> SGLang's, per TP rank:")  # fmt: skip
+            for s in rows:
+                what = (
+                    f"skipped: {s['skipped']}" if "skipped" in s
+                    else f"ok on {s['master']}, byte-exact both ways, objects per page "
+                    f"{s['object_suffixes']}" if s["ok"]
+                    else f"FAILED: {s.get('error')}"
+                )  # fmt: skip
+                print(f"  {s['case']}: {what}")
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {

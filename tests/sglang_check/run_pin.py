@@ -11,7 +11,9 @@
   from it, and the JIT predicates are routed around.
 
 Then: the transfer cases (:mod:`tests.sglang_check.transfers`), the L3 cases (pages between this
-project's and SGLang's ``HiCacheFile``, ``build_kv_host_pool`` over this project's device pools:
+project's and SGLang's ``HiCacheFile`` and ``MooncakeStore``, the latter also on a real loopback
+``mooncake_master`` where Mooncake is installed (this run then re-executes itself with the
+loopback shim preloaded), ``build_kv_host_pool`` over this project's device pools:
 :mod:`tests.sglang_check.storage`), the compat module's
 uninstall / reinstall round trip, and (``cpu`` mode) the gate cross product
 (:mod:`tests.sglang_check.gate`). The result is one JSON object.
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sglang_check import real_stack
 
         return real_stack.main(args.site, args.out)
+    _under_loopback_shim()
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
     from hicache_prefill.kernels.sglang import compat, rebind
@@ -192,6 +195,18 @@ def _import_time_bindings(compat: Any, handle: Any) -> dict[str, dict[str, int |
             for n in WATCHED
         }
     return out
+
+
+def _under_loopback_shim() -> None:
+    """Where Mooncake is installed, re-execute this run once with the loopback shim preloaded
+    (the L3 rows on a real ``mooncake_master`` host engines in this process); its children do
+    not inherit it."""
+    from hicache_prefill.hicache.storage.mooncake import availability
+    from tests.support import loopback
+
+    if availability.installed():
+        loopback.reexec_under_shim()
+        loopback.forget_preload()
 
 
 def _relax_host_reserve(base: Any) -> bool:

@@ -269,10 +269,11 @@ MASTER = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp",
           "global_segment_size": 0}  # fmt: skip
 
 
-def _config(hs: Any, host: Any, extra: dict, model: str = MODEL) -> Any:
-    """SGLang's ``HiCacheStorageConfig`` as its controller builds it for ``host`` (TP 1)."""
+def _config(hs: Any, host: Any, extra: dict, model: str = MODEL, tp_rank: int = 0,
+            tp_size: int = 1) -> Any:  # fmt: skip
+    """SGLang's ``HiCacheStorageConfig`` as its controller builds it for ``host`` on one rank."""
     return hs.HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=hasattr(host, "kv_cache_dim"), enable_storage_metrics=False,
         is_page_first_layout=host.layout == "page_first", model_name=model,
         extra_config=dict(extra),
@@ -394,34 +395,34 @@ def run_factory_file(hs: Any, sglang: dict[str, Any], kind: str, how: str,
     return out
 
 
-def _fake_mooncake() -> Any:
+def _fake_mooncake() -> tuple[Any, dict[str, Any]]:
     """The project's fake Mooncake (``tests/hicache/storage/mooncake/fake_mooncake.py``) as
-    ``mooncake.store`` for SGLang's ``MooncakeStore`` and as this project's store factory.
-    ``None`` when a real ``mooncake.store`` imports (then this check does not replace it)."""
+    ``mooncake.store`` for SGLang's ``MooncakeStore`` and as this project's store factory, and
+    the ``mooncake`` modules it stands in for (a real ``mooncake.store`` already imported: put
+    back by ``_drop_fake_mooncake``)."""
     import sys
 
     from tests.hicache.storage.mooncake.fake_mooncake import FakeCluster
 
-    try:
-        importlib.import_module("mooncake.store")
-        return None
-    except ImportError:
-        pass
+    saved = {n: m for n, m in sys.modules.items() if n == "mooncake" or n.startswith("mooncake.")}
     cluster = FakeCluster()
     store_mod = types.ModuleType("mooncake.store")
     store_mod.MooncakeDistributedStore = cluster.factory
     pkg = types.ModuleType("mooncake")
     pkg.__path__ = []
     pkg.store = store_mod
+    for name in saved:
+        del sys.modules[name]
     sys.modules["mooncake"], sys.modules["mooncake.store"] = pkg, store_mod
-    return cluster
+    return cluster, saved
 
 
-def _drop_fake_mooncake() -> None:
+def _drop_fake_mooncake(saved: dict[str, Any]) -> None:
     import sys
 
     for name in ("mooncake.store", "mooncake"):
         sys.modules.pop(name, None)
+    sys.modules.update(saved)
 
 
 def run_factory_mooncake(hs: Any, sglang: dict[str, Any], kind: str, how: str, seed: int,
@@ -485,17 +486,149 @@ def run_factory(hs: Any, sglang: dict[str, Any]) -> list[dict[str, Any]]:
     out = [run_factory_file(hs, sglang, kind, how, seed)
            for seed, (kind, how) in enumerate(
                (k, h) for k in ("MHA", "MLA") for h in ("dynamic", "registered"))]  # fmt: skip
-    cluster = _fake_mooncake()
-    if cluster is None:
-        out.append({"case": "factory/mooncake", "ok": False,
-                    "error": "a real mooncake.store imports: the real-master rows are not "
-                             "written yet"})  # fmt: skip
-        return out
+    cluster, saved = _fake_mooncake()
     try:
         for seed, (kind, how) in enumerate(
             (k, h) for k in ("MHA", "MLA") for h in ("registered", "dynamic")
         ):
             out.append(run_factory_mooncake(hs, sglang, kind, how, 10 + seed, cluster))
     finally:
-        _drop_fake_mooncake()
+        _drop_fake_mooncake(saved)
+    out.extend(run_real_mooncake(hs, sglang))
     return out
+
+
+# --- the same crossings on a real Mooncake master (loopback), TP 1 and TP 2 ---
+
+REAL_SEGMENT = 64 << 20  # global_segment_size: split over the ranks (Mooncake's minimum: 16 MiB)
+
+
+def _real_extra(address: str) -> dict[str, Any]:
+    return {"master_server_address": address, "protocol": "tcp", "local_hostname": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE", "global_segment_size": REAL_SEGMENT}  # fmt: skip
+
+
+def _real_names(kind: str, key: str, tp_size: int) -> tuple[list[str], list[str]]:
+    """SGLang 0.5.23's object names of one page on a TP ``tp_size`` deployment (prefix: the model
+    name), and names that must not exist: MHA ``{key}_{rank}_k`` / ``_v`` per rank; MLA one
+    ``{key}__k`` for every rank (no per-rank copies)."""
+    base = f"{'-'.join(MODEL.split('/'))}_{key}"
+    if kind == "MLA":
+        return [f"{base}__k"], [f"{base}_{r}_k" for r in range(tp_size)]
+    return [f"{base}_{r}_{p}" for r in range(tp_size) for p in ("k", "v")], [f"{base}__k"]
+
+
+def run_real_mooncake_case(hs: Any, sglang: dict[str, Any], master: Any, kind: str,
+                           tp_size: int, seed: int) -> dict[str, Any]:  # fmt: skip
+    """Per rank (``tp_rank`` r of ``tp_size``, its own host pool, as ``tp_size`` ranks would):
+    this project's ``MooncakeStore`` stores pages (``batch_set_v1``) that SGLang's
+    ``MooncakeStore`` of the same rank reads (``batch_get_v1``) byte for byte, and the reverse
+    with other keys; then every rank's object names are SGLang's (MLA: one object, written by
+    rank 0 only: this project's rank 1 writes nothing)."""
+    from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+
+    out: dict[str, Any] = {"case": f"mooncake-real/{kind}/tp{tp_size}", "ok": False,
+                           "master": f"{master.address} (pid {master.pid})"}  # fmt: skip
+    sg_mod = importlib.import_module("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store")
+    gen = torch.Generator().manual_seed(seed)
+    mine: list[Any] = []
+    try:
+        assert MooncakeStore.store_factory is None, "a fake store factory is set"
+        extra = _real_extra(master.address)
+        keys, keys2 = _keys(500 + 10 * seed), _keys(600 + 10 * seed)
+        hosts, sgs = [], []
+        for rank in range(tp_size):
+            dev = transfers.device_pool(kind, PAGE)
+            host = transfers.host_pool(sglang, transfers.Case(kind, PAGE, "page_first", "kernel"),
+                                       dev)  # fmt: skip
+            kv = host.kv_buffer
+            bufs = list(kv) if isinstance(kv, tuple | list) else [kv]
+            if kind == "MLA" and rank:  # MLA: every rank holds the same latent cache
+                for b, b0 in zip(
+                    bufs,
+                    hosts[0].kv_buffer
+                    if isinstance(hosts[0].kv_buffer, tuple | list)
+                    else [hosts[0].kv_buffer],
+                    strict=True,
+                ):
+                    b.copy_(b0)  # fmt: skip
+            else:
+                transfers._randomize(bufs, gen)
+            hosts.append(host)
+            cfg = _config(hs, host, extra, tp_rank=rank, tp_size=tp_size)
+            m = MooncakeStore(cfg, host)
+            mine.append(m)
+            m.register_mem_pool_host(host)
+            sg = sg_mod.MooncakeStore(cfg, host)
+            sg.register_mem_pool_host(host)
+            sgs.append(sg)
+        # ours -> SGLang (the last rank first: an MLA rank other than 0 writes nothing and
+        # answers whether the page is stored: not yet, then yes once rank 0 wrote it)
+        for rank in reversed(range(tp_size)):
+            got = mine[rank].batch_set_v1(keys, _indices(_slots(0)))
+            if kind == "MLA" and rank:
+                assert got == [False] * len(keys), f"MLA rank {rank} set before rank 0: {got}"
+                gone = mine[rank]._exists(_real_names(kind, keys[0], tp_size)[0])
+                assert gone == [0], f"MLA rank {rank} wrote {gone}"
+            else:
+                assert got == [True] * len(keys), f"ours rank {rank} set {got}"
+        for rank in range(1, tp_size if kind == "MLA" else 1):
+            got = mine[rank].batch_set_v1(keys, _indices(_slots(0)))
+            assert got == [True] * len(keys), f"MLA rank {rank} after rank 0: {got}"
+        for rank in range(tp_size):
+            assert sgs[rank].batch_exists(keys) == len(keys), f"SGLang rank {rank} misses"
+            got = sgs[rank].batch_get_v1(keys, _indices(_slots(5)))
+            assert got == [True] * len(keys), f"SGLang rank {rank} get {got}"
+            assert _same_slots(kind, hosts[rank], _slots(5), hosts[rank], _slots(0)), (
+                f"ours -> SGLang bytes, rank {rank}"
+            )
+        out["ours_to_sglang"] = True
+        # SGLang -> ours
+        for rank in range(tp_size):
+            got = sgs[rank].batch_set_v1(keys2, _indices(_slots(10)))
+            assert got == [True] * len(keys2), f"SGLang rank {rank} set {got}"
+        for rank in range(tp_size):
+            assert mine[rank].batch_exists(keys2) == len(keys2), f"ours rank {rank} misses"
+            got = mine[rank].batch_get_v1(keys2, _indices(_slots(15)))
+            assert got == [True] * len(keys2), f"ours rank {rank} get {got}"
+            assert _same_slots(kind, hosts[rank], _slots(15), hosts[rank], _slots(10)), (
+                f"SGLang -> ours bytes, rank {rank}"
+            )
+        out["sglang_to_ours"] = True
+        for k in (keys[0], keys2[0]):
+            want, absent = _real_names(kind, k, tp_size)
+            assert mine[0]._exists(want) == [1] * len(want), f"missing among {want}"
+            assert mine[0]._exists(absent) == [0] * len(absent), f"unexpected among {absent}"
+        out["objects"] = _real_names(kind, keys[0], tp_size)[0]
+        out["object_suffixes"] = [o[o.index(keys[0]) + len(keys[0]) :] for o in out["objects"]]
+        out["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for m in mine:
+            try:
+                m.close()
+            except Exception:  # noqa: BLE001 - reported in the log
+                logger.exception("close")
+    return out
+
+
+def run_real_mooncake(hs: Any, sglang: dict[str, Any]) -> list[dict[str, Any]]:
+    """The real-master rows (MHA / MLA x TP 1 / 2) on one ``mooncake_master`` started on free
+    loopback ports and stopped by its pid; reported skipped, with the reason, where the real
+    ``mooncake.store`` or the loopback shim (preloaded in this process) is missing."""
+    cases = [(k, n) for k in ("MHA", "MLA") for n in (1, 2)]
+    from tests.support.loopback import skip_reason
+
+    why = skip_reason("store", shim_in_process=True)
+    if why is not None:
+        return [{"case": f"mooncake-real/{k}/tp{n}", "ok": True, "skipped": why}
+                for k, n in cases]  # fmt: skip
+    from tests.support.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster.start()
+    try:
+        return [run_real_mooncake_case(hs, sglang, master, k, n, seed)
+                for seed, (k, n) in enumerate(cases)]  # fmt: skip
+    finally:
+        master.stop()
