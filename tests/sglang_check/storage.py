@@ -189,6 +189,110 @@ def run_format_tag(hs: Any, sglang: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _file_names(kind: str, keys: list[str], tp_size: int) -> list[str]:
+    """SGLang 0.5.23's ``HiCacheFile`` names of ``keys`` on TP ``tp_size``: MHA
+    ``{key}_{model}_{rank}_{size}.bin`` per rank; MLA one ``{key}_{model}.bin`` for all ranks."""
+    model = "-".join(MODEL.split("/"))
+    if kind == "MLA":
+        return sorted(f"{k}_{model}.bin" for k in keys)
+    return sorted(f"{k}_{model}_{r}_{tp_size}.bin" for k in keys for r in range(tp_size))
+
+
+def run_file_tp(hs: Any, sglang: dict[str, Any], kind: str, tp_size: int,
+                seed: int) -> dict[str, Any]:  # fmt: skip
+    """Per rank (``tp_rank`` r of ``tp_size`` on one directory, each over its own host pools, as
+    ``tp_size`` ranks would): this project's ``HiCacheFile`` stores pages that SGLang's of the
+    same rank reads byte for byte, and the reverse; only storage writers store (SGLang's
+    controller skips the others: MHA every rank, MLA rank 0, whose one file every rank reads);
+    both directories hold exactly SGLang's file names."""
+    from hicache_prefill.hicache.storage.config import storage_config_for_pool
+    from hicache_prefill.hicache.storage.file_backend import HiCacheFile
+
+    out: dict[str, Any] = {"case": f"file/{kind}/tp{tp_size}", "ok": False}
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        keys = _keys(700 + 10 * seed)
+        ours, theirs = [], []
+        for rank in range(tp_size):
+            dev = transfers.device_pool(kind, PAGE)
+            o = _ours(kind, "page_first", dev)
+            t = transfers.host_pool(sglang, transfers.Case(kind, PAGE, "page_first", "kernel"),
+                                    dev)  # fmt: skip
+            if kind == "MLA" and rank:  # MLA: every rank holds the same latent cache
+                o.kv_buffer.copy_(ours[0].kv_buffer)
+            else:
+                transfers._randomize([o.kv_buffer], gen)
+            ours.append(o)
+            theirs.append(t)
+        writers = []
+        with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+
+            def pair(rank: int, d: str) -> tuple[Any, Any]:
+                extra = {"file_storage_path": d}
+                mine = HiCacheFile(storage_config_for_pool(
+                    ours[rank], MODEL, tp_rank=rank, tp_size=tp_size,
+                    extra_config={**extra, "storage_format_tag": "none"}))  # fmt: skip
+                mine.register_mem_pool_host(ours[rank])
+                cfg = _config(hs, theirs[rank], extra, tp_rank=rank, tp_size=tp_size)
+                sg = hs.HiCacheFile(cfg)
+                sg.register_mem_pool_host(theirs[rank])
+                writers.append(cfg.is_storage_writer)
+                return mine, sg
+
+            pairs1 = [pair(r, d1) for r in range(tp_size)]
+            want_writers = [kind == "MHA" or r == 0 for r in range(tp_size)]
+            assert writers == want_writers, f"SGLang's writers {writers}"
+            # ours -> SGLang
+            for rank, (mine, _) in enumerate(pairs1):
+                if want_writers[rank]:
+                    pages = [ours[rank].get_data_page(s) for s in _slots(0)]
+                    assert mine.batch_set(keys, pages), f"ours rank {rank} set"
+            for rank, (_, sg) in enumerate(pairs1):
+                for key, dst in zip(keys, _slots(3), strict=True):
+                    assert sg.exists(key), f"SGLang rank {rank} does not find {key[:12]}"
+                    page = sg.get(key, theirs[rank].get_dummy_flat_data_page())
+                    assert page is not None, f"SGLang rank {rank} misses {key[:12]}"
+                    theirs[rank].set_from_flat_data_page(dst, page)
+                assert _same_slots(kind, theirs[rank], _slots(3), ours[rank], _slots(0)), (
+                    f"ours -> SGLang bytes, rank {rank}"
+                )
+            out["ours_to_sglang"] = True
+            # SGLang -> ours (SGLang's host pools refilled; MLA ranks again alike)
+            for rank in range(tp_size):
+                kv = theirs[rank].kv_buffer
+                if kind == "MLA" and rank:
+                    kv.copy_(theirs[0].kv_buffer)
+                else:
+                    transfers._randomize(list(kv) if isinstance(kv, tuple | list) else [kv], gen)
+            writers.clear()
+            pairs2 = [pair(r, d2) for r in range(tp_size)]
+            for rank, (_, sg) in enumerate(pairs2):
+                if want_writers[rank]:
+                    for key, src in zip(keys, _slots(1), strict=True):
+                        assert sg.set(key, theirs[rank].get_data_page(src, flat=True)), (
+                            f"SGLang rank {rank} set"
+                        )
+            for rank, (mine, _) in enumerate(pairs2):
+                for key, dst in zip(keys, _slots(6), strict=True):
+                    assert mine.exists(key), f"ours rank {rank} does not find {key[:12]}"
+                    page = mine.get(key, ours[rank].get_dummy_flat_data_page())
+                    assert page is not None, f"ours rank {rank} misses {key[:12]}"
+                    ours[rank].set_from_flat_data_page(dst, page)
+                assert _same_slots(kind, ours[rank], _slots(6), theirs[rank], _slots(1)), (
+                    f"SGLang -> ours bytes, rank {rank}"
+                )
+            out["sglang_to_ours"] = True
+            want = _file_names(kind, keys, tp_size)
+            for d in (d1, d2):
+                got = sorted(os.listdir(d))
+                assert got == want, f"file names {got[:2]}..., want {want[:2]}..."
+            out["file_suffixes"] = sorted({n[64:] for n in want})
+        out["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _build_kv_host_pool(layout: str) -> Any:
     """SGLang's ``build_kv_host_pool`` (and ``_mha_host_inputs``) compiled from the installed
     file, with the runtime context it reads (module docstring)."""
@@ -256,6 +360,7 @@ def run(sglang: dict[str, Any]) -> list[dict[str, Any]]:
     out = [run_case(hs, sglang, kind, layout, io, seed)
            for seed, (kind, layout, io) in enumerate(CASES)]  # fmt: skip
     out.append(run_format_tag(hs, sglang))
+    out.extend(run_file_tp(hs, sglang, kind, 2, seed) for seed, kind in enumerate(("MHA", "MLA")))
     out.extend(run_build_kv_host_pool())
     out.extend(run_factory(hs, sglang))
     return out
