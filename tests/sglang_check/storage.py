@@ -198,6 +198,15 @@ def _file_names(kind: str, keys: list[str], tp_size: int) -> list[str]:
     return sorted(f"{k}_{model}_{r}_{tp_size}.bin" for k in keys for r in range(tp_size))
 
 
+def _read_pages(store: Any, who: str, keys: list[str], pool: Any, slots: list[int]) -> None:
+    """``exists`` + ``get`` of each key through ``store`` into ``pool``'s page at each slot."""
+    for key, dst in zip(keys, slots, strict=True):
+        assert store.exists(key), f"{who} does not find {key[:12]}"
+        page = store.get(key, pool.get_dummy_flat_data_page())
+        assert page is not None, f"{who} misses {key[:12]}"
+        pool.set_from_flat_data_page(dst, page)
+
+
 def run_file_tp(hs: Any, sglang: dict[str, Any], kind: str, tp_size: int,
                 seed: int) -> dict[str, Any]:  # fmt: skip
     """Per rank (``tp_rank`` r of ``tp_size`` on one directory, each over its own host pools, as
@@ -248,11 +257,7 @@ def run_file_tp(hs: Any, sglang: dict[str, Any], kind: str, tp_size: int,
                     pages = [ours[rank].get_data_page(s) for s in _slots(0)]
                     assert mine.batch_set(keys, pages), f"ours rank {rank} set"
             for rank, (_, sg) in enumerate(pairs1):
-                for key, dst in zip(keys, _slots(3), strict=True):
-                    assert sg.exists(key), f"SGLang rank {rank} does not find {key[:12]}"
-                    page = sg.get(key, theirs[rank].get_dummy_flat_data_page())
-                    assert page is not None, f"SGLang rank {rank} misses {key[:12]}"
-                    theirs[rank].set_from_flat_data_page(dst, page)
+                _read_pages(sg, f"SGLang rank {rank}", keys, theirs[rank], _slots(3))
                 assert _same_slots(kind, theirs[rank], _slots(3), ours[rank], _slots(0)), (
                     f"ours -> SGLang bytes, rank {rank}"
                 )
@@ -273,11 +278,7 @@ def run_file_tp(hs: Any, sglang: dict[str, Any], kind: str, tp_size: int,
                             f"SGLang rank {rank} set"
                         )
             for rank, (mine, _) in enumerate(pairs2):
-                for key, dst in zip(keys, _slots(6), strict=True):
-                    assert mine.exists(key), f"ours rank {rank} does not find {key[:12]}"
-                    page = mine.get(key, ours[rank].get_dummy_flat_data_page())
-                    assert page is not None, f"ours rank {rank} misses {key[:12]}"
-                    ours[rank].set_from_flat_data_page(dst, page)
+                _read_pages(mine, f"ours rank {rank}", keys, ours[rank], _slots(6))
                 assert _same_slots(kind, ours[rank], _slots(6), theirs[rank], _slots(1)), (
                     f"SGLang -> ours bytes, rank {rank}"
                 )
