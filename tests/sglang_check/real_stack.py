@@ -43,6 +43,7 @@ import sys
 import time
 import traceback
 import types
+import unittest
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,19 @@ TREE_PATCHES: dict[str, str] = {
 }
 
 
+def _run_kit_case(case: type, out: dict[str, Any], recorder: Any) -> None:
+    """Run one kit ``unittest`` case (its first error or failure raised) and record the project's
+    op calls and kernel launches it made into ``out``."""
+    result = unittest.TestResult()
+    case().run(result)
+    for _, tb in result.errors + result.failures:
+        raise AssertionError(tb.strip().splitlines()[-1] + "\n" + tb)
+    out["project_op_calls"] = len(OP_CALLS)
+    out["calls"] += sorted(set(OP_CALLS))
+    out["launches"] = len(recorder.keys)
+    out["variants"] = len(set(recorder.keys))
+
+
 def tree_cases() -> list[tuple[str, str, str]]:
     return [
         (kind, layout, io)
@@ -303,7 +317,6 @@ def run_unified_tree(case: tuple[str, str, str], seed: int) -> dict[str, Any]:
     layer's K and V (MLA: latent) must come back byte for byte, through exactly the ops of
     :data:`TREE_OPS` (1 + layers calls), with copy kernel launches on ``kernel`` and none on
     ``direct``."""
-    import unittest
     from unittest import mock
 
     import torch
@@ -381,14 +394,7 @@ def run_unified_tree(case: tuple[str, str, str], seed: int) -> dict[str, Any]:
                 raise AssertionError("loaded-back K/V differ from the bytes backed up")
 
     try:
-        result = unittest.TestResult()
-        Case().run(result)
-        for _, tb in result.errors + result.failures:
-            raise AssertionError(tb.strip().splitlines()[-1] + "\n" + tb)
-        out["project_op_calls"] = len(OP_CALLS)
-        out["calls"] += sorted(set(OP_CALLS))
-        out["launches"] = len(recorder.keys)
-        out["variants"] = len(set(recorder.keys))
+        _run_kit_case(Case, out, recorder)
         if set(OP_CALLS) != TREE_OPS[case]:
             raise AssertionError(f"ops {sorted(set(OP_CALLS))}, not {sorted(TREE_OPS[case])}")
         if len(OP_CALLS) != 1 + LAYERS:  # one all-layer backup, one load per layer
@@ -466,7 +472,6 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
     runs Mooncake: the producer stores the 3 pages with ``batch_set_v1`` and the consumer reads
     them with ``batch_get_v1`` (no generic call), every object through the fake."""
     import os
-    import unittest
     from unittest import mock
 
     import torch
@@ -656,14 +661,7 @@ def run_unified_storage(seed: int, backend: str = "file") -> dict[str, Any]:
 
     try:
         OP_CALLS.clear()
-        result = unittest.TestResult()
-        Case().run(result)
-        for _, tb in result.errors + result.failures:
-            raise AssertionError(tb.strip().splitlines()[-1] + "\n" + tb)
-        out["project_op_calls"] = len(OP_CALLS)
-        out["calls"] += sorted(set(OP_CALLS))
-        out["launches"] = len(recorder.keys)
-        out["variants"] = len(set(recorder.keys))
+        _run_kit_case(Case, out, recorder)
         expected = TREE_OPS[("MHA", "page_first", "kernel")]  # the kit's default layout / io
         if set(OP_CALLS) != expected or len(OP_CALLS) != 1 + LAYERS:
             raise AssertionError(f"ops {OP_CALLS}: not one backup and {LAYERS} loads of "
