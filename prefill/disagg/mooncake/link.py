@@ -143,8 +143,13 @@ class MooncakeLink:
         job = Job(self.room, self.rid, self._chunks, src_pages, dst_pages, last)
         if last:
             assert metadata is not None
+            m = metadata
             self.backend.aux.set_row(
-                metadata.index, metadata.first_token, metadata.cached_tokens, self.room
+                m.index,
+                m.first_token,
+                m.cached_tokens,
+                self.room,
+                (m.cached_device, m.cached_host, m.cached_storage),
             )
             job.aux_index, job.dst_aux_index = metadata.index, meta.dst_aux_index
         if not self.backend.transport.enqueue(self._room, job):
