@@ -556,6 +556,28 @@ class PrefillTransport:
             self._maybe_ack(r)
             self._maybe_drop(r)
 
+    def check_integrity(self) -> None:
+        """``AssertionError`` naming what is off: every room's outstanding jobs are the queued or
+        running jobs of its session, the tables within their limits."""
+        with self.lock:
+            per_session: dict[str, int] = {}
+            for r in self.rooms.values():
+                assert r.outstanding >= 0, f"room {r.room}: {r.outstanding} outstanding"
+                if r.outstanding:
+                    assert r.meta is not None, f"room {r.room}: jobs without a META"
+                    per_session[r.meta.session] = per_session.get(r.meta.session, 0) + r.outstanding
+                if r.status == KVPoll.Bootstrapping:
+                    assert r.outstanding == 0, f"room {r.room}: jobs while Bootstrapping"
+            for name, n in per_session.items():
+                s = self.sessions.get(name)
+                pending = s.worker.pending if s is not None else 0
+                assert pending >= n, f"session {name}: {pending} jobs pending, rooms count {n}"
+            lim = self.limits
+            assert len(self.sessions) <= lim.max_sessions, f"{len(self.sessions)} sessions"
+            unproven = sum(not s.proven for s in self.sessions.values())
+            assert unproven <= lim.max_unproven, f"{unproven} unproven sessions"
+            assert len(self._early) <= lim.early_metas, f"{len(self._early)} early METAs"
+
     def stats(self) -> dict[str, object]:
         with self.lock:
             return {

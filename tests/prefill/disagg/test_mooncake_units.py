@@ -238,6 +238,7 @@ def transport():  # noqa: ANN201
     pool = MHATokenToKVPool(256, 16, torch.float32, 2, 16, 2, "cpu")
     t = PrefillTransport(pool, MetadataBuffers(8), "127.0.0.1", 0)
     yield t
+    t.check_integrity()
     t.close()
 
 
