@@ -29,8 +29,8 @@ from hicache_prefill.prefill.disagg.mooncake.wire import MAX_FRAMES, ControlMess
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
-"""``ZMQ_MAXMSGSIZE`` of a PULL socket: a frame this large is 16M page ids."""
+MAX_MESSAGE_BYTES = 8 << 20
+"""``ZMQ_MAXMSGSIZE`` of a PULL socket: twice META's largest page list (``MAX_META_PAGES``)."""
 MAX_CONNECTIONS = 256
 HANDSHAKE_S = 5.0
 SEND_HWM = 1000

@@ -76,7 +76,7 @@ class ControlLimits:
     unproven_idle_s: float = 300.0
     dead_s: float = 600.0
     engine_idle_s: float = 60.0
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 8 << 20
     max_connections: int = 256
     bootstrap_threads: int = 16
     bootstrap_timeout_s: float = 5.0
