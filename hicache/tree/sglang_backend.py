@@ -81,6 +81,16 @@ class HiRadixCacheBackend(BasePrefixCache):
     def supports_prefix_sharing(self) -> bool:
         return True
 
+    @property
+    def ongoing_write_through(self) -> dict[int, TreeNode]:
+        """Nodes whose D2H backup is not acked yet (by node id)."""
+        return getattr(self.tree, "ongoing_write_through", {})
+
+    @property
+    def ongoing_load_back(self) -> dict[int, TreeNode]:
+        """Last nodes of H2D loads not acked yet (by node id)."""
+        return getattr(self.tree, "ongoing_load_back", {})
+
     def reset(self) -> None:
         """Forget every node, after the copies in flight finish (SGLang calls it on a drained
         scheduler and clears its own device allocator next); the host pool is emptied."""
