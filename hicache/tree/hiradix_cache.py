@@ -139,12 +139,13 @@ class HiRadixCache(RadixCache):
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
+        counted_from: int | None = None,
     ) -> int:
         """``RadixCache.insert``, with the slots first checked against the device pool's range."""
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
             alloc = self.controller.device_allocator
             slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
-        return super().insert(key, value, chunked)
+        return super().insert(key, value, chunked, counted_from)
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""
@@ -152,6 +153,10 @@ class HiRadixCache(RadixCache):
         node.parent.device_children += 1
         self._add_device_tokens(node, len(value))
         self._device_queue.push_if_candidate(node)
+
+    def _skip_hit_count(self, node: TreeNode) -> None:
+        if self.storage is not None and node.hash_value is None:
+            node.hash_value = self._chained_keys(node, node.tokens)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
         """Count the hit (after giving a new node its page keys), then back the node up when the

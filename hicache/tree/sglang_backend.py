@@ -166,7 +166,10 @@ class HiRadixCacheBackend(BasePrefixCache):
         tokens = req.full_untruncated_fill_ids[:n]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         values = row[:n].to(dtype=torch.int64, copy=True)
-        present = self.tree.insert(tokens, values, chunked=not req.finished())
+        # SGLang 0.5.23 counts a hit once per request and node, chunk or not (inserted_len).
+        present = self.tree.insert(
+            tokens, values, chunked=not req.finished(), counted_from=req.kv.cache_inserted_len
+        )
         if present > protected:  # the request's duplicates of what the tree held
             self.token_to_kv_pool_allocator.free(values[protected:present])
         match = self.tree.match_prefix(tokens)
