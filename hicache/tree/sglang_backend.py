@@ -214,9 +214,26 @@ class HiRadixCacheBackend(BasePrefixCache):
         request's ``last_node`` when it is below the threshold or finds no device room."""
         node = params.best_match_node
         fallback = params.req.last_node if params.req is not None else node
-        if not isinstance(self.tree, HiRadixCache) or not node.evicted:
+        tree = self.tree
+        if not isinstance(tree, HiRadixCache) or not node.evicted:
             return 0, fallback
-        slots, last = self.tree.init_load_back(node, params.host_hit_length)
+        tree._check_attached(node, "best_match_node")
+        ancestor, chain = node, 0
+        while ancestor.evicted:
+            chain += len(ancestor.host_value)
+            ancestor = ancestor.parent
+        if chain < tree.load_back_threshold:
+            return 0, fallback
+        short = chain - self.token_to_kv_pool_allocator.available_size()
+        if short > 0:  # as SGLang: evict the shortfall, the hit and its device path held
+            tree.inc_lock_ref(ancestor)
+            tree.protect_host(node)
+            try:
+                self.evict_for_alloc(EvictParams(num_tokens=short))
+            finally:
+                tree.release_host(node)
+                tree.dec_lock_ref(ancestor)
+        slots, last = tree.init_load_back(node, params.host_hit_length)
         if slots.numel() == 0:
             return 0, fallback
         return int(slots.numel()), last

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 16, 8
-DEVICE_TOKENS = 256
+DEVICE_TOKENS = 128
 MAX_REQS = 8
 CONTEXT = 512
 BACKEND = "hicache_prefill"
@@ -182,7 +182,14 @@ class SchedulerDriver:
     def _call(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    def admit(self, tokens: list[int]) -> Any:
+    def start_loads(self) -> None:
+        """Once per batch, after every admission (SGLang's ``get_new_batch_prefill``): launch
+        the queued loads; the TP worker makes their producer the forward's consumer."""
+        consumer = self.cache.ready_to_load_host_cache()
+        self._call("ready_to_load_host_cache")
+        self.worker.set_hicache_consumer(consumer)
+
+    def admit(self, tokens: list[int], start_loads: bool = True) -> Any:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -201,9 +208,8 @@ class SchedulerDriver:
             req.prefix_len += loaded
         req.lock = self.cache.lock(req.last_node)
         self._call("lock")
-        consumer = self.cache.ready_to_load_host_cache()
-        self._call("ready_to_load_host_cache")
-        self.worker.set_hicache_consumer(consumer)
+        if start_loads:
+            self.start_loads()
         self.log.append(("admit", len(tokens), req.prefix_len - loaded, req.host_hit_length,
                          loaded))  # fmt: skip
         if self.params.req_to_token_pool.alloc([req]) is None:
@@ -215,7 +221,6 @@ class SchedulerDriver:
             row[: req.prefix_len] = prefix.to(row.dtype)
         req.kv.cache_protected_len = req.prefix_len  # a load back's slots are the tree's
         req.kv.kv_committed_len = req.kv.kv_allocated_len = req.prefix_len
-        req.cache_consumer = consumer
         return req
 
     def extend(self, req: Any, end: int) -> None:
@@ -228,6 +233,8 @@ class SchedulerDriver:
         tokens = list(req.full_untruncated_fill_ids)
         start = req.prefix_len
         row = self.params.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        if self.params.token_to_kv_pool_allocator.available_size() < end - start:
+            self._call("evict_for_alloc (allocator short)")
         slots = alloc_token_slots(self.cache, end - start)
         self._call("alloc_token_slots")
         row[start:end] = slots.to(row.dtype)
@@ -271,12 +278,21 @@ class SchedulerDriver:
             self.extend(req, len(tokens))
         self.finish(req)
 
+    def batch(self, prompts: list[list[int]]) -> None:
+        """Several requests matched and locked together, then run and finished in turn."""
+        reqs = [self.admit(tokens, start_loads=False) for tokens in prompts]
+        self.start_loads()
+        for req in reqs:
+            self.extend(req, len(req.full_untruncated_fill_ids))
+        for req in reqs:
+            self.finish(req)
+
     def evict(self, num_tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         got = self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
         self._call("evict")
-        self.log.append(("evict", num_tokens, got > 0))
+        self.log.append(("evict", num_tokens, got))
 
     def probe(self, tokens: list[int]) -> None:
         from sglang.srt.managers.schedule_batch import Req
@@ -297,7 +313,8 @@ class SchedulerDriver:
             time.sleep(0.001)
         else:
             raise AssertionError("copies still in flight after 5 s")
-        self.log.append(("sizes", self.cache.evictable_size(), self.cache.protected_size()))
+        free = self.params.token_to_kv_pool_allocator.available_size()
+        self.log.append(("sizes", self.cache.evictable_size(), self.cache.protected_size(), free))
 
 
 def _check_clean(cache: Any, params: Any) -> dict[str, int]:
@@ -432,17 +449,17 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- differential
-def _unified(policy: str) -> Any:
+def _unified(policy: str, page: int) -> Any:
     """SGLang's ``UnifiedRadixCache`` with HiCache through its kit's ``build_fixture``, with
     SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides)."""
     fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
-    cfg = CacheConfig(page_size=DIFF_PAGE, num_layers=LAYERS, kv_size=DEVICE_TOKENS,
+    cfg = CacheConfig(page_size=page, num_layers=LAYERS, kv_size=DEVICE_TOKENS,
                       head_num=HEADS, head_dim=HEAD_DIM, max_num_reqs=MAX_REQS,
                       max_context_len=CONTEXT)  # fmt: skip
     cache, alloc, rtp = fixtures.build_fixture(cfg)
-    args = _server_args(DIFF_PAGE, policy, "layer_first", backend=None)
+    args = _server_args(page, policy, "layer_first", backend=None)
     cache.init_hicache(args, cache.cache_init_params)
     fixtures.drop_hicache_atexit_pin(cache)
     params = cache.cache_init_params
@@ -455,30 +472,34 @@ def _worker_with(cache: Any) -> Any:
     return worker
 
 
-DIFF_PAGE = 4
+DIFF_PAGES = (1, 4)
 
 
 def _ops(rng: random.Random) -> list[tuple]:
-    """A random operation sequence over a few shared prompts (whole pages)."""
-    ps = DIFF_PAGE
-    bases = [[rng.randrange(1, 50000) for _ in range(rng.randint(2, 4) * ps)] for _ in range(3)]
+    """A random operation sequence over a few shared prompts (in units of 4 tokens, so host hits
+    pass the load-back threshold of 10 tokens at any page size)."""
+    u = 4
+    bases = [[rng.randrange(1, 50000) for _ in range(rng.randint(2, 6) * u)] for _ in range(4)]
+
+    def prompt() -> list[int]:
+        tail = [rng.randrange(1, 50000) for _ in range(rng.randint(0, 4) * u)]
+        return rng.choice(bases) + tail + ([7] * u if not tail else [])
+
     ops: list[tuple] = []
     for _ in range(OPS_PER_SEQUENCE):
         r = rng.random()
-        tokens = rng.choice(bases) + [rng.randrange(1, 50000)
-                                      for _ in range(rng.randint(0, 3) * ps)]  # fmt: skip
-        if len(tokens) < 2 * ps:
-            tokens += [7] * ps
-        if r < 0.45:
+        tokens = prompt()
+        cut = rng.randint(1, len(tokens) // u - 1) * u
+        if r < 0.35:
             ops.append(("request", tokens, [len(tokens)], None))
-        elif r < 0.6:
-            cut = rng.randint(1, len(tokens) // ps - 1) * ps
+        elif r < 0.5:
             ops.append(("request", tokens, [cut, len(tokens)], None))
-        elif r < 0.7:
-            cut = rng.randint(1, len(tokens) // ps - 1) * ps
+        elif r < 0.6:
             ops.append(("request", tokens, [cut, len(tokens)], 1))
-        elif r < 0.85:
-            ops.append(("evict", rng.choice([ps, 4 * ps, DEVICE_TOKENS])))
+        elif r < 0.75:
+            ops.append(("batch", [tokens, prompt(), prompt()]))
+        elif r < 0.87:
+            ops.append(("evict", rng.choice([u, 4 * u, DEVICE_TOKENS])))
         else:
             ops.append(("probe", tokens))
     return ops
@@ -488,6 +509,8 @@ def _replay(driver: SchedulerDriver, ops: list[tuple]) -> None:
     for op in ops:
         if op[0] == "request":
             driver.request(op[1], op[2], abort_after=op[3])
+        elif op[0] == "batch":
+            driver.batch(op[1])
         elif op[0] == "evict":
             driver.evict(op[1])
         else:
@@ -495,22 +518,22 @@ def _replay(driver: SchedulerDriver, ops: list[tuple]) -> None:
         driver.settle()
 
 
-def differential_row(policy: str, seed: int) -> dict[str, Any]:
+def differential_row(policy: str, page: int, seed: int) -> dict[str, Any]:
     """:data:`SEQUENCES` random sequences of :data:`OPS_PER_SEQUENCE` operations, each on a fresh
     ``UnifiedRadixCache`` and a fresh backend (copy delay :data:`COPY_DELAY` s): every logged
     observation equal, every KV read equal to what was written, the backend clean at the end."""
-    out: dict[str, Any] = {"case": f"differential/MHA/p{DIFF_PAGE}/{policy}", "ok": False,
+    out: dict[str, Any] = {"case": f"differential/MHA/p{page}/{policy}", "ok": False,
                            "sequences": 0, "operations": 0, "observations": 0,
                            "kv_bytes_compared": 0}  # fmt: skip
     try:
         rng = random.Random(seed)
         for s in range(SEQUENCES):
             ops = _ops(rng)
-            ucache, uparams, uworker = _unified(policy)
+            ucache, uparams, uworker = _unified(policy, page)
             udrv = SchedulerDriver(ucache, uparams, KVPool(
                 uparams.token_to_kv_pool_allocator.get_kvcache(), "MHA"), uworker)  # fmt: skip
             _replay(udrv, ops)
-            bcache, bparams, bworker = _backend("MHA", DIFF_PAGE, policy, "layer_first", DELAYED)
+            bcache, bparams, bworker = _backend("MHA", page, policy, "layer_first", DELAYED)
             bdrv = SchedulerDriver(bcache, bparams, KVPool(
                 bparams.token_to_kv_pool_allocator.get_kvcache(), "MHA"), bworker)  # fmt: skip
             _replay(bdrv, ops)
@@ -527,6 +550,8 @@ def differential_row(policy: str, seed: int) -> dict[str, Any]:
             out["kv_bytes_compared"] += udrv.kv.bytes_compared + bdrv.kv.bytes_compared
             out.setdefault("loads_back", 0)
             out["loads_back"] += sum(1 for e in bdrv.log if e[0] == "admit" and e[4] > 0)
+            for name, n in bdrv.calls.items():
+                out.setdefault("calls", {})[name] = out.get("calls", {}).get(name, 0) + n
         out["ok"] = True
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:6000]
@@ -564,7 +589,8 @@ def main(site: str, out_path: str) -> int:
         rows += refusal_rows()
         rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
                  for pol in WRITE_POLICIES]  # fmt: skip
-        rows += [differential_row(pol, seed=i) for i, pol in enumerate(WRITE_POLICIES)]
+        rows += [differential_row(pol, page, seed=i) for i, (pol, page) in enumerate(
+            (pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES)]  # fmt: skip
         out["tree_backend"] = rows
         handle.uninstall()
     except Exception as e:
