@@ -102,7 +102,8 @@ class SGLangAllocatorView:
 
     def check_integrity(self) -> None:
         """``AssertionError`` unless SGLang's free pages are in range and each listed once."""
-        free = self._free_page_ids()
+        listed = self.sglang_allocator.get_all_free_pages()
+        free = torch.empty((0,), dtype=torch.int64) if listed is None else listed.cpu()
         if free.numel() != torch.unique(free).numel():
             raise AssertionError("SGLang allocator: a page is listed free twice")
         if free.numel() and (int(free.min()) < 1 or int(free.max()) > self.num_pages):

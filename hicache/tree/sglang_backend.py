@@ -9,7 +9,8 @@ the request holds with ``req.lock``."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -146,7 +147,7 @@ class HiRadixCacheBackend(BasePrefixCache):
         return IncLockRefResult(delta=self.tree.inc_lock_ref(node))
 
     def dec_lock_ref(
-        self, node: TreeNode, params: Optional[DecLockRefParams] = None
+        self, node: TreeNode, params: DecLockRefParams | None = None
     ) -> DecLockRefResult:
         return DecLockRefResult(delta=-self.tree.dec_lock_ref(node))
 
@@ -175,7 +176,9 @@ class HiRadixCacheBackend(BasePrefixCache):
         match = self.tree.match_prefix(tokens)
         new_indices = match.device_indices
         if len(new_indices) != n or match.last_device_node is not match.last_host_node:
-            raise AssertionError(f"checkpoint: {len(new_indices)} device tokens after inserting {n}")
+            raise AssertionError(
+                f"checkpoint: {len(new_indices)} device tokens after inserting {n}"
+            )
         row[protected:n] = new_indices[protected:].to(row.dtype)
         self.unlock(req.lock)
         req.lock = self.lock(match.last_device_node)
@@ -208,7 +211,7 @@ class HiRadixCacheBackend(BasePrefixCache):
         return self.tree.total_size()
 
     # ------------------------------------------------------------------ the host tier
-    def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         """Queue the H2D load of the host hit ending at ``params.best_match_node``; returns
         (tokens loaded, the node now ending the device prefix): all of the hit, or 0 and the
         request's ``last_node`` when it is below the threshold or finds no device room."""
@@ -328,7 +331,8 @@ def build_backend(
 
 
 def register(
-    name: str = BACKEND_NAME, factory: Callable[[TreeCacheBuildContext], BasePrefixCache] | None = None
+    name: str = BACKEND_NAME,
+    factory: Callable[[TreeCacheBuildContext], BasePrefixCache] | None = None,
 ) -> str:
     """Register ``factory`` (default :func:`build_backend`) as SGLang's radix-cache backend
     ``name``; a second call with the same name does nothing. Returns ``name``."""

@@ -113,9 +113,12 @@ def tree_backend_word(r: dict[str, Any]) -> str:
     diff = [t for t in rows if t["case"].startswith("differential/")]
     sched = [t for t in rows if t["case"].startswith("scheduler/")]
     units = r.get("sglang_unit_tests", {})
-    return (f"{sum(t['ok'] for t in rows)}/{len(rows)} rows; diff {sum(t.get('sequences', 0) for t in diff)} seq "
-            f"/ {sum(t.get('operations', 0) for t in diff)} ops; {len(sched)} scheduler seq; "
-            f"SGLang unit tests run: {units.get('run', 0)}")  # fmt: skip
+    seqs = sum(t.get("sequences", 0) for t in diff)
+    ops = sum(t.get("operations", 0) for t in diff)
+    return (
+        f"{sum(t['ok'] for t in rows)}/{len(rows)} rows; diff {seqs} seq / {ops} ops; "
+        f"{len(sched)} scheduler seq; SGLang unit tests run: {units.get('run', 0)}"
+    )
 
 
 def _roundtrip_word(rt: dict[str, Any]) -> str:
@@ -216,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     for pin, modes in results.items():
         tb = modes.get("tree-backend")
         if tb and tb.get("tree_backend"):
-            print(f"\nThe project's tree as SGLang's radix-cache backend, sglang=={pin} "
-                  "(create_tree_cache, scheduler helpers, UnifiedRadixCache differential):")  # fmt: skip
+            print(
+                f"\nThe project's tree as SGLang's radix-cache backend, sglang=={pin} "
+                "(create_tree_cache, scheduler helpers, UnifiedRadixCache differential):"
+            )
             for t in tb["tree_backend"]:
                 extra = ""
                 if "sequences" in t:
@@ -227,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif "kv_bytes_compared" in t:
                     extra = (f", {t['loads_back']} loads back, {t['kv_bytes_compared']} KV bytes "
                              "compared, no lock or slot left")  # fmt: skip
-                print(f"  {t['case']}: " + (f"ok{extra}" if t["ok"] else f"FAILED: {t.get('error')}"))
+                what = f"ok{extra}" if t["ok"] else f"FAILED: {t.get('error')}"
+                print(f"  {t['case']}: {what}")
             units = tb.get("sglang_unit_tests")
             if units:
                 print(f"  SGLang's own radix-cache unit tests: {units}")

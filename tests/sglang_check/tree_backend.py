@@ -393,7 +393,9 @@ def refusal_rows() -> list[dict[str, Any]]:
             out["error"] = "built"
         except ValueError as e:
             out["message"] = str(e)
-            out["ok"] = flag.split(" ")[0] in str(e) and f"--radix-cache-backend {BACKEND}" in str(e)
+            out["ok"] = flag.split(" ")[0] in str(e) and f"--radix-cache-backend {BACKEND}" in str(
+                e
+            )
             if not out["ok"]:
                 out["error"] = f"the error does not name {flag}: {e}"
         except Exception as e:
