@@ -97,11 +97,15 @@ class HiRadixCacheBackend(BasePrefixCache):
         scheduler and clears its own device allocator next); the host pool is emptied."""
         tree = self.tree
         if isinstance(tree, HiRadixCache):
-            writes, loads = tree.controller.wait_all()
-            for node_id in writes:
-                tree._ack_write(node_id)
-            tree._apply_load_acks(loads)
-            tree.controller.host_allocator.clear()
+            c = tree.controller
+            if c.load_queue:
+                tree.cancel_load_back()  # loads never started: no request waits for them
+            c.write_stream.synchronize()
+            c.load_stream.synchronize()
+            tree.check_hicache_events()
+            if tree.ongoing_write_through or tree.ongoing_load_back:
+                raise RuntimeError("reset: copies still unacked after their streams finished")
+            c.host_allocator.clear()
         tree.reset()
 
     # ------------------------------------------------------------------ match and lock
@@ -142,6 +146,19 @@ class HiRadixCacheBackend(BasePrefixCache):
         if not values:
             return torch.empty((0,), dtype=torch.int64, device=self.tree.device)
         return torch.cat(values[::-1])
+
+    def inc_host_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """Keep the host copies on the path to ``node`` from host eviction."""
+        if isinstance(self.tree, HiRadixCache):
+            self.tree.protect_host(node)
+        return IncLockRefResult(node_id=node.id)
+
+    def dec_host_lock_ref(
+        self, node: TreeNode, params: DecLockRefParams | None = None
+    ) -> DecLockRefResult:
+        if isinstance(self.tree, HiRadixCache):
+            self.tree.release_host(node)
+        return DecLockRefResult()
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
         return IncLockRefResult(delta=self.tree.inc_lock_ref(node))
@@ -258,6 +275,18 @@ class HiRadixCacheBackend(BasePrefixCache):
 
     def flush_pending_backups(self) -> None:
         """Backups launch at insert (write_through*) or eviction (write_back): none queued."""
+
+    @property
+    def token_to_kv_pool_host(self) -> Any:
+        """The host pool (``None`` device only); SGLang's metrics read its size and use."""
+        return self.host_pool
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every device slot the tree holds (SGLang's leak census reads them)."""
+        values = [x.value for x in self.tree.all_nodes() if x.value is not None]
+        if not values:
+            return torch.empty((0,), dtype=torch.int64, device=self.tree.device)
+        return torch.cat(values)
 
     def sanity_check(self) -> None:
         self.tree.check_integrity()

@@ -447,6 +447,18 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
         if not loads:
             raise AssertionError(f"no host hit was loaded back ({d.log})")
         out.update(_check_clean(cache, params))
+        census = cache.all_values_flatten()
+        if census.numel() != out["device_in_tree"] or cache.token_to_kv_pool_host is None:
+            raise AssertionError(f"all_values_flatten: {census.numel()} slots")
+        cache.reset()  # SGLang's flush_cache: the tree, then its row pool and allocator
+        params.req_to_token_pool.clear()
+        params.token_to_kv_pool_allocator.clear()
+        d.calls["reset (flush_cache)"] = 1
+        d.request(b, [len(b)])  # a miss after the flush, then a clean tree again
+        d.settle()
+        if d.log[-2][2:] != (0, 0, 0):
+            raise AssertionError(f"a match after reset: {d.log[-2]}")
+        _check_clean(cache, params)
         out["calls"] = d.calls
         out["kv_bytes_compared"] = kv.bytes_compared
         out["log"] = d.log
