@@ -471,16 +471,31 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- differential
-def _unified(policy: str, page: int) -> Any:
+def _unified(policy: str, page: int, kind: str = "MHA") -> Any:
     """SGLang's ``UnifiedRadixCache`` with HiCache through its kit's ``build_fixture``, with
-    SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides)."""
-    fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+    SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides). MLA: the
+    kit's pool name is given SGLang's ``MLATokenToKVPool`` while it builds (as the real-stack
+    rows do, :data:`tests.sglang_check.real_stack.TREE_PATCHES`)."""
+    from unittest import mock
+
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+    fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+
+    def mla_pool(*, head_num: int, head_dim: int, **kwargs: Any) -> Any:
+        return MLATokenToKVPool(
+            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM, **kwargs
+        )
 
     cfg = CacheConfig(page_size=page, num_layers=LAYERS, kv_size=DEVICE_TOKENS,
                       head_num=HEADS, head_dim=HEAD_DIM, max_num_reqs=MAX_REQS,
                       max_context_len=CONTEXT)  # fmt: skip
-    cache, alloc, rtp = fixtures.build_fixture(cfg)
+    if kind == "MLA":
+        with mock.patch.object(fixtures, "MHATokenToKVPool", mla_pool):
+            cache, alloc, rtp = fixtures.build_fixture(cfg)
+    else:
+        cache, alloc, rtp = fixtures.build_fixture(cfg)
     args = _server_args(page, policy, "layer_first", backend=None)
     cache.init_hicache(args, cache.cache_init_params)
     fixtures.drop_hicache_atexit_pin(cache)
@@ -540,24 +555,24 @@ def _replay(driver: SchedulerDriver, ops: list[tuple]) -> None:
         driver.settle()
 
 
-def differential_row(policy: str, page: int, seed: int) -> dict[str, Any]:
+def differential_row(policy: str, page: int, seed: int, kind: str = "MHA") -> dict[str, Any]:
     """:data:`SEQUENCES` random sequences of :data:`OPS_PER_SEQUENCE` operations, each on a fresh
     ``UnifiedRadixCache`` and a fresh backend (copy delay :data:`COPY_DELAY` s): every logged
     observation equal, every KV read equal to what was written, the backend clean at the end."""
-    out: dict[str, Any] = {"case": f"differential/MHA/p{page}/{policy}", "ok": False,
+    out: dict[str, Any] = {"case": f"differential/{kind}/p{page}/{policy}", "ok": False,
                            "sequences": 0, "operations": 0, "observations": 0,
                            "kv_bytes_compared": 0}  # fmt: skip
     try:
         rng = random.Random(seed)
         for s in range(SEQUENCES):
             ops = _ops(rng)
-            ucache, uparams, uworker = _unified(policy, page)
+            ucache, uparams, uworker = _unified(policy, page, kind)
             udrv = SchedulerDriver(ucache, uparams, KVPool(
-                uparams.token_to_kv_pool_allocator.get_kvcache(), "MHA"), uworker)  # fmt: skip
+                uparams.token_to_kv_pool_allocator.get_kvcache(), kind), uworker)  # fmt: skip
             _replay(udrv, ops)
-            bcache, bparams, bworker = _backend("MHA", page, policy, "layer_first", DELAYED)
+            bcache, bparams, bworker = _backend(kind, page, policy, "layer_first", DELAYED)
             bdrv = SchedulerDriver(bcache, bparams, KVPool(
-                bparams.token_to_kv_pool_allocator.get_kvcache(), "MHA"), bworker)  # fmt: skip
+                bparams.token_to_kv_pool_allocator.get_kvcache(), kind), bworker)  # fmt: skip
             _replay(bdrv, ops)
             for i, (u, b) in enumerate(zip(udrv.log, bdrv.log, strict=True)):
                 if u != b:
@@ -611,8 +626,10 @@ def main(site: str, out_path: str) -> int:
         rows += refusal_rows()
         rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
                  for pol in WRITE_POLICIES]  # fmt: skip
-        rows += [differential_row(pol, page, seed=i) for i, (pol, page) in enumerate(
-            (pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES)]  # fmt: skip
+        diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
+        diffs += [("MLA", pol, 4) for pol in WRITE_POLICIES]
+        rows += [differential_row(pol, page, seed=i, kind=kind)
+                 for i, (kind, pol, page) in enumerate(diffs)]  # fmt: skip
         out["tree_backend"] = rows
         out["sglang_unit_tests"] = SGLANG_UNIT_TESTS
         handle.uninstall()
