@@ -378,6 +378,33 @@ def build_row(kind: str, page: int, policy: str, layout: str) -> dict[str, Any]:
     return out
 
 
+def cli_row() -> dict[str, Any]:
+    """The flag as a fork's user types it: SGLang's ``prepare_server_args`` parses
+    ``--radix-cache-backend hicache_prefill`` with the HiCache flags, and ``create_tree_cache``
+    builds the project's tree from the parsed arguments."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    from hicache_prefill.hicache.tree.sglang_backend import HiRadixCacheBackend
+
+    argv = ["--model-path", "dummy", "--page-size", "4", "--enable-hierarchical-cache",
+            "--hicache-write-policy", "write_back", "--hicache-mem-layout", "page_first",
+            "--hicache-io-backend", "kernel", "--radix-cache-backend", BACKEND]  # fmt: skip
+    out: dict[str, Any] = {"case": "build/cli: " + " ".join(argv[2:]), "ok": False}
+    try:
+        args = prepare_server_args(argv)
+        set_global_server_args_for_scheduler(args)
+        cache = create_tree_cache(_context(args, _pools("MHA", 4), _worker()))
+        if not isinstance(cache, HiRadixCacheBackend) or cache.tree.write_policy != "write_back":
+            raise AssertionError(f"built {type(cache).__name__}")
+        cache.cache_controller.close()
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
 def refusal_rows() -> list[dict[str, Any]]:
     """Each refused mode raises one ``ValueError`` naming its flag, from ``create_tree_cache``."""
     from sglang.srt.mem_cache.registry import create_tree_cache
@@ -623,7 +650,7 @@ def main(site: str, out_path: str) -> int:
         )
         rows = [build_row(k, p, pol, lay) for k in ("MHA", "MLA") for p in (1, 4)
                 for pol in WRITE_POLICIES for lay in ("layer_first", "page_first")]  # fmt: skip
-        rows += refusal_rows()
+        rows += [cli_row(), *refusal_rows()]
         rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
                  for pol in WRITE_POLICIES]  # fmt: skip
         diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
