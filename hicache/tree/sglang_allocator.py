@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hicache_prefill.kernels.ops.checks import content_checks
+from hicache_prefill.kernels.ops.checks import content_checks, debug_checks_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class SGLangAllocatorView:
         self.sglang_allocator.free(free_index.to(self.sglang_allocator.device))
 
     def check_free(self, free_index: torch.Tensor) -> None:
-        """``ValueError`` unless ``free_index`` is whole pages, in range, each page once, and (where
-        contents are checked) every page allocated now. Changes nothing."""
+        """``ValueError`` unless ``free_index`` is whole pages, in range, each page once, and (on
+        a CPU pool, or under debug checks) every page allocated now. Changes nothing."""
         if free_index.numel() == 0:
             return
         idx = free_index.cpu().to(torch.int64)
@@ -88,7 +88,9 @@ class SGLangAllocatorView:
         pages = idx[::ps] // ps
         if torch.unique(pages).numel() != pages.numel():
             raise ValueError("free_index holds a page twice")
-        if content_checks(free_index) and bool(torch.isin(pages, self._free_page_ids()).any()):
+        if self._read_free_list(free_index) and bool(
+            torch.isin(pages, self._free_page_ids()).any()
+        ):
             raise ValueError("free_index holds pages that are free already (a double free)")
 
     def is_allocated(self, indices: torch.Tensor) -> bool:
@@ -113,6 +115,11 @@ class SGLangAllocatorView:
                 f"SGLang allocator: {free.numel()} free pages, available_size "
                 f"{self.available_size()}"
             )
+
+    def _read_free_list(self, t: torch.Tensor) -> bool:
+        """Whether a check may read SGLang's free list: always on a CPU pool, on a GPU only under
+        the kernels' debug checks (it costs a device-to-host copy of the list)."""
+        return content_checks(t) and (self.device.type == "cpu" or debug_checks_enabled())
 
     def _group_pending(self) -> list[torch.Tensor]:
         a = self.sglang_allocator

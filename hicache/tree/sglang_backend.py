@@ -161,12 +161,12 @@ class HiRadixCacheBackend(BasePrefixCache):
         return DecLockRefResult()
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
-        return IncLockRefResult(delta=self.tree.inc_lock_ref(node))
+        return IncLockRefResult(delta=-self.tree.inc_lock_ref(node))  # evictable size change
 
     def dec_lock_ref(
         self, node: TreeNode, params: DecLockRefParams | None = None
     ) -> DecLockRefResult:
-        return DecLockRefResult(delta=-self.tree.dec_lock_ref(node))
+        return DecLockRefResult(delta=self.tree.dec_lock_ref(node))
 
     # ------------------------------------------------------------------ a request's KV
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
@@ -189,7 +189,7 @@ class HiRadixCacheBackend(BasePrefixCache):
             tokens, values, chunked=not req.finished(), counted_from=req.kv.cache_inserted_len
         )
         if present > protected:  # the request's duplicates of what the tree held
-            self.token_to_kv_pool_allocator.free(values[protected:present])
+            self.tree.allocator.free(values[protected:present])  # validated, then SGLang's
         match = self.tree.match_prefix(tokens)
         new_indices = match.device_indices
         if len(new_indices) != n or match.last_device_node is not match.last_host_node:
