@@ -2,25 +2,14 @@
 
 ``python -m tests.sglang_check.run_pin --site DIR --mode tree-backend --out FILE.json``
 
-Set up as the ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`: SGLang imported with its
-pure-Python dependencies, this project's ops installed under SGLang's host pools). Then:
-
-- **build**: ``hicache.tree.sglang_backend.register()``, SGLang's ``ServerArgs`` with
-  ``radix_cache_backend="hicache_prefill"``, and SGLang's ``create_tree_cache`` over a real
-  ``TreeCacheBuildContext`` (SGLang's device pool, allocator and ``ReqToTokenPool``) must return the
-  project's tree, MHA and MLA, page sizes 1 and 4, every L2 write policy; the refused modes must
-  raise one ``ValueError`` naming their flag.
-- **scheduler sequences**: SGLang's ``Req`` and its scheduler-side helpers (``match_kv_cache``,
-  ``alloc_token_slots`` -> ``evict_for_alloc``, ``checkpoint_kv_cache``, ``release_kv_cache``,
-  ``prefix_device_indices``, ``init_load_back``, ``ready_to_load_host_cache``, the TP worker's
-  ``set_hicache_consumer``, attention reading through the pool's ``get_key_buffer``, which waits on
-  the tree's layer-done counter) run prefill requests: whole, chunked, aborted, with host hits
-  loaded back. Every KV read equals what was written for that token prefix; afterwards no lock,
-  no leak (tree integrity, SGLang's allocator and row pool balanced).
-- **differential**: the same random operation sequences on SGLang's ``UnifiedRadixCache`` with
-  HiCache (built by its shipped kit) and on the backend (with copy delays injected into its copy
-  streams): match lengths, host hits, loaded lengths, evictable and protected sizes must agree
-  after every operation, and both must return the written KV.
+Set up as the ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`). Rows: **build**
+(SGLang's ``prepare_server_args`` / ``ServerArgs`` with ``--radix-cache-backend hicache_prefill``
+and ``create_tree_cache`` over a real ``TreeCacheBuildContext``; refused modes name their flag);
+**scheduler** (SGLang's ``Req`` through its scheduler-side helpers, prefix KV read through the
+pool's ``get_key_buffer``, which waits on the tree's layer-done counter; no lock, slot or row left
+after, then a ``flush_cache`` reset); **differential** (the same random operation sequences on
+SGLang's ``UnifiedRadixCache`` with HiCache, built by its shipped kit, and on the backend with
+copy delays: every observation equal, both return the KV written).
 """
 
 from __future__ import annotations
