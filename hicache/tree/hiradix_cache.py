@@ -518,11 +518,13 @@ class HiRadixCache(RadixCache):
         )
 
     def _evict_leaf(self, run: _EvictionRun, x: TreeNode) -> None:
+        parent = x.parent
         if x.backuped:
             if x.device_children:  # its children are host-bound: it follows them to the host
                 self._add_host_bound(run, x)
             else:
                 run.freed += self._evict_device(x, run.frees)
+                self._push_if_host_bound_parent(run, parent)
             return
         if self.write_policy == "write_back":
             ok = self.write_backup(x, write_back=True)
@@ -537,6 +539,14 @@ class HiRadixCache(RadixCache):
                 return
         if self._droppable(x):
             run.freed += self._evict_device(x, run.frees)
+            self._push_if_host_bound_parent(run, parent)
+
+    def _push_if_host_bound_parent(self, run: _EvictionRun, parent: TreeNode) -> None:
+        """A device child of ``parent`` left now while others are host-bound: once those are all
+        that is left, ``parent`` is the run's candidate in LRU order (as in ``_add_host_bound``)."""
+        bound = run.host_bound_children.get(parent.id, 0)
+        if bound and bound == parent.device_children and parent.lock_ref == 0:
+            heapq.heappush(run.parents, (parent.last_access_time, parent.id, parent))
 
     def _add_host_bound(self, run: _EvictionRun, x: TreeNode) -> None:
         run.host_bound[x.id] = x
