@@ -337,7 +337,10 @@ def build_backend(
     from hicache_prefill.hicache.transfer.controller import HiCacheController
 
     device_pool = params.token_to_kv_pool_allocator.get_kvcache()
-    group = SingleRankGroup() if ctx.tp_size == 1 else DistTPGroup(ctx.tp_group.cpu_group)
+    cpu_group = getattr(ctx.tp_group, "cpu_group", None)
+    if ctx.tp_size > 1 and cpu_group is None:
+        raise ValueError(f"tp_group: --tp-size {ctx.tp_size} needs SGLang's TP group (cpu_group)")
+    group = SingleRankGroup() if ctx.tp_size == 1 else DistTPGroup(cpu_group)
     host_pool = make_host_pool(device_pool, opts.hicache_ratio, opts.hicache_size, opts.mem_layout)
     try:
         controller = HiCacheController(
