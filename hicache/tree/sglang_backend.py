@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from hicache_prefill.hicache.memory.host_pool import HostKVPool
     from hicache_prefill.hicache.transfer.streams import Delay, Streams
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,10 @@ class HiRadixCacheBackend(BasePrefixCache):
     tree's ``HiCacheController`` (``None`` device only); nodes are the tree's ``TreeNode``."""
 
     def __init__(
-        self, params: CacheInitParams, tree: RadixCache | HiRadixCache, host_pool: Any = None
+        self,
+        params: CacheInitParams,
+        tree: RadixCache | HiRadixCache,
+        host_pool: HostKVPool | None = None,
     ) -> None:
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -277,9 +281,17 @@ class HiRadixCacheBackend(BasePrefixCache):
         """Backups launch at insert (write_through*) or eviction (write_back): none queued."""
 
     @property
-    def token_to_kv_pool_host(self) -> Any:
+    def token_to_kv_pool_host(self) -> HostKVPool | None:
         """The host pool (``None`` device only); SGLang's metrics read its size and use."""
         return self.host_pool
+
+    def release_host_resources(self) -> None:
+        """On shutdown: finish the copies, stop the CPU stream threads, unregister the host
+        pool's pinned memory (idempotent)."""
+        if self.cache_controller is not None:
+            self.cache_controller.close()
+        if self.host_pool is not None:
+            self.host_pool.destroy()
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every device slot the tree holds (SGLang's leak census reads them)."""

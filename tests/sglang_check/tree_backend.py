@@ -386,7 +386,7 @@ def cli_row() -> dict[str, Any]:
         cache = create_tree_cache(_context(args, _pools("MHA", 4), _worker()))
         if not isinstance(cache, HiRadixCacheBackend) or cache.tree.write_policy != "write_back":
             raise AssertionError(f"built {type(cache).__name__}")
-        cache.cache_controller.close()
+        cache.release_host_resources()
         out["ok"] = True
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -478,7 +478,7 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
         out["calls"] = d.calls
         out["kv_bytes_compared"] = kv.bytes_compared
         out["log"] = d.log
-        cache.cache_controller.close()
+        cache.release_host_resources()
         out["ok"] = True
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -595,7 +595,7 @@ def differential_row(policy: str, page: int, seed: int, kind: str = "MHA") -> di
                     raise AssertionError(f"sequence {s}, observation {i}: UnifiedRadixCache {u}, "
                                          f"backend {b}; ops {ops}")  # fmt: skip
             _check_clean(bcache, bparams)
-            bcache.cache_controller.close()
+            bcache.release_host_resources()
             ucache.release_host_resources()
             out["sequences"] += 1
             out["operations"] += len(ops)
