@@ -67,7 +67,8 @@ STUBS = {
 def _server_args(page: int, policy: str, layout: str, **extra: Any) -> Any:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    args = ServerArgs(model_path="dummy", page_size=page, enable_hierarchical_cache=True,
+    hierarchical = extra.pop("hierarchical", True)
+    args = ServerArgs(model_path="dummy", page_size=page, enable_hierarchical_cache=hierarchical,
                       hicache_write_policy=policy, hicache_io_backend="kernel",
                       hicache_mem_layout=layout, hicache_ratio=extra.pop("ratio", 2.0),
                       radix_cache_backend=extra.pop("backend", BACKEND), **extra)  # fmt: skip
@@ -115,7 +116,8 @@ def _context(args: Any, params: Any, worker: Any, **flags: Any) -> Any:
 
     return TreeCacheBuildContext(
         server_args=args, params=params, is_hybrid_swa=flags.get("swa", False),
-        is_hybrid_ssm=flags.get("ssm", False), enable_hierarchical_cache=True,
+        is_hybrid_ssm=flags.get("ssm", False),
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
         disable_radix_cache=getattr(args, "disable_radix_cache", False), tp_worker=worker,
         model_config=None, tp_size=1, tp_rank=0, tp_group=None,
     )  # fmt: skip
@@ -322,7 +324,8 @@ def _check_clean(cache: Any, params: Any) -> dict[str, int]:
     tree.check_integrity(request_owned=0)
     alloc = params.token_to_kv_pool_allocator
     in_tree = tree.total_size()
-    if alloc.available_size() + in_tree + tree.device_in_flight() != alloc.size:
+    in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
+    if alloc.available_size() + in_tree + in_flight != alloc.size:
         raise AssertionError(f"leak: free {alloc.available_size()} + tree {in_tree} != "
                              f"{alloc.size}")  # fmt: skip
     rtp = params.req_to_token_pool
@@ -481,6 +484,45 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
         out["kv_bytes_compared"] = kv.bytes_compared
         out["log"] = d.log
         cache.release_host_resources()
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def device_only_row(page: int) -> dict[str, Any]:
+    """Without ``--enable-hierarchical-cache`` the backend is the device-only tree: the same
+    requests through SGLang's helpers share prefixes, evict, and leave nothing behind."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from hicache_prefill.hicache.tree.radix_cache import RadixCache
+
+    out: dict[str, Any] = {"case": f"scheduler/MHA/p{page}/device-only", "ok": False}
+    try:
+        params = _pools("MHA", page)
+        worker = _worker()
+        args = _server_args(page, "write_through", "layer_first", hierarchical=False)
+        cache = create_tree_cache(_context(args, params, worker))
+        if type(cache.tree) is not RadixCache or cache.cache_controller is not None:
+            raise AssertionError(f"built {type(cache.tree).__name__} / {cache.cache_controller}")
+        kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), "MHA")
+        d = SchedulerDriver(cache, params, kv, worker)
+        a = [1000 + i for i in range(24)]
+        b = a[:16] + [2000 + i for i in range(16)]
+        d.request(a, [len(a)])
+        d.request(b, [8, 24, len(b)])
+        d.request(a + [3000] * 8, [28], abort_after=1)
+        d.settle()
+        d.evict(DEVICE_TOKENS)
+        d.settle()
+        d.request(a, [len(a)])
+        d.settle()
+        admits = [e for e in d.log if e[0] == "admit"]
+        if [e[2] for e in admits] != [0, 16, 24, 0]:  # evicted everything before the last
+            raise AssertionError(f"device hits {admits}")
+        out.update(_check_clean(cache, params))
+        out.update(calls=d.calls, kv_bytes_compared=kv.bytes_compared, loads_back=0, log=d.log)
         out["ok"] = True
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -650,6 +692,7 @@ def main(site: str, out_path: str) -> int:
         rows += [cli_row(), *refusal_rows()]
         rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
                  for pol in WRITE_POLICIES]  # fmt: skip
+        rows += [device_only_row(p) for p in (1, 4)]
         diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
         diffs += [("MLA", pol, 4) for pol in WRITE_POLICIES]
         rows += [differential_row(pol, page, seed=i, kind=kind)
