@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from array import array
+from types import SimpleNamespace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,11 @@ SGLANG_UNIT_TESTS = {
     "(sglang/test/kits/unified_radix_cache) holds fixtures and steps, not tests: the "
     "differential rows build UnifiedRadixCache with it",
 }
+MODEL_CONFIG = SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
+"""What ``ScheduleBatch.init_new`` reads of a ``ModelConfig`` (a real one loads a HF config)."""
 STUBS = {
+    "ModelConfig (vocab_size, is_encoder_decoder)": "ScheduleBatch.init_new reads these two "
+    "fields; SGLang's ModelConfig would load a HuggingFace model config",
     "TpModelWorker (object.__new__, no model runner)": "the factory registers the tree's "
     "layer-done counter with the TP worker and the batch sets its consumer; both are SGLang's own "
     "TpModelWorker methods (register_hicache_layer_transfer_counter, set_hicache_consumer) called "
@@ -211,42 +216,37 @@ class SchedulerDriver:
             self.start_loads()
         self.log.append(("admit", len(tokens), req.prefix_len - loaded, req.host_hit_length,
                          loaded))  # fmt: skip
-        if self.params.req_to_token_pool.alloc([req]) is None:
-            raise AssertionError("ReqToTokenPool full")
-        row = self.params.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        if req.prefix_len:
-            prefix = self.cache.prefix_device_indices(req)
-            self._call("prefix_device_indices")
-            row[: req.prefix_len] = prefix.to(row.dtype)
         req.kv.cache_protected_len = req.prefix_len  # a load back's slots are the tree's
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = req.prefix_len
         return req
 
-    def extend(self, req: Any, end: int) -> None:
-        """One chunk: allocate ``[prefix_len, end)`` (evicting through ``evict_for_alloc``),
-        read the prefix KV as attention does (waiting for a load back), write the new KV, and
-        checkpoint at a chunk boundary."""
-        from sglang.srt.mem_cache.allocation import alloc_token_slots
+    def extend(self, reqs: list[Any], ends: list[int]) -> None:
+        """One prefill batch: SGLang's ``ScheduleBatch.prepare_for_extend`` allocates rows and
+        ``[prefix_len, end)`` (``alloc_for_extend``: ``prefix_device_indices``, eviction through
+        ``evict_for_alloc``); attention then reads each prefix (waiting for a load back), the new
+        KV is written, and a request stopping at a chunk boundary is checkpointed."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.common import checkpoint_kv_cache
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        tokens = list(req.full_untruncated_fill_ids)
-        start = req.prefix_len
-        row = self.params.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        if self.params.token_to_kv_pool_allocator.available_size() < end - start:
-            self._call("evict_for_alloc (allocator short)")
-        slots = alloc_token_slots(self.cache, end - start)
-        self._call("alloc_token_slots")
-        row[start:end] = slots.to(row.dtype)
-        req.kv.kv_allocated_len = end
-        values = truth(tokens[:end])
-        if start:
-            self.kv.check(row[:start].long(), values[:start], f"req {req.rid} prefix of {start}")
-        self.kv.write(slots.long(), values[start:end])
-        req.kv.kv_committed_len = end
-        if end < len(tokens):
+        alloc = self.params.token_to_kv_pool_allocator
+        starts = [req.prefix_len for req in reqs]
+        for req, end in zip(reqs, ends, strict=True):
             req.extend_end = end
-            checkpoint_kv_cache(req, self.cache)
-            self._call("checkpoint")
+        if alloc.available_size() < sum(e - s for s, e in zip(starts, ends, strict=True)):
+            self._call("evict_for_alloc (allocator short)")
+        batch = ScheduleBatch.init_new(reqs, self.params.req_to_token_pool, alloc, self.cache,
+                                       MODEL_CONFIG, False, SpeculativeAlgorithm.NONE)  # fmt: skip
+        batch.prepare_for_extend()
+        self._call("prepare_for_extend (alloc_for_extend)")
+        for req, start, end in zip(reqs, starts, ends, strict=True):
+            row = self.params.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            values = truth(list(req.full_untruncated_fill_ids)[:end])
+            if start:
+                self.kv.check(row[:start].long(), values[:start], f"req {req.rid} prefix {start}")
+            self.kv.write(row[start:end].long(), values[start:end])
+            if end < len(req.full_untruncated_fill_ids):
+                checkpoint_kv_cache(req, self.cache)
+                self._call("checkpoint")
         self.cache.check_hicache_events()
         self._call("check_hicache_events")
 
@@ -269,20 +269,19 @@ class SchedulerDriver:
     def request(self, tokens: list[int], chunks: list[int], abort_after: int | None = None) -> None:
         req = self.admit(tokens)
         for i, end in enumerate(e for e in chunks if e > req.prefix_len):
-            self.extend(req, end)
+            self.extend([req], [end])
             if abort_after is not None and i + 1 >= abort_after:
                 self.abort(req)
                 return
         if req.prefix_len < len(tokens) and (not chunks or chunks[-1] != len(tokens)):
-            self.extend(req, len(tokens))
+            self.extend([req], [len(tokens)])
         self.finish(req)
 
     def batch(self, prompts: list[list[int]]) -> None:
         """Several requests matched and locked together, then run and finished in turn."""
         reqs = [self.admit(tokens, start_loads=False) for tokens in prompts]
         self.start_loads()
-        for req in reqs:
-            self.extend(req, len(req.full_untruncated_fill_ids))
+        self.extend(reqs, [len(req.full_untruncated_fill_ids) for req in reqs])
         for req in reqs:
             self.finish(req)
 
@@ -533,11 +532,12 @@ def device_only_row(page: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- differential
 def _unified(policy: str, page: int, kind: str = "MHA") -> Any:
     """SGLang's ``UnifiedRadixCache`` with HiCache through its kit's ``build_fixture``, with
-    SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides). MLA: the
-    kit's pool name is given SGLang's ``MLATokenToKVPool`` while it builds (as the real-stack
-    rows do, :data:`tests.sglang_check.real_stack.TREE_PATCHES`)."""
+    SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides). What the
+    kit is given while it builds: :data:`DIFF_PATCHES`."""
+    import contextlib
     from unittest import mock
 
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.test.kits.unified_radix_cache.config import CacheConfig
 
@@ -551,10 +551,17 @@ def _unified(policy: str, page: int, kind: str = "MHA") -> Any:
     cfg = CacheConfig(page_size=page, num_layers=LAYERS, kv_size=DEVICE_TOKENS,
                       head_num=HEADS, head_dim=HEAD_DIM, max_num_reqs=MAX_REQS,
                       max_context_len=CONTEXT)  # fmt: skip
-    if kind == "MLA":
-        with mock.patch.object(fixtures, "MHATokenToKVPool", mla_pool):
-            cache, alloc, rtp = fixtures.build_fixture(cfg)
-    else:
+
+    def paged_allocator(**kwargs: Any) -> Any:
+        return PagedTokenToKVPoolAllocator(page_size=page, **kwargs)
+
+    with contextlib.ExitStack() as patches:
+        if kind == "MLA":
+            patches.enter_context(mock.patch.object(fixtures, "MHATokenToKVPool", mla_pool))
+        if page > 1:
+            patches.enter_context(
+                mock.patch.object(fixtures, "TokenToKVPoolAllocator", paged_allocator)
+            )
         cache, alloc, rtp = fixtures.build_fixture(cfg)
     args = _server_args(page, policy, "layer_first", backend=None, ratio=DIFF_HOST_RATIO)
     cache.init_hicache(args, cache.cache_init_params)
@@ -569,6 +576,15 @@ def _worker_with(cache: Any) -> Any:
     return worker
 
 
+DIFF_PATCHES: dict[str, str] = {
+    "sglang.test.kits.unified_radix_cache.fixtures.TokenToKVPoolAllocator (differential, page "
+    "4)": "the kit pairs a page-4 tree with SGLang's page-1 allocator, whose alloc_extend raises "
+    "(NotImplementedError: only for paged allocator) under SGLang's own alloc_for_extend; the "
+    "differential rows give the kit SGLang's PagedTokenToKVPoolAllocator at the tree's page "
+    "size, as a server builds it",
+    "sglang.test.kits.unified_radix_cache.fixtures.MHATokenToKVPool (differential, MLA)": "as "
+    "the real-stack MLA tree rows: SGLang's MLATokenToKVPool while build_fixture runs",
+}
 DIFF_PAGES = (1, 4)
 DIFF_HOST_RATIO = 16.0
 """Host pools large enough that no host eviction runs: under host pressure the two trees differ
@@ -706,6 +722,8 @@ def main(site: str, out_path: str) -> int:
     out["stubs"] = real_stack._stub_rows(finder) + [
         {"module": k, "kind": "bare instance", "reason": v} for k, v in STUBS.items()
     ]
+    out["stubs"] += [{"module": k, "kind": "patched name", "reason": v}
+                     for k, v in DIFF_PATCHES.items()]  # fmt: skip
     out["seconds"] = round(time.monotonic() - t0, 1)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1, default=str)
