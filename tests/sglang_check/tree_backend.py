@@ -5,11 +5,12 @@
 Set up as the ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`). Rows: **build**
 (SGLang's ``prepare_server_args`` / ``ServerArgs`` with ``--radix-cache-backend hicache_prefill``
 and ``create_tree_cache`` over a real ``TreeCacheBuildContext``; refused modes name their flag);
-**scheduler** (SGLang's ``Req`` through its scheduler-side helpers, prefix KV read through the
-pool's ``get_key_buffer``, which waits on the tree's layer-done counter; no lock, slot or row left
-after, then a ``flush_cache`` reset); **differential** (the same random operation sequences on
-SGLang's ``UnifiedRadixCache`` with HiCache, built by its shipped kit, and on the backend with
-copy delays: every observation equal, both return the KV written).
+**scheduler** (SGLang's ``Req`` through its scheduler-side helpers and
+``ScheduleBatch.prepare_for_extend``, prefix KV read through the pool's ``get_key_buffer``, which
+waits on the tree's layer-done counter; no lock, slot or row left, then a ``flush_cache``
+reset); **differential** (the same random operation sequences on SGLang's ``UnifiedRadixCache``
+with HiCache, built by its shipped kit, and on the backend with copy delays: every observation
+equal, both return the KV written).
 """
 
 from __future__ import annotations
