@@ -233,6 +233,11 @@ class HostKVPool(HostPoolPages):
     def available_size(self) -> int:
         return self.allocator.available_size()
 
+    @property
+    def logical_size(self) -> int:
+        """Tokens the pool holds (SGLang's name; its scheduler's metrics read it)."""
+        return self.size
+
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
 

@@ -129,7 +129,7 @@ class HiCacheController:
         self.io_backend = io_backend
         self.page_size = host_pool.page_size
         self.layer_num = device_pool.layer_num
-        self.device = device_pool.device
+        self.device = torch.device(device_pool.device)  # SGLang's pools name it by string
         self.group = group if group is not None else SingleRankGroup()
         self.stats = stats if stats is not None else CacheStats()
         self.copy_timer = copy_timer
@@ -207,7 +207,7 @@ class HiCacheController:
             self.write_stream.wait_event(self.ack_load_queue[-1].finish_event)
         start = self.write_stream.record(self.streams.new_event(enable_timing=True))
         pool, dev, io = self.host_pool, self.device_pool, self.io_backend
-        watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
+        watch = kernels.watch_copies(self.device)  # bad indices, read at the ack
 
         def backup() -> None:  # moves the indices on the write stream, before the copy
             h, d = self._move_indices(host_indices, device_indices)
@@ -287,7 +287,7 @@ class HiCacheController:
         pid = counter.update_producer(node_ids)
         lev = counter.events[pid]
         progress = [-1]  # the layer being launched
-        watch = kernels.watch_copies(self.device_pool.device)  # bad indices, read at the ack
+        watch = kernels.watch_copies(self.device)  # bad indices, read at the ack
         try:
             copy_start = self._launch_loads(lev, host_indices, device_indices, progress, watch)
         except Exception as exc:

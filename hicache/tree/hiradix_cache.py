@@ -139,12 +139,13 @@ class HiRadixCache(RadixCache):
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
+        counted_from: int | None = None,
     ) -> int:
         """``RadixCache.insert``, with the slots first checked against the device pool's range."""
         if isinstance(value, torch.Tensor) and value.dim() == 1 and value.dtype == torch.int64:
             alloc = self.controller.device_allocator
             slot_indices("value", value, n_slots=alloc.page_table_size * self.page_size)
-        return super().insert(key, value, chunked)
+        return super().insert(key, value, chunked, counted_from)
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         """Recomputed KV of a host-only node becomes its device copy; the host copy stays."""
@@ -152,6 +153,10 @@ class HiRadixCache(RadixCache):
         node.parent.device_children += 1
         self._add_device_tokens(node, len(value))
         self._device_queue.push_if_candidate(node)
+
+    def _skip_hit_count(self, node: TreeNode) -> None:
+        if self.storage is not None and node.hash_value is None:
+            node.hash_value = self._chained_keys(node, node.tokens)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
         """Count the hit (after giving a new node its page keys), then back the node up when the
@@ -513,11 +518,13 @@ class HiRadixCache(RadixCache):
         )
 
     def _evict_leaf(self, run: _EvictionRun, x: TreeNode) -> None:
+        parent = x.parent
         if x.backuped:
             if x.device_children:  # its children are host-bound: it follows them to the host
                 self._add_host_bound(run, x)
             else:
                 run.freed += self._evict_device(x, run.frees)
+                self._push_if_host_bound_parent(run, parent)
             return
         if self.write_policy == "write_back":
             ok = self.write_backup(x, write_back=True)
@@ -532,6 +539,14 @@ class HiRadixCache(RadixCache):
                 return
         if self._droppable(x):
             run.freed += self._evict_device(x, run.frees)
+            self._push_if_host_bound_parent(run, parent)
+
+    def _push_if_host_bound_parent(self, run: _EvictionRun, parent: TreeNode) -> None:
+        """A device child of ``parent`` left now while others are host-bound: once those are all
+        that is left, ``parent`` is the run's candidate in LRU order (as in ``_add_host_bound``)."""
+        bound = run.host_bound_children.get(parent.id, 0)
+        if bound and bound == parent.device_children and parent.lock_ref == 0:
+            heapq.heappush(run.parents, (parent.last_access_time, parent.id, parent))
 
     def _add_host_bound(self, run: _EvictionRun, x: TreeNode) -> None:
         run.host_bound[x.id] = x

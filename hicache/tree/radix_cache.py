@@ -131,10 +131,13 @@ class RadixCache:
         key: Sequence[int] | torch.Tensor,
         value: torch.Tensor | None = None,
         chunked: bool = False,
+        counted_from: int | None = None,
     ) -> int:
         """Insert ``key`` with device slots ``value``, both cut to whole pages; returns the length
         already device-resident (``value[:returned]`` stays the caller's to free; the tree clones
-        the rest). ``ValueError``, state unchanged, for bad arguments or slots it could not own."""
+        the rest). ``ValueError``, state unchanged, for bad arguments or slots it could not own.
+        ``counted_from`` (SGLang 0.5.23's ``inserted_len``): count a hit on the nodes ending past
+        it, chunked or not; ``None``: on every node, unless ``chunked``."""
         kb, value = check_insert_args(
             key, value, self.device, self.page_size, self.allocator is None
         )
@@ -159,7 +162,7 @@ class RadixCache:
                 self._revive(node, value.narrow_copy(0, start, off // TOKEN_BYTES - start))
             else:
                 present += off // TOKEN_BYTES - start
-                self._inc_hit_count(node, chunked)
+                self._count_hit(node, chunked, counted_from, off // TOKEN_BYTES)
             if node is not child or off == end:  # split (the match ends inside) or key done
                 break
             child = node.children.get(kb[off : off + pb])
@@ -170,7 +173,7 @@ class RadixCache:
             node.children[kb[off : off + pb]] = new
             node.device_children += 1
             self._add_device_tokens(new, n)
-            self._inc_hit_count(new, chunked)  # may lock it (a write-through backup)
+            self._count_hit(new, chunked, counted_from, end // TOKEN_BYTES)  # may lock it
             if new.lock_ref == 0:
                 self._device_queue.push(new)
         return present
@@ -230,6 +233,21 @@ class RadixCache:
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
         raise AssertionError("device-only tree has no evicted nodes")  # pragma: no cover
+
+    def _count_hit(
+        self, node: TreeNode, chunked: bool, counted_from: int | None, node_end: int
+    ) -> None:
+        """An insert passed or created ``node`` ending at token ``node_end``: count it as
+        ``counted_from`` says (``insert``)."""
+        if counted_from is None:
+            self._inc_hit_count(node, chunked)
+        elif node_end > counted_from:
+            self._inc_hit_count(node, False)
+        else:
+            self._skip_hit_count(node)
+
+    def _skip_hit_count(self, node: TreeNode) -> None:
+        """An insert passed ``node`` without counting it (counted by the same request before)."""
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
         """An insert created or passed a device-resident ``node`` (SGLang skips chunked ones)."""

@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 MODES = ("cpu", "cuda-shaped")
 REAL_STACK_PINS = ("0.5.23",)
 """Pins also run in ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`): SGLang imported
-with its pure-Python dependencies, its own device pools, assembler and ``L2TransferEngine``."""
+with its pure-Python dependencies, its own device pools, assembler and ``L2TransferEngine``; and
+in ``tree-backend`` mode (:mod:`tests.sglang_check.tree_backend`): the project's tree as SGLang's
+radix-cache backend, built, driven and compared with ``UnifiedRadixCache`` by SGLang's code."""
+REAL_STACK_MODES = ("real-stack", "tree-backend")
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,7 +98,27 @@ def verdict(r: dict[str, Any]) -> list[str]:
     for s in r.get("storage", []):
         if not s["ok"]:
             bad.append(f"L3 {s['case']}: {s.get('error', s)}")
+    for t in r.get("tree_backend", []):
+        if not t["ok"]:
+            bad.append(f"tree backend {t['case']}: {t.get('error')}")
     return bad
+
+
+def tree_backend_word(r: dict[str, Any]) -> str:
+    """The tree-backend column: rows passed, differential sequences / operations, scheduler
+    sequences, SGLang unit tests run / not applicable."""
+    rows = r.get("tree_backend")
+    if not rows:
+        return "-"
+    diff = [t for t in rows if t["case"].startswith("differential/")]
+    sched = [t for t in rows if t["case"].startswith("scheduler/")]
+    units = r.get("sglang_unit_tests", {})
+    seqs = sum(t.get("sequences", 0) for t in diff)
+    ops = sum(t.get("operations", 0) for t in diff)
+    return (
+        f"{sum(t['ok'] for t in rows)}/{len(rows)} rows; diff {seqs} seq / {ops} ops; "
+        f"{len(sched)} scheduler seq; SGLang unit tests run: {units.get('run', 0)}"
+    )
 
 
 def _roundtrip_word(rt: dict[str, Any]) -> str:
@@ -108,8 +131,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "| pin | mode | fork import | install | transfer cases ok | kernel launches (variants) "
         "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok | gate rows "
-        "| gate differences (class: count) | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gate differences (class: count) | tree backend | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -136,7 +159,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
                 f"| {_roundtrip_word(rt)} | {l3_word} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
-                f"| {'PASS' if not verdict(r) else 'FAIL'} |"
+                f"| {tree_backend_word(r)} | {'PASS' if not verdict(r) else 'FAIL'} |"
             )  # fmt: skip
     return "\n".join(lines)
 
@@ -165,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for pin in args.pins:
         results[pin] = {}
-        for mode in (*MODES, *(("real-stack",) if pin in REAL_STACK_PINS else ())):
+        for mode in (*MODES, *(REAL_STACK_MODES if pin in REAL_STACK_PINS else ())):
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
     wheel = os.path.join(args.venv, "project-wheel")
@@ -193,6 +216,27 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED: {t['error']}"
                 )
                 print(f"  {t['case']}: {what}")
+    for pin, modes in results.items():
+        tb = modes.get("tree-backend")
+        if tb and tb.get("tree_backend"):
+            print(
+                f"\nThe project's tree as SGLang's radix-cache backend, sglang=={pin} "
+                "(create_tree_cache, scheduler helpers, UnifiedRadixCache differential):"
+            )
+            for t in tb["tree_backend"]:
+                extra = ""
+                if "sequences" in t:
+                    extra = (f", {t['sequences']} sequences, {t['operations']} operations, "
+                             f"{t['observations']} observations equal, {t['loads_back']} loads "
+                             f"back, {t['kv_bytes_compared']} KV bytes compared")  # fmt: skip
+                elif "kv_bytes_compared" in t:
+                    extra = (f", {t['loads_back']} loads back, {t['kv_bytes_compared']} KV bytes "
+                             "compared, no lock or slot left")  # fmt: skip
+                what = f"ok{extra}" if t["ok"] else f"FAILED: {t.get('error')}"
+                print(f"  {t['case']}: {what}")
+            units = tb.get("sglang_unit_tests")
+            if units:
+                print(f"  SGLang's own radix-cache unit tests: {units}")
     for pin, modes in results.items():
         for mode, r in modes.items():
             rows = [s for s in r.get("storage", []) if s["case"].startswith("mooncake-real/")]

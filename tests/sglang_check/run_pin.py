@@ -103,7 +103,9 @@ def _hf_kernels() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
-    parser.add_argument("--mode", choices=("cpu", "cuda-shaped", "real-stack"), required=True)
+    parser.add_argument(
+        "--mode", choices=("cpu", "cuda-shaped", "real-stack", "tree-backend"), required=True
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
@@ -111,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sglang_check import real_stack
 
         return real_stack.main(args.site, args.out)
+    if args.mode == "tree-backend":  # the project's tree as SGLang's radix-cache backend
+        from tests.sglang_check import tree_backend
+
+        return tree_backend.main(args.site, args.out)
     _under_loopback_shim()
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)

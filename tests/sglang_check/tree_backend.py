@@ -1,0 +1,740 @@
+"""SGLang 0.5.23 driving this project's tree as its radix-cache backend, on a CPU.
+
+``python -m tests.sglang_check.run_pin --site DIR --mode tree-backend --out FILE.json``
+
+Set up as the ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`). Rows: **build**
+(SGLang's ``prepare_server_args`` / ``ServerArgs`` with ``--radix-cache-backend hicache_prefill``
+and ``create_tree_cache`` over a real ``TreeCacheBuildContext``; refused modes name their flag);
+**scheduler** (SGLang's ``Req`` through its scheduler-side helpers and
+``ScheduleBatch.prepare_for_extend``, prefix KV read through the pool's ``get_key_buffer``, which
+waits on the tree's layer-done counter; no lock, slot or row left, then a ``flush_cache``
+reset); **differential** (the same random operation sequences on SGLang's ``UnifiedRadixCache``
+with HiCache, built by its shipped kit, and on the backend with copy delays: every observation
+equal, both return the KV written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from array import array
+from types import SimpleNamespace
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LAYERS, HEADS, HEAD_DIM = 3, 2, 8
+KV_LORA_RANK, QK_ROPE_HEAD_DIM = 16, 8
+DEVICE_TOKENS = 128
+MAX_REQS = 8
+CONTEXT = 512
+BACKEND = "hicache_prefill"
+DELAYED = "hicache_prefill_copy_delay"
+COPY_DELAY = 0.002
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+SEQUENCES = 12
+OPS_PER_SEQUENCE = 30
+REFUSED = {
+    "--disable-radix-cache": {"disable_radix_cache": True},
+    "--enable-session-radix-cache": {"enable_session_radix_cache": True},
+    "--radix-eviction-policy": {"radix_eviction_policy": "lfu"},
+    "--hicache-host-memory-mode buffer_only": {"hicache_host_memory_mode": "buffer_only"},
+    "--hicache-storage-backend": {"hicache_storage_backend": "file"},
+}
+SGLANG_UNIT_TESTS = {
+    "run": 0,
+    "not_run": "SGLang 0.5.23's radix-cache unit tests live in its repository "
+    "(test/registered/unit/mem_cache/), not in the wheel, and the wheel records no commit "
+    "(sglang._version.commit_id is None) to fetch them at; the wheel's kit "
+    "(sglang/test/kits/unified_radix_cache) holds fixtures and steps, not tests: the "
+    "differential rows build UnifiedRadixCache with it",
+}
+MODEL_CONFIG = SimpleNamespace(vocab_size=32000, is_encoder_decoder=False)
+"""What ``ScheduleBatch.init_new`` reads of a ``ModelConfig`` (a real one loads a HF config)."""
+STUBS = {
+    "ModelConfig (vocab_size, is_encoder_decoder)": "ScheduleBatch.init_new reads these two "
+    "fields; SGLang's ModelConfig would load a HuggingFace model config",
+    "TpModelWorker (object.__new__, no model runner)": "the factory registers the tree's "
+    "layer-done counter with the TP worker and the batch sets its consumer; both are SGLang's own "
+    "TpModelWorker methods (register_hicache_layer_transfer_counter, set_hicache_consumer) called "
+    "on an instance built without __init__, which would load a model",
+}
+
+
+# ---------------------------------------------------------------------------- pools and KV
+def _server_args(page: int, policy: str, layout: str, **extra: Any) -> Any:
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    hierarchical = extra.pop("hierarchical", True)
+    args = ServerArgs(model_path="dummy", page_size=page, enable_hierarchical_cache=hierarchical,
+                      hicache_write_policy=policy, hicache_io_backend="kernel",
+                      hicache_mem_layout=layout, hicache_ratio=extra.pop("ratio", 2.0),
+                      radix_cache_backend=extra.pop("backend", BACKEND), **extra)  # fmt: skip
+    set_global_server_args_for_scheduler(args)
+    return args
+
+
+def _pools(kind: str, page: int) -> Any:
+    """SGLang's device pool, token allocator (paged above page 1) and request row pool."""
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+
+    common = dict(size=DEVICE_TOKENS, page_size=page, dtype=torch.bfloat16, layer_num=LAYERS,
+                  device="cpu", enable_memory_saver=False)  # fmt: skip
+    if kind == "MLA":
+        dev = MLATokenToKVPool(kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+                               **common)  # fmt: skip
+    else:
+        dev = MHATokenToKVPool(head_num=HEADS, head_dim=HEAD_DIM, **common)
+    if page == 1:
+        alloc = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", dev, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, torch.bfloat16, "cpu", dev,
+                                            need_sort=False)  # fmt: skip
+    rtp = ReqToTokenPool(size=MAX_REQS, max_context_len=CONTEXT, device="cpu",
+                         enable_memory_saver=False)  # fmt: skip
+    params = CacheInitParams(disable=False, req_to_token_pool=rtp,
+                             token_to_kv_pool_allocator=alloc, page_size=page)  # fmt: skip
+    return params
+
+
+def _worker() -> Any:
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    worker = object.__new__(TpModelWorker)
+    worker.hicache_layer_transfer_counter = None
+    return worker
+
+
+def _context(args: Any, params: Any, worker: Any, **flags: Any) -> Any:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    return TreeCacheBuildContext(
+        server_args=args, params=params, is_hybrid_swa=flags.get("swa", False),
+        is_hybrid_ssm=flags.get("ssm", False),
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        disable_radix_cache=getattr(args, "disable_radix_cache", False), tp_worker=worker,
+        model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )  # fmt: skip
+
+
+def truth(tokens: list[int]) -> list[int]:
+    """The KV value written for each token: a hash of its prefix (0..99, exact in bf16)."""
+    out, h = [], 0
+    for t in tokens:
+        h = (h * 1000003 + t + 1) % (1 << 61)
+        out.append(h % 100)
+    return out
+
+
+class KVPool:
+    """Writes and reads every layer of a token's KV in SGLang's device pool (reads through
+    ``get_key_buffer`` / ``get_value_buffer``, which wait on a registered layer-done counter)."""
+
+    def __init__(self, dev: Any, kind: str) -> None:
+        self.dev, self.kind = dev, kind
+        self.bytes_compared = 0
+
+    def write(self, slots: Any, values: list[int]) -> None:
+        import torch
+
+        v = torch.tensor(values, dtype=torch.float32)
+        for layer in range(LAYERS):
+            if self.kind == "MLA":
+                self.dev.kv_buffer[layer][slots] = (v + layer)[:, None, None].to(torch.bfloat16)
+            else:
+                self.dev.k_buffer[layer][slots] = (v + layer)[:, None, None].to(torch.bfloat16)
+                self.dev.v_buffer[layer][slots] = (v + 50 + layer)[:, None, None].to(torch.bfloat16)
+
+    def check(self, slots: Any, values: list[int], what: str) -> None:
+        import torch
+
+        v = torch.tensor(values, dtype=torch.float32)
+        for layer in range(LAYERS):
+            k = self.dev.get_key_buffer(layer)[slots].float()
+            if not bool((k == (v + layer)[:, None, None]).all()):
+                raise AssertionError(f"{what}: layer {layer} K differs from the KV written")
+            self.bytes_compared += k.numel() * 2
+            if self.kind != "MLA":
+                vv = self.dev.get_value_buffer(layer)[slots].float()
+                if not bool((vv == (v + 50 + layer)[:, None, None]).all()):
+                    raise AssertionError(f"{what}: layer {layer} V differs from the KV written")
+                self.bytes_compared += vv.numel() * 2
+
+
+# ---------------------------------------------------------------------------- the scheduler side
+class SchedulerDriver:
+    """A prefill request's path through SGLang's scheduler-side helpers, over any
+    ``BasePrefixCache``; records what each step saw in ``log``."""
+
+    def __init__(self, cache: Any, params: Any, kv: KVPool, worker: Any) -> None:
+        self.cache, self.params, self.kv, self.worker = cache, params, kv, worker
+        self.log: list[tuple] = []
+        self.calls: dict[str, int] = {}
+        self._rid = 0
+
+    def _call(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def start_loads(self) -> None:
+        """Once per batch, after every admission (SGLang's ``get_new_batch_prefill``): launch
+        the queued loads; the TP worker makes their producer the forward's consumer."""
+        consumer = self.cache.ready_to_load_host_cache()
+        self._call("ready_to_load_host_cache")
+        self.worker.set_hicache_consumer(consumer)
+
+    def admit(self, tokens: list[int], start_loads: bool = True) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self._rid += 1
+        req = Req(rid=str(self._rid), origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))  # fmt: skip
+        req.init_next_round_input(self.cache)  # match_kv_cache, capped one token short
+        self._call("match_prefix")
+        loaded = 0
+        if req.host_hit_length > 0:
+            loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length,
+                req=req))  # fmt: skip
+            self._call("init_load_back")
+            req.prefix_len += loaded
+        req.lock = self.cache.lock(req.last_node)
+        self._call("lock")
+        if start_loads:
+            self.start_loads()
+        self.log.append(("admit", len(tokens), req.prefix_len - loaded, req.host_hit_length,
+                         loaded))  # fmt: skip
+        req.kv.cache_protected_len = req.prefix_len  # a load back's slots are the tree's
+        return req
+
+    def extend(self, reqs: list[Any], ends: list[int]) -> None:
+        """One prefill batch: SGLang's ``ScheduleBatch.prepare_for_extend`` allocates rows and
+        ``[prefix_len, end)`` (``alloc_for_extend``: ``prefix_device_indices``, eviction through
+        ``evict_for_alloc``); attention then reads each prefix (waiting for a load back), the new
+        KV is written, and a request stopping at a chunk boundary is checkpointed."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        alloc = self.params.token_to_kv_pool_allocator
+        starts = [req.prefix_len for req in reqs]
+        for req, end in zip(reqs, ends, strict=True):
+            req.extend_end = end
+        if alloc.available_size() < sum(e - s for s, e in zip(starts, ends, strict=True)):
+            self._call("evict_for_alloc (allocator short)")
+        batch = ScheduleBatch.init_new(reqs, self.params.req_to_token_pool, alloc, self.cache,
+                                       MODEL_CONFIG, False, SpeculativeAlgorithm.NONE)  # fmt: skip
+        batch.prepare_for_extend()
+        self._call("prepare_for_extend (alloc_for_extend)")
+        for req, start, end in zip(reqs, starts, ends, strict=True):
+            row = self.params.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            values = truth(list(req.full_untruncated_fill_ids)[:end])
+            if start:
+                self.kv.check(row[:start].long(), values[:start], f"req {req.rid} prefix {start}")
+            self.kv.write(row[start:end].long(), values[start:end])
+            if end < len(req.full_untruncated_fill_ids):
+                checkpoint_kv_cache(req, self.cache)
+                self._call("checkpoint")
+        self.cache.check_hicache_events()
+        self._call("check_hicache_events")
+
+    def finish(self, req: Any) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self._call("release_kv_cache(checkpoint)")
+
+    def abort(self, req: Any) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_ABORT()
+        release_kv_cache(req, self.cache, checkpoint=False)
+        self._call("release_kv_cache(abort)")
+
+    def request(self, tokens: list[int], chunks: list[int], abort_after: int | None = None) -> None:
+        req = self.admit(tokens)
+        for i, end in enumerate(e for e in chunks if e > req.prefix_len):
+            self.extend([req], [end])
+            if abort_after is not None and i + 1 >= abort_after:
+                self.abort(req)
+                return
+        if req.prefix_len < len(tokens) and (not chunks or chunks[-1] != len(tokens)):
+            self.extend([req], [len(tokens)])
+        self.finish(req)
+
+    def batch(self, prompts: list[list[int]]) -> None:
+        """Several requests matched and locked together, then run and finished in turn."""
+        reqs = [self.admit(tokens, start_loads=False) for tokens in prompts]
+        self.start_loads()
+        self.extend(reqs, [len(req.full_untruncated_fill_ids) for req in reqs])
+        for req in reqs:
+            self.finish(req)
+
+    def evict(self, num_tokens: int) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        got = self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
+        self._call("evict")
+        self.log.append(("evict", num_tokens, got))
+
+    def probe(self, tokens: list[int]) -> None:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(rid="probe", origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))  # fmt: skip
+        req.init_next_round_input(self.cache)
+        self._call("match_prefix")
+        self.log.append(("probe", len(tokens), req.prefix_len, req.host_hit_length))
+
+    def settle(self) -> None:
+        """Apply every copy's ack (polling as the scheduler's event loop does)."""
+        for _ in range(5000):
+            self.cache.check_hicache_events()
+            if not (self.cache.ongoing_write_through or self.cache.ongoing_load_back):
+                break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("copies still in flight after 5 s")
+        free = self.params.token_to_kv_pool_allocator.available_size()
+        self.log.append(("sizes", self.cache.evictable_size(), self.cache.protected_size(), free))
+
+
+def _check_clean(cache: Any, params: Any) -> dict[str, int]:
+    """No lock left, the tree consistent, every device slot free or in the tree."""
+    tree = cache.tree
+    if cache.protected_size():
+        raise AssertionError(f"{cache.protected_size()} tokens still locked after every request")
+    tree.check_integrity(request_owned=0)
+    alloc = params.token_to_kv_pool_allocator
+    in_tree = tree.total_size()
+    in_flight = tree.device_in_flight() if hasattr(tree, "device_in_flight") else 0
+    if alloc.available_size() + in_tree + in_flight != alloc.size:
+        raise AssertionError(f"leak: free {alloc.available_size()} + tree {in_tree} != "
+                             f"{alloc.size}")  # fmt: skip
+    rtp = params.req_to_token_pool
+    if rtp.available_size() != rtp.size:
+        raise AssertionError(f"{rtp.size - rtp.available_size()} request rows not freed")
+    return {"device_in_tree": in_tree, "host_in_tree": _host_tokens(tree)}
+
+
+def _host_tokens(tree: Any) -> int:
+    return sum(len(x.host_value) for x in tree.all_nodes() if x.host_value is not None)
+
+
+# ---------------------------------------------------------------------------- rows
+def build_row(kind: str, page: int, policy: str, layout: str) -> dict[str, Any]:
+    """``create_tree_cache`` builds the project's tree from a real build context."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from hicache_prefill.hicache.tree.sglang_backend import HiRadixCacheBackend
+
+    out: dict[str, Any] = {"case": f"build/{kind}/p{page}/{policy}/{layout}", "ok": False}
+    try:
+        params = _pools(kind, page)
+        worker = _worker()
+        cache = create_tree_cache(_context(_server_args(page, policy, layout), params, worker))
+        if not isinstance(cache, HiRadixCacheBackend):
+            raise AssertionError(f"create_tree_cache built a {type(cache).__name__}")
+        cc = cache.cache_controller
+        dev = params.token_to_kv_pool_allocator.get_kvcache()
+        if worker.hicache_layer_transfer_counter is not cc.layer_done_counter:
+            raise AssertionError("the TP worker does not hold the tree's layer-done counter")
+        if dev.layer_transfer_counter is not cc.layer_done_counter:
+            raise AssertionError("the device pool does not wait on the tree's layer-done counter")
+        if (cache.tree.write_policy, cache.host_pool.layout) != (policy, layout):
+            raise AssertionError(f"built {cache.tree.write_policy}/{cache.host_pool.layout}")
+        out["classes"] = [type(cache).__name__, type(cache.tree).__name__, type(dev).__name__,
+                          type(cache.host_pool).__name__]  # fmt: skip
+        cc.close()
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def cli_row() -> dict[str, Any]:
+    """The flag as a fork's user types it: SGLang's ``prepare_server_args`` parses
+    ``--radix-cache-backend hicache_prefill`` with the HiCache flags, and ``create_tree_cache``
+    builds the project's tree from the parsed arguments."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    from hicache_prefill.hicache.tree.sglang_backend import HiRadixCacheBackend
+
+    argv = ["--model-path", "dummy", "--page-size", "4", "--enable-hierarchical-cache",
+            "--hicache-write-policy", "write_back", "--hicache-mem-layout", "page_first",
+            "--hicache-io-backend", "kernel", "--radix-cache-backend", BACKEND]  # fmt: skip
+    out: dict[str, Any] = {"case": "build/cli: " + " ".join(argv[2:]), "ok": False}
+    try:
+        args = prepare_server_args(argv)
+        set_global_server_args_for_scheduler(args)
+        cache = create_tree_cache(_context(args, _pools("MHA", 4), _worker()))
+        if not isinstance(cache, HiRadixCacheBackend) or cache.tree.write_policy != "write_back":
+            raise AssertionError(f"built {type(cache).__name__}")
+        cache.release_host_resources()
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def refusal_rows() -> list[dict[str, Any]]:
+    """Each refused mode raises one ``ValueError`` naming its flag, from ``create_tree_cache``."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    rows = []
+    cases = [(flag, kw, {}) for flag, kw in REFUSED.items()]
+    cases += [("sliding-window (SWA)", {}, {"swa": True}), ("mamba", {}, {"ssm": True})]
+    for flag, kw, model in cases:
+        out: dict[str, Any] = {"case": f"refuse/{flag}", "ok": False}
+        try:
+            args = _server_args(4, "write_through", "layer_first", **kw)
+            create_tree_cache(_context(args, _pools("MHA", 4), _worker(), **model))
+            out["error"] = "built"
+        except ValueError as e:
+            out["message"] = str(e)
+            out["ok"] = flag.split(" ")[0] in str(e) and f"--radix-cache-backend {BACKEND}" in str(
+                e
+            )
+            if not out["ok"]:
+                out["error"] = f"the error does not name {flag}: {e}"
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        rows.append(out)
+    return rows
+
+
+def _backend(
+    kind: str, page: int, policy: str, layout: str, name: str = BACKEND, ratio: float = 2.0
+) -> Any:
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    params = _pools(kind, page)
+    worker = _worker()
+    args = _server_args(page, policy, layout, backend=name, ratio=ratio)
+    cache = create_tree_cache(_context(args, params, worker))
+    return cache, params, worker
+
+
+def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
+    """Prefill requests through SGLang's scheduler helpers: a whole request, the same prompt
+    again (device hit), a chunked one sharing a prefix, an aborted one, then every unlocked
+    leaf evicted (backed up to the host under write_back) and the prompts again (host hits
+    loaded back layer by layer, under copy delays), all KV checked."""
+    out: dict[str, Any] = {"case": f"scheduler/{kind}/p{page}/{policy}", "ok": False}
+    try:
+        cache, params, worker = _backend(kind, page, policy, "layer_first", name=DELAYED)
+        kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
+        d = SchedulerDriver(cache, params, kv, worker)
+        ps = max(page, 4)  # host hits above the load-back threshold (10 tokens)
+        a = [1000 + i for i in range(6 * ps)]
+        b = a[: 4 * ps] + [2000 + i for i in range(4 * ps)]
+        c = [3000 + i for i in range(5 * ps)]
+        d.request(a, [len(a)])
+        d.request(a, [len(a)])
+        d.request(b, [2 * ps, 6 * ps, len(b)])
+        d.request(c, [2 * ps, 4 * ps], abort_after=1)
+        d.settle()
+        d.request(a + [4000 + i for i in range(2 * ps)], [len(a) + 2 * ps])  # a twice: backed up
+        d.settle()
+        d.evict(DEVICE_TOKENS)
+        d.settle()
+        host_before = _host_tokens(cache.tree)
+        d.request(a, [len(a)])
+        d.request(b, [len(b)])
+        d.settle()
+        loads = [e for e in d.log if e[0] == "admit" and e[4] > 0]
+        out["host_tokens_after_evict"] = host_before
+        out["loads_back"] = len(loads)
+        if not loads:
+            raise AssertionError(f"no host hit was loaded back ({d.log})")
+        out.update(_check_clean(cache, params))
+        census = cache.all_values_flatten()
+        if census.numel() != out["device_in_tree"] or cache.token_to_kv_pool_host is None:
+            raise AssertionError(f"all_values_flatten: {census.numel()} slots")
+        cache.reset()  # SGLang's flush_cache: the tree, then its row pool and allocator
+        params.req_to_token_pool.clear()
+        params.token_to_kv_pool_allocator.clear()
+        d.calls["reset (flush_cache)"] = 1
+        d.request(b, [len(b)])  # a miss after the flush, then a clean tree again
+        d.settle()
+        if d.log[-2][2:] != (0, 0, 0):
+            raise AssertionError(f"a match after reset: {d.log[-2]}")
+        _check_clean(cache, params)
+        out["calls"] = d.calls
+        out["kv_bytes_compared"] = kv.bytes_compared
+        out["log"] = d.log
+        cache.release_host_resources()
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def device_only_row(page: int) -> dict[str, Any]:
+    """Without ``--enable-hierarchical-cache`` the backend is the device-only tree: the same
+    requests through SGLang's helpers share prefixes, evict, and leave nothing behind."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from hicache_prefill.hicache.tree.radix_cache import RadixCache
+
+    out: dict[str, Any] = {"case": f"scheduler/MHA/p{page}/device-only", "ok": False}
+    try:
+        params = _pools("MHA", page)
+        worker = _worker()
+        args = _server_args(page, "write_through", "layer_first", hierarchical=False)
+        cache = create_tree_cache(_context(args, params, worker))
+        if type(cache.tree) is not RadixCache or cache.cache_controller is not None:
+            raise AssertionError(f"built {type(cache.tree).__name__} / {cache.cache_controller}")
+        kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), "MHA")
+        d = SchedulerDriver(cache, params, kv, worker)
+        a = [1000 + i for i in range(24)]
+        b = a[:16] + [2000 + i for i in range(16)]
+        d.request(a, [len(a)])
+        d.request(b, [8, 24, len(b)])
+        d.request(a + [3000] * 8, [28], abort_after=1)
+        d.settle()
+        d.evict(DEVICE_TOKENS)
+        d.settle()
+        d.request(a, [len(a)])
+        d.settle()
+        admits = [e for e in d.log if e[0] == "admit"]
+        if [e[2] for e in admits] != [0, 16, 24, 0]:  # evicted everything before the last
+            raise AssertionError(f"device hits {admits}")
+        out.update(_check_clean(cache, params))
+        out.update(calls=d.calls, kv_bytes_compared=kv.bytes_compared, loads_back=0, log=d.log)
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+# ---------------------------------------------------------------------------- differential
+def _unified(policy: str, page: int, kind: str = "MHA") -> Any:
+    """SGLang's ``UnifiedRadixCache`` with HiCache through its kit's ``build_fixture``, with
+    SGLang's own thresholds (``init_hicache`` directly, not the kit's test overrides). What the
+    kit is given while it builds: :data:`DIFF_PATCHES`."""
+    import contextlib
+    from unittest import mock
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+    fixtures = importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures")
+
+    def mla_pool(*, head_num: int, head_dim: int, **kwargs: Any) -> Any:
+        return MLATokenToKVPool(
+            kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM, **kwargs
+        )
+
+    cfg = CacheConfig(page_size=page, num_layers=LAYERS, kv_size=DEVICE_TOKENS,
+                      head_num=HEADS, head_dim=HEAD_DIM, max_num_reqs=MAX_REQS,
+                      max_context_len=CONTEXT)  # fmt: skip
+
+    def paged_allocator(**kwargs: Any) -> Any:
+        return PagedTokenToKVPoolAllocator(page_size=page, **kwargs)
+
+    with contextlib.ExitStack() as patches:
+        if kind == "MLA":
+            patches.enter_context(mock.patch.object(fixtures, "MHATokenToKVPool", mla_pool))
+        if page > 1:
+            patches.enter_context(
+                mock.patch.object(fixtures, "TokenToKVPoolAllocator", paged_allocator)
+            )
+        cache, alloc, rtp = fixtures.build_fixture(cfg)
+    args = _server_args(page, policy, "layer_first", backend=None, ratio=DIFF_HOST_RATIO)
+    cache.init_hicache(args, cache.cache_init_params)
+    fixtures.drop_hicache_atexit_pin(cache)
+    params = cache.cache_init_params
+    return cache, params, _worker_with(cache)
+
+
+def _worker_with(cache: Any) -> Any:
+    worker = _worker()
+    worker.register_hicache_layer_transfer_counter(cache.cache_controller.layer_done_counter)
+    return worker
+
+
+DIFF_PATCHES: dict[str, str] = {
+    "sglang.test.kits.unified_radix_cache.fixtures.TokenToKVPoolAllocator (differential, page "
+    "4)": "the kit pairs a page-4 tree with SGLang's page-1 allocator, whose alloc_extend raises "
+    "(NotImplementedError: only for paged allocator) under SGLang's own alloc_for_extend; the "
+    "differential rows give the kit SGLang's PagedTokenToKVPoolAllocator at the tree's page "
+    "size, as a server builds it",
+    "sglang.test.kits.unified_radix_cache.fixtures.MHATokenToKVPool (differential, MLA)": "as "
+    "the real-stack MLA tree rows: SGLang's MLATokenToKVPool while build_fixture runs",
+}
+DIFF_PAGES = (1, 4)
+DIFF_HOST_RATIO = 16.0
+"""Host pools large enough that no host eviction runs: under host pressure the two trees differ
+on purpose (``docs/GUIDE.md``, "LRU holds under host pressure"; SGLang's host pool also holds one
+token more at page 1), so the differential compares everything else."""
+
+
+def _ops(rng: random.Random) -> list[tuple]:
+    """A random operation sequence over a few shared prompts (in units of 4 tokens, so host hits
+    pass the load-back threshold of 10 tokens at any page size)."""
+    u = 4
+    bases = [[rng.randrange(1, 50000) for _ in range(rng.randint(2, 6) * u)] for _ in range(4)]
+
+    def prompt() -> list[int]:
+        tail = [rng.randrange(1, 50000) for _ in range(rng.randint(0, 4) * u)]
+        return rng.choice(bases) + tail + ([7] * u if not tail else [])
+
+    ops: list[tuple] = []
+    for _ in range(OPS_PER_SEQUENCE):
+        r = rng.random()
+        tokens = prompt()
+        cut = rng.randint(1, len(tokens) // u - 1) * u
+        if r < 0.35:
+            ops.append(("request", tokens, [len(tokens)], None))
+        elif r < 0.5:
+            ops.append(("request", tokens, [cut, len(tokens)], None))
+        elif r < 0.6:
+            ops.append(("request", tokens, [cut, len(tokens)], 1))
+        elif r < 0.75:
+            ops.append(("batch", [tokens, prompt(), prompt()]))
+        elif r < 0.87:
+            ops.append(("evict", rng.choice([u, 4 * u, DEVICE_TOKENS])))
+        else:
+            ops.append(("probe", tokens))
+    return ops
+
+
+def _replay(driver: SchedulerDriver, ops: list[tuple]) -> None:
+    for op in ops:
+        if op[0] == "request":
+            driver.request(op[1], op[2], abort_after=op[3])
+        elif op[0] == "batch":
+            driver.batch(op[1])
+        elif op[0] == "evict":
+            driver.evict(op[1])
+        else:
+            driver.probe(op[1])
+        driver.settle()
+
+
+def differential_row(policy: str, page: int, seed: int, kind: str = "MHA") -> dict[str, Any]:
+    """:data:`SEQUENCES` random sequences of :data:`OPS_PER_SEQUENCE` operations, each on a fresh
+    ``UnifiedRadixCache`` and a fresh backend (copy delay :data:`COPY_DELAY` s): every logged
+    observation equal, every KV read equal to what was written, the backend clean at the end."""
+    out: dict[str, Any] = {"case": f"differential/{kind}/p{page}/{policy}", "ok": False,
+                           "sequences": 0, "operations": 0, "observations": 0,
+                           "kv_bytes_compared": 0}  # fmt: skip
+    try:
+        rng = random.Random(seed)
+        for s in range(SEQUENCES):
+            ops = _ops(rng)
+            ucache, uparams, uworker = _unified(policy, page, kind)
+            udrv = SchedulerDriver(ucache, uparams, KVPool(
+                uparams.token_to_kv_pool_allocator.get_kvcache(), kind), uworker)  # fmt: skip
+            _replay(udrv, ops)
+            bcache, bparams, bworker = _backend(
+                kind, page, policy, "layer_first", DELAYED, ratio=DIFF_HOST_RATIO
+            )
+            bdrv = SchedulerDriver(bcache, bparams, KVPool(
+                bparams.token_to_kv_pool_allocator.get_kvcache(), kind), bworker)  # fmt: skip
+            _replay(bdrv, ops)
+            for i, (u, b) in enumerate(zip(udrv.log, bdrv.log, strict=True)):
+                if u != b:
+                    raise AssertionError(f"sequence {s}, observation {i}: UnifiedRadixCache {u}, "
+                                         f"backend {b}; ops {ops}")  # fmt: skip
+            _check_clean(bcache, bparams)
+            bcache.release_host_resources()
+            ucache.release_host_resources()
+            out["sequences"] += 1
+            out["operations"] += len(ops)
+            out["observations"] += len(bdrv.log)
+            out["kv_bytes_compared"] += udrv.kv.bytes_compared + bdrv.kv.bytes_compared
+            out.setdefault("loads_back", 0)
+            out["loads_back"] += sum(1 for e in bdrv.log if e[0] == "admit" and e[4] > 0)
+            for name, n in bdrv.calls.items():
+                out.setdefault("calls", {})[name] = out.get("calls", {}).get(name, 0) + n
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:6000]
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def main(site: str, out_path: str) -> int:
+    from tests.sglang_check import real_stack
+
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"mode": "tree-backend"}
+    finder = real_stack._setup(site)
+    try:
+        from hicache_prefill.kernels.sglang import compat
+
+        out["sglang_version"] = compat.sglang_version()
+        handle = compat.install(route_around_jit=True)
+        real_stack._patch()
+        importlib.import_module("sglang.test.kits.unified_radix_cache.fixtures").get_device = (
+            lambda *a, **k: "cpu"
+        )
+        base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
+        from tests.sglang_check.run_pin import _relax_host_reserve
+
+        out["host_memory_reserve_bytes_set_to_0"] = _relax_host_reserve(base)
+        from hicache_prefill.hicache.tree import sglang_backend
+
+        sglang_backend.register()
+        sglang_backend.register(
+            DELAYED, functools.partial(sglang_backend.build_backend, copy_delay=COPY_DELAY)
+        )
+        rows = [build_row(k, p, pol, lay) for k in ("MHA", "MLA") for p in (1, 4)
+                for pol in WRITE_POLICIES for lay in ("layer_first", "page_first")]  # fmt: skip
+        rows += [cli_row(), *refusal_rows()]
+        rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
+                 for pol in WRITE_POLICIES]  # fmt: skip
+        rows += [device_only_row(p) for p in (1, 4)]
+        diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
+        diffs += [("MLA", pol, 4) for pol in WRITE_POLICIES]
+        rows += [differential_row(pol, page, seed=i, kind=kind)
+                 for i, (kind, pol, page) in enumerate(diffs)]  # fmt: skip
+        out["tree_backend"] = rows
+        out["sglang_unit_tests"] = SGLANG_UNIT_TESTS
+        handle.uninstall()
+    except Exception as e:
+        out["fatal"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    out["stubs"] = real_stack._stub_rows(finder) + [
+        {"module": k, "kind": "bare instance", "reason": v} for k, v in STUBS.items()
+    ]
+    out["stubs"] += [{"module": k, "kind": "patched name", "reason": v}
+                     for k, v in DIFF_PATCHES.items()]  # fmt: skip
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--out", required=True)
+    a = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
+    sys.exit(main(a.site, a.out))
