@@ -216,8 +216,11 @@ def wire_cost(quick: bool, engine_fit: dict[str, float] | None) -> dict[str, Any
         "rows": rows,
         "item_bytes": item,
         "repeats": reps,
-        "fit": {"fixed_ms": float(fixed) * 1e3, "us_per_item": float(per_item) * 1e6,
-                "gbps_at_item": item / float(per_item) / 1e9},  # fmt: skip
+        "fit": {
+            "fixed_ms": float(fixed) * 1e3,
+            "us_per_item": float(per_item) * 1e6,
+            "gbps_at_item": item / float(per_item) / 1e9,
+        },  # fmt: skip
     }
 
 
@@ -371,14 +374,19 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     if (path := cost["kv_transfer_measured"]) is not None:
         fit = f"{path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f} GB/s"
         print(f"[pd] least squares: {fit} (largest residual {path['max_rel_residual']:.0%})")
-    print(f"[pd] SGLang's wire, whole requests of {WIRE_GEOMETRY.item_lens()[0] >> 10} KiB items "
-          "to a decode worker process (medians; direct: the same items by one engine call, no "
-          "control plane; engine fit: the line above's prediction)", flush=True)
+    print(
+        f"[pd] SGLang's wire, whole requests of {WIRE_GEOMETRY.item_lens()[0] >> 10} KiB items "
+        "to a decode worker process (medians; direct: the same items by one engine call, no "
+        "control plane; engine fit: the line above's prediction)",
+        flush=True,
+    )
     wire = wire_cost(quick, path)
     print_table(wire["rows"], WIRE_COLUMNS)
     wf = wire["fit"]
-    print(f"[pd] least squares over request sizes: {wf['fixed_ms']:.2f} ms a request + "
-          f"{wf['us_per_item']:.1f} us per item ({wf['gbps_at_item']:.3f} GB/s)")
+    print(
+        f"[pd] least squares over request sizes: {wf['fixed_ms']:.2f} ms a request + "
+        f"{wf['us_per_item']:.1f} us per item ({wf['gbps_at_item']:.3f} GB/s)"
+    )
     print("[pd] TTFT (ms), optimistic prefill attempts 0 and 2, busy decode workers", flush=True)
     workers = start_workers(2, geometry=geometry(), pool_tokens=32768, max_running_requests=64,
                             check_free_pages=False)  # fmt: skip

@@ -269,8 +269,10 @@ def test_a_full_segment_is_a_counted_failure_never_a_wrong_page(nodes):
 def test_startup_errors_name_the_setting(master, nodes):
     _, b = nodes
     cases = [
-        ({"master_server_address": f"127.0.0.1:{master.metrics_port}"},  # an HTTP server
-         "setup failed.*'master_server_address'"),
+        (
+            {"master_server_address": f"127.0.0.1:{master.metrics_port}"},  # an HTTP server
+            "setup failed.*'master_server_address'",
+        ),
         ({"master_server_address": f"127.0.0.1:{free_port()}"}, "no Mooncake master answers"),
         ({"global_segment_size": "8mb"}, "'global_segment_size'.*minimum segment"),
     ]

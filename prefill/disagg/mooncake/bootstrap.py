@@ -27,10 +27,21 @@ logger = logging.getLogger(__name__)
 
 ROUTE_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 PUT_KEYS = (
-    "attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size",
-    "attn_dp_rank", "pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_ip",
-    "rank_port", "page_size", "kv_cache_dtype",
-)  # fmt: skip
+    "attn_tp_size",
+    "attn_tp_rank",
+    "attn_cp_size",
+    "attn_cp_rank",
+    "attn_dp_size",
+    "attn_dp_rank",
+    "pp_size",
+    "pp_rank",
+    "system_dp_size",
+    "system_dp_rank",
+    "rank_ip",
+    "rank_port",
+    "page_size",
+    "kv_cache_dtype",
+)
 MAX_BODY = 1 << 20
 SECRET_HEADER = "X-Hicache-PD-Secret"
 ROOM_ENTRY_TTL_S = 120.0  # SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
@@ -69,15 +80,17 @@ class RouteTable:
                     "page_size": ints["page_size"],
                     "kv_cache_dtype": data["kv_cache_dtype"],
                     "kv_layout": data.get("kv_layout"),
-                    "follow_bootstrap_room": data.get("load_balance_method",
-                                                      "follow_bootstrap_room")
+                    "follow_bootstrap_room": data.get(
+                        "load_balance_method", "follow_bootstrap_room"
+                    )
                     == "follow_bootstrap_room",
                     "enable_dsa_cache_layer_split": bool(
-                        data.get("enable_dsa_cache_layer_split", False)),
+                        data.get("enable_dsa_cache_layer_split", False)
+                    ),
                     "enable_kv_cache_sharding": bool(data.get("enable_kv_cache_sharding", False)),
                     "prefill_http_port": data.get("prefill_http_port"),
                     "decode_allocation_policy": policy,
-                }  # fmt: skip
+                }
             key = (group, ints["attn_cp_rank"], ints["attn_tp_rank"], ints["pp_rank"])
             self.ranks[key] = {"rank_ip": str(data["rank_ip"]), "rank_port": ints["rank_port"]}
         return None
@@ -129,8 +142,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, addr: tuple[str, int], handler: Any, max_threads: int,
-                 timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self, addr: tuple[str, int], handler: Any, max_threads: int, timeout_s: float
+    ) -> None:
         self.slots = threading.BoundedSemaphore(max_threads)
         self.timeout_s = timeout_s
         self.shed = 0
@@ -276,8 +290,11 @@ class BootstrapServer:
                         room, dp = int(data["bootstrap_room"]), int(data["dp_rank"])
                         with routes.lock:
                             now = time.time()
-                            for r in [r for r, (_, t) in routes.room_dp.items()
-                                      if now - t > ROOM_ENTRY_TTL_S]:  # fmt: skip
+                            for r in [
+                                r
+                                for r, (_, t) in routes.room_dp.items()
+                                if now - t > ROOM_ENTRY_TTL_S
+                            ]:
                                 del routes.room_dp[r]
                             if len(routes.room_dp) >= 1 << 16:
                                 return self._send(503, "too many rooms registered")
@@ -285,9 +302,11 @@ class BootstrapServer:
                         return self._send(200, "OK")
                     if path == "/query_dp_ranks":
                         with routes.lock:
-                            found = {str(int(r)): routes.room_dp[int(r)][0]
-                                     for r in data["bootstrap_rooms"][:4096]
-                                     if int(r) in routes.room_dp}  # fmt: skip
+                            found = {
+                                str(int(r)): routes.room_dp[int(r)][0]
+                                for r in data["bootstrap_rooms"][:4096]
+                                if int(r) in routes.room_dp
+                            }
                         return self._json(found)
                 except (ValueError, KeyError, TypeError) as e:
                     return self._send(400, f"bad request: {e}")
@@ -318,8 +337,11 @@ class BootstrapServer:
         return f"{self.host}:{self.port}"
 
     def stats(self) -> dict[str, int]:
-        return {"shed": self._http.shed, "expired": self._http.expired,
-                "in_service": len(self._http.live)}  # fmt: skip
+        return {
+            "shed": self._http.shed,
+            "expired": self._http.expired,
+            "in_service": len(self._http.live),
+        }
 
     def close(self) -> None:
         self._closed.set()
@@ -333,8 +355,14 @@ class BootstrapUnreachable(RuntimeError):
     """The bootstrap endpoint did not answer (the message names the address and why)."""
 
 
-def http(addr: str, path: str, timeout_s: float = 5.0, method: str = "GET",
-         body: Any = None, secret: str | None = None) -> bytes:  # fmt: skip
+def http(
+    addr: str,
+    path: str,
+    timeout_s: float = 5.0,
+    method: str = "GET",
+    body: Any = None,
+    secret: str | None = None,
+) -> bytes:
     """One request to ``http://addr/path`` (with the shared secret's header when given);
     ``BootstrapUnreachable`` naming the URL on any failure or non-200 answer."""
     url = f"http://{addr}{path}"

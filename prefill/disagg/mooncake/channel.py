@@ -167,8 +167,12 @@ class Listener:
         finally:
             s.close()
         if self.refused == 1 or self.refused % 100 == 0:
-            logger.error("%s: %d connections refused (at most %d open)", self.name,
-                         self.refused, self.max_connections)  # fmt: skip
+            logger.error(
+                "%s: %d connections refused (at most %d open)",
+                self.name,
+                self.refused,
+                self.max_connections,
+            )
 
     def _on_messages(self) -> None:
         for _ in range(256):  # then look at the monitor again

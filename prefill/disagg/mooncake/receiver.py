@@ -51,13 +51,29 @@ HEARTBEAT_INTERVAL_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
 HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
 
 
-SERVER_INFO_FIELDS = frozenset({
-    "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype",
-    "follow_bootstrap_room", "enable_dsa_cache_layer_split", "dsv41_spec_layout", "kv_layout",
-    "decode_allocation_policy", "enable_kv_cache_sharding", "prefill_http_port",
-    "target_tp_rank", "target_tp_ranks", "target_cp_ranks", "target_pp_ranks",
-    "required_dst_info_num", "required_prefill_response_num",
-})  # fmt: skip
+SERVER_INFO_FIELDS = frozenset(
+    {
+        "attn_tp_size",
+        "attn_cp_size",
+        "dp_size",
+        "pp_size",
+        "page_size",
+        "kv_cache_dtype",
+        "follow_bootstrap_room",
+        "enable_dsa_cache_layer_split",
+        "dsv41_spec_layout",
+        "kv_layout",
+        "decode_allocation_policy",
+        "enable_kv_cache_sharding",
+        "prefill_http_port",
+        "target_tp_rank",
+        "target_tp_ranks",
+        "target_cp_ranks",
+        "target_pp_ranks",
+        "required_dst_info_num",
+        "required_prefill_response_num",
+    }
+)
 """SGLang 0.5.23's ``PrefillServerInfo`` fields: its decode refuses any other key."""
 
 

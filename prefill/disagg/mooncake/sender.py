@@ -198,25 +198,36 @@ class PrefillTransport:
         except BootstrapUnreachable:
             self.close()
             raise
-        self._housekeeper = threading.Thread(target=self._housekeep, name="mc-housekeep",
-                                             daemon=True)  # fmt: skip
+        self._housekeeper = threading.Thread(
+            target=self._housekeep, name="mc-housekeep", daemon=True
+        )
         self._housekeeper.start()
 
     def rank_registration(self) -> dict[str, object]:
         """This rank's ``PUT /route`` payload (SGLang's ``register_to_bootstrap``)."""
         return {
-            "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
-            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
-            "system_dp_size": 1, "system_dp_rank": 0,
-            "rank_ip": self.host, "rank_port": self.listener.port,
+            "attn_tp_size": 1,
+            "attn_tp_rank": 0,
+            "attn_cp_size": 1,
+            "attn_cp_rank": 0,
+            "attn_dp_size": 1,
+            "attn_dp_rank": 0,
+            "pp_size": 1,
+            "pp_rank": 0,
+            "system_dp_size": 1,
+            "system_dp_rank": 0,
+            "rank_ip": self.host,
+            "rank_port": self.listener.port,
             "page_size": self.page_size,
             "kv_cache_dtype": self.geometry.kv_cache_dtype_str(),
-            "kv_layout": None, "dsv41_spec_layout": None,
+            "kv_layout": None,
+            "dsv41_spec_layout": None,
             "load_balance_method": "follow_bootstrap_room",
-            "enable_dsa_cache_layer_split": False, "enable_kv_cache_sharding": False,
+            "enable_dsa_cache_layer_split": False,
+            "enable_kv_cache_sharding": False,
             "prefill_http_port": None,
             "decode_allocation_policy": "early",
-        }  # fmt: skip
+        }
 
     def create_room(self, room: int, rid: str, num_tokens: int) -> Room:
         """A new room; a META that came first (and is not stale) is applied at once."""
@@ -452,9 +463,8 @@ class PrefillTransport:
         used idle unproven one."""
         busy = self._busy_sessions()
         idle = [
-            s for name, s in self.sessions.items()
-            if name not in busy and s.worker.pending == 0
-        ]  # fmt: skip
+            s for name, s in self.sessions.items() if name not in busy and s.worker.pending == 0
+        ]
         lim = self.limits
         for s in idle:
             used = now - max(s.worker.last_used, s.registered_at)
@@ -565,8 +575,9 @@ class PrefillTransport:
             r = self.rooms.get(abort.room)
             if r is None:
                 if abort.room not in self._poisoned and abort.generation is not None:
-                    self._push(endpoint, AbortAck(abort.room, PREFILL_RANK,
-                                                  abort.generation).to_frames())  # fmt: skip
+                    self._push(
+                        endpoint, AbortAck(abort.room, PREFILL_RANK, abort.generation).to_frames()
+                    )
                 return
             if r.status not in (KVPoll.Success, KVPoll.Failed):
                 self.fail_room(r, "the decode side aborted the request", notify=False)

@@ -247,8 +247,9 @@ class Abort:
         if len(frames) < 4:
             return cls(room)
         generation = _int(frames, 4, m, "generation") if len(frames) > 4 else None
-        return cls(room, _str(frames, 2, m, "decode ip"), _int(frames, 3, m, "decode port"),
-                   generation)  # fmt: skip
+        return cls(
+            room, _str(frames, 2, m, "decode ip"), _int(frames, 3, m, "decode port"), generation
+        )
 
     @property
     def endpoint(self) -> tuple[str, int] | None:

@@ -102,8 +102,10 @@ def test_messages_have_sglangs_frames_and_round_trip() -> None:
         ),
         ([b"BOOTSTRAP", b"1", b"ip", b"1"], "BOOTSTRAP: not served"),
         ([b"None", b"ip", b"1", b"s", b"\0" * 8 * 5000] + [b""] * 15, "5000 entries"),
-        ([b"1", b"ip", b"1", b"s", b"\0" * 4 * ((1 << 20) + 1), b"0", b"", b"1", b"0", b""],
-         "1048577 destination pages"),
+        (
+            [b"1", b"ip", b"1", b"s", b"\0" * 4 * ((1 << 20) + 1), b"0", b"", b"1", b"0", b""],
+            "1048577 destination pages",
+        ),
     ],
 )
 def test_malformed_prefill_messages_name_what_is_wrong(frames: list, message: str) -> None:
