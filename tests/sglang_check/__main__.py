@@ -26,6 +26,9 @@ MODES = ("cpu", "cuda-shaped")
 REAL_STACK_PINS = ("0.5.23",)
 """Pins also run in ``real-stack`` mode (:mod:`tests.sglang_check.real_stack`): SGLang imported
 with its pure-Python dependencies, its own device pools, assembler and ``L2TransferEngine``."""
+PD_INTEROP_PINS = ("0.5.23",)
+"""Pins also run in ``pd-interop`` mode (:mod:`tests.sglang_check.pd_interop`): SGLang's own
+Mooncake PD connector in child processes against this project's prefill side and decode worker."""
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,7 +98,26 @@ def verdict(r: dict[str, Any]) -> list[str]:
     for s in r.get("storage", []):
         if not s["ok"]:
             bad.append(f"L3 {s['case']}: {s.get('error', s)}")
+    for p in r.get("pd", []):
+        if not p["ok"] and not p.get("pending"):
+            bad.append(f"PD {p['case']}: {p.get('error', p)}")
     return bad
+
+
+def _pd_word(rows: list[dict[str, Any]]) -> str:
+    """``ok/run (requests, bytes compared, fault cases passed/run)`` of the PD rows."""
+    if not rows:
+        return "-"
+    run = [p for p in rows if "skipped" not in p and not p.get("pending")]
+    if not run:
+        return "skipped" if any("skipped" in p for p in rows) else "pending"
+    pending = sum(bool(p.get("pending")) for p in rows)
+    return (f"{sum(p['ok'] for p in run)}/{len(run)} "
+            f"({sum(p.get('requests', 0) for p in run)} req, "
+            f"{sum(p.get('bytes_compared', 0) for p in run)} B, faults "
+            f"{sum(p.get('fault_cases_passed', 0) for p in run)}/"
+            f"{sum(p.get('fault_cases', 0) for p in run)})"
+            + (f", {pending} pending" if pending else ""))  # fmt: skip
 
 
 def _roundtrip_word(rt: dict[str, Any]) -> str:
@@ -107,9 +129,10 @@ def _roundtrip_word(rt: dict[str, Any]) -> str:
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "| pin | mode | fork import | install | transfer cases ok | kernel launches (variants) "
-        "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok | gate rows "
+        "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok "
+        "| PD rows ok (requests, bytes, faults) | gate rows "
         "| gate differences (class: count) | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -134,7 +157,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
                 f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
-                f"| {_roundtrip_word(rt)} | {l3_word} "
+                f"| {_roundtrip_word(rt)} | {l3_word} | {_pd_word(r.get('pd', []))} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {'PASS' if not verdict(r) else 'FAIL'} |"
             )  # fmt: skip
@@ -161,15 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=".venv-sglang-check")
     parser.add_argument("--pins", nargs="+", default=["0.5.17", "0.5.23"])
     parser.add_argument("--out", default="results")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="only these modes (default: every mode of each pin)")  # fmt: skip
     args = parser.parse_args(argv)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for pin in args.pins:
         results[pin] = {}
-        for mode in (*MODES, *(("real-stack",) if pin in REAL_STACK_PINS else ())):
+        extra = (*(("real-stack",) if pin in REAL_STACK_PINS else ()),
+                 *(("pd-interop",) if pin in PD_INTEROP_PINS else ()))  # fmt: skip
+        for mode in (*MODES, *extra):
+            if args.modes and mode not in args.modes:
+                continue
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
     wheel = os.path.join(args.venv, "project-wheel")
-    if os.path.isdir(wheel):  # the last pin again, over the non-editable install
+    if os.path.isdir(wheel) and (not args.modes or "cpu" in args.modes):  # the last pin again, over the non-editable install
         pin = args.pins[-1]
         print(f"[sglang-check] sglang=={pin} (cpu, project installed non-editable) ...", flush=True)
         results[pin]["cpu, non-editable"] = run_one(args.venv, pin, "cpu", project_dir=wheel)
@@ -207,6 +236,21 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED: {s.get('error')}"
                 )  # fmt: skip
                 print(f"  {s['case']}: {what}")
+    for pin, modes in results.items():
+        rows = modes.get("pd-interop", {}).get("pd", [])
+        if rows:
+            print(f"\nPD over SGLang's Mooncake wire, sglang=={pin} (SGLang's own connector in "
+                  "child processes, real transfer engine over TCP on 127.0.0.1):")  # fmt: skip
+            for p in rows:
+                what = (
+                    f"skipped: {p['skipped']}" if "skipped" in p
+                    else f"PENDING: {p.get('error')}" if p.get("pending")
+                    else f"ok, {p['requests']} requests byte-exact, {p['bytes_compared']} bytes "
+                    f"compared, fault cases {p.get('fault_cases_passed', 0)}/"
+                    f"{p.get('fault_cases', 0)}" if p["ok"]
+                    else f"FAILED: {p.get('error')}"
+                )  # fmt: skip
+                print(f"  {p['case']}: {what}")
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {

@@ -103,7 +103,8 @@ def _hf_kernels() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
-    parser.add_argument("--mode", choices=("cpu", "cuda-shaped", "real-stack"), required=True)
+    parser.add_argument("--mode", choices=("cpu", "cuda-shaped", "real-stack", "pd-interop"),
+                        required=True)  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sglang_check import real_stack
 
         return real_stack.main(args.site, args.out)
+    if args.mode == "pd-interop":  # SGLang's own Mooncake PD connector against this project's
+        from tests.sglang_check import pd_interop
+
+        return pd_interop.main(args.site, args.out)
     _under_loopback_shim()
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
