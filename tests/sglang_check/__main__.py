@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
     wheel = os.path.join(args.venv, "project-wheel")
-    if os.path.isdir(wheel) and (not args.modes or "cpu" in args.modes):  # the last pin again, over the non-editable install
+    # the last pin again, over the non-editable install
+    if os.path.isdir(wheel) and (not args.modes or "cpu" in args.modes):
         pin = args.pins[-1]
         print(f"[sglang-check] sglang=={pin} (cpu, project installed non-editable) ...", flush=True)
         results[pin]["cpu, non-editable"] = run_one(args.venv, pin, "cpu", project_dir=wheel)

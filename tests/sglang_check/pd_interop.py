@@ -69,7 +69,7 @@ def plan_requests(n: int, page_size: int, seed: int) -> list[dict[str, Any]]:
             src.sort()
             dst.sort()
         cuts = sorted(rng.sample(range(1, npages), min(npages - 1, rng.randint(0, 3))))
-        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, npages])]
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, npages], strict=True)]
         out.append({"room": rooms[i], "tokens": tokens, "src": src, "dst": dst,
                     "chunks": chunks, "aux_p": aux_p[i], "aux_d": aux_d[i],
                     "output_id": rng.randint(1, 150_000),
@@ -81,7 +81,7 @@ def compare_pages(src: list[str], dst: list[str]) -> tuple[bool, int]:
     """Byte-exact per buffer; returns (equal, bytes compared)."""
     total = 0
     equal = len(src) == len(dst)
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=False):
         ra, rb = base64.b64decode(a), base64.b64decode(b)
         total += len(ra)
         equal = equal and ra == rb
@@ -141,8 +141,10 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
                 ps = prefill.wait_status("sender_poll", r["room"], {SUCCESS}, 10)
                 if ps["status"] != SUCCESS:
                     raise AssertionError(f"room {r['room']}: sender ended {ps}")
-                same, nbytes = compare_pages(prefill.call("pages", pages=r["src"])["buffers"],
-                                             decode.call("pages", pages=r["dst"])["buffers"])
+                same, nbytes = compare_pages(
+                    prefill.call("pages", pages=r["src"])["buffers"],
+                    decode.call("pages", pages=r["dst"])["buffers"],
+                )
                 if not same:
                     raise AssertionError(f"room {r['room']}: received pages differ")
                 bad = check_aux(decode.call("aux", aux=r["aux_d"]), r)
