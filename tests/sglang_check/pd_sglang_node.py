@@ -180,6 +180,31 @@ class Node:
             flat = buf.view(torch.uint8).view(-1)
             flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
 
+    def fill_const(self, value: int) -> None:
+        import torch
+
+        for buf in self._buffers():
+            buf.view(torch.uint8).fill_(value)
+
+    def untouched(self, value: int, exclude: list[int]) -> dict[str, int]:
+        """Pages (page 0 and ``exclude`` left out) whose every byte in every buffer still is
+        ``value``, and those where some byte is not."""
+        import torch
+
+        ps = self.page_size
+        pages = int(self.cfg["tokens"]) // ps
+        skip = set(exclude) | {0}
+        clean = dirty = 0
+        bufs = [b.view(torch.uint8).view(b.shape[0], -1) for b in self._buffers()]
+        for p in range(pages):
+            if p in skip:
+                continue
+            if all(bool((b[p * ps : (p + 1) * ps] == value).all()) for b in bufs):
+                clean += 1
+            else:
+                dirty += 1
+        return {"clean": clean, "dirty": dirty}
+
     def zero(self) -> None:
         for buf in self._buffers():
             buf.zero_()
@@ -279,6 +304,11 @@ class Node:
         if op == "zero":
             self.zero()
             return {}
+        if op == "fill_const":
+            self.fill_const(int(cmd["value"]))
+            return {}
+        if op == "untouched":
+            return {"pages": self.untouched(int(cmd["value"]), cmd["exclude"])}
         if op == "pages":
             return {"buffers": self.page_bytes(cmd["pages"])}
         if op == "aux":

@@ -1,0 +1,373 @@
+"""This project's prefill side serving SGLang 0.5.23's own decode connector, on loopback.
+
+The prefill side is the product's: ``OptimisticPrefillExecutor`` over ``build_kv_cache`` with
+``--disaggregation-transfer-backend mooncake`` (``make_decode_backend``: its bootstrap server,
+its ZMQ listener, its Mooncake engine in this process, under the loopback shim). Its ``decode``
+is :class:`SGLangDecodeRouter`: SGLang's router role, handing each request's room and the
+prefill's bootstrap address to SGLang's ``MooncakeKVReceiver`` in a child
+(:mod:`tests.sglang_check.pd_sglang_node`), which picks decode pages and an aux row as
+``DecodePreallocQueue`` does and polls through SGLang's metadata gate.
+
+Rows (:func:`run`): many requests byte-exact (every token row the prefill sent, read from SGLang's
+decode pool, against the prefill's KV snapshotted at send time; the aux row as SGLang's decode
+reads it); the fault cases (SGLang's receiver killed mid-transfer, frozen past the bootstrap
+timeout, frozen mid-transfer, aborting first); optimistic attempts that are never finalized
+write nothing SGLang's decode pool can see.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import time
+import traceback
+from typing import Any
+
+from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
+
+SUCCESS, FAILED, WAITING = 4, 0, 2
+POISON = 0xA5
+WIRE_PENDING = (
+    "pending: this checkout's prefill side still speaks the home-made framing "
+    "(prefill.disagg.mooncake.wire.encode_frames), not SGLang's ZMQ wire"
+)
+
+
+def wire_pending() -> str | None:
+    """Why the project side cannot serve SGLang's decode in this checkout, or None."""
+    from hicache_prefill.prefill.disagg.mooncake import wire
+
+    return WIRE_PENDING if hasattr(wire, "encode_frames") else None
+
+
+class SGLangDecodeRouter:
+    """The executor's ``DecodeBackend``: the product's ``MooncakeBackend`` (prefill side) plus
+    SGLang's decode receiver in ``node``. Decode pages and aux rows come from free lists of the
+    node's pool; ``hold(rid)`` keeps a request from reaching decode until ``route(rid)``."""
+
+    def __init__(self, backend: Any, node: SGLangNodeProcess, pool: Any, decode_pages: int,
+                 aux_rows: int, seed: int) -> None:  # fmt: skip
+        self.backend = backend
+        self.node = node
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.rng = random.Random(seed)
+        self.free_pages = list(range(1, decode_pages))
+        self.rng.shuffle(self.free_pages)
+        self.free_aux = list(range(aux_rows))
+        self.rng.shuffle(self.free_aux)
+        self.routes: dict[str, dict[str, Any]] = {}
+        self.sent: dict[str, dict[int, list[bytes]]] = {}  # rid -> token -> row bytes per buffer
+        self.hold: Any = lambda rid: False
+        self.routed_rooms: set[int] = set()
+
+    # DecodeBackend ----------------------------------------------------------------------------
+    @property
+    def clock(self) -> Any:
+        return self.backend.clock
+
+    @property
+    def force_not_ready_prob(self) -> float:
+        return self.backend.force_not_ready_prob
+
+    @property
+    def peers(self) -> dict[str, Any]:
+        return self.backend.peers
+
+    @property
+    def send_log(self) -> Any:
+        return self.backend.send_log
+
+    def create_peer(self, rid: str, num_tokens: int, token_ids: Any = None) -> Any:
+        link = self.backend.create_peer(rid, num_tokens, token_ids)
+        npages = -(-num_tokens // self.page_size)
+        if npages > len(self.free_pages) or not self.free_aux:
+            raise RuntimeError(f"{rid}: the SGLang decode pool is full (test sizing)")
+        pages = [self.free_pages.pop() for _ in range(npages)]
+        if self.rng.random() < 0.4:
+            pages.sort()
+        self.routes[rid] = {"room": link.room, "pages": pages, "aux": self.free_aux.pop(),
+                            "num_tokens": num_tokens, "routed": False}  # fmt: skip
+        self._snapshot_sends(rid, link)
+        if not self.hold(rid):
+            self.route(rid)
+        return link
+
+    def next_event_time(self) -> float | None:
+        return self.backend.next_event_time()
+
+    def release(self, rid: str) -> None:
+        self.backend.release(rid)
+
+    # the router -------------------------------------------------------------------------------
+    def route(self, rid: str) -> dict[str, Any]:
+        """Hand ``rid`` to SGLang's decode: receiver, ``init(0)``, ``send_metadata``."""
+        r = self.routes[rid]
+        r["routed"] = True
+        self.routed_rooms.add(r["room"])
+        return self.node.call("add", room=r["room"], addr=self.backend.bootstrap_addr,
+                              pages=r["pages"], aux=r["aux"], prefix=0)  # fmt: skip
+
+    def forget(self, rid: str, clear_node: bool = True) -> None:
+        """SGLang's decode is done with ``rid``: clear its receiver and row, free its pages."""
+        r = self.routes.pop(rid)
+        if clear_node and r["routed"]:
+            self.node.call("clear", room=r["room"])
+            self.node.call("clear_aux", aux=r["aux"])
+        self.free_pages.extend(r["pages"])
+        self.free_aux.append(r["aux"])
+        self.sent.pop(rid, None)
+
+    def _snapshot_sends(self, rid: str, link: Any) -> None:
+        """Record the prefill pool's rows of every token a send hands to the transport, at the
+        moment it hands them over (the bytes SGLang's decode must end up holding)."""
+        inner = link.send
+        pool = self.pool
+        rows = self.sent.setdefault(rid, {})
+
+        def send(attempt: int, start: int, end: int, src_slots: Any, last: bool,
+                 metadata: Any = None) -> bool:  # fmt: skip
+            snap = [buf[src_slots.to(buf.device)].contiguous() for buf in _buffers(pool)]
+            ok = inner(attempt, start, end, src_slots, last, metadata=metadata)
+            if ok:
+                for i in range(end - start):
+                    rows[start + i] = [t[i].view(-1).view(_u8()).numpy().tobytes() for t in snap]
+            return ok
+
+        link.send = send
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _buffers(pool: Any) -> list[Any]:
+    if hasattr(pool, "k_buffer"):
+        return [*pool.k_buffer, *pool.v_buffer]
+    return list(pool.kv_buffer)
+
+
+def compare_request(router: SGLangDecodeRouter, rid: str) -> tuple[bool, int, str]:
+    """Every token row the prefill sent for ``rid`` against SGLang's decode pool rows of the
+    same token (decode page order = token order); returns (equal, bytes compared, detail)."""
+    r = router.routes[rid]
+    n = r["num_tokens"]
+    sent = router.sent.get(rid, {})
+    if sorted(sent) != list(range(n)):
+        return False, 0, f"sent tokens {len(sent)} of {n}"
+    got = [base64.b64decode(b) for b in router.node.call("pages", pages=r["pages"])["buffers"]]
+    nbuf = len(got)
+    if nbuf != len(sent[0]):
+        return False, 0, f"decode has {nbuf} buffers, prefill {len(sent[0])}"
+    total = 0
+    for b in range(nbuf):
+        row = len(sent[0][b])
+        for t in range(n):
+            want = sent[t][b]
+            have = got[b][t * row : (t + 1) * row]
+            total += row
+            if have != want:
+                return False, total, f"buffer {b} token {t} differs"
+    return True, total, ""
+
+
+def expected_aux(res: Any, room: int) -> dict[str, Any]:
+    cached = res.cached_device_tokens + res.cached_host_tokens
+    return {"output_id": res.first_token, "cached_tokens0": cached, "bootstrap_room": room}
+
+
+class Scene:
+    """One prefill executor (the product's) and one SGLang decode node, with the leak checks."""
+
+    def __init__(self, site: str, page_size: int, seed: int, **args_over: Any) -> None:
+        from hicache_prefill.prefill.clock import WallClock
+        from hicache_prefill.prefill.disagg.backends import make_decode_backend
+        from hicache_prefill.prefill.executor import OptimisticPrefillExecutor
+        from hicache_prefill.prefill.model.factory import build_model
+        from hicache_prefill.prefill.scheduler.admission import (
+            DEFAULT_MAX_RUNNING_REQUESTS,
+            metadata_buffer_count,
+        )
+        from hicache_prefill.server_args import ServerArgs
+
+        from tests.sglang_check import pd_interop
+        from tests.support.harness import build_cache
+
+        base = dict(page_size=page_size, max_total_tokens=8192, chunked_prefill_size=64,
+                    device="cpu", dtype="float32", disaggregation_mode="prefill",
+                    disaggregation_transfer_backend="mooncake",
+                    disaggregation_bootstrap_port=0)  # fmt: skip
+        self.args = ServerArgs(**{**base, **args_over})  # type: ignore[arg-type]
+        self.site, self.seed = site, seed
+        self.cache = build_cache(self.args)
+        pool = self.cache.device_pool
+        self.pool = pool
+        clock = WallClock()
+        mrr = getattr(self.args, "max_running_requests", None) or DEFAULT_MAX_RUNNING_REQUESTS
+        self.backend = make_decode_backend(self.args, pool, clock, metadata_buffer_count(mrr),
+                                           1 << 16, keep_received=True)  # fmt: skip
+        self.node: SGLangNodeProcess | None = None
+        try:
+            self.node = self.start_node()
+            self.router = SGLangDecodeRouter(self.backend, self.node, pool,
+                                             self.decode_tokens // page_size,
+                                             pd_interop.GEOMETRY["aux_rows"], seed)  # fmt: skip
+            self.ex = OptimisticPrefillExecutor(self.args, cache=self.cache,
+                                                model=build_model(self.args), clock=clock,
+                                                decode=self.router)  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    decode_tokens = 16384
+
+    def node_config(self) -> dict[str, Any]:
+        from tests.sglang_check import pd_interop
+
+        pool = self.pool
+        if hasattr(pool, "k_buffer"):
+            geo = {"kind": "MHA", "heads": pool.head_num, "head_dim": pool.head_dim}
+        else:
+            geo = {"kind": "MLA", "kv_lora_rank": pool.kv_lora_rank,
+                   "qk_rope_head_dim": pool.qk_rope_head_dim}  # fmt: skip
+        dtype = str(pool.dtype).removeprefix("torch.")
+        return {**pd_interop.GEOMETRY, **geo, "layers": pool.layer_num, "dtype": dtype,
+                "page_size": pool.page_size, "tokens": self.decode_tokens}  # fmt: skip
+
+    def start_node(self) -> SGLangNodeProcess:
+        node = SGLangNodeProcess(self.site, "decode", self.node_config())
+        node.call("fill_const", value=POISON)
+        return node
+
+    def replace_node(self) -> None:
+        """A fresh SGLang decode in place of the current one (after a kill or a freeze); the
+        router's free lists start over with it."""
+        if self.node is not None:
+            self.node.stop()
+        self.node = self.start_node()
+        r = self.router
+        r.node = self.node
+        r.routes.clear()
+        r.sent.clear()
+        r.free_pages = list(range(1, self.decode_tokens // self.pool.page_size))
+        r.rng.shuffle(r.free_pages)
+        r.free_aux = list(range(_aux_rows()))
+        r.rng.shuffle(r.free_aux)
+
+    def drive(self, until: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                return False
+            if not self.ex.step():
+                time.sleep(0.001)
+            self.ex.check_integrity()
+        return True
+
+    def leaks(self) -> list[str]:
+        """What the prefill side still holds with no request live (empty: back to baseline)."""
+        ex = self.ex
+        bad = []
+        ex.check_integrity()
+        if ex.request_owned_slots():
+            bad.append(f"request-owned slots {ex.request_owned_slots()}")
+        if ex.draining_queue:
+            bad.append(f"draining {[r.rid for r in ex.draining_queue]}")
+        stats = self.backend.transport.stats()
+        if stats.get("outstanding"):
+            bad.append(f"outstanding transfers {stats['outstanding']}")
+        live = [rid for rid, link in self.backend.peers.items() if link.live]
+        if live:
+            bad.append(f"live links {live}")
+        return bad
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.stop()
+        self.backend.close()
+
+
+def _aux_rows() -> int:
+    from tests.sglang_check import pd_interop
+
+    return int(pd_interop.GEOMETRY["aux_rows"])
+
+
+def _prompt(rng: random.Random, n: int, prefix: list[int] | None = None) -> list[int]:
+    body = [rng.randrange(0, 500) for _ in range(n)]
+    return (prefix + body)[:n] if prefix else body
+
+
+def run_many(site: str, page_size: int, n: int, seed: int) -> dict[str, Any]:
+    """``n`` requests (mixed lengths, shared prefixes, chunked prefill) byte-exact."""
+    row: dict[str, Any] = {"case": f"pd/project->sglang/p{page_size}", "ok": False,
+                           "requests": 0, "bytes_compared": 0, "fault_cases": 0,
+                           "fault_cases_passed": 0}  # fmt: skip
+    t0 = time.monotonic()
+    scene = None
+    try:
+        scene = Scene(site, page_size, seed,
+                      chunked_prefill_size=64 if page_size > 1 else 16)  # fmt: skip
+        rng = random.Random(seed)
+        shared = _prompt(rng, 96)
+        lengths = [1, page_size, page_size + 1, 3 * page_size, 100, 200, 333]
+        done = 0
+        for w in range(0, n, 8):
+            rids = []
+            for i in range(w, min(n, w + 8)):
+                length = lengths[i] if i < len(lengths) else rng.randint(1, 300)
+                prefix = shared if i % 3 == 0 else None
+                rid = f"r{i}"
+                scene.ex.submit(rid, _prompt(rng, length, prefix))
+                rids.append(rid)
+            scene.ex.run_until_idle(check=True)
+            results = {r.rid: r for r in scene.ex.pop_results()}
+            for rid in rids:
+                res = results[rid]
+                if res.outcome.name != "SUCCESS":
+                    raise AssertionError(f"{rid}: {res.outcome.name} ({res.error})")
+                route = scene.router.routes[rid]
+                st = scene.node.wait_status("poll", route["room"], {SUCCESS}, 30)
+                if st["status"] != SUCCESS:
+                    raise AssertionError(f"{rid}: SGLang's decode ended {st}")
+                same, nbytes, why = compare_request(scene.router, rid)
+                if not same:
+                    raise AssertionError(f"{rid}: received KV differs: {why}")
+                aux = scene.node.call("aux", aux=route["aux"])
+                want = expected_aux(res, route["room"])
+                have = {"output_id": aux["output_id"], "cached_tokens0": aux["cached_tokens"][0],
+                        "bootstrap_room": aux["bootstrap_room"]}  # fmt: skip
+                if have != want or aux["logprob_fields_nonzero"]:
+                    raise AssertionError(f"{rid}: aux row as SGLang reads it {aux}, want {want}")
+                row.setdefault("cached_tokens_rows", []).append(aux["cached_tokens"])
+                row["bytes_compared"] += nbytes
+                row["requests"] += 1
+                done += 1
+                scene.router.forget(rid)
+                scene.router.release(rid)
+        leaks = scene.leaks()
+        if leaks:
+            raise AssertionError(f"prefill side not back to baseline: {leaks}")
+        row["ok"] = done == n
+    except (NodeError, AssertionError) as e:
+        row["error"] = str(e)[-3000:]
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc()
+    finally:
+        if scene is not None:
+            row["stubs"] = scene.node.stubs if scene.node is not None else {}
+            scene.close()
+    rows = row.pop("cached_tokens_rows", [])
+    row["cached_tokens_seen"] = sorted({tuple(r) for r in rows})[:8]
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def run(site: str, requests: int) -> list[dict[str, Any]]:
+    why = wire_pending()
+    if why is not None:
+        return [{"case": "pd/project->sglang", "ok": False, "pending": True, "error": why}]
+    return [run_many(site, ps, requests, seed=3 + ps) for ps in (16, 1)]
