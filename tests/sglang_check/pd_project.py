@@ -191,7 +191,6 @@ class Scene:
             metadata_buffer_count,
         )
         from hicache_prefill.server_args import ServerArgs
-
         from tests.sglang_check import pd_interop
         from tests.support.harness import build_cache
 
