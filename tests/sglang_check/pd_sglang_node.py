@@ -232,16 +232,30 @@ class Node:
 
     # --- decode ---------------------------------------------------------------------------------
 
-    def add(self, room: int, addr: str, pages: list[int], aux: int, prefix: int) -> dict:
-        import numpy as np
-
+    def prepare(self, room: int, addr: str) -> dict:
+        """DecodePreallocQueue's first steps: the prefill's parallel info (GET /route), a
+        receiver, ``init(0)`` (REGISTER once per prefill rank)."""
         if not self.mgr.try_ensure_parallel_info(addr):
             return {"registered": False, "status": 0}
         rcv = self.receiver_cls(self.mgr, addr, room)
         rcv.init(0)
-        rcv.send_metadata(np.asarray(pages, dtype=np.int32), aux, None, prefix)
-        self.peers[room] = {"receiver": rcv, "aux": aux, "pages": pages}
+        self.peers[room] = {"receiver": rcv, "aux": None, "pages": None}
         return {"registered": True, "status": int(rcv.poll())}
+
+    def send_meta(self, room: int, pages: list[int], aux: int, prefix: int) -> dict:
+        """``_send_kv_metadata``: the decode page ids (int32) and the aux row (META)."""
+        import numpy as np
+
+        peer = self.peers[room]
+        peer["aux"], peer["pages"] = aux, pages
+        peer["receiver"].send_metadata(np.asarray(pages, dtype=np.int32), aux, None, prefix)
+        return {"status": int(peer["receiver"].poll())}
+
+    def add(self, room: int, addr: str, pages: list[int], aux: int, prefix: int) -> dict:
+        out = self.prepare(room, addr)
+        if out["registered"]:
+            out["status"] = self.send_meta(room, pages, aux, prefix)["status"]
+        return out
 
     def poll(self, room: int) -> dict:
         from types import SimpleNamespace
@@ -319,6 +333,13 @@ class Node:
         if op == "add":
             return self.add(room, cmd["addr"], cmd["pages"], int(cmd["aux"]),
                             int(cmd.get("prefix", 0)))  # fmt: skip
+        if op == "prepare":
+            return self.prepare(room, cmd["addr"])
+        if op == "send_meta":
+            return self.send_meta(room, cmd["pages"], int(cmd["aux"]), int(cmd.get("prefix", 0)))
+        if op == "release_safe":
+            return {"safe": bool(self.mgr.is_abort_release_safe(room, 1)),
+                    "armed": room in self.mgr._deferred_abort_ack_tracker}  # fmt: skip
         if op == "poll":
             return self.poll(room)
         if op == "abort":
