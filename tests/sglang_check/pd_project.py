@@ -639,4 +639,7 @@ def run(site: str, requests: int) -> list[dict[str, Any]]:
     rows = [run_many(site, ps, requests, seed=3 + ps) for ps in (16, 1)]
     rows.append(run_faults(site, seed=41))
     rows.append(run_optimistic(site, seed=42))
+    from tests.sglang_check import pd_reverse
+
+    rows.append(pd_reverse.run_sglang_to_project(site, 16, requests, seed=43))
     return rows
