@@ -174,8 +174,13 @@ def compare_request(router: SGLangDecodeRouter, rid: str) -> tuple[bool, int, st
 
 
 def expected_aux(res: Any, room: int) -> dict[str, Any]:
-    cached = res.cached_device_tokens + res.cached_host_tokens
-    return {"output_id": res.first_token, "cached_tokens0": cached, "bootstrap_room": room}
+    """The aux row SGLang's prefill would send for this request (``MetadataBuffers.set_buf``):
+    cached tokens as ``[total, device, host, storage]``, the tiers disjoint as SGLang's
+    ``split_cached_prefix_by_tier`` makes them (this project counts L3 tokens inside host)."""
+    dev, host, storage = (res.cached_device_tokens, res.cached_host_tokens,
+                          getattr(res, "cached_storage_tokens", 0))  # fmt: skip
+    return {"output_id": res.first_token, "cached_tokens": [dev + host, dev, host - storage,
+            storage], "bootstrap_room": room}  # fmt: skip
 
 
 class Scene:
@@ -336,8 +341,7 @@ def run_many(site: str, page_size: int, n: int, seed: int) -> dict[str, Any]:
                     raise AssertionError(f"{rid}: received KV differs: {why}")
                 aux = scene.node.call("aux", aux=route["aux"])
                 want = expected_aux(res, route["room"])
-                have = {"output_id": aux["output_id"], "cached_tokens0": aux["cached_tokens"][0],
-                        "bootstrap_room": aux["bootstrap_room"]}  # fmt: skip
+                have = {k: aux[k] for k in want}
                 if have != want or aux["logprob_fields_nonzero"]:
                     raise AssertionError(f"{rid}: aux row as SGLang reads it {aux}, want {want}")
                 row.setdefault("cached_tokens_rows", []).append(aux["cached_tokens"])
