@@ -99,6 +99,14 @@ def check_aux(row: dict[str, Any], req: dict[str, Any]) -> str | None:
     return f"aux row differs: {bad}" if bad else None
 
 
+def listeners(pids: list[int]) -> tuple[int, list[tuple[str, int]]]:
+    """(TCP listeners of ``pids``, those not on loopback)."""
+    from tests.support import loopback
+
+    found = loopback.tcp_listeners(pids)
+    return len(found), loopback.non_loopback(found)
+
+
 def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, Any]:
     """SGLang prefill node -> SGLang decode node, ``n`` requests in waves of 8."""
     from tests.support.loopback import free_port
@@ -155,9 +163,11 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
                 decode.call("clear", room=r["room"])
                 decode.call("clear_aux", aux=r["aux_d"])
                 prefill.call("clear", room=r["room"])
-        row["ok"] = row["requests"] == len(reqs) and row["requests"] >= n
+        row["listeners"], off = listeners([prefill.pid, decode.pid])
+        row["ok"] = row["requests"] == len(reqs) and row["requests"] >= n and not off
         if not row["ok"]:
-            row["error"] = f"{row['requests']} of {n} requests planned and passed"
+            row["error"] = (f"{row['requests']} of {n} requests planned and passed; listeners "
+                            f"off loopback: {off}")  # fmt: skip
     except (NodeError, AssertionError) as e:
         row["error"] = str(e)[-3000:]
     except Exception as e:
@@ -170,12 +180,6 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
     return row
 
 
-PENDING_PROJECT = (
-    "pending: this project's prefill side does not speak SGLang's Mooncake PD wire in this "
-    "checkout (no SGLang-wire backend to start)"
-)
-
-
 def skip_reason() -> str | None:
     """Why no row can run here (Mooncake's engine or the loopback shim), or None."""
     from tests.support import loopback
@@ -185,19 +189,14 @@ def skip_reason() -> str | None:
 
 def run(site: str, requests: int = 40) -> list[dict[str, Any]]:
     """Every PD row of this check (see the module docstring)."""
-    names = [f"pd/sglang->sglang/p{ps}" for ps in (16, 1)]
+    from tests.sglang_check import pd_project
+
     why = skip_reason()
     if why is not None:
+        names = [f"pd/sglang->sglang/p{ps}" for ps in (16, 1)] + ["pd/project<->sglang"]
         return [{"case": n, "ok": True, "skipped": why} for n in names]
     rows = [run_sglang_pair(site, ps, requests, seed=11 + ps) for ps in (16, 1)]
-    try:
-        from tests.sglang_check import pd_project
-    except ImportError as e:
-        rows.append({"case": "pd/project->sglang", "ok": False, "pending": True,
-                     "error": f"{PENDING_PROJECT}: {e}"})  # fmt: skip
-    else:
-        rows += pd_project.run(site, requests)
-    return rows
+    return rows + pd_project.run(site, requests)
 
 
 def main(site: str, out_path: str) -> int:
@@ -205,6 +204,16 @@ def main(site: str, out_path: str) -> int:
     import json
     import os
 
+    from hicache_prefill.hicache.storage.mooncake import availability
+    from tests.sglang_check.pd_node_process import SHORT_TIMEOUTS
+    from tests.support import loopback
+
+    if availability.installed():  # this process hosts the project's prefill engine
+        loopback.reexec_under_shim()
+        loopback.forget_preload()
+    # The project's prefill side reads SGLang's variables too: the same short timeouts.
+    os.environ.update({**SHORT_TIMEOUTS, "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "0.5"})
+    os.environ.setdefault("GLOG_minloglevel", "2")
     logging.basicConfig(level=os.environ.get("SGLANG_CHECK_LOG", "WARNING"))
     out: dict[str, Any] = {"mode": "pd-interop"}
     t0 = time.monotonic()

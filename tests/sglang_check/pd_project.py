@@ -18,11 +18,13 @@ write nothing SGLang's decode pool can see.
 from __future__ import annotations
 
 import base64
+import os
 import random
 import time
 import traceback
 from typing import Any
 
+from tests.sglang_check import pd_interop
 from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
 
 SUCCESS, FAILED, WAITING = 4, 0, 2
@@ -353,6 +355,9 @@ def run_many(site: str, page_size: int, n: int, seed: int) -> dict[str, Any]:
         leaks = scene.leaks()
         if leaks:
             raise AssertionError(f"prefill side not back to baseline: {leaks}")
+        row["listeners"], off = pd_interop.listeners([os.getpid(), scene.node.pid])
+        if off:
+            raise AssertionError(f"listeners off loopback: {off}")
         row["ok"] = done == n
     except (NodeError, AssertionError) as e:
         row["error"] = str(e)[-3000:]
