@@ -306,16 +306,20 @@ def _prompt(rng: random.Random, n: int, prefix: list[int] | None = None) -> list
     return (prefix + body)[:n] if prefix else body
 
 
-def run_many(site: str, page_size: int, n: int, seed: int) -> dict[str, Any]:
+MLA_ARGS = dict(use_mla=True, kv_lora_rank=32, qk_rope_head_dim=8)
+
+
+def run_many(site: str, page_size: int, n: int, seed: int, **args_over: Any) -> dict[str, Any]:
     """``n`` requests (mixed lengths, shared prefixes, chunked prefill) byte-exact."""
-    row: dict[str, Any] = {"case": f"pd/project->sglang/p{page_size}", "ok": False,
+    kind = "MLA/" if args_over.get("use_mla") else ""
+    row: dict[str, Any] = {"case": f"pd/project->sglang/{kind}p{page_size}", "ok": False,
                            "requests": 0, "bytes_compared": 0, "fault_cases": 0,
                            "fault_cases_passed": 0}  # fmt: skip
     t0 = time.monotonic()
     scene = None
     try:
-        scene = Scene(site, page_size, seed,
-                      chunked_prefill_size=64 if page_size > 1 else 16)  # fmt: skip
+        scene = Scene(site, page_size, seed, chunked_prefill_size=64 if page_size > 1 else 16,
+                      **args_over)  # fmt: skip
         rng = random.Random(seed)
         shared = _prompt(rng, 96)
         lengths = [1, page_size, page_size + 1, 3 * page_size, 100, 200, 333]
@@ -646,9 +650,11 @@ def run(site: str, requests: int) -> list[dict[str, Any]]:
     if why is not None:
         return [{"case": "pd/project->sglang", "ok": False, "pending": True, "error": why}]
     rows = [run_many(site, ps, requests, seed=3 + ps) for ps in (16, 1)]
+    rows.append(run_many(site, 16, max(8, requests // 4), seed=31, **MLA_ARGS))
     rows.append(run_faults(site, seed=41))
     rows.append(run_optimistic(site, seed=42))
     from tests.sglang_check import pd_reverse
 
     rows.append(pd_reverse.run_sglang_to_project(site, 16, requests, seed=43))
+    rows.append(pd_reverse.run_sglang_to_project(site, 1, max(8, requests // 4), seed=44))
     return rows
