@@ -30,6 +30,7 @@ from hicache_prefill.hicache.storage.mooncake.availability import shim_loaded
 from hicache_prefill.prefill.clock import WallClock
 from hicache_prefill.prefill.disagg.backends import make_decode_backend
 from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
 from hicache_prefill.prefill.executor import OptimisticPrefillExecutor as Executor
 from hicache_prefill.prefill.model.factory import build_model
 from hicache_prefill.prefill.request.state import Outcome
@@ -128,6 +129,11 @@ def write_cost(quick: bool) -> dict[str, Any]:
 def server_args(attempts: int) -> ServerArgs:
     """The prefill server: a small float32 model on the CPU, Mooncake transport on loopback."""
     return prepare_server_args([*FLAGS, "--optimistic-prefill-attempts", str(attempts)])
+
+
+def geometry() -> KVGeometry:
+    """The KV geometry of ``server_args``'s model: a decode worker's pool has it too."""
+    return KVGeometry.from_pool(harness.build_cache(server_args(0)).device_pool)
 
 
 def executor(args: ServerArgs, model: Any, workers: list, delays: dict[str, float]) -> Executor:
@@ -251,7 +257,8 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
         fit = f"{path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f} GB/s"
         print(f"[pd] least squares: {fit} (largest residual {path['max_rel_residual']:.0%})")
     print("[pd] TTFT (ms), optimistic prefill attempts 0 and 2, busy decode workers", flush=True)
-    workers = start_workers(2, pool_tokens=32768, max_running_requests=64, check_free_pages=False)
+    workers = start_workers(2, geometry=geometry(), pool_tokens=32768, max_running_requests=64,
+                            check_free_pages=False)  # fmt: skip
     try:
         with harness.single_torch_thread():
             latency = ttft_rows(quick, workers)

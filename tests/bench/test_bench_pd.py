@@ -68,7 +68,8 @@ def test_the_write_cost_is_measured_checked_and_fitted() -> None:
 
 @needs_engine
 def test_a_ttft_run_over_a_busy_decode_worker_is_audited_clean() -> None:
-    workers = start_workers(1, pool_tokens=4096, max_running_requests=16, check_free_pages=True)
+    workers = start_workers(1, geometry=pd_bench.geometry(), pool_tokens=4096,
+                            max_running_requests=16, check_free_pages=True)  # fmt: skip
     try:
         args = pd_bench.server_args(attempts=2)
         ex = pd_bench.executor(args, build_model(args), workers, {"req-0": 0.05, "req-2": 0.05})

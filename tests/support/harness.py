@@ -77,8 +77,9 @@ def make_executor(
     With ``--disaggregation-transfer-backend mooncake`` the clock defaults to a ``WallClock``
     (a virtual one raises ``ValueError``) and ``decode_workers`` decode worker processes are
     started (``worker_options``: ``DecodeWorker`` arguments such as ``pool_tokens``; their pool
-    defaults to ``decode_pool_size``), or the given ``DecodeWorker`` objects are used (not
-    stopped by ``decode.close()``); ``peer_config.decode_prefix_len`` applies to them too."""
+    defaults to ``decode_pool_size`` tokens of the prefill pool's geometry), or the given
+    ``DecodeWorker`` objects are used (not stopped by ``decode.close()``);
+    ``peer_config.decode_prefix_len`` applies to them too."""
     mooncake = getattr(args, "disaggregation_transfer_backend", "simulated") == "mooncake"
     if clock is None:
         clock = WallClock() if mooncake else VirtualClock()
@@ -95,10 +96,15 @@ def make_executor(
         keep_received=keep_received, peer_config=peer_config, send_log_size=send_log_size,
     )  # fmt: skip
     if mooncake:
+        from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
         from tests.support.mooncake_decode import MooncakeDecode, start_workers
 
         if isinstance(decode_workers, int):
-            opts = {"pool_tokens": decode_pool_size, **(worker_options or {})}
+            opts = {
+                "pool_tokens": decode_pool_size,
+                "geometry": KVGeometry.from_pool(cache.device_pool),
+                **(worker_options or {}),
+            }
             try:
                 workers = start_workers(decode_workers, **opts)
             except BaseException:

@@ -24,7 +24,6 @@ and ``close()``.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -35,16 +34,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hicache_prefill.prefill.disagg.mooncake.decode_worker import recv_message, send_message
 from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
 from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeLink
 from hicache_prefill.prefill.disagg.mooncake.session_worker import TransferHook
-from hicache_prefill.prefill.disagg.mooncake.wire import encode_frames, read_stream
 from tests.support.loopback import die_with_parent, preload_env
 
 logger = logging.getLogger(__name__)
@@ -63,20 +63,20 @@ class DecodeWorker:
     ``wait_ready`` blocks until the worker answered its first message.
 
     Args:
+        geometry: the KV geometry of the worker's pool (its model's; ``--kv-geometry``).
         pool_tokens: the worker's KV pool (``--max-total-tokens``).
         max_running_requests: the worker's metadata rows are twice this.
         check_free_pages: run the late-write detector.
-        expect_geometry: refuse a prefill of another geometry.
         env: extra environment variables (SGLang's and Mooncake's timeouts).
         log_dir: where its stderr goes (``decode-<pid>.log``); a temporary folder by default.
     """
 
     def __init__(
         self,
+        geometry: KVGeometry,
         pool_tokens: int = 4096,
         max_running_requests: int = 64,
         check_free_pages: bool = True,
-        expect_geometry: KVGeometry | None = None,
         env: dict[str, str] | None = None,
         log_dir: str | None = None,
         host: str = "127.0.0.1",
@@ -85,11 +85,10 @@ class DecodeWorker:
             *(sys.executable, "-m", "hicache_prefill.prefill.disagg.mooncake.decode_worker"),
             *("--host", host, "--max-total-tokens", str(pool_tokens)),
             *("--max-running-requests", str(max_running_requests)),
+            *("--kv-geometry", geometry.to_json()),
         ]
         if check_free_pages:
             cmd.append("--check-free-pages")
-        if expect_geometry is not None:
-            cmd += ["--expect-geometry", expect_geometry.to_json()]
         full_env = preload_env({**os.environ, **(env or {})})
         full_env["PYTHONPATH"] = os.pathsep.join(
             [str(_REPO), *filter(None, [full_env.get("PYTHONPATH")])]
@@ -103,37 +102,40 @@ class DecodeWorker:
             env=full_env, preexec_fn=die_with_parent,
         )  # fmt: skip
         self.pid = self.proc.pid
+        self.geometry = geometry
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._out = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
+        self._in = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
         self.log_path = Path(self._log.name)
         self.info: dict[str, Any] = {}
         self.frozen = False
         self.killed = False
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        self._replies: queue.Queue[list[bytes] | None] = queue.Queue()
+        self._replies: queue.Queue[tuple[dict[str, Any], list[bytes]] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"decode-{self.pid}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
         while True:
             try:
-                frames = read_stream(self.proc.stdout)
+                message = recv_message(self._in)
             except (EOFError, OSError, ValueError):
                 self._replies.put(None)
                 return
-            self._replies.put(frames)
+            self._replies.put(message)
 
     def wait_ready(self, timeout_s: float = 180.0) -> DecodeWorker:
         """Block until the worker is up; ``DecodeWorkerError`` (with its log's tail) if it
         exits or refuses to start."""
         try:
-            frames = self._replies.get(timeout=timeout_s)
+            message = self._replies.get(timeout=timeout_s)
         except queue.Empty:
             raise DecodeWorkerError(f"decode worker {self.pid} not ready after {timeout_s}s"
                                     f"{self.log_tail()}") from None  # fmt: skip
-        if frames is None:
+        if message is None:
             raise DecodeWorkerError(f"decode worker {self.pid} exited{self.log_tail()}")
-        self.info = json.loads(frames[0])
+        self.info = message[0]
         if not self.info.get("ready"):
             raise DecodeWorkerError(f"decode worker {self.pid}: {self.info.get('error')}")
         return self
@@ -153,11 +155,8 @@ class DecodeWorker:
         """Write a command without waiting for its answer (a frozen worker never blocks the
         caller); returns its sequence number."""
         seq = next(self._seq)
-        data = encode_frames([json.dumps({"op": op, "seq": seq, **kw}).encode()])
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
+            send_message(self._out, {"op": op, "seq": seq, **kw})
         except (OSError, ValueError) as e:
             raise DecodeWorkerError(f"decode worker {self.pid} is gone ({e})") from None
         return seq
@@ -173,21 +172,21 @@ class DecodeWorker:
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    frames = self._replies.get(timeout=max(left, 0.001))
+                    message = self._replies.get(timeout=max(left, 0.001))
                 except queue.Empty:
                     raise DecodeWorkerError(f"decode worker {self.pid}: no answer to {op} "
                                             f"within {timeout_s}s") from None  # fmt: skip
-                if frames is None:
+                if message is None:
                     self._replies.put(None)
                     raise DecodeWorkerError(f"decode worker {self.pid} exited{self.log_tail()}")
-                head = json.loads(frames[0])
+                head, payload = message
                 if head.get("seq") != seq:
                     if head.get("error"):
                         logger.warning("decode worker %d: %s", self.pid, head["error"])
                     continue  # the answer to an earlier, unwaited command
                 if "error" in head:
                     raise DecodeWorkerError(f"decode worker {self.pid}: {op}: {head['error']}")
-                return head, frames[1:]
+                return head, payload
 
     # ------------------------------------------------------------------ test hooks
     def kill(self) -> None:
@@ -232,6 +231,8 @@ class DecodeWorker:
                 if self.alive:
                     os.kill(self.pid, signal.SIGKILL)
                 self.proc.wait(timeout=timeout_s)
+        for c in (self._out, self._in):
+            c.close()
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 f.close()

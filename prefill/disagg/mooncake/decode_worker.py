@@ -1,9 +1,10 @@
 """The decode worker process
 (``python -m hicache_prefill.prefill.disagg.mooncake.decode_worker``): a decode instance without a
-model (``receiver.DecodeReceiver``), driven over stdin/stdout. Each command is
-a framed message whose first frame is JSON ``{"op": ..., ...}``; each answer a JSON frame echoing
-its ``seq``, then raw tensor frames for ``received_kv``. The first message is ``{"ready": true,
-...}``, or ``{"ready": false, "error": ...}`` and a non-zero exit. It exits when stdin closes."""
+model (``receiver.DecodeReceiver``) whose KV pool has ``--kv-geometry``, driven over
+stdin/stdout as ``multiprocessing.connection`` byte messages. Each command is one JSON message
+``{"op": ..., ...}``; each answer a JSON message echoing its ``seq`` and ``parts`` (then that
+many raw tensor messages for ``received_kv``). The first message is ``{"ready": true, ...}``,
+or ``{"ready": false, "error": ...}`` and a non-zero exit. It exits when stdin closes."""
 
 from __future__ import annotations
 
@@ -12,14 +13,29 @@ import json
 import logging
 import os
 import sys
-from typing import Any, BinaryIO
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
 from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
 from hicache_prefill.prefill.disagg.mooncake.receiver import DecodeConfig, DecodeReceiver
-from hicache_prefill.prefill.disagg.mooncake.wire import read_stream, write_stream
+
+
+def send_message(conn: Connection, head: dict[str, Any], payload: Sequence[bytes] = ()) -> None:
+    """``head`` (with ``parts``) and its raw payload messages."""
+    conn.send_bytes(json.dumps({**head, "parts": len(payload)}).encode())
+    for part in payload:
+        conn.send_bytes(part)
+
+
+def recv_message(conn: Connection) -> tuple[dict[str, Any], list[bytes]]:
+    """One message from ``send_message``; ``EOFError`` when the other end closed."""
+    head = json.loads(conn.recv_bytes())
+    return head, [conn.recv_bytes() for _ in range(int(head.pop("parts", 0)))]
+
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=1 << 16)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--expect-geometry", default=None, help="KVGeometry JSON")
+    p.add_argument("--kv-geometry", required=True, help="KVGeometry JSON of the decode's pool")
     p.add_argument("--check-free-pages", action="store_true")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -100,26 +116,24 @@ def handle(rx: DecodeReceiver, cmd: dict[str, Any]) -> list[bytes]:
     return [json.dumps(out).encode(), *extra]
 
 
-def serve(rx: DecodeReceiver, inp: BinaryIO, out: BinaryIO, ready: dict[str, Any]) -> None:
-    write_stream(out, [json.dumps(ready).encode()])
+def serve(rx: DecodeReceiver, inp: Connection, out: Connection, ready: dict[str, Any]) -> None:
+    send_message(out, ready)
     while True:
         try:
-            frames = read_stream(inp)
-        except EOFError:
+            cmd, _ = recv_message(inp)
+        except (EOFError, OSError):
             return
-        seq = None
+        seq = cmd.get("seq") if isinstance(cmd, dict) else None
         try:
-            cmd = json.loads(frames[0])
-            seq = cmd.get("seq")
             if cmd.get("op") == "quit":
-                write_stream(out, [json.dumps({"ok": True, "seq": seq}).encode()])
+                send_message(out, {"ok": True, "seq": seq})
                 return
             reply = handle(rx, cmd)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             reply = [json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()]
         head = json.loads(reply[0])
         head["seq"] = seq
-        write_stream(out, [json.dumps(head).encode(), *reply[1:]])
+        send_message(out, head, reply[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,23 +144,27 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s decode[%(process)d] %(levelname)s %(message)s",
     )
     # The protocol owns the original stdout; anything else written to fd 1 goes to stderr.
-    proto_out = os.fdopen(os.dup(1), "wb")
+    proto_out = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)
+    proto_in = Connection(os.dup(0), writable=False)
     try:
         check_args(args)
-        expect = KVGeometry.from_json(args.expect_geometry) if args.expect_geometry else None
+        try:
+            geometry = KVGeometry.from_json(args.kv_geometry)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--kv-geometry: {e}") from None
         require_loopback_engines(args.host)
         cfg = DecodeConfig.from_env(
+            geometry=geometry,
             host=args.host,
             pool_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
             device=args.device,
-            expect_geometry=expect,
             check_free_pages=args.check_free_pages,
         )
         rx = DecodeReceiver(cfg)
     except (ValueError, RuntimeError) as e:
-        write_stream(proto_out, [json.dumps({"ready": False, "error": str(e)}).encode()])
+        send_message(proto_out, {"ready": False, "error": str(e)})
         logger.error("decode worker cannot start: %s", e)
         return 2
     ready = {
@@ -156,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "control_port": rx.listener.port,
     }
     try:
-        serve(rx, sys.stdin.buffer, proto_out, ready)
+        serve(rx, proto_in, proto_out, ready)
     finally:
         rx.close()
     return 0

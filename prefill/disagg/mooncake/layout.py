@@ -110,6 +110,11 @@ class KVGeometry:
         k, v = self.head_num * self.head_dim * el, self.head_num * self.v_head_dim * el
         return [k] * self.layer_num + [v] * self.layer_num
 
+    def kv_cache_dtype_str(self) -> str:
+        """SGLang's ``kv_cache_dtype_str`` of a pool of this dtype: ``"auto"`` (the model's own
+        dtype, unquantized) or the fp8 name."""
+        return {"float8_e4m3fn": "fp8_e4m3"}.get(self.dtype, "auto")
+
     def item_lens(self) -> list[int]:
         """SGLang's ``kv_item_lens``: bytes of one page of each layer buffer."""
         return [self.page_size * b for b in self.token_bytes()]
@@ -164,7 +169,11 @@ def read_pool(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
 
 
 class MetadataBuffers:
-    """``size`` zeroed metadata rows per buffer, in host memory."""
+    """SGLang 0.5.23's ``MetadataBuffers`` with its defaults (no sampling mask, no DSA top-k, no
+    checksum, no speculative hidden states): ``size`` zeroed rows of ten host buffers, in the
+    order of its ``get_buf_infos``, matched by index with a decode's. The prefill writes the
+    first output token, the cached-token count and the bootstrap room; the logprob and
+    speculative fields stay zero."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -172,8 +181,26 @@ class MetadataBuffers:
         self.size = size
         self.output_ids = np.zeros((size, 16), dtype=np.int32)
         self.cached_tokens = np.zeros((size, 16), dtype=np.int32)
+        self.output_token_logprobs_val = np.zeros((size, 16), dtype=np.float32)
+        self.output_token_logprobs_idx = np.zeros((size, 16), dtype=np.int32)
+        self.output_top_logprobs_val = np.zeros((size, 128), dtype=np.float32)
+        self.output_top_logprobs_idx = np.zeros((size, 128), dtype=np.int32)
+        self.output_topk_p = np.zeros((size, 16), dtype=np.float32)
+        self.output_topk_index = np.zeros((size, 16), dtype=np.int64)
+        self.output_hidden_states = np.zeros((size, 16), dtype=np.float32)
         self.bootstrap_room = np.zeros((size, 8), dtype=np.uint64)
-        self._bufs = [self.output_ids, self.cached_tokens, self.bootstrap_room]
+        self._bufs = [
+            self.output_ids,
+            self.cached_tokens,
+            self.output_token_logprobs_val,
+            self.output_token_logprobs_idx,
+            self.output_top_logprobs_val,
+            self.output_top_logprobs_idx,
+            self.output_topk_p,
+            self.output_topk_index,
+            self.output_hidden_states,
+            self.bootstrap_room,
+        ]
 
     @property
     def ptrs(self) -> list[int]:
@@ -191,7 +218,11 @@ class MetadataBuffers:
             raise ValueError(f"metadata index {index} is not a row (size {self.size})")
 
     def set_row(self, index: int, first_token: int, cached_tokens: int, room: int) -> None:
+        """SGLang's ``set_buf`` for a request without logprobs: the row zeroed, then the first
+        token, ``cached_tokens`` (slot 0) and the room."""
         self._check(index)
+        for b in self._bufs:
+            b[index] = 0
         self.output_ids[index, 0] = first_token
         self.cached_tokens[index, 0] = cached_tokens
         self.bootstrap_room[index, 0] = room
@@ -199,7 +230,6 @@ class MetadataBuffers:
     def get_row(self, index: int) -> tuple[int, int, int]:
         """``(first_token, cached_tokens, room)``."""
         self._check(index)
-
         return (
             int(self.output_ids[index, 0]),
             int(self.cached_tokens[index, 0]),
@@ -207,7 +237,8 @@ class MetadataBuffers:
         )
 
     def clear_row(self, index: int) -> None:
-        """SGLang's ``clear_slot``: room 0 means "not written" to the next owner."""
+        """Room 0 means "not written" to the next owner (SGLang's ``clear_slot`` zeroes the
+        room; this zeroes the whole row)."""
         self._check(index)
         for b in self._bufs:
             b[index] = 0

@@ -19,7 +19,7 @@ import torch
 from hicache_prefill.hicache.memory.device_pool import KVPool
 from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
 from hicache_prefill.prefill.disagg.mooncake.layout import MetadataBuffers
-from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport, Room
+from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport, Room, SessionLimits
 from hicache_prefill.prefill.disagg.mooncake.session_worker import Job, TransferHook
 from hicache_prefill.prefill.disagg.protocol import (
     BOOTSTRAP_TIMEOUT_ENV,
@@ -51,6 +51,7 @@ class MooncakeConfig:
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     probe_interval_s: float = 30.0
     force_not_ready_prob: float = 0.0
+    limits: SessionLimits = SessionLimits()
 
     @classmethod
     def from_server_args(cls, args: Any) -> MooncakeConfig:
@@ -201,7 +202,13 @@ class MooncakeBackend:
         self.page_size = pool.page_size
         self.aux = MetadataBuffers(metadata_size)
         self.transport = PrefillTransport(
-            pool, self.aux, config.host, config.bootstrap_port, config.probe_interval_s, hook
+            pool,
+            self.aux,
+            config.host,
+            config.bootstrap_port,
+            config.probe_interval_s,
+            hook,
+            config.limits,
         )
         self.keep_token_ids = keep_token_ids
         self.peers: dict[str, MooncakeLink] = {}

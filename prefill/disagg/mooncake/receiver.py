@@ -1,8 +1,10 @@
-"""The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager``), run by the
-decode worker process; passive on the data plane. A request failed after META keeps its pages
-and row until ABORT_ACK or the deferred-release timeout, so a failed call's late bytes never land
-in another request's pages. ``check_free_pages`` poisons freed pages and counts writes into them
-(``late_writes``). See docs/DESIGN.md section 12."""
+"""The decode side of the Mooncake transport (SGLang's decode ``MooncakeKVManager``) on SGLang
+0.5.23's wire, run by the decode worker process; passive on the data plane. Its pool has its
+own geometry (a decode's model); it checks a prefill's page size, KV dtype and policy from
+``PrefillServerInfo``, the prefill checks its per-layer item lengths from REGISTER. A request
+failed after META keeps its pages and row until ABORT_ACK or the deferred-release timeout, so a
+failed call's late bytes never land in another request's pages. ``check_free_pages`` poisons
+freed pages and counts writes into them (``late_writes``). See docs/DESIGN.md section 12."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
     fetch_route,
     healthy,
 )
+from hicache_prefill.prefill.disagg.mooncake.channel import Listener, Pusher
 from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
 from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
@@ -31,9 +34,7 @@ from hicache_prefill.prefill.disagg.mooncake.layout import (
 from hicache_prefill.prefill.disagg.mooncake.wire import (
     Abort,
     AbortAck,
-    Listener,
     Meta,
-    Pusher,
     Register,
     Status,
     parse_to_decode,
@@ -50,13 +51,42 @@ HEARTBEAT_INTERVAL_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
 HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
 
 
+SERVER_INFO_FIELDS = frozenset({
+    "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype",
+    "follow_bootstrap_room", "enable_dsa_cache_layer_split", "dsv41_spec_layout", "kv_layout",
+    "decode_allocation_policy", "enable_kv_cache_sharding", "prefill_http_port",
+    "target_tp_rank", "target_tp_ranks", "target_cp_ranks", "target_pp_ranks",
+    "required_dst_info_num", "required_prefill_response_num",
+})  # fmt: skip
+"""SGLang 0.5.23's ``PrefillServerInfo`` fields: its decode refuses any other key."""
+
+
+def server_info_problem(info: dict[str, Any], geometry: KVGeometry) -> str | None:
+    """Why a decode rank of ``geometry`` (attention TP 1) cannot use the prefill described by
+    ``info``, checked as SGLang's ``try_ensure_parallel_info`` and ``receiver.init`` do."""
+    extra = sorted(set(info) - SERVER_INFO_FIELDS)
+    if extra:
+        return f"PrefillServerInfo has unknown fields {extra}"
+    if info.get("page_size") is not None and int(info["page_size"]) != geometry.page_size:
+        return f"page size mismatch: prefill {info['page_size']}, decode {geometry.page_size}"
+    dtype = info.get("kv_cache_dtype")
+    if dtype is not None and dtype != geometry.kv_cache_dtype_str():
+        return f"KV cache dtype mismatch: prefill {dtype}, decode {geometry.kv_cache_dtype_str()}"
+    if info.get("decode_allocation_policy", "early") != "early":
+        return f"decode allocation policy mismatch: prefill {info['decode_allocation_policy']}"
+    sizes = {k: int(info.get(k, 1)) for k in ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size")}
+    if any(v != 1 for v in sizes.values()):
+        return f"this decode worker serves prefill instances of TP/CP/DP/PP 1, got {sizes}"
+    return None
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
+    geometry: KVGeometry
     host: str = "127.0.0.1"
     pool_tokens: int = 1 << 16
     max_running_requests: int = 256
     device: str = "cpu"
-    expect_geometry: KVGeometry | None = None
     check_free_pages: bool = False
     waiting_timeout_s: float = 300.0
     release_timeout_s: float = 30.0
@@ -92,6 +122,7 @@ class DecodeRequest:
     failure: str | None = None
     held_until: float | None = None  # deferred release deadline while held
     acked: bool = False
+    generation: int | None = None
     forget: bool = False
     first_token: int | None = None
     cached_tokens: int | None = None
@@ -101,6 +132,7 @@ class DecodeRequest:
 class PrefillPeer:
     addr: str
     state: str = "fetching"  # fetching | ready | error
+    info: dict[str, Any] | None = None
     error: str | None = None
     endpoint: tuple[str, int] | None = None
     registered: bool = False
@@ -115,16 +147,19 @@ class DecodeReceiver:
         self.cfg = cfg
         self.lock = threading.RLock()
         self.engine = KVTransferEngine(cfg.host)
-        self.listener = Listener(cfg.host, self._on_message, "mc-decode-ctrl")
         self.pusher = Pusher()
-        self.geometry: KVGeometry | None = None
-        self.geometry_source: str | None = None
-        self.pool: Any = None
-        self.allocator: TokenToKVPoolAllocator | None = None
+        self.geometry = cfg.geometry
+        self.pool = cfg.geometry.make_pool(cfg.pool_tokens, cfg.device)
+        self.allocator = TokenToKVPoolAllocator(cfg.pool_tokens, cfg.geometry.page_size, cfg.device)
         n_meta = 2 * cfg.max_running_requests
         self.aux = MetadataBuffers(n_meta)
         self.aux_alloc = ReqToMetadataIdxAllocator(n_meta)
-        self.engine.register(self.aux.regions())
+        self.engine.register([pool_region(self.pool), *self.aux.regions()])
+        if cfg.check_free_pages:
+            ps = cfg.geometry.page_size
+            self._poison(torch.arange(ps, cfg.pool_tokens + ps))
+        self._generation = 0
+        self.listener = Listener(cfg.host, self._on_message, "mc-decode-ctrl")
         self.requests: dict[str, DecodeRequest] = {}
         self.by_room: dict[int, DecodeRequest] = {}
         self.prefills: dict[str, PrefillPeer] = {}
@@ -241,8 +276,9 @@ class DecodeReceiver:
                 "held_tokens": sum(r.slots.numel() for r in held if r.slots is not None),
                 "requests": by_state,
                 "late_writes": self.late_writes,
-                "geometry": self.geometry.to_json() if self.geometry else None,
+                "geometry": self.geometry.to_json(),
                 "malformed_messages": self.listener.malformed,
+                "dropped_pushes": self.pusher.dropped,
                 "last_control_error": self.listener.last_error,
                 "session": self.engine.session_id,
                 "control_port": self.listener.port,
@@ -274,44 +310,18 @@ class DecodeReceiver:
             with self.lock:
                 peer.state, peer.error = "error", error
             return
+        problem = server_info_problem(info, self.geometry)
         with self.lock:
-            peer.endpoint = (str(rank["rank_ip"]), int(rank["rank_port"]))
-            try:
-                self._adopt_geometry(peer.addr, KVGeometry.from_json(info.get("kv_geometry", "")))
-            except ValueError as e:
-                peer.state, peer.error = "error", str(e)
-                logger.error("%s", e)
+            if problem is not None:
+                peer.state, peer.error = "error", f"prefill {peer.addr}: {problem}"
+                logger.error("%s", peer.error)
                 return
+            peer.info = info
+            peer.endpoint = (str(rank["rank_ip"]), int(rank["rank_port"]))
             peer.state = "ready"
 
-    def _adopt_geometry(self, addr: str, theirs: KVGeometry) -> None:
-        """The first prefill's geometry builds the pool; any other must match it."""
-        expect = self.cfg.expect_geometry
-        if expect is not None and expect.mismatches(theirs):
-            raise ValueError(
-                f"prefill {addr} has another KV geometry than this decode worker "
-                f"expects: {'; '.join(expect.mismatches(theirs))}"
-            )
-        if self.geometry is not None:
-            if self.geometry.mismatches(theirs):
-                raise ValueError(
-                    f"prefill {addr} has another KV geometry than this decode worker's pool "
-                    f"(built for {self.geometry_source}): "
-                    f"{'; '.join(self.geometry.mismatches(theirs))}"
-                )
-            return
-        pool = theirs.make_pool(self.cfg.pool_tokens, self.cfg.device)
-        self.engine.register([pool_region(pool)])
-        self.pool, self.geometry, self.geometry_source = pool, theirs, addr
-        self.allocator = TokenToKVPoolAllocator(
-            self.cfg.pool_tokens, theirs.page_size, self.cfg.device
-        )
-        if self.cfg.check_free_pages:
-            every = torch.arange(theirs.page_size, self.cfg.pool_tokens + theirs.page_size)
-            self._poison(every)
-
     def _register(self, peer: PrefillPeer) -> bool:
-        assert self.geometry is not None and peer.endpoint is not None
+        assert peer.endpoint is not None
         reg = Register(
             self.cfg.host,
             self.listener.port,
@@ -319,8 +329,6 @@ class DecodeReceiver:
             tuple(b.data_ptr() for b in layer_buffers(self.pool)),
             tuple(self.aux.ptrs),
             tuple(self.geometry.item_lens()),
-            tuple(self.aux.row_lens),
-            self.geometry.to_json(),
         )
         peer.registered = self.pusher.push(peer.endpoint, reg.to_frames())
         return peer.registered
@@ -369,7 +377,6 @@ class DecodeReceiver:
             return
         if req.hold or now < req.not_before:
             return
-        assert self.allocator is not None and self.geometry is not None
         ps = self.geometry.page_size
         dpl = min(req.decode_prefix_len // ps * ps, (req.num_tokens - 1) // ps * ps)
         n = page_ceil(req.num_tokens - dpl, ps)
@@ -405,7 +412,8 @@ class DecodeReceiver:
             if req is None:
                 return
             if isinstance(msg, AbortAck):
-                req.acked = True
+                if msg.generation is not None and msg.generation == req.generation:
+                    req.acked = True  # SGLang ignores an ack of another generation
                 return
             assert isinstance(msg, Status)
             if req.state != KVPoll.WaitingForInput:
@@ -437,7 +445,9 @@ class DecodeReceiver:
         peer = self.prefills.get(req.bootstrap_addr)
         exposed = req.meta_sent_at is not None
         if peer is not None and peer.endpoint is not None:
-            abort = Abort(req.room, self.cfg.host, self.listener.port)
+            self._generation += 1
+            req.generation = self._generation if exposed else None
+            abort = Abort(req.room, self.cfg.host, self.listener.port, req.generation)
             self.pusher.push(peer.endpoint, abort.to_frames())
         if exposed:
             req.held_until = time.monotonic() + self.cfg.release_timeout_s

@@ -1,14 +1,17 @@
-"""The prefill side of the Mooncake transport (SGLang's prefill ``MooncakeKVManager``): the
-bootstrap endpoint, the control listener, one ``SessionWorker`` per decode session, a notifier
-that pushes STATUS / ABORT_ACK, and every bootstrap room's state, all under ``lock``.
-Invariants: ``Failed`` is terminal, otherwise a room's state only moves up; a room's prefill
-slots stay owned while ``outstanding`` (its jobs queued or running) is not 0; a room whose call
-failed is poisoned and never acked. See docs/DESIGN.md section 12."""
+"""The prefill side of the Mooncake transport (SGLang's prefill ``MooncakeKVManager``), speaking
+SGLang 0.5.23's wire: the bootstrap endpoint (this rank registers itself with ``PUT /route``), the
+ZMQ control socket, one ``SessionWorker`` per decode session, non-blocking STATUS / ABORT_ACK
+pushes, and every bootstrap room's state, all under ``lock``. Invariants: ``Failed`` is terminal,
+otherwise a room's state only moves up; a room's prefill slots stay owned while ``outstanding``
+is not 0; a room whose call failed is poisoned and never acked. Against a hostile peer: a
+REGISTER never rewrites a live session registered from another endpoint; sessions are capped
+and idle ones dropped; replies go only to endpoints a REGISTER named. See docs/DESIGN.md
+section 12."""
 
 from __future__ import annotations
 
 import logging
-import queue
+import struct
 import threading
 import time
 from collections import deque
@@ -16,7 +19,12 @@ from dataclasses import dataclass, field
 
 from hicache_prefill.hicache.memory.allocator import page_ceil
 from hicache_prefill.hicache.memory.device_pool import KVPool
-from hicache_prefill.prefill.disagg.mooncake.bootstrap import BootstrapServer
+from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
+    BootstrapServer,
+    BootstrapUnreachable,
+    http,
+)
+from hicache_prefill.prefill.disagg.mooncake.channel import Listener, Pusher
 from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
     MetadataBuffers,
@@ -33,9 +41,7 @@ from hicache_prefill.prefill.disagg.mooncake.wire import (
     Abort,
     AbortAck,
     ControlMessageError,
-    Listener,
     Meta,
-    Pusher,
     Register,
     Status,
     parse_to_prefill,
@@ -44,8 +50,21 @@ from hicache_prefill.prefill.disagg.protocol import KVPoll
 
 logger = logging.getLogger(__name__)
 
-SESSION_IDLE_S = 600.0  # a blacklisted session unused this long is dropped (SGLang's idle timeout)
 POISONED_MEMORY = 4096  # poisoned rooms remembered once dropped (a late ABORT is never acked)
+PREFILL_RANK = 0  # SGLang's prefill unique rank of a TP1 / CP1 / PP1 instance
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """How many decode sessions a prefill rank serves, and when an unused one is dropped:
+    ``max_sessions`` registered at once; a session without rooms is dropped after ``idle_s``
+    (``dead_s`` once blacklisted); a worker's thread and engine end after ``engine_idle_s``
+    without a job."""
+
+    max_sessions: int = 64
+    idle_s: float = 600.0
+    dead_s: float = 30.0
+    engine_idle_s: float = 60.0
 
 
 @dataclass(eq=False)
@@ -60,11 +79,24 @@ class Room:
     outstanding: int = 0
     jobs: int = 0
     poisoned: bool = False
-    ack_targets: list[tuple[str, int]] = field(default_factory=list)
+    ack_targets: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def endpoint(self) -> tuple[str, int] | None:
         return None if self.meta is None else (self.meta.decode_ip, self.meta.decode_port)
+
+
+@dataclass(eq=False)
+class Session:
+    """A registered decode session: its REGISTER, the control endpoint it came from, its worker."""
+
+    reg: Register
+    worker: SessionWorker
+    registered_at: float
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.reg.decode_ip, self.reg.decode_port
 
 
 class PrefillTransport:
@@ -80,6 +112,7 @@ class PrefillTransport:
         bootstrap_port: int,
         probe_interval_s: float = 30.0,
         hook: TransferHook | None = None,
+        limits: SessionLimits | None = None,
     ) -> None:
         if pool.device.type != "cpu":
             raise ValueError(
@@ -94,6 +127,7 @@ class PrefillTransport:
         self.page_size = pool.page_size
         self.probe_interval_s = probe_interval_s
         self.hook = hook
+        self.limits = limits or SessionLimits()
         bufs = layer_buffers(pool)
         self.source = SourceMemory(
             layer_ptrs=tuple(b.data_ptr() for b in bufs),
@@ -103,37 +137,40 @@ class PrefillTransport:
             regions=(pool_region(pool), *aux.regions()),
         )
         self.rooms: dict[int, Room] = {}
-        self.sessions: dict[str, SessionWorker] = {}
+        self.sessions: dict[str, Session] = {}
         self.rejected: dict[str, str] = {}  # session -> why its REGISTER was refused
+        self._rejected_from: dict[str, tuple[str, int]] = {}  # ... and the endpoint it named
         self._poisoned: deque[int] = deque(maxlen=POISONED_MEMORY)
         self.errors: deque[str] = deque(maxlen=100)  # control-plane errors, for operators
+        self.counts = {"unknown_room": 0, "refused_register": 0, "dropped_sessions": 0}
         self._pusher = Pusher()
-        self._notify: queue.Queue[tuple[tuple[str, int], list[bytes]] | None] = queue.Queue()
-        self._notifier = threading.Thread(target=self._push_loop, name="mc-notify", daemon=True)
-        self._notifier.start()
+        self.bootstrap = BootstrapServer(host, bootstrap_port)  # first: a port in use binds nothing
         self.listener = Listener(host, self._on_message, "mc-prefill-ctrl")
-        server_info = {
-            "attn_tp_size": 1,
-            "attn_cp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "page_size": self.page_size,
-            "kv_cache_dtype": self.geometry.dtype,
-            "follow_bootstrap_room": True,
-            "decode_allocation_policy": "early",
-            "kv_geometry": self.geometry.to_json(),
-        }
+        self._closed = threading.Event()
         try:
-            self.bootstrap = BootstrapServer(
-                host,
-                bootstrap_port,
-                server_info,
-                {"rank_ip": host, "rank_port": self.listener.port},
-            )
-        except ValueError:
-            self.listener.close()
-            self._notify.put(None)
+            http(self.bootstrap.addr, "/route", method="PUT", body=self.rank_registration())
+        except BootstrapUnreachable:
+            self.close()
             raise
+        self._housekeeper = threading.Thread(target=self._housekeep, name="mc-housekeep",
+                                             daemon=True)  # fmt: skip
+        self._housekeeper.start()
+
+    def rank_registration(self) -> dict[str, object]:
+        """This rank's ``PUT /route`` payload (SGLang's ``register_to_bootstrap``)."""
+        return {
+            "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+            "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": self.host, "rank_port": self.listener.port,
+            "page_size": self.page_size,
+            "kv_cache_dtype": self.geometry.kv_cache_dtype_str(),
+            "kv_layout": None, "dsv41_spec_layout": None,
+            "load_balance_method": "follow_bootstrap_room",
+            "enable_dsa_cache_layer_split": False, "enable_kv_cache_sharding": False,
+            "prefill_http_port": None,
+            "decode_allocation_policy": "early",
+        }  # fmt: skip
 
     def create_room(self, room: int, rid: str, num_tokens: int) -> Room:
         with self.lock:
@@ -148,14 +185,23 @@ class PrefillTransport:
         with self.lock:
             if r.status == KVPoll.Failed or r.meta is None:
                 return False
-            worker = self.sessions.get(r.meta.session)
-            if worker is None:
+            session = self.sessions.get(r.meta.session)
+            if session is None:
                 self.fail_room(r, f"decode session {r.meta.session} is not registered")
                 return False
             r.outstanding += 1
             r.jobs += 1
-            worker.put(job)
+            session.worker.put(job)
             return True
+
+    def _push(self, endpoint: tuple[str, int] | None, frames: list[bytes]) -> None:
+        """Reply to ``endpoint`` only if a REGISTER named it (never to an address a message
+        for an unknown room names)."""
+        if endpoint is None:
+            return
+        named = any(s.endpoint == endpoint for s in self.sessions.values())
+        if named or endpoint in self._rejected_from.values():
+            self._pusher.push(endpoint, frames)
 
     def fail_room(
         self,
@@ -176,8 +222,8 @@ class PrefillTransport:
             r.failure = reason
             r.timed_out = timed_out
             logger.info("room %d (%s) failed: %s", r.room, r.rid, reason)
-            if notify and r.endpoint is not None:
-                self._notify.put((r.endpoint, Status(r.room, int(KVPoll.Failed)).to_frames()))
+            if notify:
+                self._push(r.endpoint, Status(r.room, int(KVPoll.Failed), PREFILL_RANK).to_frames())
             self._maybe_drop(r)
 
     def _maybe_drop(self, r: Room) -> None:
@@ -193,8 +239,8 @@ class PrefillTransport:
 
     def _maybe_ack(self, r: Room) -> None:
         if r.outstanding == 0 and not r.poisoned and r.ack_targets:
-            for endpoint in r.ack_targets:
-                self._notify.put((endpoint, AbortAck(r.room).to_frames()))
+            for endpoint, generation in r.ack_targets.items():
+                self._push(endpoint, AbortAck(r.room, PREFILL_RANK, generation).to_frames())
             r.ack_targets.clear()
 
     def room_failed(self, room: int) -> bool:
@@ -209,7 +255,8 @@ class PrefillTransport:
                 logger.error("job of unknown room %d finished (rc %s)", job.room, rc)
                 return
             r.outstanding -= 1
-            worker = self.sessions.get(r.meta.session) if r.meta is not None else None
+            session = self.sessions.get(r.meta.session) if r.meta is not None else None
+            worker = session.worker if session is not None else None
             if rc is not None and rc != 0:
                 why = (worker.blacklisted if worker is not None else None) or (
                     f"batch_transfer_sync_write rc={rc}"
@@ -224,8 +271,9 @@ class PrefillTransport:
                 )
             elif rc == 0 and job.last and r.status != KVPoll.Failed:
                 r.status = KVPoll.Success
-                if r.endpoint is not None:
-                    self._notify.put((r.endpoint, Status(r.room, int(KVPoll.Success)).to_frames()))
+                self._push(
+                    r.endpoint, Status(r.room, int(KVPoll.Success), PREFILL_RANK).to_frames()
+                )
             self._maybe_drop(r)
 
     def _on_message(self, frames: list[bytes]) -> None:
@@ -241,29 +289,72 @@ class PrefillTransport:
             self.errors.append(str(e))
             raise
 
+    def _register_problem(self, reg: Register) -> str | None:
+        """Why this rank cannot serve a decode rank that registered ``reg``."""
+        mine = self.source.item_lens
+        if tuple(reg.kv_item_lens) != mine:
+            return (
+                f"another KV geometry: it registered {len(reg.kv_item_lens)} KV buffers of "
+                f"{sorted(set(reg.kv_item_lens))} bytes a page, this prefill has {len(mine)} of "
+                f"{sorted(set(mine))} ({self.geometry.kind}, {self.geometry.layer_num} layers, "
+                f"page {self.page_size}, {self.geometry.dtype})"
+            )
+        if reg.attn_tp_size != 1:
+            return (
+                f"attention TP {reg.attn_tp_size} (this prefill serves decode ranks of attention "
+                "TP 1, as its own)"
+            )
+        if reg.dcp_size != 1 or reg.staging_base or reg.staging_size:
+            return "decode context parallelism or a staging buffer (not served)"
+        if reg.state_ptrs not in (b"", struct.pack("<I", 0)) or reg.kv_layer_ids:
+            return "state buffers or layer ids of a hybrid model (not served)"
+        n_aux = len(reg.aux_ptrs)
+        if n_aux not in (len(self.source.aux_ptrs), len(self.source.aux_ptrs) + 1):
+            return (
+                f"{n_aux} metadata buffers, this prefill has {len(self.source.aux_ptrs)} (SGLang's "
+                "defaults; a decode's sampling mask or DSA top-k buffer shifts them)"
+            )
+        return None
+
     def _on_register(self, reg: Register) -> None:
-        try:
-            theirs = KVGeometry.from_json(reg.geometry)
-        except ValueError as e:
-            raise ControlMessageError(f"REGISTER from {reg.session}: {e}") from None
-        diff = self.geometry.mismatches(theirs)
-        if not diff and tuple(reg.kv_item_lens) != self.source.item_lens:
-            diff = [f"kv_item_lens: {self.source.item_lens} vs {reg.kv_item_lens}"]
+        problem = self._register_problem(reg)
+        now = time.monotonic()
         with self.lock:
-            if diff:
-                why = f"decode session {reg.session} has another KV geometry: {'; '.join(diff)}"
+            old = self.sessions.get(reg.session)
+            if problem is not None:
+                why = f"decode session {reg.session} has {problem}"
+                if old is not None:  # never let a bad REGISTER touch a live session
+                    raise ControlMessageError(f"REGISTER for live session refused: {why}")
                 logger.error("REGISTER refused: %s", why)
                 self.errors.append(why)
-                self.rejected[reg.session] = why
+                self.counts["refused_register"] += 1
+                if len(self.rejected) < 4 * self.limits.max_sessions:
+                    self.rejected[reg.session] = why
+                    self._rejected_from[reg.session] = (reg.decode_ip, reg.decode_port)
                 return
+            if old is not None:
+                if old.reg == reg:  # SGLang: a new REGISTER clears the blacklist
+                    old.worker.unblacklist()
+                    return
+                if not self._replaceable(old):
+                    self.counts["refused_register"] += 1
+                    raise ControlMessageError(
+                        f"REGISTER for live decode session {reg.session} (registered from "
+                        f"{old.endpoint[0]}:{old.endpoint[1]}) refused: only a blacklisted, "
+                        "idle session is replaced"
+                    )
+                self._drop_session(reg.session)
+            if len(self.sessions) >= self.limits.max_sessions:
+                self._drop_idle_sessions(now, force=True)
+            if len(self.sessions) >= self.limits.max_sessions:
+                self.counts["refused_register"] += 1
+                raise ControlMessageError(
+                    f"REGISTER from {reg.session} refused: {len(self.sessions)} decode sessions "
+                    "are registered and busy (the limit)"
+                )
             self.rejected.pop(reg.session, None)
-            worker = self.sessions.get(reg.session)
-            if worker is not None:  # a new REGISTER clears the blacklist (SGLang)
-                worker.reg = reg
-                worker.unblacklist()
-                return
-            self._drop_idle_sessions()
-            self.sessions[reg.session] = SessionWorker(
+            self._rejected_from.pop(reg.session, None)
+            worker = SessionWorker(
                 reg,
                 self.source,
                 self.host,
@@ -271,23 +362,74 @@ class PrefillTransport:
                 self._on_done,
                 self.hook,
                 self.probe_interval_s,
+                idle_s=self.limits.engine_idle_s,
             )
+            self.sessions[reg.session] = Session(reg, worker, now)
 
-    def _drop_idle_sessions(self) -> None:
-        now = time.monotonic()
-        busy = {r.meta.session for r in self.rooms.values() if r.meta is not None}
-        for session, w in list(self.sessions.items()):
-            if w.blacklisted and session not in busy and now - w.last_used > SESSION_IDLE_S:
-                if w.close(timeout_s=0.1):
-                    del self.sessions[session]
-                    logger.info("dropped blacklisted decode session %s (idle)", session)
+    def _busy_sessions(self) -> set[str]:
+        return {
+            r.meta.session
+            for r in self.rooms.values()
+            if r.meta is not None
+            and (r.outstanding or r.status not in (KVPoll.Success, KVPoll.Failed))
+        }
+
+    def _replaceable(self, s: Session) -> bool:
+        return (
+            s.worker.blacklisted is not None
+            and s.worker.pending == 0
+            and s.reg.session not in self._busy_sessions()
+        )
+
+    def _drop_session(self, session: str) -> None:
+        s = self.sessions.pop(session)
+        self.counts["dropped_sessions"] += 1
+        if not s.worker.close(timeout_s=0.1):
+            logger.warning("decode session %s: its worker is still in a call", session)
+        self._pusher.forget(s.endpoint)
+
+    def _drop_idle_sessions(self, now: float, force: bool = False) -> None:
+        """Drop sessions without rooms or jobs: blacklisted ones after ``dead_s``, others after
+        ``idle_s``; with ``force`` (the cap is reached) the least recently used idle one."""
+        busy = self._busy_sessions()
+        idle = [
+            s for name, s in self.sessions.items()
+            if name not in busy and s.worker.pending == 0
+        ]  # fmt: skip
+        for s in idle:
+            limit = self.limits.dead_s if s.worker.blacklisted else self.limits.idle_s
+            if now - max(s.worker.last_used, s.registered_at) >= limit:
+                logger.info("dropping idle decode session %s", s.reg.session)
+                self._drop_session(s.reg.session)
+        if force and len(self.sessions) >= self.limits.max_sessions:
+            left = [s for s in idle if s.reg.session in self.sessions]
+            if left:
+                lru = min(left, key=lambda s: max(s.worker.last_used, s.registered_at))
+                self._drop_session(lru.reg.session)
+
+    def _housekeep(self) -> None:
+        while not self._closed.wait(0.5):
+            with self.lock:
+                self._drop_idle_sessions(time.monotonic())
 
     def _on_meta(self, meta: Meta) -> None:
         endpoint = (meta.decode_ip, meta.decode_port)
         with self.lock:
             r = self.rooms.get(meta.room)
-            if r is None or r.status == KVPoll.Failed:
-                self._notify.put((endpoint, Status(meta.room, int(KVPoll.Failed)).to_frames()))
+            if r is None:
+                self.counts["unknown_room"] += 1  # no reply: the endpoint is only named here
+                logger.warning("META for unknown room %d dropped", meta.room)
+                return
+            session = self.sessions.get(meta.session)
+            if session is not None and session.endpoint != endpoint:
+                raise ControlMessageError(
+                    f"META for room {meta.room}: session {meta.session} registered from "
+                    f"{session.endpoint[0]}:{session.endpoint[1]}, not {endpoint[0]}:{endpoint[1]}"
+                )
+            if r.status == KVPoll.Failed:
+                self._push(
+                    endpoint, Status(meta.room, int(KVPoll.Failed), PREFILL_RANK).to_frames()
+                )
                 return
             if r.status != KVPoll.Bootstrapping:
                 raise ControlMessageError(f"META for room {meta.room} in state {r.status.name}")
@@ -305,8 +447,14 @@ class PrefillTransport:
             return self.rejected[meta.session]
         if meta.session not in self.sessions:
             return f"META for room {r.room} from unregistered decode session {meta.session}"
-        if meta.required_dst_info_num != 1:
-            return f"META for room {r.room}: required_dst_info_num {meta.required_dst_info_num}"
+        if meta.required_dst_info_num != 1 or meta.dummy:
+            return (
+                f"META for room {r.room}: required_dst_info_num {meta.required_dst_info_num}"
+                f"{' (dummy rank)' if meta.dummy else ''}; this prefill serves one decode rank "
+                "a request"
+            )
+        if meta.state_indices or meta.device_pages:
+            return f"META for room {r.room}: state or device page indices (not served)"
         if dpl < 0 or dpl % ps or dpl >= r.num_tokens:
             return (
                 f"META for room {r.room}: decode_prefix_len {dpl} must be page-aligned "
@@ -318,29 +466,26 @@ class PrefillTransport:
                 f"META for room {r.room}: {len(meta.dst_pages)} destination pages (ids >= 1)"
                 f" for {r.num_tokens - dpl} tokens, expected {want}"
             )
+        if meta.dst_aux_index < 0:
+            return f"META for room {r.room}: metadata row {meta.dst_aux_index}"
         return None
 
     def _on_abort(self, abort: Abort) -> None:
-        endpoint = (abort.decode_ip, abort.decode_port)
+        endpoint = abort.endpoint
         with self.lock:
             r = self.rooms.get(abort.room)
             if r is None:
-                if abort.room not in self._poisoned:
-                    self._notify.put((endpoint, AbortAck(abort.room).to_frames()))
+                if abort.room not in self._poisoned and abort.generation is not None:
+                    self._push(endpoint, AbortAck(abort.room, PREFILL_RANK,
+                                                  abort.generation).to_frames())  # fmt: skip
                 return
             if r.status not in (KVPoll.Success, KVPoll.Failed):
                 self.fail_room(r, "the decode side aborted the request", notify=False)
-            r.ack_targets.append(endpoint)
+            if endpoint is not None and abort.generation is not None and not r.poisoned:
+                if any(s.endpoint == endpoint for s in self.sessions.values()):
+                    r.ack_targets[endpoint] = abort.generation
             self._maybe_ack(r)
             self._maybe_drop(r)
-
-    def _push_loop(self) -> None:
-        while True:
-            item = self._notify.get()
-            if item is None:
-                return
-            endpoint, frames = item
-            self._pusher.push(endpoint, frames)
 
     def stats(self) -> dict[str, object]:
         with self.lock:
@@ -348,33 +493,36 @@ class PrefillTransport:
                 "rooms": len(self.rooms),
                 "outstanding": sum(r.outstanding for r in self.rooms.values()),
                 "sessions": {
-                    s: {
-                        "blacklisted": w.blacklisted,
-                        "calls": w.calls,
-                        "items": w.items,
-                        "bytes": w.bytes,
+                    name: {
+                        "blacklisted": s.worker.blacklisted,
+                        "running": s.worker.running,
+                        "calls": s.worker.calls,
+                        "items": s.worker.items,
+                        "bytes": s.worker.bytes,
                     }
-                    for s, w in self.sessions.items()
+                    for name, s in self.sessions.items()
                 },
                 "rejected": dict(self.rejected),
                 "malformed_messages": self.listener.malformed,
+                "refused_connections": self.listener.refused,
+                "dropped_pushes": self._pusher.dropped,
+                "bootstrap": self.bootstrap.stats(),
                 "errors": list(self.errors),
+                **self.counts,
             }
 
     def close(self) -> list[str]:
         """Stop listening and end every worker; the sessions whose worker a call to a frozen
         decode still blocks."""
-
+        self._closed.set()
         self.bootstrap.close()
         self.listener.close()
-        stuck = [s for s, w in self.sessions.items() if not w.close()]
-        self._notify.put(None)
-        self._notifier.join(timeout=5)
+        stuck = [name for name, s in self.sessions.items() if not s.worker.close()]
         self._pusher.close()
         return stuck
 
     def set_hook(self, hook: TransferHook | None) -> None:
         with self.lock:
             self.hook = hook
-            for w in self.sessions.values():
-                w.hook = hook
+            for s in self.sessions.values():
+                s.worker.hook = hook

@@ -1,6 +1,8 @@
 """The prefill side's transfer worker of one decode session (SGLang's ``transfer_worker``): a FIFO
 of chunk jobs, a thread and its own ``TransferEngine``, so a frozen decode stalls only its own
-queue. A session whose call failed is blacklisted until a new REGISTER or a successful probe."""
+queue. Thread and engine start with the first job and end after ``idle_s`` without one (a
+registered session that sends no work costs neither). A session whose call failed is
+blacklisted until a new REGISTER or a successful probe."""
 
 from __future__ import annotations
 
@@ -78,13 +80,13 @@ def kv_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], lis
 
 
 def aux_items(src: SourceMemory, reg: Register, job: Job) -> tuple[list[int], list[int], list[int]]:
-    """One item per aux buffer, paired by position (as SGLang, the shorter row length moves)."""
+    """One item per metadata buffer, paired by position up to the shorter list, each one row of
+    the prefill's length (SGLang's ``send_aux``: both sides have the same row lengths)."""
     srcs, dsts, lens = [], [], []
-    pairs = zip(src.aux_ptrs, src.aux_row_lens, reg.aux_ptrs, reg.aux_row_lens, strict=False)
-    for sp, ln, dp, dln in pairs:
+    for sp, ln, dp in zip(src.aux_ptrs, src.aux_row_lens, reg.aux_ptrs, strict=False):
         srcs.append(sp + ln * job.aux_index)
-        dsts.append(dp + dln * job.dst_aux_index)
-        lens.append(min(ln, dln))
+        dsts.append(dp + ln * job.dst_aux_index)
+        lens.append(ln)
     return srcs, dsts, lens
 
 
@@ -102,6 +104,7 @@ class SessionWorker:
         hook: TransferHook | None,
         probe_interval_s: float,
         max_items: int = MAX_ITEMS_PER_CALL,
+        idle_s: float = 60.0,
     ) -> None:
         self.session = reg.session
         self.reg = reg
@@ -112,6 +115,7 @@ class SessionWorker:
         self.hook = hook
         self.probe_interval_s = probe_interval_s
         self.max_items = max_items
+        self.idle_s = idle_s
         self.blacklisted: str | None = None  # why, while blacklisted
         self.last_used = time.monotonic()
         self.calls = 0
@@ -122,12 +126,25 @@ class SessionWorker:
         self._busy = False
         self._closed = threading.Event()
         self._probing = False
-        self._thread = threading.Thread(target=self._run, name=f"mc-{reg.session}", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.pending = 0  # jobs queued or running
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread (and so maybe the engine) is up."""
+        return self._thread is not None
 
     def put(self, job: Job) -> None:
-        self.last_used = time.monotonic()
-        self._queue.put(job)
+        with self._lock:
+            self.last_used = time.monotonic()
+            self.pending += 1
+            self._queue.put(job)
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name=f"mc-{self.session}", daemon=True
+                )
+                self._thread.start()
 
     def blacklist(self, reason: str) -> None:
         if self.blacklisted is None:
@@ -148,16 +165,24 @@ class SessionWorker:
         """Stop the thread after the queued jobs; whether it ended (a call to a frozen peer may
         still block it, its engine then left to the process)."""
         self._closed.set()
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive() or self._probing:
+        with self._lock:
+            thread = self._thread
+            self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                return False
+        if self._probing:
             return False
+        self._close_engine()
+        return True
+
+    def _close_engine(self) -> None:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        return True
 
-    def _run(self) -> None:
+    def _start_engine(self) -> None:
         try:
             engine = KVTransferEngine(self.host)
             engine.register(self.source.regions)
@@ -170,15 +195,29 @@ class SessionWorker:
                 self.blacklist(f"first contact (a {warm}-byte write to the padding page) rc={rc}")
         except EngineError as e:
             self.blacklist(str(e))
+
+    def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty() and not self._probing:
+                        self._close_engine()  # idle: thread and engine end
+                        self._thread = None
+                        return
+                continue
             if job is None:
                 return
+            if self._engine is None and self.blacklisted is None:
+                self._start_engine()
             try:
                 rc = self._process(job)
             except Exception:  # the worker must go on: the job fails, its room with it
                 logger.exception("transfer job of room %d failed", job.room)
                 rc = -1
+            with self._lock:
+                self.pending -= 1
             self.on_done(job, rc)
 
     def _process(self, job: Job) -> int | None:

@@ -1,204 +1,83 @@
-"""Control messages between the prefill and decode sides (SGLang 0.5.23's REGISTER, META, ABORT,
-STATUS, ABORT_ACK, with its frame order), their framing over plain TCP
-(``[u32 frame count]([u32 length][bytes])*``, big-endian, instead of ZMQ), and the sockets that
-carry them (``Pusher``, ``Listener``). A message that does not parse raises
-``ControlMessageError`` naming the message and field; the listener counts it and keeps serving."""
+"""SGLang 0.5.23's Mooncake PD control messages, frame for frame (``mooncake/conn.py``,
+``common/conn.py``): REGISTER (20 frames, room ``"None"``), META (``TransferInfo``, 10), STATUS
+(``[room, status, rank]``), ABORT (2, 4 or 5) and ABORT_ACK (2, 3 or 4). Ascii integers, packed
+little-endian u64 pointers and item lengths, int32 page ids. A message that does not parse raises
+``ControlMessageError`` naming the message and field. The sockets that carry them (ZMQ PUSH ->
+PULL multipart, as SGLang) are in ``channel``."""
 
 from __future__ import annotations
 
-import json
-import logging
-import socket
 import struct
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
-
-MAX_FRAMES = 64
-MAX_FRAME_BYTES = 256 << 20
 ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 REGISTER_ROOM = b"None"
+REGISTER_FRAMES = 20
+META_FRAMES = 10
+MAX_FRAMES = 32
+"""Frames of one message past which the control plane drops it (SGLang's longest has 20)."""
 
 
 class ControlMessageError(ValueError):
     """A control message that does not parse (the message names what was wrong)."""
 
 
-def encode_frames(frames: Sequence[bytes]) -> bytes:
-    parts = [struct.pack("!I", len(frames))]
-    for f in frames:
-        parts += [struct.pack("!I", len(f)), bytes(f)]
-    return b"".join(parts)
-
-
-def _read_exact(read: Callable[[int], bytes], n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = read(n - len(buf))
-        if not chunk:
-            raise EOFError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def read_frames(read: Callable[[int], bytes]) -> list[bytes]:
-    """One message from a byte source (``sock.recv`` or ``stream.read``). ``EOFError`` at a
-    clean end, ``ControlMessageError`` for a frame count or length past the limits."""
-    (count,) = struct.unpack("!I", _read_exact(read, 4))
-    if count > MAX_FRAMES:
-        raise ControlMessageError(f"{count} frames in one message (at most {MAX_FRAMES})")
-    frames = []
-    for _ in range(count):
-        (n,) = struct.unpack("!I", _read_exact(read, 4))
-        if n > MAX_FRAME_BYTES:
-            raise ControlMessageError(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
-        frames.append(_read_exact(read, n))
-    return frames
-
-
-def write_stream(stream: BinaryIO, frames: Sequence[bytes]) -> None:
-    stream.write(encode_frames(frames))
-    stream.flush()
-
-
-def read_stream(stream: BinaryIO) -> list[bytes]:
-    return read_frames(stream.read)
-
-
-class Listener:
-    """A TCP listener on ``(host, 0)``; every message of every connection goes to
-    ``handler(frames)`` on that connection's thread. A handler's ``ControlMessageError`` is
-    logged and counted in ``malformed``; the connection stays open."""
-
-    def __init__(self, host: str, handler: Callable[[list[bytes]], None], name: str) -> None:
-        self.handler = handler
-        self.name = name
-        self.malformed = 0
-        self.last_error: str | None = None
-        self._sock = socket.create_server((host, 0), backlog=128)
-        self.host = host
-        self.port = self._sock.getsockname()[1]
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name=self.name, daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        peer = conn.getpeername()
-        with conn:
-            while not self._closed:
-                try:
-                    frames = read_frames(conn.recv)
-                except (EOFError, OSError):
-                    return
-                except ControlMessageError as e:  # framing broken: this connection is unusable
-                    self._malformed(peer, e)
-                    return
-                try:
-                    self.handler(frames)
-                except ControlMessageError as e:
-                    self._malformed(peer, e)
-
-    def _malformed(self, peer: object, e: Exception) -> None:
-        self.malformed += 1
-        self.last_error = str(e)
-        logger.error("%s: malformed control message from %s: %s", self.name, peer, e)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-
-class Pusher:
-    """One-way pushes to ``(ip, port)`` endpoints over cached connections (SGLang's PUSH
-    sockets). ``push`` never raises: it returns whether the message was handed to the kernel
-    (which, as with ZMQ, does not prove a dead peer read it)."""
-
-    def __init__(self, timeout_s: float = 1.0) -> None:
-        self.timeout_s = timeout_s
-        self._conns: dict[tuple[str, int], socket.socket] = {}
-        self._lock = threading.Lock()
-
-    def push(self, endpoint: tuple[str, int], frames: Sequence[bytes]) -> bool:
-        data = encode_frames(frames)
-        with self._lock:
-            for _ in range(2):  # a cached connection may be stale: one fresh retry
-                conn = self._conns.get(endpoint)
-                try:
-                    if conn is None:
-                        conn = socket.create_connection(endpoint, timeout=self.timeout_s)
-                        self._conns[endpoint] = conn
-                    conn.sendall(data)
-                    return True
-                except OSError as e:
-                    logger.debug("push to %s failed: %s", endpoint, e)
-                    self._drop(endpoint)
-            return False
-
-    def _drop(self, endpoint: tuple[str, int]) -> None:
-        conn = self._conns.pop(endpoint, None)
-        if conn is not None:
-            conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            for endpoint in list(self._conns):
-                self._drop(endpoint)
-
-
 def _a(x: object) -> bytes:
     return str(x).encode("ascii")
 
 
-def _int(frames: list[bytes], i: int, msg: str, field: str) -> int:
+def _frame(frames: Sequence[bytes], i: int, msg: str, field: str) -> bytes:
+    if i >= len(frames):
+        raise ControlMessageError(f"{msg}: {field} (frame {i}) is missing")
+    return bytes(frames[i])
+
+
+def _int(frames: Sequence[bytes], i: int, msg: str, field: str, default: int | None = None) -> int:
+    raw = frames[i] if i < len(frames) else b""
+    if raw == b"" and default is not None:
+        return default
     try:
-        return int(frames[i].decode("ascii"))
-    except (IndexError, UnicodeDecodeError, ValueError):
-        got = frames[i][:32] if i < len(frames) else "nothing"
-        raise ControlMessageError(f"{msg}: {field} must be an integer, got {got!r}") from None
+        return int(bytes(raw).decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise ControlMessageError(
+            f"{msg}: {field} must be an integer, got {bytes(raw)[:32]!r}"
+        ) from None
 
 
-def _str(frames: list[bytes], i: int, msg: str, field: str) -> str:
+def _str(frames: Sequence[bytes], i: int, msg: str, field: str) -> str:
     try:
-        return frames[i].decode("ascii")
-    except (IndexError, UnicodeDecodeError):
-        raise ControlMessageError(f"{msg}: {field} is missing or not ascii") from None
+        return _frame(frames, i, msg, field).decode("ascii")
+    except UnicodeDecodeError:
+        raise ControlMessageError(f"{msg}: {field} is not ascii") from None
 
 
-def _u64s(frames: list[bytes], i: int, msg: str, field: str) -> tuple[int, ...]:
-    if i >= len(frames) or len(frames[i]) % 8:
-        raise ControlMessageError(f"{msg}: {field} must be packed u64 values")
-    return tuple(int(x) for x in np.frombuffer(frames[i], dtype="<u8"))
+def _packed(frames: Sequence[bytes], i: int, msg: str, field: str, fmt: str) -> tuple[int, ...]:
+    raw = frames[i] if i < len(frames) else b""
+    width = struct.calcsize(fmt)
+    if len(raw) % width:
+        raise ControlMessageError(f"{msg}: {field} must be packed {fmt} values")
+    return struct.unpack(f"<{len(raw) // width}{fmt}", bytes(raw))
 
 
-def _u64_bytes(values: Sequence[int]) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
+def _pack(values: Sequence[int], fmt: str) -> bytes:
+    return struct.pack(f"<{len(values)}{fmt}", *values)
 
 
-def _count(frames: list[bytes], n: int, msg: str) -> None:
-    if len(frames) != n:
-        raise ControlMessageError(f"{msg}: {len(frames)} frames, expected {n}")
+def _packed_lists(frames: Sequence[bytes], i: int) -> bytes:
+    return bytes(frames[i]) if i < len(frames) else b""
 
 
 @dataclass(frozen=True)
 class Register:
-    """Decode -> prefill, once per decode session and prefill rank: where decode's KV and aux
-    rows are (``kv_ptrs``: one per layer buffer, K layers then V layers, or MLA's latent)."""
+    """Decode -> prefill, once per (prefill rank, decode rank): SGLang's ``KVArgsRegisterInfo``.
+    ``kv_ptrs``: one per layer buffer (K layers then V layers, or MLA's latent);
+    ``kv_item_lens``: bytes of one page of each; ``aux_ptrs``: the metadata buffers in SGLang's
+    order. The state, staging and DCP fields are carried as raw frames (the project sends them
+    empty / ``1, 0``); ``extra`` names what a peer set that this side cannot serve."""
 
     decode_ip: str
     decode_port: int
@@ -206,10 +85,14 @@ class Register:
     kv_ptrs: tuple[int, ...]
     aux_ptrs: tuple[int, ...]
     kv_item_lens: tuple[int, ...]
-    aux_row_lens: tuple[int, ...]
-    geometry: str  # KVGeometry JSON
     tp_rank: int = 0
     attn_tp_size: int = 1
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    state_ptrs: bytes = b""
+    kv_layer_ids: tuple[int, ...] = ()
+    staging_base: int = 0
+    staging_size: int = 0
 
     def to_frames(self) -> list[bytes]:
         return [
@@ -217,52 +100,60 @@ class Register:
             _a(self.decode_ip),
             _a(self.decode_port),
             _a(self.session),
-            _u64_bytes(self.kv_ptrs),
-            _u64_bytes(self.aux_ptrs),
-            b"",
+            _pack(self.kv_ptrs, "Q"),
+            _pack(self.aux_ptrs, "Q"),
+            self.state_ptrs,
             _a(self.tp_rank),
             _a(self.attn_tp_size),
             _a(self.kv_item_lens[0] if self.kv_item_lens else 0),
-            _u64_bytes(self.kv_item_lens),
-            _u64_bytes(self.aux_row_lens),
-            self.geometry.encode(),
+            b"",  # state item lens
+            b"",  # state dims per tensor
+            _pack(self.kv_layer_ids, "I"),
+            b"",  # state layer ids
+            _pack([self.staging_base], "Q") if self.staging_base else b"",
+            _a(self.staging_size) if self.staging_size else b"",
+            _a(self.dcp_size),
+            _a(self.dcp_rank),
+            b"",  # staging slot layer ids
+            _pack(self.kv_item_lens, "Q"),
         ]
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> Register:
+    def from_frames(cls, frames: Sequence[bytes]) -> Register:
+        """SGLang's parse: frames past 9 are optional (older peers send fewer); without frame
+        19 every buffer has frame 9's item length."""
         m = "REGISTER"
-        _count(frames, 13, m)
-        kv_ptrs = _u64s(frames, 4, m, "kv_data_ptrs")
-        lens = _u64s(frames, 10, m, "kv_item_lens")
+        if len(frames) < 10:
+            raise ControlMessageError(f"{m}: {len(frames)} frames, expected {REGISTER_FRAMES}")
+        kv_ptrs = _packed(frames, 4, m, "kv_data_ptrs", "Q")
+        item_len = _int(frames, 9, m, "kv_item_len")
+        lens = _packed(frames, 19, m, "kv_item_lens", "Q") or (item_len,) * len(kv_ptrs)
         if len(lens) != len(kv_ptrs):
             raise ControlMessageError(f"{m}: {len(kv_ptrs)} kv ptrs but {len(lens)} item lens")
-        aux = _u64s(frames, 5, m, "aux_data_ptrs")
-        aux_lens = _u64s(frames, 11, m, "aux_row_lens")
-        if len(aux) != len(aux_lens):
-            raise ControlMessageError(f"{m}: {len(aux)} aux ptrs but {len(aux_lens)} row lens")
-        try:
-            geometry = frames[12].decode()
-            json.loads(geometry)
-        except (UnicodeDecodeError, ValueError):
-            raise ControlMessageError(f"{m}: geometry is not JSON") from None
+        staging = _packed(frames, 14, m, "staging base", "Q") if len(frames) > 14 else ()
         return cls(
             decode_ip=_str(frames, 1, m, "decode ip"),
-            decode_port=_int(frames, 2, m, "port"),
+            decode_port=_int(frames, 2, m, "decode port"),
             session=_str(frames, 3, m, "session id"),
             kv_ptrs=kv_ptrs,
-            aux_ptrs=aux,
+            aux_ptrs=_packed(frames, 5, m, "aux_data_ptrs", "Q"),
             kv_item_lens=lens,
-            aux_row_lens=aux_lens,
-            geometry=geometry,
             tp_rank=_int(frames, 7, m, "tp rank"),
-            attn_tp_size=_int(frames, 8, m, "tp size"),
+            attn_tp_size=_int(frames, 8, m, "attn tp size"),
+            dcp_size=_int(frames, 16, m, "dcp size", default=1),
+            dcp_rank=_int(frames, 17, m, "dcp rank", default=0),
+            state_ptrs=_packed_lists(frames, 6),
+            kv_layer_ids=_packed(frames, 12, m, "kv layer ids", "I"),
+            staging_base=staging[0] if staging else 0,
+            staging_size=_int(frames, 15, m, "staging size", default=0),
         )
 
 
 @dataclass(frozen=True)
 class Meta:
-    """Decode -> prefill, per request (SGLang's ``TransferInfo``): the destination pages of tokens
-    ``[decode_prefix_len, n)`` and the destination metadata (aux) row."""
+    """Decode -> prefill, per request and prefill rank (SGLang's ``TransferInfo``): the int32
+    page ids of tokens ``[decode_prefix_len, n)`` and the metadata row. A dummy rank's META
+    (MLA with a larger prefill TP) has empty page and row frames: ``dummy``."""
 
     room: int
     decode_ip: str
@@ -272,6 +163,9 @@ class Meta:
     dst_aux_index: int
     decode_prefix_len: int
     required_dst_info_num: int = 1
+    dummy: bool = False
+    state_indices: bytes = b""
+    device_pages: bytes = b""
 
     def to_frames(self) -> list[bytes]:
         return [
@@ -279,56 +173,81 @@ class Meta:
             _a(self.decode_ip),
             _a(self.decode_port),
             _a(self.session),
-            np.asarray(self.dst_pages, dtype=np.int32).tobytes(),
-            _a(self.dst_aux_index),
-            b"",
+            b"" if self.dummy else np.asarray(self.dst_pages, dtype="<i4").tobytes(),
+            b"" if self.dummy else _a(self.dst_aux_index),
+            b"" if self.dummy else self.state_indices,
             _a(self.required_dst_info_num),
             _a(self.decode_prefix_len),
+            b"" if self.dummy else self.device_pages,
         ]
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> Meta:
+    def from_frames(cls, frames: Sequence[bytes]) -> Meta:
         m = "META"
-        _count(frames, 9, m)
+        if len(frames) < 8:
+            raise ControlMessageError(f"{m}: {len(frames)} frames, expected {META_FRAMES}")
+        room = _int(frames, 0, m, "room")
+        dummy = frames[4] == b"" and frames[5] == b""
         if len(frames[4]) % 4:
             raise ControlMessageError(f"{m}: destination page ids must be packed int32")
-        pages = tuple(int(x) for x in np.frombuffer(frames[4], dtype=np.int32))
+        pages = () if dummy else tuple(np.frombuffer(bytes(frames[4]), dtype="<i4").tolist())
         return cls(
-            room=_int(frames, 0, m, "room"),
+            room=room,
             decode_ip=_str(frames, 1, m, "decode ip"),
-            decode_port=_int(frames, 2, m, "port"),
+            decode_port=_int(frames, 2, m, "decode port"),
             session=_str(frames, 3, m, "session id"),
             dst_pages=pages,
-            dst_aux_index=_int(frames, 5, m, "dst aux index"),
+            dst_aux_index=-1 if dummy else _int(frames, 5, m, "dst aux index"),
             required_dst_info_num=_int(frames, 7, m, "required_dst_info_num"),
-            decode_prefix_len=_int(frames, 8, m, "decode_prefix_len"),
+            decode_prefix_len=_int(frames, 8, m, "decode_prefix_len", default=0),
+            dummy=dummy,
+            state_indices=b"" if dummy else _packed_lists(frames, 6),
+            device_pages=_packed_lists(frames, 9),
         )
 
 
 @dataclass(frozen=True)
 class Abort:
-    """Decode -> prefill: decode gave up on ``room``; ack once nothing can write its pages."""
+    """Decode -> prefill: decode gave up on ``room``. With ``generation`` (SGLang's deferred
+    decode KV release) the prefill acks once nothing can write the room's pages; without one it
+    does not ack (as SGLang's prefill)."""
 
     room: int
-    decode_ip: str
-    decode_port: int
+    decode_ip: str | None = None
+    decode_port: int | None = None
+    generation: int | None = None
 
     def to_frames(self) -> list[bytes]:
-        return [ABORT_TAG, _a(self.room), _a(self.decode_ip), _a(self.decode_port)]
+        frames = [ABORT_TAG, _a(self.room)]
+        if self.decode_ip is not None and self.decode_port is not None:
+            frames += [_a(self.decode_ip), _a(self.decode_port)]
+            if self.generation is not None:
+                frames.append(_a(self.generation))
+        return frames
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> Abort:
+    def from_frames(cls, frames: Sequence[bytes]) -> Abort:
         m = "ABORT"
-        _count(frames, 4, m)
-        return cls(
-            _int(frames, 1, m, "room"), _str(frames, 2, m, "decode ip"), _int(frames, 3, m, "port")
-        )
+        if len(frames) < 2:
+            raise ControlMessageError(f"{m}: {len(frames)} frames, expected 2, 4 or 5")
+        room = _int(frames, 1, m, "room")
+        if len(frames) < 4:
+            return cls(room)
+        generation = _int(frames, 4, m, "generation") if len(frames) > 4 else None
+        return cls(room, _str(frames, 2, m, "decode ip"), _int(frames, 3, m, "decode port"),
+                   generation)  # fmt: skip
+
+    @property
+    def endpoint(self) -> tuple[str, int] | None:
+        if self.decode_ip is None or self.decode_port is None:
+            return None
+        return self.decode_ip, self.decode_port
 
 
 @dataclass(frozen=True)
 class Status:
     """Prefill -> decode: ``room`` reached ``status`` (a ``KVPoll`` value) on prefill rank
-    ``rank``."""
+    ``rank`` (SGLang's Mooncake STATUS: no tag, no reason frame)."""
 
     room: int
     status: int
@@ -338,9 +257,10 @@ class Status:
         return [_a(self.room), _a(self.status), _a(self.rank)]
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> Status:
+    def from_frames(cls, frames: Sequence[bytes]) -> Status:
         m = "STATUS"
-        _count(frames, 3, m)
+        if len(frames) < 3:
+            raise ControlMessageError(f"{m}: {len(frames)} frames, expected 3")
         status = _int(frames, 1, m, "status")
         if not 0 <= status <= 4:
             raise ControlMessageError(f"{m}: status {status} is not a KVPoll value")
@@ -349,23 +269,30 @@ class Status:
 
 @dataclass(frozen=True)
 class AbortAck:
-    """Prefill -> decode: no engine call can write ``room``'s pages any more."""
+    """Prefill -> decode: no engine call can write ``room``'s pages any more (``generation``
+    echoes the ABORT's)."""
 
     room: int
     rank: int = 0
+    generation: int | None = None
 
     def to_frames(self) -> list[bytes]:
-        return [ABORT_ACK_TAG, _a(self.room), _a(self.rank)]
+        frames = [ABORT_ACK_TAG, _a(self.room), _a(self.rank)]
+        if self.generation is not None:
+            frames.append(_a(self.generation))
+        return frames
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> AbortAck:
+    def from_frames(cls, frames: Sequence[bytes]) -> AbortAck:
         m = "ABORT_ACK"
-        _count(frames, 3, m)
-        return cls(_int(frames, 1, m, "room"), _int(frames, 2, m, "rank"))
+        if len(frames) < 3:
+            raise ControlMessageError(f"{m}: {len(frames)} frames, expected 3 or 4")
+        generation = _int(frames, 3, m, "generation") if len(frames) > 3 else None
+        return cls(_int(frames, 1, m, "room"), _int(frames, 2, m, "rank"), generation)
 
 
-def parse_to_prefill(frames: list[bytes]) -> Register | Meta | Abort:
-    """What the prefill side's listener receives, told apart by the first frame as SGLang's
+def parse_to_prefill(frames: Sequence[bytes]) -> Register | Meta | Abort:
+    """What a prefill rank's PULL socket receives, told apart by the first frame as SGLang's
     bootstrap thread does."""
     if not frames:
         raise ControlMessageError("an empty message")
@@ -373,11 +300,16 @@ def parse_to_prefill(frames: list[bytes]) -> Register | Meta | Abort:
         return Abort.from_frames(frames)
     if frames[0] == REGISTER_ROOM:
         return Register.from_frames(frames)
+    if frames[0] in (b"BOOTSTRAP", b"WATERMARK", b"STAGING_RSP"):
+        raise ControlMessageError(
+            f"{bytes(frames[0]).decode()}: not served (decode allocation policy 'early', no "
+            "staging buffer)"
+        )
     return Meta.from_frames(frames)
 
 
-def parse_to_decode(frames: list[bytes]) -> Status | AbortAck:
-    """What the decode side's listener receives."""
+def parse_to_decode(frames: Sequence[bytes]) -> Status | AbortAck:
+    """What a decode rank's PULL socket receives."""
     if not frames:
         raise ControlMessageError("an empty message")
     if frames[0] == ABORT_ACK_TAG:

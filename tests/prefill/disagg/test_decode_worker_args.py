@@ -4,35 +4,47 @@ the check runs before Mooncake is imported, so it needs neither Mooncake nor the
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import subprocess
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import torch
 
-from hicache_prefill.prefill.disagg.mooncake.wire import read_stream
+from hicache_prefill.prefill.disagg.mooncake.decode_worker import recv_message
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
 
 REPO = Path(__file__).resolve().parents[3]
+GEOMETRY = KVGeometry("mha", 2, 16, "float32", 2, 16, 16).to_json()
 
 
 def _run_worker(*flags: str) -> tuple[int, list[dict], str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    if "--kv-geometry" not in flags:
+        flags = ("--kv-geometry", GEOMETRY, *flags)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "hicache_prefill.prefill.disagg.mooncake.decode_worker", *flags],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
-        capture_output=True,
-        timeout=120,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    messages, out = [], io.BytesIO(proc.stdout)
-    while out.tell() < len(proc.stdout):
-        messages.append(json.loads(read_stream(out)[0]))
-    return proc.returncode, messages, proc.stderr.decode(errors="replace")
+    assert proc.stdout is not None
+    conn = Connection(os.dup(proc.stdout.fileno()), writable=False)
+    messages = []
+    try:
+        while True:
+            messages.append(recv_message(conn)[0])
+    except EOFError:
+        pass
+    finally:
+        conn.close()
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, messages, stderr.decode(errors="replace")
 
 
 BAD_FLAGS = [
@@ -41,6 +53,8 @@ BAD_FLAGS = [
     (("--max-running-requests", "0"), "--max-running-requests"),
     (("--max-running-requests", "-3"), "--max-running-requests"),
     (("--device", "bogus"), "--device"),
+    (("--kv-geometry", '{"kind": "mha"}'), "--kv-geometry"),
+    (("--kv-geometry", "not json"), "--kv-geometry"),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((("--device", "cuda"), "--device"))

@@ -31,16 +31,17 @@ _REASON = skip_reason("engine", shim_in_process=True)
 if _REASON is not None:
     pytest.skip(f"Mooncake transport tests: {_REASON}", allow_module_level=True)
 
+import zmq  # noqa: E402
+
 from hicache_prefill.prefill.clock import WallClock  # noqa: E402
 from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry  # noqa: E402
 from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig  # noqa: E402
 from hicache_prefill.prefill.disagg.mooncake.receiver import POISON  # noqa: E402
-from hicache_prefill.prefill.disagg.mooncake.wire import encode_frames  # noqa: E402
 from hicache_prefill.prefill.disagg.protocol import KVPoll, MetadataRow  # noqa: E402
 from hicache_prefill.prefill.disagg.simulated import PeerConfig  # noqa: E402
 from hicache_prefill.prefill.request.state import Outcome  # noqa: E402
 from hicache_prefill.server_args import ServerArgs  # noqa: E402
-from tests.support.harness import assert_decode_kv_matches, make_executor  # noqa: E402
+from tests.support.harness import assert_decode_kv_matches, build_cache, make_executor  # noqa: E402
 from tests.support.mooncake_decode import (  # noqa: E402
     DecodeWorker,
     MooncakeDecode,
@@ -74,16 +75,19 @@ def env() -> object:
 
 @pytest.fixture(scope="module")
 def workers(env: object) -> object:
-    """Every worker the module uses, started at once so their start-ups overlap."""
+    """Every worker the module uses, started at once so their start-ups overlap; each pool has
+    the geometry of ``mk_args()``'s model, but ``mla``'s."""
+    geo = KVGeometry.from_pool(build_cache(mk_args()).device_pool)
     spec = {
         "steady": dict(pool_tokens=4096),
         "kill_bootstrapping": dict(pool_tokens=512),
         "kill_before_chunk": dict(pool_tokens=512),
         "kill_before_aux": dict(pool_tokens=512),
         "frozen": dict(pool_tokens=256),  # 16 pages: a new request must reuse a failed one's
-        "mla": dict(pool_tokens=512, expect_geometry=MLA),
+        "mla": dict(pool_tokens=512, geometry=MLA),
     }
-    started = {name: DecodeWorker(env=ENV, **kw) for name, kw in spec.items()}
+    started = {name: DecodeWorker(**{"geometry": geo, "env": ENV, **kw})
+               for name, kw in spec.items()}  # fmt: skip
     try:
         for w in started.values():
             w.wait_ready()
@@ -107,6 +111,15 @@ def mk_args(**kw: object) -> ServerArgs:
         disaggregation_bootstrap_port=0,
     )
     return ServerArgs(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def push(port: int, frames: list[bytes]) -> None:
+    """One ZMQ multipart message to a PULL socket on loopback ``port``."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart(frames)
+    sock.close()
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -187,13 +200,11 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
             dead = f"127.0.0.1:{s.getsockname()[1]}"
         steady.call("add", rid="nowhere", room=7, bootstrap_addr=dead, num_tokens=20)
         # A malformed control message to the prefill side's listener, and one to decode's.
-        ctrl = ("127.0.0.1", decode.backend.transport.listener.port)
-        with socket.create_connection(ctrl) as c:
-            c.sendall(encode_frames([b"12", b"127.0.0.1", b"not-a-port", b"s", b"", b"0", b"",
-                                     b"1", b"0"]))  # fmt: skip
+        push(decode.backend.transport.listener.port,
+             [b"12", b"127.0.0.1", b"not-a-port", b"s", b"", b"0", b"", b"1", b"0",
+              b""])  # fmt: skip
         malformed_before = steady.call("stats")[0]["malformed_messages"]
-        with socket.create_connection(("127.0.0.1", steady.info["control_port"])) as c:
-            c.sendall(encode_frames([b"1", b"9", b"0"]))  # STATUS of no KVPoll value
+        push(steady.info["control_port"], [b"1", b"9", b"0"])  # STATUS of no KVPoll value
         lengths = [1, 15, 16, 17, 100, 200, 333]
         for i, n in enumerate(lengths):
             ex.submit(f"r{i}", prompt(i, n))
@@ -207,12 +218,13 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
             r.decode_prefix_len == (min(PAGE, (n - 1) // PAGE * PAGE))
             for r, n in zip([results[f"r{i}"] for i in range(len(lengths))], lengths, strict=True)
         )
-        # Another geometry: refused by the decode worker (its pool has the first prefill's),
-        # naming the fields; that prefill's request fails at once (decode's ABORT), not by its
-        # bootstrap timeout.
-        assert geom.outcome == Outcome.ABORTED and "aborted" in geom.error
-        failure = other.decode.state("geom")["failure"]
-        assert "another KV geometry" in failure and "head_dim: 16 vs 32" in failure
+        # Another geometry: that prefill refuses the decode's REGISTER (its item lengths), and
+        # its request fails at META, naming the sizes, not by its bootstrap timeout; decode
+        # hears STATUS Failed.
+        assert geom.outcome == Outcome.ABORTED and "another KV geometry" in geom.error
+        assert "[2048]" in geom.error and "[4096]" in geom.error  # a page: head_dim 16 vs 32
+        assert wait_for(lambda: other.decode.state("geom")["state"] == "Failed", 30)
+        assert "reported the transfer Failed" in other.decode.state("geom")["failure"]
         other.decode.release("geom")
         check_results(ex, list(results.values()))
 
@@ -221,7 +233,7 @@ def test_kv_matches_recompute_and_bad_input_fails_cleanly(workers: dict) -> None
         steady.call("release", rid="nowhere")
         stats = decode.backend.transport.stats()
         assert stats["malformed_messages"] == 1
-        assert any("META: port must be an integer" in e for e in stats["errors"])
+        assert any("META: decode port must be an integer" in e for e in stats["errors"])
         worker_stats = steady.call("stats")[0]  # decode names it too, and served on
         assert worker_stats["malformed_messages"] == malformed_before + 1
         assert "status 9 is not a KVPoll value" in worker_stats["last_control_error"]
@@ -391,7 +403,7 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
             check_results(ex, list(results.values()))
             sessions = decode.backend.transport.stats()["sessions"]
             assert wait_for(
-                lambda: decode.backend.transport.sessions[session].blacklisted is None, 30
+                lambda: decode.backend.transport.sessions[session].worker.blacklisted is None, 30
             ), sessions  # probed back after the resume
             ex.submit("R", prompt(277 + i, 200))
             ex.run_until_idle(check=True)
@@ -406,9 +418,9 @@ def test_frozen_decode_at_each_point(workers: dict) -> None:
 
 
 def test_mla_latent_over_the_transport_and_expected_geometry(workers: dict) -> None:
-    """The geometry message carries MLA: a worker started to expect an MLA geometry refuses an
-    MHA prefill (naming the field), then receives an MLA prefill's latent KV byte for byte,
-    written from scattered pages with a partial last page."""
+    """An MLA decode worker's REGISTER (2 latent buffers) is refused by an MHA prefill, whose
+    request fails naming both layouts; it then receives an MLA prefill's latent KV byte for
+    byte, written from scattered pages with a partial last page."""
     worker = workers["mla"]
     mha = make_executor(mk_args(), decode_workers=[worker])
     try:
@@ -416,8 +428,7 @@ def test_mla_latent_over_the_transport_and_expected_geometry(workers: dict) -> N
         mha.run_until_idle(check=True)
         (res,) = mha.pop_results()
         assert res.outcome == Outcome.ABORTED
-        failure = mha.decode.state("mha")["failure"]
-        assert "expects" in failure and "kind: 'mla' vs 'mha'" in failure
+        assert "registered 2 KV buffers" in res.error and "(mha, " in res.error
         mha.decode.release("mha")
     finally:
         mha.decode.close()

@@ -1,16 +1,21 @@
-"""The Mooncake transport's pieces that need no engine and no second process: control messages
-and their framing, the KV geometry and metadata rows, the address of every item, the bootstrap
-endpoint, and the prefill side's refusal of a decode of another geometry or a bad META."""
+"""The Mooncake transport's pieces that need no engine and no second process: SGLang's control
+messages frame for frame, the KV geometry and SGLang's metadata buffers, the address of every
+item, the bootstrap endpoint's routes and payloads, and the prefill side's control plane over
+ZMQ: refusing a decode of another geometry or an unserved mode, a bad META, a REGISTER that
+would rewrite a live session, and replies to endpoints no REGISTER named."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import socket
+import struct
+import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from hicache_prefill.hicache.memory.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
@@ -39,57 +44,60 @@ from hicache_prefill.prefill.disagg.mooncake.wire import (
     Meta,
     Register,
     Status,
-    encode_frames,
     parse_to_decode,
     parse_to_prefill,
-    read_frames,
 )
 from hicache_prefill.prefill.disagg.protocol import KVPoll
 
 
-def _reader(data: bytes):  # noqa: ANN202
-    buf = bytearray(data)
-
-    def read(n: int) -> bytes:
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
-
-    return read
-
-
-def _register(geometry: KVGeometry, session: str = "127.0.0.1:15000") -> Register:
+def _register(geometry: KVGeometry, session: str = "127.0.0.1:15000", port: int = 4000,
+              aux: int = 10) -> Register:  # fmt: skip
     n = len(geometry.item_lens())
-    return Register("127.0.0.1", 4000, session, tuple(range(1 << 20, (1 << 20) + n)),
-                    (1, 2, 3), tuple(geometry.item_lens()), (64, 64, 64),
-                    geometry.to_json())  # fmt: skip
+    return Register("127.0.0.1", port, session, tuple(range(1 << 20, (1 << 20) + n)),
+                    tuple(range(1, aux + 1)), tuple(geometry.item_lens()))  # fmt: skip
 
 
 # ---------------------------------------------------------------- messages
-def test_messages_round_trip_through_their_frames() -> None:
+def test_messages_have_sglangs_frames_and_round_trip() -> None:
     geo = KVGeometry("mha", 2, 16, "float32", 2, 16, 16)
-    msgs = [
-        _register(geo),
-        Meta(5, "127.0.0.1", 4000, "127.0.0.1:15000", (3, 4, 9), 7, 16),
-        Abort(5, "127.0.0.1", 4000),
-    ]
-    for m in msgs:
-        frames = read_frames(_reader(encode_frames(m.to_frames())))
-        assert parse_to_prefill(frames) == m
-    for m in (Status(5, int(KVPoll.Success)), AbortAck(5)):
+    reg = _register(geo)
+    frames = reg.to_frames()
+    assert len(frames) == 20 and frames[0] == b"None" and frames[3] == b"127.0.0.1:15000"
+    assert frames[9] == b"2048" and frames[16:18] == [b"1", b"0"]  # kv_item_len, dcp size/rank
+    assert struct.unpack("<4Q", frames[19]) == (2048,) * 4  # per-layer item lengths, last
+    meta = Meta(5, "127.0.0.1", 4000, "127.0.0.1:15000", (3, 4, 9), 7, 16)
+    mf = meta.to_frames()
+    assert len(mf) == 10 and np.frombuffer(mf[4], dtype="<i4").tolist() == [3, 4, 9]
+    assert mf[5] == b"7" and mf[7] == b"1" and mf[8] == b"16" and mf[9] == b""
+    for m in (reg, meta, Abort(5), Abort(5, "127.0.0.1", 4000), Abort(5, "127.0.0.1", 4000, 3)):
+        assert parse_to_prefill(m.to_frames()) == m
+    assert [len(Abort(5, "h", 1, g).to_frames()) for g in (None, 2)] == [4, 5]
+    for m in (Status(5, int(KVPoll.Success)), AbortAck(5), AbortAck(5, 0, 9)):
         assert parse_to_decode(m.to_frames()) == m
+    assert Status(5, 4).to_frames() == [b"5", b"4", b"0"]
+    assert AbortAck(5, 0, 9).to_frames() == [b"ABORT_ACK", b"5", b"0", b"9"]
+    # An older peer's 10-frame REGISTER: every buffer has frame 9's item length.
+    old = parse_to_prefill(frames[:10])
+    assert old.kv_item_lens == (2048,) * 4 and old.dcp_size == 1
 
 
 @pytest.mark.parametrize(
     "frames, message",
     [
         ([], "an empty message"),
-        ([b"12", b"127.0.0.1"], "META: 2 frames, expected 9"),
-        ([b"x", b"ip", b"1", b"s", b"", b"0", b"", b"1", b"0"], "META: room must be an integer"),
-        ([b"1", b"ip", b"1", b"s", b"abc", b"0", b"", b"1", b"0"], "packed int32"),
-        ([b"ABORT", b"1", b"ip"], "ABORT: 3 frames, expected 4"),
-        ([b"None"] + [b""] * 12, "REGISTER: geometry is not JSON"),
-        ([b"None"] + [b""] * 3 + [b"\0" * 8] + [b""] * 8, "REGISTER: 1 kv ptrs but 0 item lens"),
+        ([b"12", b"127.0.0.1"], "META: 2 frames, expected 10"),
+        ([b"x", b"ip", b"1", b"s", b"\0" * 4, b"0", b"", b"1", b"0", b""], "META: room must be an"),
+        ([b"1", b"ip", b"1", b"s", b"abc", b"0", b"", b"1", b"0", b""], "packed int32"),
+        ([b"ABORT"], "ABORT: 1 frames"),
+        ([b"ABORT", b"r"], "ABORT: room must be an integer"),
+        ([b"None"] + [b""] * 8, "REGISTER: 9 frames, expected 20"),
+        (
+            [b"None", b"ip", b"1", b"s", b"\0" * 8, b"", b"", b"0", b"1", b"64"]
+            + [b""] * 9
+            + [b"\0" * 16],
+            "REGISTER: 1 kv ptrs but 2 item lens",
+        ),
+        ([b"BOOTSTRAP", b"1", b"ip", b"1"], "BOOTSTRAP: not served"),
     ],
 )
 def test_malformed_prefill_messages_name_what_is_wrong(frames: list, message: str) -> None:
@@ -97,13 +105,11 @@ def test_malformed_prefill_messages_name_what_is_wrong(frames: list, message: st
         parse_to_prefill(frames)
 
 
-def test_malformed_decode_messages_and_frames() -> None:
+def test_malformed_decode_messages() -> None:
     with pytest.raises(ControlMessageError, match="status 9 is not a KVPoll value"):
         parse_to_decode([b"1", b"9", b"0"])
-    with pytest.raises(ControlMessageError, match="frames in one message"):
-        read_frames(_reader(np.array([1000], dtype=">u4").tobytes()))
-    with pytest.raises(EOFError):
-        read_frames(_reader(encode_frames([b"abc"])[:-1]))
+    with pytest.raises(ControlMessageError, match="ABORT_ACK: 2 frames"):
+        parse_to_decode([b"ABORT_ACK", b"1"])
 
 
 # ---------------------------------------------------------------- geometry and rows
@@ -128,15 +134,22 @@ def test_geometry_of_pools_and_its_mismatches() -> None:
         KVGeometry.from_json('{"kind": "mha", "heads": 2}')
 
 
-def test_metadata_rows() -> None:
+def test_metadata_rows_are_sglangs_ten_buffers() -> None:
     rows = MetadataBuffers(4)
-    assert rows.row_lens == [64, 64, 64] and len(rows.regions()) == 3
+    # output ids, cached tokens, logprob val/idx, top logprobs val/idx, top-k p/index, hidden
+    # states (16 float32 without speculative decoding), bootstrap room: SGLang's row lengths
+    assert rows.row_lens == [64, 64, 64, 64, 512, 512, 64, 128, 64, 64]
+    assert len(rows.regions()) == len(rows.ptrs) == 10
+    rows.output_token_logprobs_val[2] = 7.0  # a previous owner's leftovers
     rows.set_row(2, first_token=17, cached_tokens=48, room=(1 << 62) + 5)
     assert rows.get_row(2) == (17, 48, (1 << 62) + 5) and rows.get_row(1) == (0, 0, 0)
+    assert not rows.output_token_logprobs_val[2].any()  # zeroed: a decode reads them
     rows.clear_row(2)
     assert rows.get_row(2) == (0, 0, 0)
     with pytest.raises(ValueError, match="metadata index 4 is not a row"):
         rows.set_row(4, 1, 0, 1)
+    assert KVGeometry("mha", 1, 16, "bfloat16", 1, 8, 8).kv_cache_dtype_str() == "auto"
+    assert KVGeometry("mha", 1, 16, "float8_e4m3fn", 1, 8, 8).kv_cache_dtype_str() == "fp8_e4m3"
 
 
 # ---------------------------------------------------------------- items
@@ -163,19 +176,54 @@ def test_items_address_every_layer_buffer_by_page() -> None:
 
 
 # ---------------------------------------------------------------- bootstrap endpoint
-def test_bootstrap_routes_and_port_in_use() -> None:
-    server = BootstrapServer("127.0.0.1", 0, {"page_size": 16}, {"rank_ip": "127.0.0.1",
-                                                                  "rank_port": 1234})  # fmt: skip
+SERVER_INFO_KEYS = {  # dataclasses.asdict(PrefillServerInfo) of SGLang 0.5.23, kv_layout popped
+    "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype",
+    "follow_bootstrap_room", "enable_dsa_cache_layer_split", "decode_allocation_policy",
+    "enable_kv_cache_sharding", "prefill_http_port", "target_tp_rank", "target_tp_ranks",
+    "target_cp_ranks", "target_pp_ranks", "required_dst_info_num",
+    "required_prefill_response_num",
+}  # fmt: skip
+
+
+def _status(url: str, method: str = "GET", body: object = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
     try:
-        info, rank = fetch_route(server.addr)
-        assert info == {"page_size": 16} and rank["rank_port"] == 1234
-        base = f"http://{server.addr}"
-        assert urllib.request.urlopen(f"{base}/health").read() == b"OK"
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(f"{base}/route?prefill_dp_rank=0")
-        assert err.value.code == 400
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_bootstrap_routes_as_sglangs_and_port_in_use() -> None:
+    server = BootstrapServer("127.0.0.1", 0)
+    base = f"http://{server.addr}"
+    allm1 = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    rank0 = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+    try:
+        assert _status(base + "/health") == (200, b"OK")
+        assert _status(base + allm1)[0] == 503  # no rank registered yet
+        assert _status(base + "/route?prefill_dp_rank=0")[0] == 400
+        assert _status(base + "/route", "PUT", {"attn_tp_size": 1})[0] == 400
+        pool = MHATokenToKVPool(64, 16, torch.float32, 2, 16, 2, "cpu")
+        t = PrefillTransport.__new__(PrefillTransport)  # only its registration payload
+        t.host, t.page_size, t.geometry = "127.0.0.1", 16, KVGeometry.from_pool(pool)
+        t.listener = type("L", (), {"port": 4321})()
+        assert _status(base + "/route", "PUT", t.rank_registration()) == (200, b"OK")
+        code, body = _status(base + allm1)
+        info = json.loads(body)
+        assert code == 200 and set(info) == SERVER_INFO_KEYS
+        assert (info["page_size"], info["kv_cache_dtype"], info["attn_tp_size"]) == (16, "auto", 1)
+        assert info["decode_allocation_policy"] == "early" and info["follow_bootstrap_room"]
+        assert json.loads(_status(base + rank0)[1]) == {"rank_ip": "127.0.0.1", "rank_port": 4321}
+        assert _status(base + rank0.replace("target_tp_rank=0", "target_tp_rank=1"))[0] == 404
+        dp = {"bootstrap_room": 9, "dp_rank": 0}
+        assert _status(base + "/register_dp_rank", "POST", dp)[0] == 200
+        assert json.loads(_status(base + "/query_dp_ranks", "POST",
+                                  {"bootstrap_rooms": [9, 10]})[1]) == {"9": 0}  # fmt: skip
+        assert fetch_route(server.addr) == (info, {"rank_ip": "127.0.0.1", "rank_port": 4321})
         with pytest.raises(ValueError, match=f"--disaggregation-bootstrap-port {server.port}"):
-            BootstrapServer("127.0.0.1", server.port, {}, {})
+            BootstrapServer("127.0.0.1", server.port)
     finally:
         server.close()
     with pytest.raises(BootstrapUnreachable, match=server.addr):
@@ -191,49 +239,96 @@ def transport():  # noqa: ANN201
     t.close()
 
 
-def test_register_of_another_geometry_is_refused_and_fails_its_rooms(transport) -> None:
+class _Endpoint:
+    """A decode rank's PULL socket: what the prefill side pushed to it."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def recv(self, timeout_s: float = 2.0) -> list[bytes] | None:
+        if self.sock.poll(int(timeout_s * 1000)):
+            return self.sock.recv_multipart()
+        return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def endpoint():  # noqa: ANN201
+    e = _Endpoint()
+    yield e
+    e.close()
+
+
+def test_register_of_another_geometry_is_refused_and_fails_its_rooms(transport, endpoint) -> None:
     theirs = KVGeometry("mha", 2, 16, "float32", 2, 32, 32)
-    transport._on_message(_register(theirs).to_frames())
+    transport._on_message(_register(theirs, port=endpoint.port).to_frames())
     assert transport.sessions == {}  # no worker, no engine for it
     why = transport.rejected["127.0.0.1:15000"]
-    assert "another KV geometry" in why and "head_dim: 16 vs 32" in why
+    assert "another KV geometry" in why and "[4096]" in why and "[2048]" in why
     room = transport.create_room(11, "r", 40)
-    transport._on_message(Meta(11, "127.0.0.1", 4000, "127.0.0.1:15000", (1, 2, 3), 0, 0)
-                          .to_frames())  # fmt: skip
+    transport._on_message(Meta(11, "127.0.0.1", endpoint.port, "127.0.0.1:15000", (1, 2, 3),
+                               0, 0).to_frames())  # fmt: skip
     assert room.status == KVPoll.Failed and room.failure == why
+    assert endpoint.recv() == [b"11", b"0", b"0"]  # STATUS Failed to the endpoint it registered
 
 
 @pytest.mark.parametrize(
-    "meta, message",
+    "change, message",
     [
-        (Meta(11, "127.0.0.1", 4000, "127.0.0.1:9", (1, 2, 3), 0, 0), "unregistered decode"),
-        (Meta(11, "127.0.0.1", 4000, "s", (1, 2, 3), 0, 0), "unregistered decode"),
+        (dict(attn_tp_size=2), "attention TP 2"),
+        (dict(dcp_size=2), "decode context parallelism"),
+        (dict(kv_layer_ids=(0, 1)), "hybrid model"),
+        (dict(aux_ptrs=(1, 2, 3)), "3 metadata buffers"),
     ],
 )
-def test_meta_from_an_unregistered_session_fails_the_room(transport, meta, message) -> None:
+def test_register_of_an_unserved_mode_is_refused(transport, change, message) -> None:
+    reg = dataclasses.replace(_register(KVGeometry.from_pool(transport.pool)), **change)
+    transport._on_message(reg.to_frames())
+    assert transport.sessions == {} and message in transport.rejected[reg.session]
+
+
+def test_meta_from_an_unregistered_session_fails_the_room(transport) -> None:
     room = transport.create_room(11, "r", 40)
-    transport._on_message(meta.to_frames())
-    assert room.status == KVPoll.Failed and message in room.failure
-    assert transport.errors and message in transport.errors[-1]
+    transport._on_message(Meta(11, "127.0.0.1", 4000, "127.0.0.1:9", (1, 2, 3), 0, 0).to_frames())
+    assert room.status == KVPoll.Failed and "unregistered decode" in room.failure
+    assert transport.errors and "unregistered decode" in transport.errors[-1]
 
 
-def test_abort_of_an_unknown_room_is_acked(transport) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        transport._on_message(Abort(99, "127.0.0.1", port).to_frames())
-        conn, _ = s.accept()
-        with conn:
-            frames = read_frames(conn.recv)
-    assert parse_to_decode(frames) == AbortAck(99)
+def test_replies_go_only_to_registered_endpoints(transport, endpoint) -> None:
+    stranger = _Endpoint()
+    try:
+        # META and ABORT for unknown rooms naming an endpoint no REGISTER named: no reply
+        transport._on_message(Meta(77, "127.0.0.1", stranger.port, "s", (1,), 0, 0).to_frames())
+        transport._on_message(Abort(78, "127.0.0.1", stranger.port, 1).to_frames())
+        assert stranger.recv(0.5) is None and transport.counts["unknown_room"] == 1
+        # a registered decode's ABORT (with a generation) of a room this rank forgot: acked
+        transport._on_message(_register(KVGeometry.from_pool(transport.pool),
+                                        port=endpoint.port).to_frames())  # fmt: skip
+        transport._on_message(Abort(99, "127.0.0.1", endpoint.port, 5).to_frames())
+        assert endpoint.recv() == [b"ABORT_ACK", b"99", b"0", b"5"]
+        transport._on_message(Abort(98, "127.0.0.1", endpoint.port).to_frames())
+        assert endpoint.recv(0.5) is None  # no generation: no ack (SGLang's deferred release)
+    finally:
+        stranger.close()
 
 
-def test_server_info_carries_the_geometry(transport) -> None:
-    info, rank = fetch_route(transport.bootstrap.addr)
-    assert KVGeometry.from_json(info["kv_geometry"]) == transport.geometry
-    assert rank == {"rank_ip": "127.0.0.1", "rank_port": transport.listener.port}
-    assert json.loads(info["kv_geometry"])["head_dim"] == 16
+def test_register_never_rewrites_a_live_session(transport, endpoint) -> None:
+    geo = KVGeometry.from_pool(transport.pool)
+    transport._on_message(_register(geo, port=endpoint.port).to_frames())
+    session = transport.sessions["127.0.0.1:15000"]
+    forged = dataclasses.replace(_register(geo, port=endpoint.port + 1), kv_ptrs=(1,) * 4)
+    with pytest.raises(ControlMessageError, match="live decode session 127.0.0.1:15000"):
+        transport._on_message(forged.to_frames())
+    bad = dataclasses.replace(forged, attn_tp_size=2)
+    with pytest.raises(ControlMessageError, match="live session refused"):
+        transport._on_message(bad.to_frames())
+    assert transport.sessions["127.0.0.1:15000"] is session and session.reg.kv_ptrs[0] == 1 << 20
+    transport._on_message(_register(geo, port=endpoint.port).to_frames())  # its own: idempotent
+    assert transport.sessions["127.0.0.1:15000"] is session
 
 
 # ---------------------------------------------------------------- engine calls
