@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED: {p.get('error')}"
                 )  # fmt: skip
                 print(f"  {p['case']}: {what}")
+                for name, detail in p.get("details", {}).items():
+                    print(f"    {name}: {detail}")
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {
