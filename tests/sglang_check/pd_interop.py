@@ -180,6 +180,73 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
     return row
 
 
+def run_sglang_faults(site: str, seed: int) -> dict[str, Any]:
+    """SGLang against SGLang under the faults the project side is put through (the reference
+    behaviour, and proof that the harness's faults reach SGLang's code): the sender's bootstrap
+    timeout with no decode, decode aborting first (the sender fails, SGLang's ABORT_ACK
+    arrives), decode SIGKILLed before the transfer (the sender fails)."""
+    from tests.support.loopback import free_port
+
+    row: dict[str, Any] = {"case": "pd/sglang->sglang/faults", "ok": False, "requests": 0,
+                           "bytes_compared": 0, "fault_cases": 3, "fault_cases_passed": 0,
+                           "details": {}}  # fmt: skip
+    port = free_port()
+    nodes: list[SGLangNodeProcess] = []
+    t0 = time.monotonic()
+    try:
+        prefill = SGLangNodeProcess(site, "prefill", node_config(16, port))
+        nodes.append(prefill)
+        decode = SGLangNodeProcess(site, "decode", node_config(16, port))
+        nodes.append(decode)
+        addr = f"127.0.0.1:{port}"
+        a, b, c = plan_requests(3, 16, seed)
+
+        prefill.call("open", room=a["room"])  # no decode ever comes
+        st = prefill.wait_status("sender_poll", a["room"], {SUCCESS}, 30)
+        if st["status"] == FAILED and "Bootstrapping" in st.get("reason", ""):
+            row["details"]["bootstrap-timeout"] = f"ok: {st['reason']}"
+        else:
+            row["details"]["bootstrap-timeout"] = f"FAILED: {st}"
+
+        prefill.call("open", room=b["room"])
+        decode.call("add", room=b["room"], addr=addr, pages=b["dst"], aux=b["aux_d"])
+        prefill.wait_status("sender_poll", b["room"], {WAITING}, 20)
+        decode.call("abort", room=b["room"])
+        st = prefill.wait_status("sender_poll", b["room"], {SUCCESS}, 20)
+        safe = decode.call("release_safe", room=b["room"])
+        deadline = time.monotonic() + 10
+        while not safe["safe"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            safe = decode.call("release_safe", room=b["room"])
+        ok = st["status"] == FAILED and safe["safe"]
+        row["details"]["abort-first"] = ("ok: " if ok else "FAILED: ") + f"{st}, ack {safe}"
+
+        prefill.call("open", room=c["room"])
+        decode.call("add", room=c["room"], addr=addr, pages=c["dst"], aux=c["aux_d"])
+        prefill.wait_status("sender_poll", c["room"], {WAITING}, 20)
+        decode.kill()
+        prefill.call("send", room=c["room"], pages=c["src"], chunks=c["chunks"],
+                     aux=c["aux_p"], output_id=c["output_id"], cached=c["cached"])  # fmt: skip
+        st = prefill.wait_status("sender_poll", c["room"], {SUCCESS}, 30)
+        ok = st["status"] == FAILED
+        row["details"]["kill-before-transfer"] = ("ok: " if ok else "FAILED: ") + str(st)
+        row["fault_cases_passed"] = sum(v.startswith("ok") for v in row["details"].values())
+        row["ok"] = row["fault_cases_passed"] == row["fault_cases"]
+        if not row["ok"]:
+            row["error"] = "; ".join(f"{k}: {v}" for k, v in row["details"].items()
+                                     if not v.startswith("ok"))  # fmt: skip
+    except (NodeError, AssertionError) as e:
+        row["error"] = str(e)[-3000:]
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc()
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row
+
+
 def skip_reason() -> str | None:
     """Why no row can run here (Mooncake's engine or the loopback shim), or None."""
     from tests.support import loopback
@@ -196,6 +263,7 @@ def run(site: str, requests: int = 40) -> list[dict[str, Any]]:
         names = [f"pd/sglang->sglang/p{ps}" for ps in (16, 1)] + ["pd/project<->sglang"]
         return [{"case": n, "ok": True, "skipped": why} for n in names]
     rows = [run_sglang_pair(site, ps, requests, seed=11 + ps) for ps in (16, 1)]
+    rows.append(run_sglang_faults(site, seed=19))
     return rows + pd_project.run(site, requests)
 
 
