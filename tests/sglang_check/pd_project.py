@@ -61,6 +61,7 @@ class SGLangDecodeRouter:
         self.routes: dict[str, dict[str, Any]] = {}
         self.sent: dict[str, dict[int, list[bytes]]] = {}  # rid -> token -> row bytes per buffer
         self.hold: Any = lambda rid: False
+        self.prefix: Any = lambda rid, n: 0  # tokens SGLang's decode claims to hold already
         self.routed_rooms: set[int] = set()
 
     # DecodeBackend ----------------------------------------------------------------------------
@@ -82,14 +83,16 @@ class SGLangDecodeRouter:
 
     def create_peer(self, rid: str, num_tokens: int, token_ids: Any = None) -> Any:
         link = self.backend.create_peer(rid, num_tokens, token_ids)
-        npages = -(-num_tokens // self.page_size)
+        prefix = int(self.prefix(rid, num_tokens))
+        npages = -(-(num_tokens - prefix) // self.page_size)
         if npages > len(self.free_pages) or not self.free_aux:
             raise RuntimeError(f"{rid}: the SGLang decode pool is full (test sizing)")
         pages = [self.free_pages.pop() for _ in range(npages)]
         if self.rng.random() < 0.4:
             pages.sort()
         self.routes[rid] = {"room": link.room, "pages": pages, "aux": self.free_aux.pop(),
-                            "num_tokens": num_tokens, "routed": False}  # fmt: skip
+                            "num_tokens": num_tokens, "prefix": prefix,
+                            "routed": False}  # fmt: skip
         self._snapshot_sends(rid, link)
         if not self.hold(rid):
             self.route(rid)
@@ -108,7 +111,7 @@ class SGLangDecodeRouter:
         r["routed"] = True
         self.routed_rooms.add(r["room"])
         return self.node.call("add", room=r["room"], addr=self.backend.bootstrap_addr,
-                              pages=r["pages"], aux=r["aux"], prefix=0)  # fmt: skip
+                              pages=r["pages"], aux=r["aux"], prefix=r["prefix"])  # fmt: skip
 
     def forget(self, rid: str, clear_node: bool = True) -> None:
         """SGLang's decode is done with ``rid``: clear its receiver and row, free its pages."""
@@ -152,23 +155,24 @@ def _buffers(pool: Any) -> list[Any]:
 
 
 def compare_request(router: SGLangDecodeRouter, rid: str) -> tuple[bool, int, str]:
-    """Every token row the prefill sent for ``rid`` against SGLang's decode pool rows of the
-    same token (decode page order = token order); returns (equal, bytes compared, detail)."""
+    """Every token row the prefill sent for ``rid`` (tokens ``[decode_prefix_len, n)``) against
+    SGLang's decode pool rows of the same token (decode page order = token order); returns
+    (equal, bytes compared, detail)."""
     r = router.routes[rid]
-    n = r["num_tokens"]
+    n, dpl = r["num_tokens"], r["prefix"]
     sent = router.sent.get(rid, {})
-    if sorted(sent) != list(range(n)):
-        return False, 0, f"sent tokens {len(sent)} of {n}"
+    if sorted(sent) != list(range(dpl, n)):
+        return False, 0, f"sent tokens {sorted(sent)[:1]}.. ({len(sent)}), want [{dpl}, {n})"
     got = [base64.b64decode(b) for b in router.node.call("pages", pages=r["pages"])["buffers"]]
     nbuf = len(got)
-    if nbuf != len(sent[0]):
-        return False, 0, f"decode has {nbuf} buffers, prefill {len(sent[0])}"
+    if nbuf != len(sent[dpl]):
+        return False, 0, f"decode has {nbuf} buffers, prefill {len(sent[dpl])}"
     total = 0
     for b in range(nbuf):
-        row = len(sent[0][b])
-        for t in range(n):
+        row = len(sent[dpl][b])
+        for t in range(dpl, n):  # decode page i holds tokens dpl + i*ps ...
             want = sent[t][b]
-            have = got[b][t * row : (t + 1) * row]
+            have = got[b][(t - dpl) * row : (t - dpl + 1) * row]
             total += row
             if have != want:
                 return False, total, f"buffer {b} token {t} differs"
@@ -322,6 +326,13 @@ def run_many(site: str, page_size: int, n: int, seed: int, **args_over: Any) -> 
                       **args_over)  # fmt: skip
         rng = random.Random(seed)
         shared = _prompt(rng, 96)
+        # Every fourth request: SGLang's decode claims a page-aligned prefix (its radix hit),
+        # so META carries decode_prefix_len and the pages of [prefix, n) only.
+        ps = page_size
+        scene.router.prefix = lambda rid, n: (
+            ps * (1 + int(rid[1:]) % max(1, (n - 1) // ps)) if int(rid[1:]) % 4 == 1 and n > ps
+            else 0
+        )  # fmt: skip
         lengths = [1, page_size, page_size + 1, 3 * page_size, 100, 200, 333]
         done = 0
         bad_aux: list[str] = []
@@ -361,6 +372,11 @@ def run_many(site: str, page_size: int, n: int, seed: int, **args_over: Any) -> 
         leaks = scene.leaks()
         if leaks:
             raise AssertionError(f"prefill side not back to baseline: {leaks}")
+        health = scene.node.call("health")
+        addr = scene.backend.bootstrap_addr
+        if addr not in health["known"] or health["failures"].get(addr, 0):
+            raise AssertionError(f"SGLang's heartbeat to {addr}/health failed: {health}")
+        row["decode_prefix_requests"] = sum(1 for i in range(n) if i % 4 == 1)
         row["listeners"], off = pd_interop.listeners([os.getpid(), scene.node.pid])
         if off:
             raise AssertionError(f"listeners off loopback: {off}")

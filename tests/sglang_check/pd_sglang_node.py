@@ -356,6 +356,9 @@ class Node:
         if op == "send":
             return self.send(room, cmd["pages"], cmd["chunks"], int(cmd["aux"]),
                              int(cmd["output_id"]), cmd["cached"])  # fmt: skip
+        if op == "health":  # the decode's heartbeat view of each prefill it knows
+            return {"known": sorted(self.mgr.prefill_info_table),
+                    "failures": dict(self.mgr.heartbeat_failures)}  # fmt: skip
         if op == "status_table":
             return {"rooms": {str(k): int(v) for k, v in self.mgr.request_status.items()}}
         raise ValueError(f"op: unknown command {op!r}")
