@@ -569,11 +569,44 @@ def fault_abort_first(scene: Scene) -> str:
     return f"V4 aborted in {took:.1f}s ({res.error}); ABORT_ACK seen by SGLang"
 
 
+def fault_geometry_mismatch(scene: Scene) -> str:
+    """An SGLang decode whose pool has twice the KV heads (other per-page item lengths): the
+    prefill side refuses its REGISTER, the request ends without a byte written into SGLang's
+    pool, and SGLang's decode learns it failed."""
+    cfg = scene.node_config()
+    if cfg["kind"] != "MHA":
+        raise AssertionError("the geometry case runs on an MHA prefill")
+    other = SGLangNodeProcess(scene.site, "decode", {**cfg, "heads": 2 * cfg["heads"]})
+    keep = scene.router.node
+    try:
+        other.call("fill_const", value=POISON)
+        scene.router.node = other
+        scene.ex.submit("V5", _prompt(random.Random(75), 200))
+        route = scene.router.routes["V5"]
+        res = _end_of(scene, "V5", 60)
+        if res.outcome.name != "ABORTED":
+            raise AssertionError(f"V5 {res.outcome.name} ({res.error})")
+        st = other.wait_status("poll", route["room"], {SUCCESS}, 30)
+        seen = other.call("untouched", value=POISON, exclude=[])["pages"]
+        if st["status"] != FAILED or seen["dirty"]:
+            raise AssertionError(f"SGLang's decode ended {st}; pages written {seen}")
+        scene.router.forget("V5")
+        scene.router.release("V5")
+        leaks = _settled(scene)
+        if leaks:
+            raise AssertionError(f"after the refused REGISTER: {leaks}")
+    finally:
+        scene.router.node = keep
+        other.stop()
+    return f"V5 aborted ({res.error}); SGLang's decode: {st.get('reason') or st}"
+
+
 def run_faults(site: str, seed: int) -> dict[str, Any]:
     cases = [("kill-mid-transfer", fault_kill_mid_transfer),
              ("frozen-past-bootstrap-timeout", fault_frozen_bootstrapping),
              ("frozen-mid-transfer", fault_frozen_mid_transfer),
-             ("abort-first", fault_abort_first)]  # fmt: skip
+             ("abort-first", fault_abort_first),
+             ("geometry-mismatch", fault_geometry_mismatch)]  # fmt: skip
     row: dict[str, Any] = {"case": "pd/project->sglang/faults", "ok": False, "requests": 0,
                            "bytes_compared": 0, "fault_cases": len(cases),
                            "fault_cases_passed": 0, "details": {}}  # fmt: skip
