@@ -288,6 +288,8 @@ class Scene:
         stats = self.backend.transport.stats()
         if stats.get("outstanding"):
             bad.append(f"outstanding transfers {stats['outstanding']}")
+        if stats.get("rooms"):
+            bad.append(f"rooms {stats['rooms']}")
         live = [rid for rid, link in self.backend.peers.items() if link.live]
         if live:
             bad.append(f"live links {live}")
