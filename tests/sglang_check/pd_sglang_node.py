@@ -28,8 +28,12 @@ STUBS: dict[str, str] = {
     "runner and a GPU; this node makes the calls they make on the connector in their order "
     "(try_ensure_parallel_info, receiver.init(0), send_metadata(page ids, aux row), poll "
     "through SGLang's _apply_metadata_gate; sender poll, init(num_pages, aux), send(chunk))",
-    "server_args": "published with SGLang's RuntimeContext.override_server_args (its own test "
-    "seam): disaggregation mode, backend mooncake, bootstrap port, host 127.0.0.1, page size",
+    "server_args": "SGLang's ServerArgs built by RuntimeContext.override_server_args (its own "
+    "test seam: disaggregation mode, backend mooncake, bootstrap port, host 127.0.0.1, page "
+    "size) and published with runtime_context.publish(ranks=SpawnRanks(world_rank=0)) as a "
+    "launcher does for rank 0",
+    "torchvision": "SGLang's import chain reaches torchvision through VLM configs; PyPI's wheel "
+    "is the CUDA build, so the names are stubbed as in the real-stack mode (never called)",
     "tp_group": "TP/DP/PP/CP of 1: SGLang's published defaults, no torch.distributed group; the "
     "all-reduce of polls over one rank is the identity",
     "pp_group": "no torch.distributed groups are built; the prefill manager stores "
