@@ -1,10 +1,13 @@
 """``python -m bench.pd [--quick] [--out DIR]``: PD disaggregation over Mooncake on TCP loopback,
 measured on this CPU under the loopback shim (a child when needed; start-up ``NOISE`` counted).
 Write cost per item size (two engines, scattered items, bytes checked, against an in-memory copy),
-fitted as ``kv_transfer_measured`` (a ``CopyPath``). TTFT with 1 or 2 decode worker processes:
-cached-prefix prompts arrive (Poisson) at half the prefill rate; a worker preallocates each after
-0.5 to 1.5 prefill times (a busy decode), which optimistic prefill (attempts 2) uses and attempts 0
-waits out; the configurations take turns; each run ends with ``audit`` (``INTEGRITY``).
+fitted as ``kv_transfer_measured`` (a ``CopyPath``). The same over SGLang's wire: whole requests
+from a prefill rank to a decode worker process (META in, KV and metadata row written, STATUS out),
+scattered pages, bytes checked, beside the engine fit's prediction (``wire``). TTFT with 1 or 2
+decode worker processes: cached-prefix prompts arrive (Poisson) at half the prefill rate; a worker
+preallocates each after 0.5 to 1.5 prefill times (a busy decode), which optimistic prefill
+(attempts 2) uses and attempts 0 waits out; the configurations take turns; each run ends with
+``audit`` (``INTEGRITY``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 import timeit
 from collections.abc import Sequence
 from functools import partial
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bench.common import Column, print_table, write_json
 from bench.profile import CopyPath
@@ -31,6 +36,8 @@ from hicache_prefill.prefill.clock import WallClock
 from hicache_prefill.prefill.disagg.backends import make_decode_backend
 from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
 from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
+from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
+from hicache_prefill.prefill.disagg.protocol import KVPoll, MetadataRow
 from hicache_prefill.prefill.executor import OptimisticPrefillExecutor as Executor
 from hicache_prefill.prefill.model.factory import build_model
 from hicache_prefill.prefill.request.state import Outcome
@@ -124,6 +131,91 @@ def write_cost(quick: bool) -> dict[str, Any]:
     fit = fit_copy_path(ITEM_SIZES, [r["item_bytes"] / r["best_gbps"] / 1e9 for r in rows])
     measured = None if fit is None else {**fit, "measured_on": "cpu loopback", "per": "item"}
     return {"rows": rows, "total_bytes": total, "repeats": reps, "kv_transfer_measured": measured}
+
+
+WIRE_GEOMETRY = KVGeometry("mha", 4, 16, "float32", 8, 32, 32)  # 16 KiB a page of one buffer
+WIRE_PAGES = (4, 16, 64, 256)
+WIRE_COLUMNS = [
+    Column("pages", "pages", 6),
+    Column("items", "items", 6),
+    Column("mbytes", "MB", 7, ".2f"),
+    Column("handshake_ms", "META ms", 8, ".2f"),
+    Column("transfer_ms", "send ms", 8, ".2f"),
+    Column("us_per_item", "us/item", 8, ".1f"),
+    Column("gbps", "GB/s", 7, ".3f"),
+    Column("engine_fit_ms", "engine fit", 11, ".2f"),
+]
+
+
+def _until(pred: Any, timeout_s: float = 30.0) -> None:
+    if not wait_for(pred, timeout_s, step_s=0.0001):
+        raise RuntimeError("a PD request did not reach its state in time")
+
+
+def wire_cost(quick: bool, engine_fit: dict[str, float] | None) -> dict[str, Any]:
+    """Whole requests over SGLang's wire (module docstring): per request size the median time
+    from ``create_peer`` to ``WaitingForInput`` (the decode's META) and from ``init`` to
+    ``Success`` (KV items and the ten metadata rows written, STATUS pushed), and a least-squares
+    ``seconds = fixed + items * per_item`` over the sizes."""
+    reps = 5 if quick else 9
+    geo, ps = WIRE_GEOMETRY, WIRE_GEOMETRY.page_size
+    tokens = (max(WIRE_PAGES) * 2 + 1) * ps
+    pool = geo.make_pool(tokens)
+    rng = np.random.default_rng(0)
+    for layer in [*pool.k_buffer, *pool.v_buffer]:
+        layer.copy_(torch.from_numpy(rng.standard_normal(layer.shape, dtype=np.float32)))
+    backend = MooncakeBackend(pool, WallClock(), MooncakeConfig(bootstrap_port=0), 8)
+    worker = DecodeWorker(geo, pool_tokens=tokens, check_free_pages=False).wait_ready()
+    decode = MooncakeDecode(backend, [worker], owned=[worker])
+    item = geo.item_lens()[0]
+    rows = []
+    try:
+        for pages in WIRE_PAGES:
+            n = pages * ps
+            src_pages = torch.from_numpy(rng.permutation(tokens // ps - 1)[:pages] + 1)
+            slots = (src_pages[:, None] * ps + torch.arange(ps)).flatten()
+            boot, send = [], []
+            for r in range(reps + 1):  # the first is a warm-up, its bytes checked
+                rid = f"wire-{pages}-{r}"
+                t0 = time.perf_counter()
+                link = decode.create_peer(rid, n)
+                _until(lambda link=link: link.poll() == KVPoll.WaitingForInput)
+                t1 = time.perf_counter()
+                link.init(1)
+                link.send(1, 0, n, slots, last=True, metadata=MetadataRow(0, 1, 0))
+                _until(lambda link=link: link.poll() == KVPoll.Success)
+                t2 = time.perf_counter()
+                if r == 0:
+                    _, k, v = decode.received_kv(rid)
+                    bufs = (pool.k_buffer, pool.v_buffer)
+                    want = [torch.stack([x[slots] for x in b]) for b in bufs]
+                    if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
+                        raise RuntimeError(f"{pages}-page request: the decode's KV differs")
+                else:
+                    boot.append(t1 - t0)
+                    send.append(t2 - t1)
+                decode.release(rid)
+            items = 2 * geo.layer_num * pages
+            t = statistics.median(send)
+            fit = None
+            if engine_fit is not None:
+                fit = items * (engine_fit["latency_s"] + item / (engine_fit["gbps"] * 1e9)) * 1e3
+            rows.append({"pages": pages, "items": items, "mbytes": items * item / 1e6,
+                         "handshake_ms": statistics.median(boot) * 1e3, "transfer_ms": t * 1e3,
+                         "us_per_item": t / items * 1e6, "gbps": items * item / t / 1e9,
+                         "engine_fit_ms": fit})  # fmt: skip
+    finally:
+        decode.close()
+    x = np.asarray([r["items"] for r in rows], dtype=float)
+    y = np.asarray([r["transfer_ms"] / 1e3 for r in rows])
+    (fixed, per_item), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
+    return {
+        "rows": rows,
+        "item_bytes": item,
+        "repeats": reps,
+        "fit": {"fixed_ms": float(fixed) * 1e3, "us_per_item": float(per_item) * 1e6,
+                "gbps_at_item": item / float(per_item) / 1e9},  # fmt: skip
+    }
 
 
 def server_args(attempts: int) -> ServerArgs:
@@ -256,6 +348,13 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     if (path := cost["kv_transfer_measured"]) is not None:
         fit = f"{path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f} GB/s"
         print(f"[pd] least squares: {fit} (largest residual {path['max_rel_residual']:.0%})")
+    print(f"[pd] SGLang's wire, whole requests of {WIRE_GEOMETRY.item_lens()[0] >> 10} KiB items "
+          "(medians; engine fit: the line above's prediction for the same items)", flush=True)
+    wire = wire_cost(quick, path)
+    print_table(wire["rows"], WIRE_COLUMNS)
+    wf = wire["fit"]
+    print(f"[pd] least squares over request sizes: {wf['fixed_ms']:.2f} ms a request + "
+          f"{wf['us_per_item']:.1f} us per item ({wf['gbps_at_item']:.3f} GB/s)")
     print("[pd] TTFT (ms), optimistic prefill attempts 0 and 2, busy decode workers", flush=True)
     workers = start_workers(2, geometry=geometry(), pool_tokens=32768, max_running_requests=64,
                             check_free_pages=False)  # fmt: skip
@@ -268,7 +367,7 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
     print_table(latency["rows"], TTFT_COLUMNS)
     integrity = {k: sum(r["integrity"][k] for r in latency["rows"]) for k in INTEGRITY}
     payload = {"quick": quick, "measured_on": MEASURED_ON, "kv_transfer_measured": path}
-    payload |= {"rate": cost, "ttft": latency, "integrity": integrity}
+    payload |= {"rate": cost, "wire": wire, "ttft": latency, "integrity": integrity}
     print(f"[pd] integrity: {integrity}\n[pd] wrote {write_json('bench_pd', payload, out_dir)}")
     return payload
 
@@ -298,6 +397,10 @@ def run(quick: bool = True, out_dir: Path = Path("bench-out")) -> dict[str, Any]
             raise RuntimeError(f"python -m bench.pd exited {rc} without writing {path}")
         payload = json.loads(path.read_text())
     section = {k: payload[k] for k in ("measured_on", "kv_transfer_measured", "integrity")}
+    section["wire_fit"] = payload["wire"]["fit"]
+    section["memcpy_gbps_by_item_bytes"] = {
+        r["item_bytes"]: r["memcpy_gbps"] for r in payload["rate"]["rows"]
+    }
     section["gbps_by_item_bytes"] = {r["item_bytes"]: r["gbps"] for r in payload["rate"]["rows"]}
     section["ttft_mean_ms"] = {r["config"]: r["ttft_mean_ms"] for r in payload["ttft"]["rows"]}
     return section

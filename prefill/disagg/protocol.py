@@ -43,11 +43,16 @@ class SendRecord:
 
 @dataclass(frozen=True)
 class MetadataRow:
-    """The metadata row the last send carries (SGLang's ``MetadataBuffers`` row)."""
+    """The metadata row the last send carries (SGLang's ``MetadataBuffers`` row):
+    ``cached_tokens`` and its disjoint split by tier (SGLang's ``cached_tokens_device``,
+    ``_host``, ``_storage``: host tokens that came from L3 count as storage)."""
 
     index: int
     first_token: int
     cached_tokens: int
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
 
 
 class DecodeLink(Protocol):

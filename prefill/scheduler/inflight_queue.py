@@ -49,7 +49,12 @@ class InflightQueue:
         if last:
             assert req.first_token is not None
             metadata = MetadataRow(
-                req.metadata_buffer_index, req.first_token, req.cached_device + req.cached_host
+                req.metadata_buffer_index,
+                req.first_token,
+                req.cached_device + req.cached_host,
+                req.cached_device,
+                req.cached_host - req.cached_storage,
+                req.cached_storage,
             )
         sent = req.peer.send(
             req.attempt, start, end, req.slots[start:end], last=last, metadata=metadata

@@ -79,3 +79,12 @@ def test_a_ttft_run_over_a_busy_decode_worker_is_audited_clean() -> None:
         workers[0].stop()
     assert run["requests"] == len(run["ttfts_ms"]) == 4 and min(run["ttfts_ms"]) > 0
     assert run["integrity"] == dict.fromkeys(INTEGRITY, 0) and run["items_per_send"] > 0
+
+
+@needs_engine
+def test_whole_requests_over_sglangs_wire_are_measured_and_checked() -> None:
+    res = pd_bench.wire_cost(quick=True, engine_fit={"latency_s": 5e-5, "gbps": 3.0})
+    assert [r["pages"] for r in res["rows"]] == list(pd_bench.WIRE_PAGES)
+    assert all(r["transfer_ms"] > 0 and r["handshake_ms"] > 0 for r in res["rows"])
+    assert all(r["items"] == 8 * r["pages"] and r["engine_fit_ms"] > 0 for r in res["rows"])
+    assert res["item_bytes"] == 16 << 10 and res["fit"]["us_per_item"] > 0

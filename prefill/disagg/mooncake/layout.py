@@ -217,14 +217,22 @@ class MetadataBuffers:
         if not 0 <= index < self.size:
             raise ValueError(f"metadata index {index} is not a row (size {self.size})")
 
-    def set_row(self, index: int, first_token: int, cached_tokens: int, room: int) -> None:
-        """SGLang's ``set_buf`` for a request without logprobs: the row zeroed, then the first
-        token, ``cached_tokens`` (slot 0) and the room."""
+    def set_row(
+        self,
+        index: int,
+        first_token: int,
+        cached_tokens: int,
+        room: int,
+        by_tier: tuple[int, int, int] = (0, 0, 0),
+    ) -> None:
+        """SGLang's ``set_buf`` for a text request without logprobs: the row zeroed, then the
+        first token, ``cached_tokens`` (slot 0) and its split ``by_tier`` (device, host,
+        storage: slots 1-3; slots 4-6, multimodal token counts, stay 0), and the room."""
         self._check(index)
         for b in self._bufs:
             b[index] = 0
         self.output_ids[index, 0] = first_token
-        self.cached_tokens[index, 0] = cached_tokens
+        self.cached_tokens[index, :4] = (cached_tokens, *by_tier)
         self.bootstrap_room[index, 0] = room
 
     def get_row(self, index: int) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ import torch
 from hicache_prefill.hicache.memory.device_pool import KVPool
 from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
 from hicache_prefill.prefill.disagg.mooncake.layout import MetadataBuffers
-from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport, Room, SessionLimits
+from hicache_prefill.prefill.disagg.mooncake.sender import ControlLimits, PrefillTransport, Room
 from hicache_prefill.prefill.disagg.mooncake.session_worker import Job, TransferHook
 from hicache_prefill.prefill.disagg.protocol import (
     BOOTSTRAP_TIMEOUT_ENV,
@@ -51,7 +51,7 @@ class MooncakeConfig:
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     probe_interval_s: float = 30.0
     force_not_ready_prob: float = 0.0
-    limits: SessionLimits = SessionLimits()
+    limits: ControlLimits = ControlLimits()
 
     @classmethod
     def from_server_args(cls, args: Any) -> MooncakeConfig:
@@ -143,8 +143,13 @@ class MooncakeLink:
         job = Job(self.room, self.rid, self._chunks, src_pages, dst_pages, last)
         if last:
             assert metadata is not None
+            m = metadata
             self.backend.aux.set_row(
-                metadata.index, metadata.first_token, metadata.cached_tokens, self.room
+                m.index,
+                m.first_token,
+                m.cached_tokens,
+                self.room,
+                (m.cached_device, m.cached_host, m.cached_storage),
             )
             job.aux_index, job.dst_aux_index = metadata.index, meta.dst_aux_index
         if not self.backend.transport.enqueue(self._room, job):

@@ -55,16 +55,27 @@ PREFILL_RANK = 0  # SGLang's prefill unique rank of a TP1 / CP1 / PP1 instance
 
 
 @dataclass(frozen=True)
-class SessionLimits:
-    """How many decode sessions a prefill rank serves, and when an unused one is dropped:
-    ``max_sessions`` registered at once; a session without rooms is dropped after ``idle_s``
-    (``dead_s`` once blacklisted); a worker's thread and engine end after ``engine_idle_s``
-    without a job."""
+class ControlLimits:
+    """What the control plane of a prefill rank holds at most. Sessions: how many decode
+    sessions it keeps, and when one is dropped. A session is
+    *proven* once a transfer to it succeeded (a Mooncake engine with those buffers answered);
+    proven sessions are never evicted for newcomers (SGLang's decode registers once and relies
+    on it), unproven ones are capped at ``max_unproven`` (the least recently used idle one
+    makes room) and dropped after ``unproven_idle_s`` without rooms; a blacklisted session
+    without rooms after ``dead_s``. A worker's thread and engine end after ``engine_idle_s``
+    without a job (they restart with the next). Messages: ``max_message_bytes`` a frame (ZMQ's
+    ``MAXMSGSIZE``), ``max_connections`` TCP connections to the control socket. Bootstrap
+    endpoint: ``bootstrap_threads`` requests in service, each at most ``bootstrap_timeout_s``."""
 
-    max_sessions: int = 64
-    idle_s: float = 600.0
-    dead_s: float = 30.0
+    max_sessions: int = 1024
+    max_unproven: int = 64
+    unproven_idle_s: float = 300.0
+    dead_s: float = 600.0
     engine_idle_s: float = 60.0
+    max_message_bytes: int = 64 << 20
+    max_connections: int = 256
+    bootstrap_threads: int = 16
+    bootstrap_timeout_s: float = 5.0
 
 
 @dataclass(eq=False)
@@ -93,6 +104,7 @@ class Session:
     reg: Register
     worker: SessionWorker
     registered_at: float
+    proven: bool = False
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -112,7 +124,7 @@ class PrefillTransport:
         bootstrap_port: int,
         probe_interval_s: float = 30.0,
         hook: TransferHook | None = None,
-        limits: SessionLimits | None = None,
+        limits: ControlLimits | None = None,
     ) -> None:
         if pool.device.type != "cpu":
             raise ValueError(
@@ -127,7 +139,7 @@ class PrefillTransport:
         self.page_size = pool.page_size
         self.probe_interval_s = probe_interval_s
         self.hook = hook
-        self.limits = limits or SessionLimits()
+        self.limits = limits or ControlLimits()
         bufs = layer_buffers(pool)
         self.source = SourceMemory(
             layer_ptrs=tuple(b.data_ptr() for b in bufs),
@@ -144,8 +156,16 @@ class PrefillTransport:
         self.errors: deque[str] = deque(maxlen=100)  # control-plane errors, for operators
         self.counts = {"unknown_room": 0, "refused_register": 0, "dropped_sessions": 0}
         self._pusher = Pusher()
-        self.bootstrap = BootstrapServer(host, bootstrap_port)  # first: a port in use binds nothing
-        self.listener = Listener(host, self._on_message, "mc-prefill-ctrl")
+        self.bootstrap = BootstrapServer(  # first: with the port in use nothing else is bound
+            host, bootstrap_port, self.limits.bootstrap_threads, self.limits.bootstrap_timeout_s
+        )
+        self.listener = Listener(
+            host,
+            self._on_message,
+            "mc-prefill-ctrl",
+            self.limits.max_message_bytes,
+            self.limits.max_connections,
+        )
         self._closed = threading.Event()
         try:
             http(self.bootstrap.addr, "/route", method="PUT", body=self.rank_registration())
@@ -269,7 +289,9 @@ class PrefillTransport:
                     f"{r.meta.session if r.meta else '?'} failed ({why})",
                     poison=True,
                 )
-            elif rc == 0 and job.last and r.status != KVPoll.Failed:
+            elif rc == 0 and session is not None:
+                session.proven = True
+            if rc == 0 and job.last and r.status != KVPoll.Failed:
                 r.status = KVPoll.Success
                 self._push(
                     r.endpoint, Status(r.room, int(KVPoll.Success), PREFILL_RANK).to_frames()
@@ -328,7 +350,7 @@ class PrefillTransport:
                 logger.error("REGISTER refused: %s", why)
                 self.errors.append(why)
                 self.counts["refused_register"] += 1
-                if len(self.rejected) < 4 * self.limits.max_sessions:
+                if len(self.rejected) < 4 * self.limits.max_unproven:
                     self.rejected[reg.session] = why
                     self._rejected_from[reg.session] = (reg.decode_ip, reg.decode_port)
                 return
@@ -344,13 +366,15 @@ class PrefillTransport:
                         "idle session is replaced"
                     )
                 self._drop_session(reg.session)
-            if len(self.sessions) >= self.limits.max_sessions:
-                self._drop_idle_sessions(now, force=True)
-            if len(self.sessions) >= self.limits.max_sessions:
+            self._drop_idle_sessions(now, make_room=True)
+            unproven = sum(not x.proven for x in self.sessions.values())
+            if len(self.sessions) >= self.limits.max_sessions or (
+                unproven >= self.limits.max_unproven
+            ):
                 self.counts["refused_register"] += 1
                 raise ControlMessageError(
                     f"REGISTER from {reg.session} refused: {len(self.sessions)} decode sessions "
-                    "are registered and busy (the limit)"
+                    f"are registered, {unproven} not yet used, none idle (the limits)"
                 )
             self.rejected.pop(reg.session, None)
             self._rejected_from.pop(reg.session, None)
@@ -388,24 +412,28 @@ class PrefillTransport:
             logger.warning("decode session %s: its worker is still in a call", session)
         self._pusher.forget(s.endpoint)
 
-    def _drop_idle_sessions(self, now: float, force: bool = False) -> None:
-        """Drop sessions without rooms or jobs: blacklisted ones after ``dead_s``, others after
-        ``idle_s``; with ``force`` (the cap is reached) the least recently used idle one."""
+    def _drop_idle_sessions(self, now: float, make_room: bool = False) -> None:
+        """Drop sessions without rooms or jobs: blacklisted ones after ``dead_s``, unproven ones
+        after ``unproven_idle_s``; with ``make_room`` (a REGISTER at a limit) the least recently
+        used idle unproven one."""
         busy = self._busy_sessions()
         idle = [
             s for name, s in self.sessions.items()
             if name not in busy and s.worker.pending == 0
         ]  # fmt: skip
+        lim = self.limits
         for s in idle:
-            limit = self.limits.dead_s if s.worker.blacklisted else self.limits.idle_s
-            if now - max(s.worker.last_used, s.registered_at) >= limit:
+            used = now - max(s.worker.last_used, s.registered_at)
+            if (s.worker.blacklisted and used >= lim.dead_s) or (
+                not s.proven and used >= lim.unproven_idle_s
+            ):
                 logger.info("dropping idle decode session %s", s.reg.session)
                 self._drop_session(s.reg.session)
-        if force and len(self.sessions) >= self.limits.max_sessions:
-            left = [s for s in idle if s.reg.session in self.sessions]
-            if left:
-                lru = min(left, key=lambda s: max(s.worker.last_used, s.registered_at))
-                self._drop_session(lru.reg.session)
+        unproven = [s for s in idle if not s.proven and s.reg.session in self.sessions]
+        full = len(self.sessions) >= lim.max_sessions
+        if make_room and unproven and (full or len(unproven) >= lim.max_unproven):
+            lru = min(unproven, key=lambda s: max(s.worker.last_used, s.registered_at))
+            self._drop_session(lru.reg.session)
 
     def _housekeep(self) -> None:
         while not self._closed.wait(0.5):

@@ -141,8 +141,9 @@ def test_metadata_rows_are_sglangs_ten_buffers() -> None:
     assert rows.row_lens == [64, 64, 64, 64, 512, 512, 64, 128, 64, 64]
     assert len(rows.regions()) == len(rows.ptrs) == 10
     rows.output_token_logprobs_val[2] = 7.0  # a previous owner's leftovers
-    rows.set_row(2, first_token=17, cached_tokens=48, room=(1 << 62) + 5)
+    rows.set_row(2, first_token=17, cached_tokens=48, room=(1 << 62) + 5, by_tier=(16, 24, 8))
     assert rows.get_row(2) == (17, 48, (1 << 62) + 5) and rows.get_row(1) == (0, 0, 0)
+    assert rows.cached_tokens[2, :7].tolist() == [48, 16, 24, 8, 0, 0, 0]
     assert not rows.output_token_logprobs_val[2].any()  # zeroed: a decode reads them
     rows.clear_row(2)
     assert rows.get_row(2) == (0, 0, 0)
