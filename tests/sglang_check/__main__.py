@@ -246,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                 what = (
                     f"skipped: {p['skipped']}" if "skipped" in p
                     else f"PENDING: {p.get('error')}" if p.get("pending")
-                    else f"ok, {p['requests']} requests byte-exact, {p['bytes_compared']} bytes "
-                    f"compared, fault cases {p.get('fault_cases_passed', 0)}/"
-                    f"{p.get('fault_cases', 0)}" if p["ok"]
+                    else "ok, " + (f"{p['requests']} requests byte-exact, {p['bytes_compared']} "
+                                   "bytes compared, " if p.get("requests") else "")
+                    + f"fault cases {p.get('fault_cases_passed', 0)}/{p.get('fault_cases', 0)}"
+                    if p["ok"]
                     else f"FAILED: {p.get('error')}"
                 )  # fmt: skip
                 print(f"  {p['case']}: {what}")
