@@ -714,4 +714,5 @@ def run(site: str, requests: int) -> list[dict[str, Any]]:
 
     rows.append(pd_reverse.run_sglang_to_project(site, 16, requests, seed=43))
     rows.append(pd_reverse.run_sglang_to_project(site, 1, max(8, requests // 4), seed=44))
+    rows.append(pd_reverse.run_faults(site, seed=45))
     return rows

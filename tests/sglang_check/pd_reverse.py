@@ -104,3 +104,65 @@ def run_sglang_to_project(site: str, page_size: int, n: int, seed: int) -> dict[
             prefill.stop()
     row["seconds"] = round(time.monotonic() - t0, 1)
     return row
+
+
+def run_faults(site: str, seed: int) -> dict[str, Any]:
+    """SGLang's sender against this project's decode worker under faults: the worker aborts
+    first (SGLang's prefill fails the room and acks the drained abort, which the worker counts
+    as an acked release), the worker is SIGKILLed before the transfer (SGLang's sender fails)."""
+    from tests.support.loopback import free_port
+
+    row: dict[str, Any] = {"case": "pd/sglang->project/faults", "ok": False, "requests": 0,
+                           "bytes_compared": 0, "fault_cases": 2, "fault_cases_passed": 0,
+                           "details": {}}  # fmt: skip
+    t0 = time.monotonic()
+    port = free_port()
+    prefill = worker = None
+    try:
+        prefill = SGLangNodeProcess(site, "prefill", pd_interop.node_config(16, port))
+        worker = _worker(16)
+        addr = f"127.0.0.1:{port}"
+        a, b = pd_interop.plan_requests(2, 16, seed)
+        for r in (a, b):
+            prefill.call("open", room=r["room"])
+            worker.call("add", rid=f"f{r['room']}", room=r["room"], bootstrap_addr=addr,
+                        num_tokens=r["tokens"], decode_prefix_len=0, keep=True, hold=False,
+                        delay_s=0.0)  # fmt: skip
+            prefill.wait_status("sender_poll", r["room"], {WAITING}, 20)
+
+        worker.call("abort", rid=f"f{a['room']}")
+        st = prefill.wait_status("sender_poll", a["room"], {SUCCESS}, 20)
+        deadline = time.monotonic() + 15
+        acked = worker.call("stats")[0].get("acked_releases", 0)
+        while acked < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            acked = worker.call("stats")[0].get("acked_releases", 0)
+        ok = st["status"] == 0 and acked >= 1
+        row["details"]["decode-aborts-first"] = (
+            "ok: " if ok else "FAILED: "
+        ) + f"SGLang's sender {st}, acked releases {acked}"
+
+        worker.kill()
+        prefill.call("send", room=b["room"], pages=b["src"], chunks=b["chunks"],
+                     aux=b["aux_p"], output_id=b["output_id"], cached=b["cached"])  # fmt: skip
+        st = prefill.wait_status("sender_poll", b["room"], {SUCCESS}, 30)
+        row["details"]["decode-killed-before-transfer"] = (
+            "ok: " if st["status"] == 0 else "FAILED: "
+        ) + str(st)
+        row["fault_cases_passed"] = sum(v.startswith("ok") for v in row["details"].values())
+        row["ok"] = row["fault_cases_passed"] == row["fault_cases"]
+        if not row["ok"]:
+            row["error"] = "; ".join(f"{k}: {v}" for k, v in row["details"].items()
+                                     if not v.startswith("ok"))  # fmt: skip
+    except (NodeError, AssertionError) as e:
+        row["error"] = str(e)[-3000:]
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc()
+    finally:
+        if worker is not None:
+            worker.stop()
+        if prefill is not None:
+            prefill.stop()
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row
