@@ -1,3 +1,3 @@
 """The real decode transport (``--disaggregation-transfer-backend mooncake``): SGLang 0.5.23's
-Mooncake PD protocol between the prefill side and decode worker processes. See docs/DESIGN.md
-section 12."""
+Mooncake PD protocol, on its own wire, between the prefill side and SGLang 0.5.23 decode servers
+or this project's decode worker processes. See docs/DESIGN.md section 12."""

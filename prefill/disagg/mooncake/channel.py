@@ -135,7 +135,8 @@ class Listener:
         except OSError:
             return
         try:
-            s.shutdown(socket.SHUT_RDWR)
+            if s.getsockname()[1] == self.port:  # still that connection, not a reused fd
+                s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         finally:

@@ -1,7 +1,8 @@
 """What the two sides register with their engines and how a page is addressed: ``KVGeometry``
-(both sides must share it), ``layer_buffers`` (page ``p`` of buffer ``i`` at ``ptr[i] + p *
-item_len[i]``) and ``MetadataBuffers`` (one 64-byte row per buffer and request: first output
-token, cached tokens, bootstrap room)."""
+(both sides must share it; it crosses as REGISTER's item lengths and ``PrefillServerInfo``'s page
+size and KV dtype), ``layer_buffers`` (page ``p`` of buffer ``i`` at ``ptr[i] + p *
+item_len[i]``) and ``MetadataBuffers`` (SGLang's ten default buffers, one row each per request:
+first output token, cached tokens, logprob and speculative fields, bootstrap room)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import logging
 import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from hicache_prefill.hicache.memory.allocator import page_ceil
@@ -65,7 +65,9 @@ class ControlLimits:
     without rooms after ``dead_s``. A worker's thread and engine end after ``engine_idle_s``
     without a job (they restart with the next). Messages: ``max_message_bytes`` a frame (ZMQ's
     ``MAXMSGSIZE``), ``max_connections`` TCP connections to the control socket. Bootstrap
-    endpoint: ``bootstrap_threads`` requests in service, each at most ``bootstrap_timeout_s``."""
+    endpoint: ``bootstrap_threads`` requests in service, each at most ``bootstrap_timeout_s``.
+    A registered decode's META for a room this rank has not created yet (the router reached
+    decode first) waits at most ``early_meta_s``, ``early_metas`` of them."""
 
     max_sessions: int = 1024
     max_unproven: int = 64
@@ -76,6 +78,8 @@ class ControlLimits:
     max_connections: int = 256
     bootstrap_threads: int = 16
     bootstrap_timeout_s: float = 5.0
+    early_metas: int = 4096
+    early_meta_s: float = 60.0
 
 
 @dataclass(eq=False)
@@ -153,6 +157,8 @@ class PrefillTransport:
         self.rejected: dict[str, str] = {}  # session -> why its REGISTER was refused
         self._rejected_from: dict[str, tuple[str, int]] = {}  # ... and the endpoint it named
         self._poisoned: deque[int] = deque(maxlen=POISONED_MEMORY)
+        self._early: OrderedDict[int, tuple[Meta, float]] = OrderedDict()  # META before its room
+        self._closed_rooms: OrderedDict[int, None] = OrderedDict()  # recently concluded rooms
         self.errors: deque[str] = deque(maxlen=100)  # control-plane errors, for operators
         self.counts = {"unknown_room": 0, "refused_register": 0, "dropped_sessions": 0}
         self._pusher = Pusher()
@@ -193,11 +199,16 @@ class PrefillTransport:
         }  # fmt: skip
 
     def create_room(self, room: int, rid: str, num_tokens: int) -> Room:
+        """A new room; a META that came first (and is not stale) is applied at once."""
         with self.lock:
             if room in self.rooms:
                 raise ValueError(f"bootstrap room {room} is in use")
             r = Room(room, rid, num_tokens)
             self.rooms[room] = r
+            self._closed_rooms.pop(room, None)
+            early = self._early.pop(room, None)
+            if early is not None and time.monotonic() - early[1] < self.limits.early_meta_s:
+                self._apply_meta(r, early[0])
             return r
 
     def enqueue(self, r: Room, job: Job) -> bool:
@@ -256,6 +267,9 @@ class PrefillTransport:
             r.ack_targets.clear()
         if not r.ack_targets and self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+            self._closed_rooms[r.room] = None
+            while len(self._closed_rooms) > POISONED_MEMORY:
+                self._closed_rooms.popitem(last=False)
 
     def _maybe_ack(self, r: Room) -> None:
         if r.outstanding == 0 and not r.poisoned and r.ack_targets:
@@ -438,36 +452,63 @@ class PrefillTransport:
     def _housekeep(self) -> None:
         while not self._closed.wait(0.5):
             with self.lock:
-                self._drop_idle_sessions(time.monotonic())
+                now = time.monotonic()
+                self._drop_idle_sessions(now)
+                while self._early and (
+                    now - next(iter(self._early.values()))[1] >= self.limits.early_meta_s
+                ):
+                    self._early.popitem(last=False)
 
     def _on_meta(self, meta: Meta) -> None:
         endpoint = (meta.decode_ip, meta.decode_port)
         with self.lock:
-            r = self.rooms.get(meta.room)
-            if r is None:
-                self.counts["unknown_room"] += 1  # no reply: the endpoint is only named here
-                logger.warning("META for unknown room %d dropped", meta.room)
-                return
             session = self.sessions.get(meta.session)
             if session is not None and session.endpoint != endpoint:
                 raise ControlMessageError(
                     f"META for room {meta.room}: session {meta.session} registered from "
                     f"{session.endpoint[0]}:{session.endpoint[1]}, not {endpoint[0]}:{endpoint[1]}"
                 )
-            if r.status == KVPoll.Failed:
+            r = self.rooms.get(meta.room)
+            if r is not None:
+                self._apply_meta(r, meta)
+                return
+            if meta.room in self._closed_rooms:  # late: concluded here (a registered endpoint)
                 self._push(
                     endpoint, Status(meta.room, int(KVPoll.Failed), PREFILL_RANK).to_frames()
                 )
                 return
-            if r.status != KVPoll.Bootstrapping:
-                raise ControlMessageError(f"META for room {meta.room} in state {r.status.name}")
-            r.meta = meta
-            problem = self._meta_problem(r, meta)
-            if problem is not None:
-                self.errors.append(problem)
-                self.fail_room(r, problem)
+            if session is None and meta.session not in self.rejected:
+                self.counts["unknown_room"] += 1  # no reply: the endpoint is only named here
+                logger.warning("META for unknown room %d from an unregistered session", meta.room)
                 return
-            r.status = KVPoll.WaitingForInput
+            self._keep_early(meta)
+
+    def _keep_early(self, meta: Meta) -> None:
+        """A registered decode's META for a room not created yet (SGLang's prefill keeps it
+        too); bounded in number and age."""
+        now = time.monotonic()
+        while self._early and (
+            len(self._early) >= self.limits.early_metas
+            or now - next(iter(self._early.values()))[1] >= self.limits.early_meta_s
+        ):
+            self._early.popitem(last=False)
+        self._early[meta.room] = (meta, now)
+        self._early.move_to_end(meta.room)
+
+    def _apply_meta(self, r: Room, meta: Meta) -> None:
+        endpoint = (meta.decode_ip, meta.decode_port)
+        if r.status == KVPoll.Failed:
+            self._push(endpoint, Status(meta.room, int(KVPoll.Failed), PREFILL_RANK).to_frames())
+            return
+        if r.status != KVPoll.Bootstrapping:
+            raise ControlMessageError(f"META for room {meta.room} in state {r.status.name}")
+        r.meta = meta
+        problem = self._meta_problem(r, meta)
+        if problem is not None:
+            self.errors.append(problem)
+            self.fail_room(r, problem)
+            return
+        r.status = KVPoll.WaitingForInput
 
     def _meta_problem(self, r: Room, meta: Meta) -> str | None:
         ps, dpl = self.page_size, meta.decode_prefix_len
@@ -515,10 +556,33 @@ class PrefillTransport:
             self._maybe_ack(r)
             self._maybe_drop(r)
 
+    def check_integrity(self) -> None:
+        """``AssertionError`` naming what is off: every room's outstanding jobs are the queued or
+        running jobs of its session, the tables within their limits."""
+        with self.lock:
+            per_session: dict[str, int] = {}
+            for r in self.rooms.values():
+                assert r.outstanding >= 0, f"room {r.room}: {r.outstanding} outstanding"
+                if r.outstanding:
+                    assert r.meta is not None, f"room {r.room}: jobs without a META"
+                    per_session[r.meta.session] = per_session.get(r.meta.session, 0) + r.outstanding
+                if r.status == KVPoll.Bootstrapping:
+                    assert r.outstanding == 0, f"room {r.room}: jobs while Bootstrapping"
+            for name, n in per_session.items():
+                s = self.sessions.get(name)
+                pending = s.worker.pending if s is not None else 0
+                assert pending >= n, f"session {name}: {pending} jobs pending, rooms count {n}"
+            lim = self.limits
+            assert len(self.sessions) <= lim.max_sessions, f"{len(self.sessions)} sessions"
+            unproven = sum(not s.proven for s in self.sessions.values())
+            assert unproven <= lim.max_unproven, f"{unproven} unproven sessions"
+            assert len(self._early) <= lim.early_metas, f"{len(self._early)} early METAs"
+
     def stats(self) -> dict[str, object]:
         with self.lock:
             return {
                 "rooms": len(self.rooms),
+                "early_metas": len(self._early),
                 "outstanding": sum(r.outstanding for r in self.rooms.values()),
                 "sessions": {
                     name: {

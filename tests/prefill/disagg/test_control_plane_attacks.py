@@ -124,6 +124,7 @@ def at_baseline(now: dict, base: dict) -> bool:
 def settle(decode: MooncakeDecode, pool: MHATokenToKVPool, base: dict) -> None:
     """The victim still succeeds, and the prefill process returns to ``base``."""
     victim_request(decode, pool)
+    decode.backend.transport.check_integrity()
     ok = wait_for(lambda: at_baseline(resources(decode), base), 20, 0.1)
     assert ok, f"not back to the baseline: {resources(decode)} vs {base}"
 

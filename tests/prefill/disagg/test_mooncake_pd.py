@@ -156,6 +156,7 @@ def assert_no_leaks(ex: object, *workers: DecodeWorker) -> None:
     ex.check_integrity()
     assert ex.request_owned_slots() == 0 and not ex.draining_queue
     assert ex.decode.backend.transport.stats()["outstanding"] == 0
+    ex.decode.backend.transport.check_integrity()
     for w in workers:
         ok = wait_for(lambda w=w: _idle(w.call("stats")[0]), timeout_s=15)
         stats = w.call("stats")[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
 import urllib.error
 import urllib.request
 
@@ -30,7 +31,7 @@ from hicache_prefill.prefill.disagg.mooncake.layout import (
     layer_buffers,
     pool_region,
 )
-from hicache_prefill.prefill.disagg.mooncake.sender import PrefillTransport
+from hicache_prefill.prefill.disagg.mooncake.sender import ControlLimits, PrefillTransport
 from hicache_prefill.prefill.disagg.mooncake.session_worker import (
     Job,
     SourceMemory,
@@ -237,6 +238,7 @@ def transport():  # noqa: ANN201
     pool = MHATokenToKVPool(256, 16, torch.float32, 2, 16, 2, "cpu")
     t = PrefillTransport(pool, MetadataBuffers(8), "127.0.0.1", 0)
     yield t
+    t.check_integrity()
     t.close()
 
 
@@ -359,3 +361,40 @@ def test_a_write_is_cut_into_calls_of_at_most_1024_items_and_stops_at_a_failure(
     engine._te = _RecordingTE(fail_at=1)
     assert engine.write("s", srcs, dsts, lens) == -1
     assert len(engine._te.calls) == 2  # nothing after the failed call
+
+
+def test_a_meta_before_its_room_waits_and_a_late_one_is_failed(transport, endpoint) -> None:
+    geo = KVGeometry.from_pool(transport.pool)
+    transport._on_message(_register(geo, port=endpoint.port).to_frames())
+    # the router reached decode first: its META waits for the room (SGLang keeps it too)
+    meta = Meta(21, "127.0.0.1", endpoint.port, "127.0.0.1:15000", (1, 2, 3), 0, 0)
+    transport._on_message(meta.to_frames())
+    assert transport.stats()["early_metas"] == 1 and transport.counts["unknown_room"] == 0
+    room = transport.create_room(21, "r", 40)
+    assert room.status == KVPoll.WaitingForInput and room.meta == meta
+    assert transport.stats()["early_metas"] == 0
+    # a META after the room concluded (its bootstrap timed out): STATUS Failed to that decode
+    transport.fail_room(room, "timed out (test)")
+    assert endpoint.recv() == [b"21", b"0", b"0"]
+    assert 21 not in transport.rooms
+    transport._on_message(meta.to_frames())
+    assert endpoint.recv() == [b"21", b"0", b"0"]
+    assert transport.stats()["early_metas"] == 0
+
+
+def test_early_metas_are_bounded_in_number_and_age() -> None:
+    pool = MHATokenToKVPool(256, 16, torch.float32, 2, 16, 2, "cpu")
+    limits = ControlLimits(early_metas=4, early_meta_s=0.5)
+    t = PrefillTransport(pool, MetadataBuffers(8), "127.0.0.1", 0, limits=limits)
+    try:
+        t._on_message(_register(KVGeometry.from_pool(pool)).to_frames())
+        for room in range(100, 110):
+            t._on_message(Meta(room, "127.0.0.1", 4000, "127.0.0.1:15000", (1, 2, 3), 0,
+                               0).to_frames())  # fmt: skip
+        assert sorted(t._early) == [106, 107, 108, 109]  # the oldest went first
+        assert t.create_room(100, "old", 40).status == KVPoll.Bootstrapping
+        time.sleep(1.2)  # the housekeeper drops the stale ones
+        assert t.stats()["early_metas"] == 0
+        assert t.create_room(109, "late", 40).status == KVPoll.Bootstrapping
+    finally:
+        t.close()
