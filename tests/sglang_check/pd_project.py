@@ -502,6 +502,9 @@ def fault_frozen_bootstrapping(scene: Scene) -> str:
     link = scene.backend.peers.get("V2")
     if link is not None and link.live:
         raise AssertionError("a late META revived V2's room on the prefill side")
+    late = scene.node.wait_status("poll", route["room"], {SUCCESS}, 30)
+    if late["status"] != FAILED:
+        raise AssertionError(f"SGLang's decode after its late META: {late}")
     scene.node.call("abort", room=route["room"])
     r.forget("V2")
     r.release("V2")
@@ -511,7 +514,10 @@ def fault_frozen_bootstrapping(scene: Scene) -> str:
     bad = _served_after(scene, "N2", 82)
     if bad:
         raise AssertionError(f"the resumed SGLang decode: {bad}")
-    return f"V2 aborted ({res.error}); late META ignored; resumed decode served"
+    return (
+        f"V2 aborted ({res.error}); late META revived nothing, SGLang's decode ended "
+        f"Failed ({late.get('reason')}); resumed decode served"
+    )
 
 
 def fault_frozen_mid_transfer(scene: Scene) -> str:
