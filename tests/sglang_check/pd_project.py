@@ -62,7 +62,6 @@ class SGLangDecodeRouter:
         self.sent: dict[str, dict[int, list[bytes]]] = {}  # rid -> token -> row bytes per buffer
         self.hold: Any = lambda rid: False
         self.prefix: Any = lambda rid, n: 0  # tokens SGLang's decode claims to hold already
-        self.routed_rooms: set[int] = set()
 
     # DecodeBackend ----------------------------------------------------------------------------
     @property
@@ -109,7 +108,6 @@ class SGLangDecodeRouter:
         """Hand ``rid`` to SGLang's decode: receiver, ``init(0)``, ``send_metadata``."""
         r = self.routes[rid]
         r["routed"] = True
-        self.routed_rooms.add(r["room"])
         return self.node.call("add", room=r["room"], addr=self.backend.bootstrap_addr,
                               pages=r["pages"], aux=r["aux"], prefix=r["prefix"])  # fmt: skip
 
