@@ -1,6 +1,8 @@
 """One ``make sglang-check`` run: one pinned SGLang, one platform mode, in its own process.
 
 ``python -m tests.sglang_check.run_pin --site DIR --mode cpu|cuda-shaped --out FILE.json``
+(``real-stack`` and ``pd-interop``: :mod:`tests.sglang_check.real_stack`,
+:mod:`tests.sglang_check.pd_interop`)
 
 - ``cpu``: SGLang imports as it does on this machine (no CUDA: its host-pool modules skip their
   ``from sgl_kernel.kvcacheio import ...`` branch). :func:`kernels.sglang.compat.install` runs
