@@ -17,6 +17,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import zmq
+
 from hicache_prefill.hicache.memory.allocator import page_ceil
 from hicache_prefill.hicache.memory.device_pool import KVPool
 from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
@@ -165,13 +167,17 @@ class PrefillTransport:
         self.bootstrap = BootstrapServer(  # first: with the port in use nothing else is bound
             host, bootstrap_port, self.limits.bootstrap_threads, self.limits.bootstrap_timeout_s
         )
-        self.listener = Listener(
-            host,
-            self._on_message,
-            "mc-prefill-ctrl",
-            self.limits.max_message_bytes,
-            self.limits.max_connections,
-        )
+        try:
+            self.listener = Listener(
+                host,
+                self._on_message,
+                "mc-prefill-ctrl",
+                self.limits.max_message_bytes,
+                self.limits.max_connections,
+            )
+        except zmq.ZMQError as e:
+            self.bootstrap.close()
+            raise ValueError(f"--host {host}: cannot bind the control socket ({e})") from e
         self._closed = threading.Event()
         try:
             http(self.bootstrap.addr, "/route", method="PUT", body=self.rank_registration())
