@@ -35,8 +35,9 @@ from hicache_prefill.hicache.storage.mooncake.availability import shim_loaded
 from hicache_prefill.prefill.clock import WallClock
 from hicache_prefill.prefill.disagg.backends import make_decode_backend
 from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
-from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry
+from hicache_prefill.prefill.disagg.mooncake.layout import KVGeometry, pool_region
 from hicache_prefill.prefill.disagg.mooncake.link import MooncakeBackend, MooncakeConfig
+from hicache_prefill.prefill.disagg.mooncake.session_worker import Job, SourceMemory, kv_items
 from hicache_prefill.prefill.disagg.protocol import KVPoll, MetadataRow
 from hicache_prefill.prefill.executor import OptimisticPrefillExecutor as Executor
 from hicache_prefill.prefill.model.factory import build_model
@@ -143,12 +144,13 @@ WIRE_COLUMNS = [
     Column("transfer_ms", "send ms", 8, ".2f"),
     Column("us_per_item", "us/item", 8, ".1f"),
     Column("gbps", "GB/s", 7, ".3f"),
+    Column("direct_ms", "direct ms", 10, ".2f"),
     Column("engine_fit_ms", "engine fit", 11, ".2f"),
 ]
 
 
 def _until(pred: Any, timeout_s: float = 30.0) -> None:
-    if not wait_for(pred, timeout_s, step_s=0.0001):
+    if not wait_for(pred, timeout_s, step_s=0.001):  # the executor polls each 1 ms too
         raise RuntimeError("a PD request did not reach its state in time")
 
 
@@ -204,6 +206,7 @@ def wire_cost(quick: bool, engine_fit: dict[str, float] | None) -> dict[str, Any
                          "handshake_ms": statistics.median(boot) * 1e3, "transfer_ms": t * 1e3,
                          "us_per_item": t / items * 1e6, "gbps": items * item / t / 1e9,
                          "engine_fit_ms": fit})  # fmt: skip
+        direct_ms(backend, pool, rows, reps)
     finally:
         decode.close()
     x = np.asarray([r["items"] for r in rows], dtype=float)
@@ -216,6 +219,26 @@ def wire_cost(quick: bool, engine_fit: dict[str, float] | None) -> dict[str, Any
         "fit": {"fixed_ms": float(fixed) * 1e3, "us_per_item": float(per_item) * 1e6,
                 "gbps_at_item": item / float(per_item) / 1e9},  # fmt: skip
     }
+
+
+def direct_ms(backend: MooncakeBackend, pool: Any, rows: list[dict[str, Any]], reps: int) -> None:
+    """Each row's items written by one engine of this process straight into the decode worker's
+    pool (its REGISTER's pointers, pages from 1), no control plane: ``direct_ms``."""
+    (session,) = backend.transport.sessions.values()
+    src = SourceMemory(session.worker.source.layer_ptrs, session.worker.source.item_lens, (), (),
+                       ())  # fmt: skip
+    engine = KVTransferEngine("127.0.0.1")
+    try:
+        engine.register([pool_region(pool)])
+        for row in rows:
+            pages = np.arange(1, row["pages"] + 1)
+            job = Job(0, "direct", 0, pages * 2 + 1, pages, last=False)  # scattered sources
+            items = kv_items(src, session.reg, job)
+            write = partial(_write, engine, session.reg.session, items[0], items[1], items[2][0])
+            write()
+            row["direct_ms"] = statistics.median(timeit.repeat(write, number=1, repeat=reps)) * 1e3
+    finally:
+        engine.close()
 
 
 def server_args(attempts: int) -> ServerArgs:
@@ -349,7 +372,8 @@ def measure(quick: bool, out_dir: Path) -> dict[str, Any]:
         fit = f"{path['latency_s'] * 1e6:.1f} us per item, {path['gbps']:.3f} GB/s"
         print(f"[pd] least squares: {fit} (largest residual {path['max_rel_residual']:.0%})")
     print(f"[pd] SGLang's wire, whole requests of {WIRE_GEOMETRY.item_lens()[0] >> 10} KiB items "
-          "(medians; engine fit: the line above's prediction for the same items)", flush=True)
+          "to a decode worker process (medians; direct: the same items by one engine call, no "
+          "control plane; engine fit: the line above's prediction)", flush=True)
     wire = wire_cost(quick, path)
     print_table(wire["rows"], WIRE_COLUMNS)
     wf = wire["fit"]

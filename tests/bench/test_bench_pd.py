@@ -87,4 +87,5 @@ def test_whole_requests_over_sglangs_wire_are_measured_and_checked() -> None:
     assert [r["pages"] for r in res["rows"]] == list(pd_bench.WIRE_PAGES)
     assert all(r["transfer_ms"] > 0 and r["handshake_ms"] > 0 for r in res["rows"])
     assert all(r["items"] == 8 * r["pages"] and r["engine_fit_ms"] > 0 for r in res["rows"])
+    assert all(r["direct_ms"] > 0 for r in res["rows"])  # the same items, no control plane
     assert res["item_bytes"] == 16 << 10 and res["fit"]["us_per_item"] > 0
