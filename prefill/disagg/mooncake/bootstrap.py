@@ -4,10 +4,12 @@ its fields exactly; else that rank's ``{rank_ip, rank_port}``; 503 until every r
 registered), ``POST /register_dp_rank``, ``POST /query_dp_ranks``, ``GET /health``; and the
 decode side's client of it. Hardened: at most ``max_threads`` requests in service (others are
 closed at once), each one closed after ``request_timeout_s`` whatever it sent, bodies over
-``MAX_BODY`` refused. Not authenticated (as SGLang's)."""
+``MAX_BODY`` refused. Not authenticated (as SGLang's) unless given the opt-in shared secret:
+then every request must carry it in ``SECRET_HEADER`` (403 otherwise)."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import socket
@@ -30,6 +32,7 @@ PUT_KEYS = (
     "rank_port", "page_size", "kv_cache_dtype",
 )  # fmt: skip
 MAX_BODY = 1 << 20
+SECRET_HEADER = "X-Hicache-PD-Secret"
 ROOM_ENTRY_TTL_S = 120.0  # SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL
 
 
@@ -183,6 +186,7 @@ class BootstrapServer:
         port: int,
         max_threads: int = 16,
         request_timeout_s: float = 5.0,
+        secret: str | None = None,
     ) -> None:
         check_bind_host(host, "the bootstrap endpoint")
         self.routes = RouteTable()
@@ -202,6 +206,15 @@ class BootstrapServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _denied(self) -> bool:
+                if secret is None:
+                    return False
+                got = self.headers.get(SECRET_HEADER, "")
+                if hmac.compare_digest(got.encode(), secret.encode()):
+                    return False
+                self._send(403, "Forbidden")
+                return True
+
             def _json(self, obj: Any) -> None:
                 self._send(200, json.dumps(obj).encode(), "application/json")
 
@@ -212,6 +225,8 @@ class BootstrapServer:
                 return json.loads(self.rfile.read(n) or b"null")
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self._denied():
+                    return
                 url = urlparse(self.path)
                 if url.path == "/health":
                     return self._send(200, "OK")
@@ -238,6 +253,8 @@ class BootstrapServer:
                 return self._json(rank)
 
             def do_PUT(self) -> None:  # noqa: N802
+                if self._denied():
+                    return
                 if urlparse(self.path).path != "/route":
                     return self._send(405, "Method not allowed")
                 try:
@@ -250,6 +267,8 @@ class BootstrapServer:
                 return self._send(200, "OK")
 
             def do_POST(self) -> None:  # noqa: N802
+                if self._denied():
+                    return
                 path = urlparse(self.path).path
                 try:
                     data = self._body()
@@ -315,12 +334,14 @@ class BootstrapUnreachable(RuntimeError):
 
 
 def http(addr: str, path: str, timeout_s: float = 5.0, method: str = "GET",
-         body: Any = None) -> bytes:  # fmt: skip
-    """One request to ``http://addr/path``; ``BootstrapUnreachable`` naming the URL on any
-    failure or non-200 answer."""
+         body: Any = None, secret: str | None = None) -> bytes:  # fmt: skip
+    """One request to ``http://addr/path`` (with the shared secret's header when given);
+    ``BootstrapUnreachable`` naming the URL on any failure or non-200 answer."""
     url = f"http://{addr}{path}"
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
+    if secret is not None:
+        req.add_header(SECRET_HEADER, secret)
     if data is not None:
         req.add_header("Content-Type", "application/json")
     try:
@@ -332,14 +353,16 @@ def http(addr: str, path: str, timeout_s: float = 5.0, method: str = "GET",
         raise BootstrapUnreachable(f"{method} {url}: {e}") from None
 
 
-def fetch_route(addr: str, timeout_s: float = 5.0) -> tuple[dict[str, Any], dict[str, Any]]:
+def fetch_route(
+    addr: str, timeout_s: float = 5.0, secret: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(PrefillServerInfo fields, rank 0's {rank_ip, rank_port})`` of the prefill instance at
     ``addr`` (``host:port``), as SGLang's decode asks for them."""
     allm1 = "&".join(f"{k}=-1" for k in ROUTE_KEYS)
     rank0 = "&".join(f"{k}=0" for k in ROUTE_KEYS)
     try:
-        info = json.loads(http(addr, f"/route?{allm1}", timeout_s))
-        rank = json.loads(http(addr, f"/route?{rank0}", timeout_s))
+        info = json.loads(http(addr, f"/route?{allm1}", timeout_s, secret=secret))
+        rank = json.loads(http(addr, f"/route?{rank0}", timeout_s, secret=secret))
     except ValueError as e:
         raise BootstrapUnreachable(f"bootstrap {addr} answered no JSON ({e})") from None
     if not isinstance(rank, dict) or "rank_ip" not in rank or "rank_port" not in rank:
@@ -347,8 +370,8 @@ def fetch_route(addr: str, timeout_s: float = 5.0) -> tuple[dict[str, Any], dict
     return info, rank
 
 
-def healthy(addr: str, timeout_s: float = 2.0) -> bool:
+def healthy(addr: str, timeout_s: float = 2.0, secret: str | None = None) -> bool:
     try:
-        return http(addr, "/health", timeout_s) == b"OK"
+        return http(addr, "/health", timeout_s, secret=secret) == b"OK"
     except BootstrapUnreachable:
         return False

@@ -4,10 +4,14 @@ each message to a handler; ``ZMQ_MAXMSGSIZE`` per frame, at most ``MAX_FRAMES`` 
 peers that never finish the ZMTP handshake dropped, at most ``max_connections`` TCP connections)
 and ``Pusher`` (one PUSH socket per endpoint, non-blocking sends into a bounded per-endpoint queue,
 so a slow or dead endpoint never delays another's messages; at most ``max_endpoints`` sockets).
-Nothing here is authenticated: keep the plane on a trusted network."""
+Nothing is authenticated by default (as SGLang's plane): keep it on a trusted network. Opt-in,
+``HICACHE_PD_SHARED_SECRET`` on every side turns on ZMQ CURVE (the server key pair derived from
+the secret: a peer without it can neither connect nor read) and a bootstrap header; SGLang's
+own decode servers cannot join such a plane."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
@@ -18,14 +22,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import zmq
+import zmq.utils.z85
 from zmq.utils.monitor import recv_monitor_message
 
 from hicache_prefill.prefill.disagg.mooncake.wire import MAX_FRAMES, ControlMessageError
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
-"""``ZMQ_MAXMSGSIZE`` of a PULL socket: a frame this large is 16M page ids."""
+MAX_MESSAGE_BYTES = 8 << 20
+"""``ZMQ_MAXMSGSIZE`` of a PULL socket: twice META's largest page list (``MAX_META_PAGES``)."""
 MAX_CONNECTIONS = 256
 HANDSHAKE_S = 5.0
 SEND_HWM = 1000
@@ -47,6 +52,22 @@ def check_bind_host(host: str, what: str) -> None:
         logger.warning("%s", msg)
 
 
+SECRET_ENV = "HICACHE_PD_SHARED_SECRET"
+
+
+def secret_from_env() -> str | None:
+    """The opt-in shared secret (``HICACHE_PD_SHARED_SECRET``), or ``None`` (SGLang's plane)."""
+    return os.environ.get(SECRET_ENV) or None
+
+
+def curve_server_keys(secret: str) -> tuple[bytes, bytes]:
+    """``(public, secret)`` Z85 CURVE keys of every control socket's server side, derived from
+    the shared secret (any 32 bytes are a curve25519 secret key)."""
+    seed = hashlib.sha256(b"hicache-pd-control:" + secret.encode()).digest()
+    private = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(private), private
+
+
 def _context() -> zmq.Context:
     return zmq.Context.instance()
 
@@ -63,6 +84,7 @@ class Listener:
         name: str,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_connections: int = MAX_CONNECTIONS,
+        secret: str | None = None,
     ) -> None:
         check_bind_host(host, name)
         self.handler = handler
@@ -80,6 +102,9 @@ class Listener:
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if secret is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = curve_server_keys(secret)[1]
         self.port = sock.bind_to_random_port(f"tcp://{host}")
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
         self._monitor = sock.get_monitor_socket(events)
@@ -188,8 +213,9 @@ class Pusher:
     per endpoint; as with SGLang's ZMQ, queued does not prove a dead peer read it). The least
     recently used socket is closed past ``max_endpoints``."""
 
-    def __init__(self, max_endpoints: int = 256) -> None:
+    def __init__(self, max_endpoints: int = 256, secret: str | None = None) -> None:
         self.max_endpoints = max_endpoints
+        self._server_key = curve_server_keys(secret)[0] if secret is not None else None
         self.dropped = 0
         self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
         self._lock = threading.Lock()
@@ -226,6 +252,9 @@ class Pusher:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if self._server_key is not None:
+            sock.curve_serverkey = self._server_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         addr = f"[{host}]" if ":" in host else host
         sock.connect(f"tcp://{addr}:{port}")
         self._socks[endpoint] = sock

@@ -18,6 +18,7 @@ import torch
 
 from hicache_prefill.hicache.memory.device_pool import KVPool
 from hicache_prefill.hicache.storage.mooncake.availability import require_loopback_engines
+from hicache_prefill.prefill.disagg.mooncake.channel import secret_from_env
 from hicache_prefill.prefill.disagg.mooncake.layout import MetadataBuffers
 from hicache_prefill.prefill.disagg.mooncake.sender import ControlLimits, PrefillTransport, Room
 from hicache_prefill.prefill.disagg.mooncake.session_worker import Job, TransferHook
@@ -52,6 +53,7 @@ class MooncakeConfig:
     probe_interval_s: float = 30.0
     force_not_ready_prob: float = 0.0
     limits: ControlLimits = ControlLimits()
+    secret: str | None = None  # HICACHE_PD_SHARED_SECRET: opt-in, not SGLang's wire
 
     @classmethod
     def from_server_args(cls, args: Any) -> MooncakeConfig:
@@ -61,6 +63,7 @@ class MooncakeConfig:
             bootstrap_timeout_s=bootstrap_timeout_from_env(),
             probe_interval_s=positive_env(PROBE_INTERVAL_ENV, 30.0),
             force_not_ready_prob=force_not_ready_prob(args),
+            secret=secret_from_env(),
         )
 
 
@@ -214,6 +217,7 @@ class MooncakeBackend:
             config.probe_interval_s,
             hook,
             config.limits,
+            config.secret,
         )
         self.keep_token_ids = keep_token_ids
         self.peers: dict[str, MooncakeLink] = {}

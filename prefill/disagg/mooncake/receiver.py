@@ -22,7 +22,7 @@ from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
     fetch_route,
     healthy,
 )
-from hicache_prefill.prefill.disagg.mooncake.channel import Listener, Pusher
+from hicache_prefill.prefill.disagg.mooncake.channel import Listener, Pusher, secret_from_env
 from hicache_prefill.prefill.disagg.mooncake.engine import KVTransferEngine
 from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
@@ -93,6 +93,7 @@ class DecodeConfig:
     heartbeat_interval_s: float = 5.0
     heartbeat_max_failures: int = 2
     tick_s: float = 0.0005
+    secret: str | None = None  # HICACHE_PD_SHARED_SECRET: opt-in, not SGLang's wire
 
     @classmethod
     def from_env(cls, **kw: Any) -> DecodeConfig:
@@ -101,6 +102,7 @@ class DecodeConfig:
             release_timeout_s=positive_env(RELEASE_TIMEOUT_ENV, 30.0),
             heartbeat_interval_s=max(positive_env(HEARTBEAT_INTERVAL_ENV, 5.0), 2.0),
             heartbeat_max_failures=int(positive_env(HEARTBEAT_FAILURES_ENV, 2, int)),
+            secret=secret_from_env(),
             **kw,
         )
 
@@ -147,7 +149,7 @@ class DecodeReceiver:
         self.cfg = cfg
         self.lock = threading.RLock()
         self.engine = KVTransferEngine(cfg.host)
-        self.pusher = Pusher()
+        self.pusher = Pusher(secret=cfg.secret)
         self.geometry = cfg.geometry
         self.pool = cfg.geometry.make_pool(cfg.pool_tokens, cfg.device)
         self.allocator = TokenToKVPoolAllocator(cfg.pool_tokens, cfg.geometry.page_size, cfg.device)
@@ -159,7 +161,7 @@ class DecodeReceiver:
             ps = cfg.geometry.page_size
             self._poison(torch.arange(ps, cfg.pool_tokens + ps))
         self._generation = 0
-        self.listener = Listener(cfg.host, self._on_message, "mc-decode-ctrl")
+        self.listener = Listener(cfg.host, self._on_message, "mc-decode-ctrl", secret=cfg.secret)
         self.requests: dict[str, DecodeRequest] = {}
         self.by_room: dict[int, DecodeRequest] = {}
         self.prefills: dict[str, PrefillPeer] = {}
@@ -301,7 +303,7 @@ class DecodeReceiver:
         error = None
         for attempt in range(3):
             try:
-                info, rank = fetch_route(peer.addr)
+                info, rank = fetch_route(peer.addr, secret=self.cfg.secret)
                 break
             except BootstrapUnreachable as e:
                 error = f"bootstrap endpoint {peer.addr} unreachable: {e}"
@@ -486,7 +488,7 @@ class DecodeReceiver:
                     if a in self.prefills and self.prefills[a].state == "ready"
                 ]
             for peer in peers:
-                ok = healthy(peer.addr)
+                ok = healthy(peer.addr, secret=self.cfg.secret)
                 with self.lock:
                     peer.misses = 0 if ok else peer.misses + 1
                     if peer.misses < self.cfg.heartbeat_max_failures:

@@ -76,7 +76,7 @@ class ControlLimits:
     unproven_idle_s: float = 300.0
     dead_s: float = 600.0
     engine_idle_s: float = 60.0
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 8 << 20
     max_connections: int = 256
     bootstrap_threads: int = 16
     bootstrap_timeout_s: float = 5.0
@@ -119,8 +119,10 @@ class Session:
 
 class PrefillTransport:
     """Bootstrap endpoint, control plane and session workers of one prefill rank; ``pool`` and
-    ``aux`` are registered whole with every session's engine. ``ValueError`` for a bootstrap
-    port in use or a pool on a CUDA device (the non-CUDA engine registers host memory only)."""
+    ``aux`` are registered whole with every session's engine; ``secret``: the opt-in shared
+    secret (``channel``), ``None`` for SGLang's unauthenticated plane. ``ValueError`` for a
+    bootstrap port in use or a pool on a CUDA device (the non-CUDA engine registers host memory
+    only)."""
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class PrefillTransport:
         probe_interval_s: float = 30.0,
         hook: TransferHook | None = None,
         limits: ControlLimits | None = None,
+        secret: str | None = None,
     ) -> None:
         if pool.device.type != "cpu":
             raise ValueError(
@@ -163,9 +166,13 @@ class PrefillTransport:
         self._closed_rooms: OrderedDict[int, None] = OrderedDict()  # recently concluded rooms
         self.errors: deque[str] = deque(maxlen=100)  # control-plane errors, for operators
         self.counts = {"unknown_room": 0, "refused_register": 0, "dropped_sessions": 0}
-        self._pusher = Pusher()
+        self._pusher = Pusher(secret=secret)
         self.bootstrap = BootstrapServer(  # first: with the port in use nothing else is bound
-            host, bootstrap_port, self.limits.bootstrap_threads, self.limits.bootstrap_timeout_s
+            host,
+            bootstrap_port,
+            self.limits.bootstrap_threads,
+            self.limits.bootstrap_timeout_s,
+            secret,
         )
         try:
             self.listener = Listener(
@@ -174,13 +181,20 @@ class PrefillTransport:
                 "mc-prefill-ctrl",
                 self.limits.max_message_bytes,
                 self.limits.max_connections,
+                secret,
             )
         except zmq.ZMQError as e:
             self.bootstrap.close()
             raise ValueError(f"--host {host}: cannot bind the control socket ({e})") from e
         self._closed = threading.Event()
         try:
-            http(self.bootstrap.addr, "/route", method="PUT", body=self.rank_registration())
+            http(
+                self.bootstrap.addr,
+                "/route",
+                method="PUT",
+                body=self.rank_registration(),
+                secret=secret,
+            )
         except BootstrapUnreachable:
             self.close()
             raise

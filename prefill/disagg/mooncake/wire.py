@@ -20,6 +20,11 @@ REGISTER_FRAMES = 20
 META_FRAMES = 10
 MAX_FRAMES = 32
 """Frames of one message past which the control plane drops it (SGLang's longest has 20)."""
+MAX_LIST = 4096
+"""Entries of a packed pointer or length list (a model's layer buffers, metadata buffers)."""
+MAX_META_PAGES = 1 << 20
+"""Destination pages of one META (1M pages: 16M tokens at page 16), refused past it before
+they are unpacked."""
 
 
 class ControlMessageError(ValueError):
@@ -60,6 +65,10 @@ def _packed(frames: Sequence[bytes], i: int, msg: str, field: str, fmt: str) -> 
     width = struct.calcsize(fmt)
     if len(raw) % width:
         raise ControlMessageError(f"{msg}: {field} must be packed {fmt} values")
+    if len(raw) // width > MAX_LIST:
+        raise ControlMessageError(
+            f"{msg}: {field} has {len(raw) // width} entries (at most {MAX_LIST})"
+        )
     return struct.unpack(f"<{len(raw) // width}{fmt}", bytes(raw))
 
 
@@ -190,6 +199,10 @@ class Meta:
         dummy = frames[4] == b"" and frames[5] == b""
         if len(frames[4]) % 4:
             raise ControlMessageError(f"{m}: destination page ids must be packed int32")
+        if len(frames[4]) // 4 > MAX_META_PAGES:
+            raise ControlMessageError(
+                f"{m}: {len(frames[4]) // 4} destination pages (at most {MAX_META_PAGES})"
+            )
         pages = () if dummy else tuple(np.frombuffer(bytes(frames[4]), dtype="<i4").tolist())
         return cls(
             room=room,

@@ -349,3 +349,33 @@ def test_an_idle_session_engine_is_reclaimed(plane, base) -> None:
     finally:
         worker.idle_s = LIMITS.engine_idle_s
     assert t.sessions[session.reg.session] is session
+
+
+def test_with_the_opt_in_shared_secret_only_its_holders_take_part() -> None:
+    """Prefill and decode worker given ``HICACHE_PD_SHARED_SECRET``: requests succeed byte for
+    byte; a REGISTER from a peer without it never reaches the prefill side's handler."""
+    pool = MHATokenToKVPool(256, PAGE, torch.float32, 2, 16, 2, "cpu")
+    for layer in [*pool.k_buffer, *pool.v_buffer]:
+        layer.copy_(torch.randn(layer.shape))
+    cfg = MooncakeConfig(bootstrap_port=0, secret="s3cret")
+    backend = MooncakeBackend(pool, WallClock(), cfg, 8)
+    worker = DecodeWorker(KVGeometry.from_pool(pool), pool_tokens=256,
+                          env={**ENV, "HICACHE_PD_SHARED_SECRET": "s3cret"})  # fmt: skip
+    decode = MooncakeDecode(backend, [worker], owned=[worker])
+    try:
+        worker.wait_ready()
+        victim_request(decode, pool)
+        t = backend.transport
+        before = t.listener.messages
+        atk = _attacker(decode)
+        try:
+            reg = Register("127.0.0.1", 9, "127.0.0.1:9", (1 << 20,) * 4, (1,) * 10,
+                           tuple(KVGeometry.from_pool(pool).item_lens()))  # fmt: skip
+            atk.send(reg.to_frames())
+            time.sleep(0.5)
+        finally:
+            atk.close()
+        assert t.listener.messages == before and "127.0.0.1:9" not in t.sessions
+        victim_request(decode, pool)
+    finally:
+        decode.close()

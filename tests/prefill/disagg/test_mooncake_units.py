@@ -23,7 +23,9 @@ from hicache_prefill.prefill.disagg.mooncake.bootstrap import (
     BootstrapServer,
     BootstrapUnreachable,
     fetch_route,
+    http,
 )
+from hicache_prefill.prefill.disagg.mooncake.channel import Pusher
 from hicache_prefill.prefill.disagg.mooncake.engine import MAX_ITEMS_PER_CALL, KVTransferEngine
 from hicache_prefill.prefill.disagg.mooncake.layout import (
     KVGeometry,
@@ -99,6 +101,9 @@ def test_messages_have_sglangs_frames_and_round_trip() -> None:
             "REGISTER: 1 kv ptrs but 2 item lens",
         ),
         ([b"BOOTSTRAP", b"1", b"ip", b"1"], "BOOTSTRAP: not served"),
+        ([b"None", b"ip", b"1", b"s", b"\0" * 8 * 5000] + [b""] * 15, "5000 entries"),
+        ([b"1", b"ip", b"1", b"s", b"\0" * 4 * ((1 << 20) + 1), b"0", b"", b"1", b"0", b""],
+         "1048577 destination pages"),
     ],
 )
 def test_malformed_prefill_messages_name_what_is_wrong(frames: list, message: str) -> None:
@@ -396,5 +401,32 @@ def test_early_metas_are_bounded_in_number_and_age() -> None:
         time.sleep(1.2)  # the housekeeper drops the stale ones
         assert t.stats()["early_metas"] == 0
         assert t.create_room(109, "late", 40).status == KVPoll.Bootstrapping
+    finally:
+        t.close()
+
+
+def test_the_opt_in_shared_secret_keeps_out_who_lacks_it() -> None:
+    pool = MHATokenToKVPool(256, 16, torch.float32, 2, 16, 2, "cpu")
+    t = PrefillTransport(pool, MetadataBuffers(8), "127.0.0.1", 0, secret="s3cret")
+    geo = KVGeometry.from_pool(pool)
+    try:
+        base = f"http://{t.bootstrap.addr}"
+        assert _status(base + "/health")[0] == 403  # SGLang's decode, or anyone without it
+        assert http(t.bootstrap.addr, "/health", secret="s3cret") == b"OK"
+        assert fetch_route(t.bootstrap.addr, secret="s3cret")[1]["rank_port"] == t.listener.port
+        endpoint = ("127.0.0.1", t.listener.port)
+        plain, wrong, right = Pusher(), Pusher(secret="other"), Pusher(secret="s3cret")
+        try:
+            plain.push(endpoint, _register(geo, "127.0.0.1:1").to_frames())
+            wrong.push(endpoint, _register(geo, "127.0.0.1:2").to_frames())
+            right.push(endpoint, _register(geo, "127.0.0.1:3").to_frames())
+            deadline = time.monotonic() + 10
+            while "127.0.0.1:3" not in t.sessions and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            assert set(t.sessions) == {"127.0.0.1:3"} and t.listener.messages == 1
+        finally:
+            for p in (plain, wrong, right):
+                p.close()
     finally:
         t.close()
