@@ -79,7 +79,7 @@ HF_KERNELS_PIN ?= kernels>=0.14.1,<0.15
 SGLANG_REAL_DEPS ?= orjson pybase64 requests pillow starlette pydantic pyzmq IPython aiohttp \
 	'transformers==5.19.0' 'apache-tvm-ffi==0.1.11' 'sentencepiece==0.2.1' dill \
 	'compressed-tensors==0.18.0' gguf partial_json_parser 'openai==2.8.0' datasets \
-	setproctitle einops uvicorn fastapi
+	setproctitle einops uvicorn fastapi prometheus_client
 
 # Mooncake (the CPU/TCP wheel, as for `make test`): the L3 rows on a real loopback mooncake_master
 # run where it imports and the loopback shim builds, and report themselves skipped otherwise.

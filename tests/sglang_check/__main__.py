@@ -29,6 +29,9 @@ with its pure-Python dependencies, its own device pools, assembler and ``L2Trans
 in ``tree-backend`` mode (:mod:`tests.sglang_check.tree_backend`): the project's tree as SGLang's
 radix-cache backend, built, driven and compared with ``UnifiedRadixCache`` by SGLang's code."""
 REAL_STACK_MODES = ("real-stack", "tree-backend")
+PD_INTEROP_PINS = ("0.5.23",)
+"""Pins also run in ``pd-interop`` mode (:mod:`tests.sglang_check.pd_interop`): SGLang's own
+Mooncake PD connector in child processes against this project's prefill side and decode worker."""
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,6 +104,9 @@ def verdict(r: dict[str, Any]) -> list[str]:
     for t in r.get("tree_backend", []):
         if not t["ok"]:
             bad.append(f"tree backend {t['case']}: {t.get('error')}")
+    for p in r.get("pd", []):
+        if not p["ok"]:
+            bad.append(f"PD {p['case']}: {p.get('error', p)}")
     return bad
 
 
@@ -121,6 +127,22 @@ def tree_backend_word(r: dict[str, Any]) -> str:
     )
 
 
+def _pd_word(rows: list[dict[str, Any]]) -> str:
+    """``ok/run (requests, bytes compared, fault cases passed/run)`` of the PD rows."""
+    if not rows:
+        return "-"
+    run = [p for p in rows if "skipped" not in p]
+    if not run:
+        return "skipped"
+    faults = sum(p.get("fault_cases_passed", 0) for p in run)
+    return (
+        f"{sum(p['ok'] for p in run)}/{len(run)} "
+        f"({sum(p.get('requests', 0) for p in run)} req, "
+        f"{sum(p.get('bytes_compared', 0) for p in run)} B, "
+        f"faults {faults}/{sum(p.get('fault_cases', 0) for p in run)})"
+    )
+
+
 def _roundtrip_word(rt: dict[str, Any]) -> str:
     if not rt:
         return "-"
@@ -130,9 +152,10 @@ def _roundtrip_word(rt: dict[str, Any]) -> str:
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
         "| pin | mode | fork import | install | transfer cases ok | kernel launches (variants) "
-        "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok | gate rows "
+        "| unwarmed launches | tables verified by warm-up | round trip | L3 cases ok "
+        "| PD rows ok (requests, bytes, faults) | gate rows "
         "| gate differences (class: count) | tree backend | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pin, modes in results.items():
         for mode, r in modes.items():
@@ -157,7 +180,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
                 f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
-                f"| {_roundtrip_word(rt)} | {l3_word} "
+                f"| {_roundtrip_word(rt)} | {l3_word} | {_pd_word(r.get('pd', []))} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {tree_backend_word(r)} | {'PASS' if not verdict(r) else 'FAIL'} |"
             )  # fmt: skip
@@ -184,15 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=".venv-sglang-check")
     parser.add_argument("--pins", nargs="+", default=["0.5.17", "0.5.23"])
     parser.add_argument("--out", default="results")
+    parser.add_argument(
+        "--modes", nargs="+", default=None, help="only these modes (default: all of a pin)"
+    )
     args = parser.parse_args(argv)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for pin in args.pins:
         results[pin] = {}
-        for mode in (*MODES, *(REAL_STACK_MODES if pin in REAL_STACK_PINS else ())):
+        extra = (
+            *(REAL_STACK_MODES if pin in REAL_STACK_PINS else ()),
+            *(("pd-interop",) if pin in PD_INTEROP_PINS else ()),
+        )
+        for mode in (*MODES, *extra):
+            if args.modes and mode not in args.modes:
+                continue
             print(f"[sglang-check] sglang=={pin} ({mode}) ...", flush=True)
             results[pin][mode] = run_one(args.venv, pin, mode)
     wheel = os.path.join(args.venv, "project-wheel")
-    if os.path.isdir(wheel):  # the last pin again, over the non-editable install
+    # the last pin again, over the non-editable install
+    if os.path.isdir(wheel) and (not args.modes or "cpu" in args.modes):
         pin = args.pins[-1]
         print(f"[sglang-check] sglang=={pin} (cpu, project installed non-editable) ...", flush=True)
         results[pin]["cpu, non-editable"] = run_one(args.venv, pin, "cpu", project_dir=wheel)
@@ -251,6 +284,23 @@ def main(argv: list[str] | None = None) -> int:
                     else f"FAILED: {s.get('error')}"
                 )  # fmt: skip
                 print(f"  {s['case']}: {what}")
+    for pin, modes in results.items():
+        rows = modes.get("pd-interop", {}).get("pd", [])
+        if rows:
+            print(f"\nPD over SGLang's Mooncake wire, sglang=={pin} (SGLang's own connector in "
+                  "child processes, real transfer engine over TCP on 127.0.0.1):")  # fmt: skip
+            for p in rows:
+                what = (
+                    f"skipped: {p['skipped']}" if "skipped" in p
+                    else "ok, " + (f"{p['requests']} requests byte-exact, {p['bytes_compared']} "
+                                   "bytes compared, " if p.get("requests") else "")
+                    + f"fault cases {p.get('fault_cases_passed', 0)}/{p.get('fault_cases', 0)}"
+                    if p["ok"]
+                    else f"FAILED: {p.get('error')}"
+                )  # fmt: skip
+                print(f"  {p['case']}: {what}")
+                for name, detail in p.get("details", {}).items():
+                    print(f"    {name}: {detail}")
     print("\nStubbed imports (everything else is SGLang's installed code):")
     print("\n".join(stub_lines(results)))
     failures = {

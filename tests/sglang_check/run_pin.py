@@ -1,6 +1,8 @@
 """One ``make sglang-check`` run: one pinned SGLang, one platform mode, in its own process.
 
 ``python -m tests.sglang_check.run_pin --site DIR --mode cpu|cuda-shaped --out FILE.json``
+(``real-stack`` and ``pd-interop``: :mod:`tests.sglang_check.real_stack`,
+:mod:`tests.sglang_check.pd_interop`)
 
 - ``cpu``: SGLang imports as it does on this machine (no CUDA: its host-pool modules skip their
   ``from sgl_kernel.kvcacheio import ...`` branch). :func:`kernels.sglang.compat.install` runs
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", required=True)
     parser.add_argument(
-        "--mode", choices=("cpu", "cuda-shaped", "real-stack", "tree-backend"), required=True
+        "--mode",
+        choices=("cpu", "cuda-shaped", "real-stack", "tree-backend", "pd-interop"),
+        required=True,
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -117,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sglang_check import tree_backend
 
         return tree_backend.main(args.site, args.out)
+    if args.mode == "pd-interop":  # SGLang's own Mooncake PD connector against this project's
+        from tests.sglang_check import pd_interop
+
+        return pd_interop.main(args.site, args.out)
     _under_loopback_shim()
     cuda_shaped = args.mode == "cuda-shaped"
     finder = _setup(args.site, cuda_shaped)
