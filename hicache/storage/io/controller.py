@@ -175,6 +175,9 @@ class HiCacheStorageController:
     def take_loaded(self, handle: CacheRequestHandle) -> int:
         return self.prefetches.take_loaded(handle)
 
+    def take_loaded_span(self, handle: CacheRequestHandle) -> tuple[int, int | None]:
+        return self.prefetches.take_loaded_span(handle)
+
     def has_prefetch(self, handle: CacheRequestHandle) -> bool:
         p = self.prefetches
         return handle in p.ongoing or handle in p.staged
