@@ -541,43 +541,94 @@ def device_only_row(page: int) -> dict[str, Any]:
 STORAGE_POLICIES = (("MHA", 4, "write_through"), ("MHA", 4, "write_through_selective"),
                     ("MHA", 4, "write_back"), ("MHA", 1, "write_through"),
                     ("MLA", 4, "write_through"))  # fmt: skip
+FAULT_CASES = (("MHA", 4, "write_through", "file", "wait_complete"),
+               ("MLA", 4, "write_back", "file", "timeout"),
+               ("MHA", 4, "write_through", "mooncake", "wait_complete"))  # fmt: skip
 STORAGE_DELAY = 0.01
 """Upper bound of the fault injector's random sleep before every storage call (seconds)."""
-READ_FAILURE = 0.35
+READ_FAILURE = 0.5
 FAULT_ROUNDS = 16
 ABORT_ROUNDS = 4
-STORAGE_READS = frozenset({"get", "batch_get", "batch_get_v1"})
 
 
-def _storage_backend(kind: str, page: int, policy: str, path: str, ratio: float = 4.0) -> Any:
-    """The backend with ``--hicache-storage-backend file`` over ``path`` (prefetch threshold one
-    page, ``wait_complete``), through ``create_tree_cache``."""
+def _storage_backend(kind: str, page: int, policy: str, l3: str, path: str,
+                     prefetch_policy: str = "wait_complete") -> Any:  # fmt: skip
+    """The backend with ``--hicache-storage-backend l3`` (``file`` over ``path``; ``mooncake``
+    on the fake master; prefetch threshold one page), through ``create_tree_cache``."""
     from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from tests.sglang_check import storage
 
     params = _pools(kind, page)
     worker = _worker()
-    extra = json.dumps({"file_storage_path": path, "prefetch_threshold": page})
-    args = _server_args(page, policy, "page_first", backend=DELAYED, ratio=ratio,
-                        hicache_storage_backend="file",
+    where = {"file_storage_path": path} if l3 == "file" else dict(storage.MASTER)
+    extra = json.dumps({**where, "prefetch_threshold": page})
+    args = _server_args(page, policy, "page_first", backend=DELAYED, ratio=4.0,
+                        hicache_storage_backend=l3,
                         hicache_storage_backend_extra_config=extra,
-                        hicache_storage_prefetch_policy="wait_complete")  # fmt: skip
+                        hicache_storage_prefetch_policy=prefetch_policy)  # fmt: skip
     cache = create_tree_cache(_context(args, params, worker))
     if not cache.enable_storage or cache.storage is None:
-        raise AssertionError("--hicache-storage-backend file built no L3 tier")
+        raise AssertionError(f"--hicache-storage-backend {l3} built no L3 tier")
     return cache, params, worker
+
+
+class _L3:
+    """Where the pages live for one row: a temporary directory (``file``), or the project's
+    fake Mooncake master (``mooncake``: ``tests/hicache/storage/mooncake/fake_mooncake.py`` as
+    ``mooncake.store`` and the store's factory), removed on exit."""
+
+    def __init__(self, l3: str) -> None:
+        self.l3 = l3
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        self.path = tempfile.mkdtemp(prefix="hicache-l3-")
+        if self.l3 == "mooncake":
+            from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+            from tests.sglang_check import storage
+
+            cluster, self.saved = storage._fake_mooncake()
+            MooncakeStore.store_factory = cluster.factory
+        return self.path
+
+    def __exit__(self, *exc: Any) -> None:
+        import shutil
+
+        if self.l3 == "mooncake":
+            from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+            from tests.sglang_check import storage
+
+            MooncakeStore.store_factory = None
+            storage._drop_fake_mooncake(self.saved)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _inject_faults(cache: Any, read_failure: float, seed: int) -> Any:
     """The project's fault injector around the built backend: a random sleep of up to
-    :data:`STORAGE_DELAY` before every call, and reads (only) failing with ``read_failure``."""
+    :data:`STORAGE_DELAY` before every call; with probability ``read_failure`` a batch read
+    fails from a random page on (SGLang's failure value for that page and every later one: a
+    failed read, or the tail of a partial one). ``injected``: the reads failed."""
     from hicache_prefill.hicache.storage.fault_injector import HiCacheStorageFailureInjector
 
     class ReadFaults(HiCacheStorageFailureInjector):
         def _fails(self, call: str) -> bool:
-            if call in STORAGE_READS:
-                return super()._fails(call)
             self._sleep(self._draw(lambda r: r.uniform(0.0, self._random_delay_limit)))
             return False
+
+        def _cut(self, call: str, got: Any, bad: Any) -> Any:
+            if not got or self._draw(lambda r: r.random()) >= self._failure_prob:
+                return got
+            k = int(self._draw(lambda r: r.randrange(len(got))))
+            self.injected[call] += 1
+            return [*got[:k], *([bad] * (len(got) - k))]
+
+        def batch_get(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._cut("batch_get", super().batch_get(keys, *args, **kwargs), None)
+
+        def batch_get_v1(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._cut("batch_get_v1", super().batch_get_v1(keys, *args, **kwargs), False)
 
     injector = ReadFaults(cache.storage.backend, STORAGE_DELAY, read_failure, seed=seed)
     cache.storage.backend = injector
@@ -714,21 +765,21 @@ class StorageScheduler:
         return in_flight
 
 
-def storage_row(kind: str, page: int, policy: str) -> dict[str, Any]:
-    """``--hicache-storage-backend file`` through SGLang's scheduler storage sequence: request A
+def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str, Any]:
+    """``--hicache-storage-backend l3`` through SGLang's scheduler storage sequence: request A
     computes and finishes (backed up to the host, stored to L3); both tiers evicted and zeroed;
     B sharing A's first pages is prefetched from L3, admitted, loaded back and reads A's KV
-    byte for byte; a fresh backend over the same directory serves C the same way; aborted
-    prefetches (in flight, and done before admission) leave no lock, host slot or state."""
-    import tempfile
-
-    out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/file", "ok": False}
-    path = tempfile.mkdtemp(prefix="hicache-l3-")
+    byte for byte; a fresh backend over the same directory (master) serves C the same way;
+    aborted prefetches (in flight, and done before admission) leave no lock, host slot or
+    state."""
+    out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/{l3}", "ok": False}
     caches = []
+    store = _L3(l3)
+    path = store.__enter__()
     try:
-        cache, params, worker = _storage_backend(kind, page, policy, path)
+        cache, params, worker = _storage_backend(kind, page, policy, l3, path)
         caches.append(cache)
-        injector = _inject_faults(cache, 0.0, seed=page)
+        _inject_faults(cache, 0.0, seed=page)
         kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
         d = SchedulerDriver(cache, params, kv, worker)
         st = StorageScheduler(d)
@@ -757,7 +808,7 @@ def storage_row(kind: str, page: int, policy: str) -> dict[str, Any]:
             raise AssertionError(f"A after the aborts: loaded {loaded}, host hit {host_hit}")
         _settle_storage(cache)
         _check_storage_clean(cache, params)
-        fresh, fparams, fworker = _storage_backend(kind, page, policy, path)
+        fresh, fparams, fworker = _storage_backend(kind, page, policy, l3, path)
         caches.append(fresh)
         fkv = KVPool(fparams.token_to_kv_pool_allocator.get_kvcache(), kind)
         fst = StorageScheduler(SchedulerDriver(fresh, fparams, fkv, fworker))
@@ -781,24 +832,24 @@ def storage_row(kind: str, page: int, policy: str) -> dict[str, Any]:
     finally:
         for cache in caches:
             cache.release_host_resources()
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
+        store.__exit__()
     return out
 
 
-def storage_faults_row(kind: str, page: int, policy: str, seed: int) -> dict[str, Any]:
+def storage_faults_row(
+    kind: str, page: int, policy: str, l3: str, prefetch_policy: str, seed: int
+) -> dict[str, Any]:
     """L3 reads failing at random (:data:`READ_FAILURE`, seeded) under injected delays: in
     :data:`FAULT_ROUNDS` rounds both tiers are evicted and zeroed and a request sharing a random
     number of A's pages is prefetched; what a failed read did not bring is recomputed, every
     prefix read equals the KV written, and the same prompt again (a device hit) reads it back."""
-    import tempfile
-
-    out: dict[str, Any] = {"case": f"storage-faults/{kind}/p{page}/{policy}/file", "ok": False}
-    path = tempfile.mkdtemp(prefix="hicache-l3-")
+    out: dict[str, Any] = {"case": f"storage-faults/{kind}/p{page}/{policy}/{l3}/"
+                           f"{prefetch_policy}", "ok": False}  # fmt: skip
     cache = None
+    store = _L3(l3)
+    path = store.__enter__()
     try:
-        cache, params, worker = _storage_backend(kind, page, policy, path)
+        cache, params, worker = _storage_backend(kind, page, policy, l3, path, prefetch_policy)
         kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
         d = SchedulerDriver(cache, params, kv, worker)
         st = StorageScheduler(d)
@@ -840,9 +891,7 @@ def storage_faults_row(kind: str, page: int, policy: str, seed: int) -> dict[str
     finally:
         if cache is not None:
             cache.release_host_resources()
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
+        store.__exit__()
     return out
 
 
@@ -1027,8 +1076,8 @@ def main(site: str, out_path: str) -> int:
                  for pol in WRITE_POLICIES]  # fmt: skip
         rows += [device_only_row(p) for p in (1, 4)]
         rows += [storage_row(k, p, pol) for k, p, pol in STORAGE_POLICIES]
-        rows += [storage_faults_row("MHA", 4, "write_through", seed=1),
-                 storage_faults_row("MLA", 4, "write_back", seed=2)]  # fmt: skip
+        rows += [storage_row("MHA", 4, "write_through", "mooncake")]
+        rows += [storage_faults_row(*case, seed=i) for i, case in enumerate(FAULT_CASES)]
         diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
         diffs += [("MLA", pol, 4) for pol in WRITE_POLICIES]
         rows += [differential_row(pol, page, seed=i, kind=kind)
