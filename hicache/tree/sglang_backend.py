@@ -382,6 +382,15 @@ class HiRadixCacheBackend(BasePrefixCache):
         elif self.storage is not None:
             self.storage.take_loaded_span(attempt(request))
 
+    def clear_storage_backend(self) -> bool:
+        """Remove every page from L3 (SGLang's clear-HiCache call); ``False`` without a tier,
+        with L3 operations in flight, or when the backend could not clear. The tree keeps its
+        device and host copies."""
+        if self.storage is None or self.storage.ops_in_flight():
+            return False
+        self.storage.beliefs.clear()
+        return self.storage.backend.clear() is not False
+
     def attach_storage_backend(self, storage_backend: str, **kwargs: Any) -> tuple[bool, str]:
         """Refused: the L3 tier is chosen at start (``--hicache-storage-backend``)."""
         return False, (

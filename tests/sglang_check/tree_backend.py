@@ -769,9 +769,9 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
     """``--hicache-storage-backend l3`` through SGLang's scheduler storage sequence: request A
     computes and finishes (backed up to the host, stored to L3); both tiers evicted and zeroed;
     B sharing A's first pages is prefetched from L3, admitted, loaded back and reads A's KV
-    byte for byte; a fresh backend over the same directory (master) serves C the same way;
-    aborted prefetches (in flight, and done before admission) leave no lock, host slot or
-    state."""
+    byte for byte; a fresh backend over the same directory (master) serves C the same way,
+    and after ``clear_storage_backend`` finds nothing; aborted prefetches (in flight, and done
+    before admission) leave no lock, host slot or state."""
     out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/{l3}", "ok": False}
     caches = []
     store = _L3(l3)
@@ -819,6 +819,13 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
                                  f"host hit {host_hit}")  # fmt: skip
         _settle_storage(fresh)
         out["fresh_backend"] = _check_storage_clean(fresh, fparams)
+        if not fresh.clear_storage_backend():  # SGLang's clear-HiCache call: L3 emptied
+            raise AssertionError("clear_storage_backend failed")
+        _drop_everything(fresh, fparams, kind)
+        if fst.run(c)[0] != 0:
+            raise AssertionError("a prefetch found pages after clear_storage_backend")
+        _settle_storage(fresh)
+        _check_storage_clean(fresh, fparams)
         if fresh.attach_storage_backend("file")[0] or fresh.detach_storage_backend()[0]:
             raise AssertionError("runtime attach / detach of an L3 backend did not refuse")
         out["calls"] = {**d.calls, **st.counts,

@@ -59,6 +59,10 @@ class StoredBeliefs:
         for k in keys:
             self._keys.pop(k, None)
 
+    def clear(self) -> None:
+        """Forget every key (the backend was cleared)."""
+        self._keys.clear()
+
 
 class HiCacheStorageController:
     """``tree.attach_storage(self)`` after building it."""
