@@ -831,6 +831,12 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
         out["calls"] = {**d.calls, **st.counts,
                         **{f"fresh: {k}": v for k, v in fst.counts.items()}}  # fmt: skip
         out["l3_tokens_stored"] = stored
+        out["l3_tokens_loaded"] = st.counts.get("tokens loaded from L3", 0) + fst.counts.get(
+            "tokens loaded from L3", 0
+        )
+        out["aborted_prefetches"] = ABORT_ROUNDS
+        out["loads_back"] = sum(1 for drv in (d, fst.d) for e in drv.log
+                                if e[0] == "admit" and e[4] > 0)  # fmt: skip
         out["kv_bytes_compared"] = kv.bytes_compared + fkv.bytes_compared
         out["ok"] = True
     except Exception as e:
@@ -888,7 +894,9 @@ def storage_faults_row(
         if not injector.injected:
             raise AssertionError("no storage read failed: the row proves nothing")
         out.update(tally)
-        out["reads_failed"] = dict(injector.injected)
+        out["reads_failed"] = sum(injector.injected.values())
+        out["l3_tokens_loaded"] = st.counts.get("tokens loaded from L3", 0)
+        out["loads_back"] = sum(1 for e in d.log if e[0] == "admit" and e[4] > 0)
         out["calls"] = {**d.calls, **st.counts}
         out["kv_bytes_compared"] = kv.bytes_compared
         out["ok"] = True
