@@ -771,7 +771,7 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
     B sharing A's first pages is prefetched from L3, admitted, loaded back and reads A's KV
     byte for byte; a fresh backend over the same directory (master) serves C the same way,
     and after ``clear_storage_backend`` finds nothing; aborted prefetches (in flight, and done
-    before admission) leave no lock, host slot or state."""
+    before admission) leave no lock, host slot or state, also across a ``flush_cache`` reset."""
     out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/{l3}", "ok": False}
     caches = []
     store = _L3(l3)
@@ -810,6 +810,7 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
         _check_storage_clean(cache, params)
         fresh, fparams, fworker = _storage_backend(kind, page, policy, l3, path)
         caches.append(fresh)
+        _inject_faults(fresh, 0.0, seed=page + 1)
         fkv = KVPool(fparams.token_to_kv_pool_allocator.get_kvcache(), kind)
         fst = StorageScheduler(SchedulerDriver(fresh, fparams, fkv, fworker))
         c = a[: 5 * ps] + [8000 + i for i in range(ps)]
@@ -826,6 +827,14 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
             raise AssertionError("a prefetch found pages after clear_storage_backend")
         _settle_storage(fresh)
         _check_storage_clean(fresh, fparams)
+        _drop_everything(fresh, fparams, kind)
+        fst.abort(c, after_done=False)  # its read may still run: reset waits for it
+        fresh.reset()  # SGLang's flush_cache: the tree, then its row pool and allocator
+        fparams.req_to_token_pool.clear()
+        fparams.token_to_kv_pool_allocator.clear()
+        _check_storage_clean(fresh, fparams)
+        if fresh.tree.host_allocator.available_size() != fresh.tree.host_allocator.size:
+            raise AssertionError("host slots held after reset")
         if fresh.attach_storage_backend("file")[0] or fresh.detach_storage_backend()[0]:
             raise AssertionError("runtime attach / detach of an L3 backend did not refuse")
         out["calls"] = {**d.calls, **st.counts,
@@ -834,7 +843,9 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
         out["l3_tokens_loaded"] = st.counts.get("tokens loaded from L3", 0) + fst.counts.get(
             "tokens loaded from L3", 0
         )
-        out["aborted_prefetches"] = ABORT_ROUNDS
+        aborts = [n for counts in (st.counts, fst.counts) for k, n in counts.items()
+                  if k.startswith("aborted")]  # fmt: skip
+        out["aborted_prefetches"] = sum(aborts)
         out["loads_back"] = sum(1 for drv in (d, fst.d) for e in drv.log
                                 if e[0] == "admit" and e[4] > 0)  # fmt: skip
         out["kv_bytes_compared"] = kv.bytes_compared + fkv.bytes_compared
