@@ -544,6 +544,12 @@ STORAGE_POLICIES = (("MHA", 4, "write_through"), ("MHA", 4, "write_through_selec
 FAULT_CASES = (("MHA", 4, "write_through", "file", "wait_complete"),
                ("MLA", 4, "write_back", "file", "timeout"),
                ("MHA", 4, "write_through", "mooncake", "wait_complete"))  # fmt: skip
+L3_FAKES = {
+    "mooncake.store (L3 mooncake rows)": "no mooncake_master runs in this mode: the project's "
+    "fake Mooncake (tests/hicache/storage/mooncake/fake_mooncake.py) stands in as mooncake.store "
+    "and as the project's MooncakeStore.store_factory while those rows run; a real master is "
+    "the storage mode's mooncake-real rows",
+}
 STORAGE_DELAY = 0.01
 """Upper bound of the fault injector's random sleep before every storage call (seconds)."""
 READ_FAILURE = 0.5
@@ -1119,6 +1125,8 @@ def main(site: str, out_path: str) -> int:
     ]
     out["stubs"] += [{"module": k, "kind": "patched name", "reason": v}
                      for k, v in DIFF_PATCHES.items()]  # fmt: skip
+    out["stubs"] += [{"module": k, "kind": "fake module", "reason": v}
+                     for k, v in L3_FAKES.items()]  # fmt: skip
     out["seconds"] = round(time.monotonic() - t0, 1)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1, default=str)
