@@ -2,19 +2,23 @@
 hicache_prefill``): :func:`register` puts :func:`build_backend` in SGLang's registry, which builds
 ``HiRadixCache`` (or the device-only ``RadixCache``) over SGLang's device pool and allocator and
 wraps it in :class:`HiRadixCacheBackend`, a ``BasePrefixCache`` answering SGLang's calls with its
-parameter and result objects. Needs SGLang importable. Ownership follows SGLang's ruler: a
-request owns ``row[cache_protected_len:]``, the tree owns ``row[:cache_protected_len]``, which
-the request holds with ``req.lock``."""
+parameter and result objects; under ``--hicache-storage-backend file|mooncake`` the tree's L3 tier
+(``HiCacheStorageController``) serves the scheduler's storage calls. Needs SGLang importable.
+Ownership follows SGLang's ruler: a request owns ``row[cache_protected_len:]``, the tree owns
+``row[:cache_protected_len]``, which the request holds with ``req.lock``."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
+    CacheRequestHandle,
+    CacheRequestOutcome,
     DecLockRefParams,
     DecLockRefResult,
     EvictParams,
@@ -30,12 +34,14 @@ from sglang.srt.mem_cache.registry import (
     registered_radix_cache_backends,
 )
 
+from hicache_prefill.hicache.storage.io.workers import CacheRequestHandle as AttemptHandle
 from hicache_prefill.hicache.tree.hiradix_cache import HiRadixCache
 from hicache_prefill.hicache.tree.node import TreeNode
 from hicache_prefill.hicache.tree.radix_cache import RadixCache
 from hicache_prefill.hicache.tree.sglang_allocator import SGLangAllocatorView
 from hicache_prefill.hicache.tree.sglang_backend_config import (
     BACKEND_NAME,
+    StorageArgs,
     backend_options,
     refusals,
 )
@@ -45,30 +51,46 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from hicache_prefill.hicache.memory.host_pool import HostKVPool
+    from hicache_prefill.hicache.storage.io.controller import HiCacheStorageController
     from hicache_prefill.hicache.transfer.streams import Delay, Streams
 
 logger = logging.getLogger(__name__)
 
+STORAGE_DRAIN_S = 60.0
+"""How long ``reset`` waits for the L3 operations in flight to finish."""
+
+
+def attempt(handle: CacheRequestHandle) -> AttemptHandle:
+    """The storage tier's handle of SGLang's ``CacheRequestHandle`` (one attempt of one rid)."""
+    return AttemptHandle(handle.rid, handle.attempt_id)
+
 
 class HiRadixCacheBackend(BasePrefixCache):
     """SGLang's ``BasePrefixCache`` over the project's ``tree``. ``cache_controller`` is the
-    tree's ``HiCacheController`` (``None`` device only); nodes are the tree's ``TreeNode``."""
+    tree's ``HiCacheController`` (``None`` device only); ``storage`` its L3 tier (``None``
+    without ``--hicache-storage-backend``); nodes are the tree's ``TreeNode``."""
 
     def __init__(
         self,
         params: CacheInitParams,
         tree: RadixCache | HiRadixCache,
         host_pool: HostKVPool | None = None,
+        storage: HiCacheStorageController | None = None,
     ) -> None:
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.disable = False
         self.sliding_window_size = None
-        self.enable_storage = False
         self.tree = tree
         self.host_pool = host_pool
         self.cache_controller = getattr(tree, "controller", None)
+        self.storage = storage
+        self.enable_storage = storage is not None
+        self.hicache_storage_pass_prefix_keys = (
+            storage is not None and storage.settings.pass_prefix_keys
+        )
+        self.prefetch_threshold = storage.settings.prefetch_threshold if storage else 0
         if params.enable_metrics:
             self.init_metrics_collector()
 
@@ -82,6 +104,19 @@ class HiRadixCacheBackend(BasePrefixCache):
 
     def is_backuped(self, node: TreeNode) -> bool:
         return node.backuped
+
+    def get_last_hash_value(self, node: TreeNode) -> str | None:
+        """The L3 key of ``node``'s last page (``None``: the root, or no storage tier)."""
+        return node.hash_value[-1] if node.hash_value else None
+
+    def get_prefix_hash_values(self, node: TreeNode) -> list[str]:
+        """The L3 keys of every page from the root to ``node``, in order."""
+        parts = []
+        x: TreeNode | None = node
+        while x is not None and x is not self.tree.root_node:
+            parts.append(x.hash_value or [])
+            x = x.parent
+        return [k for part in reversed(parts) for k in part]
 
     def supports_prefix_sharing(self) -> bool:
         return True
@@ -109,8 +144,25 @@ class HiRadixCacheBackend(BasePrefixCache):
             tree.check_hicache_events()
             if tree.ongoing_write_through or tree.ongoing_load_back:
                 raise RuntimeError("reset: copies still unacked after their streams finished")
+            if self.storage is not None:
+                self._drain_storage()
             c.host_allocator.clear()
         tree.reset()
+
+    def _drain_storage(self) -> None:
+        """Release every prefetch, then apply the L3 operations' results until none is in
+        flight (their acks free host slots the reset is about to clear)."""
+        book = self.storage.prefetches
+        for handle in {*book.ongoing, *book.staged, *book.loaded}:
+            self.storage.release(handle)
+        deadline = time.monotonic() + STORAGE_DRAIN_S
+        while self.storage.ops_in_flight():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"reset: {self.storage.ops_in_flight()} storage operations still in flight"
+                )
+            self.storage.check_events()
+            time.sleep(0.001)
 
     # ------------------------------------------------------------------ match and lock
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -262,6 +314,99 @@ class HiRadixCacheBackend(BasePrefixCache):
             return 0, fallback
         return int(slots.numel()), last
 
+    # ------------------------------------------------------------------ the L3 tier
+    @property
+    def ongoing_prefetch(self) -> dict[AttemptHandle, Any]:
+        """Prefetches not yet applied, by attempt (SGLang's idle check reads their count)."""
+        return self.storage.prefetches.ongoing if self.storage is not None else {}
+
+    @property
+    def ongoing_backup(self) -> dict[int, Any]:
+        """Backups to L3 not yet acked, by operation id."""
+        return self.storage.backups if self.storage is not None else {}
+
+    def prefetch_from_storage(
+        self,
+        request: CacheRequestHandle,
+        last_host_node: TreeNode,
+        new_input_tokens: list[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+        matched_prefix_tokens: list[int] | None = None,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+        storage_hit_end: int | None = None,
+    ) -> bool | None:
+        """Start the L3 lookup (then fetch into host slots) of ``new_input_tokens`` after
+        ``last_host_node``, the deepest matched node, which ends at token
+        ``len(matched_prefix_tokens)``; the keys chain from the node's (``last_hash`` and
+        ``prefix_keys`` are the same, derived by the tree). ``True`` when issued; ``None`` when
+        declined (no tier, a namespaced key, shorter than ``prefetch_threshold``, rate limited,
+        or the attempt has one). ``storage_hit_end`` (SGLang's paced-retry hint) is not used."""
+        if self.storage is None or extra_key is not None or cache_salt is not None:
+            return None
+        self.tree._check_attached(last_host_node, "last_host_node")
+        start = len(matched_prefix_tokens or [])
+        issued = self.storage.prefetch(
+            attempt(request), last_host_node, list(new_input_tokens), start
+        )
+        return True if issued else None
+
+    def check_prefetch_progress(self, request: CacheRequestHandle) -> bool:
+        """Whether the attempt may be admitted now: no prefetch, or its fetched pages are in the
+        tree as host-only nodes (under ``best_effort`` / an expired ``timeout``, what landed)."""
+        if self.storage is None:
+            return True
+        return self.storage.check_prefetch_progress(attempt(request), time.monotonic())
+
+    def pop_prefetch_loaded_tokens(self, request: CacheRequestHandle) -> int:
+        return self.pop_prefetch_loaded_span(request)[0]
+
+    def pop_prefetch_loaded_span(self, request: CacheRequestHandle) -> tuple[int, int | None]:
+        """(tokens the attempt's prefetch put in the tree, the position of the first)."""
+        if self.storage is None:
+            return 0, None
+        return self.storage.take_loaded_span(attempt(request))
+
+    def release_aborted_request(self, request: CacheRequestHandle) -> None:
+        """Drop the attempt's prefetch: its anchor's host protection, its host slots (at once,
+        or at the IO thread's ack when a read is still running) and its loaded count."""
+        if self.storage is not None:
+            self.storage.release(attempt(request))
+
+    def finish(self, request: CacheRequestHandle, outcome: CacheRequestOutcome) -> None:
+        """SGLang's: a non-success outcome releases the attempt; a success keeps its work (the
+        pages are in the tree) and forgets an unpopped loaded count."""
+        if outcome != CacheRequestOutcome.SUCCESS:
+            self.release_aborted_request(request)
+        elif self.storage is not None:
+            self.storage.take_loaded_span(attempt(request))
+
+    def clear_storage_backend(self) -> bool:
+        """Remove every page from L3 (SGLang's clear-HiCache call); ``False`` without a tier,
+        with L3 operations in flight, or when the backend could not clear. The tree keeps its
+        device and host copies."""
+        if self.storage is None or self.storage.ops_in_flight():
+            return False
+        self.storage.beliefs.clear()
+        return self.storage.backend.clear() is not False
+
+    def attach_storage_backend(self, storage_backend: str, **kwargs: Any) -> tuple[bool, str]:
+        """Refused: the L3 tier is chosen at start (``--hicache-storage-backend``)."""
+        return False, (
+            f"--radix-cache-backend {BACKEND_NAME}: attaching an L3 backend at runtime is not "
+            "supported; start with --hicache-storage-backend file|mooncake"
+        )
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """Refused: the L3 tier stays for the server's life."""
+        if self.storage is None:
+            return True, "no L3 backend attached"
+        return False, (
+            f"--radix-cache-backend {BACKEND_NAME}: detaching the L3 backend at runtime is not "
+            "supported"
+        )
+
     def ready_to_load_host_cache(self) -> int:
         return self.tree.ready_to_load_host_cache()
 
@@ -278,7 +423,8 @@ class HiRadixCacheBackend(BasePrefixCache):
         self.tree.check_hicache_events()
 
     def flush_pending_backups(self) -> None:
-        """Backups launch at insert (write_through*) or eviction (write_back): none queued."""
+        """Backups launch at insert (write_through*) or eviction (write_back), L3 stores at the
+        host copy's ack (``check_hicache_events``): none queued."""
 
     @property
     def token_to_kv_pool_host(self) -> HostKVPool | None:
@@ -287,7 +433,9 @@ class HiRadixCacheBackend(BasePrefixCache):
 
     def release_host_resources(self) -> None:
         """On shutdown: finish the copies, stop the CPU stream threads, unregister the host
-        pool's pinned memory (idempotent)."""
+        pool's pinned memory (idempotent); the L3 tier's threads and backend first."""
+        if self.storage is not None:
+            self.storage.close()
         if self.cache_controller is not None:
             self.cache_controller.close()
         if self.host_pool is not None:
@@ -302,6 +450,8 @@ class HiRadixCacheBackend(BasePrefixCache):
 
     def sanity_check(self) -> None:
         self.tree.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
 
     def pretty_print(self) -> None:
         stack = [(self.tree.root_node, 0)]
@@ -320,8 +470,9 @@ def build_backend(
     """The backend for SGLang's build context: ``ValueError`` naming every refused flag first;
     then, over SGLang's allocator and device pool, ``HiRadixCache`` with a host pool and copy
     streams (``--enable-hierarchical-cache``; its layer-done counter registered with the pool
-    and the TP worker) or the device-only ``RadixCache``. ``copy_delay`` / ``streams``: as
-    :func:`hicache.builder.build_kv_cache` (tests on a CPU)."""
+    and the TP worker; with ``--hicache-storage-backend file|mooncake`` its L3 tier, built as
+    :func:`hicache.builder.build_kv_cache` builds it) or the device-only ``RadixCache``.
+    ``copy_delay`` / ``streams``: as :func:`hicache.builder.build_kv_cache` (tests on a CPU)."""
     args = ctx.server_args
     problems = refusals(
         args, is_hybrid_swa=ctx.is_hybrid_swa, is_hybrid_ssm=ctx.is_hybrid_ssm, is_dsa=ctx.is_dsa
@@ -363,15 +514,34 @@ def build_backend(
         host_pool.destroy()
         raise
     tree = HiRadixCache(controller, opts.page_size, write_policy=opts.write_policy)
+    storage = None
+    if opts.storage_backend is not None:
+        from hicache_prefill.hicache.storage.io.controller import build_storage_controller
+
+        try:
+            storage = build_storage_controller(
+                StorageArgs.from_server_args(args, opts.page_size), tree, host_pool, group
+            )
+        except ValueError as e:
+            controller.close()
+            host_pool.destroy()
+            raise ValueError(f"--radix-cache-backend {BACKEND_NAME}: {e}") from e
     counter = controller.layer_done_counter
     device_pool.register_layer_transfer_counter(counter)
     if ctx.tp_worker is not None:
         ctx.tp_worker.register_hicache_layer_transfer_counter(counter)
     logger.info(
-        "%s: device %d + host %d tokens, page %d, %s, %s/%s", BACKEND_NAME, view.size,
-        host_pool.size, opts.page_size, opts.write_policy, opts.mem_layout, opts.io_backend,
-    )  # fmt: skip
-    return HiRadixCacheBackend(params, tree, host_pool)
+        "%s: device %d + host %d tokens, page %d, %s, %s/%s, L3 %s",
+        BACKEND_NAME,
+        view.size,
+        host_pool.size,
+        opts.page_size,
+        opts.write_policy,
+        opts.mem_layout,
+        opts.io_backend,
+        opts.storage_backend,
+    )
+    return HiRadixCacheBackend(params, tree, host_pool, storage)
 
 
 def register(

@@ -1,6 +1,7 @@
 """What the SGLang radix-cache backend reads of SGLang 0.5.23's server arguments: the modes it
-refuses (each named by its flag) and the tree options it builds from. Plain attribute reads, so
-this runs without SGLang."""
+refuses (each named by its flag), the tree options it builds from and, under
+``--hicache-storage-backend``, the L3 settings (:class:`StorageArgs`, what the project's
+``build_storage_controller`` reads). Plain attribute reads, so this runs without SGLang."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from hicache_prefill.hicache.tree.hiradix_cache import WRITE_POLICIES
 
 BACKEND_NAME = "hicache_prefill"
-STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+STORAGE_BACKENDS = ("file", "mooncake")
+"""L3 backends the tree's storage tier builds by name from SGLang's flags."""
 
 # (attribute, refused when, the flag and why); checked in this order, all reported at once.
 _REFUSED_FLAGS: tuple[tuple[str, Any, str], ...] = (
@@ -76,13 +78,13 @@ def refusals(
         if policy not in WRITE_POLICIES:
             out.append(f"--hicache-write-policy {policy}: one of {', '.join(WRITE_POLICIES)}")
         storage = getattr(args, "hicache_storage_backend", None)
-        if storage is not None and storage not in STORAGE_BACKENDS:
-            out.append(f"--hicache-storage-backend {storage}: one of {', '.join(STORAGE_BACKENDS)}")
-        if storage is not None:
+        if storage == "dynamic":
             out.append(
-                f"--hicache-storage-backend {storage}: the L3 tier is the executor's "
-                "(build_kv_cache); SGLang's storage prefetch calls are not served here"
+                "--hicache-storage-backend dynamic: the tree's L3 tier builds file or mooncake "
+                "by name; register a class under one of those names instead"
             )
+        elif storage is not None and storage not in STORAGE_BACKENDS:
+            out.append(f"--hicache-storage-backend {storage}: one of {', '.join(STORAGE_BACKENDS)}")
     return out
 
 
@@ -100,3 +102,47 @@ def backend_options(args: Any, page_size: int) -> BackendOptions:
         hicache_size=float(getattr(args, "hicache_size", 0) or 0),
         storage_backend=getattr(args, "hicache_storage_backend", None),
     )
+
+
+@dataclass(frozen=True)
+class StorageArgs:
+    """The L3 settings of SGLang's ``ServerArgs`` under the names the project's
+    ``build_storage_controller`` reads (the project's ``ServerArgs`` has the same)."""
+
+    hicache_storage_backend: str
+    page_size: int
+    hicache_storage_prefetch_policy: str
+    hicache_host_memory_mode: str
+    hicache_storage_backend_extra_config: Any
+    served_model_name: str | None
+
+    @classmethod
+    def from_server_args(cls, args: Any, page_size: int) -> StorageArgs:
+        backend = getattr(args, "hicache_storage_backend", None)
+        if backend not in STORAGE_BACKENDS:
+            raise ValueError(
+                f"--hicache-storage-backend {backend}: one of {', '.join(STORAGE_BACKENDS)}"
+            )
+        return cls(
+            hicache_storage_backend=backend,
+            page_size=page_size,
+            hicache_storage_prefetch_policy=getattr(args, "hicache_storage_prefetch_policy", None)
+            or "timeout",
+            hicache_host_memory_mode=getattr(args, "hicache_host_memory_mode", None) or "cache",
+            hicache_storage_backend_extra_config=getattr(
+                args, "hicache_storage_backend_extra_config", None
+            ),
+            served_model_name=getattr(args, "served_model_name", None)
+            or getattr(args, "model_path", None),
+        )
+
+    def storage_extra_config(self) -> dict[str, Any]:
+        """``--hicache-storage-backend-extra-config``: JSON, or ``@file`` (as SGLang reads it)."""
+        from hicache_prefill.server_args import parse_extra_config
+
+        return parse_extra_config(self.hicache_storage_backend_extra_config)
+
+    def storage_model_name(self) -> str | None:
+        """SGLang's ``served_model_name`` (its ``model_path`` by default), the model part of the
+        L3 keys, as SGLang's controller names pages."""
+        return self.served_model_name

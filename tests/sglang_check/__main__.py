@@ -112,18 +112,20 @@ def verdict(r: dict[str, Any]) -> list[str]:
 
 def tree_backend_word(r: dict[str, Any]) -> str:
     """The tree-backend column: rows passed, differential sequences / operations, scheduler
-    sequences, SGLang unit tests run / not applicable."""
+    sequences, L3 rows, SGLang unit tests run / not applicable."""
     rows = r.get("tree_backend")
     if not rows:
         return "-"
     diff = [t for t in rows if t["case"].startswith("differential/")]
     sched = [t for t in rows if t["case"].startswith("scheduler/")]
+    l3 = [t for t in rows if t["case"].startswith("storage")]
     units = r.get("sglang_unit_tests", {})
     seqs = sum(t.get("sequences", 0) for t in diff)
     ops = sum(t.get("operations", 0) for t in diff)
     return (
         f"{sum(t['ok'] for t in rows)}/{len(rows)} rows; diff {seqs} seq / {ops} ops; "
-        f"{len(sched)} scheduler seq; SGLang unit tests run: {units.get('run', 0)}"
+        f"{len(sched)} scheduler seq; {len(l3)} L3 rows; "
+        f"SGLang unit tests run: {units.get('run', 0)}"
     )
 
 
@@ -254,11 +256,23 @@ def main(argv: list[str] | None = None) -> int:
         if tb and tb.get("tree_backend"):
             print(
                 f"\nThe project's tree as SGLang's radix-cache backend, sglang=={pin} "
-                "(create_tree_cache, scheduler helpers, UnifiedRadixCache differential):"
+                "(create_tree_cache, scheduler helpers, L3, UnifiedRadixCache differential):"
             )
             for t in tb["tree_backend"]:
                 extra = ""
-                if "sequences" in t:
+                if "reads_failed" in t:
+                    extra = (f", {t['reads_failed']} L3 reads failed: {t['full L3 hits']} full, "
+                             f"{t['partial L3 hits']} partial hits, "
+                             f"{t['L3 misses (recomputed)']} misses recomputed; "
+                             f"{t['l3_tokens_loaded']} tokens from L3, {t['kv_bytes_compared']} "
+                             "KV bytes compared")  # fmt: skip
+                elif "l3_tokens_loaded" in t:
+                    extra = (f", {t['l3_tokens_stored']} tokens stored to L3, "
+                             f"{t['l3_tokens_loaded']} loaded back from it, "
+                             f"{t['aborted_prefetches']} aborted prefetches, "
+                             f"{t['kv_bytes_compared']} KV bytes compared, no lock, slot or host "
+                             "slot left")  # fmt: skip
+                elif "sequences" in t:
                     extra = (f", {t['sequences']} sequences, {t['operations']} operations, "
                              f"{t['observations']} observations equal, {t['loads_back']} loads "
                              f"back, {t['kv_bytes_compared']} KV bytes compared")  # fmt: skip

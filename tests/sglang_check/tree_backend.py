@@ -47,7 +47,7 @@ REFUSED = {
     "--enable-session-radix-cache": {"enable_session_radix_cache": True},
     "--radix-eviction-policy": {"radix_eviction_policy": "lfu"},
     "--hicache-host-memory-mode buffer_only": {"hicache_host_memory_mode": "buffer_only"},
-    "--hicache-storage-backend": {"hicache_storage_backend": "file"},
+    "--hicache-storage-backend dynamic": {"hicache_storage_backend": "dynamic"},
 }
 SGLANG_UNIT_TESTS = {
     "run": 0,
@@ -194,14 +194,21 @@ class SchedulerDriver:
         self._call("ready_to_load_host_cache")
         self.worker.set_hicache_consumer(consumer)
 
-    def admit(self, tokens: list[int], start_loads: bool = True) -> Any:
+    def new_req(self, tokens: list[int]) -> Any:
         from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         self._rid += 1
-        req = Req(rid=str(self._rid), origin_input_text="", origin_input_ids=array("q", tokens),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))  # fmt: skip
+        return Req(rid=str(self._rid), origin_input_text="", origin_input_ids=array("q", tokens),
+                   sampling_params=SamplingParams(temperature=0, max_new_tokens=1))  # fmt: skip
+
+    def admit(self, tokens: list[int], start_loads: bool = True) -> Any:
+        return self.admit_req(self.new_req(tokens), start_loads)
+
+    def admit_req(self, req: Any, start_loads: bool = True) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        tokens = list(req.origin_input_ids)
         req.init_next_round_input(self.cache)  # match_kv_cache, capped one token short
         self._call("match_prefix")
         loaded = 0
@@ -530,6 +537,396 @@ def device_only_row(page: int) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------- the L3 tier
+STORAGE_POLICIES = (("MHA", 4, "write_through"), ("MHA", 4, "write_through_selective"),
+                    ("MHA", 4, "write_back"), ("MHA", 1, "write_through"),
+                    ("MLA", 4, "write_through"))  # fmt: skip
+FAULT_CASES = (("MHA", 4, "write_through", "file", "wait_complete"),
+               ("MLA", 4, "write_back", "file", "timeout"),
+               ("MHA", 4, "write_through", "mooncake", "wait_complete"))  # fmt: skip
+L3_FAKES = {
+    "mooncake.store (L3 mooncake rows)": "no mooncake_master runs in this mode: the project's "
+    "fake Mooncake (tests/hicache/storage/mooncake/fake_mooncake.py) stands in as mooncake.store "
+    "and as the project's MooncakeStore.store_factory while those rows run; a real master is "
+    "the storage mode's mooncake-real rows",
+}
+STORAGE_DELAY = 0.01
+"""Upper bound of the fault injector's random sleep before every storage call (seconds)."""
+READ_FAILURE = 0.5
+FAULT_ROUNDS = 16
+ABORT_ROUNDS = 4
+
+
+def _storage_backend(kind: str, page: int, policy: str, l3: str, path: str,
+                     prefetch_policy: str = "wait_complete") -> Any:  # fmt: skip
+    """The backend with ``--hicache-storage-backend l3`` (``file`` over ``path``; ``mooncake``
+    on the fake master; prefetch threshold one page), through ``create_tree_cache``."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    from tests.sglang_check import storage
+
+    params = _pools(kind, page)
+    worker = _worker()
+    where = {"file_storage_path": path} if l3 == "file" else dict(storage.MASTER)
+    extra = json.dumps({**where, "prefetch_threshold": page})
+    args = _server_args(page, policy, "page_first", backend=DELAYED, ratio=4.0,
+                        hicache_storage_backend=l3,
+                        hicache_storage_backend_extra_config=extra,
+                        hicache_storage_prefetch_policy=prefetch_policy)  # fmt: skip
+    cache = create_tree_cache(_context(args, params, worker))
+    if not cache.enable_storage or cache.storage is None:
+        raise AssertionError(f"--hicache-storage-backend {l3} built no L3 tier")
+    return cache, params, worker
+
+
+class _L3:
+    """Where the pages live for one row: a temporary directory (``file``), or the project's
+    fake Mooncake master (``mooncake``: ``tests/hicache/storage/mooncake/fake_mooncake.py`` as
+    ``mooncake.store`` and the store's factory), removed on exit."""
+
+    def __init__(self, l3: str) -> None:
+        self.l3 = l3
+
+    def __enter__(self) -> str:
+        import tempfile
+
+        self.path = tempfile.mkdtemp(prefix="hicache-l3-")
+        if self.l3 == "mooncake":
+            from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+            from tests.sglang_check import storage
+
+            cluster, self.saved = storage._fake_mooncake()
+            MooncakeStore.store_factory = cluster.factory
+        return self.path
+
+    def __exit__(self, *exc: Any) -> None:
+        import shutil
+
+        if self.l3 == "mooncake":
+            from hicache_prefill.hicache.storage.mooncake.store import MooncakeStore
+            from tests.sglang_check import storage
+
+            MooncakeStore.store_factory = None
+            storage._drop_fake_mooncake(self.saved)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _inject_faults(cache: Any, read_failure: float, seed: int) -> Any:
+    """The project's fault injector around the built backend: a random sleep of up to
+    :data:`STORAGE_DELAY` before every call; with probability ``read_failure`` a batch read
+    fails from a random page on (SGLang's failure value for that page and every later one: a
+    failed read, or the tail of a partial one). ``injected``: the reads failed."""
+    from hicache_prefill.hicache.storage.fault_injector import HiCacheStorageFailureInjector
+
+    class ReadFaults(HiCacheStorageFailureInjector):
+        def _fails(self, call: str) -> bool:
+            self._sleep(self._draw(lambda r: r.uniform(0.0, self._random_delay_limit)))
+            return False
+
+        def _cut(self, call: str, got: Any, bad: Any) -> Any:
+            if not got or self._draw(lambda r: r.random()) >= self._failure_prob:
+                return got
+            k = int(self._draw(lambda r: r.randrange(len(got))))
+            self.injected[call] += 1
+            return [*got[:k], *([bad] * (len(got) - k))]
+
+        def batch_get(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._cut("batch_get", super().batch_get(keys, *args, **kwargs), None)
+
+        def batch_get_v1(self, keys: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._cut("batch_get_v1", super().batch_get_v1(keys, *args, **kwargs), False)
+
+    injector = ReadFaults(cache.storage.backend, STORAGE_DELAY, read_failure, seed=seed)
+    cache.storage.backend = injector
+    cache.storage.workers.backend = injector
+    return injector
+
+
+def _settle_storage(cache: Any) -> None:
+    """Poll as the scheduler's loop does until no copy, L3 backup or prefetch is in flight,
+    the tree and its L3 tier checked at every poll."""
+    for _ in range(30000):
+        cache.check_hicache_events()
+        cache.sanity_check()
+        if not (cache.ongoing_write_through or cache.ongoing_load_back or cache.ongoing_backup
+                or cache.storage.ops_in_flight()):  # fmt: skip
+            return
+        time.sleep(0.001)
+    raise AssertionError("storage operations still in flight after 30 s")
+
+
+def _check_storage_clean(cache: Any, params: Any) -> dict[str, int]:
+    """:func:`_check_clean`, and on the host: no protection left, every host slot free or in
+    the tree, no prefetch, orphaned read or loaded count left."""
+    out = _check_clean(cache, params)
+    cache.sanity_check()
+    tree, book = cache.tree, cache.storage.prefetches
+    held = [x for x in tree.all_nodes() if x.host_ref]
+    if held:
+        raise AssertionError(f"host protection left on {held}")
+    host = tree.host_allocator
+    if host.available_size() + _host_tokens(tree) + tree.host_in_flight() != host.size:
+        raise AssertionError(f"host leak: free {host.available_size()} + tree "
+                             f"{_host_tokens(tree)} != {host.size}")  # fmt: skip
+    if book.ongoing or book.orphans or book.loaded or book.loaded_start or book.occupied_tokens:
+        raise AssertionError("prefetch state left after every attempt ended")
+    return out
+
+
+def _drop_everything(cache: Any, params: Any, kind: str) -> None:
+    """Evict the device and the host tiers completely (write_back backs up first, and its L3
+    stores follow), then zero both pools, so only L3 still holds the KV."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache.evict(EvictParams(num_tokens=DEVICE_TOKENS))
+    _settle_storage(cache)
+    cache.evict_host(cache.tree.host_allocator.size)
+    _settle_storage(cache)
+    if cache.total_size() or _host_tokens(cache.tree):
+        raise AssertionError("the tree still holds KV after evicting both tiers")
+    dev = params.token_to_kv_pool_allocator.get_kvcache()
+    for buffers in (getattr(dev, "k_buffer", []), getattr(dev, "v_buffer", []),
+                    getattr(dev, "kv_buffer", [])):  # fmt: skip
+        for t in buffers:
+            t.zero_()
+    cache.host_pool.kv_buffer.zero_()
+
+
+class StorageScheduler:
+    """SGLang's scheduler storage steps, its own ``Scheduler`` methods over a namespace holding
+    the tree: ``_prefetch_kvcache`` at arrival; ``check_prefetch_progress`` (polled with
+    ``check_hicache_events``), ``pop_prefetch_loaded_span``, ``init_next_round_input`` and
+    ``_prefetch_after_device_hit_loss`` at admission; ``_release_aborted_request`` (``finish``
+    with ``CacheRequestOutcome.ABORT``) on an abort."""
+
+    def __init__(self, driver: SchedulerDriver) -> None:
+        from sglang.srt.managers.scheduler import Scheduler
+
+        ns = SimpleNamespace(enable_hicache_storage=True, enable_lmcache=False,
+                             tree_cache=driver.cache)  # fmt: skip
+        for name in ("_prefetch_kvcache", "_retry_storage_prefetch",
+                     "_prefetch_after_device_hit_loss", "_release_aborted_request"):  # fmt: skip
+            setattr(ns, name, functools.partial(getattr(Scheduler, name), ns))
+        self.ns, self.d, self.cache = ns, driver, driver.cache
+        self.counts: dict[str, int] = {}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def arrive(self, tokens: list[int]) -> Any:
+        req = self.d.new_req(tokens)
+        issued = self.ns._prefetch_kvcache(req)
+        self._count("prefetch_from_storage issued" if issued else "prefetch_from_storage declined")
+        self.cache.sanity_check()
+        return req
+
+    def wait_ready(self, req: Any) -> tuple[int, int | None]:
+        handle = req.cache_request_handle
+        for _ in range(30000):
+            self.cache.check_hicache_events()
+            self.cache.sanity_check()
+            if self.cache.check_prefetch_progress(handle):
+                break
+            self._count("check_prefetch_progress not ready")
+            time.sleep(0.001)
+        else:
+            raise AssertionError(f"prefetch of {req.rid} not done after 30 s")
+        self._count("check_prefetch_progress ready")
+        loaded, start = self.cache.pop_prefetch_loaded_span(handle)
+        if loaded:
+            req.storage_hit_length, req.storage_hit_start = loaded, start
+            self._count("tokens loaded from L3", loaded)
+        return loaded, start
+
+    def run(self, tokens: list[int]) -> tuple[int, int | None, int]:
+        """One request through arrival, admission (prefetch waited for), one extend (prefix KV
+        checked against what was written) and finish: (loaded from L3, its start, the host hit
+        loaded back)."""
+        req = self.arrive(tokens)
+        loaded, start = self.wait_ready(req)
+        req.init_next_round_input(self.cache)
+        if self.ns._prefetch_after_device_hit_loss(req):
+            raise AssertionError("the matched prefix shrank between prefetch and admission")
+        self.d.admit_req(req)
+        host_hit = self.d.log[-1][4]
+        self.d.extend([req], [len(tokens)])
+        self.d.finish(req)
+        self.cache.sanity_check()
+        return loaded, start, host_hit
+
+    def abort(self, tokens: list[int], after_done: bool) -> bool:
+        """A request aborted while waiting for its prefetch (``after_done``: once it is done,
+        before admission); returns whether the prefetch was still in flight."""
+        from hicache_prefill.hicache.tree.sglang_backend import attempt
+
+        req = self.arrive(tokens)
+        if after_done:
+            while not self.cache.check_prefetch_progress(req.cache_request_handle):
+                self.cache.check_hicache_events()
+                time.sleep(0.001)
+        in_flight = attempt(req.cache_request_handle) in self.cache.ongoing_prefetch
+        self.ns._release_aborted_request(req)
+        self.cache.sanity_check()
+        self._count("aborted in flight" if in_flight else "aborted after the prefetch")
+        return in_flight
+
+
+def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str, Any]:
+    """``--hicache-storage-backend l3`` through SGLang's scheduler storage sequence: request A
+    computes and finishes (backed up to the host, stored to L3); both tiers evicted and zeroed;
+    B sharing A's first pages is prefetched from L3, admitted, loaded back and reads A's KV
+    byte for byte; a fresh backend over the same directory (master) serves C the same way,
+    and after ``clear_storage_backend`` finds nothing; aborted prefetches (in flight, and done
+    before admission) leave no lock, host slot or state, also across a ``flush_cache`` reset."""
+    out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/{l3}", "ok": False}
+    caches = []
+    store = _L3(l3)
+    path = store.__enter__()
+    try:
+        cache, params, worker = _storage_backend(kind, page, policy, l3, path)
+        caches.append(cache)
+        _inject_faults(cache, 0.0, seed=page)
+        kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
+        d = SchedulerDriver(cache, params, kv, worker)
+        st = StorageScheduler(d)
+        ps = max(page, 4)
+        a = [5000 + i for i in range(6 * ps)]
+        for _ in range(2 if policy == "write_through_selective" else 1):
+            st.run(a)
+        _settle_storage(cache)
+        _drop_everything(cache, params, kind)
+        stored = cache.storage.stats.backup_tokens
+        if stored < len(a):
+            raise AssertionError(f"{stored} tokens stored to L3, A has {len(a)}")
+        b = a[: 4 * ps] + [6000 + i for i in range(2 * ps)]
+        loaded, start, host_hit = st.run(b)
+        if (loaded, start, host_hit) != (4 * ps, 0, 4 * ps):
+            raise AssertionError(f"B: loaded {loaded} from {start}, host hit {host_hit}")
+        _settle_storage(cache)
+        out["evicted_tiers"] = _check_storage_clean(cache, params)
+        for i in range(ABORT_ROUNDS):
+            _drop_everything(cache, params, kind)
+            st.abort(a[: (3 + i % 3) * ps] + [7000 + i] * ps, after_done=bool(i % 2))
+            _settle_storage(cache)
+            _check_storage_clean(cache, params)
+        loaded, _, host_hit = st.run(a)  # an L3 hit still, after the aborts
+        if loaded == 0 or host_hit == 0:
+            raise AssertionError(f"A after the aborts: loaded {loaded}, host hit {host_hit}")
+        _settle_storage(cache)
+        _check_storage_clean(cache, params)
+        fresh, fparams, fworker = _storage_backend(kind, page, policy, l3, path)
+        caches.append(fresh)
+        _inject_faults(fresh, 0.0, seed=page + 1)
+        fkv = KVPool(fparams.token_to_kv_pool_allocator.get_kvcache(), kind)
+        fst = StorageScheduler(SchedulerDriver(fresh, fparams, fkv, fworker))
+        c = a[: 5 * ps] + [8000 + i for i in range(ps)]
+        loaded, start, host_hit = fst.run(c)
+        if (loaded, start, host_hit) != (5 * ps, 0, 5 * ps):
+            raise AssertionError(f"C (fresh backend): loaded {loaded} from {start}, "
+                                 f"host hit {host_hit}")  # fmt: skip
+        _settle_storage(fresh)
+        out["fresh_backend"] = _check_storage_clean(fresh, fparams)
+        if not fresh.clear_storage_backend():  # SGLang's clear-HiCache call: L3 emptied
+            raise AssertionError("clear_storage_backend failed")
+        _drop_everything(fresh, fparams, kind)
+        if fst.run(c)[0] != 0:
+            raise AssertionError("a prefetch found pages after clear_storage_backend")
+        _settle_storage(fresh)
+        _check_storage_clean(fresh, fparams)
+        _drop_everything(fresh, fparams, kind)
+        fst.abort(c, after_done=False)  # its read may still run: reset waits for it
+        fresh.reset()  # SGLang's flush_cache: the tree, then its row pool and allocator
+        fparams.req_to_token_pool.clear()
+        fparams.token_to_kv_pool_allocator.clear()
+        _check_storage_clean(fresh, fparams)
+        if fresh.tree.host_allocator.available_size() != fresh.tree.host_allocator.size:
+            raise AssertionError("host slots held after reset")
+        if fresh.attach_storage_backend("file")[0] or fresh.detach_storage_backend()[0]:
+            raise AssertionError("runtime attach / detach of an L3 backend did not refuse")
+        out["calls"] = {**d.calls, **st.counts,
+                        **{f"fresh: {k}": v for k, v in fst.counts.items()}}  # fmt: skip
+        out["l3_tokens_stored"] = stored
+        out["l3_tokens_loaded"] = st.counts.get("tokens loaded from L3", 0) + fst.counts.get(
+            "tokens loaded from L3", 0
+        )
+        aborts = [n for counts in (st.counts, fst.counts) for k, n in counts.items()
+                  if k.startswith("aborted")]  # fmt: skip
+        out["aborted_prefetches"] = sum(aborts)
+        out["loads_back"] = sum(1 for drv in (d, fst.d) for e in drv.log
+                                if e[0] == "admit" and e[4] > 0)  # fmt: skip
+        out["kv_bytes_compared"] = kv.bytes_compared + fkv.bytes_compared
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        for cache in caches:
+            cache.release_host_resources()
+        store.__exit__()
+    return out
+
+
+def storage_faults_row(
+    kind: str, page: int, policy: str, l3: str, prefetch_policy: str, seed: int
+) -> dict[str, Any]:
+    """L3 reads failing at random (:data:`READ_FAILURE`, seeded) under injected delays: in
+    :data:`FAULT_ROUNDS` rounds both tiers are evicted and zeroed and a request sharing a random
+    number of A's pages is prefetched; what a failed read did not bring is recomputed, every
+    prefix read equals the KV written, and the same prompt again (a device hit) reads it back."""
+    out: dict[str, Any] = {"case": f"storage-faults/{kind}/p{page}/{policy}/{l3}/"
+                           f"{prefetch_policy}", "ok": False}  # fmt: skip
+    cache = None
+    store = _L3(l3)
+    path = store.__enter__()
+    try:
+        cache, params, worker = _storage_backend(kind, page, policy, l3, path, prefetch_policy)
+        kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
+        d = SchedulerDriver(cache, params, kv, worker)
+        st = StorageScheduler(d)
+        ps = max(page, 4)
+        a = [9000 + i for i in range(6 * ps)]
+        st.run(a)
+        _settle_storage(cache)
+        injector = _inject_faults(cache, READ_FAILURE, seed=seed)
+        rng = random.Random(seed)
+        tally = {"full L3 hits": 0, "partial L3 hits": 0, "L3 misses (recomputed)": 0}
+        for i in range(FAULT_ROUNDS):
+            _drop_everything(cache, params, kind)
+            shared = rng.randint(2, 6) * ps
+            prompt = a[:shared] + [10000 + 100 * i + j for j in range(ps)]
+            loaded, _, host_hit = st.run(prompt)
+            loads_back = loaded if loaded >= cache.tree.load_back_threshold else 0
+            if loaded % page or loaded > shared or host_hit != loads_back:
+                raise AssertionError(f"round {i}: loaded {loaded} of {shared}, host hit "
+                                     f"{host_hit}")  # fmt: skip
+            key = ("full L3 hits" if loaded == shared else
+                   "partial L3 hits" if loaded else "L3 misses (recomputed)")  # fmt: skip
+            tally[key] += 1
+            tally["L3 hits below the load-back threshold (recomputed)"] = tally.get(
+                "L3 hits below the load-back threshold (recomputed)", 0
+            ) + int(0 < loaded < cache.tree.load_back_threshold)
+            st.run(prompt)  # the whole prompt again: its computed and loaded KV read back
+            _settle_storage(cache)
+            _check_storage_clean(cache, params)
+        if not injector.injected:
+            raise AssertionError("no storage read failed: the row proves nothing")
+        out.update(tally)
+        out["reads_failed"] = sum(injector.injected.values())
+        out["l3_tokens_loaded"] = st.counts.get("tokens loaded from L3", 0)
+        out["loads_back"] = sum(1 for e in d.log if e[0] == "admit" and e[4] > 0)
+        out["calls"] = {**d.calls, **st.counts}
+        out["kv_bytes_compared"] = kv.bytes_compared
+        out["ok"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        if cache is not None:
+            cache.release_host_resources()
+        store.__exit__()
+    return out
+
+
 # ---------------------------------------------------------------------------- differential
 def _unified(policy: str, page: int, kind: str = "MHA") -> Any:
     """SGLang's ``UnifiedRadixCache`` with HiCache through its kit's ``build_fixture``, with
@@ -710,6 +1107,9 @@ def main(site: str, out_path: str) -> int:
         rows += [scheduler_row(k, p, pol) for k in ("MHA", "MLA") for p in (1, 4)
                  for pol in WRITE_POLICIES]  # fmt: skip
         rows += [device_only_row(p) for p in (1, 4)]
+        rows += [storage_row(k, p, pol) for k, p, pol in STORAGE_POLICIES]
+        rows += [storage_row("MHA", 4, "write_through", "mooncake")]
+        rows += [storage_faults_row(*case, seed=i) for i, case in enumerate(FAULT_CASES)]
         diffs = [("MHA", pol, page) for pol in WRITE_POLICIES for page in DIFF_PAGES]
         diffs += [("MLA", pol, 4) for pol in WRITE_POLICIES]
         rows += [differential_row(pol, page, seed=i, kind=kind)
@@ -725,6 +1125,8 @@ def main(site: str, out_path: str) -> int:
     ]
     out["stubs"] += [{"module": k, "kind": "patched name", "reason": v}
                      for k, v in DIFF_PATCHES.items()]  # fmt: skip
+    out["stubs"] += [{"module": k, "kind": "fake module", "reason": v}
+                     for k, v in L3_FAKES.items()]  # fmt: skip
     out["seconds"] = round(time.monotonic() - t0, 1)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1, default=str)

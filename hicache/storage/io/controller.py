@@ -59,6 +59,10 @@ class StoredBeliefs:
         for k in keys:
             self._keys.pop(k, None)
 
+    def clear(self) -> None:
+        """Forget every key (the backend was cleared)."""
+        self._keys.clear()
+
 
 class HiCacheStorageController:
     """``tree.attach_storage(self)`` after building it."""
@@ -174,6 +178,9 @@ class HiCacheStorageController:
 
     def take_loaded(self, handle: CacheRequestHandle) -> int:
         return self.prefetches.take_loaded(handle)
+
+    def take_loaded_span(self, handle: CacheRequestHandle) -> tuple[int, int | None]:
+        return self.prefetches.take_loaded_span(handle)
 
     def has_prefetch(self, handle: CacheRequestHandle) -> bool:
         p = self.prefetches

@@ -99,6 +99,7 @@ class PrefetchBook:
         self.orphans: dict[int, tuple[PrefetchOperation, int]] = {}  # op id -> (op, held from)
         self.staged: dict[CacheRequestHandle, StagedPrefetch] = {}
         self.loaded: dict[CacheRequestHandle, int] = {}
+        self.loaded_start: dict[CacheRequestHandle, int] = {}  # first inserted token's position
         self.occupied_tokens = 0
         size = tree.host_allocator.size
         fraction = (
@@ -255,7 +256,12 @@ class PrefetchBook:
         return min(times) if times else None
 
     def take_loaded(self, handle: CacheRequestHandle) -> int:
-        return self.loaded.pop(handle, 0)
+        return self.take_loaded_span(handle)[0]
+
+    def take_loaded_span(self, handle: CacheRequestHandle) -> tuple[int, int | None]:
+        """(tokens the attempt's prefetch inserted, the position of the first; ``None`` when
+        none)."""
+        return self.loaded.pop(handle, 0), self.loaded_start.pop(handle, None)
 
     def take_staged(self, handle: CacheRequestHandle) -> StagedPrefetch | None:
         """The caller frees or attaches them."""
@@ -281,6 +287,8 @@ class PrefetchBook:
                 self.free_slots(slots[:present])
                 inserted = done - present
                 self.stats.prefetch_inserted_tokens += inserted
+                if inserted:
+                    self.loaded_start[op.handle] = op.storage_start + present
             self._release_anchor(entry)
             self.loaded[op.handle] = inserted
         if op.done:
@@ -305,6 +313,7 @@ class PrefetchBook:
         if staged is not None:
             self.drop_staged(staged)
         self.loaded.pop(handle, None)
+        self.loaded_start.pop(handle, None)
 
     def drop_staged(self, staged: StagedPrefetch) -> None:
         self.stats.prefetch_dropped_tokens += staged.num_tokens

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache_prefill.hicache.tree.sglang_backend_config import backend_options, refusals
+from hicache_prefill.hicache.tree.sglang_backend_config import (
+    StorageArgs,
+    backend_options,
+    refusals,
+)
 
 
 def sglang_args(**kw: object) -> SimpleNamespace:
@@ -48,7 +52,8 @@ def test_defaults_are_served() -> None:
         ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
         ({"pp_size": 2}, "--pp-size 2"),
         ({"hicache_write_policy": "write_around"}, "--hicache-write-policy write_around"),
-        ({"hicache_storage_backend": "file"}, "--hicache-storage-backend file"),
+        ({"hicache_storage_backend": "dynamic"}, "--hicache-storage-backend dynamic"),
+        ({"hicache_storage_backend": "hf3fs"}, "--hicache-storage-backend hf3fs"),
     ],
 )  # fmt: skip
 def test_each_refused_flag_is_named(kw: dict, flag: str) -> None:
@@ -79,3 +84,48 @@ def test_options_fill_sglang_unset_values_with_its_defaults() -> None:
 def test_bad_page_size(page_size: object) -> None:
     with pytest.raises(ValueError, match="page_size"):
         backend_options(sglang_args(), page_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_l3_backends_built_by_name_are_served(backend: str) -> None:
+    assert refusals(sglang_args(hicache_storage_backend=backend)) == []
+    assert backend_options(sglang_args(hicache_storage_backend=backend), 4).storage_backend == (
+        backend
+    )
+
+
+def test_storage_args_read_sglang_flags_as_the_storage_builder_does() -> None:
+    extra = '{"file_storage_path": "/tmp/l3", "prefetch_threshold": 8}'
+    args = sglang_args(
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="best_effort",
+        hicache_storage_backend_extra_config=extra,
+        served_model_name=None,
+        model_path="Org/Model",
+    )
+    sa = StorageArgs.from_server_args(args, page_size=4)
+    assert (sa.hicache_storage_backend, sa.page_size) == ("file", 4)
+    assert (sa.hicache_storage_prefetch_policy, sa.hicache_host_memory_mode) == (
+        "best_effort", "cache",
+    )  # fmt: skip
+    assert sa.storage_extra_config() == {"file_storage_path": "/tmp/l3", "prefetch_threshold": 8}
+    assert sa.storage_model_name() == "Org/Model"  # SGLang's served name defaults to the path
+    named = StorageArgs.from_server_args(
+        sglang_args(hicache_storage_backend="mooncake", served_model_name="served"), 1
+    )
+    assert named.storage_model_name() == "served" and named.storage_extra_config() == {}
+    assert named.hicache_storage_prefetch_policy == "timeout"  # SGLang's default
+
+
+@pytest.mark.parametrize("backend", [None, "dynamic", "hf3fs"])
+def test_storage_args_refuse_backends_not_built_by_name(backend: object) -> None:
+    with pytest.raises(ValueError, match="--hicache-storage-backend"):
+        StorageArgs.from_server_args(sglang_args(hicache_storage_backend=backend), 4)
+
+
+def test_storage_args_name_the_flag_of_a_malformed_extra_config() -> None:
+    sa = StorageArgs.from_server_args(
+        sglang_args(hicache_storage_backend="file", hicache_storage_backend_extra_config="{"), 4
+    )
+    with pytest.raises(ValueError, match="--hicache-storage-backend-extra-config"):
+        sa.storage_extra_config()
