@@ -125,8 +125,12 @@ class SGLangAllocatorView:
         a = self.sglang_allocator
         out = [t.cpu().to(torch.int64) for t in (getattr(a, "free_group", None) or [])]
         ids = getattr(a, "free_page_ids_group", None) or []
-        out += [(t.cpu().to(torch.int64)[:, None] * self.page_size
-                 + torch.arange(self.page_size)).reshape(-1) for t in ids]  # fmt: skip
+        out += [
+            (
+                t.cpu().to(torch.int64)[:, None] * self.page_size + torch.arange(self.page_size)
+            ).reshape(-1)
+            for t in ids
+        ]
         return out
 
     def _free_page_ids(self) -> torch.Tensor:

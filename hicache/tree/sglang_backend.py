@@ -507,9 +507,14 @@ def build_backend(
     host_pool = make_host_pool(device_pool, opts.hicache_ratio, opts.hicache_size, opts.mem_layout)
     try:
         controller = HiCacheController(
-            view, device_pool, host_pool, io_backend=opts.io_backend, streams=streams,
-            copy_delay=copy_delay, group=group,
-        )  # fmt: skip
+            view,
+            device_pool,
+            host_pool,
+            io_backend=opts.io_backend,
+            streams=streams,
+            copy_delay=copy_delay,
+            group=group,
+        )
     except ValueError:
         host_pool.destroy()
         raise

@@ -17,21 +17,36 @@ STORAGE_BACKENDS = ("file", "mooncake")
 # (attribute, refused when, the flag and why); checked in this order, all reported at once.
 _REFUSED_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("disable_radix_cache", True, "--disable-radix-cache: no prefix cache to replace"),
-    ("hicache_host_memory_mode", "buffer_only",
-     "--hicache-host-memory-mode buffer_only: SGLang serves it from the unified tree only"),
-    ("enable_session_radix_cache", True, "--enable-session-radix-cache: sessions live in "
-     "SGLang's unified tree"),
-    ("enable_streaming_session", True, "--enable-streaming-session: streaming sessions live in "
-     "SGLang's unified tree"),
+    (
+        "hicache_host_memory_mode",
+        "buffer_only",
+        "--hicache-host-memory-mode buffer_only: SGLang serves it from the unified tree only",
+    ),
+    (
+        "enable_session_radix_cache",
+        True,
+        "--enable-session-radix-cache: sessions live in SGLang's unified tree",
+    ),
+    (
+        "enable_streaming_session",
+        True,
+        "--enable-streaming-session: streaming sessions live in SGLang's unified tree",
+    ),
     ("enable_lmcache", True, "--enable-lmcache: LMCache replaces the tree"),
     ("enable_flexkv", True, "--enable-flexkv: FlexKV replaces the tree"),
-    ("enable_unified_cache_external_linker", True, "--enable-unified-cache-external-linker: "
-     "the linker attaches to the unified tree"),
-    ("disaggregation_decode_retraction_backup", "host_pool",
-     "--disaggregation-decode-retraction-backup host_pool: retraction backups are the unified "
-     "tree's"),
+    (
+        "enable_unified_cache_external_linker",
+        True,
+        "--enable-unified-cache-external-linker: the linker attaches to the unified tree",
+    ),
+    (
+        "disaggregation_decode_retraction_backup",
+        "host_pool",
+        "--disaggregation-decode-retraction-backup host_pool: retraction backups are the unified "
+        "tree's",
+    ),
     ("enable_hisparse", True, "--enable-hisparse: hierarchical sparse attention is not modelled"),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ SGLANG_UNIT_TESTS = {
     "run": 0,
     "not_run": "SGLang 0.5.23's radix-cache unit tests live in its repository "
     "(test/registered/unit/mem_cache/), not in the wheel, and the wheel records no commit "
-    "(sglang._version.commit_id is None) to fetch them at; the wheel's kit "
+    "(sglang._version.commit_id is None) to fetch them at, PyPI has no sdist for 0.5.23, and "
+    "CI does not reach SGLang's repository; the wheel's kit "
     "(sglang/test/kits/unified_radix_cache) holds fixtures and steps, not tests: the "
     "differential rows build UnifiedRadixCache with it",
 }
