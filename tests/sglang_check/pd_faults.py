@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 import time
-import traceback
 from typing import Any
 
-from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
+from tests.sglang_check import pd_interop
+from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess, recorded_row
 from tests.sglang_check.pd_project import FAILED, POISON, SUCCESS, Scene, _prompt, _settled
 from tests.sglang_check.pd_router import compare_request
 
@@ -227,27 +227,15 @@ def run_faults(site: str, seed: int) -> dict[str, Any]:
     row: dict[str, Any] = {"case": "pd/project->sglang/faults", "ok": False, "requests": 0,
                            "bytes_compared": 0, "fault_cases": len(cases),
                            "fault_cases_passed": 0, "details": {}}  # fmt: skip
-    t0 = time.monotonic()
-    scene = None
-    try:
+    with recorded_row(row) as stops:
         scene = Scene(site, 16, seed)
+        stops.append(scene.close)
         for name, fn in cases:
             try:
                 row["details"][name] = "ok: " + fn(scene)
-                row["fault_cases_passed"] += 1
             except (NodeError, AssertionError) as e:
                 row["details"][name] = f"FAILED: {str(e)[-1500:]}"
                 if scene.node is None or not scene.node.alive():
                     scene.replace_node()
-        row["ok"] = row["fault_cases_passed"] == len(cases)
-        if not row["ok"]:
-            row["error"] = "; ".join(f"{k}: {v}" for k, v in row["details"].items()
-                                     if v.startswith("FAILED"))  # fmt: skip
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        if scene is not None:
-            scene.close()
-    row["seconds"] = round(time.monotonic() - t0, 1)
+        pd_interop.conclude_faults(row)
     return row

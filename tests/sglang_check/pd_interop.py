@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any
 
-from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
+from tests.sglang_check.pd_node_process import SGLangNodeProcess, recorded_row
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,15 @@ def check_aux(row: dict[str, Any], req: dict[str, Any]) -> str | None:
     return f"aux row differs: {bad}" if bad else None
 
 
+def conclude_faults(row: dict[str, Any]) -> None:
+    """A fault row's verdict from its ``details`` (each ``"ok: ..."`` or ``"FAILED: ..."``)."""
+    row["fault_cases_passed"] = sum(v.startswith("ok") for v in row["details"].values())
+    row["ok"] = row["fault_cases_passed"] == row["fault_cases"]
+    if not row["ok"]:
+        failed = [f"{k}: {v}" for k, v in row["details"].items() if not v.startswith("ok")]
+        row["error"] = "; ".join(failed)
+
+
 def listeners(pids: list[int]) -> tuple[int, list[tuple[str, int]]]:
     """(TCP listeners of ``pids``, those not on loopback)."""
     from tests.support import loopback
@@ -115,13 +124,11 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
     row: dict[str, Any] = {"case": name, "ok": False, "requests": 0, "bytes_compared": 0,
                            "fault_cases": 0, "fault_cases_passed": 0}  # fmt: skip
     port = free_port()
-    nodes: list[SGLangNodeProcess] = []
-    t0 = time.monotonic()
-    try:
+    with recorded_row(row) as stops:
         prefill = SGLangNodeProcess(site, "prefill", node_config(page_size, port))
-        nodes.append(prefill)
+        stops.append(prefill.stop)
         decode = SGLangNodeProcess(site, "decode", node_config(page_size, port))
-        nodes.append(decode)
+        stops.append(decode.stop)
         row["stubs"] = {**prefill.stubs}
         prefill.call("fill", seed=seed)
         decode.call("zero")
@@ -168,15 +175,6 @@ def run_sglang_pair(site: str, page_size: int, n: int, seed: int) -> dict[str, A
         if not row["ok"]:
             row["error"] = (f"{row['requests']} of {n} requests planned and passed; listeners "
                             f"off loopback: {off}")  # fmt: skip
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        for node in reversed(nodes):
-            node.stop()
-    row["seconds"] = round(time.monotonic() - t0, 1)
     return row
 
 
@@ -191,13 +189,11 @@ def run_sglang_faults(site: str, seed: int) -> dict[str, Any]:
                            "bytes_compared": 0, "fault_cases": 3, "fault_cases_passed": 0,
                            "details": {}}  # fmt: skip
     port = free_port()
-    nodes: list[SGLangNodeProcess] = []
-    t0 = time.monotonic()
-    try:
+    with recorded_row(row) as stops:
         prefill = SGLangNodeProcess(site, "prefill", node_config(16, port))
-        nodes.append(prefill)
+        stops.append(prefill.stop)
         decode = SGLangNodeProcess(site, "decode", node_config(16, port))
-        nodes.append(decode)
+        stops.append(decode.stop)
         addr = f"127.0.0.1:{port}"
         a, b, c = plan_requests(3, 16, seed)
 
@@ -230,20 +226,7 @@ def run_sglang_faults(site: str, seed: int) -> dict[str, Any]:
         st = prefill.wait_status("sender_poll", c["room"], {SUCCESS}, 30)
         ok = st["status"] == FAILED
         row["details"]["kill-before-transfer"] = ("ok: " if ok else "FAILED: ") + str(st)
-        row["fault_cases_passed"] = sum(v.startswith("ok") for v in row["details"].values())
-        row["ok"] = row["fault_cases_passed"] == row["fault_cases"]
-        if not row["ok"]:
-            row["error"] = "; ".join(f"{k}: {v}" for k, v in row["details"].items()
-                                     if not v.startswith("ok"))  # fmt: skip
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        for node in reversed(nodes):
-            node.stop()
-    row["seconds"] = round(time.monotonic() - t0, 1)
+        conclude_faults(row)
     return row
 
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 import os
 import random
 import time
-import traceback
 from typing import Any
 
 from tests.sglang_check import pd_interop
-from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
+from tests.sglang_check.pd_node_process import SGLangNodeProcess, recorded_row
 from tests.sglang_check.pd_router import SGLangDecodeRouter, compare_request
 
 SUCCESS, FAILED, WAITING = 4, 0, 2
@@ -179,11 +178,11 @@ def run_many(site: str, page_size: int, n: int, seed: int, **args_over: Any) -> 
     row: dict[str, Any] = {"case": f"pd/project->sglang/{kind}p{page_size}", "ok": False,
                            "requests": 0, "bytes_compared": 0, "fault_cases": 0,
                            "fault_cases_passed": 0}  # fmt: skip
-    t0 = time.monotonic()
-    scene = None
-    try:
+    with recorded_row(row) as stops:
         scene = Scene(site, page_size, seed, chunked_prefill_size=64 if page_size > 1 else 16,
                       **args_over)  # fmt: skip
+        stops.append(scene.close)
+        stops.append(lambda: row.update(stubs=scene.node.stubs if scene.node is not None else {}))
         rng = random.Random(seed)
         shared = _prompt(rng, 96)
         # Every fourth request: SGLang's decode claims a page-aligned prefix (its radix hit),
@@ -245,18 +244,8 @@ def run_many(site: str, page_size: int, n: int, seed: int, **args_over: Any) -> 
                                  f"decode reads it differs for {len(bad_aux)}: "
                                  + "; ".join(bad_aux[:3]))  # fmt: skip
         row["ok"] = done == n
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        if scene is not None:
-            row["stubs"] = scene.node.stubs if scene.node is not None else {}
-            scene.close()
     rows = row.pop("cached_tokens_rows", [])
     row["cached_tokens_seen"] = sorted({tuple(r) for r in rows})[:8]
-    row["seconds"] = round(time.monotonic() - t0, 1)
     return row
 
 
@@ -266,11 +255,10 @@ def run_optimistic(site: str, seed: int) -> dict[str, Any]:
     row: dict[str, Any] = {"case": "pd/project->sglang/optimistic", "ok": False, "requests": 0,
                            "bytes_compared": 0, "fault_cases": 1,
                            "fault_cases_passed": 0}  # fmt: skip
-    t0 = time.monotonic()
-    scene = None
-    try:
+    with recorded_row(row) as stops:
         scene = Scene(site, 16, seed, optimistic_prefill_attempts=2,
                       disaggregation_force_not_ready_prob=1.0)  # fmt: skip
+        stops.append(scene.close)
         r = scene.router
         r.hold = lambda rid: rid in ("p0", "p1")
         rng = random.Random(seed)
@@ -312,15 +300,6 @@ def run_optimistic(site: str, seed: int) -> dict[str, Any]:
             raise AssertionError(f"not back to baseline: {leaks}")
         row["fault_cases_passed"] = 1
         row["ok"] = row["requests"] == 4
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        if scene is not None:
-            scene.close()
-    row["seconds"] = round(time.monotonic() - t0, 1)
     return row
 
 

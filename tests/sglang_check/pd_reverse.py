@@ -11,11 +11,10 @@ the first token the worker read from its metadata row SGLang's output id.
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Any
 
 from tests.sglang_check import pd_interop
-from tests.sglang_check.pd_node_process import NodeError, SGLangNodeProcess
+from tests.sglang_check.pd_node_process import SGLangNodeProcess, recorded_row
 
 SUCCESS, WAITING = 4, 2
 
@@ -44,12 +43,12 @@ def run_sglang_to_project(site: str, page_size: int, n: int, seed: int) -> dict[
     row: dict[str, Any] = {"case": f"pd/sglang->project/p{page_size}", "ok": False,
                            "requests": 0, "bytes_compared": 0, "fault_cases": 0,
                            "fault_cases_passed": 0}  # fmt: skip
-    t0 = time.monotonic()
     port = free_port()
-    prefill = worker = None
-    try:
+    with recorded_row(row) as stops:
         prefill = SGLangNodeProcess(site, "prefill", pd_interop.node_config(page_size, port))
+        stops.append(prefill.stop)
         worker = _worker(page_size)
+        stops.append(worker.stop)
         prefill.call("fill", seed=seed)
         addr = f"127.0.0.1:{port}"
         layers = pd_interop.GEOMETRY["layers"]
@@ -92,17 +91,6 @@ def run_sglang_to_project(site: str, page_size: int, n: int, seed: int) -> dict[
         row["ok"] = row["requests"] >= n
         if not row["ok"]:
             row["error"] = f"{row['requests']} of {n} requests"
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        if worker is not None:
-            worker.stop()
-        if prefill is not None:
-            prefill.stop()
-    row["seconds"] = round(time.monotonic() - t0, 1)
     return row
 
 
@@ -115,12 +103,12 @@ def run_faults(site: str, seed: int) -> dict[str, Any]:
     row: dict[str, Any] = {"case": "pd/sglang->project/faults", "ok": False, "requests": 0,
                            "bytes_compared": 0, "fault_cases": 2, "fault_cases_passed": 0,
                            "details": {}}  # fmt: skip
-    t0 = time.monotonic()
     port = free_port()
-    prefill = worker = None
-    try:
+    with recorded_row(row) as stops:
         prefill = SGLangNodeProcess(site, "prefill", pd_interop.node_config(16, port))
+        stops.append(prefill.stop)
         worker = _worker(16)
+        stops.append(worker.stop)
         addr = f"127.0.0.1:{port}"
         a, b = pd_interop.plan_requests(2, 16, seed)
         for r in (a, b):
@@ -149,20 +137,5 @@ def run_faults(site: str, seed: int) -> dict[str, Any]:
         row["details"]["decode-killed-before-transfer"] = (
             "ok: " if st["status"] == 0 else "FAILED: "
         ) + str(st)
-        row["fault_cases_passed"] = sum(v.startswith("ok") for v in row["details"].values())
-        row["ok"] = row["fault_cases_passed"] == row["fault_cases"]
-        if not row["ok"]:
-            row["error"] = "; ".join(f"{k}: {v}" for k, v in row["details"].items()
-                                     if not v.startswith("ok"))  # fmt: skip
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        if worker is not None:
-            worker.stop()
-        if prefill is not None:
-            prefill.stop()
-    row["seconds"] = round(time.monotonic() - t0, 1)
+        pd_interop.conclude_faults(row)
     return row
