@@ -177,11 +177,16 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
             l3_word = f"{sum(s['ok'] for s in l3)}/{len(l3)}" if l3 else "-"
             fork = r.get("fork_import")
             fork_word = "-" if fork is None else ("HF kernels kept" if fork["ok"] else "FAILED")
-            lines.append(
-                f"| {pin} | {mode} | {fork_word} | {how} | {sum(t['ok'] for t in ts)}/{len(ts)} "
+            copies = (
+                f"{sum(t['ok'] for t in ts)}/{len(ts)} "
                 f"| {sum(t.get('launches', 0) for t in ts)} ({variants}) "
                 f"| {sum(t['unwarmed_launches'] for t in ts)} "
-                f"| {sum(len(t.get('verified_tables', [])) for t in ts)} "
+                f"| {sum(len(t.get('verified_tables', [])) for t in ts)}"
+                if ts
+                else "- | - | - | -"
+            )
+            lines.append(
+                f"| {pin} | {mode} | {fork_word} | {how} | {copies} "
                 f"| {_roundtrip_word(rt)} | {l3_word} | {_pd_word(r.get('pd', []))} "
                 f"| {gate['rows'] if gate else '-'} | {diffs or ('none' if gate else '-')} "
                 f"| {tree_backend_word(r)} | {'PASS' if not verdict(r) else 'FAIL'} |"
