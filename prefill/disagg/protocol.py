@@ -43,16 +43,20 @@ class SendRecord:
 
 @dataclass(frozen=True)
 class MetadataRow:
-    """The metadata row the last send carries (SGLang's ``MetadataBuffers`` row):
-    ``cached_tokens`` and its disjoint split by tier (SGLang's ``cached_tokens_device``,
-    ``_host``, ``_storage``: host tokens that came from L3 count as storage)."""
+    """The metadata row the last send carries (SGLang's ``MetadataBuffers`` row): the prefix
+    cached, split by tier as SGLang's ``cached_tokens_device``, ``_host``, ``_storage`` (disjoint:
+    host tokens that came from L3 count as storage)."""
 
     index: int
     first_token: int
-    cached_tokens: int
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """SGLang's ``cached_tokens``: the three tiers together."""
+        return self.cached_device + self.cached_host + self.cached_storage
 
 
 class DecodeLink(Protocol):

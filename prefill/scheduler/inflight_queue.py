@@ -51,7 +51,6 @@ class InflightQueue:
             metadata = MetadataRow(
                 req.metadata_buffer_index,
                 req.first_token,
-                req.cached_device + req.cached_host,
                 req.cached_device,
                 req.cached_host - req.cached_storage,
                 req.cached_storage,

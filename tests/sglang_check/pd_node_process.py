@@ -10,7 +10,6 @@ is in every error.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import select
@@ -19,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
 from typing import Any
 
+from tests.sglang_check import rows
 from tests.support.loopback import die_with_parent, preload_env
 
 SHORT_TIMEOUTS = {
@@ -44,24 +42,10 @@ class NodeError(RuntimeError):
     """The node answered an error, died, or did not answer in time (the message says which)."""
 
 
-@contextlib.contextmanager
-def recorded_row(row: dict[str, Any]) -> Iterator[list[Callable[[], Any]]]:
-    """Run one check row's body: it appends its cleanups to the yielded list (run last first,
-    always); a ``NodeError`` or ``AssertionError`` becomes the row's ``error``, any other
-    exception its ``error`` and ``traceback``; the row's ``seconds`` is set."""
-    t0 = time.monotonic()
-    stops: list[Callable[[], Any]] = []
-    try:
-        yield stops
-    except (NodeError, AssertionError) as e:
-        row["error"] = str(e)[-3000:]
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"
-        row["traceback"] = traceback.format_exc()
-    finally:
-        for stop in reversed(stops):
-            stop()
-        row["seconds"] = round(time.monotonic() - t0, 1)
+def recorded_row(row: dict[str, Any]) -> Any:
+    """:func:`tests.sglang_check.rows.recorded_row` for a PD row: a ``NodeError`` or
+    ``AssertionError`` is the row's ``error`` without a traceback."""
+    return rows.recorded_row(row, (NodeError, AssertionError))
 
 
 class SGLangNodeProcess:

@@ -16,9 +16,10 @@ import random
 from typing import Any
 
 from tests.sglang_check.pd_node_process import SGLangNodeProcess
+from tests.support.mooncake_decode import PrefillBackendFront
 
 
-class SGLangDecodeRouter:
+class SGLangDecodeRouter(PrefillBackendFront):
     """The executor's ``DecodeBackend``: the product's ``MooncakeBackend`` (prefill side) plus
     SGLang's decode receiver in ``node``. Decode pages and aux rows come from free lists of the
     node's pool; ``hold(rid)`` keeps a request from reaching decode until ``route(rid)``."""
@@ -40,22 +41,6 @@ class SGLangDecodeRouter:
         self.prefix: Any = lambda rid, n: 0  # tokens SGLang's decode claims to hold already
 
     # DecodeBackend ----------------------------------------------------------------------------
-    @property
-    def clock(self) -> Any:
-        return self.backend.clock
-
-    @property
-    def force_not_ready_prob(self) -> float:
-        return self.backend.force_not_ready_prob
-
-    @property
-    def peers(self) -> dict[str, Any]:
-        return self.backend.peers
-
-    @property
-    def send_log(self) -> Any:
-        return self.backend.send_log
-
     def create_peer(self, rid: str, num_tokens: int, token_ids: Any = None) -> Any:
         link = self.backend.create_peer(rid, num_tokens, token_ids)
         prefix = int(self.prefix(rid, num_tokens))
@@ -72,9 +57,6 @@ class SGLangDecodeRouter:
         if not self.hold(rid):
             self.route(rid)
         return link
-
-    def next_event_time(self) -> float | None:
-        return self.backend.next_event_time()
 
     def release(self, rid: str) -> None:
         self.backend.release(rid)

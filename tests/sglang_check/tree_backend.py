@@ -29,6 +29,8 @@ from array import array
 from types import SimpleNamespace
 from typing import Any
 
+from tests.sglang_check.rows import recorded_row
+
 logger = logging.getLogger(__name__)
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
@@ -354,7 +356,7 @@ def build_row(kind: str, page: int, policy: str, layout: str) -> dict[str, Any]:
     from hicache_prefill.hicache.tree.sglang_backend import HiRadixCacheBackend
 
     out: dict[str, Any] = {"case": f"build/{kind}/p{page}/{policy}/{layout}", "ok": False}
-    try:
+    with recorded_row(out):
         params = _pools(kind, page)
         worker = _worker()
         cache = create_tree_cache(_context(_server_args(page, policy, layout), params, worker))
@@ -372,9 +374,6 @@ def build_row(kind: str, page: int, policy: str, layout: str) -> dict[str, Any]:
                           type(cache.host_pool).__name__]  # fmt: skip
         cc.close()
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
     return out
 
 
@@ -391,7 +390,7 @@ def cli_row() -> dict[str, Any]:
             "--hicache-write-policy", "write_back", "--hicache-mem-layout", "page_first",
             "--hicache-io-backend", "kernel", "--radix-cache-backend", BACKEND]  # fmt: skip
     out: dict[str, Any] = {"case": "build/cli: " + " ".join(argv[2:]), "ok": False}
-    try:
+    with recorded_row(out):
         args = prepare_server_args(argv)
         set_global_server_args_for_scheduler(args)
         cache = create_tree_cache(_context(args, _pools("MHA", 4), _worker()))
@@ -399,9 +398,6 @@ def cli_row() -> dict[str, Any]:
             raise AssertionError(f"built {type(cache).__name__}")
         cache.release_host_resources()
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
     return out
 
 
@@ -449,7 +445,7 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
     leaf evicted (backed up to the host under write_back) and the prompts again (host hits
     loaded back layer by layer, under copy delays), all KV checked."""
     out: dict[str, Any] = {"case": f"scheduler/{kind}/p{page}/{policy}", "ok": False}
-    try:
+    with recorded_row(out):
         cache, params, worker = _backend(kind, page, policy, "layer_first", name=DELAYED)
         kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
         d = SchedulerDriver(cache, params, kv, worker)
@@ -493,9 +489,6 @@ def scheduler_row(kind: str, page: int, policy: str) -> dict[str, Any]:
         out["log"] = d.log
         cache.release_host_resources()
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
     return out
 
 
@@ -507,7 +500,7 @@ def device_only_row(page: int) -> dict[str, Any]:
     from hicache_prefill.hicache.tree.radix_cache import RadixCache
 
     out: dict[str, Any] = {"case": f"scheduler/MHA/p{page}/device-only", "ok": False}
-    try:
+    with recorded_row(out):
         params = _pools("MHA", page)
         worker = _worker()
         args = _server_args(page, "write_through", "layer_first", hierarchical=False)
@@ -532,9 +525,6 @@ def device_only_row(page: int) -> dict[str, Any]:
         out.update(_check_clean(cache, params))
         out.update(calls=d.calls, kv_bytes_compared=kv.bytes_compared, loads_back=0, log=d.log)
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
     return out
 
 
@@ -780,12 +770,12 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
     and after ``clear_storage_backend`` finds nothing; aborted prefetches (in flight, and done
     before admission) leave no lock, host slot or state, also across a ``flush_cache`` reset."""
     out: dict[str, Any] = {"case": f"storage/{kind}/p{page}/{policy}/{l3}", "ok": False}
-    caches = []
     store = _L3(l3)
     path = store.__enter__()
-    try:
+    with recorded_row(out) as stops:
+        stops.append(store.__exit__)
         cache, params, worker = _storage_backend(kind, page, policy, l3, path)
-        caches.append(cache)
+        stops.append(cache.release_host_resources)
         _inject_faults(cache, 0.0, seed=page)
         kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
         d = SchedulerDriver(cache, params, kv, worker)
@@ -816,7 +806,7 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
         _settle_storage(cache)
         _check_storage_clean(cache, params)
         fresh, fparams, fworker = _storage_backend(kind, page, policy, l3, path)
-        caches.append(fresh)
+        stops.append(fresh.release_host_resources)
         _inject_faults(fresh, 0.0, seed=page + 1)
         fkv = KVPool(fparams.token_to_kv_pool_allocator.get_kvcache(), kind)
         fst = StorageScheduler(SchedulerDriver(fresh, fparams, fkv, fworker))
@@ -857,13 +847,6 @@ def storage_row(kind: str, page: int, policy: str, l3: str = "file") -> dict[str
                                 if e[0] == "admit" and e[4] > 0)  # fmt: skip
         out["kv_bytes_compared"] = kv.bytes_compared + fkv.bytes_compared
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-    finally:
-        for cache in caches:
-            cache.release_host_resources()
-        store.__exit__()
     return out
 
 
@@ -876,11 +859,12 @@ def storage_faults_row(
     prefix read equals the KV written, and the same prompt again (a device hit) reads it back."""
     out: dict[str, Any] = {"case": f"storage-faults/{kind}/p{page}/{policy}/{l3}/"
                            f"{prefetch_policy}", "ok": False}  # fmt: skip
-    cache = None
     store = _L3(l3)
     path = store.__enter__()
-    try:
+    with recorded_row(out) as stops:
+        stops.append(store.__exit__)
         cache, params, worker = _storage_backend(kind, page, policy, l3, path, prefetch_policy)
+        stops.append(cache.release_host_resources)
         kv = KVPool(params.token_to_kv_pool_allocator.get_kvcache(), kind)
         d = SchedulerDriver(cache, params, kv, worker)
         st = StorageScheduler(d)
@@ -918,13 +902,6 @@ def storage_faults_row(
         out["calls"] = {**d.calls, **st.counts}
         out["kv_bytes_compared"] = kv.bytes_compared
         out["ok"] = True
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-    finally:
-        if cache is not None:
-            cache.release_host_resources()
-        store.__exit__()
     return out
 
 

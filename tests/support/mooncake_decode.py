@@ -251,7 +251,33 @@ def start_workers(n: int, **kw: Any) -> list[DecodeWorker]:
         raise
 
 
-class MooncakeDecode:
+class PrefillBackendFront:
+    """What a router in front of the prefill side's ``MooncakeBackend`` (``backend``) passes
+    through of the executor's ``DecodeBackend``: the clock, peers, send log and next event."""
+
+    backend: MooncakeBackend
+
+    @property
+    def clock(self) -> Any:
+        return self.backend.clock
+
+    @property
+    def force_not_ready_prob(self) -> float:
+        return self.backend.force_not_ready_prob
+
+    @property
+    def peers(self) -> dict[str, MooncakeLink]:
+        return self.backend.peers
+
+    @property
+    def send_log(self) -> Any:
+        return self.backend.send_log
+
+    def next_event_time(self) -> float | None:
+        return self.backend.next_event_time()
+
+
+class MooncakeDecode(PrefillBackendFront):
     """The decode side of an executor on the Mooncake backend (module docstring).
 
     Args:
@@ -285,22 +311,6 @@ class MooncakeDecode:
         self._next = 0
 
     # ------------------------------------------------------------------ DecodeBackend
-    @property
-    def clock(self) -> Any:
-        return self.backend.clock
-
-    @property
-    def force_not_ready_prob(self) -> float:
-        return self.backend.force_not_ready_prob
-
-    @property
-    def peers(self) -> dict[str, MooncakeLink]:
-        return self.backend.peers
-
-    @property
-    def send_log(self) -> Any:
-        return self.backend.send_log
-
     def create_peer(
         self, rid: str, num_tokens: int, token_ids: Sequence[int] | None = None
     ) -> MooncakeLink:
@@ -315,9 +325,6 @@ class MooncakeDecode:
         except DecodeWorkerError as e:
             link.fail(f"the router could not reach decode worker {worker.pid}: {e}")
         return link
-
-    def next_event_time(self) -> float | None:
-        return self.backend.next_event_time()
 
     def release(self, rid: str) -> None:
         worker = self.worker_of.pop(rid, None)
